@@ -1,0 +1,123 @@
+"""Process-group plumbing shared by every layer: spawn local gloo ranks, and read a launcher's env.
+
+`spawn` is what tests, the self-test and the benchmarks use to run a function on N local ranks
+(gloo on CPU). Under `accelerate launch` / `torchrun` the processes already exist and
+`init_from_env` joins the group they describe.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(RuntimeError):
+    """Raised in the parent when one or more spawned ranks raised; names each failing rank."""
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
+            backend: str, timeout_s: float, threads: int, results) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        out = fn(*args, **kwargs)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent, then exit non-zero
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        results.close()
+        results.join_thread()  # flush the report before the hard exit below
+        # Leave without the barrier in destroy_process_group: peers may be blocked in a collective,
+        # and the parent tears them down once it has the error.
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0,
+          threads: int = 1, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` fresh processes joined in one process group.
+
+    `fn` must be a module-level function (it is pickled). Returns the list of per-rank return values
+    (each must be picklable). If any rank raises, every rank is stopped and `RankFailed` is raised
+    with each failing rank's traceback, so a test never hangs on a peer blocked in a collective.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world_size, port, fn, args, kwargs, backend, timeout_s, threads, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline_s = timeout_s + 60.0
+    import queue
+    import time
+
+    start = time.monotonic()
+    while len(outs) + len(errors) < world_size:
+        try:
+            rank, status, value = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                    and r not in outs and r not in errors]
+            for r in dead:
+                errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+            if time.monotonic() - start > deadline_s:
+                for r in range(world_size):
+                    if r not in outs and r not in errors:
+                        errors[r] = f"no result within {deadline_s:.0f} s"
+            continue
+        (outs if status == "ok" else errors)[rank] = value
+        if errors:
+            break  # one failure is enough: peers may be blocked waiting for the failed rank
+    for p in procs:
+        p.join(timeout=5.0 if not errors else 0.5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        lines = [f"rank {r} failed: {msg}" for r, msg in sorted(errors.items())]
+        raise RankFailed(f"{len(errors)} of {world_size} ranks failed\n" + "\n".join(lines))
+    return [outs[r] for r in range(world_size)]
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the process group a launcher (accelerate launch, torchrun) described in the env.
+
+    Returns (rank, world_size). A single process with no launcher env gets a 1-rank group, so the
+    same code runs on a laptop. The backend is NCCL when CUDA is available, gloo otherwise.
+    """
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
