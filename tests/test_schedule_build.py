@@ -1,0 +1,98 @@
+"""Every generated schedule validates; impossible requests fail with a clear ScheduleError."""
+
+import pytest
+
+from vp_accelerate.schedule import SUPPORTED, Op, ScheduleError, build_schedule, validate
+
+PAIRS = [(k, m) for k, ms in SUPPORTED.items() for m in ms]
+
+
+def _cases():
+    for p in (2, 3, 4, 5, 6, 7, 8):
+        for m in sorted({p, 2 * p, 4 * p, 128}):
+            yield p, m
+    for p in (16, 32):  # the big ones: the shortest and the longest step
+        yield p, p
+        yield p, 128
+
+
+@pytest.mark.parametrize("kind,method", PAIRS)
+def test_every_schedule_validates(kind, method):
+    for p, m in _cases():
+        validate(build_schedule(kind, method, p, m))
+
+
+@pytest.mark.parametrize("kind,method", PAIRS)
+def test_forward_only_validates_and_has_no_backward(kind, method):
+    for p, m in [(2, 2), (3, 7), (4, 16), (8, 8), (8, 32)]:
+        s = build_schedule(kind, method, p, m, forward_only=True)
+        validate(s)
+        ops = {a.op for rank in s.actions for a in rank}
+        assert not ops & {Op.B, Op.W, Op.T, Op.C2, Op.IB, Op.IB_BCAST, Op.SEND_GRAD, Op.RECV_GRAD}
+        if s.vocab_parallel:
+            assert {Op.IF, Op.IF_REDUCE, Op.C0, Op.S, Op.C1} <= ops
+
+
+def test_interleaved_more_chunks():
+    for v in (1, 3, 4):
+        for method in ("baseline", "vocab-2"):
+            s = build_schedule("interleaved", method, 4, 12, chunks_per_rank=v)
+            assert s.chunk_rank == tuple(c % 4 for c in range(4 * v))
+            validate(s)
+
+
+def test_layouts():
+    assert build_schedule("vhalf", "vocab-2", 4, 8).chunk_rank == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert build_schedule("1f1b", "redis", 4, 8).chunk_rank == (0, 1, 2, 3)
+    assert build_schedule("vhalf", "baseline", 4, 8).split_backward
+    assert not build_schedule("1f1b", "vocab-1", 4, 8).split_backward
+
+
+def test_redis_has_the_baseline_order():
+    a = build_schedule("1f1b", "baseline", 4, 12)
+    b = build_schedule("1f1b", "redis", 4, 12)
+    assert a.actions == b.actions
+
+
+def _inflight_before_first_backward(s, rank):
+    n = 0
+    for a in s.actions[rank]:
+        if a.op is Op.B:
+            return n
+        n += a.op is Op.F
+    return n
+
+
+@pytest.mark.parametrize("method,extra", [("baseline", 0), ("vocab-2", 1), ("vocab-1", 2)])
+def test_1f1b_warmup_grows_one_microbatch_per_barrier(method, extra):
+    p = 6
+    s = build_schedule("1f1b", method, p, 24)
+    assert [_inflight_before_first_backward(s, r) for r in range(p)] == [p - r + extra for r in range(p)]
+
+
+def test_collectives_same_order_everywhere_and_rooted():
+    s = build_schedule("vhalf", "vocab-1", 4, 8)
+    seqs = [[a for a in rank if a.op in (Op.C0, Op.C1, Op.C2, Op.IF_REDUCE, Op.IB_BCAST)] for rank in s.actions]
+    assert all(q == seqs[0] for q in seqs)
+    roots = {a.op: a.peer for a in seqs[0]}
+    assert roots[Op.C0] == 0 and roots[Op.IF_REDUCE] == 0 and roots[Op.C1] == -1
+
+
+@pytest.mark.parametrize("args,match", [
+    (("1f1b", "baseline", 4, 3), "num_microbatches .3. must be >= num_ranks .4."),
+    (("1f1b", "baseline", 1, 4), "num_ranks must be an integer >= 2"),
+    (("zb", "baseline", 4, 8), "unknown schedule kind"),
+    (("1f1b", "vocab-3", 4, 8), "unknown method"),
+    (("interleaved", "vocab-1", 4, 8), "does not support method 'vocab-1'"),
+    (("vhalf", "redis", 4, 8), "does not support method 'redis'"),
+])
+def test_impossible_requests(args, match):
+    with pytest.raises(ScheduleError, match=match):
+        build_schedule(*args)
+
+
+def test_wrong_chunk_counts():
+    with pytest.raises(ScheduleError, match="exactly 2 chunk"):
+        build_schedule("vhalf", "baseline", 4, 8, chunks_per_rank=3)
+    with pytest.raises(ScheduleError, match="chunks_per_rank must be an integer >= 1"):
+        build_schedule("interleaved", "baseline", 4, 8, chunks_per_rank=0)

@@ -1,0 +1,126 @@
+"""The schedule IR: per rank, an ordered list of actions. The runtime executes it, the simulator
+times it, the plotter draws it; nothing else decides order.
+
+Conventions (docs/ARCHITECTURE.md is the contract):
+- chunks are numbered in model order; `chunk_rank[c]` is the rank holding chunk c.
+- F/B/W act on (mb, chunk). S/T/IF/IB and the collectives carry chunk=0.
+- p2p actions name the rank on the other side in `peer`. Collectives name their root in `peer`
+  (C0: owner of the last chunk, IF_REDUCE and IB_BCAST: owner of chunk 0) and -1 when there is
+  none (C1, C2 are all-reduces).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+METHODS = ("baseline", "redis", "vocab-1", "vocab-2")
+KINDS = ("1f1b", "vhalf", "interleaved")
+
+
+class ScheduleError(ValueError):
+    """A schedule (or the request for one) is invalid; the message names the rank/action or input."""
+
+
+class Op(str, enum.Enum):
+    """What one action does. Values are the names the runtime dispatches on (`_do_<value>`)."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    S = "S"
+    T = "T"
+    IF = "IF"
+    IB = "IB"
+    SEND_ACT = "SEND_ACT"
+    RECV_ACT = "RECV_ACT"
+    SEND_GRAD = "SEND_GRAD"
+    RECV_GRAD = "RECV_GRAD"
+    C0 = "C0"
+    C1 = "C1"
+    C2 = "C2"
+    IF_REDUCE = "IF_REDUCE"
+    IB_BCAST = "IB_BCAST"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+CHUNK_PASSES = frozenset({Op.F, Op.B, Op.W})
+VOCAB_PASSES = frozenset({Op.S, Op.T, Op.IF, Op.IB})
+COMPUTE_PASSES = CHUNK_PASSES | VOCAB_PASSES
+P2P = frozenset({Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD})
+COLLECTIVES = frozenset({Op.C0, Op.C1, Op.C2, Op.IF_REDUCE, Op.IB_BCAST})
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one rank's program."""
+
+    op: Op
+    """What to do."""
+    mb: int
+    """Microbatch index, 0..num_microbatches-1."""
+    chunk: int = 0
+    """Model chunk (F/B/W/p2p); 0 for vocabulary passes and collectives."""
+    peer: int = -1
+    """p2p: the other rank. Collectives: the root rank (C0, IF_REDUCE, IB_BCAST), else -1."""
+
+    def __str__(self) -> str:
+        if self.op in CHUNK_PASSES:
+            return f"{self.op}(mb={self.mb}, chunk={self.chunk})"
+        if self.op in P2P:
+            return f"{self.op}(mb={self.mb}, chunk={self.chunk}, peer={self.peer})"
+        return f"{self.op}(mb={self.mb})"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A whole pipeline step as data: every rank's ordered actions plus what they run on."""
+
+    kind: str
+    """"1f1b" | "vhalf" | "interleaved"."""
+    method: str
+    """"baseline" | "redis" | "vocab-1" | "vocab-2"."""
+    num_ranks: int
+    """Pipeline ranks p (the vocabulary is sharded over all of them in VP)."""
+    num_microbatches: int
+    """Microbatches m per optimizer step."""
+    chunk_rank: tuple[int, ...]
+    """Owner rank of each model chunk, in model order."""
+    split_backward: bool
+    """True when B computes only input gradients and W the weight gradients (V-Half)."""
+    forward_only: bool
+    """Evaluation: forward passes and the loss, no backward."""
+    actions: tuple[tuple[Action, ...], ...]
+    """Per rank, in execution order."""
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_rank)
+
+    @property
+    def last_chunk(self) -> int:
+        return len(self.chunk_rank) - 1
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """True for the VP methods (vocabulary passes on every rank)."""
+        return self.method in ("vocab-1", "vocab-2")
+
+    @property
+    def barriers(self) -> int:
+        """Collective barriers between the last chunk's F and B: vocab-1 2, vocab-2 1, else 0."""
+        return {"vocab-1": 2, "vocab-2": 1}.get(self.method, 0)
+
+    def owner(self, chunk: int) -> int:
+        """Rank holding `chunk`."""
+        return self.chunk_rank[chunk]
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """Chunks held by `rank`, in model order."""
+        return tuple(c for c, r in enumerate(self.chunk_rank) if r == rank)
+
+    def describe(self) -> str:
+        return (f"{self.kind}/{self.method} p={self.num_ranks} m={self.num_microbatches} "
+                f"chunks={self.num_chunks}{' forward-only' if self.forward_only else ''}")

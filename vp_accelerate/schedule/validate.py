@@ -1,0 +1,205 @@
+"""`validate(schedule)`: raise ScheduleError naming the rank and action of the first violation.
+
+Checks, in order:
+1. each action is legal on its rank (ownership, peers, method) and its local prerequisites came
+   earlier on that rank (cross-rank data arrives only through a receive or a collective);
+2. counts: every expected action exactly once per rank;
+3. every rank issues the vocabulary collectives in the same global order;
+4. a replay with non-blocking sends, blocking receives (matched in order per sender->receiver pair,
+   as NCCL does) and blocking collectives finishes, with no send left unreceived.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .ir import COLLECTIVES, Action, Op, Schedule, ScheduleError
+
+
+def validate(schedule: Schedule) -> None:
+    _check_header(schedule)
+    for r in range(schedule.num_ranks):
+        _check_rank(schedule, r)
+    _check_collective_order(schedule)
+    _replay(schedule)
+
+
+def _err(rank: int, i: int, a: Action, why: str) -> ScheduleError:
+    return ScheduleError(f"rank {rank}, action #{i} {a}: {why}")
+
+
+def _check_header(s: Schedule) -> None:
+    if len(s.actions) != s.num_ranks:
+        raise ScheduleError(f"{len(s.actions)} action lists for {s.num_ranks} ranks")
+    bad = [c for c, r in enumerate(s.chunk_rank) if not 0 <= r < s.num_ranks]
+    if bad:
+        raise ScheduleError(f"chunk {bad[0]} is owned by rank {s.chunk_rank[bad[0]]}, outside 0..{s.num_ranks - 1}")
+    if s.forward_only and s.split_backward:
+        raise ScheduleError("a forward-only schedule cannot split the backward")
+
+
+def _expected(s: Schedule, r: int) -> set:
+    """(op, mb, chunk) of every action rank r must run exactly once."""
+    out = set()
+    last = s.last_chunk
+    for mb in range(s.num_microbatches):
+        for c in s.chunks_of(r):
+            out.add((Op.F, mb, c))
+            if c < last and s.owner(c + 1) != r:
+                out.add((Op.SEND_ACT, mb, c))
+            if c > 0 and s.owner(c - 1) != r:
+                out.add((Op.RECV_ACT, mb, c))
+            if not s.forward_only:
+                out.add((Op.B, mb, c))
+                if s.split_backward:
+                    out.add((Op.W, mb, c))
+                if c > 0 and s.owner(c - 1) != r:
+                    out.add((Op.SEND_GRAD, mb, c))
+                if c < last and s.owner(c + 1) != r:
+                    out.add((Op.RECV_GRAD, mb, c))
+        if s.vocab_parallel:
+            ops = [Op.IF, Op.IF_REDUCE, Op.C0, Op.S, Op.C1]
+            if not s.forward_only:
+                ops += [Op.T, Op.IB_BCAST, Op.IB] + ([Op.C2] if s.method == "vocab-1" else [])
+            out.update((op, mb, 0) for op in ops)
+    return out
+
+
+def _check_rank(s: Schedule, r: int) -> None:
+    done: set = set()
+    last = s.last_chunk
+    roots = {Op.C0: s.owner(last), Op.IF_REDUCE: s.owner(0), Op.IB_BCAST: s.owner(0)}
+    expected = _expected(s, r)
+    for i, a in enumerate(s.actions[r]):
+        key = (a.op, a.mb, a.chunk)
+        if key in done:
+            raise _err(r, i, a, "runs twice")
+        if key not in expected:
+            raise _err(r, i, a, "does not belong on this rank for this schedule "
+                                f"({s.describe()}, rank holds chunks {list(s.chunks_of(r))})")
+        need = _prerequisites(s, r, a)
+        missing = [n for n in need if n not in done]
+        if missing:
+            op, mb, c = missing[0]
+            raise _err(r, i, a, f"runs before {Action(op, mb, c)} on this rank")
+        if a.op in roots and a.peer != roots[a.op]:
+            raise _err(r, i, a, f"root must be rank {roots[a.op]}")
+        if a.op in (Op.SEND_ACT, Op.RECV_GRAD) and a.peer != s.owner(a.chunk + 1):
+            raise _err(r, i, a, f"peer must be rank {s.owner(a.chunk + 1)} (owner of chunk {a.chunk + 1})")
+        if a.op in (Op.RECV_ACT, Op.SEND_GRAD) and a.peer != s.owner(a.chunk - 1):
+            raise _err(r, i, a, f"peer must be rank {s.owner(a.chunk - 1)} (owner of chunk {a.chunk - 1})")
+        done.add(key)
+    missing = sorted(expected - done, key=lambda k: (k[1], k[2], k[0].value))
+    if missing:
+        op, mb, c = missing[0]
+        raise ScheduleError(f"rank {r} never runs {Action(op, mb, c)} ({len(missing)} expected actions missing)")
+
+
+def _prerequisites(s: Schedule, r: int, a: Action) -> list:
+    """Actions that must already have run on rank r before `a` (the dependency rules of the IR)."""
+    mb, c, last = a.mb, a.chunk, s.last_chunk
+    op = a.op
+    if op is Op.F:
+        need = []
+        if c == 0 and s.vocab_parallel:
+            need.append((Op.IF_REDUCE, mb, 0))
+        if c > 0:
+            need.append((Op.F, mb, c - 1) if s.owner(c - 1) == r else (Op.RECV_ACT, mb, c))
+        return need
+    if op is Op.B:
+        need = [(Op.F, mb, c)]
+        if c == last:
+            if s.method == "vocab-2":
+                need.append((Op.C1, mb, 0))
+            elif s.method == "vocab-1":
+                need.append((Op.C2, mb, 0))
+        else:
+            need.append((Op.B, mb, c + 1) if s.owner(c + 1) == r else (Op.RECV_GRAD, mb, c))
+        return need
+    if op is Op.W or op is Op.SEND_GRAD:
+        return [(Op.B, mb, c)]
+    if op is Op.SEND_ACT:
+        return [(Op.F, mb, c)]
+    if op in _AFTER:
+        return [(_AFTER[op], mb, 0)]
+    if op is Op.C0:
+        return [(Op.F, mb, last)] if s.owner(last) == r else []
+    if op is Op.IB_BCAST:
+        return [(Op.B, mb, 0)] if s.owner(0) == r else []
+    return []
+
+
+# vocabulary actions that follow one action of the same microbatch on every rank
+_AFTER = {Op.IF_REDUCE: Op.IF, Op.S: Op.C0, Op.C1: Op.S, Op.T: Op.C1, Op.C2: Op.T, Op.IB: Op.IB_BCAST}
+
+
+def _collectives(s: Schedule, r: int) -> list:
+    return [(i, a) for i, a in enumerate(s.actions[r]) if a.op in COLLECTIVES]
+
+
+def _check_collective_order(s: Schedule) -> None:
+    ref = [(a.op, a.mb) for _, a in _collectives(s, 0)]
+    for r in range(1, s.num_ranks):
+        mine = _collectives(s, r)
+        for k, (i, a) in enumerate(mine):
+            if k >= len(ref) or (a.op, a.mb) != ref[k]:
+                other = f"{Action(ref[k][0], ref[k][1])}" if k < len(ref) else "nothing"
+                raise _err(r, i, a, f"is this rank's collective #{k} but rank 0's is {other}: "
+                                    "all ranks must issue the vocabulary collectives in one order")
+        if len(mine) < len(ref):
+            raise ScheduleError(f"rank {r} issues {len(mine)} collectives, rank 0 issues {len(ref)}")
+
+
+def _message(a: Action, sender: int) -> tuple:
+    """Identify a message by the receive that consumes it: (receiver op, mb, receiver chunk, sender)."""
+    if a.op is Op.SEND_ACT:
+        return (Op.RECV_ACT, a.mb, a.chunk + 1, sender)
+    return (Op.RECV_GRAD, a.mb, a.chunk - 1, sender)
+
+
+def _replay(s: Schedule) -> None:
+    p = s.num_ranks
+    pc = [0] * p
+    channels: dict = {}  # (src, dst) -> deque of messages, in send order
+    lists = s.actions
+    while True:
+        progress = False
+        for r in range(p):
+            acts = lists[r]
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                    channels.setdefault((r, a.peer), deque()).append(_message(a, r))
+                elif a.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                    q = channels.get((a.peer, r))
+                    if not q:
+                        break
+                    if q[0] != (a.op, a.mb, a.chunk, a.peer):
+                        op, mb, c, _ = q[0]
+                        raise _err(r, pc[r], a, f"the next message from rank {a.peer} is for {Action(op, mb, c, a.peer)}"
+                                                ": p2p between two ranks is matched in issue order")
+                    q.popleft()
+                elif a.op in COLLECTIVES:
+                    break  # handled below, once every rank has arrived
+                pc[r] += 1
+                progress = True
+        at = [lists[r][pc[r]] if pc[r] < len(lists[r]) else None for r in range(p)]
+        if all(a is None for a in at):
+            break
+        if all(a is not None and a.op in COLLECTIVES for a in at):
+            first = at[0]
+            for r, a in enumerate(at):
+                if (a.op, a.mb) != (first.op, first.mb):
+                    raise _err(r, pc[r], a, f"meets rank 0 at {first}: collectives differ")
+            for r in range(p):
+                pc[r] += 1
+            continue
+        if not progress:
+            blocked = "; ".join(f"rank {r} at #{pc[r]} {a}" if a is not None else f"rank {r} finished"
+                                for r, a in enumerate(at))
+            raise ScheduleError(f"deadlock in replay: {blocked}")
+    left = [(k, q[0]) for k, q in channels.items() if q]
+    if left:
+        (src, dst), (op, mb, c, _) = left[0]
+        raise ScheduleError(f"rank {src} sends to rank {dst} a message for {Action(op, mb, c, src)} "
+                            "that is never received")
