@@ -1,0 +1,209 @@
+"""Build what one pipeline rank holds, materializing nothing else.
+
+The whole HF model is first built on the meta device (no memory), its parts are located with
+`find_parts`, and only this rank's modules are materialized on CPU and filled from the source:
+
+- a `PretrainedConfig`: fresh init, deterministic given `seed` (see `weights.py`): every rank's
+  layers and shards equal the corresponding parts of the same full init, for any layout / p;
+- a `PreTrainedModel`: its tensors are copied (a test's HF reference);
+- a local checkpoint directory (safetensors, sharded or not): only the tensors this rank needs are
+  read, and of the embedding / lm_head only the shard's rows.
+
+`vocab_size` resizes before sharding: rows past the source's vocabulary are the mean of the old
+rows (fp32 mean; HF's mean resizing samples around that mean with covariance 1e-9·Σ, i.e. the
+same rows up to ~1e-5 of their scale). Padded shard rows are zero.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .adapter import ModelParts, find_parts
+from .layout import LayoutError, StageLayout
+from .rank import PLACEMENTS, RankModules
+from .stage import FullEmbedding, FullHead, StageChunk
+from .weights import SafetensorsSource, StateDictSource, WeightSource, mean_rows, seeded_init, seeded_vocab_rows
+
+
+def resolve_config(source):
+    """The HF config of a config, a model, or a local checkpoint directory."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    if isinstance(source, nn.Module) and hasattr(source, "config"):
+        return source.config
+    if isinstance(source, (str, Path)) and Path(source).is_dir():
+        return AutoConfig.from_pretrained(source)
+    raise TypeError(f"source must be a PretrainedConfig, a PreTrainedModel or a local checkpoint directory, "
+                    f"got {source!r}")
+
+
+def meta_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
+    """The whole causal LM on the meta device: structure and config only, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def _weight_source(source) -> WeightSource | None:
+    if isinstance(source, nn.Module):
+        return StateDictSource(source)
+    if isinstance(source, (str, Path)):
+        return SafetensorsSource(source)
+    return None  # a config: fresh init
+
+
+@torch.no_grad()
+def _materialize(module: nn.Module, hf_name, source: WeightSource | None, model: nn.Module, seed: int,
+                 init_name: str, dtype: torch.dtype) -> nn.Module:
+    """Allocate `module` on CPU and fill it: from the source by HF name, or by seeded init."""
+    module.to_empty(device="cpu")
+    if source is None:
+        seeded_init(model, module, seed, init_name)
+        return module
+    persistent = module.state_dict(keep_vars=True)
+    missing = [hf_name(k) for k in persistent if not source.has(hf_name(k))]
+    if missing:
+        raise KeyError(f"checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for k, t in persistent.items():
+        t.copy_(source.get(hf_name(k)).to(dtype if t.is_floating_point() else t.dtype))
+    return module
+
+
+def _check_no_meta(module: nn.Module, what: str) -> None:
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"{what}: tensors {left} were not materialized (a non-persistent buffer the "
+                           "adapter does not rebuild; add it to models/build.py)")
+
+
+@torch.no_grad()
+def vocab_rows(parts: ModelParts, which: str, start: int, end: int, vocab_size: int, old_v: int,
+               source: WeightSource | None, model: nn.Module, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [start, end) of the embedding ("embed") or lm_head ("head") matrix resized to `vocab_size`.
+
+    `old_v` is the source's vocabulary size: rows past it are the mean of the source's rows
+    (vocabulary resizing); rows >= vocab_size are zero padding.
+    """
+    h = parts.embed.embedding_dim
+    use_head = which == "head" and not parts.tied
+    name = f"{parts.names.lm_head}.weight" if use_head else f"{parts.names.embed}.weight"
+    kind = "head" if use_head else "embed"
+
+    def read(s: int, e: int) -> torch.Tensor:
+        if source is not None:
+            return source.rows(name, s, e).to(dtype)
+        return seeded_vocab_rows(model, kind, name, s, e, old_v, h, dtype, seed, parts.padding_idx)
+
+    out = torch.zeros(end - start, h, dtype=dtype)
+    real_end = min(end, old_v)
+    if start < real_end:
+        out[:real_end - start] = read(start, real_end)
+    new_lo, new_hi = max(start, old_v), min(end, vocab_size)
+    if new_lo < new_hi:
+        out[new_lo - start:new_hi - start] = mean_rows(source, name, old_v, h, init=read).to(dtype)
+    return out
+
+
+def _new_param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=True)
+
+
+def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab", partition=None, *,
+               dtype: torch.dtype = torch.float32, seed: int = 0, vocab_size: int | None = None,
+               attn_implementation: str | None = None, device: torch.device | str = "cpu") -> RankModules:
+    """Build the modules `layout` puts on `rank`.
+
+    source: a `PretrainedConfig` (fresh seeded init), a `PreTrainedModel` (copy its weights) or a
+    local HF checkpoint directory (safetensors). placement: "baseline" or "vocab". partition: a
+    `vocab.VocabPartition(vocab_size, layout.num_ranks)`; required for "vocab". vocab_size: resize
+    the vocabulary first (new rows = mean of old rows). attn_implementation: "eager" / "sdpa" / ...
+    (default: the source model's, else transformers' default). Everything is built on CPU in
+    `dtype`, then moved to `device`.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if not 0 <= rank < layout.num_ranks:
+        raise LayoutError(f"rank {rank} is not in the layout's ranks 0..{layout.num_ranks - 1}")
+    config = copy.deepcopy(resolve_config(source))
+    if isinstance(source, nn.Module) and attn_implementation is None:
+        attn_implementation = source.config._attn_implementation
+    source_vocab = config.vocab_size
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    V = config.vocab_size
+    model = meta_model(config, dtype, attn_implementation)
+    config = model.config
+    parts = find_parts(model)
+    if layout.num_layers != parts.num_layers:
+        raise LayoutError(f"layout covers {layout.num_layers} decoder layers but {type(model).__name__} has "
+                          f"{parts.num_layers}")
+    if placement == "vocab":
+        if partition is None:
+            raise ValueError('placement "vocab" needs partition=VocabPartition(vocab_size, num_ranks)')
+        if partition.vocab_size != V or partition.world_size != layout.num_ranks:
+            raise ValueError(f"partition is for V={partition.vocab_size} over {partition.world_size} ranks, but the "
+                             f"model has V={V} and the layout {layout.num_ranks} ranks")
+    src = _weight_source(source)
+
+    chunks = {c: _build_chunk(parts, layout, c, src, model, seed, dtype) for c in layout.chunks_of(rank)}
+
+    def rows(which: str, start: int, end: int) -> torch.Tensor:
+        return vocab_rows(parts, which, start, end, V, source_vocab, src, model, seed, dtype)
+
+    kw = dict(rank=rank, layout=layout, placement=placement, config=config, names=parts.names, chunks=chunks,
+              tied=parts.tied, vocab_size=V, final_softcap=parts.final_softcap, logit_scale=parts.logit_scale,
+              padding_idx=parts.padding_idx)
+    if placement == "vocab":
+        start, end = partition.shard_range(rank)
+        embed_w = _new_param(rows("embed", start, end))
+        head_w = embed_w if parts.tied else _new_param(rows("head", start, end))
+        rm = RankModules(partition=partition, embed_weight=embed_w, head_weight=head_w, **kw)
+    else:
+        embed = head = None
+        if rank == layout.first_rank:
+            embed = FullEmbedding(_new_param(rows("embed", 0, V)), parts.padding_idx)
+        if rank == layout.last_rank:
+            tied_here = parts.tied and embed is not None
+            weight = embed.weight if tied_here else _new_param(rows("head", 0, V))
+            head = FullHead(weight, parts.logit_scale, parts.final_softcap)
+        rm = RankModules(embed=embed, head=head, **kw)
+    return rm.to(device)
+
+
+def _build_chunk(parts: ModelParts, layout: StageLayout, c: int, src: WeightSource | None, model: nn.Module,
+                 seed: int, dtype: torch.dtype) -> StageChunk:
+    start, end = layout.chunk_layers[c]
+    names = parts.names
+    first, last = start == 0, c == layout.num_chunks - 1
+    layers = []
+    for i in range(start, end):
+        layer = parts.layers[i]
+        prefix = f"{names.layers}.{i}"
+        layers.append(_materialize(layer, lambda k, p=prefix: f"{p}.{k}", src, model, seed, prefix, dtype))
+        _check_no_meta(layer, prefix)
+    norm = pos = None
+    if last:
+        norm = _materialize(parts.norm, lambda k: f"{names.norm}.{k}", src, model, seed, names.norm, dtype)
+    if first and parts.pos_embed is not None:
+        pos = _materialize(parts.pos_embed, lambda k: f"{names.pos_embed}.{k}", src, model, seed, names.pos_embed,
+                           dtype)
+    rotary = None
+    if parts.rotary_emb is not None:
+        # Rebuilt on CPU from the config: its buffers (inv_freq) are not in checkpoints.
+        rotary = type(parts.rotary_emb)(config=model.config)
+        _check_no_meta(rotary, "rotary embedding")
+    chunk = StageChunk(model.config, names, c, (start, end), layers, parts.layer_types, rotary, norm=norm,
+                       pos_embed=pos, embed_dropout=parts.embed_dropout if first else None,
+                       embed_scale=parts.embed_scale if first else None,
+                       embed_scale_in_dtype=parts.embed_scale_in_dtype)
+    return chunk

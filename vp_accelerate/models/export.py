@@ -1,0 +1,110 @@
+"""Put the ranks' pieces back together as one Hugging Face model directory.
+
+Each rank's `RankModules.state_dict()` names its tensors like the HF model; vocabulary shards carry
+the full matrix's name and are concatenated in rank order, then cut to `vocab_size` rows (the
+padding rows are dropped). A tied output weight is stored once, under the embedding's name, and
+`save_pretrained` writes the HF layout `from_pretrained` expects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .build import meta_model
+
+
+def assemble_state_dict(rank_state_dicts: Sequence[dict[str, torch.Tensor]], vocab_size: int,
+                        sharded_names: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """One full HF state dict from per-rank state dicts given in pipeline-rank order.
+
+    `sharded_names` (a RankModules' `sharded_names`) are row shards to concatenate and cut to
+    `vocab_size` rows; every other name is taken from the first rank holding it. Works offline on
+    per-rank checkpoints.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name in sharded_names:
+        shards = [sd[name] for sd in rank_state_dicts if name in sd]
+        if len(shards) != len(rank_state_dicts):
+            raise ValueError(f"{name} is sharded but only {len(shards)} of {len(rank_state_dicts)} ranks hold a shard")
+        full = torch.cat([s.detach().cpu() for s in shards])
+        if full.shape[0] < vocab_size:
+            raise ValueError(f"{name}: shards hold {full.shape[0]} rows, fewer than vocab_size={vocab_size}")
+        out[name] = full[:vocab_size].clone()
+    for sd in rank_state_dicts:
+        for name, t in sd.items():
+            if name not in out:
+                out[name] = t.detach().cpu()
+    return out
+
+
+def save_hf(state_dict: dict[str, torch.Tensor], config, out_dir: str | Path, *, tokenizer=None,
+            max_shard_size: int | str = "5GB") -> Path:
+    """`save_pretrained` a full state dict with its config, without allocating a second copy of the model."""
+    dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    model = meta_model(config, dtype)
+    expected = set(model.state_dict())
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    missing = sorted(k for k in expected - set(state_dict)
+                     if not (tied and model.get_output_embeddings().weight is model.get_parameter(k)))
+    unexpected = sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise ValueError(f"assembled state dict does not match {type(model).__name__}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def gather_state_dict(mods, group: dist.ProcessGroup | None = None, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Collective over the pipeline group: the full HF state dict on group rank `dst`, None elsewhere.
+
+    Group rank order must be pipeline-rank order (it is for groups built by runtime.groups). The full
+    model is held on `dst` (CPU), as writing one HF directory needs.
+    """
+    local = {name: t.detach().cpu() for name, t in mods.state_dict().items() if not mods.is_duplicate(name)}
+    me = dist.get_rank(group)
+    gathered = [None] * dist.get_world_size(group) if me == dst else None
+    dist.gather_object(local, gathered, group=group, group_dst=dst)
+    if me != dst:
+        return None
+    return assemble_state_dict(gathered, mods.vocab_size, mods.sharded_names)
+
+
+def export_hf(mods, layout, partition, config, out_dir: str | Path, *, tokenizer=None,
+              group: dist.ProcessGroup | None = None, ranks: Sequence[int] | None = None, write: bool = True,
+              max_shard_size: int | str = "5GB") -> Path | None:
+    """Gather every pipeline rank's part and `save_pretrained` it on pipeline rank 0 (a collective).
+
+    `layout` / `partition` must be those `mods` was built with (checked); `config` is what gets saved
+    (None: `mods.config`, which carries any vocabulary resize). `ranks` are the global ranks of `group`
+    in pipeline order (checked against the group when given). `write=False` takes part in the
+    gather without writing (e.g. data-parallel replicas other than the first). Returns the directory
+    on the writing rank, None elsewhere.
+    """
+    if layout is not None and layout != mods.layout:
+        raise ValueError("export_hf: layout differs from the one the rank modules were built with")
+    if partition is not None and mods.partition is not None and partition != mods.partition:
+        raise ValueError("export_hf: partition differs from the one the rank modules were built with")
+    if ranks is not None and group is not None:
+        actual = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        if list(ranks) != actual:
+            raise ValueError(f"export_hf: ranks {list(ranks)} are not the group's ranks {actual} in order")
+    sd = gather_state_dict(mods, group=group, dst=0)
+    if sd is None or not write:
+        return None
+    cfg = config if config is not None else mods.config
+    if cfg.vocab_size != mods.vocab_size:
+        raise ValueError(f"config has vocab_size={cfg.vocab_size} but the model was built with {mods.vocab_size} "
+                         "(pass mods.config to save a resized vocabulary)")
+    return save_hf(sd, cfg, out_dir, tokenizer=tokenizer, max_shard_size=max_shard_size)

@@ -1,0 +1,154 @@
+"""Stage modules: a chunk of decoder layers, and the full embedding / head of the baseline placement.
+
+A `StageChunk` runs decoder layers start..end-1 of one HF model exactly as the model's own forward
+does: it builds the attention masks each layer expects with `transformers.masking_utils` (causal,
+sliding-window, padding from an optional 2D mask, packed sequences from position_ids) and computes
+the rotary position embeddings itself, so nothing but the hidden state travels between stages.
+The chunk that starts the model applies the model's input pieces to the raw token-embedding
+lookup it is given (GPT-2 position embedding + dropout, Gemma's √h scale); the chunk that ends it
+applies the final norm, so its output is X, the input of the output layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from .adapter import PartNames
+
+_MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def default_position_ids(hidden: torch.Tensor) -> torch.Tensor:
+    """0..s-1 for every sequence, shape [1, s], as HF uses when no position_ids are given."""
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+class StageChunk(nn.Module):
+    """Decoder layers start..end-1 (+ input pieces if chunk 0, + final norm if the last chunk).
+
+    Parameters are named like the HF model's (see `hf_named_parameters`): layer i's weights live in
+    `layers[str(i)]`, with i the global layer index.
+    """
+
+    def __init__(self, config, names: PartNames, chunk: int, layer_range: tuple[int, int],
+                 layers: list[nn.Module], layer_types: tuple[str, ...], rotary_emb: nn.Module | None,
+                 norm: nn.Module | None = None, pos_embed: nn.Module | None = None,
+                 embed_dropout: nn.Module | None = None, embed_scale: float | None = None,
+                 embed_scale_in_dtype: bool = False):
+        super().__init__()
+        start, end = layer_range
+        if len(layers) != end - start:
+            raise ValueError(f"chunk {chunk} covers layers {start}..{end - 1} but got {len(layers)} layer modules")
+        self.config = config
+        self.names = names
+        self.chunk = chunk
+        self.layer_range = (start, end)
+        self.layer_types = tuple(layer_types[start:end])
+        self.layers = nn.ModuleDict({str(start + k): layer for k, layer in enumerate(layers)})
+        self.rotary_emb = rotary_emb
+        self.norm = norm
+        self.pos_embed = pos_embed
+        self.embed_dropout = embed_dropout
+        self.embed_scale = embed_scale
+        self.embed_scale_in_dtype = embed_scale_in_dtype
+        self.is_first = start == 0
+        self.is_last = norm is not None
+
+    def apply_input_pieces(self, embedded: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Turn the raw token-embedding lookup E[ids] into the first layer's input."""
+        h = embedded
+        if self.embed_scale is not None:
+            # Gemma multiplies by its scale buffer cast to the weight dtype (sqrt(3072) becomes 55.5 in bf16);
+            # Granite by a Python float. Same values in fp32, different roundings in bf16.
+            scale = torch.tensor(self.embed_scale, dtype=h.dtype) if self.embed_scale_in_dtype else self.embed_scale
+            h = h * scale
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(position_ids)
+        if self.embed_dropout is not None:
+            h = self.embed_dropout(h)
+        return h
+
+    def build_masks(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                    attention_mask: torch.Tensor | None) -> dict[str, object]:
+        """The masks of the layer types in this chunk, as the HF forward builds them (None = plain causal)."""
+        kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                      position_ids=position_ids)
+        return {t: _MASK_BUILDERS[t](**kwargs) for t in sorted(set(self.layer_types))}
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [b, s, h] -> hidden [b, s, h].
+
+        For chunk 0, `hidden` is the raw embedding lookup E[ids] (summed over vocabulary shards under
+        VP); for the last chunk the output is X (after the final norm). `position_ids` [b or 1, s]
+        (default 0..s-1); `attention_mask` an optional 2D [b, s] padding mask (1 = real token).
+        """
+        if position_ids is None:
+            position_ids = default_position_ids(hidden)
+        if self.is_first:
+            hidden = self.apply_input_pieces(hidden, position_ids)
+        masks = self.build_masks(hidden, position_ids, attention_mask)
+        extra = {}
+        if self.rotary_emb is not None:
+            extra["position_embeddings"] = self.rotary_emb(hidden, position_ids)
+        for (idx, layer), kind in zip(self.layers.items(), self.layer_types):
+            hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, **extra)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        return hidden
+
+    def hf_name(self, local_name: str) -> str:
+        """HF state-dict key of one of this module's parameter/buffer names."""
+        head, _, rest = local_name.partition(".")
+        if head == "layers":
+            return f"{self.names.layers}.{rest}"
+        base = {"norm": self.names.norm, "pos_embed": self.names.pos_embed}.get(head)
+        if base is None:
+            raise KeyError(f"{local_name} has no HF name")
+        return f"{base}.{rest}"
+
+    def hf_named_parameters(self):
+        """(HF name, parameter) for every parameter of the chunk."""
+        for name, p in self.named_parameters():
+            yield self.hf_name(name), p
+
+
+def apply_logit_transforms(logits: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """Cohere/Granite scaling then Gemma-2 softcapping, in the order HF applies them."""
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+class FullEmbedding(nn.Module):
+    """Baseline placement: the whole token embedding on the rank holding chunk 0.
+
+    Returns the raw lookup E[ids]; chunk 0 applies the scale and position pieces. `padding_idx`
+    keeps HF's behaviour that the padding row gets no gradient from the lookup.
+    """
+
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None):
+        super().__init__()
+        self.weight = weight
+        self.padding_idx = padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight, self.padding_idx)
+
+
+class FullHead(nn.Module):
+    """Baseline placement: the whole lm_head on the rank holding the last chunk; X -> logits."""
+
+    def __init__(self, weight: nn.Parameter, logit_scale: float = 1.0, softcap: float | None = None):
+        super().__init__()
+        self.weight = weight
+        self.logit_scale = logit_scale
+        self.softcap = softcap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_logit_transforms(F.linear(x, self.weight), self.logit_scale, self.softcap)

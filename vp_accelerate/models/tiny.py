@@ -1,0 +1,45 @@
+"""Tiny configs of every supported family, for tests and self-checks (nothing is downloaded).
+
+Each config turns on the family's special pieces with values that actually change the output at
+tiny scale: sliding windows shorter than the test sequences, Gemma-2 softcapping near the logit
+magnitude, Granite multipliers away from 1, Qwen2 mixed full / sliding layers.
+"""
+
+from __future__ import annotations
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox", "cohere", "granite")
+
+
+def tiny_config(family: str, *, vocab_size: int = 257, hidden_size: int = 32, num_layers: int = 4,
+                tie: bool | None = None, **overrides):
+    """A small `PretrainedConfig` of `family` (vocabulary not divisible by 2 or 3 by default).
+
+    `tie` sets tie_word_embeddings (None keeps the family default); `overrides` go to the config.
+    """
+    from transformers import AutoConfig
+
+    kw: dict = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                    num_attention_heads=4)
+    if family not in ("gpt2", "gpt_neox"):
+        kw.update(intermediate_size=2 * hidden_size, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    if family == "gpt2":
+        kw.update(n_positions=64, bos_token_id=1, eos_token_id=2)
+    if family == "gpt_neox":
+        kw.update(intermediate_size=2 * hidden_size, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    if family in ("gemma", "gemma2"):
+        kw.update(head_dim=hidden_size // 4)
+    if family in ("mistral", "gemma2", "phi3"):
+        kw.update(sliding_window=5)
+    if family == "gemma2":
+        kw.update(final_logit_softcapping=0.5, attn_logit_softcapping=2.0)
+    if family == "qwen2":
+        kw.update(use_sliding_window=True, sliding_window=5, max_window_layers=num_layers // 2)
+    if family == "granite":
+        kw.update(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3)
+    if family == "cohere":
+        kw.update(logit_scale=0.5)
+    if tie is not None:
+        kw["tie_word_embeddings"] = tie
+    kw.update(overrides)
+    return AutoConfig.for_model(family, **kw)
