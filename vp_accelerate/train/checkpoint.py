@@ -1,0 +1,227 @@
+"""Checkpoints of a pipeline run: every rank's shards, optimizer, LR schedule, RNG and data position.
+
+Layout of `<dir>`:
+
+    step_00000100/
+      meta.json                 step, layout fingerprint, recipe, per-rank (pp_rank, dp_rank)
+      model/                    config.json + tokenizer files (what `export` needs besides weights)
+      rank_00000/model.safetensors    this rank's parameters (HF-style names, vocabulary shards as held)
+      rank_00000/optimizer.pt         torch.save of the optimizer state_dict
+      rank_00000/trainer_state.pt     LR scheduler, RNG states, data iterator position
+    latest                      name of the newest complete checkpoint (updated last)
+
+Atomicity: everything is written into `step_X.tmp/`, each file fsynced; after a barrier rank 0
+renames the directory to `step_X/` and only then replaces `latest` (write + fsync + rename). A crash at
+any point leaves `latest` naming the previous complete checkpoint; stale `.tmp` dirs are ignored and
+removed by the next save. Loading uses safetensors and `torch.load(weights_only=True)` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from typing import Callable
+
+import numpy as np
+import torch
+
+LATEST = "latest"
+META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, or does not match the run loading it."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def config_fingerprint(config) -> str:
+    """Hash of a model config (its JSON), to tell checkpoints of different models apart."""
+    text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else json.dumps(config)
+    data = json.loads(text)
+    for volatile in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+        data.pop(volatile, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------- RNG state
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    np_state = np.random.get_state()
+    state["numpy"] = {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                      "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------- saving
+def save_checkpoint(ckpt_dir: str, step: int, *, rank: int, model_state: dict, optimizer_state: dict,
+                    trainer_state: dict, meta: dict, barrier: Callable[[], None],
+                    write_model_files: Callable[[str], None] | None = None, keep: int = 2,
+                    _crash_after: str | None = None) -> str:
+    """Collective: every rank calls it with its own state. Returns the final checkpoint path.
+
+    `meta` (rank 0's is written) must hold the layout fingerprint; `write_model_files(dir)` (rank 0)
+    writes config/tokenizer files for export. `_crash_after` is for tests: raise after that stage.
+    """
+    from safetensors.torch import save_file
+
+    final = os.path.join(ckpt_dir, step_dir_name(step))
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by a crashed save
+        os.makedirs(tmp)
+    barrier()
+    rdir = os.path.join(tmp, rank_dir_name(rank))
+    os.makedirs(rdir, exist_ok=True)
+    weights = os.path.join(rdir, "model.safetensors")
+    # safetensors refuses shared/non-contiguous storage; tied shards are saved once per name anyway.
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, weights)
+    _fsync_file(weights)
+    if _crash_after == "weights":
+        raise RuntimeError("simulated crash after writing weights")
+    for name, obj in (("optimizer.pt", optimizer_state), ("trainer_state.pt", trainer_state)):
+        path = os.path.join(rdir, name)
+        torch.save(obj, path)
+        _fsync_file(path)
+    _fsync_dir(rdir)
+    barrier()
+    if rank == 0:
+        if write_model_files is not None:
+            mdir = os.path.join(tmp, "model")
+            os.makedirs(mdir, exist_ok=True)
+            write_model_files(mdir)
+            for name in os.listdir(mdir):
+                _fsync_file(os.path.join(mdir, name))
+        _write_json(os.path.join(tmp, META), {**meta, "step": step})
+        _fsync_dir(tmp)
+        if _crash_after == "rank0_files":
+            raise RuntimeError("simulated crash before the rename")
+        if os.path.exists(final):  # re-saving a step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+        if _crash_after == "rename":
+            raise RuntimeError("simulated crash before updating latest")
+        latest_tmp = os.path.join(ckpt_dir, LATEST + ".tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(step_dir_name(step) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(ckpt_dir, LATEST))
+        _fsync_dir(ckpt_dir)
+        _prune(ckpt_dir, keep)
+    barrier()
+    return final
+
+
+def _prune(ckpt_dir: str, keep: int) -> None:
+    """Delete complete checkpoints older than the newest `keep` (never the one `latest` names)."""
+    latest = read_latest(ckpt_dir)
+    steps = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))
+    for name in steps[:-keep] if keep > 0 else []:
+        if os.path.join(ckpt_dir, name) != latest:
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------- loading
+def read_latest(ckpt_dir: str) -> str | None:
+    """Path of the newest complete checkpoint in `ckpt_dir`, or None when there is none."""
+    pointer = os.path.join(ckpt_dir, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    path = os.path.join(ckpt_dir, name)
+    if not os.path.isfile(os.path.join(path, META)):
+        raise CheckpointError(f"{pointer} names {name}, which is not a complete checkpoint")
+    return path
+
+
+def resolve(path: str) -> str:
+    """A checkpoint dir given either itself or the run's checkpoint root (then `latest` is followed)."""
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    found = read_latest(path) if os.path.isdir(path) else None
+    if found is None:
+        raise CheckpointError(f"no checkpoint at {path!r} (no {META}, no {LATEST} pointer)")
+    return found
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, META)) as f:
+        return json.load(f)
+
+
+def check_fingerprint(saved: dict, current: dict, path: str) -> None:
+    """Error listing every layout/model key that differs between a checkpoint and this run."""
+    diffs = [f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
+             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(diffs))
+
+
+def load_rank(path: str, rank: int) -> tuple[dict, dict, dict]:
+    """(model_state, optimizer_state, trainer_state) of one rank, loaded without unpickling code."""
+    from safetensors.torch import load_file
+
+    rdir = os.path.join(path, rank_dir_name(rank))
+    if not os.path.isdir(rdir):
+        raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
+    model_state = load_file(os.path.join(rdir, "model.safetensors"))
+    optimizer_state = torch.load(os.path.join(rdir, "optimizer.pt"), weights_only=True, map_location="cpu")
+    trainer_state = torch.load(os.path.join(rdir, "trainer_state.pt"), weights_only=True, map_location="cpu")
+    return model_state, optimizer_state, trainer_state
+
+
+def check_shapes(saved: dict, current: dict, path: str, rank: int) -> None:
+    """The saved shards must have exactly this rank's parameter names and shapes."""
+    missing = sorted(set(current) - set(saved))
+    extra = sorted(set(saved) - set(current))
+    wrong = [f"{k}: saved {tuple(saved[k].shape)}, expected {tuple(current[k].shape)}"
+             for k in sorted(set(saved) & set(current)) if saved[k].shape != current[k].shape]
+    if missing or extra or wrong:
+        raise CheckpointError(f"checkpoint {path}, rank {rank}: parameters differ from this run's — "
+                              f"missing {missing[:5]}, unexpected {extra[:5]}, shapes {wrong[:5]}")

@@ -1,0 +1,118 @@
+"""Model presets: HF configs built offline by name, and resolving a recipe's model source.
+
+Presets give the *shapes* of well-known models (layers, widths, heads, vocabulary), so the pipeline
+can be trained and measured at real scale without downloading anything; weights are initialised
+randomly. Tiny presets are for CPU tests and the quickstart.
+"""
+
+from __future__ import annotations
+
+import os
+
+# name -> (model_type, config kwargs). Shapes follow the public model cards.
+PRESETS: dict[str, tuple[str, dict]] = {
+    # Tiny models for CPU runs and tests.
+    "llama-tiny": ("llama", dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                 vocab_size=4096, tie_word_embeddings=False)),
+    "llama-small": ("llama", dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                                  vocab_size=32000, tie_word_embeddings=False)),
+    "qwen3-tiny": ("qwen3", dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                 max_position_embeddings=2048, vocab_size=4096, tie_word_embeddings=True)),
+    "gemma2-tiny": ("gemma2", dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=2048, vocab_size=4096, final_logit_softcapping=30.0)),
+    "gpt2-tiny": ("gpt2", dict(n_embd=128, n_layer=4, n_head=4, n_positions=2048, vocab_size=4096)),
+    # Real-scale shapes (random init).
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                   max_position_embeddings=8192, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "llama-3.2-3b": ("llama", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                   num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                                   max_position_embeddings=8192, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "llama-3.1-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                   max_position_embeddings=8192, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                   max_position_embeddings=8192, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-4b": ("qwen3", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                               max_position_embeddings=8192, tie_word_embeddings=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "gemma-2b": ("gemma", dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                               num_attention_heads=8, num_key_value_heads=1, head_dim=256, vocab_size=256000,
+                               max_position_embeddings=8192)),
+    "gemma2-2b": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                                 max_position_embeddings=8192, final_logit_softcapping=30.0,
+                                 attn_logit_softcapping=50.0)),
+}
+
+
+def is_local_dir(source: str) -> bool:
+    return os.path.isdir(os.path.expanduser(source))
+
+
+def preset_config(name: str, overrides: dict | None = None):
+    """A transformers config for preset `name` with `overrides` applied."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        import difflib
+
+        hint = difflib.get_close_matches(name, list(PRESETS), n=1)
+        more = f"; did you mean {hint[0]}?" if hint else ""
+        raise ValueError(f"unknown model preset {name!r}{more} (known: {', '.join(PRESETS)})")
+    model_type, kwargs = PRESETS[name]
+    return AutoConfig.for_model(model_type, **{**kwargs, **(overrides or {})})
+
+
+def resolve_config(source: str, overrides: dict | None = None, trust_remote_code: bool = False):
+    """The model config of a recipe's `model.source` (preset, local dir, or hub id), overrides applied."""
+    from transformers import AutoConfig
+
+    if source in PRESETS:
+        return preset_config(source, overrides)
+    config = AutoConfig.from_pretrained(os.path.expanduser(source), trust_remote_code=trust_remote_code)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def padded_vocab(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def model_source(model_section, config, vocab_size: int | None):
+    """What to hand PipelineModel: a config (random init) or a loaded PreTrainedModel / checkpoint dir.
+
+    `vocab_size`: the resized vocabulary, or None to keep the model's. A pretrained model whose
+    vocabulary changes is loaded and resized here (HF initialises the new rows), so the pipeline gets
+    consistent weights; otherwise the checkpoint dir itself is passed and each rank loads only its part.
+    """
+    pretrained = model_section.pretrained_weights and model_section.source not in PRESETS
+    if not pretrained:
+        if vocab_size is not None:
+            config.vocab_size = vocab_size
+        return config
+    path = os.path.expanduser(model_section.source)
+    needs_resize = vocab_size is not None and vocab_size != config.vocab_size
+    if not needs_resize and not model_section.config and is_local_dir(path):
+        return path
+    model = _load(path, config, model_section.trust_remote_code)
+    if needs_resize:
+        model.resize_token_embeddings(vocab_size, mean_resizing=True)
+    return model
+
+
+def _load(path: str, config, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, config=config, trust_remote_code=trust_remote_code)

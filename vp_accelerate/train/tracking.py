@@ -1,0 +1,107 @@
+"""What a run reports: wandb through accelerate's tracker (rank 0), a local metrics.jsonl, rank stats.
+
+Every rank calls the gathering helpers (they are collectives); only the main process writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("vp_accelerate.train")
+
+
+def gather(obj) -> list:
+    """all_gather_object over the world (a 1-element list without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def world_mean(value: float) -> float:
+    """Mean of a float over all ranks (replicas' eval losses are averaged this way)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPU, max resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def rank_stats(pipe, device: torch.device) -> dict:
+    """This rank's memory numbers, to gather."""
+    stats = pipe.stats()
+    return {"peak_activation_bytes": int(stats.get("peak_activation_bytes", 0)),
+            "param_bytes": int(stats.get("param_bytes", 0)), "peak_memory_bytes": peak_memory_bytes(device)}
+
+
+def rank_metrics(all_stats: list[dict]) -> dict:
+    """Flatten gathered per-rank stats into wandb metric names (MiB)."""
+    out = {}
+    for r, s in enumerate(all_stats):
+        out[f"memory/rank{r}_peak_activation_mib"] = s["peak_activation_bytes"] / 2**20
+        out[f"memory/rank{r}_param_mib"] = s["param_bytes"] / 2**20
+        out[f"memory/rank{r}_peak_mib"] = s["peak_memory_bytes"] / 2**20
+    return out
+
+
+class Tracker:
+    """wandb (through accelerate) + a local JSON-lines log, written on the main process only."""
+
+    def __init__(self, accelerator, recipe, recipe_dict: dict):
+        self.accelerator = accelerator
+        self.enabled = recipe.logging.wandb_mode != "disabled"
+        self.is_main = accelerator.is_main_process
+        out = recipe.logging.output_dir
+        self.metrics_path = os.path.join(out, "metrics.jsonl")
+        if self.is_main:
+            os.makedirs(out, exist_ok=True)
+        if self.enabled:
+            init = {"mode": recipe.logging.wandb_mode, "dir": out}
+            if recipe.logging.run_name:
+                init["name"] = recipe.logging.run_name
+            accelerator.init_trackers(recipe.logging.wandb_project, config=recipe_dict, init_kwargs={"wandb": init})
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.is_main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.enabled:
+            self.accelerator.log(metrics, step=step)
+
+    def log_image(self, key: str, path: str, step: int) -> None:
+        if self.is_main and self.enabled:
+            self.accelerator.get_tracker("wandb").log_images({key: [path]}, step=step)
+
+    def finish(self) -> None:
+        if self.enabled:
+            self.accelerator.end_training()
+
+
+def plot_measured_timeline(timelines: list, path: str) -> str | None:
+    """Draw the gathered per-rank timelines with the simulator's plotter; None if it is unavailable."""
+    try:
+        from vp_accelerate.sim.plot import plot_timeline
+    except ImportError:
+        log.info("vp_accelerate.sim.plot is not available; skipping the timeline image")
+        return None
+    try:
+        plot_timeline(timelines, path)
+    except Exception as e:  # noqa: BLE001 - an image is not worth failing a training run for
+        log.warning("could not draw the timeline: %s: %s", type(e).__name__, e)
+        return None
+    return path

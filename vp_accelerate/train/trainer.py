@@ -1,0 +1,216 @@
+"""The training loop: accelerate for processes and tracking, PipelineModel for the model.
+
+accelerate starts the processes (`accelerate launch`), sets the device, seeds, orders the main
+process first where files are written, and hosts the wandb tracker. The pipeline engine owns the model:
+we do not `accelerator.prepare` it (it is not one module but one rank's stage chunks and vocabulary
+shards), and we optimize `pipe.parameters()` with a plain torch AdamW on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import torch
+
+from . import checkpoint as ckpt
+from .data import build_data
+from .optim import build_optimizer, build_scheduler
+from .presets import model_source, padded_vocab, resolve_config
+from .recipe import Recipe, recipe_to_dict
+from .tokenizer import load_tokenizer
+from .tracking import Tracker, gather, plot_measured_timeline, rank_metrics, rank_stats, world_mean
+
+log = logging.getLogger("vp_accelerate.train")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_accelerator(recipe: Recipe):
+    """An Accelerator that really is multi-process on CPU.
+
+    Under `accelerate launch --multi_gpu` on a machine without GPUs, only `cpu=True` makes accelerate
+    report MULTI_CPU and create the gloo group (DESIGN.md §8); without it it says NO while a group exists.
+    """
+    from accelerate import Accelerator
+
+    log_with = None if recipe.logging.wandb_mode == "disabled" else "wandb"
+    if log_with and recipe.logging.wandb_mode == "offline":
+        os.environ.setdefault("WANDB_MODE", "offline")
+    return Accelerator(cpu=not torch.cuda.is_available(), log_with=log_with,
+                       project_dir=recipe.logging.output_dir)
+
+
+def build_pipeline(recipe: Recipe, tokenizer, device):
+    """PipelineModel of the recipe's model, vocabulary resized to the tokenizer if asked."""
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+
+    m, p = recipe.model, recipe.pipeline
+    config = resolve_config(m.source, m.config, m.trust_remote_code)
+    vocab = padded_vocab(len(tokenizer), recipe.tokenizer.pad_to_multiple_of) if recipe.tokenizer.resize_vocab else None
+    source = model_source(m, config, vocab)
+    cfg = PipelineConfig(schedule=p.schedule, method=p.method, microbatches=p.microbatches, memory=p.memory,
+                         chunk_size=p.chunk_size, pp_size=p.pp_size, dp_size=p.dp_size,
+                         chunks_per_rank=p.chunks_per_rank, label_smoothing=p.label_smoothing,
+                         pad_multiple=p.pad_multiple,
+                         layers_per_stage=tuple(p.layers_per_stage) if p.layers_per_stage else None)
+    return PipelineModel(source, cfg, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed, device=device)
+
+
+def fingerprint(recipe: Recipe, pipe, layout_lines: list[str]) -> dict:
+    """What must match for a checkpoint to be resumed by this run (layout, model, data order)."""
+    p = recipe.pipeline
+    return {"model": ckpt.config_fingerprint(pipe.hf_config), "world_size": pipe.world_size,
+            "dp_size": pipe.dp_size, "schedule": p.schedule, "method": p.method,
+            "chunks_per_rank": p.chunks_per_rank, "pad_multiple": p.pad_multiple, "layout": layout_lines, "precision": recipe.train.precision,
+            "global_batch": recipe.train.global_batch, "seq_len": recipe.data.seq_len, "seed": recipe.train.seed}
+
+
+def _layout_line(line: str) -> str:
+    """describe() without the MiB figure (bf16 vs fp32 is in `precision`; the rest is the layout)."""
+    return line.rsplit(";", 1)[0] if line.endswith("MiB of parameters") else line
+
+
+def evaluate(pipe, batches: list[dict]) -> float:
+    """Mean token loss over the fixed eval batches, averaged over data-parallel replicas."""
+    if not batches:
+        return float("nan")
+    losses = [pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask")) for b in batches]
+    return world_mean(sum(losses) / len(losses))
+
+
+def train(recipe: Recipe, resume: bool = False) -> dict:
+    """Run a validated recipe on this process's rank. Returns a summary (the same on every rank)."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    accelerator = make_accelerator(recipe)
+    is_main = accelerator.is_main_process
+    set_seed(recipe.train.seed)
+    t, d = recipe.train, recipe.data
+
+    with accelerator.main_process_first():  # the main process converts/caches first, others read it
+        tokenizer = load_tokenizer(recipe.tokenizer.source, recipe.tokenizer.cache_dir, recipe.model.trust_remote_code)
+    pipe = build_pipeline(recipe, tokenizer, accelerator.device)
+    lines = gather(pipe.describe())
+    if is_main:
+        log.info("distributed: %s, world size %d (pp %d x dp %d)", accelerator.distributed_type,
+                 pipe.world_size, pipe.world_size // pipe.dp_size, pipe.dp_size)
+        for line in lines:
+            log.info("%s", line)
+    layout = [_layout_line(x) for x in lines]
+
+    with accelerator.main_process_first():  # tokenized data lands in the datasets cache once
+        train_it, eval_batches = build_data(d, tokenizer, pipe.hf_config.vocab_size, t.seed, t.global_batch,
+                                            pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
+
+    optimizer = build_optimizer(pipe.named_parameters(), recipe.optimizer)
+    scheduler = build_scheduler(optimizer, recipe.lr, t.steps)
+    fp = fingerprint(recipe, pipe, layout)
+    start_step = 0
+    if resume:
+        start_step = _resume(recipe, pipe, optimizer, scheduler, train_it, fp)
+
+    recipe_dict = recipe_to_dict(recipe)
+    tracker = Tracker(accelerator, recipe, recipe_dict)
+    tokens_per_step = t.global_batch * d.seq_len
+    peak = recipe.logging.peak_tflops * 1e12 * pipe.world_size
+    clip = recipe.optimizer.grad_clip if recipe.optimizer.grad_clip is not None else float("inf")
+    summary = {"start_step": start_step, "losses": {}, "eval": {}}
+    bar = tqdm(total=t.steps, initial=start_step, disable=not is_main, desc="train", dynamic_ncols=True)
+    eval_loss = float("nan")
+
+    for step in range(start_step, t.steps):
+        batch = next(train_it)
+        t0 = time.perf_counter()
+        res = pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
+        grad_norm = pipe.clip_grad_norm_(clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        pipe.zero_grad()
+        step_time = time.perf_counter() - t0
+        done = step + 1
+        summary["losses"][done] = res.loss
+        tok_s = tokens_per_step / step_time
+        bar.update(1)
+        bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{tok_s:,.0f}")
+        if done % recipe.logging.log_every == 0 or done == t.steps:
+            metrics = {"train/loss": res.loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                       "train/tokens": done * tokens_per_step, "train/loss_tokens": res.num_tokens,
+                       "perf/tokens_per_s": tok_s, "perf/step_time_s": step_time,
+                       "perf/pipeline_step_time_s": res.step_time_s, "perf/bubble_rate": res.bubble_rate}
+            if peak > 0:
+                metrics["perf/mfu"] = pipe.flops_per_token * tok_s / peak
+            metrics.update(rank_metrics(gather(rank_stats(pipe, accelerator.device))))
+            tracker.log(metrics, done)
+        is_last = done == t.steps
+        if (recipe.eval.every and done % recipe.eval.every == 0) or is_last:
+            eval_loss = evaluate(pipe, eval_batches)
+            summary["eval"][done] = eval_loss
+            if not math.isnan(eval_loss):
+                tracker.log({"eval/loss": eval_loss, "eval/ppl": math.exp(min(eval_loss, 50.0))}, done)
+                if is_main:
+                    bar.write(f"step {done}: eval loss {eval_loss:.4f}, ppl {math.exp(min(eval_loss, 50.0)):.2f}")
+        if recipe.checkpoint.dir and ((recipe.checkpoint.every and done % recipe.checkpoint.every == 0) or is_last):
+            _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, done, recipe_dict)
+    bar.close()
+
+    if recipe.logging.timeline_image and pipe.stats().get("timeline") is not None and start_step < t.steps:
+        timelines = [r for rank_records in gather(pipe.stats()["timeline"]) for r in rank_records]
+        if is_main:
+            path = plot_measured_timeline(timelines, os.path.join(recipe.logging.output_dir, "timeline.png"))
+            if path:
+                tracker.log_image("perf/timeline", path, t.steps)
+    tracker.finish()
+    summary["final_eval_loss"] = eval_loss
+    return summary
+
+
+def _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, step, recipe_dict) -> None:
+    import torch.distributed as dist
+
+    mods = getattr(pipe, "mods", None)
+    rank_info = gather({"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank,
+                        "duplicates": sorted(n for n, _ in pipe.named_parameters()
+                                             if mods is not None and mods.is_duplicate(n))})
+    meta = {"fingerprint": fp, "recipe": recipe_dict, "ranks": rank_info,
+            "vocab_size": pipe.hf_config.vocab_size,
+            "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ())}
+
+    def write_model_files(out_dir: str) -> None:
+        pipe.hf_config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+    trainer_state = {"scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(), "data": train_it.state_dict(),
+                     "step": step}
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+    path = ckpt.save_checkpoint(recipe.checkpoint.dir, step, rank=pipe.rank, model_state=pipe.state_dict(),
+                                optimizer_state=optimizer.state_dict(), trainer_state=trainer_state, meta=meta,
+                                barrier=barrier, write_model_files=write_model_files, keep=recipe.checkpoint.keep)
+    if pipe.rank == 0:
+        log.info("saved checkpoint %s", path)
+
+
+def _resume(recipe, pipe, optimizer, scheduler, train_it, fp) -> int:
+    """Load the latest checkpoint of `checkpoint.dir` into every piece of state; returns its step."""
+    cdir = recipe.checkpoint.dir
+    path = ckpt.read_latest(cdir) if cdir and os.path.isdir(cdir) else None
+    if path is None:
+        if pipe.rank == 0:
+            log.warning("--resume: no checkpoint in %s; starting from step 0", cdir)
+        return 0
+    meta = ckpt.read_meta(path)
+    ckpt.check_fingerprint(meta["fingerprint"], fp, path)
+    model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
+    ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
+    pipe.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    train_it.load_state_dict(trainer_state["data"])
+    ckpt.set_rng_state(trainer_state["rng"])
+    if pipe.rank == 0:
+        log.info("resumed from %s (step %d)", path, meta["step"])
+    return int(meta["step"])
