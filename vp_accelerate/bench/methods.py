@@ -78,7 +78,7 @@ def _runtime_missing() -> str | None:
     try:
         from vp_accelerate.runtime import PipelineModel  # noqa: F401
     except ImportError as e:
-        return f"vp_accelerate.runtime does not export PipelineModel yet ({e})"
+        return f"vp_accelerate.runtime cannot be imported yet ({e})"
     return None
 
 

@@ -11,9 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from vp_accelerate.bench.report import Row, vocab_label  # noqa: E402
 from vp_accelerate.bench.timeline import Pass  # noqa: E402
-
-OP_COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#8fbc8f", "S": "#dd8452", "T": "#c44e52",
-             "IF": "#8172b3", "IB": "#937860"}
+from vp_accelerate.sim.plot import plot_timeline  # noqa: E402  (measured and simulated timelines look alike)
 
 
 def plot_throughput(rows: list[Row], path: str) -> None:
@@ -58,39 +56,16 @@ def plot_memory(rows: list[Row], path: str) -> None:
     plt.close(fig)
 
 
-def _draw_passes(ax, passes: list[Pass], title: str) -> None:
-    """Draw one measured timeline: a row per rank, a bar per pass, labelled with its microbatch."""
-    try:  # the simulator's plotter draws measured and simulated timelines alike when it is present
-        from vp_accelerate.sim.plot import plot_timeline
-
-        plot_timeline(passes, ax=ax, title=title)
-        return
-    except (ImportError, TypeError):
-        pass
-    for p in passes:
-        ax.broken_barh([(p.start, p.end - p.start)], (p.rank - 0.4, 0.8), facecolors=OP_COLORS.get(p.op, "gray"),
-                       edgecolor="white", linewidth=0.3)
-        if p.end - p.start > 0.02 * max(q.end for q in passes):
-            ax.text((p.start + p.end) / 2, p.rank, str(p.mb), ha="center", va="center", fontsize=6, color="white")
-    ranks = sorted({p.rank for p in passes})
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds from step start")
-    ax.set_title(title, fontsize=9)
-
-
 def plot_timelines(rows: list[Row], path: str, methods: tuple[str, ...], vocab: int) -> bool:
     """The measured timelines of `methods` at `vocab`, stacked on a shared time axis. False if none ran."""
     chosen = [r for m in methods for r in rows if r.method == m and r.vocab == vocab and r.timeline]
     if not chosen:
         return False
-    fig, axes = plt.subplots(len(chosen), 1, figsize=(11, 1.6 + 1.1 * len(chosen)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(12, 0.4 + 1.9 * len(chosen)), sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], chosen):
-        _draw_passes(ax, [Pass(*p) for p in r.timeline],
-                     f"{r.method}, V={vocab_label(vocab)}: step {r.step_s:.2f} s, bubble {r.bubble_rate:.0%}")
-    handles = [matplotlib.patches.Patch(color=c, label=op) for op, c in OP_COLORS.items()]
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.legend(handles=handles, ncol=len(handles), fontsize=7, loc="upper center")
+        plot_timeline([Pass(*p) for p in r.timeline], ax=ax,
+                      title=f"{r.method}, V={vocab_label(vocab)}: step {r.step_s:.2f} s, bubble {r.bubble_rate:.0%}")
+    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
