@@ -1,7 +1,8 @@
 """Repeating building blocks of the pipeline schedules, on a unit-time grid.
 
 A block says when each transformer pass (F, B, W of a chunk) of microbatch u of the first repetition
-starts, in slots where every pass lasts one slot. Repetition g (microbatches g*group .. g*group +
+starts, in slots; a pass lasts `durations[op]` slots, in proportion to its real cost (1F1B's full
+backward is two forwards). Repetition g (microbatches g*group .. g*group +
 group-1) is the same block shifted by g*period. Within a rank every pass of the block has a distinct
 start modulo `period`, so the repeated block never puts two passes of one rank in one slot, and every
 dependency starts at least one slot after what it depends on ended. The grid only fixes the ORDER of
@@ -33,6 +34,8 @@ class Block:
     """Whether W is a pass of its own."""
     offsets: dict
     """(op, u, chunk) -> start slot of that pass of microbatch u (0 <= u < group) in repetition 0."""
+    durations: dict
+    """op -> slots one pass lasts: proportional to its real cost, so the grid order matches execution."""
 
     @property
     def sub_period(self) -> int:
@@ -45,12 +48,12 @@ class Block:
 
 
 def one_f_one_b(p: int, backward_shift: int) -> Block:
-    """1F1B: F of stage r at r, B at 2p-1-r; period 2 (F and B one slot each)."""
+    """1F1B: F one slot, B (input + weight gradients) two; F of stage r at r, B at 3p-2-2r; period 3."""
     offsets = {}
     for r in range(p):
         offsets[(Op.F, 0, r)] = r
-        offsets[(Op.B, 0, r)] = 2 * p - 1 - r + backward_shift
-    return _checked(Block(1, 2, tuple(range(p)), False, offsets))
+        offsets[(Op.B, 0, r)] = 3 * p - 2 - 2 * r + backward_shift
+    return _checked(Block(1, 3, tuple(range(p)), False, offsets, {Op.F: 1, Op.B: 2}))
 
 
 def v_half(p: int, backward_shift: int) -> Block:
@@ -74,7 +77,7 @@ def v_half(p: int, backward_shift: int) -> Block:
                 t += 1
             offsets[(Op.W, 0, c)] = t
             used.add(t % 6)
-    return _checked(Block(1, 6, chunk_rank, True, offsets))
+    return _checked(Block(1, 6, chunk_rank, True, offsets, {Op.F: 1, Op.B: 1, Op.W: 1}))
 
 
 def interleaved(p: int, v: int, backward_shift: int) -> Block:
@@ -87,16 +90,17 @@ def interleaved(p: int, v: int, backward_shift: int) -> Block:
         for c in range(n):
             offsets[(Op.F, u, c)] = 2 * (c + u)
             offsets[(Op.B, u, c)] = 2 * (n - 1 + u) + 1 + 2 * (n - 1 - c) + backward_shift
-    return _checked(Block(p, 2 * n, tuple(c % p for c in range(n)), False, offsets))
+    return _checked(Block(p, 2 * n, tuple(c % p for c in range(n)), False, offsets, {Op.F: 1, Op.B: 1}))
 
 
 def _checked(block: Block) -> Block:
-    """Internal invariant: a rank never holds two passes at one residue (else slots would collide)."""
+    """Internal invariant: a rank never holds two passes in one slot modulo the period."""
     seen: dict = {}
     for (op, u, c), t in block.offsets.items():
-        key = (block.chunk_rank[c], t % block.period)
-        if key in seen:
-            raise ScheduleError(f"internal: block passes {seen[key]} and {(op, u, c)} collide on rank "
-                                f"{key[0]} at residue {key[1]}")
-        seen[key] = (op, u, c)
+        for k in range(block.durations[op]):
+            key = (block.chunk_rank[c], (t + k) % block.period)
+            if key in seen:
+                raise ScheduleError(f"internal: block passes {seen[key]} and {(op, u, c)} collide on rank "
+                                    f"{key[0]} at residue {key[1]}")
+            seen[key] = (op, u, c)
     return block

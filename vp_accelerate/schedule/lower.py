@@ -1,9 +1,11 @@
 """Turn grid-placed passes and collectives into each rank's ordered action list, adding p2p.
 
 Sort key of everything on a rank: (time, phase, slot order, mb, chunk, sub, seq).
-- a collective at boundary t: (t, 0, its global collective order, mb, 0, 0, 0) on every rank, so a
-  boundary's collectives come after all passes that started before t and before those starting at t;
-- a pass at slot t: (t, 1, slot order, mb, chunk, 1, 0); its sends follow it (sub 2);
+- a pass ending at grid time e: (e, 0, slot order, mb, chunk, 1, 0); its sends follow it (sub 2);
+  passes of one rank never overlap, so sorting by end is sorting by start;
+- a collective at boundary t: (t, 1, its global collective order, mb, 0, 0, 0) on every rank: issued
+  after the passes that end by t and before a pass still under way at t, so no rank holds up a
+  collective by a pass it does not need;
 - receives precede their consumer (sub 0). p2p between a pair of ranks is matched in issue order
   (NCCL semantics), so on each sender->receiver channel the receives are issued in send order: a
   receive goes right before its own consumer or before the consumer of any later-sent message on the
@@ -25,12 +27,12 @@ def lower(num_ranks: int, chunk_rank: tuple[int, ...], passes: list[TimedPass],
     keyed: list[list] = [[] for _ in range(num_ranks)]
     pass_key: dict = {}
     for p in passes:
-        key = (p.slot, 1, SLOT_ORDER.get(p.op, 0), p.mb, p.chunk, 1, 0)
+        key = (p.end, 0, SLOT_ORDER.get(p.op, 0), p.mb, p.chunk, 1, 0)
         keyed[p.rank].append((key, Action(p.op, p.mb, p.chunk)))
         if p.op in (Op.F, Op.B):
             pass_key[(p.op, p.mb, p.chunk)] = key
     for c in collectives:
-        key = (c.time, 0, COLLECTIVE_ORDER[c.op], c.mb, 0, 0, 0)
+        key = (c.time, 1, COLLECTIVE_ORDER[c.op], c.mb, 0, 0, 0)
         action = Action(c.op, c.mb, 0, c.root)  # one immutable object shared by all ranks
         for r in range(num_ranks):
             keyed[r].append((key, action))

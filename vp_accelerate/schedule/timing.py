@@ -1,19 +1,21 @@
 """Place every pass and collective of a step on one global grid (the building-block method).
 
-Transformer passes come from the block. For the VP methods every sub-period of the block (one
-microbatch's worth of slots) is stretched by two slots that hold the vocabulary passes on all ranks
-at the same time:
+Transformer passes come from the block, each lasting its `durations` slots. For the VP methods one
+S gap and one T gap of one slot each are inserted into every sub-period of the block (one
+microbatch's worth of slots), at base times n*q (S) and n*q + ceil(q/2) (T): a pass starting at base
+time x moves to x + (number of gap points <= x), the same map on every rank, so every dependency
+keeps its order. On a rank whose pass straddles a gap point, that rank's gap slot comes right after
+the pass. The block's backward passes were already delayed one sub-period per barrier (blocks.py), so
+between the last chunk's F(k) and B(k) there is an S gap (and, for vocab-1, a T gap after it).
 
-    [S slot][first half of the sub-period][T slot][second half]
-
-and the block's backward passes were already delayed one sub-period per barrier (blocks.py), so
-between the last chunk's F(k) and B(k) there is always an S slot (and, for vocab-1, a T slot after
-it). Placement rules, with collectives at slot boundaries, identical on every rank:
-- C0(k) at the start of the first S slot after F(k, last) ends; S(k) in that slot; C1(k) at its end.
-- T(k) in the next T slot; C2(k) (vocab-1) at that T slot's end; B(k, last) after C1 / C2.
-- IF(j) in the S slot just before F(j, 0); IF_REDUCE(j) at that slot's end, beside C1.
-- IB_BCAST(j) at the first S-slot end (the C1 boundary) after B(j, 0) ends; IB(j) in the next T slot.
-Because every collective has one global time, all ranks issue them in the same order.
+Placement rules (collectives get one global time, identical on every rank):
+- C0(k) at the start of the first S gap after F(k, last) ends; S(k) in that gap on every rank; C1(k)
+  when the last rank's S(k) ends.
+- T(k) in the first T gap after C1(k); C2(k) (vocab-1) when the last rank's T(k) ends; the last
+  chunk's B(k) starts after C1 (vocab-2) or C2 (vocab-1).
+- IF(j) in the last S gap that ends, on every rank, before F(j, 0) starts; IF_REDUCE(j) beside that
+  gap's C1 (piggybacked on the output layer's collective slot).
+- IB_BCAST(j) at the first C1-type boundary after B(j, 0) ends; IB(j) in the T gap after it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ class TimedPass:
     chunk: int
     """Chunk (0 for vocabulary passes)."""
     slot: int
-    """Grid slot it starts in (lasts one slot; gap slots may hold several, ordered by SLOT_ORDER)."""
+    """Grid slot it starts in (gap slots may hold several passes, ordered by SLOT_ORDER)."""
+    length: int = 1
+    """Slots it lasts."""
+
+    @property
+    def end(self) -> int:
+        return self.slot + self.length
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,8 @@ class TimedCollective:
     mb: int
     """Microbatch."""
     time: int
-    """Boundary: after every pass that started before `time`, before every pass starting at it."""
+    """Boundary: each rank issues it after its passes that end by `time`, before those ending later
+    (a pass under way at `time` runs after the issue: the collective does not wait for it)."""
     root: int
     """Root rank, or -1 for all-reduces."""
 
@@ -62,64 +71,87 @@ class TimedCollective:
 def place(block: Block, num_ranks: int, num_mb: int, method: str, forward_only: bool):
     """All passes and collectives of the step on the grid: (list[TimedPass], list[TimedCollective])."""
     vocab = method in ("vocab-1", "vocab-2")
-    q = block.sub_period
-    half = (q + 1) // 2       # T slot sits before this residue of the sub-period
-    span = q + 2 if vocab else q
-
-    def stretch(t: int) -> int:
-        if not vocab:
-            return t
-        n, rho = divmod(t, q)
-        return n * span + 1 + rho + (1 if rho >= half else 0)
-
-    def s_slot_at_or_after(t: int) -> int:
-        return -(-t // span) * span
-
-    def t_slot_at_or_after(t: int) -> int:
-        return -(-(t - half - 1) // span) * span + half + 1
-
     ops = (Op.F,) if forward_only else (Op.F, Op.B, Op.W)
-    passes: list[TimedPass] = []
-    start: dict = {}
+    base: dict = {}  # (op, mb, chunk) -> base start
     for mb in range(num_mb):
         u = mb % block.group
-        for (op, bu, c), _ in block.offsets.items():
-            if bu != u or op not in ops:
-                continue
-            t = stretch(block.time(op, mb, c))
-            start[(op, mb, c)] = t
-            passes.append(TimedPass(block.chunk_rank[c], op, mb, c, t))
-    colls: list[TimedCollective] = []
+        for (op, bu, c) in block.offsets:
+            if bu == u and op in ops:
+                base[(op, mb, c)] = block.time(op, mb, c)
     if not vocab:
-        return passes, colls
+        return [TimedPass(block.chunk_rank[c], op, mb, c, t, block.durations[op]) for (op, mb, c), t in base.items()], []
+    return _place_vocab(block, num_ranks, num_mb, method, forward_only, base)
 
+
+def _place_vocab(block: Block, p: int, num_mb: int, method: str, forward_only: bool, base: dict):
+    q = block.sub_period
+    half = (q + 1) // 2
+    dur = block.durations
     last = len(block.chunk_rank) - 1
     first_owner, last_owner = block.chunk_rank[0], block.chunk_rank[last]
-    barrier_end = {}
+
+    def gaps_upto(x: int) -> int:  # gap points (S at n*q, T at n*q + half) at or before base time x
+        return (x // q + 1) + ((x - half) // q + 1 if x >= half else 0)
+
+    def stretch(x: int) -> int:
+        return x + gaps_upto(x)
+
+    # a pass that straddles a gap point pushes that rank's gap slot to its own end
+    straddle: dict = {}
+    for (op, mb, c), x in base.items():
+        for y in range(x + 1, x + dur[op]):
+            if y % q in (0, half):
+                straddle[(block.chunk_rank[c], y)] = stretch(x) + dur[op]
+
+    def slot(r: int, gap: int) -> int:
+        return max(stretch(gap) - 1, straddle.get((r, gap), -1))
+
+    def last_end(gap: int) -> int:  # when the slowest rank's pass in this gap ends
+        return max(slot(r, gap) for r in range(p)) + 1
+
+    def first_t_gap_from(t: int) -> int:  # first T gap whose slot starts at or after t on every rank
+        g = max(0, (t - 2) // (q + 2) - 1) * q + half
+        while min(slot(r, g) for r in range(p)) < t:
+            g += q
+        return g
+
+    passes = [TimedPass(block.chunk_rank[c], op, mb, c, stretch(x), dur[op]) for (op, mb, c), x in base.items()]
+    colls: list[TimedCollective] = []
     for mb in range(num_mb):
-        s = s_slot_at_or_after(start[(Op.F, mb, last)] + 1)
-        colls.append(TimedCollective(Op.C0, mb, s, last_owner))
-        colls.append(TimedCollective(Op.C1, mb, s + 1, -1))
-        passes += [TimedPass(r, Op.S, mb, 0, s) for r in range(num_ranks)]
-        barrier_end[mb] = s + 1
+        f_end = base[(Op.F, mb, last)] + dur[Op.F]
+        s_gap = -(-f_end // q) * q
+        colls.append(TimedCollective(Op.C0, mb, stretch(s_gap) - 1, last_owner))
+        passes += [TimedPass(r, Op.S, mb, 0, slot(r, s_gap)) for r in range(p)]
+        c1 = last_end(s_gap)
+        colls.append(TimedCollective(Op.C1, mb, c1, -1))
         if not forward_only:
-            t = t_slot_at_or_after(s + 1)
-            passes += [TimedPass(r, Op.T, mb, 0, t) for r in range(num_ranks)]
+            t_gap = first_t_gap_from(c1)
+            passes += [TimedPass(r, Op.T, mb, 0, slot(r, t_gap)) for r in range(p)]
+            barrier = c1
             if method == "vocab-1":
-                colls.append(TimedCollective(Op.C2, mb, t + 1, -1))
-                barrier_end[mb] = t + 1
-            if start[(Op.B, mb, last)] < barrier_end[mb]:
-                raise ScheduleError(f"internal: B(mb={mb}, chunk={last}) at slot {start[(Op.B, mb, last)]} "
-                                    f"before its barrier at {barrier_end[mb]}; the block shift is too small")
-        # IF(j): the S slot holding F(j, 0)'s sub-period starts right before F(j, 0).
-        base = block.time(Op.F, mb, 0)
-        s_in = (base // q) * span
-        passes += [TimedPass(r, Op.IF, mb, 0, s_in) for r in range(num_ranks)]
-        colls.append(TimedCollective(Op.IF_REDUCE, mb, s_in + 1, first_owner))
+                barrier = last_end(t_gap)
+                colls.append(TimedCollective(Op.C2, mb, barrier, -1))
+            b_last = stretch(base[(Op.B, mb, last)])
+            if b_last < barrier:
+                raise ScheduleError(f"internal: B(mb={mb}, chunk={last}) at {b_last} before its barrier at "
+                                    f"{barrier}; the block's backward shift is too small")
+        # IF(j): the latest S gap whose slowest slot ends before F(j, 0) starts
+        f0 = base[(Op.F, mb, 0)]
+        in_gap = (f0 // q) * q
+        while last_end(in_gap) > stretch(f0):
+            in_gap -= q
+        if in_gap < 0:
+            raise ScheduleError(f"internal: no S gap before F(mb={mb}, chunk=0)")
+        passes += [TimedPass(r, Op.IF, mb, 0, slot(r, in_gap)) for r in range(p)]
+        colls.append(TimedCollective(Op.IF_REDUCE, mb, last_end(in_gap), first_owner))
         if not forward_only:
-            b_end = start[(Op.B, mb, 0)] + 1
-            bcast = s_slot_at_or_after(b_end - 1) + 1  # first S-slot end >= b_end
+            b0 = base[(Op.B, mb, 0)]
+            b_end = stretch(b0) + dur[Op.B]
+            g = (b0 // q) * q
+            while last_end(g) < b_end:
+                g += q
+            bcast = last_end(g)
             colls.append(TimedCollective(Op.IB_BCAST, mb, bcast, first_owner))
-            t = t_slot_at_or_after(bcast)
-            passes += [TimedPass(r, Op.IB, mb, 0, t) for r in range(num_ranks)]
+            t_gap = first_t_gap_from(bcast)
+            passes += [TimedPass(r, Op.IB, mb, 0, slot(r, t_gap)) for r in range(p)]
     return passes, colls

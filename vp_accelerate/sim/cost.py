@@ -1,0 +1,292 @@
+"""Cost model: how long each pass and each communication takes, and what each rank keeps in memory.
+
+Two sources of pass times with one interface (`pass_time`, `p2p_time`, `collective_time`):
+- `CostModel`: from a model shape (FLOPs of DESIGN.md §1 at a sustained fraction of peak, plus the
+  memory-bound softmax work on the logits) and link bandwidths;
+- `MeasuredCosts`: from a JSON of measured per-pass times per rank (what the runtime records).
+Memory and FLOPs always come from a shape (`CostModel`); MeasuredCosts may carry one for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vp_accelerate.schedule.ir import Op, Schedule
+
+from .shape import ModelShape, shape_from_hf_config
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links. Defaults: A100-80GB SXM with NVLink (the paper's machine)."""
+
+    peak_flops: float = 312e12
+    """Dense bf16 peak FLOP/s of one device (MFU's denominator)."""
+    efficiency: float = 0.55
+    """Fraction of peak the matmuls sustain; scales absolute MFU, hardly the ratios between methods."""
+    mem_bandwidth: float = 1.6e12
+    """HBM bytes/s, for memory-bound work (softmax over the logits, embedding gathers)."""
+    logit_bytes: float = 12.0
+    """HBM bytes moved per logit per direction by the softmax/cross-entropy elementwise work."""
+    p2p_bandwidth: float = 100e9
+    """Bytes/s of one point-to-point activation transfer between neighbouring stages."""
+    collective_bandwidth: float = 100e9
+    """Bus bytes/s of the vocabulary collectives over the pipeline group."""
+    latency: float = 20e-6
+    """Seconds of fixed cost per communication call."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Pass times and memory from a model shape, for one schedule's layout and method."""
+
+    shape: ModelShape
+    """The model and microbatch."""
+    method: str
+    """"baseline" | "redis" | "vocab-1" | "vocab-2"."""
+    chunk_rank: tuple[int, ...]
+    """Owner rank of each chunk (from the schedule)."""
+    chunk_layers: tuple[int, ...]
+    """Transformer layers in each chunk, model order."""
+    hw: Hardware = field(default_factory=Hardware)
+    """Device and link speeds."""
+    grad_bytes: int = 4
+    """Bytes per gradient element (fp32 accumulation)."""
+    optimizer_bytes: int = 12
+    """Bytes of optimizer state per parameter: fp32 master copy + Adam m and v."""
+    split_backward: bool = False
+    """The schedule splits B (input grads) from W (weight grads)."""
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.chunk_rank) + 1
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.method in ("vocab-1", "vocab-2")
+
+    @property
+    def shard_rows(self) -> int:
+        """Vocabulary rows per rank in VP (V padded to a multiple of p)."""
+        return math.ceil(self.shape.vocab / self.num_ranks)
+
+    # ---- times -------------------------------------------------------------------------------
+    def _flops_time(self, flops: float) -> float:
+        return flops / (self.hw.peak_flops * self.hw.efficiency)
+
+    def _logit_time(self, rows: int) -> float:
+        return self.shape.tokens * rows * self.hw.logit_bytes / self.hw.mem_bandwidth
+
+    def _gather_time(self) -> float:
+        return 2 * self.shape.hidden_bytes() / self.hw.mem_bandwidth
+
+    def pass_time(self, rank: int, op: Op, chunk: int) -> float:
+        s = self.shape
+        last = len(self.chunk_rank) - 1
+        if op in (Op.F, Op.B, Op.W):
+            f, b, w = s.layer_flops()
+            n = self.chunk_layers[chunk]
+            if op is Op.B and not self.split_backward:
+                b += w  # an unsplit backward computes the weight gradients too
+            t = self._flops_time(n * {Op.F: f, Op.B: b, Op.W: w}[op])
+            if not self.vocab_parallel:
+                if chunk == last:  # the whole output layer and loss ride on the last chunk
+                    head = s.output_matmul_flops()
+                    if op is Op.F:
+                        t += self._flops_time(head) + self._logit_time(s.vocab)
+                    elif op is Op.B:
+                        t += self._flops_time(head if self.split_backward else 2 * head) + self._logit_time(s.vocab)
+                    else:
+                        t += self._flops_time(head)
+                if chunk == 0 and op is not Op.W:
+                    t += self._gather_time()
+            return t
+        rows = self.shard_rows
+        mm = s.output_matmul_flops(rows)
+        if op is Op.S:  # logits (+ a_i = p_i W_i for vocab-2) and the local softmax statistics
+            return self._flops_time(mm * (2 if self.method == "vocab-2" else 1)) + self._logit_time(rows)
+        if op is Op.T:  # weight gradient (+ local input gradient for vocab-1)
+            return self._flops_time(mm * (2 if self.method == "vocab-1" else 1)) + self._logit_time(rows)
+        if op in (Op.IF, Op.IB):
+            return self._gather_time()
+        raise ValueError(f"no compute time for {op}")
+
+    def p2p_time(self) -> float:
+        return self.shape.hidden_bytes() / self.hw.p2p_bandwidth + self.hw.latency
+
+    def collective_time(self, op: Op) -> float:
+        s, p = self.shape, self.num_ranks
+        ring = 2 * (p - 1) / p  # all-reduce moves this many times the buffer over the bus
+        x = s.hidden_bytes()
+        stats = 3 * s.tokens * 4  # max, sum, target logit per token, fp32
+        nbytes = {
+            Op.C0: x,
+            Op.IF_REDUCE: x,
+            Op.IB_BCAST: x,
+            Op.C1: ring * (stats + (s.tokens * s.hidden * 4 if self.method == "vocab-2" else 0)),
+            Op.C2: ring * s.tokens * s.hidden * 4,
+        }[op]
+        return nbytes / self.hw.collective_bandwidth + self.hw.latency
+
+    # ---- memory ------------------------------------------------------------------------------
+    def activation_bytes(self, chunk: int) -> float:
+        """What one microbatch keeps on the chunk's rank from its F to its B (W when split)."""
+        b = self.chunk_layers[chunk] * self.shape.layer_activation_bytes()
+        if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
+            b += self.shape.tokens * self.shape.vocab * 4 + self.shape.hidden_bytes()  # fp32 logits + X
+        return b
+
+    def stash_bytes(self) -> float:
+        """VP: what one microbatch keeps on every rank from S to T: the shard's softmax p_i (fp32),
+        X, and for vocab-1 the local input gradient until C2."""
+        if not self.vocab_parallel:
+            return 0.0
+        b = self.shape.tokens * self.shard_rows * 4 + self.shape.hidden_bytes()
+        if self.method == "vocab-1":
+            b += self.shape.tokens * self.shape.hidden * 4
+        return b
+
+    def rank_params(self, rank: int) -> float:
+        """Parameters held by `rank`: its layers, plus the embedding / output weight (whole on the first /
+        last chunk's owner for baseline and redis, one 1/p shard of each on every rank for VP)."""
+        s = self.shape
+        n = sum(l for c, l in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank) * s.layer_params()
+        vocab_tensors = 1 if s.tied else 2
+        if self.vocab_parallel:
+            return n + vocab_tensors * self.shard_rows * s.hidden
+        if rank == self.chunk_rank[0]:
+            n += s.vocab * s.hidden
+        if rank == self.chunk_rank[-1] and not (s.tied and self.chunk_rank[0] == rank):
+            n += s.vocab * s.hidden
+        return n
+
+    def static_bytes(self, rank: int) -> float:
+        """Parameters + gradients + optimizer state of `rank` in bytes."""
+        return self.rank_params(rank) * (self.shape.dtype_bytes + self.grad_bytes + self.optimizer_bytes)
+
+    def model_flops(self) -> float:
+        """Paper-counted training FLOPs of one microbatch (MFU numerator)."""
+        return self.shape.model_flops()
+
+
+def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = None,
+                 chunk_layers: tuple[int, ...] | None = None) -> CostModel:
+    """The CostModel of `schedule`: even layer split, or redis_layer_split for method "redis"."""
+    hw = hw or Hardware()
+    if chunk_layers is None:
+        if schedule.method == "redis":
+            if schedule.num_chunks != schedule.num_ranks:
+                raise ValueError("redis balances one chunk per rank (schedule kind 1f1b)")
+            chunk_layers = redis_layer_split(shape, schedule.num_ranks, hw=hw)
+        else:
+            chunk_layers = even_layer_split(shape.layers, schedule.num_chunks)
+    return CostModel(shape, schedule.method, schedule.chunk_rank, tuple(chunk_layers), hw,
+                     split_backward=schedule.split_backward)
+
+
+def even_layer_split(num_layers: int, num_chunks: int) -> tuple[int, ...]:
+    """Layers per chunk, the first num_layers % num_chunks chunks one more (as models.layout does)."""
+    if num_chunks > num_layers:
+        raise ValueError(f"{num_layers} layers cannot fill {num_chunks} chunks (each needs one)")
+    base, extra = divmod(num_layers, num_chunks)
+    return tuple(base + (1 if c < extra else 0) for c in range(num_chunks))
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Fwd+bwd time (any unit) of one transformer layer and of the extras on the first and last stage."""
+
+    layer: float
+    """One transformer layer."""
+    first: float
+    """Input embedding (and whatever else only the first stage runs)."""
+    last: float
+    """Output layer and loss."""
+
+
+def redis_layer_split(model, num_stages: int, costs: StageCosts | None = None, *, seq: int = 2048,
+                      vocab: int | None = None, hw: Hardware | None = None, min_layers: int = 1) -> tuple[int, ...]:
+    """Layers per stage that minimise the slowest stage's time (the "redis" baseline): the last stage,
+    which also runs the output layer, and the first, which runs the embedding, get fewer layers.
+
+    model: a layer count (then `costs` is required), a ModelShape, or an HF config (object, dict or
+    path of config.json; `seq`, default 2048, and `vocab` complete it). Every stage keeps at least
+    `min_layers` layers (the runtime needs one).
+    """
+    if isinstance(model, int):
+        if costs is None:
+            raise ValueError("redis_layer_split(num_layers, ...) needs costs=StageCosts(layer, first, last)")
+        num_layers = model
+    else:
+        shape = model if isinstance(model, ModelShape) else shape_from_hf_config(model, seq=seq, vocab=vocab)
+        num_layers = shape.layers
+        if costs is None:
+            hw = hw or Hardware()
+            probe = CostModel(shape, "baseline", (0, 1), (1, 1), hw)
+            layer = probe.pass_time(0, Op.F, 0) + probe.pass_time(0, Op.B, 0) - 2 * probe._gather_time()
+            last = probe.pass_time(1, Op.F, 1) + probe.pass_time(1, Op.B, 1) - layer
+            costs = StageCosts(layer=layer, first=2 * probe._gather_time(), last=last)
+    if num_stages * min_layers > num_layers:
+        raise ValueError(f"{num_layers} layers cannot give {num_stages} stages {min_layers} layer(s) each")
+    extra = [costs.first] + [0.0] * (num_stages - 2) + [costs.last] if num_stages > 1 else [costs.first + costs.last]
+
+    def capacity(limit: float) -> list[int]:
+        return [max(0, math.floor((limit - e) / costs.layer + 1e-9)) for e in extra]
+
+    candidates = sorted({e + k * costs.layer for e in extra for k in range(min_layers, num_layers + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:  # smallest stage-time limit under which the stages can hold every layer
+        mid = (lo + hi) // 2
+        caps = capacity(candidates[mid])
+        if all(c >= min_layers for c in caps) and sum(caps) >= num_layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = capacity(candidates[lo])
+    while sum(counts) > num_layers:  # give back the surplus from the currently slowest stages
+        i = max((i for i in range(num_stages) if counts[i] > min_layers),
+                key=lambda i: (extra[i] + counts[i] * costs.layer, counts[i]))
+        counts[i] -= 1
+    return tuple(counts)
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Pass times measured on real hardware, per rank, in seconds.
+
+    JSON: {"passes": [{"F": s, "B": s, "W": s, "S": s, "T": s, "IF": s, "IB": s}, ...one per rank],
+           "p2p": s, "collectives": {"C0": s, "C1": s, "C2": s, "IF_REDUCE": s, "IB_BCAST": s}}
+    A per-chunk time may be given as "F:3" (chunk 3); it overrides the rank's "F".
+    """
+
+    passes: tuple[dict, ...]
+    """Per rank: op name (or "op:chunk") -> seconds."""
+    p2p: float = 0.0
+    """Seconds per activation/gradient transfer."""
+    collectives: dict = field(default_factory=dict)
+    """Collective op name -> seconds."""
+    model: CostModel | None = None
+    """Shape-based model for memory and FLOPs (optional)."""
+
+    @staticmethod
+    def from_json(path, model: CostModel | None = None) -> "MeasuredCosts":
+        d = json.loads(Path(path).read_text())
+        return MeasuredCosts(tuple(d["passes"]), float(d.get("p2p", 0.0)), dict(d.get("collectives", {})), model)
+
+    def pass_time(self, rank: int, op: Op, chunk: int) -> float:
+        times = self.passes[rank]
+        key = f"{op.value}:{chunk}"
+        if key in times:
+            return float(times[key])
+        if op.value not in times:
+            raise KeyError(f"measured costs give no {op.value} time for rank {rank}")
+        return float(times[op.value])
+
+    def p2p_time(self) -> float:
+        return self.p2p
+
+    def collective_time(self, op: Op) -> float:
+        return float(self.collectives.get(op.value, 0.0))

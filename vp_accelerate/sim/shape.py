@@ -1,0 +1,101 @@
+"""Model shape and the FLOP / byte formulas of DESIGN.md §1 and §7."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# HF model types whose MLP has three matrices (gate, up, down) instead of two.
+GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs to know about a decoder-only transformer and one microbatch."""
+
+    hidden: int
+    """Hidden size h."""
+    layers: int
+    """Transformer layers L."""
+    heads: int
+    """Attention heads (kept for reporting; the FLOP formula does not need it)."""
+    ffn: int
+    """MLP intermediate size."""
+    vocab: int
+    """Vocabulary size V."""
+    seq: int
+    """Sequence length s."""
+    microbatch_size: int = 1
+    """Sequences per microbatch b."""
+    dtype_bytes: int = 2
+    """Bytes per activation / parameter element (2 for bf16)."""
+    mlp_matrices: int = 2
+    """2 for a GELU MLP (the paper's formula), 3 for a gated (SwiGLU) MLP."""
+    tied: bool = False
+    """Input embedding and output weight are one tensor."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per microbatch N = b*s."""
+        return self.microbatch_size * self.seq
+
+    # ---- FLOPs per microbatch --------------------------------------------------------------
+    def layer_linear_flops(self) -> float:
+        """Forward FLOPs of one layer's weight matmuls: 8Nh^2 (QKV+O) + 2*k*N*h*ffn (MLP)."""
+        n, h = self.tokens, self.hidden
+        return 8 * n * h * h + 2 * self.mlp_matrices * n * h * self.ffn
+
+    def layer_attention_flops(self) -> float:
+        """Forward FLOPs of the attention core (QK^T and AV): 4*b*s^2*h, counted as the paper does."""
+        return 4 * self.microbatch_size * self.seq * self.seq * self.hidden
+
+    def layer_flops(self) -> tuple[float, float, float]:
+        """(F, B, W) FLOPs of one layer: B = input gradients (+ attention core backward), W = weight
+        gradients; B + W = 2F, so fwd+bwd is s*h*(72h + 12s) at b=1, ffn=4h (DESIGN.md §1)."""
+        lin, att = self.layer_linear_flops(), self.layer_attention_flops()
+        return lin + att, lin + 2 * att, lin
+
+    def output_matmul_flops(self, rows: int | None = None) -> float:
+        """One N x h x rows matmul (2*N*h*rows); rows defaults to the whole vocabulary."""
+        return 2 * self.tokens * self.hidden * (self.vocab if rows is None else rows)
+
+    def model_flops(self) -> float:
+        """Training FLOPs of one microbatch as the paper counts them for MFU (DESIGN.md §7):
+        3*(2*b*s*h*V + L*(8*b*s*h^2 + 4*b*s^2*h + 2k*b*s*h*FFN))."""
+        return 3 * (self.output_matmul_flops() + self.layers * (self.layer_linear_flops() + self.layer_attention_flops()))
+
+    # ---- bytes -----------------------------------------------------------------------------
+    def layer_params(self) -> int:
+        """Parameters of one layer: 4h^2 attention + k*h*ffn MLP (norms and biases ignored)."""
+        return 4 * self.hidden * self.hidden + self.mlp_matrices * self.hidden * self.ffn
+
+    def layer_activation_bytes(self) -> float:
+        """Activations one layer keeps per microbatch for its backward, with flash attention
+        (Korthikanti et al.: 34*s*b*h bytes in 16-bit at ffn=4h: 15*sbh in the attention block,
+        19*sbh in the MLP, which we scale by ffn/4h)."""
+        sbh = self.tokens * self.hidden
+        return sbh * (15 + 19 * self.ffn / (4 * self.hidden)) * self.dtype_bytes / 2
+
+    def hidden_bytes(self) -> float:
+        """One [N, h] activation tensor (what p2p, C0, IF_REDUCE and IB_BCAST move)."""
+        return self.tokens * self.hidden * self.dtype_bytes
+
+
+def shape_from_hf_config(config, seq: int, vocab: int | None = None, microbatch_size: int = 1,
+                         dtype_bytes: int = 2) -> ModelShape:
+    """A ModelShape from an HF config (object, dict, or path to config.json). `vocab` overrides."""
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    h = get("hidden_size") or get("n_embd") or get("d_model")
+    layers = get("num_hidden_layers") or get("n_layer")
+    heads = get("num_attention_heads") or get("n_head")
+    if not (h and layers and heads):
+        raise ValueError("config lacks hidden_size / num_hidden_layers / num_attention_heads (or GPT-2's n_embd/n_layer/n_head)")
+    ffn = get("intermediate_size") or get("n_inner") or 4 * h
+    model_type = get("model_type", "") or ""
+    return ModelShape(hidden=h, layers=layers, heads=heads, ffn=ffn, vocab=vocab or get("vocab_size"), seq=seq,
+                      microbatch_size=microbatch_size, dtype_bytes=dtype_bytes,
+                      mlp_matrices=3 if model_type in GATED_MLP_TYPES else 2,
+                      tied=bool(get("tie_word_embeddings", False)))

@@ -1,0 +1,198 @@
+"""Replay a schedule's action lists with pass costs: step time, bubbles, memory, MFU, timeline.
+
+Execution model: each rank runs its actions in order. A send is non-blocking; the data lands
+p2p_time later. A receive is posted where it stands and waited for by the pass that consumes it.
+Collectives run on one stream of their own, in order, once every rank has issued them (a rank issues
+one when it reaches it, without waiting); the pass that needs the result waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vp_accelerate.schedule.ir import COLLECTIVES, COMPUTE_PASSES, Op, Schedule
+
+# the pass that waits for each collective (besides B of the last chunk, handled apart)
+WAITS_FOR = {Op.S: Op.C0, Op.T: Op.C1, Op.IB: Op.IB_BCAST}
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One executed pass or collective: the timeline format the runtime records too."""
+
+    rank: int
+    """Rank that ran it."""
+    op: str
+    """Op name ("F", "S", "C1", ...)."""
+    mb: int
+    """Microbatch."""
+    chunk: int
+    """Chunk (0 for vocabulary work)."""
+    start: float
+    """Seconds from the step start."""
+    end: float
+    """Seconds from the step start."""
+
+
+@dataclass
+class SimResult:
+    """What one simulated step costs."""
+
+    step_time: float
+    """Makespan in seconds."""
+    bubble_rate: float
+    """Idle fraction of all ranks over the step: 1 - sum(busy) / (p * step_time)."""
+    busy: list[float]
+    """Per rank, seconds of compute passes."""
+    peak_activation_microbatches: list[float]
+    """Per rank, peak transformer activations in flight (F to B, or W when split), in microbatches of
+    that rank's layers: each (mb, chunk) weighs chunk layers / rank layers."""
+    peak_stash_microbatches: list[int]
+    """Per rank, peak number of microbatches whose VP S->T state is held."""
+    peak_activation_bytes: list[float]
+    """Per rank, peak bytes of activations + VP stash (needs a shape-based cost model; else 0)."""
+    static_bytes: list[float]
+    """Per rank, parameter + gradient + optimizer bytes (shape-based cost model; else 0)."""
+    peak_memory_bytes: list[float]
+    """static_bytes + peak_activation_bytes."""
+    mfu: float
+    """Model FLOPs utilisation given the peak FLOP rate (0 without a shape-based model)."""
+    timeline: list[TimedAction] = field(repr=False)
+    """Every compute pass (and collective, op C0/C1/...) with its start and end."""
+
+
+def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
+             blocking_collectives: bool = False) -> SimResult:
+    """Time `schedule` with `costs` (CostModel or MeasuredCosts). MFU uses peak_flops, or the cost
+    model's hardware peak. Collectives are asynchronous (issued in order, waited for by the pass that
+    needs their result: S, T, IB, F of chunk 0, B of the last chunk), as on GPUs where they run on a
+    stream of their own; `blocking_collectives` makes every rank wait for each one instead (gloo)."""
+    p = schedule.num_ranks
+    last = schedule.last_chunk
+    acts = schedule.actions
+    pc = [0] * p
+    clock = [0.0] * p
+    arrival: dict = {}   # (recv op, mb, chunk) -> time the data is there
+    done_at: dict = {}   # (collective op, mb) -> completion time
+    stream = 0.0         # the collectives' stream is busy until then
+    timeline: list[TimedAction] = []
+    grad_barrier = {"vocab-2": Op.C1, "vocab-1": Op.C2}.get(schedule.method)
+
+    def ready(r: int, a) -> float | None:
+        """Earliest start of compute pass `a` on rank r, or None while an input has not been sent."""
+        t = clock[r]
+        key = None
+        if a.op is Op.F and a.chunk > 0 and schedule.owner(a.chunk - 1) != r:
+            key = (Op.RECV_ACT, a.mb, a.chunk)
+        elif a.op is Op.B and a.chunk < last and schedule.owner(a.chunk + 1) != r:
+            key = (Op.RECV_GRAD, a.mb, a.chunk)
+        if key is not None:
+            if key not in arrival:
+                return None
+            t = max(t, arrival[key])
+        if a.op is Op.B and a.chunk == last and grad_barrier is not None:
+            t = max(t, done_at[(grad_barrier, a.mb)])
+        if a.op in WAITS_FOR:
+            t = max(t, done_at[(WAITS_FOR[a.op], a.mb)])
+        if a.op is Op.F and a.chunk == 0 and (Op.IF_REDUCE, a.mb) in done_at:
+            t = max(t, done_at[(Op.IF_REDUCE, a.mb)])
+        return t
+
+    while True:
+        progress = False
+        for r in range(p):
+            while pc[r] < len(acts[r]):
+                a = acts[r][pc[r]]
+                if a.op in COMPUTE_PASSES:
+                    t = ready(r, a)
+                    if t is None:
+                        break
+                    end = t + costs.pass_time(r, a.op, a.chunk)
+                    timeline.append(TimedAction(r, a.op.value, a.mb, a.chunk, t, end))
+                    clock[r] = end
+                elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                    key = (Op.RECV_ACT, a.mb, a.chunk + 1) if a.op is Op.SEND_ACT else (Op.RECV_GRAD, a.mb, a.chunk - 1)
+                    arrival[key] = clock[r] + costs.p2p_time()
+                elif a.op in COLLECTIVES:
+                    break
+                pc[r] += 1
+                progress = True
+        at = [acts[r][pc[r]] if pc[r] < len(acts[r]) else None for r in range(p)]
+        if all(a is None for a in at):
+            break
+        if all(a is not None and a.op in COLLECTIVES for a in at):
+            a = at[0]
+            start = max(max(clock), stream)
+            end = start + costs.collective_time(a.op)
+            stream = done_at[(a.op, a.mb)] = end
+            for r in range(p):
+                timeline.append(TimedAction(r, a.op.value, a.mb, 0, start, end))
+                if blocking_collectives:
+                    clock[r] = end
+                pc[r] += 1
+            continue
+        if not progress:
+            raise RuntimeError(f"simulation stuck (validate the schedule): {[str(a) for a in at]}")
+    return _summarise(schedule, costs, timeline, peak_flops)
+
+
+def _summarise(schedule: Schedule, costs, timeline: list[TimedAction], peak_flops) -> SimResult:
+    p = schedule.num_ranks
+    step = max(t.end for t in timeline)
+    compute = {o.value for o in COMPUTE_PASSES}
+    busy = [0.0] * p
+    for t in timeline:
+        if t.op in compute:
+            busy[t.rank] += t.end - t.start
+    model = costs if hasattr(costs, "activation_bytes") else getattr(costs, "model", None)
+    act_mb, stash_mb, act_bytes = _memory(schedule, timeline, model)
+    static = [model.static_bytes(r) if model else 0.0 for r in range(p)]
+    mfu = 0.0
+    if model is not None:
+        peak = peak_flops or model.hw.peak_flops
+        mfu = schedule.num_microbatches * model.model_flops() / (step * p * peak)
+    return SimResult(step_time=step, bubble_rate=1 - sum(busy) / (p * step), busy=busy,
+                     peak_activation_microbatches=act_mb, peak_stash_microbatches=stash_mb,
+                     peak_activation_bytes=act_bytes, static_bytes=static,
+                     peak_memory_bytes=[s + a for s, a in zip(static, act_bytes)], mfu=mfu, timeline=timeline)
+
+
+def _memory(schedule: Schedule, timeline: list[TimedAction], model):
+    """Sweep allocation (+) and free (-) events per rank. Frees sort before allocations at equal
+    times, so back-to-back passes do not double count."""
+    p = schedule.num_ranks
+    free_op = "W" if schedule.split_backward else "B"
+    events: list[list] = [[] for _ in range(p)]
+    rank_layers = [0] * p
+    layers = getattr(model, "chunk_layers", None) or (1,) * schedule.num_chunks
+    for c, r in enumerate(schedule.chunk_rank):
+        rank_layers[r] += layers[c]
+    for t in timeline:
+        r = t.rank
+        if t.op == "F" and not schedule.forward_only:
+            w = layers[t.chunk] / rank_layers[r]
+            b = model.activation_bytes(t.chunk) if model else 0.0
+            events[r].append((t.start, 1, w, 0, b))
+        elif t.op == free_op:
+            w = layers[t.chunk] / rank_layers[r]
+            b = model.activation_bytes(t.chunk) if model else 0.0
+            events[r].append((t.end, 0, -w, 0, -b))
+        elif t.op == "S":
+            b = model.stash_bytes() if model else 0.0
+            events[r].append((t.start, 1, 0.0, 1, b))
+            if schedule.forward_only:  # no T: the state dies with the loss at C1
+                events[r].append((t.end, 0, 0.0, -1, -b))
+        elif t.op == "T":
+            b = model.stash_bytes() if model else 0.0
+            events[r].append((t.end, 0, 0.0, -1, -b))
+    act_mb, stash_mb, act_bytes = [], [], []
+    for r in range(p):
+        cur = [0.0, 0, 0.0]
+        peak = [0.0, 0, 0.0]
+        for _, _, w, n, b in sorted(events[r], key=lambda e: (e[0], e[1])):
+            cur = [cur[0] + w, cur[1] + n, cur[2] + b]
+            peak = [max(x, y) for x, y in zip(peak, cur)]
+        act_mb.append(round(peak[0], 6))
+        stash_mb.append(peak[1])
+        act_bytes.append(peak[2])
+    return act_mb, stash_mb, act_bytes
