@@ -69,6 +69,26 @@ def test_checkpoint_shard_export_roundtrip(tmp_path, family, tie, shard):
         assert_same_weights(ref, back)
 
 
+def test_checkpoint_rank_reads_only_its_tensors_and_rows(tmp_path, monkeypatch):
+    """A middle rank reads its own layers and only its shard's rows of the vocabulary matrices."""
+    ref = seeded_model("llama", tie=False, num_layers=6)
+    ref.save_pretrained(tmp_path / "ckpt", max_shard_size="30KB")
+    reads = []
+    orig_get, orig_rows = weights_mod.SafetensorsSource.get, weights_mod.SafetensorsSource.rows
+    monkeypatch.setattr(weights_mod.SafetensorsSource, "get",
+                        lambda self, name: reads.append((name, None)) or orig_get(self, name))
+    monkeypatch.setattr(weights_mod.SafetensorsSource, "rows",
+                        lambda self, name, s, e: reads.append((name, (s, e))) or orig_rows(self, name, s, e))
+    layout = StageLayout.one_per_rank(6, 3)
+    part = VocabPartition(ref.config.vocab_size, 3)
+    build_rank(str(tmp_path / "ckpt"), layout, 1, "vocab", part)
+    whole = {name for name, rows in reads if rows is None}
+    assert whole == {n for n in ref.state_dict() if n.startswith(("model.layers.2.", "model.layers.3."))}
+    start, end = part.shard_range(1)
+    assert {(name, rows) for name, rows in reads if rows is not None} == {
+        ("model.embed_tokens.weight", (start, end)), ("lm_head.weight", (start, end))}
+
+
 def test_fresh_init_is_the_same_full_init_for_every_layout(monkeypatch):
     """A rank's layers and shard rows equal the same rows of the one-rank init, whatever p and layout."""
     monkeypatch.setattr(weights_mod, "INIT_BLOCK_ROWS", 64)  # several init blocks, shards straddling them
@@ -96,10 +116,10 @@ def test_fresh_init_is_the_same_full_init_for_every_layout(monkeypatch):
     assert torch.equal(full_sd["model.norm.weight"], torch.ones(cfg.hidden_size))
 
 
-@pytest.mark.parametrize("family,tie", [("llama", False), ("gemma", None)])
-def test_vocab_resize_matches_hf_mean_resizing(tmp_path, family, tie):
+@pytest.mark.parametrize("family,tie,delta", [("llama", False, 13), ("gemma", None, 13), ("qwen3", False, -10)])
+def test_vocab_resize_matches_hf_mean_resizing(tmp_path, family, tie, delta):
     ref = seeded_model(family, tie=tie)
-    V, new_v = ref.config.vocab_size, ref.config.vocab_size + 13
+    V, new_v = ref.config.vocab_size, ref.config.vocab_size + delta
     rms = build_all(ref, StageLayout.v_shape(4, 2), "vocab", vocab_size=new_v)
     back = AutoModelForCausalLM.from_pretrained(export_offline(rms, tmp_path / "resized"))
     assert back.config.vocab_size == new_v
@@ -107,6 +127,6 @@ def test_vocab_resize_matches_hf_mean_resizing(tmp_path, family, tie):
     for got, want in ((back.get_input_embeddings().weight, ref.get_input_embeddings().weight),
                       (back.get_output_embeddings().weight, ref.get_output_embeddings().weight)):
         assert got.shape == want.shape == (new_v, ref.config.hidden_size)
-        assert torch.equal(got[:V], want[:V])
+        assert torch.equal(got[:min(V, new_v)], want[:min(V, new_v)])
         # HF samples around the mean with covariance 1e-9 * cov: equal up to that noise.
         torch.testing.assert_close(got[V:], want[V:], atol=1e-4 * want[:V].abs().max().item(), rtol=0)

@@ -107,3 +107,18 @@ def test_stage_gradients_match_hf_baseline_placement():
     assert set(got) == set(want)
     for n in want:
         assert rel_err(got[n], want[n]) <= 1e-5, n
+
+
+def test_to_keeps_ties_and_named_parameters():
+    """.to() may replace Parameters; tied weights stay one tensor and the HF names still cover everything."""
+    from vp_accelerate.vocab.partition import VocabPartition
+
+    ref = reference("gemma")
+    layout = StageLayout.v_shape(ref.config.num_hidden_layers, 2)
+    base = build_rank(ref, layout, 0, "baseline").to(torch.float64)
+    assert base.head.weight is base.embed.weight and base.embed.weight.dtype == torch.float64
+    vp = build_rank(ref, layout, 1, "vocab", VocabPartition(ref.config.vocab_size, 2)).to(torch.float64)
+    assert vp.head_weight is vp.embed_weight and vp.embed_weight.dtype == torch.float64
+    names = [n for n, _ in vp.named_parameters()]
+    assert len(names) == len(set(names)) and "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert {id(p) for p in vp.parameters()} == {id(p) for p in vp.container.parameters()}

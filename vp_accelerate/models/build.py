@@ -105,7 +105,7 @@ def vocab_rows(parts: ModelParts, which: str, start: int, end: int, vocab_size: 
         return seeded_vocab_rows(model, kind, name, s, e, old_v, h, dtype, seed, parts.padding_idx)
 
     out = torch.zeros(end - start, h, dtype=dtype)
-    real_end = min(end, old_v)
+    real_end = min(end, old_v, vocab_size)  # a shrinking resize drops the source's last rows
     if start < real_end:
         out[:real_end - start] = read(start, real_end)
     new_lo, new_hi = max(start, old_v), min(end, vocab_size)

@@ -54,6 +54,15 @@ class RankModules:
     container: nn.ModuleDict = field(init=False, repr=False)
     """Owns every module and parameter above, for .to() / .train() / state handling."""
 
+    def __repr__(self) -> str:
+        chunks = ", ".join(f"{c}: layers {s}-{e - 1}" for c in sorted(self.chunks)
+                           for s, e in [self.layout.chunk_layers[c]])
+        vocab = (f"shard rows {self.partition.shard_range(self.rank)} of {self.partition.padded_size} padded"
+                 if self.placement == "vocab" else
+                 f"embedding {'yes' if self.embed else 'no'}, head {'yes' if self.head else 'no'}")
+        return (f"RankModules(rank={self.rank}, {self.config.model_type}, placement={self.placement!r}, "
+                f"chunks {{{chunks}}}, {vocab}, tied={self.tied}, {self.param_bytes()} parameter bytes)")
+
     def __post_init__(self) -> None:
         self.container = nn.ModuleDict({f"chunk{c}": m for c, m in self.chunks.items()})
         if self.embed is not None:
