@@ -105,10 +105,10 @@ _HOW_TO_ADD = ("To support it, register an adapter: `vp_accelerate.models.adapte
                "with tests/test_models_equivalence.py.")
 
 
-def _unsupported(model: nn.Module, what: str) -> UnsupportedModelError:
+def _unsupported(model: nn.Module, what: str, how_to: bool = True) -> UnsupportedModelError:
     mt = getattr(model.config, "model_type", "?")
-    return UnsupportedModelError(f"cannot split {type(model).__name__} (model_type={mt!r}): {what}. "
-                                 + _HOW_TO_ADD.format(mt=mt, cls=type(model).__name__))
+    hint = " " + _HOW_TO_ADD.format(mt=mt, cls=type(model).__name__) if how_to else ""
+    return UnsupportedModelError(f"cannot split {type(model).__name__} (model_type={mt!r}): {what}.{hint}")
 
 
 def _get(model: nn.Module, path: str) -> nn.Module:
@@ -137,7 +137,8 @@ def _names_from_pp_plan(model: nn.Module) -> PartNames | None:
         else:
             raise _unsupported(model, f"input piece {k!r} of base_model_pp_plan is not a dropout and has no adapter")
     if len(after) != 1:
-        raise _unsupported(model, f"expected exactly one final norm after the layers in base_model_pp_plan, got {after}")
+        raise _unsupported(model, f"expected exactly one final norm after the layers in base_model_pp_plan, "
+                                  f"got {after}")
     head_plan = getattr(type(model), "_pp_plan", None) or {}
     head = next(iter(head_plan), None) or ("lm_head" if hasattr(model, "lm_head") else None)
     if head is None:
@@ -208,7 +209,7 @@ def find_parts(model: nn.Module) -> ModelParts:
         raise _unsupported(model, f"output layer {names.lm_head} is {type(head).__name__}, not an nn.Linear")
     if head.bias is not None:
         raise _unsupported(model, f"output layer {names.lm_head} has a bias, which the vocabulary-parallel output "
-                                  "layer does not carry")
+                                  "layer does not carry", how_to=False)
     if mt not in VERIFIED_MODEL_TYPES:
         log.warning("model_type %r is split from its pp plan but not verified against the HF forward; any extra "
                     "logic in its forward outside the layers (scales, masks) would be missed", mt)

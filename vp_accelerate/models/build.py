@@ -67,23 +67,20 @@ def _materialize(module: nn.Module, hf_name, source: WeightSource | None, model:
                  init_name: str, dtype: torch.dtype) -> nn.Module:
     """Allocate `module` on CPU and fill it: from the source by HF name, or by seeded init."""
     module.to_empty(device="cpu")
-    if source is None:
-        seeded_init(model, module, seed, init_name)
-        return module
     persistent = module.state_dict(keep_vars=True)
+    # Non-persistent buffers are in no checkpoint: the model's own init computes them (then the
+    # checkpoint overwrites the parameters).
+    non_persistent = {n for n, _ in module.named_buffers()} - set(persistent)
+    if source is None or non_persistent:
+        seeded_init(model, module, seed, init_name)
+    if source is None:
+        return module
     missing = [hf_name(k) for k in persistent if not source.has(hf_name(k))]
     if missing:
         raise KeyError(f"checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for k, t in persistent.items():
         t.copy_(source.get(hf_name(k)).to(dtype if t.is_floating_point() else t.dtype))
     return module
-
-
-def _check_no_meta(module: nn.Module, what: str) -> None:
-    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
-    if left:
-        raise RuntimeError(f"{what}: tensors {left} were not materialized (a non-persistent buffer the "
-                           "adapter does not rebuild; add it to models/build.py)")
 
 
 @torch.no_grad()
@@ -190,7 +187,6 @@ def _build_chunk(parts: ModelParts, layout: StageLayout, c: int, src: WeightSour
         layer = parts.layers[i]
         prefix = f"{names.layers}.{i}"
         layers.append(_materialize(layer, lambda k, p=prefix: f"{p}.{k}", src, model, seed, prefix, dtype))
-        _check_no_meta(layer, prefix)
     norm = pos = None
     if last:
         norm = _materialize(parts.norm, lambda k: f"{names.norm}.{k}", src, model, seed, names.norm, dtype)
@@ -201,7 +197,6 @@ def _build_chunk(parts: ModelParts, layout: StageLayout, c: int, src: WeightSour
     if parts.rotary_emb is not None:
         # Rebuilt on CPU from the config: its buffers (inv_freq) are not in checkpoints.
         rotary = type(parts.rotary_emb)(config=model.config)
-        _check_no_meta(rotary, "rotary embedding")
     chunk = StageChunk(model.config, names, c, (start, end), layers, parts.layer_types, rotary, norm=norm,
                        pos_embed=pos, embed_dropout=parts.embed_dropout if first else None,
                        embed_scale=parts.embed_scale if first else None,

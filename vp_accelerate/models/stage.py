@@ -94,7 +94,7 @@ class StageChunk(nn.Module):
         extra = {}
         if self.rotary_emb is not None:
             extra["position_embeddings"] = self.rotary_emb(hidden, position_ids)
-        for (idx, layer), kind in zip(self.layers.items(), self.layer_types):
+        for layer, kind in zip(self.layers.values(), self.layer_types):
             hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, **extra)
         if self.norm is not None:
             hidden = self.norm(hidden)
@@ -116,7 +116,8 @@ class StageChunk(nn.Module):
             yield self.hf_name(name), p
 
 
-def apply_logit_transforms(logits: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+def apply_logit_transforms(logits: torch.Tensor, logit_scale: float = 1.0,
+                           softcap: float | None = None) -> torch.Tensor:
     """Cohere/Granite scaling then Gemma-2 softcapping, in the order HF applies them."""
     if logit_scale != 1.0:
         logits = logits * logit_scale
