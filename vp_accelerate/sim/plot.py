@@ -54,9 +54,15 @@ def plot_timeline(records, path=None, *, ax=None, title: str | None = None, labe
     else:
         fig = ax.figure
     span = max(r[5] for r in recs) - min(r[4] for r in recs)
+    chunks = {}
+    for r in recs:
+        if r[1] in ("F", "B", "W"):
+            chunks.setdefault(r[0], set()).add(r[3])
+    order = {rank: sorted(cs) for rank, cs in chunks.items()}
     for rank, op, mb, chunk, start, end in recs:
-        # the second chunk of a rank is drawn lighter so V shapes and interleaving stay readable
-        alpha = 1.0 if op not in ("F", "B", "W") or chunk % 2 == 0 or len(ranks) == 1 else 0.65
+        # a rank's second (fourth, ...) chunk is drawn lighter so V shapes and interleaving stay readable
+        odd = op in ("F", "B", "W") and order[rank].index(chunk) % 2 == 1
+        alpha = 0.6 if odd else 1.0
         ax.broken_barh([(start, end - start)], (rank - 0.42, 0.84), facecolors=COLORS[op], alpha=alpha,
                        edgecolor="white", linewidth=0.2)
         if label_microbatches and end - start > 0.012 * span:
