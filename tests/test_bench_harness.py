@@ -14,7 +14,6 @@ import torch
 
 from vp_accelerate.bench.config import BenchConfig
 from vp_accelerate.bench.methods import Method, OursRunner
-from vp_accelerate.bench.peer import build_peer_model
 from vp_accelerate.bench.report import build_rows, markdown_table
 from vp_accelerate.bench.run import bench_main
 from vp_accelerate.bench.timeline import Pass, balanced_bound_s, bubble_rate
@@ -39,11 +38,11 @@ class _FakeRecord:  # the shape of runtime.executor.PassRecord
 
 
 class _FakePipelineModel:
-    def __init__(self, model_config, cfg, dtype, seed):
+    def __init__(self, model, cfg, dtype, seed):
         import torch.distributed as dist
 
         self.rank = dist.get_rank()
-        self.model = build_peer_model(model_config, seed)
+        self.model = model  # OursRunner hands over the seeded HF model the peer also builds
         self.records = []
 
     def train_step(self, input_ids, labels):

@@ -55,10 +55,17 @@ class OursRunner:
                  runtime=None):
         """`runtime` is the module providing PipelineModel and PipelineConfig (default vp_accelerate.runtime;
         the tests pass a fake with the same API)."""
+        from vp_accelerate.bench.peer import build_peer_model
+
         if runtime is None:
             import vp_accelerate.runtime as runtime
         cfg = runtime.PipelineConfig(schedule=schedule, method=method, microbatches=microbatches)
-        self.pipe = runtime.PipelineModel(model_config, cfg, dtype=torch.float32, seed=seed)
+        # Start from the very weights the peer builds (a seeded HF model; PipelineModel copies the
+        # parts this rank holds), so every method's loss on the same batch must agree: a built-in
+        # check that all of them train the same model on the same data.
+        source = build_peer_model(model_config, seed)
+        self.pipe = runtime.PipelineModel(source, cfg, dtype=torch.float32, seed=seed)
+        del source
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[Pass]]:
         res = self.pipe.train_step(input_ids, labels)

@@ -84,6 +84,12 @@ def bench_main(argv: list[str] | None = None) -> int:
     rows, skipped = run_benchmark(cfg)
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}", file=sys.stderr)
+    for vocab in cfg.vocabs:
+        # every method starts from the same weights and batch: a differing loss means a method trains
+        # something else, and its throughput is not comparable
+        losses = {r.method: r.loss for r in rows if r.vocab == vocab}
+        if max(losses.values()) - min(losses.values()) > 1e-4:
+            print(f"WARNING: losses disagree at V={vocab}: {losses}", file=sys.stderr)
     table = markdown_table(rows)
     print(table)
     print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f} s "
