@@ -1,7 +1,7 @@
 """`vp-accelerate train` and `vp-accelerate export`: argument parsing around trainer and export.
 
     accelerate launch --config_file configs/accelerate_cpu_2proc.yaml -m vp_accelerate train recipes/quickstart.yaml
-    vp-accelerate train RECIPE [--set key.path=value ...] [--resume] [--check]
+    vp-accelerate train RECIPE [--set key.path=value ...] [--resume] [--stop-at STEP] [--check]
     vp-accelerate export CHECKPOINT OUT_DIR
 
 The recipe is read and validated before accelerate creates any process group, so a bad recipe
@@ -31,6 +31,9 @@ def train_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="override a recipe field, typed by the field (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint")
+    ap.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                    help="stop after this step (checkpointing it) as if interrupted; the LR schedule still "
+                         "spans train.steps, so `--resume` later continues the same run")
     ap.add_argument("--check", action="store_true", help="validate the recipe, print it, and exit")
     args = ap.parse_args(argv)
 
@@ -47,7 +50,7 @@ def train_main(argv: list[str] | None = None) -> int:
     _setup_logging()
     from .trainer import train
 
-    summary = train(recipe, resume=args.resume)
+    summary = train(recipe, resume=args.resume, stop_at=args.stop_at)
     logging.getLogger("vp_accelerate.train").info("done: final eval loss %.4f", summary["final_eval_loss"])
     return 0
 

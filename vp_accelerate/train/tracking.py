@@ -92,7 +92,7 @@ class Tracker:
             self.accelerator.end_training()
 
 
-def plot_measured_timeline(timelines: list, path: str) -> str | None:
+def plot_measured_timeline(timelines: list, path: str, title: str | None = None) -> str | None:
     """Draw the gathered per-rank timelines with the simulator's plotter; None if it is unavailable."""
     try:
         from vp_accelerate.sim.plot import plot_timeline
@@ -100,7 +100,7 @@ def plot_measured_timeline(timelines: list, path: str) -> str | None:
         log.info("vp_accelerate.sim.plot is not available; skipping the timeline image")
         return None
     try:
-        plot_timeline(timelines, path)
+        plot_timeline(timelines, path, title=title)
     except Exception as e:  # noqa: BLE001 - an image is not worth failing a training run for
         log.warning("could not draw the timeline: %s: %s", type(e).__name__, e)
         return None

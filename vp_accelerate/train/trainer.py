@@ -81,8 +81,12 @@ def evaluate(pipe, batches: list[dict]) -> float:
     return world_mean(sum(losses) / len(losses))
 
 
-def train(recipe: Recipe, resume: bool = False) -> dict:
-    """Run a validated recipe on this process's rank. Returns a summary (the same on every rank)."""
+def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> dict:
+    """Run a validated recipe on this process's rank. Returns a summary (the same on every rank).
+
+    `stop_at`: end after that step (saving a checkpoint there) without changing the LR schedule, as a
+    preempted job would; `resume=True` continues from the latest checkpoint.
+    """
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
@@ -122,7 +126,8 @@ def train(recipe: Recipe, resume: bool = False) -> dict:
     bar = tqdm(total=t.steps, initial=start_step, disable=not is_main, desc="train", dynamic_ncols=True)
     eval_loss = float("nan")
 
-    for step in range(start_step, t.steps):
+    end_step = t.steps if stop_at is None else max(start_step, min(stop_at, t.steps))
+    for step in range(start_step, end_step):
         batch = next(train_it)
         t0 = time.perf_counter()
         res = pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
@@ -137,7 +142,7 @@ def train(recipe: Recipe, resume: bool = False) -> dict:
         tok_s = tokens_per_step / step_time
         bar.update(1)
         bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{tok_s:,.0f}")
-        if done % recipe.logging.log_every == 0 or done == t.steps:
+        if done % recipe.logging.log_every == 0 or done == end_step:
             metrics = {"train/loss": res.loss, "train/lr": lr, "train/grad_norm": grad_norm,
                        "train/tokens": done * tokens_per_step, "train/loss_tokens": res.num_tokens,
                        "perf/tokens_per_s": tok_s, "perf/step_time_s": step_time,
@@ -146,7 +151,7 @@ def train(recipe: Recipe, resume: bool = False) -> dict:
                 metrics["perf/mfu"] = pipe.flops_per_token * tok_s / peak
             metrics.update(rank_metrics(gather(rank_stats(pipe, accelerator.device))))
             tracker.log(metrics, done)
-        is_last = done == t.steps
+        is_last = done == end_step
         if (recipe.eval.every and done % recipe.eval.every == 0) or is_last:
             eval_loss = evaluate(pipe, eval_batches)
             summary["eval"][done] = eval_loss
@@ -158,14 +163,16 @@ def train(recipe: Recipe, resume: bool = False) -> dict:
             _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, done, recipe_dict)
     bar.close()
 
-    if recipe.logging.timeline_image and pipe.stats().get("timeline") is not None and start_step < t.steps:
+    if recipe.logging.timeline_image and pipe.stats().get("timeline") is not None and start_step < end_step:
         timelines = [r for rank_records in gather(pipe.stats()["timeline"]) for r in rank_records]
         if is_main:
-            path = plot_measured_timeline(timelines, os.path.join(recipe.logging.output_dir, "timeline.png"))
+            title = f"measured step {end_step}: {recipe.pipeline.schedule} {recipe.pipeline.method}"
+            path = plot_measured_timeline(timelines, os.path.join(recipe.logging.output_dir, "timeline.png"), title)
             if path:
-                tracker.log_image("perf/timeline", path, t.steps)
+                tracker.log_image("perf/timeline", path, end_step)
     tracker.finish()
     summary["final_eval_loss"] = eval_loss
+    summary["end_step"] = end_step
     return summary
 
 

@@ -1,0 +1,162 @@
+"""End to end under a real 2-process `accelerate launch` on CPU: train with wandb offline, read the run
+back, resume == uninterrupted, export loads with from_pretrained and reproduces the eval loss."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vp_accelerate.runtime", reason="the pipeline engine is not available")
+from vp_accelerate.runtime import PipelineModel  # noqa: E402,F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from vp_accelerate.train.tokenizer import train_bpe
+
+    d = tmp_path_factory.mktemp("e2e")
+    try:
+        from vp_accelerate.train.corpus import make_demo_corpus
+
+        make_demo_corpus(str(d / "corpus"), size_mb=0.25, seed=0)
+    except ImportError:  # without the demo extra: a small synthetic multilingual corpus
+        import random
+
+        rng = random.Random(0)
+        words = "alpha beta gamma delta мир дом 世界 你好 données λόγος".split()
+        os.makedirs(d / "corpus")
+        for split, n in (("train", 2000), ("eval", 60)):
+            with open(d / "corpus" / f"{split}.jsonl", "w") as f:
+                for _ in range(n):
+                    f.write(json.dumps({"text": " ".join(rng.choices(words, k=40))}) + "\n")
+    train_bpe([str(d / "corpus" / "train.jsonl")], 512, str(d / "tok"), min_frequency=1)
+    recipe = {
+        "model": {"source": "llama-tiny", "config": {"hidden_size": 64, "intermediate_size": 128,
+                                                      "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "tokenizer": {"source": f"bpe:{d / 'tok'}", "resize_vocab": True},
+        "data": {"files": [str(d / "corpus" / "train.jsonl")], "eval_files": [str(d / "corpus" / "eval.jsonl")],
+                 "seq_len": 32},
+        "pipeline": {"schedule": "1f1b", "method": "vocab-2", "microbatches": 4},
+        "optimizer": {"lr": 3e-3},
+        "lr": {"warmup_steps": 2, "decay": "cosine"},
+        "train": {"steps": STEPS, "global_batch": 8, "seed": 0},
+        "eval": {"every": 3, "batches": 2},
+        "checkpoint": {"every": 3, "keep": 3},
+        "logging": {"wandb_mode": "offline", "log_every": 1, "peak_tflops": 1.0},
+    }
+    path = d / "recipe.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(recipe))
+    return d, str(path)
+
+
+def launch(setup, name, *extra, check=True):
+    d, recipe = setup
+    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_CACHE": str(d / "ds_cache"), "OMP_NUM_THREADS": "1"}
+    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+           "-m", "vp_accelerate", "train", recipe, "--set", f"logging.output_dir={d / name}",
+           "--set", f"checkpoint.dir={d / name / 'ckpt'}", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(d))
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return out
+
+
+def metrics(path):
+    rows = [json.loads(line) for line in open(path)]
+    train = {r["step"]: r for r in rows if "train/loss" in r}
+    evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
+    return train, evals
+
+
+@pytest.fixture(scope="module")
+def full_run(setup):
+    out = launch(setup, "full")
+    return setup[0] / "full", out
+
+
+def test_two_processes_train_and_log_to_wandb_offline(full_run):
+    from vp_accelerate.train.wandb_records import read_run
+
+    run_dir, out = full_run
+    log = out.stdout + out.stderr
+    assert "MULTI_CPU" in log and "world size 2" in log
+    assert "rank 0 (pp 0/2" in log and "rank 1 (pp 1/2" in log  # who holds which layers / vocab rows
+    train, evals = metrics(run_dir / "metrics.jsonl")
+    assert sorted(train) == list(range(1, STEPS + 1)) and sorted(evals) == [3, 6]
+    losses = [train[s]["train/loss"] for s in sorted(train)]
+    assert losses[-1] < losses[0] and all(math.isfinite(x) for x in losses)
+    last = train[STEPS]
+    for key in ("train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "perf/bubble_rate",
+                "memory/rank0_param_mib", "memory/rank1_param_mib", "memory/rank1_peak_activation_mib"):
+        assert key in last, key
+    run = read_run(str(run_dir / "wandb"))
+    logged = {h["_step"]: h for h in run["history"]}
+    assert [logged[s]["train/loss"] for s in sorted(train)] == pytest.approx(losses)
+    assert logged[STEPS]["eval/loss"] == pytest.approx(evals[STEPS])
+    assert math.exp(evals[STEPS]) == pytest.approx(logged[STEPS]["eval/ppl"])
+    assert run["config"]["pipeline"]["method"] == "vocab-2" and run["config"]["train"]["steps"] == STEPS
+
+
+def test_resume_equals_uninterrupted(setup, full_run):
+    """Resume from the step-3 checkpoint the full run wrote (what a crash after step 3 leaves behind)."""
+    import shutil
+
+    run_dir, _ = full_run
+    ckpt_dir = setup[0] / "resumed" / "ckpt"
+    os.makedirs(ckpt_dir)
+    shutil.copytree(run_dir / "ckpt" / "step_00000003", ckpt_dir / "step_00000003")
+    (ckpt_dir / "latest").write_text("step_00000003\n")
+    launch(setup, "resumed", "--resume", "--set", "logging.wandb_mode=disabled")
+    full, full_eval = metrics(run_dir / "metrics.jsonl")
+    resumed, resumed_eval = metrics(setup[0] / "resumed" / "metrics.jsonl")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step]["train/loss"] == full[step]["train/loss"], step
+        assert resumed[step]["train/grad_norm"] == full[step]["train/grad_norm"], step
+        assert resumed[step]["train/lr"] == full[step]["train/lr"], step
+    assert resumed_eval[STEPS] == full_eval[STEPS]
+
+
+def test_checkpoint_records_the_layout(full_run):
+    from vp_accelerate.train import checkpoint as ckpt
+
+    run_dir, _ = full_run
+    meta = ckpt.read_meta(ckpt.read_latest(str(run_dir / "ckpt")))
+    fp = meta["fingerprint"]
+    assert fp["world_size"] == 2 and fp["method"] == "vocab-2" and len(fp["layout"]) == 2
+    assert meta["sharded_names"] == ["lm_head.weight", "model.embed_tokens.weight"]
+    with pytest.raises(ckpt.CheckpointError, match="method: checkpoint has 'vocab-2', this run has 'baseline'"):
+        ckpt.check_fingerprint(fp, {**fp, "method": "baseline"}, "ckpt")
+
+
+def test_export_loads_with_from_pretrained_and_gives_the_eval_loss(setup, full_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vp_accelerate.train.commands import export_main
+    from vp_accelerate.train.data import build_data
+    from vp_accelerate.train.recipe import load_recipe
+
+    d, recipe_path = setup
+    run_dir, _ = full_run
+    out = d / "hf"
+    assert export_main([str(run_dir / "ckpt"), str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    recipe = load_recipe(recipe_path)
+    _, evals = build_data(recipe.data, tok, model.config.vocab_size, 0, recipe.train.global_batch,
+                          eval_batches=recipe.eval.batches)
+    with torch.no_grad():
+        losses = [model(input_ids=b["input_ids"], labels=b["labels"]).loss.item() for b in evals]
+    _, trained_eval = metrics(run_dir / "metrics.jsonl")
+    assert sum(losses) / len(losses) == pytest.approx(trained_eval[STEPS], rel=1e-4)
