@@ -40,3 +40,17 @@ def test_without_a_key_backward_is_plain():
     install(m, WeightGradStore())
     m(torch.randn(2, 8)).sum().backward()
     assert all(p.grad is not None for p in m.parameters())
+
+
+def test_w_reaches_the_parameter_under_saved_tensor_hooks():
+    # the executor meters activations with saved-tensor hooks; W must still write Parameter.grad
+    m = _mlp()
+    store = WeightGradStore()
+    install(m, store)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = m(torch.randn(2, 8))
+    store.key = (0, 0)
+    out.sum().backward()
+    store.key = None
+    store.flush((0, 0))
+    assert m[0].weight.grad is not None and m[3].weight.grad is not None

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -41,7 +42,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         out = fn(*args, **kwargs)
-        results.put((rank, "ok", out))
+        # plain pickle copies tensor data in-band; torch's queue would share file descriptors, which
+        # die with this process before the parent reads them
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent, then exit non-zero
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         results.close()
@@ -90,7 +93,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", time
                     if r not in outs and r not in errors:
                         errors[r] = f"no result within {deadline_s:.0f} s"
             continue
-        (outs if status == "ok" else errors)[rank] = value
+        if status == "ok":
+            outs[rank] = pickle.loads(value)
+        else:
+            errors[rank] = value
         if errors:
             break  # one failure is enough: peers may be blocked waiting for the failed rank
     for p in procs:

@@ -43,14 +43,18 @@ class WeightGradStore:
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        # The Parameter itself, not a saved tensor: under saved-tensor hooks (activation metering) an
+        # unpacked saved input can be an alias whose .grad is not the Parameter's.
+        ctx.weight = weight
         ctx.store = store
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
         gx = gy.matmul(weight.to(gy.dtype)) if ctx.needs_input_grad[0] else None
         gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.store.key is not None and ctx.needs_input_grad[1]:

@@ -1,0 +1,125 @@
+"""The runtime executes every schedule x method exactly: losses and weights match the HF model itself.
+
+Each world size runs in one spawn (process start-up dominates); every rank trains every configuration
+on the same fresh random batches as the single-process reference — one SGD step in float32, then three
+AdamW steps in float64 (Adam divides by the gradient's own scale, so float32 rounding in gradients that
+are nearly zero becomes visible in the update; float64 keeps the check at 1e-5 for every element) —
+and the ranks' parameters are gathered and compared with the reference model's, name by name.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from vp_accelerate.distributed import spawn
+
+CONFIGS = [  # (schedule, method)
+    ("1f1b", "baseline"), ("1f1b", "redis"), ("1f1b", "vocab-1"), ("1f1b", "vocab-2"),
+    ("vhalf", "baseline"), ("vhalf", "vocab-1"), ("vhalf", "vocab-2"),
+    ("interleaved", "baseline"), ("interleaved", "vocab-2"),
+]
+RUNS = [(torch.float32, "sgd", 1), (torch.float64, "adamw", 3)]  # (dtype, optimizer, steps)
+LR = 1e-3
+
+
+def _optimizer(name: str, params):
+    # Adam's first update is lr * g / (|g| + eps): with the default eps a gradient element that is zero
+    # up to rounding (1e-17) moves by ±lr either way; eps=1e-6 keeps such elements still, others unaffected
+    return torch.optim.SGD(params, lr=0.5) if name == "sgd" else torch.optim.AdamW(params, lr=LR, eps=1e-6)
+
+
+def _tiny_config(vocab: int, tied: bool) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=tied, attn_implementation="eager")
+
+
+def _batches(seed: int, vocab: int, batch: int, seq: int, pad: bool):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(max(steps for _, _, steps in RUNS)):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = ids.clone()
+        if pad:  # right padding: ignored labels at the end of some rows
+            for r in range(0, batch, 2):
+                cut = int(torch.randint(2, seq, (1,), generator=g))
+                labels[r, cut:] = -100
+        out.append((ids, labels))
+    return out
+
+
+def _reference(ckpt: str, batches, dtype, opt_name, steps) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=dtype)
+    opt = _optimizer(opt_name, model.parameters())
+    losses = []
+    for ids, labels in batches[:steps]:
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_on_ranks(ckpt: str, batches, configs, microbatches: int, dp_size: int):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+
+    results = {}
+    for (schedule, method), (dtype, opt_name, steps) in [(c, r) for c in configs for r in RUNS]:
+        pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=microbatches,
+                                                  dp_size=dp_size, attn_implementation="eager"), dtype=dtype)
+        opt = _optimizer(opt_name, pipe.parameters())
+        losses = []
+        for ids, labels in batches[:steps]:
+            rows = ids.shape[0] // dp_size
+            sl = slice(pipe.dp_rank * rows, (pipe.dp_rank + 1) * rows)
+            res = pipe.train_step(ids[sl], labels[sl])
+            opt.step()
+            pipe.zero_grad()
+            losses.append(res.loss)
+        results[(schedule, method, opt_name)] = (losses, pipe.gather_hf_state_dict())
+        pipe.close()
+    return results
+
+
+def _check(world: int, vocab: int, tied: bool, configs, dp_size: int = 1, tmp_path=None):
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_tiny_config(vocab, tied))
+    ckpt = str(tmp_path / "ckpt")
+    model.save_pretrained(ckpt)
+    microbatches = 2 * (world // dp_size)
+    batches = _batches(seed, vocab, batch=microbatches * dp_size, seq=8, pad=True)
+    per_rank = spawn(_train_on_ranks, world, ckpt, batches, configs, microbatches, dp_size, timeout_s=300)
+    for dtype, opt_name, steps in RUNS:
+        ref_losses, ref_params = _reference(ckpt, batches, dtype, opt_name, steps)
+        for key in [(*c, opt_name) for c in configs]:
+            _compare(key, per_rank, world, ref_losses, ref_params, seed)
+
+
+def _compare(key, per_rank, world, ref_losses, ref_params, seed):
+    losses, params = per_rank[0][key]
+    for r in range(world):  # every rank knows the loss
+        assert per_rank[r][key][0] == pytest.approx(losses, rel=1e-12), (key, r)
+    assert losses == pytest.approx(ref_losses, rel=1e-5), (key, seed)
+    assert set(params) == set(ref_params), key
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{key} {name} (seed {seed}): {m}")
+
+
+def test_every_schedule_and_method_on_2_ranks_untied(tmp_path):
+    _check(2, vocab=101, tied=False, configs=CONFIGS, tmp_path=tmp_path)
+
+
+def test_every_schedule_and_method_on_4_ranks_tied(tmp_path):
+    _check(4, vocab=103, tied=True, configs=CONFIGS, tmp_path=tmp_path)
+
+
+def test_pp2_x_dp2(tmp_path):
+    _check(4, vocab=97, tied=False, configs=[("1f1b", "vocab-2"), ("1f1b", "baseline"), ("vhalf", "vocab-1")],
+           dp_size=2, tmp_path=tmp_path)

@@ -1,0 +1,340 @@
+"""Run one rank's action list from the schedule IR for one optimizer step.
+
+The executor owns the per-step state: each (microbatch, chunk)'s input and output activations from F
+to B, each microbatch's output-layer state from S to T, pending receives and collectives. It does not
+decide anything about order — the schedule did; it only executes, waits lazily, frees early, and
+records what it measured.
+
+Laziness where it pays: receives are posted when the IR says and waited on by the pass that consumes
+them; C1/C2 are started asynchronously and waited on by the pass that needs their result, so the
+vocabulary barrier overlaps the next transformer pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from vp_accelerate.runtime.groups import Groups
+from vp_accelerate.runtime.memory import ActivationMeter
+from vp_accelerate.runtime.weight_grad import WeightGradStore
+from vp_accelerate.schedule.ir import Action, Op, Schedule
+from vp_accelerate.vocab import embedding as vemb
+from vp_accelerate.vocab import output_layer as vout
+
+P2P_OPS = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
+
+
+@dataclass
+class Microbatch:
+    """Everything a pass needs to know about one microbatch, known before the step starts."""
+
+    input_ids: torch.Tensor
+    """[b, s] token ids."""
+    labels: torch.Tensor
+    """[b, s] next-token labels (already shifted; -100 where ignored)."""
+    grad_scale: torch.Tensor
+    """[b*s] fp32 per-token dL/dloss_n: 1/N_valid of the whole step for valid tokens, 0 otherwise."""
+    position_ids: torch.Tensor
+    """[b, s] positions."""
+    attention_mask: torch.Tensor | None = None
+    """[b, s] 1 for real tokens, 0 for padding, or None for all real."""
+
+
+@dataclass
+class PassRecord:
+    """One executed action, times in seconds from the start of the step (the simulator's timeline format)."""
+
+    rank: int
+    op: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class StepOutput:
+    loss_sum: torch.Tensor
+    """Σ over this rank's microbatches of Σ_n g_n·loss_n (only meaningful where the loss is known)."""
+    records: list[PassRecord] = field(default_factory=list)
+    peak_activation_bytes: int = 0
+
+
+class Executor:
+    """Executes a schedule's actions for one rank over its stage chunks and vocabulary shards."""
+
+    def __init__(self, schedule: Schedule, rank_modules, groups: Groups, partition, out_opts,
+                 act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
+                 weight_grads: WeightGradStore | None):
+        self.schedule = schedule
+        self.mods = rank_modules
+        self.g = groups
+        self.partition = partition
+        self.out_opts = out_opts
+        self.act_shape = act_shape
+        self.act_dtype = act_dtype
+        self.device = device
+        self.weight_grads = weight_grads
+        self.last_chunk = len(schedule.chunk_rank) - 1
+        self.vocab = schedule.method.startswith("vocab")
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _owner(self, chunk: int) -> int:
+        """Global rank holding `chunk`."""
+        return self.g.global_rank(self.schedule.chunk_rank[chunk])
+
+    def _empty_act(self) -> torch.Tensor:
+        return torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+
+    def _grad_buffer(self, param: torch.nn.Parameter) -> torch.Tensor:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
+    # ---- the step --------------------------------------------------------------------------------
+    def run(self, mbs: list[Microbatch]) -> StepOutput:
+        self.mbs = mbs
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> chunk input (leaf)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> chunk output (graph)
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}     # (mb, chunk) -> ∂L/∂output
+        self.recvs: dict[tuple[str, int, int], tuple] = {}       # pending receive buffers + works
+        self.sends: list = []                                    # isend works, waited at the end
+        self.partials: dict[int, torch.Tensor] = {}              # IF partial / reduced embedding out
+        self.x: dict[int, torch.Tensor] = {}                     # C0 result
+        self.states: dict[int, object] = {}                      # S -> T output-layer state
+        self.pending: dict[tuple[str, int], object] = {}         # async C1/C2 handles
+        self.emb_grads: dict[int, torch.Tensor] = {}             # IB gradient of the embedding output
+        self.losses: dict[int, torch.Tensor] = {}                # baseline: last chunk's scaled loss
+        self.grad_x: dict[int, torch.Tensor] = {}                # ∂L/∂X for the last chunk's B
+        self.meter = ActivationMeter()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        records: list[PassRecord] = []
+        actions = self.schedule.actions[self.g.pp_rank]
+        t0 = time.perf_counter()
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            if a.op in P2P_OPS:
+                # post a run of adjacent sends/receives together (batch_isend_irecv on NCCL needs it)
+                j = i
+                while j < len(actions) and actions[j].op in P2P_OPS:
+                    j += 1
+                start = time.perf_counter() - t0
+                self._p2p(actions[i:j])
+                end = time.perf_counter() - t0
+                records += [PassRecord(self.g.rank, b.op.value, b.mb, b.chunk, start, end) for b in actions[i:j]]
+                i = j
+                continue
+            start = time.perf_counter() - t0
+            getattr(self, f"_do_{a.op.value}")(a)
+            records.append(PassRecord(self.g.rank, a.op.value, a.mb, a.chunk, start, time.perf_counter() - t0))
+            i += 1
+        for work in self.sends:
+            work.wait()
+        for kind, mb in list(self.pending):  # e.g. vocab-1's C2 on ranks that never needed ∂X
+            self._wait(kind, mb)
+        for mb, st in self.states.items():
+            loss_sum += st.loss_sum.float()
+        for loss in self.losses.values():
+            loss_sum += loss
+        return StepOutput(loss_sum=loss_sum, records=records, peak_activation_bytes=self.meter.peak)
+
+    # ---- point to point ----------------------------------------------------------------------
+    def _p2p(self, acts: list[Action]) -> None:
+        ops = []
+        for a in acts:
+            peer = self.g.global_rank(a.peer)
+            if a.op is Op.SEND_ACT:
+                ops.append(dist.P2POp(dist.isend, self.outputs[(a.mb, a.chunk)].detach(), peer, self.g.pp_group))
+            elif a.op is Op.SEND_GRAD:
+                grad = self.inputs.pop((a.mb, a.chunk)).grad  # the input itself is no longer needed
+                ops.append(dist.P2POp(dist.isend, grad, peer, self.g.pp_group))
+            else:
+                buf = self._empty_act()
+                self.recvs[(a.op.value, a.mb, a.chunk)] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self.g.pp_group))
+        works = dist.batch_isend_irecv(ops)
+        for a, op, work in zip(acts, ops, works):
+            if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                self.sends.append(work)
+            else:
+                self.recvs[(a.op.value, a.mb, a.chunk)] = (self.recvs[(a.op.value, a.mb, a.chunk)], work)
+
+    def _take_recv(self, op: Op, mb: int, chunk: int) -> torch.Tensor:
+        buf, work = self.recvs.pop((op.value, mb, chunk))
+        work.wait()
+        return buf
+
+    # ---- transformer chunk passes ------------------------------------------------------------
+    def _chunk_input(self, a: Action) -> torch.Tensor:
+        mb = self.mbs[a.mb]
+        if a.chunk == 0:
+            if self.vocab:
+                return self.partials.pop(a.mb)  # the reduced embedding output (IF_REDUCE)
+            return self.mods.embed_tokens(mb.input_ids)  # baseline: the full embedding lives here
+        if self.schedule.chunk_rank[a.chunk - 1] == self.g.pp_rank:
+            return self.outputs[(a.mb, a.chunk - 1)].detach()  # local handoff (V shape turn)
+        return self._take_recv(Op.RECV_ACT, a.mb, a.chunk)
+
+    def _do_F(self, a: Action) -> None:
+        mb = self.mbs[a.mb]
+        with torch.autograd.graph.saved_tensors_hooks(*self.meter.hooks((a.mb, a.chunk))):
+            x = self._chunk_input(a)
+            if not (a.chunk == 0 and not self.vocab):
+                x = x.detach().requires_grad_(torch.is_grad_enabled())
+            self.inputs[(a.mb, a.chunk)] = x
+            out = self.mods.chunks[a.chunk](x, mb.position_ids, mb.attention_mask)
+            if a.chunk == self.last_chunk and not self.vocab:
+                self.losses[a.mb] = self._baseline_loss(out, mb)
+        self.outputs[(a.mb, a.chunk)] = out
+
+    def _baseline_loss(self, hidden: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+        """Full lm_head + cross-entropy on the last stage, scaled by g so that Σ_mb is the step's mean."""
+        logits = self.mods.head_logits(hidden)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # softmax in >= fp32
+        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb.labels.reshape(-1),
+                                    ignore_index=-100, reduction="none",
+                                    label_smoothing=self.out_opts.label_smoothing)
+        return (per_token * mb.grad_scale.to(per_token.dtype)).sum()
+
+    def _do_B(self, a: Action) -> None:
+        key = (a.mb, a.chunk)
+        out = self.outputs.pop(key)
+        if a.chunk == self.last_chunk:
+            if self.vocab:
+                grad = self._vocab_grad_x(a.mb)
+            else:
+                out, grad = self.losses[a.mb], None
+        elif self.schedule.chunk_rank[a.chunk + 1] == self.g.pp_rank:
+            grad = self.grads.pop((a.mb, a.chunk + 1))  # local handoff from the next chunk's B
+        else:
+            grad = self._take_recv(Op.RECV_GRAD, a.mb, a.chunk)
+        if self.weight_grads is not None and self.schedule.split_backward:
+            self.weight_grads.key = key
+        try:
+            torch.autograd.backward(out, grad)
+        finally:
+            if self.weight_grads is not None:
+                self.weight_grads.key = None
+        x = self.inputs[key]
+        if a.chunk == 0:
+            if self.vocab:
+                self.emb_grads[a.mb] = x.grad
+        elif self.schedule.chunk_rank[a.chunk - 1] == self.g.pp_rank:
+            self.grads[(a.mb, a.chunk)] = x.grad
+        if not self.schedule.split_backward:
+            self._release(key)
+
+    def _do_W(self, a: Action) -> None:
+        key = (a.mb, a.chunk)
+        if self.weight_grads is not None:
+            self.weight_grads.flush(key)
+        self._release(key)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self.meter.release(key)
+        # an input whose gradient goes to another rank is dropped by its SEND_GRAD instead
+        if key[1] == 0 or self.schedule.chunk_rank[key[1] - 1] == self.g.pp_rank:
+            self.inputs.pop(key, None)
+
+    # ---- input embedding passes (vocabulary parallel) ----------------------------------------
+    def _do_IF(self, a: Action) -> None:
+        mb = self.mbs[a.mb]
+        with torch.no_grad():
+            self.partials[a.mb] = vemb.embed_partial(mb.input_ids, self.mods.embed_weight, self.partition,
+                                                     self.g.pp_rank)
+
+    def _do_IF_REDUCE(self, a: Action) -> None:
+        # vocabulary collectives name their root by its rank in the group, i.e. its pipeline rank
+        vemb.if_reduce(self.partials[a.mb], self.schedule.chunk_rank[0], self.g.vocab_group)
+        if self.g.rank != self._owner(0):
+            del self.partials[a.mb]
+
+    def _do_IB_BCAST(self, a: Action) -> None:
+        src = self.schedule.chunk_rank[0]
+        grad = self.emb_grads.pop(a.mb).contiguous() if self.g.pp_rank == src else self._empty_act()
+        vemb.ib_broadcast(grad, src, self.g.vocab_group)
+        self.emb_grads[a.mb] = grad
+
+    def _do_IB(self, a: Action) -> None:
+        mb = self.mbs[a.mb]
+        grad = self.emb_grads.pop(a.mb)
+        vemb.embed_backward(mb.input_ids, grad, self._grad_buffer(self.mods.embed_weight),
+                            self.partition, self.g.pp_rank)
+
+    # ---- output layer passes (vocabulary parallel) --------------------------------------------
+    def _do_C0(self, a: Action) -> None:
+        src = self.schedule.chunk_rank[self.last_chunk]
+        if self.g.pp_rank == src:
+            x = self.outputs[(a.mb, self.last_chunk)].detach().contiguous()
+        else:
+            x = self._empty_act()
+        self.x[a.mb] = vout.broadcast_x(x, src, self.g.vocab_group).wait()
+
+    def _do_S(self, a: Action) -> None:
+        mb = self.mbs[a.mb]
+        x = self.x.pop(a.mb)
+        with torch.no_grad():
+            st = vout.s_pass(x.reshape(-1, x.shape[-1]), mb.labels.reshape(-1), mb.grad_scale,
+                             self.mods.head_weight, self.partition, self.g.pp_rank, self.out_opts)
+        self.states[a.mb] = st
+        self.meter.add(("S", a.mb), _tensor_bytes(vars(st).values()))
+
+    def _do_C1(self, a: Action) -> None:
+        self.pending[("C1", a.mb)] = vout.c1(self.states[a.mb], self.g.vocab_group, async_op=True)
+
+    def _wait(self, kind: str, mb: int) -> None:
+        """Complete an async C1/C2; keep ∂L/∂X where the last chunk's B will need it."""
+        p = self.pending.pop((kind, mb), None)
+        if p is None:
+            return
+        p.wait()
+        done = "C2" if self.schedule.method == "vocab-1" else "C1"
+        if kind == done and self.g.rank == self._owner(self.last_chunk):
+            self.grad_x[mb] = self.states[mb].grad_x
+        if kind == "C2":
+            self._drop_state(mb)
+
+    def _do_T(self, a: Action) -> None:
+        self._wait("C1", a.mb)
+        with torch.no_grad():
+            vout.t_pass(self.states[a.mb], self._grad_buffer(self.mods.head_weight))
+        self.meter.release(("S", a.mb))
+        if self.schedule.method != "vocab-1":  # vocab-1 still all-reduces ∂X in C2
+            self._drop_state(a.mb)
+
+    def _do_C2(self, a: Action) -> None:
+        self.pending[("C2", a.mb)] = vout.c2(self.states[a.mb], self.g.vocab_group, async_op=True)
+
+    def _vocab_grad_x(self, mb: int) -> torch.Tensor:
+        self._wait("C1", mb)
+        self._wait("C2", mb)
+        return self.grad_x.pop(mb).reshape(self.act_shape).to(self.act_dtype)
+
+    def _drop_state(self, mb: int) -> None:
+        """Free the big S->T tensors but keep the loss, which is read at the end of the step."""
+        st = self.states[mb]
+        self.states[mb] = _LossOnly(st.loss_sum)
+
+
+@dataclass
+class _LossOnly:
+    loss_sum: torch.Tensor
+
+
+def _tensor_bytes(values) -> int:
+    """Bytes of the distinct tensor storages among `values` (the S->T state kept alive)."""
+    seen: dict[int, int] = {}
+    flat = []
+    for v in values:
+        flat.extend(v if isinstance(v, (list, tuple)) else [v])
+    for v in flat:
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device.type != "meta":
+            s = v.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())

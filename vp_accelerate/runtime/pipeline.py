@@ -1,0 +1,375 @@
+"""`PipelineModel`: the public API — wrap an HF causal LM, call `train_step` once per optimizer step.
+
+    pipe = PipelineModel(config_or_checkpoint_dir, PipelineConfig(schedule="1f1b", method="vocab-2",
+                                                                  microbatches=8))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    res = pipe.train_step(input_ids, labels)     # forward + backward of every microbatch
+    pipe.clip_grad_norm_(1.0); opt.step(); pipe.zero_grad()
+
+Every rank of the pipeline calls the same methods with the same batch (its data-parallel replica's
+batch); each rank holds and updates only its own stage chunks and vocabulary shards.
+Labels follow HF's convention (`labels` aligned with `input_ids`; the shift happens here), and the
+loss is the token mean over the whole step's valid tokens, as `model(input_ids, labels=labels)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from vp_accelerate.distributed import init_from_env
+from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config, split_counts
+from vp_accelerate.runtime.executor import Executor, Microbatch, PassRecord
+from vp_accelerate.runtime.groups import build_groups
+from vp_accelerate.runtime.watchdog import Watchdog
+from vp_accelerate.runtime.weight_grad import WeightGradStore, install
+from vp_accelerate.schedule import build_schedule
+from vp_accelerate.vocab.output_layer import OutputLayerOptions
+from vp_accelerate.vocab.partition import VocabPartition
+
+COMPUTE_OPS = {"F", "B", "W", "S", "T", "IF", "IB"}
+
+
+@dataclass
+class PipelineConfig:
+    """How to cut the model and which schedule runs it."""
+
+    schedule: str = "1f1b"
+    """Pipeline schedule: "1f1b", "vhalf" (zero-bubble V shape, B/W split) or "interleaved"."""
+    method: str = "vocab-2"
+    """Where the vocabulary layers live: "baseline" (embedding on the first stage, head + loss on the last),
+    "redis" (baseline with fewer layers on the first/last stage), "vocab-1" or "vocab-2" (sharded over
+    all pipeline ranks; vocab-2 has one barrier and is the default)."""
+    microbatches: int = 8
+    """Microbatches per optimizer step; the batch's first dimension must divide by it."""
+    memory: str = "store"
+    """Output-layer S->T state: "store" keeps the local softmax, "recompute" recomputes logits in T."""
+    chunk_size: int | None = None
+    """Vocabulary rows per chunk inside S and T (bounds the transient memory); None = whole shard."""
+    pp_size: int | None = None
+    """Pipeline ranks; None = world size / dp_size."""
+    dp_size: int = 1
+    """Data-parallel replicas of the pipeline."""
+    chunks_per_rank: int | None = None
+    """Interleaved schedule: chunks per rank (default 2). Ignored by 1f1b (1) and vhalf (2)."""
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing, as torch.nn.functional.cross_entropy."""
+    pad_multiple: int = 1
+    """Pad each vocabulary shard to a multiple of this many rows (64 suits GPU matmuls)."""
+    layers_per_stage: tuple[int, ...] | None = None
+    """Explicit decoder layers per chunk (model order); None = even, or the cost model's split for redis."""
+    attn_implementation: str | None = None
+    """HF attention kernel ("eager", "sdpa", ...); None = the model's default."""
+    watchdog_dead_after_s: float | None = 60.0
+    """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Token-mean loss of the step (the same on every rank)."""
+    num_tokens: int
+    """Valid (label != -100) tokens in the step, over all data-parallel replicas."""
+    step_time_s: float
+    """Wall time of the step on this rank."""
+    bubble_rate: float
+    """Mean over pipeline ranks of 1 - (time in compute passes) / (step time)."""
+    peak_activation_bytes: int
+    """This rank's peak of activation bytes held for backward plus stashed vocabulary state."""
+
+
+class PipelineModel:
+    """One rank's part of a pipeline-parallel HF causal LM with vocabulary-parallel ends."""
+
+    def __init__(self, source, config: PipelineConfig | None = None, dtype: torch.dtype = torch.float32,
+                 seed: int = 0, device: torch.device | str | None = None):
+        cfg = config or PipelineConfig()
+        self.cfg = cfg
+        init_from_env()
+        self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.dtype = dtype
+        self.hf_config = resolve_config(source)
+        self.vocab = cfg.method.startswith("vocab")
+        self.schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
+                                       chunks_per_rank=cfg.chunks_per_rank)
+        self.eval_schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
+                                            chunks_per_rank=cfg.chunks_per_rank, forward_only=True)
+        self.layout = self._layout()
+        self.partition = (VocabPartition(self.hf_config.vocab_size, g.pp_size, cfg.pad_multiple)
+                          if self.vocab else None)
+        self.mods = build_rank(source, self.layout, g.pp_rank, "vocab" if self.vocab else "baseline",
+                               self.partition, dtype=dtype, seed=seed, device=self.device,
+                               attn_implementation=cfg.attn_implementation)
+        self._tied_group = self._make_tied_group()
+        self.watchdog = (Watchdog(dead_after_s=cfg.watchdog_dead_after_s)
+                         if cfg.watchdog_dead_after_s is not None and g.world_size > 1 else None)
+        self.out_opts = OutputLayerOptions(
+            algorithm=cfg.method if self.vocab else "vocab-2", memory=cfg.memory, chunk_size=cfg.chunk_size,
+            label_smoothing=cfg.label_smoothing, softcap=self.mods.final_softcap, logit_scale=self.mods.logit_scale)
+        self.weight_grads = None
+        if self.schedule.split_backward:
+            self.weight_grads = WeightGradStore()
+            for chunk in self.mods.chunks.values():
+                install(chunk, self.weight_grads)
+        self.last_stats: dict = {}
+
+    # ---- construction helpers --------------------------------------------------------------------
+    def _layout(self) -> StageLayout:
+        n = self.hf_config.num_hidden_layers
+        chunk_rank = self.schedule.chunk_rank
+        counts = self.cfg.layers_per_stage
+        if counts is None and self.cfg.method == "redis":
+            from vp_accelerate.sim.cost import redis_layer_split
+
+            seq = min(2048, getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+            counts = redis_layer_split(self.hf_config, len(chunk_rank), seq=seq)
+        if counts is None:
+            counts = split_counts(n, len(chunk_rank))
+        return StageLayout.from_counts(tuple(counts), chunk_rank)
+
+    def _make_tied_group(self):
+        """Baseline with tied weights: the first and last stage each hold the matrix and must add their
+        gradients. Every rank creates every replica's pair group (new_group is collective)."""
+        first, last = self.layout.first_rank, self.layout.last_rank
+        if self.vocab or not self.mods.tied or first == last:
+            return None
+        mine = None
+        for d in range(self.groups.dp_size):
+            pair = [d * self.groups.pp_size + first, d * self.groups.pp_size + last]
+            group = dist.new_group(pair)
+            if self.rank in pair:
+                mine = group
+        return mine
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.groups.world_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.groups.pp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.groups.dp_size
+
+    def describe(self) -> str:
+        """One line saying what this rank holds."""
+        chunks = ", ".join(f"chunk {c}: layers {s}-{e - 1}" for c in self.layout.chunks_of(self.pp_rank)
+                           for s, e in [self.layout.chunk_layers[c]])
+        if self.vocab:
+            start, end = self.partition.shard_range(self.pp_rank)
+            vocab = (f"vocab rows {start}-{min(end, self.partition.vocab_size) - 1} of {self.partition.vocab_size}"
+                     f" (embedding{' + tied' if self.mods.tied else ' + lm_head'})")
+        else:
+            parts = []
+            if self.pp_rank == self.layout.first_rank:
+                parts.append("full embedding")
+            if self.pp_rank == self.layout.last_rank:
+                parts.append("norm + full lm_head + loss")
+            vocab = ", ".join(parts) or "no vocabulary layers"
+        return (f"rank {self.rank} (pp {self.pp_rank}/{self.groups.pp_size}, dp {self.dp_rank}/{self.dp_size}): "
+                f"{chunks}; {vocab}; {self.param_bytes() / 2**20:.1f} MiB of parameters")
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self):
+        return list(self.mods.named_parameters())
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    # ---- the step --------------------------------------------------------------------------------
+    def _microbatches(self, input_ids, labels, attention_mask) -> tuple[list[Microbatch], int]:
+        m = self.cfg.microbatches
+        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+            raise ValueError(f"input_ids and labels must both be [batch, seq]; got {tuple(input_ids.shape)} and "
+                             f"{tuple(labels.shape)}")
+        b, s = input_ids.shape
+        if b % m:
+            raise ValueError(f"batch size {b} is not divisible by microbatches={m}; use a batch that is a multiple "
+                             f"of {m} or change pipeline.microbatches")
+        V = self.hf_config.vocab_size
+        bad = (input_ids < 0) | (input_ids >= V)
+        if bad.any():
+            row, col = bad.nonzero()[0].tolist()
+            raise ValueError(f"token id {int(input_ids[row, col])} at sample {row}, position {col} is outside the "
+                             f"vocabulary [0, {V}); the tokenizer and the model disagree (resize the model's vocabulary)")
+        bad = ((labels < 0) & (labels != -100)) | (labels >= V)
+        if bad.any():
+            row, col = bad.nonzero()[0].tolist()
+            raise ValueError(f"label {int(labels[row, col])} at sample {row}, position {col} is outside [0, {V}) and "
+                             f"is not the ignore index -100")
+        dev = self.device
+        # HF convention: the token at t predicts labels[t + 1]
+        shifted = torch.full_like(labels, -100)
+        shifted[:, :-1] = labels[:, 1:]
+        if attention_mask is not None:
+            shifted[:, :-1][attention_mask[:, 1:] == 0] = -100
+        valid = (shifted != -100)
+        n_valid = torch.tensor([valid.sum().item()], dtype=torch.float64)
+        if self.groups.dp_group is not None:
+            dist.all_reduce(n_valid, group=self.groups.dp_group)
+        n_total = int(n_valid.item())
+        # g in at least float32 (float64 models keep float64: 1/N in float32 would cost 1e-8 relative)
+        scale = valid.to(torch.promote_types(self.dtype, torch.float32)) / max(n_total, 1)
+        pos = torch.arange(s).unsqueeze(0).expand(b // m, s)
+        mbs = []
+        for k in range(m):
+            sl = slice(k * b // m, (k + 1) * b // m)
+            mask = None if attention_mask is None else attention_mask[sl].to(dev)
+            mbs.append(Microbatch(input_ids=input_ids[sl].to(dev), labels=shifted[sl].to(dev),
+                                  grad_scale=scale[sl].reshape(-1).to(dev), position_ids=pos.to(dev),
+                                  attention_mask=mask))
+        return mbs, n_total
+
+    def _executor(self, schedule, mb_rows: int, seq: int) -> Executor:
+        return Executor(schedule, self.mods, self.groups, self.partition, self.out_opts,
+                        act_shape=(mb_rows, seq, self.hf_config.hidden_size), act_dtype=self.dtype,
+                        device=self.device, weight_grads=self.weight_grads)
+
+    def _finish_loss(self, loss_sum: torch.Tensor) -> float:
+        """Make the step's loss known on every rank of every replica."""
+        loss = loss_sum.detach().to(torch.float64).reshape(1).cpu()
+        if not self.vocab:  # only the last stage computed it
+            if self.pp_rank != self.layout.last_rank:
+                loss.zero_()
+            dist.all_reduce(loss, group=self.groups.pp_group)
+        if self.groups.dp_group is not None:  # g used the global token count: replicas' parts add up
+            dist.all_reduce(loss, group=self.groups.dp_group)
+        return float(loss.item())
+
+    def _bubble_rate(self, records: list[PassRecord], step_time: float) -> float:
+        busy = sum(r.end - r.start for r in records if r.op in COMPUTE_OPS)
+        rate = torch.tensor([1.0 - busy / step_time if step_time > 0 else 0.0], dtype=torch.float64)
+        dist.all_reduce(rate, group=self.groups.pp_group)
+        return float(rate.item()) / self.groups.pp_size
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                   attention_mask: torch.Tensor | None = None) -> StepResult:
+        """Forward and backward of every microbatch; gradients accumulate into the parameters' .grad."""
+        import time
+
+        mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask)
+        self._last_seq = input_ids.shape[1]
+        t0 = time.perf_counter()
+        out = self._run(self.schedule, mbs, input_ids.shape[1])
+        self._sync_grads()
+        step_time = time.perf_counter() - t0
+        loss = self._finish_loss(out.loss_sum)
+        peak = out.peak_activation_bytes
+        self.last_stats = {"timeline": out.records, "peak_activation_bytes": peak, "step_time_s": step_time,
+                           "pass_time_s": sum(r.end - r.start for r in out.records if r.op in COMPUTE_OPS)}
+        if self.device.type == "cuda":
+            self.last_stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return StepResult(loss=loss, num_tokens=n_tokens, step_time_s=step_time,
+                          bubble_rate=self._bubble_rate(out.records, step_time), peak_activation_bytes=peak)
+
+    @torch.no_grad()
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> float:
+        """Token-mean loss of a batch with the forward-only schedule (no gradients, no T/B/W passes)."""
+        mbs, _ = self._microbatches(input_ids, labels, attention_mask)
+        out = self._run(self.eval_schedule, mbs, input_ids.shape[1])
+        return self._finish_loss(out.loss_sum)
+
+    def _run(self, schedule, mbs: list[Microbatch], seq: int):
+        try:
+            return self._executor(schedule, mbs[0].input_ids.shape[0], seq).run(mbs)
+        except BaseException as e:
+            if self.watchdog is not None:
+                self.watchdog.report_failure(e)  # peers blocked on us exit now, naming this rank
+            raise
+
+    def close(self) -> None:
+        """Stop the watchdog at a normal end of training (peers may then exit in any order)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+    def _sync_grads(self) -> None:
+        """Tied baseline weights on two ranks add their gradients; DP replicas add theirs."""
+        if self._tied_group is not None:
+            param = self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self._tied_group)
+        if self.groups.dp_group is not None:
+            for p in self.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.groups.dp_group)
+
+    # ---- optimizer-side helpers ----------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the global L2 norm over the whole pipeline (each parameter counted once)."""
+        sq = torch.zeros(1, dtype=torch.float64)
+        for name, p in self.named_parameters():
+            if p.grad is not None and not self.mods.is_duplicate(name):
+                sq += p.grad.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(sq, group=self.groups.pp_group)
+        norm = math.sqrt(float(sq.item()))
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def stats(self) -> dict:
+        """Measurements of the last train step on this rank."""
+        return {"param_bytes": self.param_bytes(), **self.last_stats}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by HF-style name (shards of vocabulary matrices keep their shard shape)."""
+        return {n: p.detach() for n, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        own = dict(self.named_parameters())
+        missing, unexpected = set(own) - set(sd), set(sd) - set(own)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match this rank's layout: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}; it was saved with another pipeline layout or model")
+        for n, p in own.items():
+            if sd[n].shape != p.shape:
+                raise ValueError(f"checkpoint tensor {n} has shape {tuple(sd[n].shape)}, this rank expects "
+                                 f"{tuple(p.shape)}: it was saved with another layout or vocabulary size")
+            p.copy_(sd[n])
+
+    def gather_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective."""
+        return gather_state_dict(self.mods, group=self.groups.pp_group, dst=0)
+
+    def export_hf(self, out_dir, tokenizer=None) -> None:
+        """Gather every rank's part into one HF model directory written by rank 0 (a collective)."""
+        export_hf(self.mods, self.layout, self.partition, self.hf_config, out_dir, tokenizer=tokenizer,
+                  group=self.groups.pp_group, ranks=self.groups.pp_ranks, write=self.dp_rank == 0)
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (DESIGN.md §7 formula: 3 x forward)."""
+        c = self.hf_config
+        h, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
+        ffn = getattr(c, "intermediate_size", None) or 4 * h
+        s = getattr(self, "_last_seq", 2048)
+        return 3.0 * (2 * h * V + L * (8 * h * h + 4 * s * h + 4 * h * ffn))
