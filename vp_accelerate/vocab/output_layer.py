@@ -140,14 +140,20 @@ class OutputState:
     def logit_grad(self, z: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """G = g ⊙ (P − target) ⊙ f' of one chunk, [N, hi − lo] in the statistics dtype (needs C1)."""
         o, V = self.opts, self.partition.vocab_size
-        grad = torch.exp(z - self.row_max[:, None]) / self.row_sum[:, None]
+        # P = exp(z − m − log s): one subtraction and one exp over the chunk, done in place (these
+        # elementwise passes cost as much as a matmul at small h).
+        grad = z - (self.row_max + torch.log(self.row_sum))[:, None]
+        grad.exp_()
         hit, col = target_columns(self.local_labels, self.in_shard, lo, hi)
         grad.scatter_add_(1, col[:, None], (hit.to(grad.dtype) * -(1.0 - o.label_smoothing))[:, None])
         if o.label_smoothing:
             grad -= o.label_smoothing / V
         fprime = chunk_logit_derivative(z, o.softcap, o.logit_scale)
-        grad *= fprime
-        grad *= self.grad_scale[:, None]
+        if torch.is_tensor(fprime):
+            grad *= fprime
+            grad *= self.grad_scale[:, None]
+        else:  # constant f' folds into the per-row scale
+            grad *= (self.grad_scale * fprime)[:, None]
         return grad
 
 
@@ -229,7 +235,8 @@ def s_pass(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weig
         # Online max/sum across chunks (flash-attention style): rescale what was summed so far.
         m_new = torch.maximum(m, z.amax(dim=1))
         rescale = torch.exp(m - m_new)  # m = −inf on the first chunk gives 0
-        e = torch.exp(z - m_new[:, None])
+        e = z - m_new[:, None]
+        e.exp_()
         s = s * rescale + e.sum(dim=1)
         hit, col = target_columns(local_labels, in_shard, lo, hi)
         hitf = hit.to(sd)
@@ -239,7 +246,10 @@ def s_pass(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weig
         if two:
             w_chunk = weight[lo:hi]
             fprime = chunk_logit_derivative(z, opts.softcap, opts.logit_scale)
-            a = a * rescale[:, None] + ((e * fprime).to(x.dtype) @ w_chunk).to(sd)
+            if torch.is_tensor(fprime):
+                a = a * rescale[:, None] + ((e * fprime).to(x.dtype) @ w_chunk).to(sd)
+            else:  # constant f' commutes with the matmul: scale the [N, h] result, not the [N, chunk] input
+                a = a * rescale[:, None] + (e.to(x.dtype) @ w_chunk).to(sd) * fprime
             f_y = fprime.gather(1, col[:, None]).squeeze(1) if torch.is_tensor(fprime) else fprime
             c += ((1.0 - eps) * hitf * f_y)[:, None] * w_chunk[col].to(sd)
             if eps:

@@ -1,0 +1,152 @@
+"""Benchmark the output layer: a plain HF-style lm_head + F.cross_entropy over the full vocabulary V vs
+one rank's vocabulary-parallel share of it (S + C1 + T (+ C2) over a V/p shard), for p = 1, 2, 4, 8.
+
+Measured, not asserted. Every configuration runs in a fresh subprocess so its peak memory is its own:
+    CUDA: torch.cuda.max_memory_allocated() over the first (warm-up) repetition, minus what was
+          allocated before it (inputs and weights);
+    CPU:  the growth of the process's peak resident set size (resource.getrusage ru_maxrss) over the
+          first repetition, i.e. the transient memory of one forward+backward on top of the inputs.
+Time is the median of `--reps` repetitions after that warm-up. The collectives run on a 1-rank gloo
+group (they cost nothing there), so the shard time is pure compute; scaling efficiency =
+full time / (p × shard time), 100% meaning the p shards together cost what the full layer costs.
+
+    python scripts/bench_output_layer.py            # N=4096, h=1024, V in {32k, 128k}
+    python scripts/bench_output_layer.py --quick    # N=1024, h=256, V in {8k, 32k}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ALGORITHMS = ("naive", "vocab-1", "vocab-2")
+MODES = ("store", "recompute", "chunked")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_one(cfg: dict) -> dict:
+    """Time and peak memory of one configuration, in this process."""
+    import torch
+    import torch.nn.functional as F
+
+    from vp_accelerate.distributed import init_from_env
+    from vp_accelerate.vocab.output_layer import OutputLayerOptions, run_output_layer, token_mean_grad_scale
+    from vp_accelerate.vocab.partition import VocabPartition
+
+    torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, cfg["dtype"])
+    n, h, rows = cfg["tokens"], cfg["hidden"], cfg["rows"]
+    x = torch.randn(n, h, device=dev, dtype=dtype)
+    weight = (torch.randn(rows, h, device=dev, dtype=dtype) * h ** -0.5)
+    labels = torch.randint(0, rows, (n,), device=dev)
+
+    if cfg["algorithm"] == "baseline":
+        def step():
+            xr = x.detach().requires_grad_(True)
+            wr = weight.detach().requires_grad_(True)
+            logits = xr @ wr.t()  # HF: lm_head, then the loss upcasts the logits to fp32
+            loss = F.cross_entropy(logits.float(), labels)
+            loss.backward()
+            return loss
+    else:
+        init_from_env(backend="nccl" if cuda else "gloo")  # a 1-rank group: C1/C2 cost nothing
+        part = VocabPartition(rows, 1)  # one rank's shard of V/p rows
+        chunk = cfg["chunk_size"] if cfg["memory"] == "chunked" else None
+        opts = OutputLayerOptions(algorithm=cfg["algorithm"], memory="store" if cfg["memory"] == "store"
+                                  else "recompute", chunk_size=chunk, check_inputs=False)
+        g = token_mean_grad_scale(labels, n)
+
+        def step():
+            weight_grad = torch.zeros(weight.shape, dtype=torch.float32, device=dev)
+            return run_output_layer(x, labels, g, weight, weight_grad, part, 0, opts).loss_sum
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    # Warm-up repetition doubles as the memory measurement.
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = _peak_rss_bytes()
+    step()
+    sync()
+    peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - before
+    times = []
+    for _ in range(cfg["reps"]):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"time_s": statistics.median(times), "peak_bytes": max(peak, 0)}
+
+
+def _spawn_config(cfg: dict) -> dict:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"config {cfg} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes: N=1024, h=256, V in {8k, 32k}")
+    ap.add_argument("--tokens", type=int, default=None, help="N (default 4096, quick 1024)")
+    ap.add_argument("--hidden", type=int, default=None, help="h (default 1024, quick 256)")
+    ap.add_argument("--vocab", type=int, nargs="+", default=None, help="V values (default 32768 131072)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8], help="p values")
+    ap.add_argument("--chunk-size", type=int, default=None, help="rows per chunk in 'chunked' (default 2048, quick 512)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_one(json.loads(args.worker))))
+        return 0
+
+    n = args.tokens or (1024 if args.quick else 4096)
+    h = args.hidden or (256 if args.quick else 1024)
+    vocabs = args.vocab or ([8192, 32768] if args.quick else [32768, 131072])
+    chunk = args.chunk_size or (512 if args.quick else 2048)
+    import torch
+
+    where = f"CUDA ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else \
+        f"CPU, {torch.get_num_threads()} threads"
+    mem_how = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "peak RSS growth (ru_maxrss)"
+    print(f"Output layer fwd+bwd, N={n} h={h} {args.dtype}, {where}; median of {args.reps}; "
+          f"peak memory = {mem_how} over one repetition; chunked = recompute with {chunk}-row chunks\n")
+    print("| V | p | algorithm | memory | time ms | peak MiB | scaling eff. |")
+    print("|---|---|---|---|---|---|---|")
+    base = dict(tokens=n, hidden=h, dtype=args.dtype, reps=args.reps, chunk_size=chunk)
+    for V in vocabs:
+        full = _spawn_config({**base, "rows": V, "algorithm": "baseline", "memory": "-"})
+        print(f"| {V} | - | HF lm_head + cross_entropy | - | {full['time_s'] * 1e3:.1f} | "
+              f"{full['peak_bytes'] / 2**20:.0f} | - |", flush=True)
+        for p in args.ranks:
+            rows = -(-V // p)
+            for algo in ALGORITHMS:
+                for mode in MODES:
+                    r = _spawn_config({**base, "rows": rows, "algorithm": algo, "memory": mode})
+                    eff = full["time_s"] / (p * r["time_s"])
+                    print(f"| {V} | {p} | {algo} | {mode} | {r['time_s'] * 1e3:.1f} | "
+                          f"{r['peak_bytes'] / 2**20:.0f} | {eff * 100:.0f}% |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
