@@ -46,7 +46,7 @@ def _modules_errors(seed: int) -> list[float]:
     return errors
 
 
-@pytest.mark.parametrize("world_size", [3])
+@pytest.mark.parametrize("world_size", [2])
 def test_modules_match_float64(world_size):
     seed = random.randrange(2**31)
     errs = spawn(_modules_errors, world_size, seed)

@@ -53,6 +53,3 @@ def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
         return group_rank
     return dist.get_global_rank(group, group_rank)
 
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)

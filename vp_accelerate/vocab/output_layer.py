@@ -24,7 +24,7 @@ an online max/sum, so transient memory is one N × chunk block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -120,8 +120,6 @@ class OutputState:
     """∂L/∂x in x's shape and dtype: after C1 (naive, vocab-2) or C2 (vocab-1)."""
     c1_done: bool = False
     t_done: bool = False
-    stats: dict = field(default_factory=dict)
-    """Free-form counters for callers (unused by the passes)."""
 
     @property
     def stat_dtype(self) -> torch.dtype:
