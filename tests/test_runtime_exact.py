@@ -62,7 +62,9 @@ def _reference(ckpt: str, batches, dtype, opt_name, steps) -> tuple[list[float],
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        eval_loss = model(input_ids=batches[0][0], labels=batches[0][1]).loss.item()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, eval_loss
 
 
 def _train_on_ranks(ckpt: str, batches, configs, microbatches: int, dp_size: int):
@@ -81,7 +83,10 @@ def _train_on_ranks(ckpt: str, batches, configs, microbatches: int, dp_size: int
             opt.step()
             pipe.zero_grad()
             losses.append(res.loss)
-        results[(schedule, method, opt_name)] = (losses, pipe.gather_hf_state_dict())
+        stats = pipe.stats()
+        memory = (stats["peak_activation_microbatches"], stats["peak_stash_microbatches"])
+        eval_loss = pipe.eval_step(*batches[0])
+        results[(schedule, method, opt_name)] = (losses, pipe.gather_hf_state_dict(), memory, eval_loss)
         pipe.close()
     return results
 
@@ -96,13 +101,33 @@ def _check(world: int, vocab: int, tied: bool, configs, dp_size: int = 1, tmp_pa
     batches = _batches(seed, vocab, batch=microbatches * dp_size, seq=8, pad=True)
     per_rank = spawn(_train_on_ranks, world, ckpt, batches, configs, microbatches, dp_size, timeout_s=300)
     for dtype, opt_name, steps in RUNS:
-        ref_losses, ref_params = _reference(ckpt, batches, dtype, opt_name, steps)
+        ref_losses, ref_params, ref_eval = _reference(ckpt, batches, dtype, opt_name, steps)
         for key in [(*c, opt_name) for c in configs]:
             _compare(key, per_rank, world, ref_losses, ref_params, seed)
+            for r in range(world):  # evaluation with the forward-only schedule, on the trained weights
+                assert per_rank[r][key][3] == pytest.approx(ref_eval, rel=1e-5), (key, r)
+    _compare_memory_with_simulator(per_rank, configs, world // dp_size, microbatches)
+
+
+def _compare_memory_with_simulator(per_rank, configs, pp, microbatches):
+    """The activations the runtime held, counted per rank, are what the simulator predicts."""
+    from vp_accelerate.schedule import build_schedule
+    from vp_accelerate.sim.cost import for_schedule
+    from vp_accelerate.sim.shape import ModelShape
+    from vp_accelerate.sim.simulate import simulate
+
+    shape = ModelShape(hidden=32, layers=8, heads=4, ffn=64, vocab=101, seq=8)
+    for schedule, method in configs:
+        sched = build_schedule(schedule, method, pp, microbatches)
+        sim = simulate(sched, for_schedule(shape, sched))
+        for r in range(pp):
+            act, stash = per_rank[r][(schedule, method, "sgd")][2]
+            assert act == pytest.approx(sim.peak_activation_microbatches[r]), (schedule, method, r)
+            assert stash == sim.peak_stash_microbatches[r], (schedule, method, r)
 
 
 def _compare(key, per_rank, world, ref_losses, ref_params, seed):
-    losses, params = per_rank[0][key]
+    losses, params = per_rank[0][key][:2]
     for r in range(world):  # every rank knows the loss
         assert per_rank[r][key][0] == pytest.approx(losses, rel=1e-12), (key, r)
     assert losses == pytest.approx(ref_losses, rel=1e-5), (key, seed)

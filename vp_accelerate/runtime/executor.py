@@ -6,8 +6,8 @@ decide anything about order — the schedule did; it only executes, waits lazily
 records what it measured.
 
 Laziness where it pays: receives are posted when the IR says and waited on by the pass that consumes
-them; C1/C2 are started asynchronously and waited on by the pass that needs their result, so the
-vocabulary barrier overlaps the next transformer pass.
+them; every vocabulary collective (C0, C1, C2, IF reduce, IB broadcast) is started asynchronously and
+waited on by the pass that needs its result, so the barrier overlaps the next transformer pass.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ class StepOutput:
     """Σ over this rank's microbatches of Σ_n g_n·loss_n (only meaningful where the loss is known)."""
     records: list[PassRecord] = field(default_factory=list)
     peak_activation_bytes: int = 0
+    peak_activation_microbatches: float = 0.0
+    """Peak of (mb, chunk) activations held from F to B (or W), each weighing its chunk's share of this
+    rank's layers — the simulator's unit, so the two can be compared."""
+    peak_stash_microbatches: int = 0
+    """Peak number of microbatches whose output-layer S->T state is held."""
 
 
 class Executor:
@@ -70,7 +75,7 @@ class Executor:
 
     def __init__(self, schedule: Schedule, rank_modules, groups: Groups, partition, out_opts,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
-                 weight_grads: WeightGradStore | None):
+                 weight_grads: WeightGradStore | None, chunk_weight: dict[int, float] | None = None):
         self.schedule = schedule
         self.mods = rank_modules
         self.g = groups
@@ -80,6 +85,7 @@ class Executor:
         self.act_dtype = act_dtype
         self.device = device
         self.weight_grads = weight_grads
+        self.chunk_weight = chunk_weight or {}
         self.last_chunk = len(schedule.chunk_rank) - 1
         self.vocab = schedule.method.startswith("vocab")
 
@@ -110,8 +116,11 @@ class Executor:
         self.pending: dict[tuple[str, int], object] = {}         # async C1/C2 handles
         self.emb_grads: dict[int, torch.Tensor] = {}             # IB gradient of the embedding output
         self.losses: dict[int, torch.Tensor] = {}                # baseline: last chunk's scaled loss
+        self.inflight: list = []                                 # async collectives nobody here consumes
         self.grad_x: dict[int, torch.Tensor] = {}                # ∂L/∂X for the last chunk's B
         self.meter = ActivationMeter()
+        self.live_mb, self.peak_mb = 0.0, 0.0    # weighted (mb, chunk) activations in flight
+        self.live_stash, self.peak_stash = 0, 0  # S->T states held
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         records: list[PassRecord] = []
         actions = self.schedule.actions[self.g.pp_rank]
@@ -138,11 +147,14 @@ class Executor:
             work.wait()
         for kind, mb in list(self.pending):  # e.g. vocab-1's C2 on ranks that never needed ∂X
             self._wait(kind, mb)
+        for pending in self.inflight:
+            pending.wait()
         for mb, st in self.states.items():
             loss_sum += st.loss_sum.float()
         for loss in self.losses.values():
             loss_sum += loss
-        return StepOutput(loss_sum=loss_sum, records=records, peak_activation_bytes=self.meter.peak)
+        return StepOutput(loss_sum=loss_sum, records=records, peak_activation_bytes=self.meter.peak,
+                          peak_activation_microbatches=self.peak_mb, peak_stash_microbatches=self.peak_stash)
 
     # ---- point to point ----------------------------------------------------------------------
     def _p2p(self, acts: list[Action]) -> None:
@@ -150,7 +162,7 @@ class Executor:
         for a in acts:
             peer = self.g.global_rank(a.peer)
             if a.op is Op.SEND_ACT:
-                ops.append(dist.P2POp(dist.isend, self.outputs[(a.mb, a.chunk)].detach(), peer, self.g.pp_group))
+                ops.append(dist.P2POp(dist.isend, self._output_for_consumer(a.mb, a.chunk), peer, self.g.pp_group))
             elif a.op is Op.SEND_GRAD:
                 grad = self.inputs.pop((a.mb, a.chunk)).grad  # the input itself is no longer needed
                 ops.append(dist.P2POp(dist.isend, grad, peer, self.g.pp_group))
@@ -175,10 +187,10 @@ class Executor:
         mb = self.mbs[a.mb]
         if a.chunk == 0:
             if self.vocab:
-                return self.partials.pop(a.mb)  # the reduced embedding output (IF_REDUCE)
+                return self.partials.pop(a.mb).wait()  # the reduced embedding output (IF_REDUCE)
             return self.mods.embed_tokens(mb.input_ids)  # baseline: the full embedding lives here
         if self.schedule.chunk_rank[a.chunk - 1] == self.g.pp_rank:
-            return self.outputs[(a.mb, a.chunk - 1)].detach()  # local handoff (V shape turn)
+            return self._output_for_consumer(a.mb, a.chunk - 1)  # local handoff (V shape turn)
         return self._take_recv(Op.RECV_ACT, a.mb, a.chunk)
 
     def _do_F(self, a: Action) -> None:
@@ -187,11 +199,21 @@ class Executor:
             x = self._chunk_input(a)
             if not (a.chunk == 0 and not self.vocab):
                 x = x.detach().requires_grad_(torch.is_grad_enabled())
-            self.inputs[(a.mb, a.chunk)] = x
+            if not self.schedule.forward_only:
+                self.inputs[(a.mb, a.chunk)] = x
+                self.live_mb += self.chunk_weight.get(a.chunk, 1.0)
+                self.peak_mb = max(self.peak_mb, self.live_mb)
             out = self.mods.chunks[a.chunk](x, mb.position_ids, mb.attention_mask)
             if a.chunk == self.last_chunk and not self.vocab:
                 self.losses[a.mb] = self._baseline_loss(out, mb)
+                if self.schedule.forward_only:
+                    return
         self.outputs[(a.mb, a.chunk)] = out
+
+    def _output_for_consumer(self, mb: int, chunk: int) -> torch.Tensor:
+        """A chunk's output for the next chunk / C0. Training keeps the graph until B; evaluation drops it."""
+        out = self.outputs.pop((mb, chunk)) if self.schedule.forward_only else self.outputs[(mb, chunk)]
+        return out.detach().contiguous()
 
     def _baseline_loss(self, hidden: torch.Tensor, mb: Microbatch) -> torch.Tensor:
         """Full lm_head + cross-entropy on the last stage, scaled by g so that Σ_mb is the step's mean."""
@@ -238,6 +260,7 @@ class Executor:
 
     def _release(self, key: tuple[int, int]) -> None:
         self.meter.release(key)
+        self.live_mb -= self.chunk_weight.get(key[1], 1.0)
         # an input whose gradient goes to another rank is dropped by its SEND_GRAD instead
         if key[1] == 0 or self.schedule.chunk_rank[key[1] - 1] == self.g.pp_rank:
             self.inputs.pop(key, None)
@@ -251,19 +274,24 @@ class Executor:
 
     def _do_IF_REDUCE(self, a: Action) -> None:
         # vocabulary collectives name their root by its rank in the group, i.e. its pipeline rank
-        vemb.if_reduce(self.partials[a.mb], self.schedule.chunk_rank[0], self.g.vocab_group)
-        if self.g.rank != self._owner(0):
-            del self.partials[a.mb]
+        # asynchronous: F of chunk 0 waits for it, other ranks only at the end of the step
+        pending = vemb.if_reduce(self.partials.pop(a.mb), self.schedule.chunk_rank[0], self.g.vocab_group,
+                                 async_op=True)
+        if self.g.rank == self._owner(0):
+            self.partials[a.mb] = pending
+        else:
+            self.inflight.append(pending)
 
     def _do_IB_BCAST(self, a: Action) -> None:
         src = self.schedule.chunk_rank[0]
         grad = self.emb_grads.pop(a.mb).contiguous() if self.g.pp_rank == src else self._empty_act()
-        vemb.ib_broadcast(grad, src, self.g.vocab_group)
-        self.emb_grads[a.mb] = grad
+        self.emb_grads[a.mb] = vemb.ib_broadcast(grad, src, self.g.vocab_group, async_op=True)  # IB waits
 
     def _do_IB(self, a: Action) -> None:
         mb = self.mbs[a.mb]
-        grad = self.emb_grads.pop(a.mb)
+        grad = self.emb_grads.pop(a.mb).wait()
+        if self.mods.padding_idx is not None:  # as HF's lookup: the padding row gets no gradient
+            grad = grad * (mb.input_ids != self.mods.padding_idx).unsqueeze(-1).to(grad.dtype)
         vemb.embed_backward(mb.input_ids, grad, self._grad_buffer(self.mods.embed_weight),
                             self.partition, self.g.pp_rank)
 
@@ -271,19 +299,21 @@ class Executor:
     def _do_C0(self, a: Action) -> None:
         src = self.schedule.chunk_rank[self.last_chunk]
         if self.g.pp_rank == src:
-            x = self.outputs[(a.mb, self.last_chunk)].detach().contiguous()
+            x = self._output_for_consumer(a.mb, self.last_chunk)
         else:
             x = self._empty_act()
-        self.x[a.mb] = vout.broadcast_x(x, src, self.g.vocab_group).wait()
+        self.x[a.mb] = vout.broadcast_x(x, src, self.g.vocab_group, async_op=True)  # S waits
 
     def _do_S(self, a: Action) -> None:
         mb = self.mbs[a.mb]
-        x = self.x.pop(a.mb)
+        x = self.x.pop(a.mb).wait()
         with torch.no_grad():
             st = vout.s_pass(x.reshape(-1, x.shape[-1]), mb.labels.reshape(-1), mb.grad_scale,
                              self.mods.head_weight, self.partition, self.g.pp_rank, self.out_opts)
         self.states[a.mb] = st
         self.meter.add(("S", a.mb), _tensor_bytes(vars(st).values()))
+        self.live_stash += 1
+        self.peak_stash = max(self.peak_stash, self.live_stash)
 
     def _do_C1(self, a: Action) -> None:
         self.pending[("C1", a.mb)] = vout.c1(self.states[a.mb], self.g.vocab_group, async_op=True)
@@ -305,6 +335,7 @@ class Executor:
         with torch.no_grad():
             vout.t_pass(self.states[a.mb], self._grad_buffer(self.mods.head_weight))
         self.meter.release(("S", a.mb))
+        self.live_stash -= 1
         if self.schedule.method != "vocab-1":  # vocab-1 still all-reduces ∂X in C2
             self._drop_state(a.mb)
 

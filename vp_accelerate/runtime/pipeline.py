@@ -238,9 +238,12 @@ class PipelineModel:
         return mbs, n_total
 
     def _executor(self, schedule, mb_rows: int, seq: int) -> Executor:
+        mine = self.layout.chunks_of(self.pp_rank)
+        layers = {c: self.layout.chunk_layers[c][1] - self.layout.chunk_layers[c][0] for c in mine}
+        weight = {c: n / sum(layers.values()) for c, n in layers.items()}
         return Executor(schedule, self.mods, self.groups, self.partition, self.out_opts,
                         act_shape=(mb_rows, seq, self.hf_config.hidden_size), act_dtype=self.dtype,
-                        device=self.device, weight_grads=self.weight_grads)
+                        device=self.device, weight_grads=self.weight_grads, chunk_weight=weight)
 
     def _finish_loss(self, loss_sum: torch.Tensor) -> float:
         """Make the step's loss known on every rank of every replica."""
@@ -273,6 +276,8 @@ class PipelineModel:
         loss = self._finish_loss(out.loss_sum)
         peak = out.peak_activation_bytes
         self.last_stats = {"timeline": out.records, "peak_activation_bytes": peak, "step_time_s": step_time,
+                           "peak_activation_microbatches": out.peak_activation_microbatches,
+                           "peak_stash_microbatches": out.peak_stash_microbatches,
                            "pass_time_s": sum(r.end - r.start for r in out.records if r.op in COMPUTE_OPS)}
         if self.device.type == "cuda":
             self.last_stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)

@@ -1,0 +1,56 @@
+"""No hang: when one rank raises or is killed mid-step, every rank exits non-zero within bounded time.
+
+Launched like torchrun / accelerate would (separate processes, env rendezvous), not through
+`spawn`, which would tear the peers down itself and hide a hang.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vp_accelerate.distributed import free_port
+
+WORKER = Path(__file__).parent / "helpers" / "fault_worker.py"
+
+
+def _launch(mode: str, fail_rank: int, timeout_s: float = 120.0):
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(fail_rank)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"rank hung for more than {timeout_s} s after rank {fail_rank} failed ({mode})")
+        outs.append((p.returncode, out, err))
+    return outs, time.monotonic() - start
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_rank_that_raises_stops_every_rank(fail_rank):
+    outs, _ = _launch("raise", fail_rank)
+    for rank, (code, out, err) in enumerate(outs):
+        assert code != 0, f"rank {rank} exited 0\n{out}\n{err}"
+        assert "should have failed" not in out
+    other = outs[1 - fail_rank][2]
+    assert f"rank {fail_rank}: RuntimeError: injected failure" in other or "Connection closed" in other \
+        or "Connection reset" in other, other[-2000:]
+
+
+def test_a_killed_rank_stops_every_rank():
+    outs, _ = _launch("kill", 1)
+    assert outs[1][0] != 0
+    code, out, err = outs[0]
+    assert code != 0, f"rank 0 exited 0\n{out}\n{err}"
