@@ -42,6 +42,8 @@ def run_one(cfg: dict) -> dict:
     from vp_accelerate.vocab.output_layer import OutputLayerOptions, run_output_layer, token_mean_grad_scale
     from vp_accelerate.vocab.partition import VocabPartition
 
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=None, help="rows per chunk in 'chunked' (default 2048, quick 512)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads per config (0 = torch's default); 1 is the least noisy on a busy machine")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -126,13 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     where = f"CUDA ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else \
-        f"CPU, {torch.get_num_threads()} threads"
+        f"CPU, {args.threads or torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} at start"
     mem_how = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "peak RSS growth (ru_maxrss)"
     print(f"Output layer fwd+bwd, N={n} h={h} {args.dtype}, {where}; median of {args.reps}; "
           f"peak memory = {mem_how} over one repetition; chunked = recompute with {chunk}-row chunks\n")
     print("| V | p | algorithm | memory | time ms | peak MiB | scaling eff. |")
     print("|---|---|---|---|---|---|---|")
-    base = dict(tokens=n, hidden=h, dtype=args.dtype, reps=args.reps, chunk_size=chunk)
+    base = dict(tokens=n, hidden=h, dtype=args.dtype, reps=args.reps, chunk_size=chunk, threads=args.threads)
     for V in vocabs:
         full = _spawn_config({**base, "rows": V, "algorithm": "baseline", "memory": "-"})
         print(f"| {V} | - | HF lm_head + cross_entropy | - | {full['time_s'] * 1e3:.1f} | "
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     eff = full["time_s"] / (p * r["time_s"])
                     print(f"| {V} | {p} | {algo} | {mode} | {r['time_s'] * 1e3:.1f} | "
                           f"{r['peak_bytes'] / 2**20:.0f} | {eff * 100:.0f}% |", flush=True)
+    if not torch.cuda.is_available():
+        print(f"\nload average {os.getloadavg()[0]:.1f} at the end (other jobs on the machine add noise)")
     return 0
 
 
