@@ -42,8 +42,8 @@ class BenchConfig:
     """Timed steps per method; tokens/s is the median over them."""
     seed: int = 0
     """Seed for weights and the synthetic batch, the same for every method."""
-    timeout_s: float = 1800.0
-    """Per-invocation limit passed to spawn (a hung collective fails instead of hanging)."""
+    timeout_s: float = 3600.0
+    """Limit for one vocabulary size's spawn (a hung collective fails instead of hanging)."""
     skip_unavailable: bool = True
     """Skip methods whose implementation is not importable (ours before the runtime lands) instead of failing."""
     extra: dict = field(default_factory=dict)

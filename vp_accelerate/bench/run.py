@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 from vp_accelerate.bench.config import ALL_METHODS, DEFAULT_VOCABS, QUICK_METHODS, BenchConfig
 from vp_accelerate.bench.methods import get_method
@@ -33,13 +34,24 @@ def runnable_methods(cfg: BenchConfig) -> tuple[list[str], dict[str, str]]:
     return run, skipped
 
 
-def run_benchmark(cfg: BenchConfig) -> tuple[list[Row], dict[str, str]]:
-    """Spawn cfg.world_size gloo ranks (one thread each), run the sweep, aggregate the records."""
+def run_benchmark(cfg: BenchConfig, on_vocab=None) -> tuple[list[Row], dict[str, str]]:
+    """Spawn cfg.world_size gloo ranks (one thread each) per vocabulary size, run, aggregate.
+
+    One spawn per vocabulary size: each size's models are freed with its processes, its rows come
+    back (and `on_vocab(rows so far)` is called) as soon as it is done, and cfg.timeout_s bounds
+    one size rather than the whole sweep.
+    """
     methods, skipped = runnable_methods(cfg)
-    per_rank = spawn(bench_rank, cfg.world_size, cfg, methods, timeout_s=cfg.timeout_s, threads=1)
-    mem = [m for r_mem, _ in per_rank for m in r_mem]
-    steps = [s for _, r_steps in per_rank for s in r_steps]
-    return build_rows(cfg, methods, mem, steps), skipped
+    rows: list[Row] = []
+    for vocab in cfg.vocabs:
+        one = replace(cfg, vocabs=(vocab,))
+        per_rank = spawn(bench_rank, cfg.world_size, one, methods, timeout_s=cfg.timeout_s, threads=1)
+        mem = [m for r_mem, _ in per_rank for m in r_mem]
+        steps = [s for _, r_steps in per_rank for s in r_steps]
+        rows += build_rows(one, methods, mem, steps)
+        if on_vocab is not None:
+            on_vocab(rows)
+    return rows, skipped
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, help="timed steps per method (default 3, quick 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds one vocabulary size may take before its ranks are stopped")
     ap.add_argument("--strict", action="store_true", help="fail instead of skipping methods that cannot run")
     ap.add_argument("--json", help="write the result rows to this JSON file")
     ap.add_argument("--markdown", help="write the markdown table to this file (it is printed either way)")
@@ -73,7 +87,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         vocabs=tuple(a.vocabs or ((32768,) if quick else DEFAULT_VOCABS)),
         methods=tuple(a.methods or (QUICK_METHODS if quick else ALL_METHODS)),
         world_size=a.ranks, warmup=a.warmup, steps=a.steps or (2 if quick else 3), seed=a.seed,
-        skip_unavailable=not a.strict)
+        timeout_s=a.timeout, skip_unavailable=not a.strict)
 
 
 def bench_main(argv: list[str] | None = None) -> int:
@@ -81,7 +95,13 @@ def bench_main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     cfg = config_from_args(a)
     t0 = time.perf_counter()
-    rows, skipped = run_benchmark(cfg)
+
+    def progress(rows: list[Row]) -> None:
+        print(f"[{time.perf_counter() - t0:.0f} s] V={rows[-1].vocab} done", file=sys.stderr, flush=True)
+        if a.json:  # partial results survive an interrupted sweep
+            write_json(rows, a.json)
+
+    rows, skipped = run_benchmark(cfg, on_vocab=progress)
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}", file=sys.stderr)
     for vocab in cfg.vocabs:
