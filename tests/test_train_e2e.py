@@ -10,9 +10,6 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("vp_accelerate.runtime", reason="the pipeline engine is not available")
-from vp_accelerate.runtime import PipelineModel  # noqa: E402,F401
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 STEPS = 6

@@ -55,6 +55,7 @@ def test_defaults_and_roundtrip(corpus):
     ({"tokenizer": {"source": "bpe:/nonexistent/tok"}}, "tokenizer.source: '/nonexistent/tok' has no tokenizer.json"),
     ({"model": {"source": "./no/such/dir"}}, "model.source: directory './no/such/dir' does not exist"),
     ({"data": {"hub_id": "some/dataset"}}, "data: set exactly one of data.files"),
+    ({"data": {"streaming": True, "packing": False}}, "data.packing: false is not supported with data.streaming"),
     ({"train": "fast"}, "train: expected a mapping"),
 ])
 def test_errors_name_the_key(corpus, sections, message):

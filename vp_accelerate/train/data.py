@@ -106,6 +106,18 @@ def make_tokenize_fn(tokenizer, text_field: str, add_eos: bool, vocab_size: int,
     return fn
 
 
+def tokenize_fingerprint(docs, tokenizer, *parts) -> str:
+    """A stable `datasets` cache key for tokenizing `docs` with `tokenizer` and settings `parts`.
+
+    datasets hashes the map function's closure, which holds the tokenizer and is not stable across
+    processes; a key of our own lets every rank reuse the main process's cached result.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    tok_id = backend.to_str() if backend is not None else f"{type(tokenizer).__name__}:{tokenizer.name_or_path}:{len(tokenizer)}"
+    h = hashlib.sha256(f"{getattr(docs, '_fingerprint', '')}|{tok_id}|{parts}".encode())
+    return h.hexdigest()[:32]
+
+
 def pack(token_rows, seq_len: int) -> np.ndarray:
     """Concatenate token rows and cut [N, seq_len] sequences (the tail shorter than seq_len is dropped)."""
     flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in token_rows]) if len(token_rows) else \
@@ -284,8 +296,9 @@ def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp
     else:
         if len(docs) == 0:
             raise DataError(f"{source}: the dataset is empty")
+        key = tokenize_fingerprint(docs, tokenizer, cfg.text_field, cfg.add_eos, vocab_size, holdout_every)
         tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
-                             num_proc=cfg.num_proc, desc="tokenizing")
+                             num_proc=cfg.num_proc, desc="tokenizing", new_fingerprint=key)
         flags = np.asarray(tokenized["heldout"], dtype=bool)
         train_rows = _token_rows(tokenized.select(np.flatnonzero(~flags)), source)
         train = BatchIterator(_to_sequences(train_rows, cfg, pad_id, source), seed, global_batch, dp_rank, dp_size)
@@ -322,12 +335,14 @@ def _to_sequences(rows, cfg, pad_id: int, source: str, allow_empty: bool = False
 
 def _eval_rows_from_files(cfg, tok_fn, n_eval: int) -> list:
     docs = load_documents(cfg.eval_files, None, "train", cfg.format, streaming=False)
-    tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names)
+    tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
+                         keep_in_memory=True)  # small; not worth a cache file per rank
     packed = pack(_token_rows(tokenized, "data.eval_files"), cfg.seq_len)
     return list(packed[:n_eval]) if n_eval else list(packed)
 
 
 def _eval_sequences_unpacked(cfg, tok_fn, pad_id: int) -> Sequences:
     docs = load_documents(cfg.eval_files, None, "train", cfg.format, streaming=False)
-    tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names)
+    tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
+                         keep_in_memory=True)
     return Sequences(*pad_rows(_token_rows(tokenized, "data.eval_files"), cfg.seq_len, pad_id))

@@ -294,6 +294,8 @@ def check(recipe: Recipe) -> Recipe:
         raise RecipeError(f"pipeline.label_smoothing: must be in [0, 1), got {p.label_smoothing}")
     if not 0.0 <= d.eval_holdout < 1.0:
         raise RecipeError(f"data.eval_holdout: must be in [0, 1), got {d.eval_holdout}")
+    if d.streaming and not d.packing:
+        raise RecipeError("data.packing: false is not supported with data.streaming: true (streams are packed)")
     if bool(d.files) == bool(d.hub_id):
         raise RecipeError("data: set exactly one of data.files (local files) or data.hub_id")
     if recipe.logging.peak_tflops < 0:
