@@ -251,7 +251,7 @@ class StreamingBatchIterator:
             self.step += 1
 
 
-def _token_rows(ds, name: str) -> list:
+def _token_rows(ds) -> list:
     """The input_ids column of a (non-streaming) dataset as a list of arrays, without Python lists per token."""
     col = ds.with_format("numpy")["input_ids"]
     return list(col)
@@ -337,7 +337,7 @@ def _eval_rows_from_files(cfg, tok_fn, n_eval: int) -> list:
     docs = load_documents(cfg.eval_files, None, "train", cfg.format, streaming=False)
     tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
                          keep_in_memory=True)  # small; not worth a cache file per rank
-    packed = pack(_token_rows(tokenized, "data.eval_files"), cfg.seq_len)
+    packed = pack(_token_rows(tokenized), cfg.seq_len)
     return list(packed[:n_eval]) if n_eval else list(packed)
 
 
@@ -345,4 +345,4 @@ def _eval_sequences_unpacked(cfg, tok_fn, pad_id: int) -> Sequences:
     docs = load_documents(cfg.eval_files, None, "train", cfg.format, streaming=False)
     tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
                          keep_in_memory=True)
-    return Sequences(*pad_rows(_token_rows(tokenized, "data.eval_files"), cfg.seq_len, pad_id))
+    return Sequences(*pad_rows(_token_rows(tokenized), cfg.seq_len, pad_id))
