@@ -300,14 +300,14 @@ def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp
         tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
                              num_proc=cfg.num_proc, desc="tokenizing", new_fingerprint=key)
         flags = np.asarray(tokenized["heldout"], dtype=bool)
-        train_rows = _token_rows(tokenized.select(np.flatnonzero(~flags)), source)
+        train_rows = _token_rows(tokenized.select(np.flatnonzero(~flags)))
         train = BatchIterator(_to_sequences(train_rows, cfg, pad_id, source), seed, global_batch, dp_rank, dp_size)
         if cfg.eval_files:
             eval_seqs = Sequences(np.asarray(_eval_rows_from_files(cfg, tok_fn, n_eval), dtype=np.int64)
                                   .reshape(-1, cfg.seq_len)) if cfg.packing else \
                 _eval_sequences_unpacked(cfg, tok_fn, pad_id)
         else:
-            eval_seqs = _to_sequences(_token_rows(tokenized.select(np.flatnonzero(flags)), source), cfg, pad_id,
+            eval_seqs = _to_sequences(_token_rows(tokenized.select(np.flatnonzero(flags))), cfg, pad_id,
                                       source, allow_empty=True)
 
     evals = []
