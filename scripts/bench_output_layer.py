@@ -6,6 +6,8 @@ Measured, not asserted. Every configuration runs in a fresh subprocess so its pe
           allocated before it (inputs and weights);
     CPU:  the growth of the process's peak resident set size (resource.getrusage ru_maxrss) over the
           first repetition, i.e. the transient memory of one forward+backward on top of the inputs.
+"held S→T" is what one microbatch's state keeps between C1 and T besides X (stored logits, row
+statistics): the per-microbatch cost of having it in flight in a schedule, which "recompute" removes.
 Time is the median of `--reps` repetitions after that warm-up. The collectives run on a 1-rank gloo
 group (they cost nothing there), so the shard time is pure compute; scaling efficiency =
 full time / (p × shard time), 100% meaning the p shards together cost what the full layer costs.
@@ -39,7 +41,8 @@ def run_one(cfg: dict) -> dict:
     import torch.nn.functional as F
 
     from vp_accelerate.distributed import init_from_env
-    from vp_accelerate.vocab.output_layer import OutputLayerOptions, run_output_layer, token_mean_grad_scale
+    from vp_accelerate.vocab.output_layer import (OutputLayerOptions, c1, c2, s_pass, t_pass,
+                                                  token_mean_grad_scale)
     from vp_accelerate.vocab.partition import VocabPartition
 
     if cfg["threads"]:
@@ -53,6 +56,7 @@ def run_one(cfg: dict) -> dict:
     weight = (torch.randn(rows, h, device=dev, dtype=dtype) * h ** -0.5)
     labels = torch.randint(0, rows, (n,), device=dev)
 
+    held = {"bytes": 0}
     if cfg["algorithm"] == "baseline":
         def step():
             xr = x.detach().requires_grad_(True)
@@ -71,7 +75,17 @@ def run_one(cfg: dict) -> dict:
 
         def step():
             weight_grad = torch.zeros(weight.shape, dtype=torch.float32, device=dev)
-            return run_output_layer(x, labels, g, weight, weight_grad, part, 0, opts).loss_sum
+            state = s_pass(x, labels, g, weight, part, 0, opts)
+            c1(state, async_op=False)
+            # What a microbatch keeps alive between C1 and T on top of X (what a schedule pays per
+            # microbatch in flight): stored logits and row statistics.
+            kept = (state.logits or []) + [state.local_max, state.local_sum, state.row_max, state.row_sum,
+                                           state.grad_scale, state.local_labels]
+            held["bytes"] = sum(t.numel() * t.element_size() for t in kept)
+            t_pass(state, weight_grad)
+            if opts.algorithm == "vocab-1":
+                c2(state, async_op=False)
+            return state.loss_sum
 
     def sync():
         if cuda:
@@ -94,7 +108,7 @@ def run_one(cfg: dict) -> dict:
         step()
         sync()
         times.append(time.perf_counter() - t0)
-    return {"time_s": statistics.median(times), "peak_bytes": max(peak, 0)}
+    return {"time_s": statistics.median(times), "peak_bytes": max(peak, 0), "held_bytes": held["bytes"]}
 
 
 def _spawn_config(cfg: dict) -> dict:
@@ -134,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     mem_how = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "peak RSS growth (ru_maxrss)"
     print(f"Output layer fwd+bwd, N={n} h={h} {args.dtype}, {where}; median of {args.reps}; "
           f"peak memory = {mem_how} over one repetition; chunked = recompute with {chunk}-row chunks\n")
-    print("| V | p | algorithm | memory | time ms | peak MiB | scaling eff. |")
-    print("|---|---|---|---|---|---|---|")
+    print("| V | p | algorithm | memory | time ms | peak MiB | held S→T MiB | scaling eff. |")
+    print("|---|---|---|---|---|---|---|---|")
     base = dict(tokens=n, hidden=h, dtype=args.dtype, reps=args.reps, chunk_size=chunk, threads=args.threads)
     for V in vocabs:
         full = _spawn_config({**base, "rows": V, "algorithm": "baseline", "memory": "-"})
         print(f"| {V} | - | HF lm_head + cross_entropy | - | {full['time_s'] * 1e3:.1f} | "
-              f"{full['peak_bytes'] / 2**20:.0f} | - |", flush=True)
+              f"{full['peak_bytes'] / 2**20:.0f} | - | - |", flush=True)
         for p in args.ranks:
             rows = -(-V // p)
             for algo in ALGORITHMS:
@@ -148,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = _spawn_config({**base, "rows": rows, "algorithm": algo, "memory": mode})
                     eff = full["time_s"] / (p * r["time_s"])
                     print(f"| {V} | {p} | {algo} | {mode} | {r['time_s'] * 1e3:.1f} | "
-                          f"{r['peak_bytes'] / 2**20:.0f} | {eff * 100:.0f}% |", flush=True)
+                          f"{r['peak_bytes'] / 2**20:.0f} | {r['held_bytes'] / 2**20:.1f} | {eff * 100:.0f}% |",
+                          flush=True)
     if not torch.cuda.is_available():
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end (other jobs on the machine add noise)")
     return 0
