@@ -140,6 +140,10 @@ class Executor:
                 i = j
                 continue
             start = time.perf_counter() - t0
+            if self._await_inputs(a):  # time spent waiting for data is a WAIT, not part of the pass
+                now = time.perf_counter() - t0
+                records.append(PassRecord(self.g.rank, "WAIT", a.mb, a.chunk, start, now))
+                start = now
             getattr(self, f"_do_{a.op.value}")(a)
             records.append(PassRecord(self.g.rank, a.op.value, a.mb, a.chunk, start, time.perf_counter() - t0))
             i += 1
@@ -179,8 +183,45 @@ class Executor:
 
     def _take_recv(self, op: Op, mb: int, chunk: int) -> torch.Tensor:
         buf, work = self.recvs.pop((op.value, mb, chunk))
-        work.wait()
+        if work is not None:
+            work.wait()
         return buf
+
+    def _wait_recv(self, key: tuple[str, int, int]) -> bool:
+        """Complete a posted receive now (a gloo work must be waited on once only)."""
+        buf, work = self.recvs.get(key, (None, None))
+        if work is None:
+            return False
+        work.wait()
+        self.recvs[key] = (buf, None)
+        return True
+
+    def _await_inputs(self, a: Action) -> bool:
+        """Wait for the communication `a` consumes (received activations/gradients, collective results)
+        before the pass starts, so measured pass times exclude waiting. True if there was anything."""
+        waits, collectives = [], []
+        received = False
+        if a.op is Op.F:
+            received = self._wait_recv(("RECV_ACT", a.mb, a.chunk))
+            if a.chunk == 0 and self.vocab:
+                waits.append(self.partials.get(a.mb))
+        elif a.op is Op.B:
+            received = self._wait_recv(("RECV_GRAD", a.mb, a.chunk))
+            if a.chunk == self.last_chunk and self.vocab:
+                collectives = [("C1", a.mb), ("C2", a.mb)]
+        elif a.op is Op.S:
+            waits.append(self.x.get(a.mb))
+        elif a.op is Op.T:
+            collectives = [("C1", a.mb)]
+        elif a.op is Op.IB:
+            waits.append(self.emb_grads.get(a.mb))
+        waits = [w for w in waits if w is not None]
+        for w in waits:
+            w.wait()
+        pending = [k for k in collectives if k in self.pending]
+        for kind, mb in pending:
+            self._wait(kind, mb)
+        return bool(received or waits or pending)
 
     # ---- transformer chunk passes ------------------------------------------------------------
     def _chunk_input(self, a: Action) -> torch.Tensor:
