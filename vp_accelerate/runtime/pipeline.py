@@ -79,6 +79,8 @@ class StepResult:
     """Mean over pipeline ranks of 1 - (time in compute passes) / (step time)."""
     peak_activation_bytes: int
     """This rank's peak of activation bytes held for backward plus stashed vocabulary state."""
+    nonfinite_microbatches: tuple[tuple[int, int], ...] = ()
+    """(dp replica, microbatch) pairs whose loss was NaN/inf, the same on every rank; empty when all finite."""
 
 
 class PipelineModel:
@@ -200,6 +202,10 @@ class PipelineModel:
             raise ValueError(f"input_ids and labels must both be [batch, seq]; got {tuple(input_ids.shape)} and "
                              f"{tuple(labels.shape)}")
         b, s = input_ids.shape
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        if max_pos and s > max_pos:  # GPT-2 would index past its position table; RoPE models were never trained there
+            raise ValueError(f"sequence length {s} exceeds the model's max_position_embeddings={max_pos}; use "
+                             f"sequences of at most {max_pos} tokens (data.seq_len)")
         if b % m:
             raise ValueError(f"batch size {b} is not divisible by microbatches={m}; use a batch that is a multiple "
                              f"of {m} or change pipeline.microbatches")
@@ -274,6 +280,7 @@ class PipelineModel:
         self._sync_grads()
         step_time = time.perf_counter() - t0
         loss = self._finish_loss(out.loss_sum)
+        bad = self._nonfinite_microbatches(out.microbatch_losses) if not math.isfinite(loss) else ()
         peak = out.peak_activation_bytes
         self.last_stats = {"timeline": out.records, "peak_activation_bytes": peak, "step_time_s": step_time,
                            "peak_activation_microbatches": out.peak_activation_microbatches,
@@ -282,7 +289,8 @@ class PipelineModel:
         if self.device.type == "cuda":
             self.last_stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return StepResult(loss=loss, num_tokens=n_tokens, step_time_s=step_time,
-                          bubble_rate=self._bubble_rate(out.records, step_time), peak_activation_bytes=peak)
+                          bubble_rate=self._bubble_rate(out.records, step_time), peak_activation_bytes=peak,
+                          nonfinite_microbatches=bad)
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -292,9 +300,25 @@ class PipelineModel:
         out = self._run(self.eval_schedule, mbs, input_ids.shape[1])
         return self._finish_loss(out.loss_sum)
 
+    def _nonfinite_microbatches(self, losses: dict[int, torch.Tensor]) -> tuple[tuple[int, int], ...]:
+        """Which (replica, microbatch) had a NaN/inf loss. Called on every rank when the step's loss is not
+        finite (it is the same everywhere); baseline losses live on the last stage only, hence the reduce."""
+        m = self.cfg.microbatches
+        flags = torch.zeros(self.dp_size * m, dtype=torch.float64)
+        for mb, value in losses.items():
+            if not torch.isfinite(value).all():
+                flags[self.dp_rank * m + mb] = 1.0
+        dist.all_reduce(flags)
+        return tuple((int(i) // m, int(i) % m) for i in flags.nonzero().flatten().tolist())
+
     def _run(self, schedule, mbs: list[Microbatch], seq: int):
         try:
-            return self._executor(schedule, mbs[0].input_ids.shape[0], seq).run(mbs)
+            ex = self._executor(schedule, mbs[0].input_ids.shape[0], seq)
+            out = ex.run(mbs)
+            # per-microbatch losses, to name the one that went NaN/inf (vocab: every rank; baseline: last stage)
+            out.microbatch_losses = {**{mb: st.loss_sum.detach() for mb, st in ex.states.items()},
+                                     **{mb: v.detach() for mb, v in ex.losses.items()}}
+            return out
         except BaseException as e:
             if self.watchdog is not None:
                 self.watchdog.report_failure(e)  # peers blocked on us exit now, naming this rank
@@ -372,9 +396,9 @@ class PipelineModel:
 
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (DESIGN.md §7 formula: 3 x forward)."""
-        c = self.hf_config
-        h, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
-        ffn = getattr(c, "intermediate_size", None) or 4 * h
-        s = getattr(self, "_last_seq", 2048)
-        return 3.0 * (2 * h * V + L * (8 * h * h + 4 * s * h + 4 * h * ffn))
+        """Training FLOPs per token as the paper counts them for MFU (DESIGN.md §7; sim.shape's formula),
+        at the sequence length of the last step."""
+        from vp_accelerate.sim.shape import shape_from_hf_config
+
+        shape = shape_from_hf_config(self.hf_config, seq=getattr(self, "_last_seq", 2048))
+        return shape.model_flops() / shape.tokens
