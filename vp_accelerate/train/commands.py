@@ -1,11 +1,13 @@
 """`vp-accelerate train` and `vp-accelerate export`: argument parsing around trainer and export.
 
     accelerate launch --config_file configs/accelerate_cpu_2proc.yaml -m vp_accelerate train recipes/quickstart.yaml
-    vp-accelerate train RECIPE [--set key.path=value ...] [--resume] [--stop-at STEP] [--check]
+    vp-accelerate train RECIPE [--set key.path=value ...] [--resume] [--stop-at STEP] [--check [--world-size N]]
     vp-accelerate export CHECKPOINT OUT_DIR
 
 The recipe is read and validated before accelerate creates any process group, so a bad recipe
-fails in every process at once with the key it concerns and exit code 2.
+fails in every process at once with the key it concerns and exit code 2 (`preflight.check_plan` also
+asks the model config, tokenizer and schedule builder whether the run can exist). Bad data and NaN/inf
+steps stop every rank together with exit code 3.
 """
 
 from __future__ import annotations
@@ -35,22 +37,38 @@ def train_main(argv: list[str] | None = None) -> int:
                     help="stop after this step (checkpointing it) as if interrupted; the LR schedule still "
                          "spans train.steps, so `--resume` later continues the same run")
     ap.add_argument("--check", action="store_true", help="validate the recipe, print it, and exit")
+    ap.add_argument("--world-size", type=int, default=None, metavar="N",
+                    help="with --check: the number of processes the run will have, so the schedule and layout are "
+                         "checked too (under a launcher, WORLD_SIZE is used)")
     args = ap.parse_args(argv)
 
+    from .preflight import check_plan, world_size_from_env
     from .recipe import RecipeError, load_recipe, recipe_to_dict
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        # model/tokenizer/schedule checks, before accelerate starts a process group (every rank runs them)
+        notes = check_plan(recipe, args.world_size or world_size_from_env())
     except RecipeError as e:
         print(f"recipe error: {e}", file=sys.stderr)
         return 2
     if args.check:
         print(json.dumps(recipe_to_dict(recipe), indent=1))
+        for note in notes:
+            print(f"checked: {note}", file=sys.stderr)
         return 0
     _setup_logging()
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    from .nonfinite import NonFiniteError
     from .trainer import train
 
-    summary = train(recipe, resume=args.resume, stop_at=args.stop_at)
+    try:
+        summary = train(recipe, resume=args.resume, stop_at=args.stop_at)
+    except (CheckpointError, DataError, NonFiniteError) as e:
+        # the same decision on every rank (same data / all-reduced values): each says why and exits 3
+        print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 3
     logging.getLogger("vp_accelerate.train").info("done: final eval loss %.4f", summary["final_eval_loss"])
     return 0
 

@@ -183,7 +183,13 @@ class BatchIterator:
             self._order = self._permutation(self.epoch)
         start = self.step * self.global_batch + self.dp_rank * self.per_replica
         self.step += 1
-        return self.seqs.batch(self._order[start: start + self.per_replica])
+        self.last_rows = self._order[start: start + self.per_replica]  # to name a bad sample in errors
+        return self.seqs.batch(self.last_rows)
+
+    def describe_rows(self, first: int, end: int) -> str:
+        """Where rows [first, end) of the last batch come from (for error messages)."""
+        rows = self.last_rows[first:end].tolist()
+        return f"packed training sequences {rows} (epoch {self.epoch}, order of seed {self.seed})"
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step": self.step}
@@ -238,7 +244,14 @@ class StreamingBatchIterator:
         self.step += 1
         mine = rows[self.dp_rank * self.per_replica: (self.dp_rank + 1) * self.per_replica]
         ids = torch.tensor(mine, dtype=torch.long)
+        self.last_position = (self.epoch, self.step)
         return {"input_ids": ids, "labels": ids.clone()}
+
+    def describe_rows(self, first: int, end: int) -> str:
+        """Where rows [first, end) of the last batch come from (for error messages)."""
+        epoch, step = self.last_position
+        start = (step - 1) * self.global_batch + self.dp_rank * self.per_replica
+        return f"streamed sequences {start + first}..{start + end - 1} of epoch {epoch}"
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step": self.step}

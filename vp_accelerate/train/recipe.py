@@ -178,6 +178,14 @@ class TrainSection:
     seed: int = 0
     """Seeds model init, data order and every RNG; the same seed gives the same run."""
 
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient is NaN/inf: `stop` the run (every rank, naming the microbatch or the
+    parameters; the last checkpoint stays the newest), or `skip` it (no optimizer update; its batch counts
+    as consumed and the LR schedule moves on, so step k keeps its LR and data)."""
+
+    max_skipped_steps: int = 10
+    """With `on_nonfinite: skip`, stop anyway after this many skipped steps in a row (a diverged run)."""
+
 
 @dataclass
 class EvalSection:
@@ -264,7 +272,8 @@ def check(recipe: Recipe) -> Recipe:
                 "train.steps": t.steps, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
                 "logging.log_every": recipe.logging.log_every, "eval.batches": recipe.eval.batches,
                 "data.shuffle_buffer": d.shuffle_buffer, "pipeline.pad_multiple": p.pad_multiple, "tokenizer.pad_to_multiple_of":
-                recipe.tokenizer.pad_to_multiple_of, "checkpoint.keep": recipe.checkpoint.keep}
+                recipe.tokenizer.pad_to_multiple_of, "checkpoint.keep": recipe.checkpoint.keep,
+                "train.max_skipped_steps": t.max_skipped_steps}
     for key, value in positive.items():
         if value < 1:
             raise RecipeError(f"{key}: must be >= 1, got {value}")

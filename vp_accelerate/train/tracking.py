@@ -41,11 +41,30 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def rank_stats(pipe, device: torch.device) -> dict:
-    """This rank's memory numbers, to gather."""
+def resident_bytes() -> int:
+    """Current resident set size of this process (VmRSS), 0 where /proc is unavailable.
+
+    The peak (ru_maxrss) only ever grows, so it cannot show a slow leak's slope; the current RSS can.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return 0
+
+
+def rank_stats(pipe, device: torch.device, step_time_s: float | None = None) -> dict:
+    """This rank's memory numbers (and its mean step time since the last log), to gather."""
     stats = pipe.stats()
-    return {"peak_activation_bytes": int(stats.get("peak_activation_bytes", 0)),
-            "param_bytes": int(stats.get("param_bytes", 0)), "peak_memory_bytes": peak_memory_bytes(device)}
+    out = {"peak_activation_bytes": int(stats.get("peak_activation_bytes", 0)),
+           "param_bytes": int(stats.get("param_bytes", 0)), "peak_memory_bytes": peak_memory_bytes(device),
+           "rss_bytes": resident_bytes()}
+    if step_time_s is not None:
+        out["step_time_s"] = float(step_time_s)
+    return out
 
 
 def rank_metrics(all_stats: list[dict]) -> dict:
@@ -55,6 +74,10 @@ def rank_metrics(all_stats: list[dict]) -> dict:
         out[f"memory/rank{r}_peak_activation_mib"] = s["peak_activation_bytes"] / 2**20
         out[f"memory/rank{r}_param_mib"] = s["param_bytes"] / 2**20
         out[f"memory/rank{r}_peak_mib"] = s["peak_memory_bytes"] / 2**20
+        if "rss_bytes" in s:
+            out[f"memory/rank{r}_rss_mib"] = s["rss_bytes"] / 2**20
+        if "step_time_s" in s:
+            out[f"perf/rank{r}_step_time_s"] = s["step_time_s"]
     return out
 
 

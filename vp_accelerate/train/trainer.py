@@ -16,7 +16,8 @@ import time
 import torch
 
 from . import checkpoint as ckpt
-from .data import build_data
+from .data import DataError, build_data
+from .nonfinite import NonFiniteError, check_weights_before_save, step_problem
 from .optim import build_optimizer, build_scheduler
 from .presets import model_source, padded_vocab, resolve_config
 from .recipe import Recipe, recipe_to_dict
@@ -125,18 +126,42 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
     summary = {"start_step": start_step, "losses": {}, "eval": {}}
     bar = tqdm(total=t.steps, initial=start_step, disable=not is_main, desc="train", dynamic_ncols=True)
     eval_loss = float("nan")
+    window_time, window_steps = 0.0, 0  # this rank's step times since the last log (per-rank mean)
+    skipped_in_a_row, skipped_total = 0, 0
 
     end_step = t.steps if stop_at is None else max(start_step, min(stop_at, t.steps))
     for step in range(start_step, end_step):
         batch = next(train_it)
         t0 = time.perf_counter()
-        res = pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
+        try:
+            res = pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
+        except ValueError as e:  # bad ids/labels/shape: checked before any communication, on every rank
+            rows = train_it.describe_rows(0, len(batch["input_ids"])) if hasattr(train_it, "describe_rows") else ""
+            if pipe.watchdog is not None:  # data-parallel peers with other rows may already be waiting on us
+                pipe.watchdog.report_failure(e)
+            raise DataError(f"step {step + 1}, batch of {rows}: {e}") from e
         grad_norm = pipe.clip_grad_norm_(clip)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
+        per_mb = len(batch["input_ids"]) // pipe.cfg.microbatches
+        rows_of = ((lambda mb: train_it.describe_rows(mb * per_mb, (mb + 1) * per_mb))
+                   if hasattr(train_it, "describe_rows") else None)
+        problem = step_problem(step + 1, res, grad_norm, pipe, rows_of)
+        if problem is not None:
+            skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
+            if t.on_nonfinite == "stop" or skipped_in_a_row > t.max_skipped_steps:
+                why = ("train.on_nonfinite: stop" if t.on_nonfinite == "stop" else
+                       f"more than train.max_skipped_steps={t.max_skipped_steps} skipped steps in a row")
+                raise NonFiniteError(f"{problem}. Stopping ({why}); the latest checkpoint is untouched. Lower "
+                                     f"optimizer.lr, check that data, or set train.on_nonfinite: skip.")
+            if is_main:
+                log.warning("%s; skipping the update (train.on_nonfinite: skip)", problem)
+        else:
+            skipped_in_a_row = 0
+            optimizer.step()
+        scheduler.step()  # LR is a function of the step number, skipped or not
         pipe.zero_grad()
         step_time = time.perf_counter() - t0
+        window_time, window_steps = window_time + step_time, window_steps + 1
         done = step + 1
         summary["losses"][done] = res.loss
         tok_s = tokens_per_step / step_time
@@ -146,10 +171,12 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
             metrics = {"train/loss": res.loss, "train/lr": lr, "train/grad_norm": grad_norm,
                        "train/tokens": done * tokens_per_step, "train/loss_tokens": res.num_tokens,
                        "perf/tokens_per_s": tok_s, "perf/step_time_s": step_time,
-                       "perf/pipeline_step_time_s": res.step_time_s, "perf/bubble_rate": res.bubble_rate}
+                       "perf/pipeline_step_time_s": res.step_time_s, "perf/bubble_rate": res.bubble_rate,
+                       "train/skipped_steps": skipped_total}
             if peak > 0:
                 metrics["perf/mfu"] = pipe.flops_per_token * tok_s / peak
-            metrics.update(rank_metrics(gather(rank_stats(pipe, accelerator.device))))
+            metrics.update(rank_metrics(gather(rank_stats(pipe, accelerator.device, window_time / window_steps))))
+            window_time, window_steps = 0.0, 0
             tracker.log(metrics, done)
         is_last = done == end_step
         if (recipe.eval.every and done % recipe.eval.every == 0) or is_last:
@@ -191,11 +218,13 @@ def _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, step, rec
         pipe.hf_config.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
 
+    model_state, optimizer_state = pipe.state_dict(), optimizer.state_dict()
+    check_weights_before_save(step, model_state, optimizer_state, pipe.rank)
     trainer_state = {"scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(), "data": train_it.state_dict(),
                      "step": step}
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
-    path = ckpt.save_checkpoint(recipe.checkpoint.dir, step, rank=pipe.rank, model_state=pipe.state_dict(),
-                                optimizer_state=optimizer.state_dict(), trainer_state=trainer_state, meta=meta,
+    path = ckpt.save_checkpoint(recipe.checkpoint.dir, step, rank=pipe.rank, model_state=model_state,
+                                optimizer_state=optimizer_state, trainer_state=trainer_state, meta=meta,
                                 barrier=barrier, write_model_files=write_model_files, keep=recipe.checkpoint.keep)
     if pipe.rank == 0:
         log.info("saved checkpoint %s", path)
@@ -210,6 +239,10 @@ def _resume(recipe, pipe, optimizer, scheduler, train_it, fp) -> int:
             log.warning("--resume: no checkpoint in %s; starting from step 0", cdir)
         return 0
     meta = ckpt.read_meta(path)
+    steps = gather(int(meta["step"]))
+    if len(set(steps)) > 1:  # `latest` moved between ranks' reads: another run is writing into this dir
+        raise ckpt.CheckpointError(f"ranks found different latest checkpoints in {cdir} (steps {steps}); is another "
+                                   f"run still writing there? Stop it and resume again")
     ckpt.check_fingerprint(meta["fingerprint"], fp, path)
     model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
     ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)

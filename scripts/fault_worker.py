@@ -1,0 +1,78 @@
+"""The trainer (`vp-accelerate train`) with faults injected, for runs under `accelerate launch`.
+
+    VP_FAULT='{"poison": {"step": 3, "microbatch": 1, "value": "nan"}}' \
+      accelerate launch --config_file configs/accelerate_cpu_2proc.yaml scripts/fault_worker.py RECIPE --set ...
+
+VP_FAULT (JSON) says what to break; everything else is the real trainer:
+- `poison`: at training step `step` (1-based), add `value` ("nan" | "inf") to the input embedding of
+  microbatch `microbatch` (the input of chunk 0, after the vocabulary-parallel embedding reduce), so its
+  loss and every gradient it touches go non-finite — as bad data or an overflow would.
+- `poison_grad`: at step `step`, after the backward, set one gradient entry of parameter index `param` on
+  rank `rank` to `value`: a non-finite gradient while every loss is finite.
+- `slow_fsync_s`: sleep this long before each checkpoint fsync, so a kill lands inside the write.
+Used by tests/test_reliability_faults.py and scripts/fault_*.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def install(fault: dict) -> None:
+    from vp_accelerate.runtime import pipeline
+    from vp_accelerate.runtime.executor import Executor
+    from vp_accelerate.train import checkpoint
+
+    state = {"step": 0}
+    original_train_step = pipeline.PipelineModel.train_step
+
+    def train_step(self, *args, **kwargs):
+        state["step"] += 1
+        res = original_train_step(self, *args, **kwargs)
+        bad = fault.get("poison_grad")
+        if bad and state["step"] == bad["step"] and self.rank == bad.get("rank", 0):
+            grad = self.parameters()[bad.get("param", 0)].grad
+            grad.view(-1)[0] = float(bad.get("value", "inf"))
+        return res
+
+    pipeline.PipelineModel.train_step = train_step
+
+    poison = fault.get("poison")
+    if poison:
+        original_chunk_input = Executor._chunk_input
+
+        def chunk_input(self, a):
+            x = original_chunk_input(self, a)
+            if (a.chunk == 0 and a.mb == poison.get("microbatch", 0) and state["step"] == poison["step"]
+                    and not self.schedule.forward_only):
+                x = x + float(poison.get("value", "nan"))
+            return x
+
+        Executor._chunk_input = chunk_input
+
+    delay = float(fault.get("slow_fsync_s", 0.0))
+    if delay:
+        original_fsync = checkpoint._fsync_file
+
+        def slow_fsync(path):
+            time.sleep(delay)
+            original_fsync(path)
+
+        checkpoint._fsync_file = slow_fsync
+
+
+def main() -> int:
+    install(json.loads(os.environ.get("VP_FAULT", "{}")))
+    from vp_accelerate.train.commands import train_main
+
+    return train_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Faults under a real 2-process `accelerate launch` (gloo, CPU), injected by scripts/fault_worker.py.
+
+- a NaN in one microbatch's input embedding: with `train.on_nonfinite: skip` the step is skipped, the
+  message names the microbatch and its data rows, training goes on, every checkpoint is finite;
+- resuming that run's checkpoint with another model config is refused, listing the difference;
+- an inf gradient on one rank with `on_nonfinite: stop`: every rank stops with exit code 3 naming the
+  parameter's rank, and no checkpoint of that step exists.
+
+The raise / SIGKILL of a rank mid-step is tests/test_runtime_faults.py (runtime level, the same watchdog
+serves the trainer); kill during a checkpoint write and kill + resume are scripts/fault_checkpoint_kill.py
+and scripts/fault_kill_resume.py (minutes, not for every test run).
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+WORKER = os.path.join(ROOT, "scripts", "fault_worker.py")
+RNG = random.Random()  # fresh each session: which microbatch / step gets poisoned varies
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import yaml
+
+    from vp_accelerate.train.tokenizer import train_bpe
+
+    d = tmp_path_factory.mktemp("faults")
+    words = "alpha beta gamma delta epsilon мир дом 世界 你好 données λόγος".split()
+    rng = random.Random(RNG.random())
+    with open(d / "train.jsonl", "w") as f:
+        for _ in range(600):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=30))}) + "\n")
+    train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
+    recipe = {
+        "model": {"source": "llama-tiny", "config": {"hidden_size": 32, "intermediate_size": 64,
+                                                      "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "tokenizer": {"source": f"bpe:{d / 'tok'}"},
+        "data": {"files": [str(d / "train.jsonl")], "seq_len": 16, "eval_holdout": 0.05},
+        "pipeline": {"microbatches": 4},
+        "train": {"steps": 4, "global_batch": 8, "seed": RNG.randrange(1000)},
+        "eval": {"every": 0, "batches": 1},
+        "checkpoint": {"every": 1, "keep": 10},
+        "logging": {"wandb_mode": "disabled", "log_every": 1, "timeline_image": False},
+    }
+    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return d
+
+
+def launch(d, name, fault: dict | None, *sets, extra=()):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "HF_DATASETS_CACHE": str(d / "ds_cache"), "VP_FAULT": json.dumps(fault or {})}
+    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+           WORKER, str(d / "recipe.yaml"), "--set", f"logging.output_dir={d / name}",
+           "--set", f"checkpoint.dir={d / name / 'ckpt'}", *[a for s in sets for a in ("--set", s)], *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(d))
+
+
+def finite_checkpoints(ckpt_dir):
+    from safetensors.torch import load_file
+
+    steps = sorted(p for p in os.listdir(ckpt_dir) if p.startswith("step_") and not p.endswith(".tmp"))
+    for step in steps:
+        for rank in (0, 1):
+            state = load_file(os.path.join(ckpt_dir, step, f"rank_{rank:05d}", "model.safetensors"))
+            assert all(torch.isfinite(t).all() for t in state.values()), (step, rank)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def skipped_run(setup):
+    step, mb = RNG.randrange(2, 4), RNG.randrange(4)
+    out = launch(setup, "skip", {"poison": {"step": step, "microbatch": mb, "value": "nan"}},
+                 "train.on_nonfinite=skip")
+    return out, step, mb
+
+
+def test_nan_in_one_microbatch_is_skipped_and_named(setup, skipped_run):
+    out, step, mb = skipped_run
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert f"step {step}: non-finite loss (nan) in microbatch {mb} of 4 (replica 0) = packed training sequences [" \
+        in log, log[-3000:]
+    assert "skipping the update (train.on_nonfinite: skip)" in log
+    rows = [json.loads(line) for line in open(setup / "skip" / "metrics.jsonl")]
+    train = {r["step"]: r for r in rows if "train/loss" in r}
+    assert train[4]["train/skipped_steps"] == 1 and train[step - 1]["train/skipped_steps"] == 0
+    assert all(torch.isfinite(torch.tensor(train[s]["train/loss"])) for s in train if s != step)
+    assert finite_checkpoints(setup / "skip" / "ckpt") == [f"step_{s:08d}" for s in range(1, 5)]
+
+
+def test_resume_with_another_model_is_refused(setup, skipped_run):
+    out = launch(setup, "skip", None, "model.config.intermediate_size=96", extra=["--resume"])
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "does not match this run" in log and "model: checkpoint has" in log, log[-3000:]
+    assert log.count("training stopped: CheckpointError") == 2  # both ranks say it
+
+
+def test_inf_gradient_stops_every_rank_and_keeps_the_last_checkpoint(setup):
+    from vp_accelerate.train import checkpoint as ckpt
+
+    step = RNG.randrange(2, 4)
+    out = launch(setup, "stop", {"poison_grad": {"step": step, "rank": 1, "param": 0, "value": "inf"}},
+                 "train.on_nonfinite=stop")
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert log.count("training stopped: NonFiniteError") == 2, log[-3000:]  # every rank, the same decision
+    assert f"step {step}: non-finite gradient (global norm inf) although the loss of every microbatch was " \
+           f"finite" in log and "rank 1: " in log
+    cdir = str(setup / "stop" / "ckpt")
+    assert ckpt.read_latest(cdir).endswith(f"step_{step - 1:08d}")
+    assert finite_checkpoints(cdir) == [f"step_{s:08d}" for s in range(1, step)]

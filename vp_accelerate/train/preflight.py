@@ -1,0 +1,187 @@
+"""Check a recipe against its model, tokenizer and world size before any process group starts.
+
+`recipe.check` validates a recipe on its own; this goes one step further, reading the model's config and
+the tokenizer (offline, cheaply) and asking the schedule and layout builders whether the run can exist:
+pipeline ranks vs layers, microbatches vs ranks, interleaving vs layers, vocabulary vs ranks, sequence
+length vs positions, tokenizer vs model vocabulary, custom model code vs `trust_remote_code`. Every rank
+under `accelerate launch` runs it first, so a run that cannot work fails everywhere at once, in seconds,
+with exit code 2 and the key to change. Sources that cannot be read offline (hub ids) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .presets import PRESETS, padded_vocab, preset_config
+from .recipe_io import RecipeError
+
+
+def world_size_from_env() -> int | None:
+    """The launched world size (accelerate launch / torchrun set WORLD_SIZE in every process)."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value and value.isdigit() else None
+
+
+def _local_dir(source: str) -> str | None:
+    path = os.path.expanduser(source)
+    return path if os.path.isdir(path) else None
+
+
+def _check_remote_code(recipe) -> None:
+    """Custom modelling/tokenizer code (`auto_map`) runs only where the recipe says so."""
+    if recipe.model.trust_remote_code:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    src = _local_dir(recipe.model.source)
+    if src and os.path.isfile(os.path.join(src, "config.json")):
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        if "auto_map" in cfg and cfg.get("model_type") not in CONFIG_MAPPING:
+            raise RecipeError(f"model.trust_remote_code: {src} needs its own modelling code (model_type "
+                              f"{cfg.get('model_type')!r}, auto_map {sorted(cfg['auto_map'])}), which is not run "
+                              f"unless the recipe sets model.trust_remote_code: true — only for a source you trust")
+    tok = recipe.tokenizer.source
+    tdir = _local_dir(tok[4:] if tok.startswith("bpe:") else tok)
+    if tdir and os.path.isfile(os.path.join(tdir, "tokenizer_config.json")):
+        with open(os.path.join(tdir, "tokenizer_config.json")) as f:
+            tcfg = json.load(f)
+        if "auto_map" in tcfg and not os.path.isfile(os.path.join(tdir, "tokenizer.json")):
+            raise RecipeError(f"model.trust_remote_code: the tokenizer in {tdir} needs its own code (auto_map "
+                              f"{tcfg['auto_map']}) and has no tokenizer.json; set model.trust_remote_code: true "
+                              f"only for a source you trust")
+
+
+def _model_config(recipe):
+    """The model config the run will use, or None when it cannot be read offline (a hub id)."""
+    m = recipe.model
+    if m.source in PRESETS:
+        try:
+            return preset_config(m.source, m.config)
+        except (TypeError, ValueError) as e:
+            raise RecipeError(f"model.config: {e}") from None
+    src = _local_dir(m.source)
+    if src is None:
+        import difflib
+
+        hint = difflib.get_close_matches(m.source, list(PRESETS), n=1, cutoff=0.8)
+        if hint and "/" not in m.source:  # a typo of a preset would otherwise become a hub download attempt
+            raise RecipeError(f"model.source: {m.source!r} is not a preset (did you mean {hint[0]}?) nor a local "
+                              f"directory")
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(src, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"model.source: cannot read the config of {src}: {e}") from None
+    for key, value in m.config.items():
+        setattr(config, key, value)
+    return config
+
+
+def _tokenizer_length(recipe) -> int | None:
+    """len(tokenizer) when it is on disk (bpe:<dir>, a local dir, a converted Qwen); None otherwise."""
+    from .tokenizer import QWEN_VARIANTS
+
+    tok = recipe.tokenizer.source
+    if tok in QWEN_VARIANTS:
+        path = os.path.join(recipe.tokenizer.cache_dir, tok)
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return None  # converted on the first run; the data check still catches out-of-range ids
+    else:
+        path = _local_dir(tok[4:] if tok.startswith("bpe:") else tok)
+        if path is None:
+            return None
+    from transformers import AutoTokenizer
+
+    try:
+        return len(AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code))
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"tokenizer.source: cannot load the tokenizer in {path}: {e}") from None
+
+
+def pipeline_size(recipe, world_size: int | None) -> int | None:
+    """Pipeline ranks of the run: pipeline.pp_size, or world size / dp_size; None when unknown."""
+    p = recipe.pipeline
+    if world_size is not None:
+        if p.pp_size is not None and p.pp_size * p.dp_size != world_size:
+            raise RecipeError(f"pipeline.pp_size: pp_size={p.pp_size} x dp_size={p.dp_size} = "
+                              f"{p.pp_size * p.dp_size}, but {world_size} processes are launched")
+        if world_size % p.dp_size:
+            raise RecipeError(f"pipeline.dp_size: {world_size} processes cannot form {p.dp_size} equal replicas")
+        return world_size // p.dp_size
+    return p.pp_size
+
+
+def _check_schedule(recipe, config, pp: int) -> str:
+    """Build the schedule and layout as the runtime will; their errors become recipe errors."""
+    from vp_accelerate.models import StageLayout, split_counts
+    from vp_accelerate.models.layout import LayoutError
+    from vp_accelerate.schedule import ScheduleError, build_schedule
+
+    p = recipe.pipeline
+    try:
+        schedule = build_schedule(p.schedule, p.method, pp, p.microbatches, chunks_per_rank=p.chunks_per_rank)
+    except ScheduleError as e:
+        key = "pipeline.microbatches" if "num_microbatches" in str(e) else \
+            "pipeline.chunks_per_rank" if "chunks_per_rank" in str(e) else "pipeline.schedule"
+        raise RecipeError(f"{key}: {e} (pipeline of {pp} ranks)") from None
+    chunks = len(schedule.chunk_rank)
+    layers = config.num_hidden_layers
+    try:
+        if p.layers_per_stage is not None:
+            counts = list(p.layers_per_stage)
+            if len(counts) != chunks or sum(counts) != layers:
+                raise LayoutError(f"layers_per_stage {counts} must have {chunks} entries (one per chunk) summing to "
+                                  f"the model's {layers} decoder layers")
+        elif p.method == "redis":
+            from vp_accelerate.sim.cost import redis_layer_split
+
+            seq = min(2048, getattr(config, "max_position_embeddings", 2048) or 2048)
+            counts = redis_layer_split(config, chunks, seq=seq)
+        else:
+            counts = split_counts(layers, chunks)
+        StageLayout.from_counts(tuple(counts), schedule.chunk_rank)
+    except LayoutError as e:
+        key = "pipeline.layers_per_stage" if p.layers_per_stage is not None else "pipeline"
+        raise RecipeError(f"{key}: {e} [{p.schedule} on {pp} ranks: {chunks} chunks; model: {layers} decoder "
+                          f"layers]") from None
+    return f"{p.schedule} x {p.method} on {pp} ranks, {p.microbatches} microbatches, layers per chunk {counts}"
+
+
+def check_plan(recipe, world_size: int | None = None) -> list[str]:
+    """Raise RecipeError if the run described by `recipe` on `world_size` processes cannot work.
+
+    Returns notes on what was checked (and what could not be, e.g. a hub model offline).
+    """
+    _check_remote_code(recipe)
+    notes = []
+    config = _model_config(recipe)
+    if config is None:
+        return [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos and recipe.data.seq_len > max_pos:
+        raise RecipeError(f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's max_position_embeddings="
+                          f"{max_pos}; lower data.seq_len to at most {max_pos}")
+    n_tok = _tokenizer_length(recipe)
+    vocab = config.vocab_size
+    if n_tok is None:
+        notes.append("tokenizer not on disk yet: its size was not compared with the model's")
+    elif recipe.tokenizer.resize_vocab:
+        vocab = padded_vocab(n_tok, recipe.tokenizer.pad_to_multiple_of)
+    elif n_tok > config.vocab_size:
+        raise RecipeError(f"tokenizer.resize_vocab: the tokenizer has {n_tok} tokens but the model's vocabulary "
+                          f"has {config.vocab_size} rows, so ids >= {config.vocab_size} have no embedding; set "
+                          f"tokenizer.resize_vocab: true or use the model's own tokenizer")
+    pp = pipeline_size(recipe, world_size)
+    if pp is None:
+        notes.append("world size unknown (not launched; pass --world-size to --check): schedule not checked")
+        return notes
+    if recipe.pipeline.method.startswith("vocab") and vocab < pp:
+        raise RecipeError(f"tokenizer: a vocabulary of {vocab} tokens cannot be sharded over {pp} pipeline ranks "
+                          f"(every rank needs at least one row); use a larger vocabulary or fewer ranks")
+    notes.append(_check_schedule(recipe, config, pp))
+    notes.append(f"vocabulary {vocab} rows, seq_len {recipe.data.seq_len} <= max positions {max_pos}")
+    return notes
