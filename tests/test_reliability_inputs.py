@@ -7,7 +7,6 @@ The same cases are tabled in docs/reliability.md.
 """
 
 import json
-import os
 import random
 import string
 from types import SimpleNamespace

@@ -102,3 +102,18 @@ def test_nonfinite_tensors_are_found_in_nested_states():
              "opt": {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.tensor([1.0, bad])}}}
     assert nonfinite_tensors(state) == ["model.b", "opt.0.exp_avg_sq"]
     assert nonfinite_tensors({"a": torch.ones(2), "ids": torch.tensor([1, 2])}) == []
+
+
+def test_no_checkpoint_is_written_with_nonfinite_weights_or_moments():
+    """The guard `_save` runs before any file (single process here: the all-reduce degrades to the local flag)."""
+    from vp_accelerate.train.nonfinite import NonFiniteError, check_weights_before_save
+
+    step = random.randrange(1, 1000)
+    w = torch.randn(3, 3)
+    check_weights_before_save(step, {"w": w}, {"state": {0: {"exp_avg": torch.zeros(3)}}})  # finite: no error
+    with pytest.raises(NonFiniteError, match=rf"refusing to write the checkpoint of step {step}: non-finite values "
+                                             rf"in rank 0: optimizer.0.exp_avg; the previous checkpoint stays"):
+        check_weights_before_save(step, {"w": w}, {"state": {0: {"exp_avg": torch.tensor([float("inf")])}}})
+    w[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="rank 0: w"):
+        check_weights_before_save(step, {"w": w}, {"state": {}})

@@ -66,7 +66,7 @@ def step_problem(step: int, res, grad_norm: float, pipe, rows_of_microbatch=None
     return None
 
 
-def check_weights_before_save(step: int, model_state: dict, optimizer_state: dict, rank: int) -> None:
+def check_weights_before_save(step: int, model_state: dict, optimizer_state: dict) -> None:
     """Collective: raise NonFiniteError on every rank if any rank's weights or optimizer state are NaN/inf,
     so that no checkpoint is ever written with them (the previous one stays `latest`)."""
     bad = nonfinite_tensors(model_state) + nonfinite_tensors(optimizer_state.get("state", {}), "optimizer.")

@@ -219,7 +219,7 @@ def _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, step, rec
         tokenizer.save_pretrained(out_dir)
 
     model_state, optimizer_state = pipe.state_dict(), optimizer.state_dict()
-    check_weights_before_save(step, model_state, optimizer_state, pipe.rank)
+    check_weights_before_save(step, model_state, optimizer_state)
     trainer_state = {"scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(), "data": train_it.state_dict(),
                      "step": step}
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
