@@ -9,6 +9,8 @@ VP_FAULT (JSON) says what to break; everything else is the real trainer:
   loss and every gradient it touches go non-finite — as bad data or an overflow would.
 - `poison_grad`: at step `step`, after the backward, set one gradient entry of parameter index `param` on
   rank `rank` to `value`: a non-finite gradient while every loss is finite.
+- `fail`: at step `step`, rank `rank` raises (`"how": "raise"`) or SIGKILLs itself (`"how": "kill"`) inside
+  its first chunk's forward, mid-schedule, with its peer blocked on it.
 - `slow_fsync_s`: sleep this long before each checkpoint fsync, so a kill lands inside the write.
 Used by tests/test_reliability_faults.py and scripts/fault_*.py.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -42,6 +45,19 @@ def install(fault: dict) -> None:
         return res
 
     pipeline.PipelineModel.train_step = train_step
+
+    fail = fault.get("fail")
+    if fail:
+        original_forward_pass = Executor._do_F
+
+        def do_f(self, a):
+            if state["step"] == fail["step"] and self.g.rank == fail.get("rank", 0) and a.mb == 1:
+                if fail.get("how", "raise") == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"injected failure at step {state['step']}")
+            return original_forward_pass(self, a)
+
+        Executor._do_F = do_f
 
     poison = fault.get("poison")
     if poison:

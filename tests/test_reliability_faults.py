@@ -6,9 +6,10 @@
 - an inf gradient on one rank with `on_nonfinite: stop`: every rank stops with exit code 3 naming the
   parameter's rank, and no checkpoint of that step exists.
 
-The raise / SIGKILL of a rank mid-step is tests/test_runtime_faults.py (runtime level, the same watchdog
-serves the trainer); kill during a checkpoint write and kill + resume are scripts/fault_checkpoint_kill.py
-and scripts/fault_kill_resume.py (minutes, not for every test run).
+- one rank raises mid-step inside the trainer: every rank exits non-zero, in bounded time, and the peer
+  names the failing rank (SIGKILL of one rank: slow; runtime-level versions: tests/test_runtime_faults.py).
+Kill during a checkpoint write and kill + resume are scripts/fault_checkpoint_kill.py and
+scripts/fault_kill_resume.py (minutes; tests/test_reliability_scripts.py, slow).
 """
 
 import json
@@ -118,3 +119,23 @@ def test_inf_gradient_stops_every_rank_and_keeps_the_last_checkpoint(setup):
     cdir = str(setup / "stop" / "ckpt")
     assert ckpt.read_latest(cdir).endswith(f"step_{step - 1:08d}")
     assert finite_checkpoints(cdir) == [f"step_{s:08d}" for s in range(1, step)]
+
+
+@pytest.mark.parametrize("how", ["raise", pytest.param("kill", marks=pytest.mark.slow)])
+def test_a_rank_failing_mid_step_stops_the_trainer_everywhere(setup, how):
+    import time
+
+    rank, step = RNG.randrange(2), RNG.randrange(2, 4)
+    t0 = time.monotonic()
+    out = launch(setup, f"fail_{how}", {"fail": {"step": step, "rank": rank, "how": how}})
+    elapsed = time.monotonic() - t0
+    log = out.stdout + out.stderr
+    assert out.returncode != 0 and elapsed < 200
+    assert "done: final eval loss" not in log  # nobody finished
+    if how == "raise":
+        assert f"injected failure at step {step}" in log
+        # the peer is stopped by the watchdog (naming the rank), gloo's closed connection, or the launcher
+        assert (f"peer failed — rank {rank}: RuntimeError: injected failure" in log or "Connection closed" in log
+                or "Connection reset" in log or "SIGTERM" in log), log[-3000:]
+    else:
+        assert "Signal 9" in log or "SIGKILL" in log or "exitcode  : -9" in log, log[-3000:]
