@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from vp_accelerate.runtime.groups import Groups
 from vp_accelerate.runtime.memory import ActivationMeter
 from vp_accelerate.runtime.weight_grad import WeightGradStore
-from vp_accelerate.schedule.ir import Action, Op, Schedule
+from vp_accelerate.schedule.ir import P2P, Action, Op, Schedule, TimedAction
 from vp_accelerate.vocab import embedding as vemb
 from vp_accelerate.vocab import output_layer as vout
 
-P2P_OPS = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
 
 
 @dataclass
@@ -46,22 +45,10 @@ class Microbatch:
 
 
 @dataclass
-class PassRecord:
-    """One executed action, times in seconds from the start of the step (the simulator's timeline format)."""
-
-    rank: int
-    op: str
-    mb: int
-    chunk: int
-    start: float
-    end: float
-
-
-@dataclass
 class StepOutput:
     loss_sum: torch.Tensor
     """Σ over this rank's microbatches of Σ_n g_n·loss_n (only meaningful where the loss is known)."""
-    records: list[PassRecord] = field(default_factory=list)
+    records: list[TimedAction] = field(default_factory=list)
     peak_activation_bytes: int = 0
     peak_activation_microbatches: float = 0.0
     """Peak of (mb, chunk) activations held from F to B (or W), each weighing its chunk's share of this
@@ -122,30 +109,30 @@ class Executor:
         self.live_mb, self.peak_mb = 0.0, 0.0    # weighted (mb, chunk) activations in flight
         self.live_stash, self.peak_stash = 0, 0  # S->T states held
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        records: list[PassRecord] = []
+        records: list[TimedAction] = []
         actions = self.schedule.actions[self.g.pp_rank]
         t0 = time.perf_counter()
         i = 0
         while i < len(actions):
             a = actions[i]
-            if a.op in P2P_OPS:
+            if a.op in P2P:
                 # post a run of adjacent sends/receives together (batch_isend_irecv on NCCL needs it)
                 j = i
-                while j < len(actions) and actions[j].op in P2P_OPS:
+                while j < len(actions) and actions[j].op in P2P:
                     j += 1
                 start = time.perf_counter() - t0
                 self._p2p(actions[i:j])
                 end = time.perf_counter() - t0
-                records += [PassRecord(self.g.rank, b.op.value, b.mb, b.chunk, start, end) for b in actions[i:j]]
+                records += [TimedAction(self.g.rank, b.op.value, b.mb, b.chunk, start, end) for b in actions[i:j]]
                 i = j
                 continue
             start = time.perf_counter() - t0
             if self._await_inputs(a):  # time spent waiting for data is a WAIT, not part of the pass
                 now = time.perf_counter() - t0
-                records.append(PassRecord(self.g.rank, "WAIT", a.mb, a.chunk, start, now))
+                records.append(TimedAction(self.g.rank, "WAIT", a.mb, a.chunk, start, now))
                 start = now
             getattr(self, f"_do_{a.op.value}")(a)
-            records.append(PassRecord(self.g.rank, a.op.value, a.mb, a.chunk, start, time.perf_counter() - t0))
+            records.append(TimedAction(self.g.rank, a.op.value, a.mb, a.chunk, start, time.perf_counter() - t0))
             i += 1
         for work in self.sends:
             work.wait()

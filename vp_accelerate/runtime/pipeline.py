@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from vp_accelerate.distributed import init_from_env
 from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config, split_counts
-from vp_accelerate.runtime.executor import Executor, Microbatch, PassRecord
+from vp_accelerate.runtime.executor import Executor, Microbatch
+from vp_accelerate.schedule.ir import COMPUTE_PASSES, TimedAction
 from vp_accelerate.runtime.groups import build_groups
 from vp_accelerate.runtime.watchdog import Watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
@@ -30,7 +31,7 @@ from vp_accelerate.schedule import build_schedule
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
 from vp_accelerate.vocab.partition import VocabPartition
 
-COMPUTE_OPS = {"F", "B", "W", "S", "T", "IF", "IB"}
+COMPUTE_OPS = {op.value for op in COMPUTE_PASSES}  # WAIT and communication records are not work
 
 
 @dataclass
@@ -262,7 +263,7 @@ class PipelineModel:
             dist.all_reduce(loss, group=self.groups.dp_group)
         return float(loss.item())
 
-    def _bubble_rate(self, records: list[PassRecord], step_time: float) -> float:
+    def _bubble_rate(self, records: list[TimedAction], step_time: float) -> float:
         busy = sum(r.end - r.start for r in records if r.op in COMPUTE_OPS)
         rate = torch.tensor([1.0 - busy / step_time if step_time > 0 else 0.0], dtype=torch.float64)
         dist.all_reduce(rate, group=self.groups.pp_group)

@@ -1,8 +1,8 @@
 """Schedules as data: the IR, the generators and the validator."""
 
 from .build import SUPPORTED, build_schedule
-from .ir import (COLLECTIVES, KINDS, METHODS, P2P, Action, Op, Schedule, ScheduleError)
+from .ir import (COLLECTIVES, KINDS, METHODS, P2P, Action, Op, Schedule, ScheduleError, TimedAction)
 from .validate import validate
 
-__all__ = ["Action", "Op", "Schedule", "ScheduleError", "build_schedule", "validate", "SUPPORTED",
+__all__ = ["Action", "Op", "Schedule", "ScheduleError", "TimedAction", "build_schedule", "validate", "SUPPORTED",
            "KINDS", "METHODS", "COLLECTIVES", "P2P"]

@@ -124,3 +124,22 @@ class Schedule:
     def describe(self) -> str:
         return (f"{self.kind}/{self.method} p={self.num_ranks} m={self.num_microbatches} "
                 f"chunks={self.num_chunks}{' forward-only' if self.forward_only else ''}")
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One executed action with its times: the timeline format shared by the simulator (predicted),
+    the runtime (measured) and the plots. Times are seconds from the step's start."""
+
+    rank: int
+    """Rank that ran it."""
+    op: str
+    """Op name ("F", "S", "C1", ...; the runtime also records "WAIT" for time spent waiting for data)."""
+    mb: int
+    """Microbatch."""
+    chunk: int
+    """Chunk (0 for vocabulary work)."""
+    start: float
+    """Seconds from the step start."""
+    end: float
+    """Seconds from the step start."""

@@ -10,28 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vp_accelerate.schedule.ir import COLLECTIVES, COMPUTE_PASSES, Op, Schedule
+from vp_accelerate.schedule.ir import COLLECTIVES, COMPUTE_PASSES, Op, Schedule, TimedAction
 
 # the pass that waits for each collective (besides B of the last chunk, handled apart)
 WAITS_FOR = {Op.S: Op.C0, Op.T: Op.C1, Op.IB: Op.IB_BCAST}
-
-
-@dataclass(frozen=True)
-class TimedAction:
-    """One executed pass or collective: the timeline format the runtime records too."""
-
-    rank: int
-    """Rank that ran it."""
-    op: str
-    """Op name ("F", "S", "C1", ...)."""
-    mb: int
-    """Microbatch."""
-    chunk: int
-    """Chunk (0 for vocabulary work)."""
-    start: float
-    """Seconds from the step start."""
-    end: float
-    """Seconds from the step start."""
 
 
 @dataclass
