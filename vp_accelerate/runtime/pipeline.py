@@ -25,7 +25,7 @@ from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_stat
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.schedule.ir import COMPUTE_PASSES, TimedAction
 from vp_accelerate.runtime.groups import build_groups
-from vp_accelerate.runtime.watchdog import Watchdog
+from vp_accelerate.runtime import watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
@@ -109,7 +109,7 @@ class PipelineModel:
                                self.partition, dtype=dtype, seed=seed, device=self.device,
                                attn_implementation=cfg.attn_implementation)
         self._tied_group = self._make_tied_group()
-        self.watchdog = (Watchdog(dead_after_s=cfg.watchdog_dead_after_s)
+        self.watchdog = (watchdog.start(cfg.watchdog_dead_after_s)
                          if cfg.watchdog_dead_after_s is not None and g.world_size > 1 else None)
         self.out_opts = OutputLayerOptions(
             algorithm=cfg.method if self.vocab else "vocab-2", memory=cfg.memory, chunk_size=cfg.chunk_size,
@@ -326,7 +326,7 @@ class PipelineModel:
             raise
 
     def close(self) -> None:
-        """Stop the watchdog at a normal end of training (peers may then exit in any order)."""
+        """Stop the process's watchdog at a normal end of training (peers may then exit in any order)."""
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None

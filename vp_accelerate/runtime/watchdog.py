@@ -12,6 +12,7 @@ Counters, not timestamps, so clocks of different nodes never matter.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -43,9 +44,19 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store may be gone already; the heartbeat still reports us
             pass
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def stop(self) -> None:
-        """Stop watching (at a normal end: peers may then finish or exit in any order)."""
+        """Stop watching (at a normal end: peers may then finish or exit in any order).
+
+        Joins the thread: one still inside a store call while the interpreter tears the process group
+        down aborts the process ("terminate called without an active exception")."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        self._thread.join(timeout=10 * self.interval_s)
         try:
             self.store.set(f"{self.key}/done/{self.rank}", "1")
         except Exception:  # noqa: BLE001
@@ -79,3 +90,16 @@ class Watchdog:
                 # The store lives with rank 0 and goes when it exits, normally at the end of a run. A rank
                 # 0 that died mid-step closes its sockets, which its peers' receives report on their own.
                 return
+
+
+_ACTIVE: Watchdog | None = None
+
+
+def start(dead_after_s: float) -> Watchdog:
+    """The process's watchdog, started on first use: one thread however many models a process builds.
+    It is stopped at interpreter exit if nobody stopped it before."""
+    global _ACTIVE
+    if _ACTIVE is None or _ACTIVE.stopped:
+        _ACTIVE = Watchdog(dead_after_s=dead_after_s)
+        atexit.register(_ACTIVE.stop)
+    return _ACTIVE

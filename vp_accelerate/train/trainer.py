@@ -198,6 +198,7 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
             if path:
                 tracker.log_image("perf/timeline", path, end_step)
     tracker.finish()
+    pipe.close()  # stop the failure watchdog before the ranks exit in whatever order
     summary["final_eval_loss"] = eval_loss
     summary["end_step"] = end_step
     return summary
