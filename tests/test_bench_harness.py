@@ -27,14 +27,6 @@ class _FakeConfig:
     microbatches: int
 
 
-@dataclass
-class _FakeRecord:  # the shape of runtime.executor.PassRecord
-    rank: int
-    op: str
-    mb: int
-    chunk: int
-    start: float
-    end: float
 
 
 class _FakePipelineModel:
@@ -51,8 +43,8 @@ class _FakePipelineModel:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        self.records = [_FakeRecord(self.rank, "F", 0, 0, 0.0, t1 - t0), _FakeRecord(self.rank, "SEND_ACT", 0, 0, t1 - t0, t1 - t0),
-                        _FakeRecord(self.rank, "B", 0, 0, t1 - t0, t2 - t0)]
+        self.records = [Pass(self.rank, "F", 0, 0, 0.0, t1 - t0), Pass(self.rank, "SEND_ACT", 0, 0, t1 - t0, t1 - t0),
+                        Pass(self.rank, "B", 0, 0, t1 - t0, t2 - t0)]
         return types.SimpleNamespace(loss=float(loss), step_time_s=t2 - t0, bubble_rate=0.0)
 
     def stats(self):

@@ -13,6 +13,8 @@ the per-microbatch losses is then exactly the step's token-mean cross entropy, a
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import torch
@@ -130,7 +132,7 @@ class PeerRunner:
         def timed_loss(st, output, target_mbs, mb_index, *args, **kwargs):
             out = loss(st, output, target_mbs, mb_index, *args, **kwargs)
             if st.is_last and passes and passes[-1].op == "F" and passes[-1].mb == mb_index:
-                passes[-1] = passes[-1]._replace(end=time.perf_counter())
+                passes[-1] = dataclasses.replace(passes[-1], end=time.perf_counter())
             return out
 
         stage.forward_one_chunk = timed_fwd

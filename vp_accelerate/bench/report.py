@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 
 from vp_accelerate.bench.config import BenchConfig
 from vp_accelerate.bench.methods import get_method
@@ -79,7 +79,7 @@ def build_rows(cfg: BenchConfig, methods: list[str], mem: list[MemoryRecord], st
                 peak_memory_bytes=peaks, peak_activation_bytes=[m.peak_activation_bytes for m in ms],
                 param_bytes=[m.param_bytes for m in ms],
                 memory_imbalance=max(peaks) / max(1, min(peaks)), loss=reps[med][0].loss,
-                timeline=[list(x) for x in passes]))
+                timeline=[list(astuple(x)) for x in passes]))
         for row in rows:
             if row.vocab == vocab and peer_tps:
                 row.ratio_to_peer = row.tokens_per_s / peer_tps

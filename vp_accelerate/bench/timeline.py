@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
-
-class Pass(NamedTuple):
-    """One measured compute pass on one rank; times in seconds (absolute perf_counter, or step-relative).
-
-    The same shape `vp_accelerate.sim.plot.plot_timeline` draws: (rank, op, mb, chunk, start, end).
-    """
-
-    rank: int
-    op: str
-    mb: int
-    chunk: int
-    start: float
-    end: float
+from vp_accelerate.schedule.ir import TimedAction as Pass  # the timeline record shared with sim and runtime
 
 
 def shift(passes: list[Pass], t0: float) -> list[Pass]:
     """The passes with times relative to t0 (the step's start)."""
-    return [p._replace(start=p.start - t0, end=p.end - t0) for p in passes]
+    return [dataclasses.replace(p, start=p.start - t0, end=p.end - t0) for p in passes]
 
 
 def busy_s(passes: list[Pass]) -> float:
