@@ -10,14 +10,6 @@ from vp_accelerate.models.tiny import tiny_config
 from vp_accelerate.vocab.partition import VocabPartition
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def seeded_model(family, **cfg):
     torch.manual_seed(7)
     return AutoModelForCausalLM.from_config(tiny_config(family, **cfg), attn_implementation="eager")

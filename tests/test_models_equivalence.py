@@ -10,15 +10,6 @@ from vp_accelerate.models.tiny import FAMILIES, tiny_config
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls run faster on one thread (several threads on a busy 2-core box wait on each other)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 LAYOUTS = {
     "1f1b-p3": lambda n: StageLayout.one_per_rank(n, 3),
     "vshape-p2": lambda n: StageLayout.v_shape(n, 2),

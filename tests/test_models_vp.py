@@ -30,15 +30,6 @@ CASES = {
 SEQ = (2, 9)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls run faster on one thread (several threads on a busy 2-core box wait on each other)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_layout(kind, n, p):
     if kind == "vshape":
         return StageLayout.v_shape(n, p)
