@@ -7,7 +7,6 @@ compares with HF's autograd. The 2-rank run also exports the trained-shape model
 `export_hf` and reloads it with `from_pretrained`.
 """
 
-import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
