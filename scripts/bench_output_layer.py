@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads per config (0 = torch's default); 1 is the least noisy on a busy machine")
+    ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS,
+                    help="algorithms to time (default all); fewer make full sizes affordable on a CPU")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="memory modes (default all)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -157,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{full['peak_bytes'] / 2**20:.0f} | - | - |", flush=True)
         for p in args.ranks:
             rows = -(-V // p)
-            for algo in ALGORITHMS:
-                for mode in MODES:
+            for algo in args.algorithms:
+                for mode in args.modes:
                     r = _spawn_config({**base, "rows": rows, "algorithm": algo, "memory": mode})
                     eff = full["time_s"] / (p * r["time_s"])
                     print(f"| {V} | {p} | {algo} | {mode} | {r['time_s'] * 1e3:.1f} | "
