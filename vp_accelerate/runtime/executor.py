@@ -55,6 +55,8 @@ class StepOutput:
     rank's layers — the simulator's unit, so the two can be compared."""
     peak_stash_microbatches: int = 0
     """Peak number of microbatches whose output-layer S->T state is held."""
+    microbatch_losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Microbatch -> its Σ_n g_n·loss_n where this rank knows it (to name one that went NaN/inf)."""
 
 
 class Executor:
@@ -108,7 +110,7 @@ class Executor:
         self.meter = ActivationMeter()
         self.live_mb, self.peak_mb = 0.0, 0.0    # weighted (mb, chunk) activations in flight
         self.live_stash, self.peak_stash = 0, 0  # S->T states held
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # a sum of m small terms
         records: list[TimedAction] = []
         actions = self.schedule.actions[self.g.pp_rank]
         t0 = time.perf_counter()
@@ -140,12 +142,14 @@ class Executor:
             self._wait(kind, mb)
         for pending in self.inflight:
             pending.wait()
-        for mb, st in self.states.items():
-            loss_sum += st.loss_sum.float()
-        for loss in self.losses.values():
+        # each microbatch's Σ g·loss: vocabulary methods know it on every rank, the baseline on the last stage
+        losses = {mb: st.loss_sum.detach() for mb, st in self.states.items()}
+        losses.update({mb: loss.detach() for mb, loss in self.losses.items()})
+        for loss in losses.values():
             loss_sum += loss
         return StepOutput(loss_sum=loss_sum, records=records, peak_activation_bytes=self.meter.peak,
-                          peak_activation_microbatches=self.peak_mb, peak_stash_microbatches=self.peak_stash)
+                          peak_activation_microbatches=self.peak_mb, peak_stash_microbatches=self.peak_stash,
+                          microbatch_losses=losses)
 
     # ---- point to point ----------------------------------------------------------------------
     def _p2p(self, acts: list[Action]) -> None:

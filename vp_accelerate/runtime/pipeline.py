@@ -314,12 +314,7 @@ class PipelineModel:
 
     def _run(self, schedule, mbs: list[Microbatch], seq: int):
         try:
-            ex = self._executor(schedule, mbs[0].input_ids.shape[0], seq)
-            out = ex.run(mbs)
-            # per-microbatch losses, to name the one that went NaN/inf (vocab: every rank; baseline: last stage)
-            out.microbatch_losses = {**{mb: st.loss_sum.detach() for mb, st in ex.states.items()},
-                                     **{mb: v.detach() for mb, v in ex.losses.items()}}
-            return out
+            return self._executor(schedule, mbs[0].input_ids.shape[0], seq).run(mbs)
         except BaseException as e:
             if self.watchdog is not None:
                 self.watchdog.report_failure(e)  # peers blocked on us exit now, naming this rank
