@@ -88,6 +88,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", time
                     and r not in outs and r not in errors]
             for r in dead:
                 errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+            if errors:
+                break  # a dead rank (killed, out of memory) leaves its peers blocked: stop them too
             if time.monotonic() - start > deadline_s:
                 for r in range(world_size):
                     if r not in outs and r not in errors:
@@ -101,6 +103,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", time
             break  # one failure is enough: peers may be blocked waiting for the failed rank
     for p in procs:
         p.join(timeout=5.0 if not errors else 0.5)
+    for r, p in enumerate(procs):  # name ranks that died silently (killed, out of memory) before we stop the rest
+        if r not in outs and r not in errors and not p.is_alive() and p.exitcode not in (0, None):
+            errors[r] = f"process exited with code {p.exitcode} without reporting"
+    for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
