@@ -7,6 +7,7 @@ a tiny Llama, fp32, CPU, wandb off, a checkpoint every `every` steps and metrics
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -34,6 +35,20 @@ class RunSpec:
     """Checkpoint every this many steps."""
     seed: int = 0
     """Model init / data order seed."""
+
+
+def run_parser(doc: str, default_work: str) -> argparse.ArgumentParser:
+    """The options every fault script takes (the RunSpec fields); scripts add their own."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--work", default=default_work)
+    ap.add_argument("--steps", type=int, default=RunSpec.steps)
+    ap.add_argument("--every", type=int, default=RunSpec.every)
+    ap.add_argument("--seed", type=int, default=RunSpec.seed)
+    return ap
+
+
+def spec_from(args: argparse.Namespace) -> RunSpec:
+    return RunSpec(args.work, args.steps, args.every, args.seed)
 
 
 def prepare(spec: RunSpec) -> str:

@@ -14,26 +14,21 @@ Exit code 0 when everything holds.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fault_common import (RunSpec, compare_losses, final_weights, finish, kill_when, max_weight_diff, metrics,  # noqa: E402
-                          prepare, start)
+from fault_common import (compare_losses, final_weights, finish, kill_when, max_weight_diff, metrics,  # noqa: E402
+                          prepare, run_parser, spec_from, start)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", default="/tmp/vp_fault_resume")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--every", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = run_parser(__doc__, "/tmp/vp_fault_resume")
     ap.add_argument("--kill-at", type=int, default=None, help="step after which to kill (default: random)")
     args = ap.parse_args(argv)
-    spec = RunSpec(args.work, args.steps, args.every, args.seed)
+    spec = spec_from(args)
     kill_at = args.kill_at or random.randrange(spec.every + 1, spec.steps)
     prepare(spec)
     from vp_accelerate.train import checkpoint as ckpt

@@ -71,13 +71,22 @@ def _run(args):
     return sched, model, simulate(sched, costs, blocking_collectives=args.blocking_collectives)
 
 
-def simulate_main(argv=None) -> int:
-    args = _parser("vp-accelerate simulate", with_out=False).parse_args(argv)
+def _parse_and_run(prog: str, with_out: bool, argv):
+    """Parse a command's flags and simulate; (args, schedule, model, result), or None after printing why
+    the schedule or model cannot exist."""
+    args = _parser(prog, with_out=with_out).parse_args(argv)
     try:
-        sched, model, res = _run(args)
+        return (args, *_run(args))
     except (ScheduleError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def simulate_main(argv=None) -> int:
+    ran = _parse_and_run("vp-accelerate simulate", False, argv)
+    if ran is None:
         return 2
+    args, sched, model, res = ran
     out = {
         "schedule": args.schedule, "method": args.method, "pp": args.pp, "microbatches": args.microbatches,
         "vocab": model.shape.vocab, "seq": model.shape.seq, "chunk_layers": list(model.chunk_layers),
@@ -102,12 +111,10 @@ def simulate_main(argv=None) -> int:
 
 
 def plot_schedule_main(argv=None) -> int:
-    args = _parser("vp-accelerate plot-schedule", with_out=True).parse_args(argv)
-    try:
-        sched, _, res = _run(args)
-    except (ScheduleError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    ran = _parse_and_run("vp-accelerate plot-schedule", True, argv)
+    if ran is None:
         return 2
+    args, sched, _, res = ran
     from .plot import plot_timeline
 
     title = (f"{sched.describe()}  V={_shape(args).vocab}  step {res.step_time * 1e3:.0f} ms  "
