@@ -1,9 +1,14 @@
-"""The trainer (`vp-accelerate train`) with faults injected, for runs under `accelerate launch`.
+"""The trainer (`vp-accelerate train`), or a bare `PipelineModel` loop, with faults injected.
 
     VP_FAULT='{"poison": {"step": 3, "microbatch": 1, "value": "nan"}}' \
       accelerate launch --config_file configs/accelerate_cpu_2proc.yaml scripts/fault_worker.py RECIPE --set ...
+    VP_FAULT='{"fail": {"step": 2, "rank": 1, "how": "kill"}}' \
+      RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python scripts/fault_worker.py --pipeline
 
-VP_FAULT (JSON) says what to break; everything else is the real trainer:
+The first form is the real trainer; the second (`--pipeline`) trains a tiny Llama with `PipelineModel`
+alone for three steps, launched one process per rank with torchrun-style environment variables, so a
+test sees the runtime's own failure handling without the trainer or a launcher in between.
+VP_FAULT (JSON) says what to break:
 - `poison`: at training step `step` (1-based), add `value` ("nan" | "inf") to the input embedding of
   microbatch `microbatch` (the input of chunk 0, after the vocabulary-parallel embedding reduce), so its
   loss and every gradient it touches go non-finite — as bad data or an overflow would.
@@ -12,7 +17,7 @@ VP_FAULT (JSON) says what to break; everything else is the real trainer:
 - `fail`: at step `step`, rank `rank` raises (`"how": "raise"`) or SIGKILLs itself (`"how": "kill"`) inside
   its first chunk's forward, mid-schedule, with its peer blocked on it.
 - `slow_fsync_s`: sleep this long before each checkpoint fsync, so a kill lands inside the write.
-Used by tests/test_reliability_faults.py and scripts/fault_*.py.
+Used by tests/test_reliability_faults.py, tests/test_runtime_faults.py (`--pipeline`) and scripts/fault_*.py.
 """
 
 from __future__ import annotations
@@ -83,8 +88,29 @@ def install(fault: dict) -> None:
         checkpoint._fsync_file = slow_fsync
 
 
+def pipeline_main(steps: int = 3) -> int:
+    """Train a tiny 2-rank pipeline with `PipelineModel` alone; rendezvous from the environment."""
+    import torch
+    from transformers import LlamaConfig
+
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+
+    torch.set_num_threads(1)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    # a short watchdog deadline: a peer that stops answering is declared dead within seconds
+    pipe = PipelineModel(config, PipelineConfig(microbatches=2, watchdog_dead_after_s=5.0))
+    ids = torch.randint(0, 128, (2, 16))
+    for _ in range(steps):
+        pipe.train_step(ids, ids)
+    print(f"finished {steps} steps", flush=True)
+    return 0
+
+
 def main() -> int:
     install(json.loads(os.environ.get("VP_FAULT", "{}")))
+    if sys.argv[1:] == ["--pipeline"]:
+        return pipeline_main()
     from vp_accelerate.train.commands import train_main
 
     return train_main(sys.argv[1:])

@@ -6,8 +6,9 @@ from transformers import AutoModelForCausalLM
 
 from vp_accelerate.models import StageLayout, assemble_state_dict, build_rank, resolve_config, save_hf
 from vp_accelerate.models import weights as weights_mod
-from vp_accelerate.models.tiny import tiny_config
 from vp_accelerate.vocab.partition import VocabPartition
+
+from helpers.tiny import tiny_config
 
 
 def seeded_model(family, **cfg):

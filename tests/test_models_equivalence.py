@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from vp_accelerate.models import StageLayout, build_rank
-from vp_accelerate.models.tiny import FAMILIES, tiny_config
 
+from helpers.tiny import FAMILIES, tiny_config
 
 
 LAYOUTS = {

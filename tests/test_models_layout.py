@@ -5,8 +5,9 @@ import torch
 
 from vp_accelerate.models import (LayoutError, StageLayout, UnsupportedModelError, build_rank, find_parts,
                                   meta_model)
-from vp_accelerate.models.tiny import tiny_config
 from vp_accelerate.vocab.partition import VocabPartition
+
+from helpers.tiny import tiny_config
 
 
 def test_layout_constructors():

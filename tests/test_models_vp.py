@@ -13,11 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from vp_accelerate.distributed import spawn
 from vp_accelerate.models import StageLayout, build_rank, export_hf
-from vp_accelerate.models.tiny import tiny_config
 from vp_accelerate.vocab.embedding import embed_backward, embed_partial, ib_broadcast, if_reduce
 from vp_accelerate.vocab.output_layer import (OutputLayerOptions, broadcast_x, run_output_layer,
                                               token_mean_grad_scale)
 from vp_accelerate.vocab.partition import VocabPartition
+
+from helpers.tiny import tiny_config
 
 # (family, tie, layout kind) per world size: tied and untied, 1-chunk, V-shape, interleaved, uneven.
 CASES = {

@@ -1,8 +1,7 @@
-"""Tokenizers (byte-level BPE training, Qwen conversion), the demo corpus, the LR schedule, wandb reader."""
+"""Tokenizers (byte-level BPE training, Qwen conversion), the demo corpus, the LR schedule."""
 
 import json
 import math
-import os
 
 import pytest
 
@@ -56,19 +55,3 @@ def test_lr_schedule_shapes():
     assert lr_factor(50, 100, 0, "constant", 0.1) == 1.0
     mid = lr_factor(10 + 89 // 2, 100, 10, "cosine", 0.0)
     assert mid == pytest.approx(0.5 * (1 + math.cos(math.pi * 44 / 89)))
-
-
-def test_wandb_offline_reader(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
-    from vp_accelerate.train.wandb_records import read_run
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run = wandb.init(project="t", dir=str(tmp_path), config={"a": {"b": 1}})
-    for i in range(1500):  # > one 32 KiB block of records
-        run.log({"train/loss": 1.0 / (i + 1)}, step=i)
-    run.finish()
-    out = read_run(str(tmp_path))
-    losses = [h["train/loss"] for h in out["history"] if "train/loss" in h]
-    assert len(losses) == 1500 and losses[-1] == pytest.approx(1 / 1500)
-    assert out["config"]["a"] == {"b": 1} and os.path.isfile(out["file"])
