@@ -12,9 +12,7 @@ from typing import Callable, Protocol
 import torch
 
 from vp_accelerate.bench.timeline import Pass
-
-# Compute passes in our runtime's timeline; the rest (sends, receives, collectives) are waits.
-COMPUTE_OPS = frozenset({"F", "B", "W", "S", "T", "IF", "IB"})
+from vp_accelerate.schedule.ir import COMPUTE_OPS  # the rest (sends, receives, collectives) are waits
 
 
 class Runner(Protocol):

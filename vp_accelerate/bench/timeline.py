@@ -32,8 +32,11 @@ def ramp_fraction(schedule: str, num_ranks: int, microbatches: int) -> float:
     half-size passes: (p - 1) / (2m). (Zero-bubble schedules fill part of this with W passes; we keep
     the 1F1B-style ramp as the bound so it stays a bound no method could beat by scheduling alone.)
     """
-    if schedule == "vhalf":
-        return (num_ranks - 1) / (2 * microbatches)
+    from vp_accelerate.schedule.registry import schedule_kind
+
+    kind = schedule_kind(schedule)
+    if kind.split_backward:  # zero-bubble style: the ramp is counted in the kind's smaller chunks
+        return (num_ranks - 1) / (kind.default_chunks_per_rank * microbatches)
     return (num_ranks - 1) / microbatches
 
 

@@ -76,7 +76,8 @@ class Executor:
         self.weight_grads = weight_grads
         self.chunk_weight = chunk_weight or {}
         self.last_chunk = len(schedule.chunk_rank) - 1
-        self.vocab = schedule.method.startswith("vocab")
+        self.method = schedule.method_spec
+        self.vocab = self.method.vocab_parallel
 
     # ---- helpers -------------------------------------------------------------------------------
     def _owner(self, chunk: int) -> int:
@@ -356,7 +357,7 @@ class Executor:
         if p is None:
             return
         p.wait()
-        done = "C2" if self.schedule.method == "vocab-1" else "C1"
+        done = self.method.grad_barrier.value  # the collective that completes ∂L/∂X
         if kind == done and self.g.rank == self._owner(self.last_chunk):
             self.grad_x[mb] = self.states[mb].grad_x
         if kind == "C2":
@@ -368,7 +369,7 @@ class Executor:
             vout.t_pass(self.states[a.mb], self._grad_buffer(self.mods.head_weight))
         self.meter.release(("S", a.mb))
         self.live_stash -= 1
-        if self.schedule.method != "vocab-1":  # vocab-1 still all-reduces ∂X in C2
+        if not self.method.input_grad_in_t:  # otherwise C2 still all-reduces ∂X
             self._drop_state(a.mb)
 
     def _do_C2(self, a: Action) -> None:

@@ -23,25 +23,24 @@ import torch.distributed as dist
 from vp_accelerate.distributed import init_from_env
 from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config, split_counts
 from vp_accelerate.runtime.executor import Executor, Microbatch
-from vp_accelerate.schedule.ir import COMPUTE_PASSES, TimedAction
+from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
 from vp_accelerate.runtime.groups import build_groups
 from vp_accelerate.runtime import watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
+from vp_accelerate.schedule.registry import normalise_method, normalise_schedule
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
 from vp_accelerate.vocab.partition import VocabPartition
-
-COMPUTE_OPS = {op.value for op in COMPUTE_PASSES}  # WAIT and communication records are not work
-
 
 @dataclass
 class PipelineConfig:
     """How to cut the model and which schedule runs it."""
 
     schedule: str = "1f1b"
-    """Pipeline schedule: "1f1b", "vhalf" (zero-bubble V shape, B/W split) or "interleaved"."""
+    """Pipeline schedule, a key of schedule.registry.SCHEDULES (any case): "1f1b", "vhalf" (zero-bubble
+    V shape, B/W split) or "interleaved"."""
     method: str = "vocab-2"
-    """Where the vocabulary layers live: "baseline" (embedding on the first stage, head + loss on the last),
+    """Where the vocabulary layers live, a key of schedule.registry.METHODS (any case): "baseline" (embedding on the first stage, head + loss on the last),
     "redis" (baseline with fewer layers on the first/last stage), "vocab-1" or "vocab-2" (sharded over
     all pipeline ranks; vocab-2 has one barrier and is the default)."""
     microbatches: int = 8
@@ -66,6 +65,11 @@ class PipelineConfig:
     """HF attention kernel ("eager", "sdpa", ...); None = the model's default."""
     watchdog_dead_after_s: float | None = 60.0
     """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
+
+    def __post_init__(self):
+        # canonical names, so `1F1B` and `Vocab-2` work and an unknown name fails here with the valid ones
+        self.schedule = normalise_schedule(self.schedule)
+        self.method = normalise_method(self.method)
 
 
 @dataclass
@@ -97,11 +101,12 @@ class PipelineModel:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.dtype = dtype
         self.hf_config = resolve_config(source)
-        self.vocab = cfg.method.startswith("vocab")
         self.schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
                                        chunks_per_rank=cfg.chunks_per_rank)
         self.eval_schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
                                             chunks_per_rank=cfg.chunks_per_rank, forward_only=True)
+        self.method = self.schedule.method_spec
+        self.vocab = self.method.vocab_parallel
         self.layout = self._layout()
         self.partition = (VocabPartition(self.hf_config.vocab_size, g.pp_size, cfg.pad_multiple)
                           if self.vocab else None)
@@ -111,8 +116,10 @@ class PipelineModel:
         self._tied_group = self._make_tied_group()
         self.watchdog = (watchdog.start(cfg.watchdog_dead_after_s)
                          if cfg.watchdog_dead_after_s is not None and g.world_size > 1 else None)
+        # without VP the algorithm is unused (the last stage runs the whole output layer): keep the default
+        algorithm = self.method.output_algorithm or OutputLayerOptions.algorithm
         self.out_opts = OutputLayerOptions(
-            algorithm=cfg.method if self.vocab else "vocab-2", memory=cfg.memory, chunk_size=cfg.chunk_size,
+            algorithm=algorithm, memory=cfg.memory, chunk_size=cfg.chunk_size,
             label_smoothing=cfg.label_smoothing, softcap=self.mods.final_softcap, logit_scale=self.mods.logit_scale)
         self.weight_grads = None
         if self.schedule.split_backward:
@@ -126,7 +133,7 @@ class PipelineModel:
         n = self.hf_config.num_hidden_layers
         chunk_rank = self.schedule.chunk_rank
         counts = self.cfg.layers_per_stage
-        if counts is None and self.cfg.method == "redis":
+        if counts is None and self.method.balanced_layers:
             from vp_accelerate.sim.cost import redis_layer_split
 
             seq = min(2048, getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)

@@ -14,10 +14,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-METHODS = ("baseline", "redis", "vocab-1", "vocab-2")
-KINDS = ("1f1b", "vhalf", "interleaved")
-
-
 class ScheduleError(ValueError):
     """A schedule (or the request for one) is invalid; the message names the rank/action or input."""
 
@@ -49,6 +45,9 @@ class Op(str, enum.Enum):
 CHUNK_PASSES = frozenset({Op.F, Op.B, Op.W})
 VOCAB_PASSES = frozenset({Op.S, Op.T, Op.IF, Op.IB})
 COMPUTE_PASSES = CHUNK_PASSES | VOCAB_PASSES
+# Op names of the compute passes, for timelines (TimedAction.op is a string; WAIT and communication
+# records are not work).
+COMPUTE_OPS = frozenset(op.value for op in COMPUTE_PASSES)
 P2P = frozenset({Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD})
 COLLECTIVES = frozenset({Op.C0, Op.C1, Op.C2, Op.IF_REDUCE, Op.IB_BCAST})
 
@@ -79,9 +78,9 @@ class Schedule:
     """A whole pipeline step as data: every rank's ordered actions plus what they run on."""
 
     kind: str
-    """"1f1b" | "vhalf" | "interleaved"."""
+    """Schedule kind, a key of registry.SCHEDULES ("1f1b", "vhalf", "interleaved")."""
     method: str
-    """"baseline" | "redis" | "vocab-1" | "vocab-2"."""
+    """Method, a key of registry.METHODS ("baseline", "redis", "vocab-1", "vocab-2")."""
     num_ranks: int
     """Pipeline ranks p (the vocabulary is sharded over all of them in VP)."""
     num_microbatches: int
@@ -104,14 +103,23 @@ class Schedule:
         return len(self.chunk_rank) - 1
 
     @property
-    def vocab_parallel(self) -> bool:
-        """True for the VP methods (vocabulary passes on every rank)."""
-        return self.method in ("vocab-1", "vocab-2")
+    def method_spec(self):
+        """The registry's `Method` entry of this schedule's method."""
+        from .registry import method  # the registry imports this module
+
+        return method(self.method)
 
     @property
-    def barriers(self) -> int:
-        """Collective barriers between the last chunk's F and B: vocab-1 2, vocab-2 1, else 0."""
-        return {"vocab-1": 2, "vocab-2": 1}.get(self.method, 0)
+    def kind_spec(self):
+        """The registry's `ScheduleKind` entry of this schedule's kind."""
+        from .registry import schedule_kind
+
+        return schedule_kind(self.kind)
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """True for the VP methods (vocabulary passes on every rank)."""
+        return self.method_spec.vocab_parallel
 
     def owner(self, chunk: int) -> int:
         """Rank holding `chunk`."""

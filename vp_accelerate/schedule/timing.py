@@ -21,9 +21,13 @@ Placement rules (collectives get one global time, identical on every rank):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .blocks import Block
 from .ir import Op, ScheduleError
+
+if TYPE_CHECKING:
+    from .registry import Method
 
 # Order of collectives sharing one boundary; any fixed order works since it is global.
 COLLECTIVE_ORDER = {Op.C0: 0, Op.IF_REDUCE: 1, Op.C1: 2, Op.IB_BCAST: 3, Op.C2: 4}
@@ -68,9 +72,8 @@ class TimedCollective:
     """Root rank, or -1 for all-reduces."""
 
 
-def place(block: Block, num_ranks: int, num_mb: int, method: str, forward_only: bool):
+def place(block: Block, num_ranks: int, num_mb: int, method: Method, forward_only: bool):
     """All passes and collectives of the step on the grid: (list[TimedPass], list[TimedCollective])."""
-    vocab = method in ("vocab-1", "vocab-2")
     ops = (Op.F,) if forward_only else (Op.F, Op.B, Op.W)
     base: dict = {}  # (op, mb, chunk) -> base start
     for mb in range(num_mb):
@@ -78,12 +81,12 @@ def place(block: Block, num_ranks: int, num_mb: int, method: str, forward_only: 
         for (op, bu, c) in block.offsets:
             if bu == u and op in ops:
                 base[(op, mb, c)] = block.time(op, mb, c)
-    if not vocab:
+    if not method.vocab_parallel:
         return [TimedPass(block.chunk_rank[c], op, mb, c, t, block.durations[op]) for (op, mb, c), t in base.items()], []
     return _place_vocab(block, num_ranks, num_mb, method, forward_only, base)
 
 
-def _place_vocab(block: Block, p: int, num_mb: int, method: str, forward_only: bool, base: dict):
+def _place_vocab(block: Block, p: int, num_mb: int, method: Method, forward_only: bool, base: dict):
     q = block.sub_period
     half = (q + 1) // 2
     dur = block.durations
@@ -128,7 +131,7 @@ def _place_vocab(block: Block, p: int, num_mb: int, method: str, forward_only: b
             t_gap = first_t_gap_from(c1)
             passes += [TimedPass(r, Op.T, mb, 0, slot(r, t_gap)) for r in range(p)]
             barrier = c1
-            if method == "vocab-1":
+            if method.grad_barrier is Op.C2:
                 barrier = last_end(t_gap)
                 colls.append(TimedCollective(Op.C2, mb, barrier, -1))
             b_last = stretch(base[(Op.B, mb, last)])

@@ -60,7 +60,7 @@ def _expected(s: Schedule, r: int) -> set:
         if s.vocab_parallel:
             ops = [Op.IF, Op.IF_REDUCE, Op.C0, Op.S, Op.C1]
             if not s.forward_only:
-                ops += [Op.T, Op.IB_BCAST, Op.IB] + ([Op.C2] if s.method == "vocab-1" else [])
+                ops += [Op.T, Op.IB_BCAST, Op.IB] + ([Op.C2] if s.method_spec.grad_barrier is Op.C2 else [])
             out.update((op, mb, 0) for op in ops)
     return out
 
@@ -109,10 +109,8 @@ def _prerequisites(s: Schedule, r: int, a: Action) -> list:
     if op is Op.B:
         need = [(Op.F, mb, c)]
         if c == last:
-            if s.method == "vocab-2":
-                need.append((Op.C1, mb, 0))
-            elif s.method == "vocab-1":
-                need.append((Op.C2, mb, 0))
+            if s.method_spec.grad_barrier is not None:  # the output layer's input gradient is complete
+                need.append((s.method_spec.grad_barrier, mb, 0))
         else:
             need.append((Op.B, mb, c + 1) if s.owner(c + 1) == r else (Op.RECV_GRAD, mb, c))
         return need

@@ -7,6 +7,7 @@ import json
 import sys
 
 from vp_accelerate.schedule import ScheduleError, build_schedule, validate
+from vp_accelerate.schedule.registry import METHODS, SCHEDULES, argparse_type, normalise_method, normalise_schedule
 
 from .cost import Hardware, MeasuredCosts, for_schedule
 from .shape import ModelShape, shape_from_hf_config
@@ -28,8 +29,8 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
     ap.add_argument("--dtype-bytes", type=int, default=2)
     ap.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     ap.add_argument("--microbatches", type=int, required=True)
-    ap.add_argument("--schedule", choices=("1f1b", "vhalf", "interleaved"), default="1f1b")
-    ap.add_argument("--method", choices=("baseline", "redis", "vocab-1", "vocab-2"), default="vocab-2")
+    ap.add_argument("--schedule", type=argparse_type(normalise_schedule), choices=tuple(SCHEDULES), default="1f1b")
+    ap.add_argument("--method", type=argparse_type(normalise_method), choices=tuple(METHODS), default="vocab-2")
     ap.add_argument("--chunks-per-rank", type=int, help="interleaved only (default 2)")
     ap.add_argument("--forward-only", action="store_true", help="evaluation step")
     ap.add_argument("--peak-tflops", type=float, default=312.0, help="per device, for MFU (A100 bf16: 312)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vp_accelerate.schedule.ir import Op, Schedule
+from vp_accelerate.schedule.registry import Method, method as method_entry
 
 from .shape import ModelShape, shape_from_hf_config
 
@@ -46,7 +47,7 @@ class CostModel:
     shape: ModelShape
     """The model and microbatch."""
     method: str
-    """"baseline" | "redis" | "vocab-1" | "vocab-2"."""
+    """A key of schedule.registry.METHODS ("baseline", "redis", "vocab-1", "vocab-2")."""
     chunk_rank: tuple[int, ...]
     """Owner rank of each chunk (from the schedule)."""
     chunk_layers: tuple[int, ...]
@@ -65,8 +66,13 @@ class CostModel:
         return max(self.chunk_rank) + 1
 
     @property
+    def spec(self) -> Method:
+        """The registry entry of `method`."""
+        return method_entry(self.method)
+
+    @property
     def vocab_parallel(self) -> bool:
-        return self.method in ("vocab-1", "vocab-2")
+        return self.spec.vocab_parallel
 
     @property
     def shard_rows(self) -> int:
@@ -107,9 +113,9 @@ class CostModel:
         rows = self.shard_rows
         mm = s.output_matmul_flops(rows)
         if op is Op.S:  # logits (+ a_i = p_i W_i for vocab-2) and the local softmax statistics
-            return self._flops_time(mm * (2 if self.method == "vocab-2" else 1)) + self._logit_time(rows)
+            return self._flops_time(mm * (1 if self.spec.input_grad_in_t else 2)) + self._logit_time(rows)
         if op is Op.T:  # weight gradient (+ local input gradient for vocab-1)
-            return self._flops_time(mm * (2 if self.method == "vocab-1" else 1)) + self._logit_time(rows)
+            return self._flops_time(mm * (2 if self.spec.input_grad_in_t else 1)) + self._logit_time(rows)
         if op in (Op.IF, Op.IB):
             return self._gather_time()
         raise ValueError(f"no compute time for {op}")
@@ -126,7 +132,7 @@ class CostModel:
             Op.C0: x,
             Op.IF_REDUCE: x,
             Op.IB_BCAST: x,
-            Op.C1: ring * (stats + (s.tokens * s.hidden * 4 if self.method == "vocab-2" else 0)),
+            Op.C1: ring * (stats + (s.tokens * s.hidden * 4 if self.spec.grad_barrier is Op.C1 else 0)),
             Op.C2: ring * s.tokens * s.hidden * 4,
         }[op]
         return nbytes / self.hw.collective_bandwidth + self.hw.latency
@@ -145,7 +151,7 @@ class CostModel:
         if not self.vocab_parallel:
             return 0.0
         b = self.shape.tokens * self.shard_rows * 4 + self.shape.hidden_bytes()
-        if self.method == "vocab-1":
+        if self.spec.input_grad_in_t:
             b += self.shape.tokens * self.shape.hidden * 4
         return b
 
@@ -177,7 +183,7 @@ def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = No
     """The CostModel of `schedule`: even layer split, or redis_layer_split for method "redis"."""
     hw = hw or Hardware()
     if chunk_layers is None:
-        if schedule.method == "redis":
+        if schedule.method_spec.balanced_layers:
             if schedule.num_chunks != schedule.num_ranks:
                 raise ValueError("redis balances one chunk per rank (schedule kind 1f1b)")
             chunk_layers = redis_layer_split(shape, schedule.num_ranks, hw=hw)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vp_accelerate.schedule.ir import COLLECTIVES, COMPUTE_PASSES, Op, Schedule, TimedAction
+from vp_accelerate.schedule.ir import COLLECTIVES, COMPUTE_OPS, COMPUTE_PASSES, Op, Schedule, TimedAction
 
 # the pass that waits for each collective (besides B of the last chunk, handled apart)
 WAITS_FOR = {Op.S: Op.C0, Op.T: Op.C1, Op.IB: Op.IB_BCAST}
@@ -58,7 +58,7 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
     done_at: dict = {}   # (collective op, mb) -> completion time
     stream = 0.0         # the collectives' stream is busy until then
     timeline: list[TimedAction] = []
-    grad_barrier = {"vocab-2": Op.C1, "vocab-1": Op.C2}.get(schedule.method)
+    grad_barrier = schedule.method_spec.grad_barrier
 
     def ready(r: int, a) -> float | None:
         """Earliest start of compute pass `a` on rank r, or None while an input has not been sent."""
@@ -121,10 +121,9 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
 def _summarise(schedule: Schedule, costs, timeline: list[TimedAction], peak_flops) -> SimResult:
     p = schedule.num_ranks
     step = max(t.end for t in timeline)
-    compute = {o.value for o in COMPUTE_PASSES}
     busy = [0.0] * p
     for t in timeline:
-        if t.op in compute:
+        if t.op in COMPUTE_OPS:
             busy[t.rank] += t.end - t.start
     model = costs if hasattr(costs, "activation_bytes") else getattr(costs, "model", None)
     act_mb, stash_mb, act_bytes = _memory(schedule, timeline, model)

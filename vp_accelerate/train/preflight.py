@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 
+from vp_accelerate.schedule.registry import METHODS
+
 from .presets import PRESETS, padded_vocab, preset_config
 from .recipe_io import RecipeError
 
@@ -136,7 +138,7 @@ def _check_schedule(recipe, config, pp: int) -> str:
             if len(counts) != chunks or sum(counts) != layers:
                 raise LayoutError(f"layers_per_stage {counts} must have {chunks} entries (one per chunk) summing to "
                                   f"the model's {layers} decoder layers")
-        elif p.method == "redis":
+        elif METHODS[p.method].balanced_layers:
             from vp_accelerate.sim.cost import redis_layer_split
 
             seq = min(2048, getattr(config, "max_position_embeddings", 2048) or 2048)
@@ -179,7 +181,7 @@ def check_plan(recipe, world_size: int | None = None) -> list[str]:
     if pp is None:
         notes.append("world size unknown (not launched; pass --world-size to --check): schedule not checked")
         return notes
-    if recipe.pipeline.method.startswith("vocab") and vocab < pp:
+    if METHODS[recipe.pipeline.method].vocab_parallel and vocab < pp:
         raise RecipeError(f"tokenizer: a vocabulary of {vocab} tokens cannot be sharded over {pp} pipeline ranks "
                           f"(every rank needs at least one row); use a larger vocabulary or fewer ranks")
     notes.append(_check_schedule(recipe, config, pp))

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from vp_accelerate.schedule.registry import METHODS, SCHEDULES  # the allowed schedule / method names
+
 from .recipe_io import RecipeError, from_dict, set_override, to_dict
 
 __all__ = ["Recipe", "RecipeError", "load_recipe", "recipe_from_dict", "recipe_to_dict"]
@@ -100,10 +102,10 @@ class DataSection:
 
 @dataclass
 class PipelineSection:
-    schedule: Literal["1f1b", "vhalf", "interleaved"] = "1f1b"
+    schedule: Literal[tuple(SCHEDULES)] = "1f1b"
     """Pipeline schedule."""
 
-    method: Literal["baseline", "redis", "vocab-1", "vocab-2"] = "vocab-2"
+    method: Literal[tuple(METHODS)] = "vocab-2"
     """How the vocabulary layers are placed: baseline/redis (first/last stage) or Vocabulary Parallelism."""
 
     microbatches: int = 8

@@ -69,6 +69,8 @@ def convert(tp, value: Any, path: str) -> Any:
         raise RecipeError(errors[0] if len(errors) == 1 else f"{path}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, str) and value not in allowed:  # names are case-insensitive: "1F1B", "Vocab-2"
+            value = next((a for a in allowed if isinstance(a, str) and a.lower() == value.lower()), value)
         if value not in allowed:
             hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
             more = f"; did you mean {hint[0]!r}?" if hint else ""

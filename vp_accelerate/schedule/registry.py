@@ -1,0 +1,164 @@
+"""The one list of schedule kinds and methods, and what each one implies.
+
+Every other module asks these two tables instead of testing names: whether a method is
+vocabulary-parallel, how many collective barriers it puts between the last chunk's F and B, which
+output-layer algorithm it runs, whether its layer split comes from the cost model; which block a
+schedule kind repeats, how many chunks a rank holds, whether it splits B from W, which methods it
+supports. The recipe's allowed values and the command lines' choices are these tables' keys.
+
+Adding a schedule is one block generator in blocks.py plus one `SCHEDULES` entry.
+
+Names are matched case-insensitively (`1F1B`, `Vocab-2`); `schedule_kind` / `method` return the
+entry, `normalise_schedule` / `normalise_method` the canonical name, and an unknown name raises
+ScheduleError (a ValueError) listing the valid names with a "did you mean".
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Callable
+
+from . import blocks
+from .blocks import Block
+from .ir import Op, ScheduleError
+
+
+@dataclass(frozen=True)
+class Method:
+    """Where the vocabulary layers live and how the output layer synchronises."""
+
+    name: str
+    """Registry key."""
+    vocab_parallel: bool
+    """Vocabulary layers sharded over every pipeline rank (passes S/T/IF/IB, collectives C0/C1/C2);
+    False: full embedding on chunk 0's owner, full output layer + loss on the last chunk's owner."""
+    barriers: int
+    """Collective barriers between the last chunk's F and B (0 without VP). One (vocab-2): S computes
+    the input gradient and C1 all-reduces it with the softmax statistics. Two (vocab-1): T computes it
+    and a second all-reduce, C2, completes it."""
+    output_algorithm: str | None
+    """The output-layer algorithm of vocab/output_layer.py this method runs; None without VP."""
+    balanced_layers: bool
+    """The default layer split comes from the cost model (fewer layers on the first and last stage,
+    which also run the vocabulary layers) instead of an even split."""
+    description: str
+    """One line for help texts."""
+
+    @property
+    def grad_barrier(self) -> Op | None:
+        """The collective after which the last chunk's input gradient is complete (its B waits for it)."""
+        return {0: None, 1: Op.C1, 2: Op.C2}[self.barriers]
+
+    @property
+    def input_grad_in_t(self) -> bool:
+        """True when T (not S) computes the output layer's input gradient, reduced in C2."""
+        return self.barriers == 2
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A pipeline schedule family: its repeating block and what it supports."""
+
+    name: str
+    """Registry key."""
+    block: Callable[[int, int, int], Block]
+    """(num_ranks, chunks_per_rank, backward_shift) -> the repeating block of blocks.py."""
+    methods: tuple[str, ...]
+    """Methods this schedule runs, in `METHODS` order."""
+    chunks_per_rank: int | None
+    """Model chunks per rank the schedule is built for; None: the user chooses (>= 1)."""
+    default_chunks_per_rank: int
+    """Chunks per rank when the user does not choose."""
+    split_backward: bool
+    """B computes only input gradients and W the weight gradients (zero-bubble style)."""
+    forward_only: bool
+    """Has an evaluation (forward-only) variant."""
+    description: str
+    """One line for help texts."""
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("baseline", vocab_parallel=False, barriers=0, output_algorithm=None, balanced_layers=False,
+           description="embedding on the first stage, output layer + loss on the last"),
+    Method("redis", vocab_parallel=False, barriers=0, output_algorithm=None, balanced_layers=True,
+           description="baseline with the layers redistributed by the cost model"),
+    Method("vocab-1", vocab_parallel=True, barriers=2, output_algorithm="vocab-1", balanced_layers=False,
+           description="vocabulary parallel, two barriers (input gradient in T, reduced in C2)"),
+    Method("vocab-2", vocab_parallel=True, barriers=1, output_algorithm="vocab-2", balanced_layers=False,
+           description="vocabulary parallel, one barrier (input gradient in S, reduced in C1)"),
+)}
+
+SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("1f1b", lambda p, v, shift: blocks.one_f_one_b(p, shift),
+                 methods=("baseline", "redis", "vocab-1", "vocab-2"), chunks_per_rank=1,
+                 default_chunks_per_rank=1, split_backward=False, forward_only=True,
+                 description="one chunk per rank, one forward one backward"),
+    ScheduleKind("vhalf", lambda p, v, shift: blocks.v_half(p, shift),
+                 methods=("baseline", "vocab-1", "vocab-2"), chunks_per_rank=2, default_chunks_per_rank=2,
+                 split_backward=True, forward_only=True,
+                 description="zero-bubble V shape, two chunks per rank, B/W split"),
+    ScheduleKind("interleaved", lambda p, v, shift: blocks.interleaved(p, v, shift),
+                 methods=("baseline", "vocab-2"), chunks_per_rank=None, default_chunks_per_rank=2,
+                 split_backward=False, forward_only=True,
+                 description="interleaved 1F1B, chunks round-robin over the ranks"),
+)}
+
+
+def _lookup(table: dict, name, what: str):
+    if isinstance(name, str):
+        key = name.strip().lower()
+        if key in table:
+            return table[key]
+    hint = difflib.get_close_matches(str(name).lower(), list(table), n=1, cutoff=0.5)
+    more = f"; did you mean {hint[0]!r}?" if hint else ""
+    raise ScheduleError(f"unknown {what} {name!r}; choose one of {', '.join(table)}{more}")
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registered schedule kind called `name` (any case); ScheduleError if there is none."""
+    return _lookup(SCHEDULES, name, "schedule kind")
+
+
+def method(name: str) -> Method:
+    """The registered method called `name` (any case); ScheduleError if there is none."""
+    return _lookup(METHODS, name, "method")
+
+
+def normalise_schedule(name: str) -> str:
+    """The canonical (registry) spelling of schedule kind `name`."""
+    return schedule_kind(name).name
+
+
+def normalise_method(name: str) -> str:
+    """The canonical (registry) spelling of method `name`."""
+    return method(name).name
+
+
+def supported_pairs() -> list[tuple[str, str]]:
+    """Every (schedule kind, method) the builder accepts."""
+    return [(k, m) for k, kind in SCHEDULES.items() for m in kind.methods]
+
+
+def check_pair(kind: str, method_name: str) -> tuple[ScheduleKind, Method]:
+    """Both entries, or ScheduleError when the schedule does not run the method."""
+    k, m = schedule_kind(kind), method(method_name)
+    if m.name not in k.methods:
+        others = [s for s, sk in SCHEDULES.items() if m.name in sk.methods]
+        raise ScheduleError(f"schedule {k.name!r} does not support method {m.name!r}; it supports "
+                            f"{', '.join(k.methods)} (use {' or '.join(others)} for {m.name})")
+    return k, m
+
+
+def argparse_type(normalise: Callable[[str], str]) -> Callable[[str], str]:
+    """An argparse `type=` that accepts any case and reports an unknown name with the valid ones."""
+    import argparse
+
+    def parse(text: str) -> str:
+        try:
+            return normalise(text)
+        except ScheduleError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = normalise.__name__
+    return parse
