@@ -40,8 +40,9 @@ class PipelineConfig:
     """Pipeline schedule, a key of schedule.registry.SCHEDULES (any case): "1f1b", "vhalf" (zero-bubble
     V shape, B/W split) or "interleaved"."""
     method: str = "vocab-2"
-    """Where the vocabulary layers live, a key of schedule.registry.METHODS (any case): "baseline" (embedding on the first stage, head + loss on the last),
-    "redis" (baseline with fewer layers on the first/last stage), "vocab-1" or "vocab-2" (sharded over
+    """Where the vocabulary layers live, a key of schedule.registry.METHODS (any case): "baseline"
+    (embedding on the first stage, head + loss on the last), "redis" (baseline with fewer layers on
+    the first/last stage), "vocab-1" or "vocab-2" (sharded over
     all pipeline ranks; vocab-2 has one barrier and is the default)."""
     microbatches: int = 8
     """Microbatches per optimizer step; the batch's first dimension must divide by it."""
