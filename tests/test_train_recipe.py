@@ -134,3 +134,64 @@ def test_bad_recipe_fails_before_any_process_group(tmp_path, corpus):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert "pipeline.microbatchs: unknown key; did you mean microbatches?" in out.stderr
+
+
+def test_pipeline_section_is_the_runtime_config(corpus):
+    """The recipe's pipeline section loads straight into runtime.PipelineConfig (the old name is an alias)."""
+    import yaml
+
+    from vp_accelerate.runtime import PipelineConfig
+    from vp_accelerate.train.recipe import PipelineSection
+
+    assert PipelineSection is PipelineConfig
+    r = recipe_from_dict(base(corpus, pipeline={"layers_per_stage": [1, 3], "attn_implementation": "eager"}),
+                         ["pipeline.watchdog_dead_after_s=null", "pipeline.label_smoothing=0.1"])
+    assert type(r.pipeline) is PipelineConfig
+    assert r.pipeline.layers_per_stage == (1, 3) and r.pipeline.attn_implementation == "eager"
+    assert r.pipeline.watchdog_dead_after_s is None and r.pipeline.label_smoothing == 0.1
+    d = recipe_to_dict(r)
+    assert d["pipeline"]["layers_per_stage"] == [1, 3]  # plain lists: YAML/JSON/wandb safe
+    assert recipe_from_dict(yaml.safe_load(yaml.safe_dump(d))) == r
+    r = recipe_from_dict(base(corpus), ["pipeline.layers_per_stage=[2,2]"])
+    assert r.pipeline.layers_per_stage == (2, 2)
+
+
+@pytest.mark.parametrize("pipeline, message", [
+    ({"microbatches": 0}, "pipeline.microbatches: must be >= 1, got 0"),
+    ({"chunks_per_rank": 0}, "pipeline.chunks_per_rank: must be >= 1 or null, got 0"),
+    ({"label_smoothing": 1.0}, "pipeline.label_smoothing: must be in [0, 1), got 1.0"),
+    ({"layers_per_stage": [2, 0]}, "pipeline.layers_per_stage: every chunk needs at least one layer, got [2, 0]"),
+    ({"layers_per_stage": "2,2"}, "pipeline.layers_per_stage: expected list of int, got str '2,2'"),
+    ({"watchdog_dead_after_s": 0}, "pipeline.watchdog_dead_after_s: must be > 0 or null, got 0.0"),
+    ({"schedule": "1f1c"}, "pipeline.schedule: expected one of"),
+])
+def test_pipeline_errors_name_the_key(corpus, pipeline, message):
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict(base(corpus, pipeline=pipeline))
+    assert message in str(e.value)
+
+
+def test_runtime_checks_its_config_before_starting():
+    """PipelineModel runs the same checks as the recipe, before any process group or weights."""
+    import torch.distributed as dist
+
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+
+    with pytest.raises(ValueError, match="microbatches: must be >= 1, got 0"):
+        PipelineModel("llama-tiny", PipelineConfig(microbatches=0))
+    assert not dist.is_initialized()
+
+
+def test_build_pipeline_passes_the_section_whole(corpus, monkeypatch):
+    import vp_accelerate.runtime as runtime
+    from vp_accelerate.train.trainer import build_pipeline
+
+    seen = {}
+
+    def fake_model(source, config, **kwargs):
+        seen.update(config=config, **kwargs)
+
+    monkeypatch.setattr(runtime, "PipelineModel", fake_model)
+    r = recipe_from_dict(base(corpus, pipeline={"chunk_size": 64, "memory": "recompute"}))
+    build_pipeline(r, tokenizer=list(range(300)), device="cpu")
+    assert seen["config"] is r.pipeline and seen["seed"] == r.train.seed

@@ -1,5 +1,17 @@
-"""The pipeline engine: run any schedule of the IR on real ranks. `PipelineModel` is the public API."""
+"""The pipeline engine: run any schedule of the IR on real ranks. `PipelineModel` is the public API.
 
-from vp_accelerate.runtime.pipeline import PipelineConfig, PipelineModel, StepResult
+`PipelineConfig` imports without torch (the training recipe is validated with it before anything
+heavy loads); `PipelineModel` and `StepResult` load the engine on first use.
+"""
+
+from vp_accelerate.runtime.config import PipelineConfig
 
 __all__ = ["PipelineConfig", "PipelineModel", "StepResult"]
+
+
+def __getattr__(name):
+    if name in ("PipelineModel", "StepResult"):
+        from vp_accelerate.runtime import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'vp_accelerate.runtime' has no attribute {name!r}")

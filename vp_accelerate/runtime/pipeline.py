@@ -15,62 +15,22 @@ loss is the token mean over the whole step's valid tokens, as `model(input_ids, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from vp_accelerate.distributed import init_from_env
 from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config, split_counts
+from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
 from vp_accelerate.runtime.groups import build_groups
 from vp_accelerate.runtime import watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
-from vp_accelerate.schedule.registry import normalise_method, normalise_schedule
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
 from vp_accelerate.vocab.partition import VocabPartition
-
-@dataclass
-class PipelineConfig:
-    """How to cut the model and which schedule runs it."""
-
-    schedule: str = "1f1b"
-    """Pipeline schedule, a key of schedule.registry.SCHEDULES (any case): "1f1b", "vhalf" (zero-bubble
-    V shape, B/W split) or "interleaved"."""
-    method: str = "vocab-2"
-    """Where the vocabulary layers live, a key of schedule.registry.METHODS (any case): "baseline"
-    (embedding on the first stage, head + loss on the last), "redis" (baseline with fewer layers on
-    the first/last stage), "vocab-1" or "vocab-2" (sharded over
-    all pipeline ranks; vocab-2 has one barrier and is the default)."""
-    microbatches: int = 8
-    """Microbatches per optimizer step; the batch's first dimension must divide by it."""
-    memory: str = "store"
-    """Output-layer S->T state: "store" keeps the local softmax, "recompute" recomputes logits in T."""
-    chunk_size: int | None = None
-    """Vocabulary rows per chunk inside S and T (bounds the transient memory); None = whole shard."""
-    pp_size: int | None = None
-    """Pipeline ranks; None = world size / dp_size."""
-    dp_size: int = 1
-    """Data-parallel replicas of the pipeline."""
-    chunks_per_rank: int | None = None
-    """Interleaved schedule: chunks per rank (default 2). Ignored by 1f1b (1) and vhalf (2)."""
-    label_smoothing: float = 0.0
-    """Cross-entropy label smoothing, as torch.nn.functional.cross_entropy."""
-    pad_multiple: int = 1
-    """Pad each vocabulary shard to a multiple of this many rows (64 suits GPU matmuls)."""
-    layers_per_stage: tuple[int, ...] | None = None
-    """Explicit decoder layers per chunk (model order); None = even, or the cost model's split for redis."""
-    attn_implementation: str | None = None
-    """HF attention kernel ("eager", "sdpa", ...); None = the model's default."""
-    watchdog_dead_after_s: float | None = 60.0
-    """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
-
-    def __post_init__(self):
-        # canonical names, so `1F1B` and `Vocab-2` work and an unknown name fails here with the valid ones
-        self.schedule = normalise_schedule(self.schedule)
-        self.method = normalise_method(self.method)
 
 
 @dataclass
@@ -95,6 +55,7 @@ class PipelineModel:
     def __init__(self, source, config: PipelineConfig | None = None, dtype: torch.dtype = torch.float32,
                  seed: int = 0, device: torch.device | str | None = None):
         cfg = config or PipelineConfig()
+        cfg.check()  # a bad value fails here, before any process group or weights
         self.cfg = cfg
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)

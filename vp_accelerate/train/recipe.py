@@ -15,11 +15,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from vp_accelerate.schedule.registry import METHODS, SCHEDULES  # the allowed schedule / method names
+from vp_accelerate.runtime.config import PipelineConfig
 
 from .recipe_io import RecipeError, from_dict, set_override, to_dict
 
-__all__ = ["Recipe", "RecipeError", "load_recipe", "recipe_from_dict", "recipe_to_dict"]
+__all__ = ["PipelineConfig", "PipelineSection", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict",
+           "recipe_to_dict"]
 
 
 @dataclass
@@ -100,40 +101,9 @@ class DataSection:
     """Worker processes for tokenization (`datasets.map(num_proc=...)`); None = in-process."""
 
 
-@dataclass
-class PipelineSection:
-    schedule: Literal[tuple(SCHEDULES)] = "1f1b"
-    """Pipeline schedule."""
-
-    method: Literal[tuple(METHODS)] = "vocab-2"
-    """How the vocabulary layers are placed: baseline/redis (first/last stage) or Vocabulary Parallelism."""
-
-    microbatches: int = 8
-    """Microbatches per step per data-parallel replica; the replica's batch must divide by it."""
-
-    memory: Literal["store", "recompute"] = "store"
-    """Output layer: store the softmax between S and T passes, or recompute the logits in T."""
-
-    chunk_size: Optional[int] = None
-    """Vocabulary rows per chunk inside the S/T passes (bounds the transient); None = the whole shard."""
-
-    pp_size: Optional[int] = None
-    """Pipeline ranks; None = world_size / dp_size."""
-
-    dp_size: int = 1
-    """Data-parallel replicas of the pipeline."""
-
-    chunks_per_rank: Optional[int] = None
-    """Model chunks per rank (interleaved schedule); None = the schedule's default."""
-
-    label_smoothing: float = 0.0
-    """Label smoothing of the cross-entropy loss."""
-
-    pad_multiple: int = 1
-    """Pad each vocabulary shard to a multiple of this many rows (64 suits GPU matmuls)."""
-
-    layers_per_stage: Optional[list[int]] = None
-    """Explicit decoder layers per chunk in model order; None = even split (or the cost model's for redis)."""
+# The pipeline section is the runtime's own config, loaded whole (one set of fields and docstrings):
+# see vp_accelerate/runtime/config.py. `PipelineSection` is its old name here.
+PipelineSection = PipelineConfig
 
 
 @dataclass
@@ -245,8 +215,8 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     """Training and evaluation data."""
 
-    pipeline: PipelineSection = field(default_factory=PipelineSection)
-    """Pipeline / vocabulary parallelism."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline / vocabulary parallelism: `vp_accelerate.runtime.PipelineConfig`, passed to the runtime whole."""
 
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     """AdamW settings."""
@@ -270,19 +240,18 @@ class Recipe:
 def check(recipe: Recipe) -> Recipe:
     """Cross-field checks that need no process group. Raises RecipeError naming the key."""
     p, t, d, o = recipe.pipeline, recipe.train, recipe.data, recipe.optimizer
-    positive = {"pipeline.microbatches": p.microbatches, "pipeline.dp_size": p.dp_size,
-                "train.steps": t.steps, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
+    try:
+        p.check()
+    except ValueError as e:  # its message starts with the field name
+        raise RecipeError(f"pipeline.{e}") from None
+    positive = {"train.steps": t.steps, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
                 "logging.log_every": recipe.logging.log_every, "eval.batches": recipe.eval.batches,
-                "data.shuffle_buffer": d.shuffle_buffer, "pipeline.pad_multiple": p.pad_multiple, "tokenizer.pad_to_multiple_of":
+                "data.shuffle_buffer": d.shuffle_buffer, "tokenizer.pad_to_multiple_of":
                 recipe.tokenizer.pad_to_multiple_of, "checkpoint.keep": recipe.checkpoint.keep,
                 "train.max_skipped_steps": t.max_skipped_steps}
     for key, value in positive.items():
         if value < 1:
             raise RecipeError(f"{key}: must be >= 1, got {value}")
-    for key, value in {"pipeline.pp_size": p.pp_size, "pipeline.chunk_size": p.chunk_size,
-                       "pipeline.chunks_per_rank": p.chunks_per_rank}.items():
-        if value is not None and value < 1:
-            raise RecipeError(f"{key}: must be >= 1 or null, got {value}")
     for key, value in {"eval.every": recipe.eval.every, "checkpoint.every": recipe.checkpoint.every,
                        "lr.warmup_steps": recipe.lr.warmup_steps}.items():
         if value < 0:
@@ -301,8 +270,6 @@ def check(recipe: Recipe) -> Recipe:
         raise RecipeError(f"optimizer.grad_clip: must be > 0 or null, got {o.grad_clip}")
     if not 0.0 <= recipe.lr.min_lr_ratio <= 1.0:
         raise RecipeError(f"lr.min_lr_ratio: must be in [0, 1], got {recipe.lr.min_lr_ratio}")
-    if not 0.0 <= p.label_smoothing < 1.0:
-        raise RecipeError(f"pipeline.label_smoothing: must be in [0, 1), got {p.label_smoothing}")
     if not 0.0 <= d.eval_holdout < 1.0:
         raise RecipeError(f"data.eval_holdout: must be in [0, 1), got {d.eval_holdout}")
     if d.streaming and not d.packing:

@@ -1,7 +1,7 @@
 """Plain dicts <-> nested dataclasses, with errors that name the key path.
 
-Supported field types: str, int, float, bool, dict, list[T], Optional[T], Literal[...], and nested
-dataclasses. That is all a recipe needs, and keeping it this small keeps the errors precise.
+Supported field types: str, int, float, bool, dict, list[T], tuple[T, ...], Optional[T] (or `T | None`),
+Literal[...], and nested dataclasses. That is all a recipe needs, and keeping it this small keeps the errors precise.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import types
 import typing
 from typing import Any, Literal, Union
 
@@ -24,6 +25,11 @@ class RecipeError(ValueError):
 _FLOAT_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
+def _is_union(tp) -> bool:
+    """Optional[T] and `T | None` (a types.UnionType when a module writes the PEP 604 form)."""
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -36,9 +42,9 @@ def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin is Union:
+    if _is_union(tp):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
+    if origin in (list, tuple):
         return f"list of {_type_name(typing.get_args(tp)[0])}"
     if tp is type(None):
         return "null"
@@ -52,7 +58,7 @@ def convert(tp, value: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise RecipeError(f"{path}: expected a mapping (section), got {type(value).__name__} {value!r}")
         return from_dict(tp, value, path)
-    if origin is Union:
+    if _is_union(tp):
         args = typing.get_args(tp)
         if value is None:
             if type(None) in args:
@@ -81,6 +87,13 @@ def convert(tp, value: Any, path: str) -> Any:
             raise RecipeError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
         (item,) = typing.get_args(tp)
         return [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:  # only the homogeneous tuple[T, ...]; written as a list in YAML
+        item, dots = typing.get_args(tp)
+        if dots is not Ellipsis:
+            raise TypeError(f"{path}: unsupported field type {tp!r}")  # a bug in the recipe definition
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return tuple(convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise RecipeError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
@@ -126,9 +139,10 @@ def from_dict(cls, data: dict, path: str = ""):
 
 
 def to_dict(obj) -> Any:
+    """Plain dicts, lists and scalars (tuples become lists), safe for YAML, JSON and wandb."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, list):
+    if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
@@ -137,11 +151,10 @@ def to_dict(obj) -> Any:
 
 def _parse_scalar(tp, text: str, path: str) -> Any:
     """Parse the text of an override for a field of type `tp`."""
-    origin = typing.get_origin(tp)
-    if origin is Union and text.strip().lower() in ("null", "none", "~"):
+    if _is_union(tp) and text.strip().lower() in ("null", "none", "~"):
         return None
     base = tp
-    if origin is Union:
+    if _is_union(tp):
         non_none = [a for a in typing.get_args(tp) if a is not type(None)]
         base = non_none[0] if len(non_none) == 1 else tp
     if base is str or (typing.get_origin(base) is Literal and all(isinstance(a, str) for a in typing.get_args(base))):

@@ -46,18 +46,15 @@ def make_accelerator(recipe: Recipe):
 
 def build_pipeline(recipe: Recipe, tokenizer, device):
     """PipelineModel of the recipe's model, vocabulary resized to the tokenizer if asked."""
-    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime import PipelineModel
 
-    m, p = recipe.model, recipe.pipeline
+    m = recipe.model
     config = resolve_config(m.source, m.config, m.trust_remote_code)
     vocab = padded_vocab(len(tokenizer), recipe.tokenizer.pad_to_multiple_of) if recipe.tokenizer.resize_vocab else None
     source = model_source(m, config, vocab)
-    cfg = PipelineConfig(schedule=p.schedule, method=p.method, microbatches=p.microbatches, memory=p.memory,
-                         chunk_size=p.chunk_size, pp_size=p.pp_size, dp_size=p.dp_size,
-                         chunks_per_rank=p.chunks_per_rank, label_smoothing=p.label_smoothing,
-                         pad_multiple=p.pad_multiple,
-                         layers_per_stage=tuple(p.layers_per_stage) if p.layers_per_stage else None)
-    return PipelineModel(source, cfg, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed, device=device)
+    # the recipe's pipeline section is a runtime.PipelineConfig: passed whole, nothing copied by hand
+    return PipelineModel(source, recipe.pipeline, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed,
+                         device=device)
 
 
 def fingerprint(recipe: Recipe, pipe, layout_lines: list[str]) -> dict:

@@ -1,0 +1,93 @@
+"""`PipelineConfig`: how to cut the model and which schedule runs it.
+
+This one dataclass is both the `PipelineModel` argument and the training recipe's `pipeline:` section
+(the recipe loader reads the section straight into it, so a field added here is a recipe key at once,
+with this docstring as its documentation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from vp_accelerate.schedule.registry import METHODS, SCHEDULES, normalise_method, normalise_schedule
+
+# The recipe loader checks these (case-insensitively, with a "did you mean"); the names are the registry's.
+ScheduleName = Literal[tuple(SCHEDULES)]
+MethodName = Literal[tuple(METHODS)]
+MemoryMode = Literal["store", "recompute"]
+
+
+@dataclass
+class PipelineConfig:
+    """How to cut the model and which schedule runs it (the recipe's `pipeline:` section)."""
+
+    schedule: ScheduleName = "1f1b"
+    """Pipeline schedule, a key of schedule.registry.SCHEDULES (any case): "1f1b", "vhalf" (zero-bubble
+    V shape, B/W split) or "interleaved"."""
+
+    method: MethodName = "vocab-2"
+    """Where the vocabulary layers live, a key of schedule.registry.METHODS (any case): "baseline"
+    (embedding on the first stage, head + loss on the last), "redis" (baseline with fewer layers on the
+    first/last stage), "vocab-1" or "vocab-2" (sharded over all pipeline ranks; vocab-2 has one barrier
+    and is the default)."""
+
+    microbatches: int = 8
+    """Microbatches per optimizer step per data-parallel replica; the replica's batch (the first dimension
+    given to `train_step`) must divide by it."""
+
+    memory: MemoryMode = "store"
+    """Output-layer S->T state: "store" keeps the local softmax, "recompute" recomputes the logits in T."""
+
+    chunk_size: Optional[int] = None
+    """Vocabulary rows per chunk inside the S and T passes (bounds the transient memory); None = whole shard."""
+
+    pp_size: Optional[int] = None
+    """Pipeline ranks; None = world size / dp_size."""
+
+    dp_size: int = 1
+    """Data-parallel replicas of the pipeline."""
+
+    chunks_per_rank: Optional[int] = None
+    """Model chunks per rank for the interleaved schedule (default 2); 1f1b always has 1 and vhalf 2."""
+
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing, as torch.nn.functional.cross_entropy."""
+
+    pad_multiple: int = 1
+    """Pad each vocabulary shard to a multiple of this many rows (64 suits GPU matmuls)."""
+
+    layers_per_stage: Optional[tuple[int, ...]] = None
+    """Explicit decoder layers per chunk in model order; None = an even split (or the cost model's for redis)."""
+
+    attn_implementation: Optional[str] = None
+    """HF attention kernel ("eager", "sdpa", ...); None = the model's default."""
+
+    watchdog_dead_after_s: Optional[float] = 60.0
+    """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
+
+    def __post_init__(self):
+        # canonical names, so `1F1B` and `Vocab-2` work and an unknown name fails here with the valid ones
+        self.schedule = normalise_schedule(self.schedule)
+        self.method = normalise_method(self.method)
+        if self.layers_per_stage is not None:  # a list from the API or YAML; the layout wants a tuple
+            self.layers_per_stage = tuple(self.layers_per_stage)
+
+    def check(self) -> None:
+        """Range checks that need no model or process group. Raises ValueError whose message starts with
+        the field name (the recipe prefixes `pipeline.`)."""
+        for name in ("microbatches", "dp_size", "pad_multiple"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        for name in ("pp_size", "chunk_size", "chunks_per_rank"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1 or null, got {value}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing: must be in [0, 1), got {self.label_smoothing}")
+        if self.layers_per_stage is not None and any(n < 1 for n in self.layers_per_stage):
+            raise ValueError(f"layers_per_stage: every chunk needs at least one layer, got "
+                             f"{list(self.layers_per_stage)}")
+        if self.watchdog_dead_after_s is not None and self.watchdog_dead_after_s <= 0:
+            raise ValueError(f"watchdog_dead_after_s: must be > 0 or null, got {self.watchdog_dead_after_s}")
