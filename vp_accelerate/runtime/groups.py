@@ -3,6 +3,13 @@
 Rank layout: global rank = dp_rank * pp_size + pp_rank, so each pipeline replica is a contiguous
 block of ranks (on a GPU node, neighbouring stages share NVLink). Every rank must create every group
 in the same order (torch.distributed.new_group is collective), which `build_groups` does.
+
+Device groups and host groups: the pipeline, vocabulary and data-parallel groups use the default
+backend (NCCL on GPUs), which only takes tensors on the rank's device. Host-side bookkeeping (object
+gathers for logs and export, flags, timings) goes over gloo side groups created next to them
+(`host_group`, `pp_host_group`), so it never stages host data through the GPU. The rule every caller
+follows: a tensor on a device group lives on the rank's device; a host group gets CPU tensors and
+Python objects.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+_HOST_GROUP = None  # the world's gloo side group, shared by every Groups of this process
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,11 @@ class Groups:
     so collectives never interleave with point-to-point traffic on one communicator."""
     dp_group: object
     """Gradient all-reduce between the replicas of this pipeline rank (None when dp_size == 1)."""
+    host_group: object = None
+    """gloo group of every rank: host-side bookkeeping (object gathers, flags) of the whole world."""
+    pp_host_group: object = None
+    """gloo group of this replica's pipeline ranks (group rank = pp_rank): host-side bookkeeping of one
+    pipeline, e.g. gathering the model for export without staging it through GPU memory."""
 
     def global_rank(self, pp_rank: int) -> int:
         return self.pp_ranks[pp_rank]
@@ -54,13 +68,15 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
         raise ValueError(f"pp_size={pp_size} x dp_size={dp_size} = {pp_size * dp_size} but {world} processes "
                          f"were launched; make pp_size x dp_size equal the number of processes")
     pp_rank, dp_rank = rank % pp_size, rank // pp_size
-    mine = {}
+    mine = {"host_group": host_group()}
     for d in range(dp_size):
         ranks = list(range(d * pp_size, (d + 1) * pp_size))
         pp_group = dist.new_group(ranks)
         vocab_group = dist.new_group(ranks)
+        pp_host_group = dist.new_group(ranks, backend="gloo")
         if d == dp_rank:
-            mine.update(pp_ranks=tuple(ranks), pp_group=pp_group, vocab_group=vocab_group)
+            mine.update(pp_ranks=tuple(ranks), pp_group=pp_group, vocab_group=vocab_group,
+                        pp_host_group=pp_host_group)
     dp_group = None
     for s in range(pp_size):
         ranks = [d * pp_size + s for d in range(dp_size)]
@@ -69,3 +85,22 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
             dp_group = group
     return Groups(rank=rank, world_size=world, pp_size=pp_size, dp_size=dp_size, pp_rank=pp_rank,
                   dp_rank=dp_rank, dp_group=dp_group, **mine)
+
+
+def host_group():
+    """The world's gloo side group (created on first use: every rank must call this at the same point the
+    first time, which `build_groups` does); None when torch.distributed is not initialized."""
+    global _HOST_GROUP
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _HOST_GROUP is None or _HOST_GROUP_WORLD is not dist.group.WORLD:
+        _set_host_group(dist.new_group(backend="gloo"))
+    return _HOST_GROUP
+
+
+_HOST_GROUP_WORLD = None  # which default group the side group belongs to (tests re-initialize the world)
+
+
+def _set_host_group(group) -> None:
+    global _HOST_GROUP, _HOST_GROUP_WORLD
+    _HOST_GROUP, _HOST_GROUP_WORLD = group, dist.group.WORLD

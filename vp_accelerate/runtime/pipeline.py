@@ -197,8 +197,8 @@ class PipelineModel:
         if attention_mask is not None:
             shifted[:, :-1][attention_mask[:, 1:] == 0] = -100
         valid = (shifted != -100)
-        n_valid = torch.tensor([valid.sum().item()], dtype=torch.float64)
-        if self.groups.dp_group is not None:
+        n_valid = torch.tensor([valid.sum().item()], dtype=torch.float64, device=dev)
+        if self.groups.dp_group is not None:  # a device group: the count travels on the device
             dist.all_reduce(n_valid, group=self.groups.dp_group)
         n_total = int(n_valid.item())
         # g in at least float32 (float64 models keep float64: 1/N in float32 would cost 1e-8 relative)
@@ -223,7 +223,7 @@ class PipelineModel:
 
     def _finish_loss(self, loss_sum: torch.Tensor) -> float:
         """Make the step's loss known on every rank of every replica."""
-        loss = loss_sum.detach().to(torch.float64).reshape(1).cpu()
+        loss = loss_sum.detach().to(torch.float64).reshape(1).clone()  # on the device: pp/dp groups are NCCL on GPUs
         if not self.vocab:  # only the last stage computed it
             if self.pp_rank != self.layout.last_rank:
                 loss.zero_()
@@ -235,7 +235,7 @@ class PipelineModel:
     def _bubble_rate(self, records: list[TimedAction], step_time: float) -> float:
         busy = sum(r.end - r.start for r in records if r.op in COMPUTE_OPS)
         rate = torch.tensor([1.0 - busy / step_time if step_time > 0 else 0.0], dtype=torch.float64)
-        dist.all_reduce(rate, group=self.groups.pp_group)
+        dist.all_reduce(rate, group=self.groups.pp_host_group)  # a host number: the gloo side group
         return float(rate.item()) / self.groups.pp_size
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -278,7 +278,7 @@ class PipelineModel:
         for mb, value in losses.items():
             if not torch.isfinite(value).all():
                 flags[self.dp_rank * m + mb] = 1.0
-        dist.all_reduce(flags)
+        dist.all_reduce(flags, group=self.groups.host_group)  # host flags of the whole world: gloo
         return tuple((int(i) // m, int(i) % m) for i in flags.nonzero().flatten().tolist())
 
     def _run(self, schedule, mbs: list[Microbatch], seq: int):
@@ -316,10 +316,11 @@ class PipelineModel:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global L2 norm over the whole pipeline (each parameter counted once)."""
-        sq = torch.zeros(1, dtype=torch.float64)
+        # summed on the device (one transfer at the end, not one per parameter); pp_group is NCCL on GPUs
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for name, p in self.named_parameters():
             if p.grad is not None and not self.mods.is_duplicate(name):
-                sq += p.grad.detach().double().pow(2).sum().cpu()
+                sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self.groups.pp_group)
         norm = math.sqrt(float(sq.item()))
         if max_norm > 0 and norm > max_norm:
@@ -352,12 +353,12 @@ class PipelineModel:
 
     def gather_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective."""
-        return gather_state_dict(self.mods, group=self.groups.pp_group, dst=0)
+        return gather_state_dict(self.mods, group=self.groups.pp_host_group, dst=0)  # host copies over gloo
 
     def export_hf(self, out_dir, tokenizer=None) -> None:
         """Gather every rank's part into one HF model directory written by rank 0 (a collective)."""
         export_hf(self.mods, self.layout, self.partition, self.hf_config, out_dir, tokenizer=tokenizer,
-                  group=self.groups.pp_group, ranks=self.groups.pp_ranks, write=self.dp_rank == 0)
+                  group=self.groups.pp_host_group, ranks=self.groups.pp_ranks, write=self.dp_rank == 0)
 
     @property
     def flops_per_token(self) -> float:

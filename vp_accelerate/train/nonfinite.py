@@ -12,6 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.runtime.groups import host_group
+
 from .tracking import gather
 
 
@@ -37,7 +39,7 @@ def _world_any(flag: bool) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return flag
     t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=host_group())  # a host flag: the gloo side group (the default one is NCCL on GPUs)
     return bool(t.item() > 0)
 
 

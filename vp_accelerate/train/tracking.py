@@ -13,15 +13,18 @@ import resource
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.runtime.groups import host_group
+
 log = logging.getLogger("vp_accelerate.train")
 
 
 def gather(obj) -> list:
-    """all_gather_object over the world (a 1-element list without a process group)."""
+    """all_gather_object over the world (a 1-element list without a process group), on the gloo side
+    group: on GPUs the default group is NCCL, which would stage the pickled bytes through GPU memory."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=host_group())
     return out
 
 
@@ -30,7 +33,7 @@ def world_mean(value: float) -> float:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=host_group())  # a host number: the gloo side group
     return float(t.item()) / dist.get_world_size()
 
 

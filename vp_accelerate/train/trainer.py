@@ -204,6 +204,8 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
 def _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, step, recipe_dict) -> None:
     import torch.distributed as dist
 
+    from vp_accelerate.runtime.groups import host_group
+
     mods = getattr(pipe, "mods", None)
     rank_info = gather({"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank,
                         "duplicates": sorted(n for n, _ in pipe.named_parameters()
@@ -220,7 +222,7 @@ def _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, step, rec
     check_weights_before_save(step, model_state, optimizer_state)
     trainer_state = {"scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(), "data": train_it.state_dict(),
                      "step": step}
-    barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+    barrier = (lambda: dist.barrier(group=host_group())) if dist.is_initialized() else (lambda: None)
     path = ckpt.save_checkpoint(recipe.checkpoint.dir, step, rank=pipe.rank, model_state=model_state,
                                 optimizer_state=optimizer_state, trainer_state=trainer_state, meta=meta,
                                 barrier=barrier, write_model_files=write_model_files, keep=recipe.checkpoint.keep)
