@@ -39,7 +39,7 @@ class Microbatch:
     grad_scale: torch.Tensor
     """[b*s] fp32 per-token dL/dloss_n: 1/N_valid of the whole step for valid tokens, 0 otherwise."""
     position_ids: torch.Tensor
-    """[b, s] positions."""
+    """[b, s] positions; a restart at 0 begins a new packed document (attention stays inside documents)."""
     attention_mask: torch.Tensor | None = None
     """[b, s] 1 for real tokens, 0 for padding, or None for all real."""
 

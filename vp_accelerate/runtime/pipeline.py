@@ -166,12 +166,15 @@ class PipelineModel:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     # ---- the step --------------------------------------------------------------------------------
-    def _microbatches(self, input_ids, labels, attention_mask) -> tuple[list[Microbatch], int]:
+    def _microbatches(self, input_ids, labels, attention_mask, position_ids=None) -> tuple[list[Microbatch], int]:
         m = self.cfg.microbatches
         if input_ids.dim() != 2 or labels.shape != input_ids.shape:
             raise ValueError(f"input_ids and labels must both be [batch, seq]; got {tuple(input_ids.shape)} and "
                              f"{tuple(labels.shape)}")
         b, s = input_ids.shape
+        if position_ids is not None and tuple(position_ids.shape) != (b, s):
+            raise ValueError(f"position_ids must be [batch, seq] like input_ids {tuple(input_ids.shape)}; got "
+                             f"{tuple(position_ids.shape)}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if max_pos and s > max_pos:  # GPT-2 would index past its position table; RoPE models were never trained there
             raise ValueError(f"sequence length {s} exceeds the model's max_position_embeddings={max_pos}; use "
@@ -203,11 +206,12 @@ class PipelineModel:
         n_total = int(n_valid.item())
         # g in at least float32 (float64 models keep float64: 1/N in float32 would cost 1e-8 relative)
         scale = valid.to(torch.promote_types(self.dtype, torch.float32)) / max(n_total, 1)
-        pos = torch.arange(s).unsqueeze(0).expand(b // m, s)
+        default_pos = torch.arange(s).unsqueeze(0).expand(b // m, s)
         mbs = []
         for k in range(m):
             sl = slice(k * b // m, (k + 1) * b // m)
             mask = None if attention_mask is None else attention_mask[sl].to(dev)
+            pos = default_pos if position_ids is None else position_ids[sl].long()
             mbs.append(Microbatch(input_ids=input_ids[sl].to(dev), labels=shifted[sl].to(dev),
                                   grad_scale=scale[sl].reshape(-1).to(dev), position_ids=pos.to(dev),
                                   attention_mask=mask))
@@ -239,11 +243,15 @@ class PipelineModel:
         return float(rate.item()) / self.groups.pp_size
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                   attention_mask: torch.Tensor | None = None) -> StepResult:
-        """Forward and backward of every microbatch; gradients accumulate into the parameters' .grad."""
+                   attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> StepResult:
+        """Forward and backward of every microbatch; gradients accumulate into the parameters' .grad.
+
+        `position_ids` [batch, seq] (default 0..s-1 per row): packed documents restart at 0, and as in HF
+        (when no attention_mask is given) each token then attends only inside its own document.
+        """
         import time
 
-        mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask)
+        mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids)
         self._last_seq = input_ids.shape[1]
         t0 = time.perf_counter()
         out = self._run(self.schedule, mbs, input_ids.shape[1])
@@ -264,9 +272,9 @@ class PipelineModel:
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None) -> float:
+                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> float:
         """Token-mean loss of a batch with the forward-only schedule (no gradients, no T/B/W passes)."""
-        mbs, _ = self._microbatches(input_ids, labels, attention_mask)
+        mbs, _ = self._microbatches(input_ids, labels, attention_mask, position_ids)
         out = self._run(self.eval_schedule, mbs, input_ids.shape[1])
         return self._finish_loss(out.loss_sum)
 

@@ -12,6 +12,12 @@ Order and slicing: sequence order is a pure function of (seed, epoch). Step k ta
 Every pipeline rank of a replica gets the same rows (all ranks need the tokens under Vocabulary
 Parallelism). The iterator's `state_dict()` ({"epoch", "step"}) makes resuming exact.
 
+Sample formats (`data.format`, see `sft.py`): text, chat and prompt_completion rows become token ids
+plus a loss mask; labels are -100 where a token carries no loss. With document boundaries (the default
+for chat and prompt_completion, `data.document_boundaries`) packed rows also carry `position_ids` that
+restart at 0 for every document: the model builds its attention mask from them (HF's packed-sequence
+convention), so no token attends across documents, and the first token of a document is no one's target.
+
 Held-out evaluation documents are chosen by a hash of their text (order independent, so the same
 documents are held out streaming or not, whatever the file order).
 """
@@ -19,6 +25,7 @@ documents are held out streaming or not, whatever the file order).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -26,7 +33,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from . import sft
 from .tokenizer import expand_files
+
+log = logging.getLogger("vp_accelerate.train")
 
 _FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -43,12 +53,14 @@ def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _format_of(files: list[str], fmt: str) -> str:
+    """The `datasets` builder for `files`: `fmt` (text/json/parquet) or, for "auto", from the extensions."""
     if fmt != "auto":
         return fmt
     kinds = {_FORMATS.get(os.path.splitext(f)[1].lower()) for f in files}
     if None in kinds:
         bad = [f for f in files if os.path.splitext(f)[1].lower() not in _FORMATS]
-        raise DataError(f"data.format: cannot tell the format of {bad[0]!r}; set data.format to text, json or parquet")
+        raise DataError(f"data.file_format: cannot tell the format of {bad[0]!r}; set data.file_format to "
+                        f"text, json or parquet")
     if len(kinds) > 1:
         raise DataError(f"data.files: mixes formats {sorted(kinds)}; use one format per list")
     return kinds.pop()
@@ -79,31 +91,77 @@ def is_heldout(text: str, every: int) -> bool:
     return h % every == 0
 
 
-def make_tokenize_fn(tokenizer, text_field: str, add_eos: bool, vocab_size: int, source: str, holdout_every: int):
-    """A batched `datasets.map` function: text -> token ids (+EOS), with a held-out flag.
+def make_tokenize_fn(tokenizer, text_field: str, add_eos: bool, vocab_size: int, source: str, holdout_every: int,
+                     fmt: str = "text", cfg=None, locate=None):
+    """A batched `datasets.map` function: row -> token ids (+ loss mask for SFT formats), held-out flag and,
+    with `data.skip_invalid`, the reason a row was invalid ("" when valid).
 
     Token ids >= the model's vocabulary are an error naming the sample (a tokenizer/model mismatch
-    would otherwise index out of range deep inside a pipeline rank).
+    would otherwise index out of range deep inside a pipeline rank). A row that does not fit its format is
+    an error naming the file and row, or skipped (counted) with `data.skip_invalid: true`.
     """
     eos = tokenizer.eos_token_id
+    skip = bool(getattr(cfg, "skip_invalid", False))
+    train_on_inputs = bool(getattr(cfg, "train_on_inputs", False))
+    fields = _fields(cfg, text_field)
+    template = sft.chat_template_of(tokenizer)[0] if fmt == "chat" else None
+    where = locate or (lambda index: f"{source}, row {index + 1}")
+
+    def encode(row: dict) -> tuple[str, list, list | None]:
+        if fmt == "text":
+            text = row[fields["text"]]
+            if not isinstance(text, str):
+                raise sft.FormatError(f"column {fields['text']!r} must be a string, got {sft._short(text)}")
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return text, ids + [eos] if add_eos else ids, None
+        if fmt == "chat":
+            return sft.encode_chat(tokenizer, template, row[fields["messages"]], train_on_inputs)
+        return sft.encode_prompt_completion(tokenizer, row[fields["prompt"]], row[fields["completion"]], add_eos,
+                                            train_on_inputs)
+
+    needed = {"text": [fields["text"]], "chat": [fields["messages"]],
+              "prompt_completion": [fields["prompt"], fields["completion"]]}[fmt]
 
     def fn(batch, indices):
-        if text_field not in batch:
-            raise DataError(f"data.text_field: column {text_field!r} not in {source} (columns: {sorted(batch)})")
-        texts = batch[text_field]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        heldout = []
-        for text, row, index in zip(texts, ids, indices):
-            if add_eos:
-                row.append(eos)
-            if row and max(row) >= vocab_size:
-                raise DataError(f"{source}: document {index} ({text[:40]!r}...) has token id {max(row)} >= the "
+        missing = [c for c in needed if c not in batch]
+        if missing:
+            col = "data.text_field: column" if fmt == "text" else f"data.format {fmt}: column"
+            raise DataError(f"{col} {missing[0]!r} not in {source} (columns: {sorted(batch)})")
+        out = {"input_ids": [], "heldout": [], "invalid": []}
+        if fmt != "text":
+            out["loss_mask"] = []
+        for k, index in enumerate(indices):
+            row = {c: batch[c][k] for c in needed}
+            try:
+                if any(row[c] is None for c in needed):
+                    absent = [c for c in needed if row[c] is None]
+                    raise sft.FormatError(f"has no {absent[0]!r} (a {fmt} row needs {', '.join(map(repr, needed))})")
+                text, ids, mask = encode(row)
+            except sft.FormatError as e:
+                if not skip:
+                    raise DataError(f"{where(index)}: {e}. Fix the row, or set data.skip_invalid: true to skip "
+                                    f"such rows (they are counted)") from None
+                text, ids, mask, reason = "", [], [], f"{where(index)}: {e}"
+            else:
+                reason = ""
+            if ids and max(ids) >= vocab_size:
+                raise DataError(f"{source}: document {index} ({text[:40]!r}...) has token id {max(ids)} >= the "
                                 f"model's vocab size {vocab_size}; set tokenizer.resize_vocab: true or use the "
                                 f"model's own tokenizer")
-            heldout.append(is_heldout(text, holdout_every))
-        return {"input_ids": ids, "heldout": heldout}
+            out["input_ids"].append(ids)
+            if fmt != "text":
+                out["loss_mask"].append(mask)
+            out["heldout"].append(not reason and is_heldout(text if fmt == "text" else
+                                                            sft.row_text_for_hash(fmt, row, fields), holdout_every))
+            out["invalid"].append(reason)
+        return out
 
     return fn
+
+
+def _fields(cfg, text_field: str) -> dict:
+    return {"text": text_field, "messages": getattr(cfg, "messages_field", "messages"),
+            "prompt": getattr(cfg, "prompt_field", "prompt"), "completion": getattr(cfg, "completion_field", "completion")}
 
 
 def tokenize_fingerprint(docs, tokenizer, *parts) -> str:
@@ -137,23 +195,77 @@ def pad_rows(token_rows, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndar
     return ids, mask
 
 
+def pack_documents(token_rows, loss_masks, seq_len: int, pad_id: int,
+                   split_long: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Pack whole documents into rows of seq_len, keeping their boundaries.
+
+    Returns (ids, labels, position_ids, dropped): documents are placed in order, a new row starts when the
+    next one does not fit, and the rest of a row is padding (its own "document": labels -100, positions
+    from 0, so it attends only to itself). Positions restart at 0 for every document and a document's
+    first token gets label -100 (nothing before it in its document predicts it). A document longer than
+    seq_len is cut into seq_len pieces (`split_long`, text) or truncated (SFT: a cut conversation's tail
+    would lack its prompt); `dropped` counts documents whose loss tokens were all cut away.
+    """
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []
+    dropped = 0
+    for k, row in enumerate(token_rows):
+        row = np.asarray(row, dtype=np.int64)
+        mask = np.ones(len(row), dtype=bool) if loss_masks is None else np.asarray(loss_masks[k], dtype=bool)
+        if len(row) > seq_len and not split_long:
+            row, mask = row[:seq_len], mask[:seq_len]
+        if loss_masks is not None and not mask[1:].any():
+            dropped += 1
+            continue
+        for start in range(0, len(row), seq_len):
+            if len(row[start:start + seq_len]):
+                pieces.append((row[start:start + seq_len], mask[start:start + seq_len]))
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    used = seq_len
+    for piece in pieces:
+        if used + len(piece[0]) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(piece)
+        used += len(piece[0])
+    ids = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
+    labels = np.full((len(rows), seq_len), -100, dtype=np.int64)
+    pos = np.zeros((len(rows), seq_len), dtype=np.int64)
+    for i, row in enumerate(rows):
+        at = 0
+        for doc, mask in row:
+            n = len(doc)
+            ids[i, at:at + n] = doc
+            labels[i, at:at + n] = np.where(mask, doc, -100)
+            labels[i, at] = -100
+            pos[i, at:at + n] = np.arange(n)
+            at += n
+        pos[i, at:] = np.arange(seq_len - at)
+    return ids, labels, pos, dropped
+
+
 @dataclass
 class Sequences:
-    """Fixed-length training sequences in memory: ids [N, S] and, unpacked, an attention mask."""
+    """Fixed-length training sequences in memory: ids [N, S] and optionally an attention mask (unpacked),
+    HF-convention labels (SFT formats; else labels = ids) and position ids (packing with document boundaries)."""
 
     ids: np.ndarray
     mask: np.ndarray | None = None
+    labels: np.ndarray | None = None
+    positions: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def batch(self, rows: np.ndarray) -> dict:
         ids = torch.from_numpy(self.ids[rows])
-        out = {"input_ids": ids, "labels": ids.clone()}
+        labels = torch.from_numpy(self.labels[rows]) if self.labels is not None else ids.clone()
+        out = {"input_ids": ids, "labels": labels}
         if self.mask is not None:
             mask = torch.from_numpy(self.mask[rows])
             out["attention_mask"] = mask
             out["labels"][mask == 0] = -100
+        if self.positions is not None:
+            out["position_ids"] = torch.from_numpy(self.positions[rows])
         return out
 
 
@@ -264,10 +376,83 @@ class StreamingBatchIterator:
             self.step += 1
 
 
-def _token_rows(ds) -> list:
-    """The input_ids column of a (non-streaming) dataset as a list of arrays, without Python lists per token."""
-    col = ds.with_format("numpy")["input_ids"]
+def _token_rows(ds, column: str = "input_ids") -> list:
+    """A column of token lists of a (non-streaming) dataset as a list of arrays, without Python lists per token."""
+    col = ds.with_format("numpy")[column]
     return list(col)
+
+
+@dataclass
+class Encoded:
+    """Tokenized rows of one split: ids and (SFT formats) loss masks, one array per document."""
+
+    rows: list
+    masks: list | None
+
+
+def _encoded(ds) -> Encoded:
+    return Encoded(_token_rows(ds), _token_rows(ds, "loss_mask") if "loss_mask" in ds.column_names else None)
+
+
+def file_format(cfg) -> str:
+    """The `datasets` builder asked for: data.file_format, or the legacy file-format values of data.format."""
+    if cfg.format in ("json", "parquet"):
+        return cfg.format
+    return getattr(cfg, "file_format", "auto")
+
+
+def _builder_of(paths: list[str], cfg) -> str:
+    fmt = file_format(cfg)
+    if fmt == "auto" and cfg.format == "text" and any(os.path.splitext(f)[1].lower() not in _FORMATS for f in paths):
+        return "text"  # `format: text` on files of any extension read them as plain text lines (as it always did)
+    return fmt
+
+
+def sample_format(cfg, columns) -> tuple[str, str]:
+    """(text | chat | prompt_completion, how it was decided) for a recipe's data section and the data's columns."""
+    declared = cfg.format if cfg.format in sft.SAMPLE_FORMATS else "auto"
+    f = _fields(cfg, cfg.text_field)
+    try:
+        return sft.detect_format(columns, declared, f["text"], f["messages"], f["prompt"], f["completion"])
+    except sft.FormatError as e:
+        raise DataError(str(e)) from None
+
+
+def document_boundaries(cfg, fmt: str) -> bool:
+    """Whether packed rows keep documents apart: data.document_boundaries, else on for the SFT formats."""
+    explicit = getattr(cfg, "document_boundaries", None)
+    return fmt != "text" if explicit is None else bool(explicit)
+
+
+def _row_locator(paths: list[str], builder: str, source: str):
+    """index in the concatenated files -> "FILE, row R" (1-based; the line of a .jsonl), computed on first use."""
+    counts: list[int] = []
+
+    def locate(index: int) -> str:
+        from datasets import load_dataset
+
+        if len(paths) == 1:
+            return f"{paths[0]}, row {index + 1}"
+        if not counts:
+            counts.extend(len(load_dataset(builder, data_files=[p], split="train")) for p in paths)
+        for path, n in zip(paths, counts):
+            if index < n:
+                return f"{path}, row {index + 1}"
+            index -= n
+        return f"{source}, row {index + 1}"
+
+    return locate
+
+
+def _skipped(tokenized, what: str):
+    """Drop rows flagged invalid (data.skip_invalid), logging how many and the first reason."""
+    reasons = tokenized["invalid"]
+    bad = [i for i, r in enumerate(reasons) if r]
+    if bad:
+        log.warning("%s: skipped %d invalid row(s) (data.skip_invalid); first: %s", what, len(bad), reasons[bad[0]])
+        keep = np.setdiff1d(np.arange(len(reasons)), bad)
+        tokenized = tokenized.select(keep)
+    return tokenized, len(bad)
 
 
 def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
@@ -279,16 +464,29 @@ def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp
     """
     holdout_every = 0 if cfg.eval_files or cfg.eval_holdout == 0 else max(2, round(1 / cfg.eval_holdout))
     source = f"data.files {cfg.files}" if cfg.files else f"dataset {cfg.hub_id}"
-    tok_fn = make_tokenize_fn(tokenizer, cfg.text_field, cfg.add_eos, vocab_size, source, holdout_every)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    docs = load_documents(cfg.files, cfg.hub_id, cfg.hub_split, cfg.format, cfg.streaming)
+    paths = expand_files(cfg.files or []) if not cfg.hub_id else []
+    builder = _builder_of(paths, cfg) if paths else "auto"
+    docs = load_documents(cfg.files, cfg.hub_id, cfg.hub_split, builder, cfg.streaming)
+    fmt, _ = sample_format(cfg, docs.column_names)
+
+    def fn_for(files: list[str], where: str, every: int):
+        locate = _row_locator(files, _format_of(files, _builder_of(files, cfg)), where) if files else None
+        return make_tokenize_fn(tokenizer, cfg.text_field, cfg.add_eos, vocab_size, where, every, fmt, cfg, locate)
+
+    tok_fn = fn_for(paths, source, holdout_every)
+    boundaries = document_boundaries(cfg, fmt)
     per_replica = global_batch // dp_size
     n_eval = eval_batches * global_batch
 
     if cfg.streaming:
+        if fmt != "text" or boundaries:
+            raise DataError(f"data.streaming: streams are packed without document boundaries and support "
+                            f"data.format: text only (this data is {fmt}); set data.streaming: false")
+
         def make_stream(epoch: int, heldout: bool = False):
             stream = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=list(docs.column_names or []))
-            stream = stream.filter(lambda ex: ex["heldout"] == heldout)
+            stream = stream.filter(lambda ex: ex["heldout"] == heldout and not ex["invalid"])
             if heldout:
                 return stream
             stream = stream.shuffle(seed=seed, buffer_size=cfg.shuffle_buffer)
@@ -299,7 +497,7 @@ def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp
         eval_rows = []
         if n_eval:
             if cfg.eval_files:
-                eval_rows = _eval_rows_from_files(cfg, tok_fn, n_eval)
+                eval_rows = list(_eval_sequences(cfg, fn_for, pad_id, fmt).ids[:n_eval])
             else:
                 for seq in StreamingBatchIterator(lambda e: make_stream(e, True), cfg.seq_len, seed, 1)._sequences(0):
                     eval_rows.append(seq)
@@ -309,19 +507,21 @@ def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp
     else:
         if len(docs) == 0:
             raise DataError(f"{source}: the dataset is empty")
-        key = tokenize_fingerprint(docs, tokenizer, cfg.text_field, cfg.add_eos, vocab_size, holdout_every)
+        key = tokenize_fingerprint(docs, tokenizer, cfg.text_field, cfg.add_eos, vocab_size, holdout_every, fmt,
+                                   sorted(_fields(cfg, cfg.text_field).items()),
+                                   getattr(cfg, "train_on_inputs", False), getattr(cfg, "skip_invalid", False),
+                                   sft.chat_template_of(tokenizer)[0] if fmt == "chat" else None)
         tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
                              num_proc=cfg.num_proc, desc="tokenizing", new_fingerprint=key)
+        tokenized, _ = _skipped(tokenized, source)
         flags = np.asarray(tokenized["heldout"], dtype=bool)
-        train_rows = _token_rows(tokenized.select(np.flatnonzero(~flags)))
-        train = BatchIterator(_to_sequences(train_rows, cfg, pad_id, source), seed, global_batch, dp_rank, dp_size)
+        train = BatchIterator(_to_sequences(_encoded(tokenized.select(np.flatnonzero(~flags))), cfg, pad_id, source,
+                                            fmt), seed, global_batch, dp_rank, dp_size)
         if cfg.eval_files:
-            eval_seqs = Sequences(np.asarray(_eval_rows_from_files(cfg, tok_fn, n_eval), dtype=np.int64)
-                                  .reshape(-1, cfg.seq_len)) if cfg.packing else \
-                _eval_sequences_unpacked(cfg, tok_fn, pad_id)
+            eval_seqs = _eval_sequences(cfg, fn_for, pad_id, fmt)
         else:
-            eval_seqs = _to_sequences(_token_rows(tokenized.select(np.flatnonzero(flags))), cfg, pad_id,
-                                      source, allow_empty=True)
+            eval_seqs = _to_sequences(_encoded(tokenized.select(np.flatnonzero(flags))), cfg, pad_id, source, fmt,
+                                      allow_empty=True)
 
     evals = []
     if n_eval:
@@ -335,27 +535,36 @@ def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp
     return train, evals
 
 
-def _to_sequences(rows, cfg, pad_id: int, source: str, allow_empty: bool = False) -> Sequences:
-    if cfg.packing:
-        seqs = Sequences(pack(rows, cfg.seq_len))
+def _to_sequences(enc: Encoded, cfg, pad_id: int, source: str, fmt: str = "text",
+                  allow_empty: bool = False) -> Sequences:
+    rows, masks = enc.rows, enc.masks
+    if cfg.packing and document_boundaries(cfg, fmt):
+        ids, labels, pos, dropped = pack_documents(rows, masks, cfg.seq_len, pad_id, split_long=fmt == "text")
+        if dropped:
+            log.warning(
+                "%s: %d document(s) dropped: their loss tokens lie beyond data.seq_len=%d", source, dropped,
+                cfg.seq_len)
+        seqs = Sequences(ids, labels=labels, positions=pos)
+    elif cfg.packing:
+        ids = pack(rows, cfg.seq_len)
+        labels = None if masks is None else sft.labels_from_mask(ids, pack(masks, cfg.seq_len))
+        seqs = Sequences(ids, labels=labels)
     else:
-        seqs = Sequences(*pad_rows(rows, cfg.seq_len, pad_id))
+        ids, mask = pad_rows(rows, cfg.seq_len, pad_id)
+        labels = None if masks is None else sft.labels_from_mask(ids, pad_rows(masks, cfg.seq_len, 0)[0])
+        seqs = Sequences(ids, mask, labels=labels)
     if len(seqs) == 0 and not allow_empty:
         total = sum(len(r) for r in rows)
         raise DataError(f"{source}: only {total} tokens, not one sequence of data.seq_len={cfg.seq_len}")
     return seqs
 
 
-def _eval_rows_from_files(cfg, tok_fn, n_eval: int) -> list:
-    docs = load_documents(cfg.eval_files, None, "train", cfg.format, streaming=False)
+def _eval_sequences(cfg, fn_for, pad_id: int, fmt: str) -> Sequences:
+    """Sequences of data.eval_files, encoded, packed or padded like the training data."""
+    paths = expand_files(cfg.eval_files)
+    tok_fn = fn_for(paths, f"data.eval_files {cfg.eval_files}", 0)
+    docs = load_documents(cfg.eval_files, None, "train", _builder_of(paths, cfg), streaming=False)
     tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
                          keep_in_memory=True)  # small; not worth a cache file per rank
-    packed = pack(_token_rows(tokenized), cfg.seq_len)
-    return list(packed[:n_eval]) if n_eval else list(packed)
-
-
-def _eval_sequences_unpacked(cfg, tok_fn, pad_id: int) -> Sequences:
-    docs = load_documents(cfg.eval_files, None, "train", cfg.format, streaming=False)
-    tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
-                         keep_in_memory=True)
-    return Sequences(*pad_rows(_token_rows(tokenized), cfg.seq_len, pad_id))
+    tokenized, _ = _skipped(tokenized, "data.eval_files")
+    return _to_sequences(_encoded(tokenized), cfg, pad_id, f"data.eval_files {cfg.eval_files}", fmt, allow_empty=True)

@@ -85,6 +85,12 @@ def _model_config(recipe):
 
 def _tokenizer_length(recipe) -> int | None:
     """len(tokenizer) when it is on disk (bpe:<dir>, a local dir, a converted Qwen); None otherwise."""
+    tok = _local_tokenizer(recipe)
+    return None if tok is None else len(tok)
+
+
+def _local_tokenizer(recipe):
+    """The tokenizer when it is on disk (bpe:<dir>, a local dir, a converted Qwen); None otherwise."""
     from .tokenizer import QWEN_VARIANTS
 
     tok = recipe.tokenizer.source
@@ -99,9 +105,44 @@ def _tokenizer_length(recipe) -> int | None:
     from transformers import AutoTokenizer
 
     try:
-        return len(AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code))
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
     except (OSError, ValueError) as e:
         raise RecipeError(f"tokenizer.source: cannot load the tokenizer in {path}: {e}") from None
+
+
+def _data_note(recipe) -> str:
+    """Which sample format the data has (declared or detected from the first file's columns), and for chat
+    which template renders it."""
+    from .data import DataError, _builder_of, document_boundaries, load_documents, sample_format
+    from .sft import chat_template_of
+    from .tokenizer import expand_files
+
+    d = recipe.data
+    if d.hub_id:
+        return "data: a hub dataset; its format is detected from its columns at the start of the run"
+    paths = expand_files(d.files)[:1]
+    try:
+        columns = load_documents(paths, None, "train", _builder_of(paths, d), streaming=True).column_names
+        if columns is None:  # a JSON stream only knows its columns after reading a row
+            columns = list(next(iter(load_documents(paths, None, "train", _builder_of(paths, d), streaming=True))))
+        fmt, how = sample_format(d, columns)
+    except (DataError, StopIteration) as e:
+        raise RecipeError(f"data: {e or 'the first file has no rows'}") from None
+    note = f"data format {fmt} ({how})"
+    if fmt == "chat":
+        tok = _local_tokenizer(recipe)
+        if tok is None:
+            note += "; chat template: decided when the tokenizer is loaded (the tokenizer's own, else ChatML)"
+        else:
+            note += ("; chat template: ChatML default (the tokenizer has none)" if chat_template_of(tok)[1] else
+                     "; chat template: the tokenizer's own")
+    if fmt != "text":
+        note += ("; loss on every token (data.train_on_inputs)" if d.train_on_inputs else
+                 "; loss on " + ("assistant turns" if fmt == "chat" else "completions") + " only")
+    if d.packing:
+        note += "; packed " + ("keeping document boundaries" if document_boundaries(d, fmt) else
+                               "across documents (EOS-separated)")
+    return note
 
 
 def pipeline_size(recipe, world_size: int | None) -> int | None:
@@ -159,10 +200,10 @@ def check_plan(recipe, world_size: int | None = None) -> list[str]:
     Returns notes on what was checked (and what could not be, e.g. a hub model offline).
     """
     _check_remote_code(recipe)
-    notes = []
+    notes = [_data_note(recipe)]
     config = _model_config(recipe)
     if config is None:
-        return [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
+        return notes + [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and recipe.data.seq_len > max_pos:
         raise RecipeError(f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's max_position_embeddings="

@@ -67,11 +67,39 @@ class DataSection:
     hub_split: str = "train"
     """The split of `hub_id` to train on."""
 
-    format: Literal["auto", "text", "json", "parquet"] = "auto"
-    """File format; `auto` picks it from the file extension."""
+    format: Literal["auto", "text", "chat", "prompt_completion", "json", "parquet"] = "auto"
+    """Sample format: `text` (loss on every token), `chat` (a `messages_field` list of {role, content} turns
+    rendered with the tokenizer's chat template, or ChatML when it has none; loss on assistant turns) or
+    `prompt_completion` (loss on the completion). `auto` detects it from the columns (`--check` says which).
+    `json`/`parquet` are the older spelling of `file_format` and keep working (sample format then `auto`)."""
+
+    file_format: Literal["auto", "text", "json", "parquet"] = "auto"
+    """File format; `auto` picks it from the file extension (.txt/.text, .json/.jsonl, .parquet)."""
 
     text_field: str = "text"
     """The column holding the text (for .txt files it is always `text`)."""
+
+    messages_field: str = "messages"
+    """chat: the column holding the list of turns."""
+
+    prompt_field: str = "prompt"
+    """prompt_completion: the prompt column."""
+
+    completion_field: str = "completion"
+    """prompt_completion: the completion column."""
+
+    train_on_inputs: bool = False
+    """chat / prompt_completion: also put loss on the prompt and non-assistant turns (False = loss on what
+    the model should answer only)."""
+
+    skip_invalid: bool = False
+    """A row that does not fit its format (missing column, unknown role, no assistant turn, empty
+    completion) is an error naming the file and row; True skips such rows and logs how many."""
+
+    document_boundaries: Optional[bool] = None
+    """With packing: keep packed documents apart (position ids restart per document, attention stays inside
+    it, whole documents per row with padding). None = on for chat/prompt_completion, off for text (classic
+    pre-training packing, documents separated by EOS only)."""
 
     eval_files: list[str] = field(default_factory=list)
     """Held-out files for evaluation. When empty, `eval_holdout` of the packed training sequences is held out."""
@@ -91,8 +119,8 @@ class DataSection:
     """Tokens per training sequence."""
 
     packing: bool = True
-    """Concatenate documents (separated by EOS) and cut fixed-length sequences. When False, each
-    document is truncated/padded to `seq_len` (padding ignored in the loss)."""
+    """Put several documents in one sequence of `seq_len` tokens (see `document_boundaries`). When False,
+    each document is truncated/padded to `seq_len` (padding ignored in the loss)."""
 
     add_eos: bool = True
     """Append the tokenizer's EOS token after every document."""

@@ -75,7 +75,8 @@ def evaluate(pipe, batches: list[dict]) -> float:
     """Mean token loss over the fixed eval batches, averaged over data-parallel replicas."""
     if not batches:
         return float("nan")
-    losses = [pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask")) for b in batches]
+    losses = [pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"))
+              for b in batches]
     return world_mean(sum(losses) / len(losses))
 
 
@@ -131,7 +132,8 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
         batch = next(train_it)
         t0 = time.perf_counter()
         try:
-            res = pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
+            res = pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
+                                  batch.get("position_ids"))
         except ValueError as e:  # bad ids/labels/shape: checked before any communication, on every rank
             rows = train_it.describe_rows(0, len(batch["input_ids"])) if hasattr(train_it, "describe_rows") else ""
             if pipe.watchdog is not None:  # data-parallel peers with other rows may already be waiting on us

@@ -1,0 +1,196 @@
+"""Supervised fine-tuning formats: turn one data row into token ids and a per-token loss mask.
+
+Three sample formats (`data.format`):
+  text               a `text_field` column; every token carries loss (pre-training style).
+  chat               a `messages` column: a list of {"role", "content"} turns rendered with the tokenizer's
+                     chat template (or a ChatML default when it has none); loss on assistant turns only.
+  prompt_completion  `prompt` and `completion` columns; loss on the completion (+ EOS) only.
+With `train_on_inputs: true` every token of a row carries loss instead.
+
+Assistant spans are found by prefix rendering: the template renders the conversation up to turn i with
+a generation prompt, then up to and including turn i; the characters between the two renderings are
+the assistant's turn (its content and its end-of-turn marker). The whole conversation is tokenized once
+and a token carries loss when its characters overlap such a span, so the ids are exactly what the
+template + tokenizer produce. Templates that rewrite earlier turns (the prefix property fails) fall back
+to `return_assistant_tokens_mask` when the template marks `{% generation %}` blocks.
+
+The mask says which *tokens are targets*: under HF's label convention the token at t is predicted from
+position t-1, so `labels = where(mask, ids, -100)`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+SAMPLE_FORMATS = ("text", "chat", "prompt_completion")
+ROLES = ("system", "user", "assistant", "tool")
+
+# ChatML (as used by Qwen and others), for tokenizers that ship no template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class FormatError(ValueError):
+    """One row does not fit its format; the caller adds the file and row."""
+
+
+def detect_format(columns, declared: str, text_field: str, messages_field: str, prompt_field: str,
+                  completion_field: str) -> tuple[str, str]:
+    """(format, how it was decided) from the declared `data.format` and the data's columns."""
+    cols = set(columns or ())
+    if declared in SAMPLE_FORMATS:
+        return declared, "set by data.format"
+    if messages_field in cols:
+        return "chat", f"detected from column {messages_field!r}"
+    if prompt_field in cols and completion_field in cols:
+        return "prompt_completion", f"detected from columns {prompt_field!r} and {completion_field!r}"
+    if text_field in cols:
+        return "text", f"detected from column {text_field!r}"
+    raise FormatError(f"data.format: column {text_field!r} not in the data (columns: {sorted(cols)}), nor "
+                      f"{messages_field!r} (chat) or {prompt_field!r} + {completion_field!r} (prompt_completion); "
+                      f"set data.text_field, data.format or the data.*_field names")
+
+
+def chat_template_of(tokenizer) -> tuple[str, bool]:
+    """(template, is_default): the tokenizer's own chat template, else ChatML."""
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # several named templates: HF uses "default"
+        own = own.get("default")
+    return (own, False) if own else (CHATML_TEMPLATE, True)
+
+
+def check_messages(messages) -> None:
+    """Raise FormatError unless `messages` is a list of {role, content} with a known role and an assistant turn."""
+    if not isinstance(messages, list) or not messages:
+        raise FormatError(f"'messages' must be a non-empty list of turns, got {_short(messages)}")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise FormatError(f"turn {k} must be a mapping with 'role' and 'content', got {_short(m)}")
+        if m["role"] not in ROLES:
+            raise FormatError(f"turn {k} has unknown role {m['role']!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise FormatError(f"turn {k} content must be a string, got {_short(m['content'])}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise FormatError("the conversation has no assistant turn, so no token would carry loss")
+
+
+def _short(x, n: int = 60) -> str:
+    s = repr(x)
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def _clean(messages: list) -> list:
+    """Only role and content (datasets fills absent keys of other rows with None, which templates mis-render)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _render(tokenizer, template: str, messages: list, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tokenizer, template: str, messages: list) -> tuple[str, list[tuple[int, int]]] | None:
+    """(rendered text, [(start, end) character spans of assistant turns]) or None if the template is not
+    prefix-stable (a later turn changes how earlier ones render)."""
+    full = _render(tokenizer, template, messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, template, messages[:i], True) if i else _generation_prompt_only(
+            tokenizer, template)
+        upto = _render(tokenizer, template, messages[: i + 1], False)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            return None
+        spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def _generation_prompt_only(tokenizer, template: str) -> str:
+    try:
+        return _render(tokenizer, template, [], True)
+    except Exception:  # some templates index messages[0]; an assistant-first chat then has no prefix
+        return ""
+
+
+def _mask_from_spans(tokenizer, text: str, spans) -> tuple[list[int], list[int]]:
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        mask = [int(any(s < e_span and e > s_span for s_span, e_span in spans)) if e > s else 0
+                for s, e in enc["offset_mapping"]]
+        return ids, mask
+    # slow tokenizers have no offsets: encode the pieces between span edges separately
+    ids, mask, pos = [], [], 0
+    for s_span, e_span in spans:
+        for piece, flag in ((text[pos:s_span], 0), (text[s_span:e_span], 1)):
+            if piece:
+                part = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids += part
+                mask += [flag] * len(part)
+        pos = e_span
+    if text[pos:]:
+        part = tokenizer(text[pos:], add_special_tokens=False)["input_ids"]
+        ids += part
+        mask += [0] * len(part)
+    return ids, mask
+
+
+def encode_chat(tokenizer, template: str, messages, train_on_inputs: bool = False) -> tuple[str, list[int], list[int]]:
+    """(rendered text, ids, loss mask) of one conversation. Raises FormatError for a malformed one."""
+    check_messages(messages)
+    messages = _clean(messages)
+    found = assistant_spans(tokenizer, template, messages)
+    if found is not None:
+        text, spans = found
+        ids, mask = _mask_from_spans(tokenizer, text, spans)
+    elif "{% generation %}" in template or "{%- generation %}" in template:
+        enc = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        text = _render(tokenizer, template, messages, False)
+        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+    else:
+        raise FormatError("the chat template renders earlier turns differently once later turns are added, so "
+                          "assistant tokens cannot be located by prefix rendering; use a template with "
+                          "{% generation %} blocks (tokenizer.chat_template) or data.format: prompt_completion")
+    if train_on_inputs:
+        mask = [1] * len(ids)
+    if not any(mask):
+        raise FormatError("no token of the assistant turns survived tokenization (empty assistant content?)")
+    return text, ids, mask
+
+
+def encode_prompt_completion(tokenizer, prompt, completion, add_eos: bool,
+                             train_on_inputs: bool = False) -> tuple[str, list[int], list[int]]:
+    """(text, ids, loss mask): prompt and completion tokenized separately (a clean boundary), EOS after."""
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, str):
+            raise FormatError(f"{name!r} must be a string, got {_short(value)}")
+    if not completion:
+        raise FormatError("'completion' is empty, so no token would carry loss")
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if add_eos:
+        c = c + [tokenizer.eos_token_id]
+    mask = [int(train_on_inputs)] * len(p) + [1] * len(c)
+    return prompt + completion, p + c, mask
+
+
+def row_text_for_hash(fmt: str, row: dict, fields: dict) -> str:
+    """The text that decides whether a row is held out (stable whatever the tokenizer)."""
+    if fmt == "chat":
+        return json.dumps(row.get(fields["messages"]), sort_keys=True, ensure_ascii=False, default=str)
+    if fmt == "prompt_completion":
+        return f"{row.get(fields['prompt'])}\x00{row.get(fields['completion'])}"
+    return str(row.get(fields["text"]))
+
+
+def labels_from_mask(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """HF-convention labels: the id where the token carries loss, -100 elsewhere."""
+    return ids.copy() if mask is None else np.where(mask.astype(bool), ids, -100)
