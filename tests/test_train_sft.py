@@ -167,3 +167,25 @@ def test_streaming_refuses_sft_formats(tok, tmp_path):
     path = _write(tmp_path / "chat.jsonl", [{"messages": _chat(np.random.default_rng(5))}] * 20)
     with pytest.raises(DataError, match="data.streaming"):
         build_data(DataSection(files=[path], seq_len=16, streaming=True), tok, len(tok), 0, 2)
+
+
+def test_check_states_the_format_and_the_template(tok, tmp_path, capsys):
+    import yaml
+
+    from vp_accelerate.train.commands import train_main
+
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(str(tok_dir))
+    chat = _write(tmp_path / "chat.jsonl", [{"messages": _chat(np.random.default_rng(6))}] * 4)
+    pc = _write(tmp_path / "pc.jsonl", [{"prompt": "a ", "completion": "b"}] * 4)
+    for files, expected in (([chat], "data format chat (detected from column 'messages'); chat template: ChatML "
+                                     "default (the tokenizer has none); loss on assistant turns only; packed "
+                                     "keeping document boundaries"),
+                            ([pc], "data format prompt_completion (detected from columns 'prompt' and "
+                                   "'completion'); loss on completions only")):
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump({"model": {"source": "llama-tiny"}, "tokenizer": {"source": str(tok_dir)},
+                                        "data": {"files": files, "seq_len": 64}, "pipeline": {"microbatches": 2},
+                                        "train": {"global_batch": 2}}))
+        assert train_main([str(path), "--check", "--world-size", "2"]) == 0
+        assert expected in capsys.readouterr().err
