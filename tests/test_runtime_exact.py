@@ -84,7 +84,9 @@ def _train_on_ranks(ckpt: str, batches, configs, microbatches: int, dp_size: int
             pipe.zero_grad()
             losses.append(res.loss)
         stats = pipe.stats()
-        memory = (stats["peak_activation_microbatches"], stats["peak_stash_microbatches"])
+        layers = tuple(end - start for start, end in pipe.layout.chunk_layers)
+        memory = (stats["peak_activation_microbatches"], stats["peak_stash_microbatches"],
+                  stats["peak_activation_bytes"], layers)
         eval_loss = pipe.eval_step(*batches[0])
         results[(schedule, method, opt_name)] = (losses, pipe.gather_hf_state_dict(), memory, eval_loss)
         pipe.close()
@@ -106,24 +108,32 @@ def _check(world: int, vocab: int, tied: bool, configs, dp_size: int = 1, tmp_pa
             _compare(key, per_rank, world, ref_losses, ref_params, seed)
             for r in range(world):  # evaluation with the forward-only schedule, on the trained weights
                 assert per_rank[r][key][3] == pytest.approx(ref_eval, rel=1e-5), (key, r)
-    _compare_memory_with_simulator(per_rank, configs, world // dp_size, microbatches, runs[0][1])
+    _compare_memory_with_simulator(per_rank, configs, world // dp_size, microbatches, vocab, runs[0])
 
 
-def _compare_memory_with_simulator(per_rank, configs, pp, microbatches, run):
-    """The activations the runtime held, counted per rank, are what the simulator predicts."""
+def _compare_memory_with_simulator(per_rank, configs, pp, microbatches, vocab, run):
+    """The activations the runtime held per rank are what the simulator predicts: the same count of
+    (microbatch, chunk) activations and S->T states, and bytes within 10% (the runtime counts the
+    storages autograd saves; the simulator's cost model computes them for an eager-attention HF layer)."""
     from vp_accelerate.schedule import build_schedule
     from vp_accelerate.sim.cost import for_schedule
     from vp_accelerate.sim.shape import ModelShape
     from vp_accelerate.sim.simulate import simulate
 
-    shape = ModelShape(hidden=32, layers=8, heads=4, ffn=64, vocab=101, seq=8)
+    dtype, opt_name, _ = run
+    cfg = _tiny_config(vocab, tied=False)
+    shape = ModelShape(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                       ffn=cfg.intermediate_size, vocab=vocab, seq=8, dtype_bytes=dtype.itemsize, mlp_matrices=3,
+                       kv_heads=cfg.num_key_value_heads, attention="eager")
     for schedule, method in configs:
         sched = build_schedule(schedule, method, pp, microbatches)
-        sim = simulate(sched, for_schedule(shape, sched))
+        layers = per_rank[0][(schedule, method, opt_name)][2][3]  # the runtime's layer split (redis's too)
+        sim = simulate(sched, for_schedule(shape, sched, chunk_layers=layers))
         for r in range(pp):
-            act, stash = per_rank[r][(schedule, method, run)][2]
+            act, stash, nbytes, _ = per_rank[r][(schedule, method, opt_name)][2]
             assert act == pytest.approx(sim.peak_activation_microbatches[r]), (schedule, method, r)
             assert stash == sim.peak_stash_microbatches[r], (schedule, method, r)
+            assert nbytes == pytest.approx(sim.peak_activation_bytes[r], rel=0.10), (schedule, method, r)
 
 
 def _compare(key, per_rank, world, ref_losses, ref_params, seed):

@@ -108,7 +108,9 @@ class Executor:
         self.losses: dict[int, torch.Tensor] = {}                # baseline: last chunk's scaled loss
         self.inflight: list = []                                 # async collectives nobody here consumes
         self.grad_x: dict[int, torch.Tensor] = {}                # ∂L/∂X for the last chunk's B
-        self.meter = ActivationMeter()
+        # parameters are not activations: autograd saves views of them (F.linear keeps weight.t()), so
+        # their storages are excluded by address rather than by type
+        self.meter = ActivationMeter(exclude={p.untyped_storage().data_ptr() for _, p in self.mods.named_parameters()})
         self.live_mb, self.peak_mb = 0.0, 0.0    # weighted (mb, chunk) activations in flight
         self.live_stash, self.peak_stash = 0, 0  # S->T states held
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # a sum of m small terms
@@ -344,7 +346,7 @@ class Executor:
             st = vout.s_pass(x.reshape(-1, x.shape[-1]), mb.labels.reshape(-1), mb.grad_scale,
                              self.mods.head_weight, self.partition, self.g.pp_rank, self.out_opts)
         self.states[a.mb] = st
-        self.meter.add(("S", a.mb), _tensor_bytes(vars(st).values()))
+        self.meter.add(("S", a.mb), _tensor_bytes(vars(st).values(), self.meter.exclude))
         self.live_stash += 1
         self.peak_stash = max(self.peak_stash, self.live_stash)
 
@@ -391,8 +393,9 @@ class _LossOnly:
     loss_sum: torch.Tensor
 
 
-def _tensor_bytes(values) -> int:
-    """Bytes of the distinct tensor storages among `values` (the S->T state kept alive)."""
+def _tensor_bytes(values, exclude: set[int] = frozenset()) -> int:
+    """Bytes of the distinct tensor storages among `values` (the S->T state kept alive), leaving out the
+    storages in `exclude` (the parameters: the state refers to the weight shard, it does not copy it)."""
     seen: dict[int, int] = {}
     flat = []
     for v in values:
@@ -400,5 +403,6 @@ def _tensor_bytes(values) -> int:
     for v in flat:
         if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device.type != "meta":
             s = v.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
+            if s.data_ptr() not in exclude:
+                seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())

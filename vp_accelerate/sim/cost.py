@@ -140,19 +140,23 @@ class CostModel:
     # ---- memory ------------------------------------------------------------------------------
     def activation_bytes(self, chunk: int) -> float:
         """What one microbatch keeps on the chunk's rank from its F to its B (W when split)."""
-        b = self.chunk_layers[chunk] * self.shape.layer_activation_bytes()
-        if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
-            b += self.shape.tokens * self.shape.vocab * 4 + self.shape.hidden_bytes()  # fp32 logits + X
+        s, last = self.shape, chunk == len(self.chunk_rank) - 1
+        b = self.chunk_layers[chunk] * s.layer_activation_bytes() + s.chunk_extra_bytes(last)
+        if not self.vocab_parallel and last:
+            b += s.tokens * s.vocab * s.stat_bytes  # log-probabilities of the loss (at least fp32)
+            if s.attention == "flash":
+                b += s.hidden_bytes()  # X (the HF count has it in the final norm's)
         return b
 
     def stash_bytes(self) -> float:
-        """VP: what one microbatch keeps on every rank from S to T: the shard's softmax p_i (fp32),
+        """VP: what one microbatch keeps on every rank from S to T: the shard's softmax p_i (at least fp32),
         X, and for vocab-1 the local input gradient until C2."""
         if not self.vocab_parallel:
             return 0.0
-        b = self.shape.tokens * self.shard_rows * 4 + self.shape.hidden_bytes()
+        s = self.shape
+        b = s.tokens * self.shard_rows * s.stat_bytes + s.hidden_bytes()
         if self.spec.input_grad_in_t:
-            b += self.shape.tokens * self.shape.hidden * 4
+            b += s.tokens * s.hidden * s.stat_bytes
         return b
 
     def rank_params(self, rank: int) -> float:

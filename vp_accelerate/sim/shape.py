@@ -10,6 +10,9 @@ from pathlib import Path
 GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral")
 
 
+ATTENTION_KINDS = ("flash", "eager", "sdpa")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the cost model needs to know about a decoder-only transformer and one microbatch."""
@@ -34,6 +37,17 @@ class ModelShape:
     """2 for a GELU MLP (the paper's formula), 3 for a gated (SwiGLU) MLP."""
     tied: bool = False
     """Input embedding and output weight are one tensor."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None = `heads`."""
+    attention: str = "flash"
+    """How a layer keeps its activations for the backward: "flash" is the paper's setting (a Megatron
+    layer with flash attention, Korthikanti et al.'s count); "eager" or "sdpa" is a Hugging Face pre-norm
+    decoder layer (RMSNorm, rotary attention) as this project's runtime runs it with that
+    `attn_implementation`, counted tensor by tensor."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
 
     @property
     def tokens(self) -> int:
@@ -71,11 +85,48 @@ class ModelShape:
         return 4 * self.hidden * self.hidden + self.mlp_matrices * self.hidden * self.ffn
 
     def layer_activation_bytes(self) -> float:
-        """Activations one layer keeps per microbatch for its backward, with flash attention
-        (Korthikanti et al.: 34*s*b*h bytes in 16-bit at ffn=4h: 15*sbh in the attention block,
-        19*sbh in the MLP, which we scale by ffn/4h)."""
+        """Activations one layer keeps per microbatch for its backward.
+
+        "flash": Korthikanti et al.'s 34*s*b*h bytes in 16-bit at ffn=4h (15*sbh in the attention block,
+        19*sbh in the MLP, which we scale by ffn/4h). "eager" / "sdpa": `_hf_layer_elements()` elements.
+        """
+        if self.attention != "flash":
+            return self._hf_layer_elements() * self.dtype_bytes
         sbh = self.tokens * self.hidden
         return sbh * (15 + 19 * self.ffn / (4 * self.hidden)) * self.dtype_bytes / 2
+
+    def _hf_layer_elements(self) -> float:
+        """What autograd saves in an HF pre-norm decoder layer (N tokens, a heads of size d, k kv heads):
+        each RMSNorm its input, x·rsqrt(var) and the weighted output that feeds the next matmul (3Nh) plus
+        rsqrt (N); q after rotary; eager attention k and v repeated to all a heads, the probabilities
+        [b, a, s, s] and a contiguous copy of the output for o_proj; sdpa k and v at k heads, the kernel's
+        output and its log-sum-exp [b, a, s]; the MLP gate, act(gate), up and their product (gated) or its
+        pre-activation and activation (2 matrices). Rotary's cos / sin are per chunk (`chunk_extra_bytes`)."""
+        n, h, f, b, s = self.tokens, self.hidden, self.ffn, self.microbatch_size, self.seq
+        a = self.heads
+        qd = a * (h // a)  # q (and o_proj's input) width
+        kd = (self.kv_heads or a) * (h // a)
+        norms = 2 * (3 * n * h + n)
+        mlp = (4 if self.mlp_matrices == 3 else 2) * n * f
+        if self.attention == "eager":
+            attn = n * qd * 4 + b * a * s * s  # q, k and v repeated, o_proj input; probabilities
+        else:
+            attn = n * qd * 2 + n * kd * 2 + b * a * s  # q, out; k, v; log-sum-exp
+        return norms + attn + mlp
+
+    def chunk_extra_bytes(self, last: bool) -> float:
+        """Per microbatch and chunk, beyond its layers (0 for "flash"): rotary cos and sin [b, s, d], and on
+        the chunk that ends the model the final norm (3Nh + N; its output is X)."""
+        if self.attention == "flash":
+            return 0.0
+        n, h = self.tokens, self.hidden
+        rotary = 2 * n * (h // self.heads)
+        return (rotary + (3 * n * h + n if last else 0)) * self.dtype_bytes
+
+    @property
+    def stat_bytes(self) -> int:
+        """Bytes per element of the softmax work (logits, statistics): fp32, or the model's dtype if wider."""
+        return max(4, self.dtype_bytes)
 
     def hidden_bytes(self) -> float:
         """One [N, h] activation tensor (what p2p, C0, IF_REDUCE and IB_BCAST move)."""
@@ -83,8 +134,9 @@ class ModelShape:
 
 
 def shape_from_hf_config(config, seq: int, vocab: int | None = None, microbatch_size: int = 1,
-                         dtype_bytes: int = 2) -> ModelShape:
-    """A ModelShape from an HF config (object, dict, or path to config.json). `vocab` overrides."""
+                         dtype_bytes: int = 2, attention: str = "flash") -> ModelShape:
+    """A ModelShape from an HF config (object, dict, or path to config.json). `vocab` overrides;
+    `attention` says how activations are counted (see `ModelShape.attention`)."""
     if isinstance(config, (str, Path)):
         config = json.loads(Path(config).read_text())
     get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
@@ -98,4 +150,5 @@ def shape_from_hf_config(config, seq: int, vocab: int | None = None, microbatch_
     return ModelShape(hidden=h, layers=layers, heads=heads, ffn=ffn, vocab=vocab or get("vocab_size"), seq=seq,
                       microbatch_size=microbatch_size, dtype_bytes=dtype_bytes,
                       mlp_matrices=3 if model_type in GATED_MLP_TYPES else 2,
-                      tied=bool(get("tie_word_embeddings", False)))
+                      tied=bool(get("tie_word_embeddings", False)),
+                      kv_heads=get("num_key_value_heads") or heads, attention=attention)
