@@ -1,87 +1,48 @@
-"""The benchmark harness end to end in quick mode on tiny sizes, with a fake of our runtime.
-
-The fake has PipelineModel's API (train_step / stats / zero_grad) but runs the whole HF model on
-every rank, so this tests the harness (spawn, round-robin, memory, aggregation, JSON, plots) and the
-adapter from our runtime's results, not the runtime itself.
-"""
+"""The benchmark harness: `vp-accelerate bench` end to end with the real runtime at tiny sizes, and the
+aggregation of per-rank records into rows."""
 
 import json
-import time
-import types
-from dataclasses import dataclass
 
-import torch
+import pytest
 
+from vp_accelerate import cli
 from vp_accelerate.bench.config import BenchConfig
-from vp_accelerate.bench.methods import Method, OursRunner
 from vp_accelerate.bench.report import build_rows, markdown_table
-from vp_accelerate.bench.run import bench_main
 from vp_accelerate.bench.timeline import Pass, balanced_bound_s, bubble_rate
 from vp_accelerate.bench.worker import MemoryRecord, StepRecord
+from vp_accelerate.schedule.ir import COMPUTE_OPS
+
+METHODS = ("peer", "1f1b-baseline", "1f1b-vocab-2", "vhalf-vocab-2")
 
 
-@dataclass
-class _FakeConfig:
-    schedule: str
-    method: str
-    microbatches: int
-
-
-
-
-class _FakePipelineModel:
-    def __init__(self, model, cfg, dtype, seed):
-        import torch.distributed as dist
-
-        self.rank = dist.get_rank()
-        self.model = model  # OursRunner hands over the seeded HF model the peer also builds
-        self.records = []
-
-    def train_step(self, input_ids, labels):
-        t0 = time.perf_counter()
-        loss = self.model(input_ids=input_ids, labels=labels).loss
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        self.records = [Pass(self.rank, "F", 0, 0, 0.0, t1 - t0), Pass(self.rank, "SEND_ACT", 0, 0, t1 - t0, t1 - t0),
-                        Pass(self.rank, "B", 0, 0, t1 - t0, t2 - t0)]
-        return types.SimpleNamespace(loss=float(loss), step_time_s=t2 - t0, bubble_rate=0.0)
-
-    def stats(self):
-        return {"param_bytes": sum(p.numel() * 4 for p in self.model.parameters()), "timeline": self.records}
-
-    def zero_grad(self):
-        self.model.zero_grad(set_to_none=True)
-
-
-_FAKE_RUNTIME = types.SimpleNamespace(PipelineModel=_FakePipelineModel, PipelineConfig=_FakeConfig)
-
-
-def _build_fake(model_config, microbatches, seed):
-    return OursRunner(model_config, "1f1b", "vocab-2", microbatches, seed, runtime=_FAKE_RUNTIME)
-
-
-FAKE_OURS = Method("fake-ours", "1f1b", _build_fake, relative_times=True, unavailable=lambda: None)
-
-
-def test_quick_benchmark_end_to_end(tmp_path, capsys):
+def test_bench_command_with_the_runtime(tmp_path, capsys):
+    """One spawn of 2 ranks runs the peer and our runtime (1F1B and V-Half, with and without VP)."""
     out = tmp_path / "rows.json"
-    rc = bench_main(["--quick", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq", "16",
-                     "--microbatches", "2", "--vocabs", "300", "--steps", "3",
-                     "--methods", "peer", f"{__name__}:FAKE_OURS",
-                     "--json", str(out), "--plots", str(tmp_path)])
+    rc = cli.main(["bench", "--hidden", "32", "--layers", "4", "--heads", "2", "--seq", "16", "--microbatches", "4",
+                   "--vocabs", "300", "--warmup", "0", "--steps", "2", "--strict", "--methods", *METHODS,
+                   "--json", str(out), "--plots", str(tmp_path)])
     assert rc == 0
     rows = json.loads(out.read_text())
-    assert [r["method"] for r in rows] == ["peer", f"{__name__}:FAKE_OURS"]
+    assert [r["method"] for r in rows] == list(METHODS)
+    peer = rows[0]
+    compute = set(COMPUTE_OPS)
     for r in rows:
-        assert r["vocab"] == 300 and r["tokens_per_s"] > 0 and 0 <= r["bubble_rate"] < 1
-        assert len(r["peak_memory_bytes"]) == 2 and min(r["peak_memory_bytes"]) > 0
-        assert len(r["step_s_all"]) == 3 and r["efficiency"] > 0
-    # the fake computes HF's own loss on the same batch and weights: the peer must agree
-    assert abs(rows[0]["loss"] - rows[1]["loss"]) < 1e-5
-    assert rows[0]["ratio_to_peer"] == 1.0
-    # our runtime's non-compute records (sends, collectives) are not passes
-    assert {p[1] for p in rows[1]["timeline"]} == {"F", "B"}
+        name = r["method"]
+        assert r["vocab"] == 300 and r["tokens_per_s"] > 0 and 0 <= r["bubble_rate"] < 1, name
+        assert r["tokens_per_s"] == pytest.approx(4 * 16 / r["step_s"]) and len(r["step_s_all"]) == 2, name
+        assert 0 < r["efficiency"] and r["balanced_bound_s"] > 0, name
+        for key in ("peak_memory_bytes", "peak_activation_bytes", "param_bytes", "pass_time_s"):
+            assert len(r[key]) == 2 and min(r[key]) > 0, (name, key)
+        assert r["memory_imbalance"] == pytest.approx(max(r["peak_memory_bytes"]) / min(r["peak_memory_bytes"]))
+        # every method starts from the same seeded weights and batch: all compute the HF model's loss
+        assert r["loss"] == pytest.approx(peer["loss"], abs=1e-5), name
+        assert r["ratio_to_peer"] == pytest.approx(r["tokens_per_s"] / peer["tokens_per_s"]), name
+        ops = {p[1] for p in r["timeline"]}  # passes only: sends, receives and collectives are waits
+        assert {"F", "B"} <= ops <= compute, (name, ops)
+        if "vocab" in name:
+            assert {"S", "T"} <= ops, (name, ops)
+        if name.startswith("vhalf"):
+            assert "W" in ops, (name, ops)
     assert "| peer |" in capsys.readouterr().out
     assert (tmp_path / "bench_throughput.png").stat().st_size > 0
     assert (tmp_path / "bench_memory.png").stat().st_size > 0

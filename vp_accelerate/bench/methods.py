@@ -52,7 +52,7 @@ class OursRunner:
     def __init__(self, model_config, schedule: str, method: str, microbatches: int, seed: int,
                  runtime=None):
         """`runtime` is the module providing PipelineModel and PipelineConfig (default vp_accelerate.runtime;
-        the tests pass a fake with the same API)."""
+        any module with the same API will do)."""
         from vp_accelerate.bench.peer import build_peer_model
 
         if runtime is None:
