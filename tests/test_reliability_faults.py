@@ -24,7 +24,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 WORKER = os.path.join(ROOT, "scripts", "fault_worker.py")
-RNG = random.Random()  # fresh each session: which microbatch / step gets poisoned varies
+RNG = random.Random()  # fresh each run: which microbatch / step gets poisoned varies
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ class BenchConfig:
     heads: int = 4
     """Attention heads (head dim = hidden / heads)."""
     intermediate: int | None = None
-    """FFN size; None means 4h (the DESIGN.md cost table assumes 4h)."""
+    """FFN size; None means 4h (docs/design.md's cost table assumes 4h)."""
     seq: int = 256
     """Tokens per sequence."""
     microbatches: int = 8

@@ -370,7 +370,7 @@ class PipelineModel:
 
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token as the paper counts them for MFU (DESIGN.md §7; sim.shape's formula),
+        """Training FLOPs per token as the paper counts them for MFU (docs/design.md §8; sim.shape's formula),
         at the sequence length of the last step."""
         from vp_accelerate.sim.shape import shape_from_hf_config
 

@@ -58,7 +58,7 @@ def one_f_one_b(p: int, backward_shift: int) -> Block:
 
 def v_half(p: int, backward_shift: int) -> Block:
     """V-Half (Pipeline Parallelism with Controllable Memory): 2p chunks, rank i holds chunks i and
-    2p-1-i, six slots per microbatch (F, B, W of two chunks). Offsets from the paper (DESIGN.md §5):
+    2p-1-i, six slots per microbatch (F, B, W of two chunks). Offsets from the paper (docs/design.md §6):
     F0 at 2i, F1 at 3p-i-2, B1 at 3p+d+2i-1, B0 at 6p+d-i-2 with d = 3 (p even) / 0 (p odd) plus the
     VP shift; W of each chunk takes the first free residue after its B."""
     d = (3 if p % 2 == 0 else 0) + backward_shift

@@ -1,7 +1,7 @@
 """Cost model: how long each pass and each communication takes, and what each rank keeps in memory.
 
 Two sources of pass times with one interface (`pass_time`, `p2p_time`, `collective_time`):
-- `CostModel`: from a model shape (FLOPs of DESIGN.md §1 at a sustained fraction of peak, plus the
+- `CostModel`: from a model shape (FLOPs of docs/design.md §1 at a sustained fraction of peak, plus the
   memory-bound softmax work on the logits) and link bandwidths;
 - `MeasuredCosts`: from a JSON of measured per-pass times per rank (what the runtime records).
 Memory and FLOPs always come from a shape (`CostModel`); MeasuredCosts may carry one for them.

@@ -16,7 +16,7 @@ from .shape import ModelShape
 from .simulate import simulate
 
 VOCABS = (32000, 64000, 128000, 256000)
-# DESIGN.md §7: MFU % measured on 8 x A100, 1F1B, 128 microbatches
+# The paper's MFU % measured on 8 x A100, 1F1B, 128 microbatches
 PAPER_MFU = {
     2048: {"baseline": (46.16, 40.48, 33.11, 25.23), "redis": (46.01, 46.37, 44.22, 38.91),
            "vocab-1": (50.42, 50.28, 49.93, 50.12), "vocab-2": (50.23, 50.18, 49.82, 49.69)},

@@ -1,4 +1,4 @@
-"""Model shape and the FLOP / byte formulas of DESIGN.md §1 and §7."""
+"""Model shape and the FLOP / byte formulas of docs/design.md §1 and §8."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class ModelShape:
 
     def layer_flops(self) -> tuple[float, float, float]:
         """(F, B, W) FLOPs of one layer: B = input gradients (+ attention core backward), W = weight
-        gradients; B + W = 2F, so fwd+bwd is s*h*(72h + 12s) at b=1, ffn=4h (DESIGN.md §1)."""
+        gradients; B + W = 2F, so fwd+bwd is s*h*(72h + 12s) at b=1, ffn=4h (docs/design.md §1)."""
         lin, att = self.layer_linear_flops(), self.layer_attention_flops()
         return lin + att, lin + 2 * att, lin
 
@@ -75,7 +75,7 @@ class ModelShape:
         return 2 * self.tokens * self.hidden * (self.vocab if rows is None else rows)
 
     def model_flops(self) -> float:
-        """Training FLOPs of one microbatch as the paper counts them for MFU (DESIGN.md §7):
+        """Training FLOPs of one microbatch as the paper counts them for MFU (docs/design.md §8):
         3*(2*b*s*h*V + L*(8*b*s*h^2 + 4*b*s^2*h + 2k*b*s*h*FFN))."""
         return 3 * (self.output_matmul_flops() + self.layers * (self.layer_linear_flops() + self.layer_attention_flops()))
 

@@ -33,7 +33,7 @@ def make_accelerator(recipe: Recipe):
     """An Accelerator that really is multi-process on CPU.
 
     Under `accelerate launch --multi_gpu` on a machine without GPUs, only `cpu=True` makes accelerate
-    report MULTI_CPU and create the gloo group (DESIGN.md §8); without it it says NO while a group exists.
+    report MULTI_CPU and create the gloo group; without it it says NO while a group exists.
     """
     from accelerate import Accelerator
 

@@ -1,4 +1,4 @@
-"""Vocabulary-parallel input embedding and output layer (DESIGN.md §2-4).
+"""Vocabulary-parallel input embedding and output layer (docs/design.md §2-5).
 
 Pass functions for schedules: `output_layer` (C0 broadcast_x, s_pass, c1, t_pass, c2) and `embedding`
 (embed_partial, if_reduce, ib_broadcast, embed_backward); one-shot autograd modules in `modules`;

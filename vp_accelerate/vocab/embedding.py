@@ -1,6 +1,6 @@
 """The vocabulary-parallel input embedding: IF (lookup + reduce) and IB (broadcast + scatter-add).
 
-Rank i holds rows [start, start + shard_size) of E (DESIGN.md §4):
+Rank i holds rows [start, start + shard_size) of E (docs/design.md §4):
     IF  embed_partial   E_i[id − start] for ids in the shard, 0 otherwise   → [N, h]
         if_reduce       sum the partials into the rank of the first transformer stage
     IB  ib_broadcast    that rank broadcasts ∂L/∂emb to every rank

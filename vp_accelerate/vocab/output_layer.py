@@ -1,7 +1,7 @@
 """The vocabulary-parallel output layer (lm_head + softmax cross-entropy), pass by pass.
 
 Each rank holds the shard W_i = rows [start, start + shard_size) of the lm_head weight. One
-microbatch goes through (DESIGN.md §3):
+microbatch goes through (docs/design.md §3):
 
     C0  broadcast_x   X from the rank that holds the last transformer stage to every rank
     S   s_pass        local logits and fp32 row statistics (m_i, s_i, target logit t_i);
