@@ -63,6 +63,20 @@ class PipelineConfig:
     attn_implementation: Optional[str] = None
     """HF attention kernel ("eager", "sdpa", ...); None = the model's default."""
 
+    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = None
+    """Compute precision with fp32 master weights (build the model in float32): "bf16" or "fp16" run the
+    decoder chunks under torch.autocast and the vocabulary matmuls in that dtype, while parameters,
+    gradients (accumulated over microbatches) and optimizer state stay fp32 and the softmax statistics
+    stay fp32. fp16 adds a dynamic loss scale: a step whose gradients overflow is reported as skipped
+    (`StepResult.skipped`; step the optimizer with `pipe.step(optimizer)`). None = "no" for
+    PipelineModel; in training, accelerate's `--mixed_precision`."""
+
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute decoder-layer activations in backward instead of keeping them (torch.utils.checkpoint,
+    non-reentrant): "full" checkpoints every decoder layer (each keeps only its input until backward),
+    "selective" every other layer of each chunk (the 1st, 3rd, ...), halving the saving and the extra
+    forward compute."""
+
     watchdog_dead_after_s: Optional[float] = 60.0
     """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
 
@@ -89,5 +103,10 @@ class PipelineConfig:
         if self.layers_per_stage is not None and any(n < 1 for n in self.layers_per_stage):
             raise ValueError(f"layers_per_stage: every chunk needs at least one layer, got "
                              f"{list(self.layers_per_stage)}")
+        if self.mixed_precision is not None and str(self.mixed_precision).lower() not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision: must be no, bf16, fp16 or null, got {self.mixed_precision!r}")
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"activation_checkpointing: must be none, full or selective, got "
+                             f"{self.activation_checkpointing!r}")
         if self.watchdog_dead_after_s is not None and self.watchdog_dead_after_s <= 0:
             raise ValueError(f"watchdog_dead_after_s: must be > 0 or null, got {self.watchdog_dead_after_s}")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from vp_accelerate.runtime import precision
 from vp_accelerate.runtime.groups import Groups
 from vp_accelerate.runtime.memory import ActivationMeter
 from vp_accelerate.runtime.weight_grad import WeightGradStore
@@ -64,7 +65,8 @@ class Executor:
 
     def __init__(self, schedule: Schedule, rank_modules, groups: Groups, partition, out_opts,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
-                 weight_grads: WeightGradStore | None, chunk_weight: dict[int, float] | None = None):
+                 weight_grads: WeightGradStore | None, chunk_weight: dict[int, float] | None = None,
+                 compute_dtype: torch.dtype | None = None):
         self.schedule = schedule
         self.mods = rank_modules
         self.g = groups
@@ -75,6 +77,8 @@ class Executor:
         self.device = device
         self.weight_grads = weight_grads
         self.chunk_weight = chunk_weight or {}
+        self.compute_dtype = compute_dtype  # mixed precision (runtime/precision.py); None = the parameters' dtype
+        self._low_weights: dict[int, torch.Tensor] = {}  # per step: vocabulary shards cast once for all microbatches
         self.last_chunk = len(schedule.chunk_rank) - 1
         self.method = schedule.method_spec
         self.vocab = self.method.vocab_parallel
@@ -238,11 +242,14 @@ class Executor:
                 self.inputs[(a.mb, a.chunk)] = x
                 self.live_mb += self.chunk_weight.get(a.chunk, 1.0)
                 self.peak_mb = max(self.peak_mb, self.live_mb)
-            out = self.mods.chunks[a.chunk](x, mb.position_ids, mb.attention_mask)
-            if a.chunk == self.last_chunk and not self.vocab:
-                self.losses[a.mb] = self._baseline_loss(out, mb)
-                if self.schedule.forward_only:
-                    return
+            with precision.autocast(self.device, self.compute_dtype):
+                out = self.mods.chunks[a.chunk](x, mb.position_ids, mb.attention_mask)
+                # stages exchange the parameters' dtype whatever the chunk computed in (receive buffers)
+                out = out.to(self.act_dtype)
+                if a.chunk == self.last_chunk and not self.vocab:
+                    self.losses[a.mb] = self._baseline_loss(out, mb)
+                    if self.schedule.forward_only:
+                        return
         self.outputs[(a.mb, a.chunk)] = out
 
     def _output_for_consumer(self, mb: int, chunk: int) -> torch.Tensor:
@@ -342,13 +349,25 @@ class Executor:
     def _do_S(self, a: Action) -> None:
         mb = self.mbs[a.mb]
         x = self.x.pop(a.mb).wait()
+        weight = self.mods.head_weight
+        if self.compute_dtype is not None:  # low-precision matmuls; the statistics stay fp32 inside s_pass
+            x, weight = x.to(self.compute_dtype), self._low_weight(weight)
         with torch.no_grad():
             st = vout.s_pass(x.reshape(-1, x.shape[-1]), mb.labels.reshape(-1), mb.grad_scale,
-                             self.mods.head_weight, self.partition, self.g.pp_rank, self.out_opts)
+                             weight, self.partition, self.g.pp_rank, self.out_opts)
         self.states[a.mb] = st
-        self.meter.add(("S", a.mb), _tensor_bytes(vars(st).values(), self.meter.exclude))
+        # the shard (a Parameter, or its per-step low-precision copy shared by every microbatch) is not stash
+        self.meter.add(("S", a.mb), _tensor_bytes((v for k, v in vars(st).items() if k != "weight"),
+                                                  self.meter.exclude))
         self.live_stash += 1
         self.peak_stash = max(self.peak_stash, self.live_stash)
+
+    def _low_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The shard in the compute dtype, cast once per step (weights change only between steps)."""
+        key = id(weight)
+        if key not in self._low_weights:
+            self._low_weights[key] = weight.detach().to(self.compute_dtype)
+        return self._low_weights[key]
 
     def _do_C1(self, a: Action) -> None:
         self.pending[("C1", a.mb)] = vout.c1(self.states[a.mb], self.g.vocab_group, async_op=True)

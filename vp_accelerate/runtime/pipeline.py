@@ -4,7 +4,10 @@
                                                                   microbatches=8))
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
     res = pipe.train_step(input_ids, labels)     # forward + backward of every microbatch
-    pipe.clip_grad_norm_(1.0); opt.step(); pipe.zero_grad()
+    pipe.clip_grad_norm_(1.0); pipe.step(opt); pipe.zero_grad()
+
+`pipe.step(opt)` is `opt.step()` except after a step the fp16 loss scaler skipped (gradient overflow,
+`res.skipped`); with `mixed_precision` "no" or "bf16" calling `opt.step()` directly is the same.
 
 Every rank of the pipeline calls the same methods with the same batch (its data-parallel replica's
 batch); each rank holds and updates only its own stage chunks and vocabulary shards.
@@ -26,7 +29,7 @@ from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
 from vp_accelerate.runtime.groups import build_groups
-from vp_accelerate.runtime import watchdog
+from vp_accelerate.runtime import precision, watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
@@ -47,6 +50,11 @@ class StepResult:
     """This rank's peak of activation bytes held for backward plus stashed vocabulary state."""
     nonfinite_microbatches: tuple[tuple[int, int], ...] = ()
     """(dp replica, microbatch) pairs whose loss was NaN/inf, the same on every rank; empty when all finite."""
+    skipped: bool = False
+    """fp16 only: the gradients overflowed at this loss scale; do not step the optimizer (`pipe.step` does
+    not), the scale was lowered for the next step. The same on every rank."""
+    loss_scale: float = 1.0
+    """The fp16 loss scale this step ran with (1 otherwise)."""
 
 
 class PipelineModel:
@@ -62,6 +70,12 @@ class PipelineModel:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.dtype = dtype
+        self.precision = precision.resolve(cfg.mixed_precision)
+        self.compute_dtype = precision.low_dtype(self.precision)
+        if self.compute_dtype is not None and dtype != torch.float32:
+            raise ValueError(f"mixed_precision={self.precision} keeps fp32 master weights: build the model with "
+                             f"dtype=torch.float32 (got {dtype}), or set mixed_precision: no to train in {dtype}")
+        self.loss_scaler = precision.LossScaler() if self.precision == "fp16" else None
         self.hf_config = resolve_config(source)
         self.schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
                                        chunks_per_rank=cfg.chunks_per_rank)
@@ -166,7 +180,8 @@ class PipelineModel:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     # ---- the step --------------------------------------------------------------------------------
-    def _microbatches(self, input_ids, labels, attention_mask, position_ids=None) -> tuple[list[Microbatch], int]:
+    def _microbatches(self, input_ids, labels, attention_mask, position_ids=None, loss_scale: float = 1.0
+                      ) -> tuple[list[Microbatch], int]:
         m = self.cfg.microbatches
         if input_ids.dim() != 2 or labels.shape != input_ids.shape:
             raise ValueError(f"input_ids and labels must both be [batch, seq]; got {tuple(input_ids.shape)} and "
@@ -205,7 +220,8 @@ class PipelineModel:
             dist.all_reduce(n_valid, group=self.groups.dp_group)
         n_total = int(n_valid.item())
         # g in at least float32 (float64 models keep float64: 1/N in float32 would cost 1e-8 relative)
-        scale = valid.to(torch.promote_types(self.dtype, torch.float32)) / max(n_total, 1)
+        # (fp16: times the loss scale, a power of two, so the backward runs on S x loss exactly)
+        scale = valid.to(torch.promote_types(self.dtype, torch.float32)) * (loss_scale / max(n_total, 1))
         default_pos = torch.arange(s).unsqueeze(0).expand(b // m, s)
         mbs = []
         for k in range(m):
@@ -223,7 +239,8 @@ class PipelineModel:
         weight = {c: n / sum(layers.values()) for c, n in layers.items()}
         return Executor(schedule, self.mods, self.groups, self.partition, self.out_opts,
                         act_shape=(mb_rows, seq, self.hf_config.hidden_size), act_dtype=self.dtype,
-                        device=self.device, weight_grads=self.weight_grads, chunk_weight=weight)
+                        device=self.device, weight_grads=self.weight_grads, chunk_weight=weight,
+                        compute_dtype=self.compute_dtype)
 
     def _finish_loss(self, loss_sum: torch.Tensor) -> float:
         """Make the step's loss known on every rank of every replica."""
@@ -251,13 +268,19 @@ class PipelineModel:
         """
         import time
 
-        mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids, loss_scale=scale)
         self._last_seq = input_ids.shape[1]
         t0 = time.perf_counter()
         out = self._run(self.schedule, mbs, input_ids.shape[1])
         self._sync_grads()
+        skipped = False
+        if self.loss_scaler is not None:  # every rank of the pipeline decides together (replicas agree already)
+            skipped = precision.unscale_and_check(self.parameters(), scale, self.device, self.groups.pp_group)
+            self.loss_scaler.update(skipped)
+        self._skip_next_optimizer_step = skipped
         step_time = time.perf_counter() - t0
-        loss = self._finish_loss(out.loss_sum)
+        loss = self._finish_loss(out.loss_sum) / scale
         bad = self._nonfinite_microbatches(out.microbatch_losses) if not math.isfinite(loss) else ()
         peak = out.peak_activation_bytes
         self.last_stats = {"timeline": out.records, "peak_activation_bytes": peak, "step_time_s": step_time,
@@ -268,7 +291,23 @@ class PipelineModel:
             self.last_stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return StepResult(loss=loss, num_tokens=n_tokens, step_time_s=step_time,
                           bubble_rate=self._bubble_rate(out.records, step_time), peak_activation_bytes=peak,
-                          nonfinite_microbatches=bad)
+                          nonfinite_microbatches=bad, skipped=skipped, loss_scale=scale)
+
+    def step(self, optimizer) -> bool:
+        """`optimizer.step()` unless the last train_step was skipped by the fp16 loss scaler (gradient
+        overflow); True when it stepped. The same decision on every rank."""
+        if getattr(self, "_skip_next_optimizer_step", False):
+            return False
+        optimizer.step()
+        return True
+
+    def precision_state_dict(self) -> dict:
+        """The fp16 loss scaler's state ({} otherwise), to save with a checkpoint."""
+        return self.loss_scaler.state_dict() if self.loss_scaler is not None else {}
+
+    def load_precision_state_dict(self, state: dict) -> None:
+        if self.loss_scaler is not None and state:
+            self.loss_scaler.load_state_dict(state)
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor,

@@ -43,24 +43,41 @@ class WeightGradStore:
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store):
+        # Under autocast (mixed precision) compute as autocast's linear would: inputs cast to the autocast
+        # dtype, the cast x saved for ∂W. Gradients are returned in each input's own dtype, so an fp32
+        # master weight gets an fp32 .grad.
+        device_type = x.device.type
+        ctx.x_dtype = x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if torch.is_autocast_enabled(device_type):
+            dt = torch.get_autocast_dtype(device_type)
+            x = x.to(dt)
+            w = weight.to(dt)
+            bias = bias.to(dt) if bias is not None else None
+        else:
+            w = weight
         ctx.save_for_backward(x)
         # The Parameter itself, not a saved tensor: under saved-tensor hooks (activation metering) an
         # unpacked saved input can be an alias whose .grad is not the Parameter's.
         ctx.weight = weight
         ctx.store = store
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        with torch.autocast(device_type, enabled=False):
+            return F.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, gy):
         (x,) = ctx.saved_tensors
         weight = ctx.weight
-        gx = gy.matmul(weight.to(gy.dtype)) if ctx.needs_input_grad[0] else None
-        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gy = gy.to(x.dtype)
+        gx = gy.matmul(weight.to(gy.dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        gb = (gy.reshape(-1, gy.shape[-1]).sum(0).to(ctx.bias_dtype)
+              if ctx.has_bias and ctx.needs_input_grad[2] else None)
         if ctx.store.key is not None and ctx.needs_input_grad[1]:
             ctx.store.defer((x, gy, weight))
             return gx, None, gb, None
-        gw = gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        gw = (gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)
+              if ctx.needs_input_grad[1] else None)
         return gx, gw, gb, None
 
 

@@ -284,6 +284,9 @@ def check(recipe: Recipe) -> Recipe:
                        "lr.warmup_steps": recipe.lr.warmup_steps}.items():
         if value < 0:
             raise RecipeError(f"{key}: must be >= 0, got {value}")
+    if p.mixed_precision not in (None, "no") and t.precision != "fp32":
+        raise RecipeError(f"pipeline.mixed_precision: {p.mixed_precision} keeps fp32 master weights and needs "
+                          f"train.precision: fp32 (got {t.precision}); set one of the two, not both")
     if t.global_batch % p.dp_size:
         raise RecipeError(f"train.global_batch: {t.global_batch} is not divisible by pipeline.dp_size={p.dp_size}")
     per_replica = t.global_batch // p.dp_size

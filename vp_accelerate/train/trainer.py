@@ -44,8 +44,29 @@ def make_accelerator(recipe: Recipe):
                        project_dir=recipe.logging.output_dir)
 
 
-def build_pipeline(recipe: Recipe, tokenizer, device):
+def mixed_precision_for(recipe: Recipe, accelerate_mode: str | None) -> str:
+    """The run's compute precision: `pipeline.mixed_precision` if set, else accelerate's `--mixed_precision`
+    (ignored, with a note, when the parameters themselves are bf16: there is no fp32 master copy to keep)."""
+    from vp_accelerate.runtime.precision import resolve
+
+    if recipe.pipeline.mixed_precision is not None:
+        return resolve(recipe.pipeline.mixed_precision)
+    mode = str(accelerate_mode or "no").lower()
+    if mode not in ("no", "bf16", "fp16"):
+        raise ValueError(f"accelerate's --mixed_precision {mode} is not supported by the pipeline engine; launch "
+                         f"with --mixed_precision bf16 (or fp16, no), or set pipeline.mixed_precision in the recipe")
+    if mode != "no" and recipe.train.precision != "fp32":
+        log.info("accelerate's --mixed_precision %s is not used: train.precision is %s (parameters already in the "
+                 "low precision); set train.precision: fp32 for %s compute with fp32 master weights",
+                 mode, recipe.train.precision, mode)
+        return "no"
+    return mode
+
+
+def build_pipeline(recipe: Recipe, tokenizer, device, accelerate_mixed_precision: str | None = None):
     """PipelineModel of the recipe's model, vocabulary resized to the tokenizer if asked."""
+    import dataclasses
+
     from vp_accelerate.runtime import PipelineModel
 
     m = recipe.model
@@ -53,8 +74,9 @@ def build_pipeline(recipe: Recipe, tokenizer, device):
     vocab = padded_vocab(len(tokenizer), recipe.tokenizer.pad_to_multiple_of) if recipe.tokenizer.resize_vocab else None
     source = model_source(m, config, vocab)
     # the recipe's pipeline section is a runtime.PipelineConfig: passed whole, nothing copied by hand
-    return PipelineModel(source, recipe.pipeline, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed,
-                         device=device)
+    cfg = dataclasses.replace(recipe.pipeline,
+                              mixed_precision=mixed_precision_for(recipe, accelerate_mixed_precision))
+    return PipelineModel(source, cfg, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed, device=device)
 
 
 def fingerprint(recipe: Recipe, pipe, layout_lines: list[str]) -> dict:
@@ -96,7 +118,7 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
 
     with accelerator.main_process_first():  # the main process converts/caches first, others read it
         tokenizer = load_tokenizer(recipe.tokenizer.source, recipe.tokenizer.cache_dir, recipe.model.trust_remote_code)
-    pipe = build_pipeline(recipe, tokenizer, accelerator.device)
+    pipe = build_pipeline(recipe, tokenizer, accelerator.device, accelerator.mixed_precision)
     lines = gather(pipe.describe())
     if is_main:
         log.info("distributed: %s, world size %d (pp %d x dp %d)", accelerator.distributed_type,
@@ -126,6 +148,7 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
     eval_loss = float("nan")
     window_time, window_steps = 0.0, 0  # this rank's step times since the last log (per-rank mean)
     skipped_in_a_row, skipped_total = 0, 0
+    scaler_skips = 0  # fp16 steps dropped by the loss scaler (not counted as non-finite problems)
 
     end_step = t.steps if stop_at is None else max(start_step, min(stop_at, t.steps))
     for step in range(start_step, end_step):
@@ -144,8 +167,11 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
         per_mb = len(batch["input_ids"]) // pipe.cfg.microbatches
         rows_of = ((lambda mb: train_it.describe_rows(mb * per_mb, (mb + 1) * per_mb))
                    if hasattr(train_it, "describe_rows") else None)
-        problem = step_problem(step + 1, res, grad_norm, pipe, rows_of)
-        if problem is not None:
+        # an fp16 loss-scale overflow is routine: the scaler already lowered the scale, only the update is dropped
+        problem = None if res.skipped else step_problem(step + 1, res, grad_norm, pipe, rows_of)
+        if res.skipped:
+            scaler_skips += 1
+        elif problem is not None:
             skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
             if t.on_nonfinite == "stop" or skipped_in_a_row > t.max_skipped_steps:
                 why = ("train.on_nonfinite: stop" if t.on_nonfinite == "stop" else
@@ -156,7 +182,7 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
                 log.warning("%s; skipping the update (train.on_nonfinite: skip)", problem)
         else:
             skipped_in_a_row = 0
-            optimizer.step()
+            pipe.step(optimizer)
         scheduler.step()  # LR is a function of the step number, skipped or not
         pipe.zero_grad()
         step_time = time.perf_counter() - t0
@@ -172,6 +198,8 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
                        "perf/tokens_per_s": tok_s, "perf/step_time_s": step_time,
                        "perf/pipeline_step_time_s": res.step_time_s, "perf/bubble_rate": res.bubble_rate,
                        "train/skipped_steps": skipped_total}
+            if pipe.loss_scaler is not None:
+                metrics.update({"train/loss_scale": res.loss_scale, "train/loss_scale_skips": scaler_skips})
             if peak > 0:
                 metrics["perf/mfu"] = pipe.flops_per_token * tok_s / peak
             metrics.update(rank_metrics(gather(rank_stats(pipe, accelerator.device, window_time / window_steps))))
@@ -223,6 +251,7 @@ def _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, step, rec
     model_state, optimizer_state = pipe.state_dict(), optimizer.state_dict()
     check_weights_before_save(step, model_state, optimizer_state)
     trainer_state = {"scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(), "data": train_it.state_dict(),
+                     "precision": pipe.precision_state_dict(),
                      "step": step}
     barrier = (lambda: dist.barrier(group=host_group())) if dist.is_initialized() else (lambda: None)
     path = ckpt.save_checkpoint(recipe.checkpoint.dir, step, rank=pipe.rank, model_state=model_state,
@@ -251,6 +280,7 @@ def _resume(recipe, pipe, optimizer, scheduler, train_it, fp) -> int:
     pipe.load_state_dict(model_state)
     optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(trainer_state["scheduler"])
+    pipe.load_precision_state_dict(trainer_state.get("precision", {}))  # the fp16 loss scale
     train_it.load_state_dict(trainer_state["data"])
     ckpt.set_rng_state(trainer_state["rng"])
     if pipe.rank == 0:
