@@ -65,8 +65,6 @@ def mixed_precision_for(recipe: Recipe, accelerate_mode: str | None) -> str:
 
 def build_pipeline(recipe: Recipe, tokenizer, device, accelerate_mixed_precision: str | None = None):
     """PipelineModel of the recipe's model, vocabulary resized to the tokenizer if asked."""
-    import dataclasses
-
     from vp_accelerate.runtime import PipelineModel
 
     m = recipe.model
@@ -74,9 +72,10 @@ def build_pipeline(recipe: Recipe, tokenizer, device, accelerate_mixed_precision
     vocab = padded_vocab(len(tokenizer), recipe.tokenizer.pad_to_multiple_of) if recipe.tokenizer.resize_vocab else None
     source = model_source(m, config, vocab)
     # the recipe's pipeline section is a runtime.PipelineConfig: passed whole, nothing copied by hand
-    cfg = dataclasses.replace(recipe.pipeline,
-                              mixed_precision=mixed_precision_for(recipe, accelerate_mixed_precision))
-    return PipelineModel(source, cfg, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed, device=device)
+    # an unset mixed_precision becomes the launcher's, written into the section so the logged recipe says what ran
+    recipe.pipeline.mixed_precision = mixed_precision_for(recipe, accelerate_mixed_precision)
+    return PipelineModel(source, recipe.pipeline, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed,
+                         device=device)
 
 
 def fingerprint(recipe: Recipe, pipe, layout_lines: list[str]) -> dict:
