@@ -332,6 +332,8 @@ class Executor:
     def _do_IB(self, a: Action) -> None:
         mb = self.mbs[a.mb]
         grad = self.emb_grads.pop(a.mb).wait()
+        if not self.mods.embed_weight.requires_grad:  # frozen vocabulary (LoRA): nothing to accumulate
+            return
         if self.mods.padding_idx is not None:  # as HF's lookup: the padding row gets no gradient
             grad = grad * (mb.input_ids != self.mods.padding_idx).unsqueeze(-1).to(grad.dtype)
         vemb.embed_backward(mb.input_ids, grad, self._grad_buffer(self.mods.embed_weight),
@@ -387,7 +389,8 @@ class Executor:
     def _do_T(self, a: Action) -> None:
         self._wait("C1", a.mb)
         with torch.no_grad():
-            vout.t_pass(self.states[a.mb], self._grad_buffer(self.mods.head_weight))
+            head = self.mods.head_weight
+            vout.t_pass(self.states[a.mb], self._grad_buffer(head) if head.requires_grad else None)
         self.meter.release(("S", a.mb))
         self.live_stash -= 1
         if not self.method.input_grad_in_t:  # otherwise C2 still all-reduces ∂X

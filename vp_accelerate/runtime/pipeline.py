@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from vp_accelerate.distributed import init_from_env
 from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config, split_counts
+from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
@@ -61,9 +62,10 @@ class PipelineModel:
     """One rank's part of a pipeline-parallel HF causal LM with vocabulary-parallel ends."""
 
     def __init__(self, source, config: PipelineConfig | None = None, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, device: torch.device | str | None = None):
+                 seed: int = 0, device: torch.device | str | None = None, adapter: AdapterConfig | None = None):
         cfg = config or PipelineConfig()
         cfg.check()  # a bad value fails here, before any process group or weights
+        self.adapter = (adapter or AdapterConfig()).check()
         self.cfg = cfg
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)
@@ -89,6 +91,11 @@ class PipelineModel:
         self.mods = build_rank(source, self.layout, g.pp_rank, "vocab" if self.vocab else "baseline",
                                self.partition, dtype=dtype, seed=seed, device=self.device,
                                attn_implementation=cfg.attn_implementation)
+        self.lora_transposed: list[str] = []
+        if self.adapter.enabled:  # before the B/W split patches the linear layers (LoRA's included)
+            from vp_accelerate.models.lora import apply_lora
+
+            self.lora_transposed = apply_lora(self.mods, self.adapter, seed, dtype)
         self._tied_group = self._make_tied_group()
         self.watchdog = (watchdog.start(cfg.watchdog_dead_after_s)
                          if cfg.watchdog_dead_after_s is not None and g.world_size > 1 else None)
@@ -344,13 +351,14 @@ class PipelineModel:
 
     def _sync_grads(self) -> None:
         """Tied baseline weights on two ranks add their gradients; DP replicas add theirs."""
-        if self._tied_group is not None:
-            param = self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight
+        param = None if self._tied_group is None else (
+            self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight)
+        if param is not None and param.requires_grad:  # a frozen (LoRA) vocabulary has no gradient to add
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=self._tied_group)
         if self.groups.dp_group is not None:
-            for p in self.parameters():
+            for p in self.trainable_parameters():  # frozen ones (LoRA) have no gradient and no optimizer state
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=self.groups.dp_group)
@@ -399,13 +407,47 @@ class PipelineModel:
             p.copy_(sd[n])
 
     def gather_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective."""
+        """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective. With LoRA the
+        adapters stay separate (`...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`)."""
         return gather_state_dict(self.mods, group=self.groups.pp_host_group, dst=0)  # host copies over gloo
 
     def export_hf(self, out_dir, tokenizer=None) -> None:
-        """Gather every rank's part into one HF model directory written by rank 0 (a collective)."""
-        export_hf(self.mods, self.layout, self.partition, self.hf_config, out_dir, tokenizer=tokenizer,
-                  group=self.groups.pp_host_group, ranks=self.groups.pp_ranks, write=self.dp_rank == 0)
+        """Gather every rank's part into one HF model directory written by rank 0 (a collective). LoRA
+        adapters are merged into the weights (see `export_adapter` for a peft adapter folder)."""
+        if not self.adapter.enabled:
+            export_hf(self.mods, self.layout, self.partition, self.hf_config, out_dir, tokenizer=tokenizer,
+                      group=self.groups.pp_host_group, ranks=self.groups.pp_ranks, write=self.dp_rank == 0)
+            return
+        from vp_accelerate.models.export import save_hf
+        from vp_accelerate.models.lora import merge_lora
+
+        sd = self.gather_hf_state_dict()
+        if sd is not None and self.dp_rank == 0:
+            save_hf(merge_lora(sd, self.adapter.scaling, self.lora_transposed), self.mods.config, out_dir,
+                    tokenizer=tokenizer)
+
+    def export_adapter(self, out_dir, base_model_name_or_path: str | None = None) -> None:
+        """Write a peft adapter folder (`PeftModel.from_pretrained(base_model, out_dir)` loads it) on rank 0;
+        a collective over the pipeline ranks. Only LoRA adapters with a frozen vocabulary fit one."""
+        if not self.adapter.enabled:
+            raise ValueError("export_adapter: this model has no adapter (adapter.type is null); use export_hf")
+        if self.adapter.train_vocab:
+            raise ValueError("export_adapter: the vocabulary layers were trained too (adapter.train_vocab), which "
+                             "an adapter folder does not hold; export the merged model with export_hf")
+        from vp_accelerate.models.lora import is_lora_name, save_adapter
+
+        local = {n: p.detach().cpu() for n, p in self.named_parameters() if is_lora_name(n)}
+        group = self.groups.pp_host_group
+        gathered = [None] * dist.get_world_size(group) if self.pp_rank == 0 else None
+        dist.gather_object((local, self.lora_transposed), gathered, group=group, group_dst=0)
+        if self.pp_rank == 0 and self.dp_rank == 0:
+            state = {n: t for part, _ in gathered for n, t in part.items()}
+            transposed = [n for _, names in gathered for n in names]
+            save_adapter(state, self.mods.config, self.adapter, transposed, out_dir, base_model_name_or_path)
+
+    def trainable_parameters(self):
+        """The parameters that train (all of them without an adapter; LoRA's, plus the vocabulary if asked)."""
+        return [p for p in self.parameters() if p.requires_grad]
 
     @property
     def flops_per_token(self) -> float:

@@ -323,20 +323,22 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
     return finish(Pending(works, finalize), async_op)
 
 
-def t_pass(state: OutputState, weight_grad: torch.Tensor) -> None:
-    """T: accumulate ∇W_i into `weight_grad` (shard shaped, caller owned); vocab-1 also computes ∇x_i."""
+def t_pass(state: OutputState, weight_grad: torch.Tensor | None) -> None:
+    """T: accumulate ∇W_i into `weight_grad` (shard shaped, caller owned; None for a frozen shard);
+    vocab-1 also computes ∇x_i."""
     if not state.c1_done:
         raise RuntimeError("t_pass needs the global statistics: wait() on c1's Pending first")
     if state.t_done:
         raise RuntimeError("t_pass already ran for this microbatch state")
-    if tuple(weight_grad.shape) != tuple(state.weight.shape):
+    if weight_grad is not None and tuple(weight_grad.shape) != tuple(state.weight.shape):
         raise ValueError(f"weight_grad {tuple(weight_grad.shape)} must have the shard's shape "
                          f"{tuple(state.weight.shape)}")
     one = state.opts.algorithm == "vocab-1"
     gx = torch.zeros(state.x.shape, dtype=state.stat_dtype, device=state.x.device) if one else None
-    for i, (lo, hi) in enumerate(state.chunks()):
+    for i, (lo, hi) in enumerate(state.chunks() if one or weight_grad is not None else ()):
         grad = state.logit_grad(state.chunk_z(i, lo, hi), lo, hi).to(state.x.dtype)
-        weight_grad[lo:hi] += (grad.t() @ state.x).to(weight_grad.dtype)
+        if weight_grad is not None:
+            weight_grad[lo:hi] += (grad.t() @ state.x).to(weight_grad.dtype)
         if one:
             gx += (grad @ state.weight[lo:hi]).to(gx.dtype)
     state.logits = None  # the stored logits are dead after T: free them now

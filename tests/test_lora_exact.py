@@ -1,0 +1,138 @@
+"""LoRA under the pipeline is peft's LoRA: three AdamW steps on 2 gloo ranks match single-process peft
+training of the same model (same adapters: both initialised from (seed, module name)), loss by loss and
+weight by weight, in float64; frozen weights stay put and get no optimizer state; both exports (merged HF
+model, peft adapter folder) reproduce the trained model's logits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from vp_accelerate.distributed import spawn
+
+# (schedule, method, train_vocab): adapters only under four schedules, and with the vocabulary trained too
+CONFIGS = [("1f1b", "vocab-2", False), ("vhalf", "vocab-1", False), ("vhalf", "baseline", False),
+           ("interleaved", "vocab-2", False), ("1f1b", "vocab-1", True), ("vhalf", "baseline", True)]
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+STEPS, LR, SEED = 3, 1e-2, 7
+
+
+def _adam(params):
+    return torch.optim.AdamW(params, lr=LR, eps=1e-6, weight_decay=0.0)
+
+
+def _batches(seed: int, vocab: int, rows: int, seq: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, vocab, (rows, seq), generator=g)
+        labels = ids.clone()
+        labels[0, seq // 2:] = -100
+        out.append((ids, labels))
+    return out
+
+
+def _reference(ckpt: str, batches, train_vocab: bool):
+    from peft import LoraConfig, get_peft_model
+
+    from vp_accelerate.models.lora import init_lora_weights, lora_modules
+
+    base = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
+    init_lora_weights(lora_modules(model, lambda n: n.removeprefix("base_model.model.")), SEED)
+    if train_vocab:
+        for p in (base.get_input_embeddings().weight, base.get_output_embeddings().weight):
+            p.requires_grad_(True)
+    opt = _adam([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for ids, labels in batches:
+        logits = model(input_ids=ids).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n.removeprefix("base_model.model."): p.detach().clone() for n, p in model.named_parameters()}
+    return losses, params, model
+
+
+def _train_on_ranks(ckpt: str, batches, configs, out_dir: str):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.adapter_config import AdapterConfig
+    from vp_accelerate.train.optim import build_optimizer
+    from vp_accelerate.train.recipe import OptimizerSection
+
+    results = {}
+    for schedule, method, train_vocab in configs:
+        adapter = AdapterConfig(type="lora", r=4, alpha=8, target_modules=TARGETS, train_vocab=train_vocab)
+        pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=4,
+                                                  attn_implementation="eager"),
+                             dtype=torch.float64, seed=SEED, adapter=adapter)
+        opt = build_optimizer(pipe.named_parameters(), OptimizerSection(lr=LR, eps=1e-6, weight_decay=0.0,
+                                                                        betas=[0.9, 0.999]))
+        losses = []
+        for ids, labels in batches:
+            losses.append(pipe.train_step(ids, labels).loss)
+            pipe.clip_grad_norm_(0.0)
+            opt.step()
+            pipe.zero_grad()
+        trainable = {n for n, p in pipe.named_parameters() if p.requires_grad}
+        with_state = {n for n, p in pipe.named_parameters() if p in opt.state}
+        results[(schedule, method, train_vocab)] = (losses, pipe.gather_hf_state_dict(), trainable, with_state)
+        if (schedule, method, train_vocab) == configs[0]:
+            pipe.export_hf(f"{out_dir}/merged")
+            pipe.export_adapter(f"{out_dir}/adapter", base_model_name_or_path=ckpt)
+        elif train_vocab:
+            try:
+                pipe.export_adapter(f"{out_dir}/refused")
+            except ValueError as e:
+                results["refused"] = str(e)
+        pipe.close()
+    return results
+
+
+def test_lora_matches_single_process_peft(tmp_path):
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    ckpt = str(tmp_path / "ckpt")
+    AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
+    batches = _batches(seed, 101, rows=4, seq=8)
+    per_rank = spawn(_train_on_ranks, 2, ckpt, batches, CONFIGS, str(tmp_path), timeout_s=600)
+    assert "train_vocab" in per_rank[0]["refused"]  # an adapter folder cannot hold a trained vocabulary
+    refs = {tv: _reference(ckpt, batches, tv) for tv in (False, True)}
+    for key in CONFIGS:
+        ref_losses, ref_params, _ = refs[key[2]]
+        losses, params, _, _ = per_rank[0][key]
+        assert losses == pytest.approx(ref_losses, rel=1e-9), (key, seed)
+        assert set(params) == set(ref_params), key
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=1e-8, atol=1e-10,
+                                       msg=lambda m: f"{key} {name} (seed {seed}): {m}")
+        vocab = set()
+        for r in range(2):  # optimizer state for exactly the trainable parameters, LoRA's (+ vocabulary)
+            _, _, trainable, with_state = per_rank[r][key]
+            assert trainable == with_state and trainable
+            vocab |= {n for n in trainable if "embed_tokens" in n or "lm_head" in n}
+            assert all(".lora_" in n or "embed_tokens" in n or "lm_head" in n for n in trainable)
+        assert vocab == ({"model.embed_tokens.weight", "lm_head.weight"} if key[2] else set()), key
+    ref_model = refs[False][2]
+    ids = batches[0][0]
+    # eager attention takes its softmax in float32: merged W + BA and W x + B(Ax) differ in the last float64
+    # bits, which can move a float32 softmax by an ulp — hence 1e-6, not float64's 1e-12
+    with torch.no_grad():
+        expected = ref_model(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager",
+                                                      dtype=torch.float64)
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
+        loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+        assert loaded.peft_config["default"].r == 4
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
