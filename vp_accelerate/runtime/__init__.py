@@ -4,9 +4,10 @@
 heavy loads); `PipelineModel` and `StepResult` load the engine on first use.
 """
 
+from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 
-__all__ = ["PipelineConfig", "PipelineModel", "StepResult"]
+__all__ = ["AdapterConfig", "PipelineConfig", "PipelineModel", "StepResult"]
 
 
 def __getattr__(name):

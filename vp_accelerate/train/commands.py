@@ -80,12 +80,14 @@ def export_main(argv: list[str] | None = None) -> int:
     ap.add_argument("checkpoint", help="a checkpoint step dir, or checkpoint.dir (its `latest` is used)")
     ap.add_argument("out", help="output directory")
     ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--adapter-only", action="store_true",
+                    help="a LoRA run: write its peft adapter folder instead of the merged model")
     args = ap.parse_args(argv)
     from .checkpoint import CheckpointError
     from .export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
+        out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size, adapter_only=args.adapter_only)
     except CheckpointError as e:
         print(f"export error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 
 from .recipe_io import RecipeError, from_dict, set_override, to_dict
@@ -246,6 +247,10 @@ class Recipe:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline / vocabulary parallelism: `vp_accelerate.runtime.PipelineConfig`, passed to the runtime whole."""
 
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """Parameter-efficient fine-tuning: `vp_accelerate.runtime.AdapterConfig` (LoRA via peft), passed to the
+    runtime whole; `type: null` (the default) trains every parameter."""
+
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     """AdamW settings."""
 
@@ -272,6 +277,15 @@ def check(recipe: Recipe) -> Recipe:
         p.check()
     except ValueError as e:  # its message starts with the field name
         raise RecipeError(f"pipeline.{e}") from None
+    try:
+        recipe.adapter.check()
+    except ValueError as e:  # its message starts with adapter.<field>
+        raise RecipeError(str(e)) from None
+    if recipe.adapter.enabled:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise RecipeError("adapter.type: lora needs the peft package; pip install 'vp-accelerate[lora]' (or peft)")
     positive = {"train.steps": t.steps, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
                 "logging.log_every": recipe.logging.log_every, "eval.batches": recipe.eval.batches,
                 "data.shuffle_buffer": d.shuffle_buffer, "tokenizer.pad_to_multiple_of":

@@ -75,7 +75,7 @@ def build_pipeline(recipe: Recipe, tokenizer, device, accelerate_mixed_precision
     # an unset mixed_precision becomes the launcher's, written into the section so the logged recipe says what ran
     recipe.pipeline.mixed_precision = mixed_precision_for(recipe, accelerate_mixed_precision)
     return PipelineModel(source, recipe.pipeline, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed,
-                         device=device)
+                         device=device, adapter=recipe.adapter)
 
 
 def fingerprint(recipe: Recipe, pipe, layout_lines: list[str]) -> dict:
@@ -84,7 +84,8 @@ def fingerprint(recipe: Recipe, pipe, layout_lines: list[str]) -> dict:
     return {"model": ckpt.config_fingerprint(pipe.hf_config), "world_size": pipe.world_size,
             "dp_size": pipe.dp_size, "schedule": p.schedule, "method": p.method,
             "chunks_per_rank": p.chunks_per_rank, "pad_multiple": p.pad_multiple, "layout": layout_lines, "precision": recipe.train.precision,
-            "global_batch": recipe.train.global_batch, "seq_len": recipe.data.seq_len, "seed": recipe.train.seed}
+            "global_batch": recipe.train.global_batch, "seq_len": recipe.data.seq_len, "seed": recipe.train.seed,
+            **({"adapter": recipe_to_dict(recipe)["adapter"]} if recipe.adapter.enabled else {})}
 
 
 def _layout_line(line: str) -> str:
@@ -241,7 +242,8 @@ def _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, step, rec
                                              if mods is not None and mods.is_duplicate(n))})
     meta = {"fingerprint": fp, "recipe": recipe_dict, "ranks": rank_info,
             "vocab_size": pipe.hf_config.vocab_size,
-            "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ())}
+            "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
+            "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names)}
 
     def write_model_files(out_dir: str) -> None:
         pipe.hf_config.save_pretrained(out_dir)
