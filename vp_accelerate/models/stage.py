@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .adapter import PartNames
@@ -56,6 +57,19 @@ class StageChunk(nn.Module):
         self.embed_scale_in_dtype = embed_scale_in_dtype
         self.is_first = start == 0
         self.is_last = norm is not None
+        self.checkpointed: frozenset[int] = frozenset()
+        """Local indices (0 = the chunk's first layer) of layers whose activations are recomputed in backward."""
+        self.on_checkpoint_input = None
+        """Called with each checkpointed layer's input, which the checkpoint keeps until backward (the
+        runtime's activation meter counts it there: inside the checkpoint nothing else is saved)."""
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """ "none", "full" (every layer) or "selective" (every other layer: local indices 0, 2, 4, ...)."""
+        n = len(self.layers)
+        chosen = {"none": (), "full": range(n), "selective": range(0, n, 2)}
+        if mode not in chosen:
+            raise ValueError(f"activation_checkpointing must be none, full or selective, got {mode!r}")
+        self.checkpointed = frozenset(chosen[mode])
 
     def apply_input_pieces(self, embedded: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Turn the raw token-embedding lookup E[ids] into the first layer's input."""
@@ -94,8 +108,15 @@ class StageChunk(nn.Module):
         extra = {}
         if self.rotary_emb is not None:
             extra["position_embeddings"] = self.rotary_emb(hidden, position_ids)
-        for layer, kind in zip(self.layers.values(), self.layer_types):
-            hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, **extra)
+        for k, (layer, kind) in enumerate(zip(self.layers.values(), self.layer_types)):
+            kwargs = dict(attention_mask=masks[kind], position_ids=position_ids, **extra)
+            if k in self.checkpointed and torch.is_grad_enabled():
+                if self.on_checkpoint_input is not None:
+                    self.on_checkpoint_input(hidden)
+                # non-reentrant: works with inputs that need no grad, kwargs, and autograd hooks (the B/W split)
+                hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+            else:
+                hidden = layer(hidden, **kwargs)
         if self.norm is not None:
             hidden = self.norm(hidden)
         return hidden

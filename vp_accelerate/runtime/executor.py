@@ -234,7 +234,16 @@ class Executor:
 
     def _do_F(self, a: Action) -> None:
         mb = self.mbs[a.mb]
-        with torch.autograd.graph.saved_tensors_hooks(*self.meter.hooks((a.mb, a.chunk))):
+        pack, unpack = self.meter.hooks((a.mb, a.chunk))
+        chunk = self.mods.chunks[a.chunk]
+        chunk.on_checkpoint_input = pack  # a checkpointed layer's input is all it keeps: count it
+        try:
+            self._forward(a, mb, pack, unpack)
+        finally:
+            chunk.on_checkpoint_input = None
+
+    def _forward(self, a: Action, mb: Microbatch, pack, unpack) -> None:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             x = self._chunk_input(a)
             if not (a.chunk == 0 and not self.vocab):
                 x = x.detach().requires_grad_(torch.is_grad_enabled())

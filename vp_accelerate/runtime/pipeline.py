@@ -104,6 +104,8 @@ class PipelineModel:
         self.out_opts = OutputLayerOptions(
             algorithm=algorithm, memory=cfg.memory, chunk_size=cfg.chunk_size,
             label_smoothing=cfg.label_smoothing, softcap=self.mods.final_softcap, logit_scale=self.mods.logit_scale)
+        for chunk in self.mods.chunks.values():
+            chunk.set_activation_checkpointing(cfg.activation_checkpointing)
         self.weight_grads = None
         if self.schedule.split_backward:
             self.weight_grads = WeightGradStore()
