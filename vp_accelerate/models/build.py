@@ -7,7 +7,9 @@ The whole HF model is first built on the meta device (no memory), its parts are 
   layers and shards equal the corresponding parts of the same full init, for any layout / p;
 - a `PreTrainedModel`: its tensors are copied (a test's HF reference);
 - a local checkpoint directory (safetensors, sharded or not): only the tensors this rank needs are
-  read, and of the embedding / lm_head only the shard's rows.
+  read, and of the embedding / lm_head only the shard's rows;
+- a `CheckpointSource` (a checkpoint dir with config overrides and a resized / re-tokenized
+  vocabulary, see `checkpoint_source.py`): the same, each vocabulary row built by its `RowMap`.
 
 `vocab_size` resizes before sharding: rows past the source's vocabulary are the mean of the old
 rows (fp32 mean; HF's mean resizing samples around that mean with covariance 1e-9·Σ, i.e. the
@@ -23,8 +25,10 @@ import torch
 from torch import nn
 
 from .adapter import ModelParts, find_parts
+from .checkpoint_source import CheckpointSource
 from .layout import LayoutError, StageLayout
 from .rank import PLACEMENTS, RankModules
+from .row_map import RowMap
 from .stage import FullEmbedding, FullHead, StageChunk
 from .weights import SafetensorsSource, StateDictSource, WeightSource, mean_rows, seeded_init, seeded_vocab_rows
 
@@ -35,6 +39,8 @@ def resolve_config(source):
 
     if isinstance(source, PretrainedConfig):
         return source
+    if isinstance(source, CheckpointSource):
+        return source.config
     if isinstance(source, nn.Module) and hasattr(source, "config"):
         return source.config
     if isinstance(source, (str, Path)) and Path(source).is_dir():
@@ -55,6 +61,8 @@ def meta_model(config, dtype: torch.dtype = torch.float32, attn_implementation: 
 
 
 def _weight_source(source) -> WeightSource | None:
+    if isinstance(source, CheckpointSource):
+        return SafetensorsSource(source.path)
     if isinstance(source, nn.Module):
         return StateDictSource(source)
     if isinstance(source, (str, Path)):
@@ -84,31 +92,32 @@ def _materialize(module: nn.Module, hf_name, source: WeightSource | None, model:
 
 
 @torch.no_grad()
-def vocab_rows(parts: ModelParts, which: str, start: int, end: int, vocab_size: int, old_v: int,
-               source: WeightSource | None, model: nn.Module, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [start, end) of the embedding ("embed") or lm_head ("head") matrix resized to `vocab_size`.
+def vocab_rows(parts: ModelParts, which: str, start: int, end: int, row_map: RowMap, source: WeightSource | None,
+               model: nn.Module, seed: int, dtype: torch.dtype, means: dict | None = None) -> torch.Tensor:
+    """Rows [start, end) of the embedding ("embed") or lm_head ("head") matrix, made by `row_map`.
 
-    `old_v` is the source's vocabulary size: rows past it are the mean of the source's rows
-    (vocabulary resizing); rows >= vocab_size are zero padding.
+    Each row is copied from a source row, the mean of several (a re-tokenized vocabulary's composed
+    tokens) or the mean of all source rows (resizing); rows >= row_map.num_rows are zero padding. Only
+    the source rows that [start, end) needs are read; `means` (HF name -> fp32 mean) avoids reading the
+    whole matrix for the overall mean.
     """
     h = parts.embed.embedding_dim
     use_head = which == "head" and not parts.tied
     name = f"{parts.names.lm_head}.weight" if use_head else f"{parts.names.embed}.weight"
     kind = "head" if use_head else "embed"
+    old_v = row_map.source_rows
 
     def read(s: int, e: int) -> torch.Tensor:
         if source is not None:
-            return source.rows(name, s, e).to(dtype)
+            return source.rows(name, s, e)
         return seeded_vocab_rows(model, kind, name, s, e, old_v, h, dtype, seed, parts.padding_idx)
 
-    out = torch.zeros(end - start, h, dtype=dtype)
-    real_end = min(end, old_v, vocab_size)  # a shrinking resize drops the source's last rows
-    if start < real_end:
-        out[:real_end - start] = read(start, real_end)
-    new_lo, new_hi = max(start, old_v), min(end, vocab_size)
-    if new_lo < new_hi:
-        out[new_lo - start:new_hi - start] = mean_rows(source, name, old_v, h, init=read).to(dtype)
-    return out
+    def overall_mean() -> torch.Tensor:
+        if means and name in means:
+            return means[name]
+        return mean_rows(source, name, old_v, h, init=read)
+
+    return row_map.rows(read, start, end, h, dtype, overall_mean)
 
 
 def _new_param(t: torch.Tensor) -> nn.Parameter:
@@ -120,8 +129,8 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
                attn_implementation: str | None = None, device: torch.device | str = "cpu") -> RankModules:
     """Build the modules `layout` puts on `rank`.
 
-    source: a `PretrainedConfig` (fresh seeded init), a `PreTrainedModel` (copy its weights) or a
-    local HF checkpoint directory (safetensors). placement: "baseline" or "vocab". partition: a
+    source: a `PretrainedConfig` (fresh seeded init), a `PreTrainedModel` (copy its weights), a
+    local HF checkpoint directory (safetensors) or a `CheckpointSource`. placement: "baseline" or "vocab". partition: a
     `vocab.VocabPartition(vocab_size, layout.num_ranks)`; required for "vocab". vocab_size: resize
     the vocabulary first (new rows = mean of old rows). attn_implementation: "eager" / "sdpa" / ...
     (default: the source model's, else transformers' default). Everything is built on CPU in
@@ -134,7 +143,7 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
     config = copy.deepcopy(resolve_config(source))
     if isinstance(source, nn.Module) and attn_implementation is None:
         attn_implementation = source.config._attn_implementation
-    source_vocab = config.vocab_size
+    source_vocab = source.source_vocab if isinstance(source, CheckpointSource) else config.vocab_size
     if vocab_size is not None:
         config.vocab_size = vocab_size
     V = config.vocab_size
@@ -151,11 +160,15 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
             raise ValueError(f"partition is for V={partition.vocab_size} over {partition.world_size} ranks, but the "
                              f"model has V={V} and the layout {layout.num_ranks} ranks")
     src = _weight_source(source)
+    if isinstance(source, CheckpointSource) and vocab_size in (None, source.config.vocab_size):
+        row_map, means = source.rows_map(), source.means
+    else:
+        row_map, means = RowMap.identity(V, source_vocab), None
 
     chunks = {c: _build_chunk(parts, layout, c, src, model, seed, dtype) for c in layout.chunks_of(rank)}
 
     def rows(which: str, start: int, end: int) -> torch.Tensor:
-        return vocab_rows(parts, which, start, end, V, source_vocab, src, model, seed, dtype)
+        return vocab_rows(parts, which, start, end, row_map, src, model, seed, dtype, means)
 
     kw = dict(rank=rank, layout=layout, placement=placement, config=config, names=parts.names, chunks=chunks,
               tied=parts.tied, vocab_size=V, final_softcap=parts.final_softcap, logit_scale=parts.logit_scale,

@@ -48,7 +48,9 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         # model/tokenizer/schedule checks, before accelerate starts a process group (every rank runs them)
-        notes = check_plan(recipe, args.world_size or world_size_from_env())
+        world = world_size_from_env()
+        # one process (or --check): also convert tokenizers and count a swap's rows; launched ranks skip that
+        notes = check_plan(recipe, args.world_size or world, full=args.check or (world or 1) == 1)
     except RecipeError as e:
         print(f"recipe error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ import os
 
 from vp_accelerate.schedule.registry import METHODS
 
-from .presets import PRESETS, padded_vocab, preset_config
+from .presets import PRESETS, preset_config
 from .recipe_io import RecipeError
 
 
@@ -44,7 +44,9 @@ def _check_remote_code(recipe) -> None:
             raise RecipeError(f"model.trust_remote_code: {src} needs its own modelling code (model_type "
                               f"{cfg.get('model_type')!r}, auto_map {sorted(cfg['auto_map'])}), which is not run "
                               f"unless the recipe sets model.trust_remote_code: true — only for a source you trust")
-    tok = recipe.tokenizer.source
+    from .vocab_plan import tokenizer_source
+
+    tok = tokenizer_source(recipe)
     tdir = _local_dir(tok[4:] if tok.startswith("bpe:") else tok)
     if tdir and os.path.isfile(os.path.join(tdir, "tokenizer_config.json")):
         with open(os.path.join(tdir, "tokenizer_config.json")) as f:
@@ -78,36 +80,57 @@ def _model_config(recipe):
         config = AutoConfig.from_pretrained(src, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as e:
         raise RecipeError(f"model.source: cannot read the config of {src}: {e}") from None
+    if "vocab_size" in m.config and m.pretrained_weights:
+        raise RecipeError("model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
+                          "resize_vocab / allow_shrink / pad_to_multiple_of), not a config override")
     for key, value in m.config.items():
         setattr(config, key, value)
     return config
 
 
-def _tokenizer_length(recipe) -> int | None:
-    """len(tokenizer) when it is on disk (bpe:<dir>, a local dir, a converted Qwen); None otherwise."""
-    tok = _local_tokenizer(recipe)
-    return None if tok is None else len(tok)
-
-
 def _local_tokenizer(recipe):
-    """The tokenizer when it is on disk (bpe:<dir>, a local dir, a converted Qwen); None otherwise."""
-    from .tokenizer import QWEN_VARIANTS
+    """The run's tokenizer when it is on disk (bpe:<dir>, a local dir, a converted Qwen); None otherwise."""
+    from .vocab_plan import tokenizer_source
 
-    tok = recipe.tokenizer.source
-    if tok in QWEN_VARIANTS:
-        path = os.path.join(recipe.tokenizer.cache_dir, tok)
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            return None  # converted on the first run; the data check still catches out-of-range ids
-    else:
-        path = _local_dir(tok[4:] if tok.startswith("bpe:") else tok)
-        if path is None:
-            return None
-    from transformers import AutoTokenizer
+    return _load_local_tokenizer(recipe, tokenizer_source(recipe), convert=False)
 
+
+def _load_local_tokenizer(recipe, source: str, convert: bool):
+    """The tokenizer `source` names when it can be read offline (bpe:<dir>, a local dir, a Qwen variant that is
+    converted or may be converted now); None otherwise (a hub id)."""
+    from .tokenizer import QWEN_VARIANTS, load_tokenizer
+
+    if source in QWEN_VARIANTS:
+        path = os.path.join(recipe.tokenizer.cache_dir, source)
+        if not convert and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return None  # converted on the first run (one rank first); the data check catches bad ids
+    elif _local_dir(source[4:] if source.startswith("bpe:") else source) is None:
+        return None
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
+        return load_tokenizer(source, recipe.tokenizer.cache_dir, recipe.model.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"tokenizer.source: cannot load the tokenizer in {path}: {e}") from None
+        raise RecipeError(f"tokenizer.source: cannot load the tokenizer {source!r}: {e}") from None
+
+
+def vocab_decision(recipe, config, full: bool = True):
+    """The run's `VocabPlan`, or None when a tokenizer cannot be read offline.
+
+    full=False (every rank under a launcher) skips what is slow and cannot fail: converting a Qwen tokenizer
+    and building a swap's row map (the trainer builds it); the row counts are still decided.
+    """
+    from .vocab_plan import model_tokenizer_source, plan_vocab, tokenizer_source
+
+    source = tokenizer_source(recipe)
+    tokenizer = _load_local_tokenizer(recipe, source, convert=full)
+    if tokenizer is None:
+        return None
+    m = recipe.model
+    pretrained = m.pretrained_weights and m.source not in PRESETS
+    own = model_tokenizer_source(m.source) if pretrained else None
+    model_tokenizer = None
+    if own is not None:
+        model_tokenizer = tokenizer if own == source else _load_local_tokenizer(recipe, own, convert=full)
+    return plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, build_map=full)
 
 
 def _data_note(recipe) -> str:
@@ -194,10 +217,11 @@ def _check_schedule(recipe, config, pp: int) -> str:
     return f"{p.schedule} x {p.method} on {pp} ranks, {p.microbatches} microbatches, layers per chunk {counts}"
 
 
-def check_plan(recipe, world_size: int | None = None) -> list[str]:
+def check_plan(recipe, world_size: int | None = None, full: bool = True) -> list[str]:
     """Raise RecipeError if the run described by `recipe` on `world_size` processes cannot work.
 
-    Returns notes on what was checked (and what could not be, e.g. a hub model offline).
+    Returns notes on what was checked (and what could not be, e.g. a hub model offline), the vocabulary
+    decision among them. full=False: the quick form every launched rank runs (see `vocab_decision`).
     """
     _check_remote_code(recipe)
     notes = [_data_note(recipe)]
@@ -208,16 +232,13 @@ def check_plan(recipe, world_size: int | None = None) -> list[str]:
     if max_pos and recipe.data.seq_len > max_pos:
         raise RecipeError(f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's max_position_embeddings="
                           f"{max_pos}; lower data.seq_len to at most {max_pos}")
-    n_tok = _tokenizer_length(recipe)
+    plan = vocab_decision(recipe, config, full=full)
     vocab = config.vocab_size
-    if n_tok is None:
+    if plan is None:
         notes.append("tokenizer not on disk yet: its size was not compared with the model's")
-    elif recipe.tokenizer.resize_vocab:
-        vocab = padded_vocab(n_tok, recipe.tokenizer.pad_to_multiple_of)
-    elif n_tok > config.vocab_size:
-        raise RecipeError(f"tokenizer.resize_vocab: the tokenizer has {n_tok} tokens but the model's vocabulary "
-                          f"has {config.vocab_size} rows, so ids >= {config.vocab_size} have no embedding; set "
-                          f"tokenizer.resize_vocab: true or use the model's own tokenizer")
+    else:
+        vocab = plan.rows_after
+        notes += plan.lines()
     pp = pipeline_size(recipe, world_size)
     if pp is None:
         notes.append("world size unknown (not launched; pass --world-size to --check): schedule not checked")

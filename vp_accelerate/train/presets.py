@@ -90,29 +90,38 @@ def padded_vocab(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def model_source(model_section, config, vocab_size: int | None):
-    """What to hand PipelineModel: a config (random init) or a loaded PreTrainedModel / checkpoint dir.
+def local_model_dir(source: str) -> str:
+    """A local directory holding `source`'s files: itself, or a hub id's snapshot (config, safetensors, tokenizer).
 
-    `vocab_size`: the resized vocabulary, or None to keep the model's. A pretrained model whose
-    vocabulary changes is loaded and resized here (HF initialises the new rows), so the pipeline gets
-    consistent weights; otherwise the checkpoint dir itself is passed and each rank loads only its part.
+    The snapshot is downloaded once into the HF cache (call it on one process first), so every rank then
+    reads only its own tensors from local files instead of loading the whole model.
     """
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
+
+
+def model_source(model_section, config, plan=None, path: str | None = None):
+    """What to hand PipelineModel: a config (random init) or a `CheckpointSource` (pretrained weights).
+
+    `plan`: the run's `VocabPlan` (rows and where each comes from); `path`: the local dir of the weights
+    (`local_model_dir`). Nothing is loaded here: each rank reads only its own tensors and rows.
+    """
+    from vp_accelerate.models.checkpoint_source import CheckpointSource
+
     pretrained = model_section.pretrained_weights and model_section.source not in PRESETS
     if not pretrained:
-        if vocab_size is not None:
-            config.vocab_size = vocab_size
+        if plan is not None:
+            config.vocab_size = plan.rows_after
         return config
-    path = os.path.expanduser(model_section.source)
-    needs_resize = vocab_size is not None and vocab_size != config.vocab_size
-    if not needs_resize and not model_section.config and is_local_dir(path):
-        return path
-    model = _load(path, config, model_section.trust_remote_code)
-    if needs_resize:
-        model.resize_token_embeddings(vocab_size, mean_resizing=True)
-    return model
+    source_vocab = config.vocab_size
+    config.vocab_size = plan.rows_after if plan is not None else source_vocab
+    row_map = plan.row_map if plan is not None else None
+    if row_map is None and config.vocab_size != source_vocab:
+        from vp_accelerate.models.row_map import RowMap
 
-
-def _load(path: str, config, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, config=config, trust_remote_code=trust_remote_code)
+        row_map = RowMap.identity(config.vocab_size, source_vocab)
+    return CheckpointSource(path or os.path.expanduser(model_section.source), config, source_vocab, row_map)

