@@ -1,4 +1,9 @@
-"""AdamW over a pipeline rank's own parameters, and the warm-up + decay learning-rate schedule."""
+"""AdamW over a pipeline rank's own parameters, and the learning-rate schedule.
+
+Schedules: this project's `cosine` / `linear` / `constant` (warm-up from 1/(w+1), decay to `min_lr_ratio`
+at the last step; the names recipes have always used), or any `transformers.get_scheduler` name with its
+`scheduler_specific_kwargs`. Both are LambdaLRs whose state_dict is plain numbers.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +45,61 @@ def build_optimizer(named_parameters, opt_cfg) -> torch.optim.AdamW:
                              eps=opt_cfg.eps)
 
 
-def build_scheduler(optimizer, lr_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR over `lr_factor`; its state_dict is plain numbers (safe to load with weights_only)."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, lr_cfg.warmup_steps, lr_cfg.decay, lr_cfg.min_lr_ratio))
+OWN = ("cosine", "linear", "constant")
+#: transformers' own `linear` / `cosine` (the plain names are this project's, kept as they were)
+HF_ALIASES = {"linear_hf": "linear", "cosine_hf": "cosine"}
+#: get_scheduler names left out: they step on a metric (eval loss), not on the step number
+_UNSUPPORTED = ("reduce_lr_on_plateau", "greedy")
+
+
+def hf_names() -> list[str]:
+    from transformers import SchedulerType
+
+    return [s.value for s in SchedulerType if s.value not in OWN + _UNSUPPORTED] + list(HF_ALIASES)
+
+
+def _hf_kwargs(lr_cfg) -> dict:
+    """scheduler_specific_kwargs, with `min_lr_ratio` filled in where the schedule has a floor."""
+    name = HF_ALIASES.get(lr_cfg.decay, lr_cfg.decay)
+    kw = dict(lr_cfg.scheduler_kwargs)
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") and not {"min_lr", "min_lr_rate"} & set(kw):
+        kw["min_lr_rate"] = lr_cfg.min_lr_ratio
+    if name == "warmup_stable_decay":
+        kw.setdefault("min_lr_ratio", lr_cfg.min_lr_ratio)
+    return kw
+
+
+def build_scheduler(optimizer, lr_cfg, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """The recipe's schedule; its state_dict is plain numbers (safe to load with weights_only)."""
+    if lr_cfg.decay in OWN:
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, total_steps, lr_cfg.warmup_steps, lr_cfg.decay, lr_cfg.min_lr_ratio))
+    from transformers import get_scheduler
+
+    return get_scheduler(HF_ALIASES.get(lr_cfg.decay, lr_cfg.decay), optimizer, num_warmup_steps=lr_cfg.warmup_steps,
+                         num_training_steps=total_steps, scheduler_specific_kwargs=_hf_kwargs(lr_cfg))
+
+
+def check_schedule(lr_cfg, total_steps: int) -> None:
+    """Build the schedule on a dummy optimizer: an unknown name or bad kwargs is a RecipeError naming the key."""
+    from .recipe_io import RecipeError
+
+    if lr_cfg.decay not in OWN:
+        import difflib
+
+        names = hf_names()
+        if lr_cfg.decay not in names:
+            hint = difflib.get_close_matches(lr_cfg.decay, list(OWN) + names, n=1)
+            more = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise RecipeError(f"lr.decay: unknown schedule {lr_cfg.decay!r}{more} (known: "
+                              f"{', '.join(list(OWN) + names)})")
+    elif lr_cfg.scheduler_kwargs:
+        raise RecipeError(f"lr.scheduler_kwargs: {lr_cfg.decay!r} takes none (they are for transformers' schedules)")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        sched = build_scheduler(opt, lr_cfg, total_steps)
+        for _ in range(min(total_steps, 3)):
+            opt.step()
+            sched.step()
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"lr.scheduler_kwargs: {lr_cfg.decay!r} with {dict(lr_cfg.scheduler_kwargs)}: {e}") from None

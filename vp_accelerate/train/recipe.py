@@ -169,11 +169,19 @@ class LRSection:
     warmup_steps: int = 0
     """Linear warm-up from 0 to the peak LR over this many steps."""
 
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the LR after warm-up, down to `min_lr_ratio` x peak at the last step."""
+    decay: str = "cosine"
+    """The schedule: `cosine`, `linear`, `constant` (this project's: warm-up, then down to `min_lr_ratio` x peak
+    at the last step), or any `transformers.get_scheduler` name (`cosine_with_min_lr`, `warmup_stable_decay`,
+    `cosine_with_restarts`, `polynomial`, `constant_with_warmup`, `inverse_sqrt`, `linear_hf`/`cosine_hf`
+    for transformers' own `linear`/`cosine`), with `scheduler_kwargs`."""
 
     min_lr_ratio: float = 0.1
-    """Final LR as a fraction of the peak (cosine/linear)."""
+    """Final LR as a fraction of the peak (cosine/linear; also `min_lr_rate` of cosine_with_min_lr and
+    `min_lr_ratio` of warmup_stable_decay unless `scheduler_kwargs` sets them)."""
+
+    scheduler_kwargs: dict = field(default_factory=dict)
+    """`scheduler_specific_kwargs` of transformers' schedules, e.g. `{num_decay_steps: 200}` for
+    warmup_stable_decay or `{num_cycles: 2}` for cosine_with_restarts."""
 
 
 @dataclass
@@ -326,6 +334,9 @@ def check(recipe: Recipe) -> Recipe:
         raise RecipeError(f"optimizer.grad_clip: must be > 0 or null, got {o.grad_clip}")
     if not 0.0 <= recipe.lr.min_lr_ratio <= 1.0:
         raise RecipeError(f"lr.min_lr_ratio: must be in [0, 1], got {recipe.lr.min_lr_ratio}")
+    from .optim import check_schedule
+
+    check_schedule(recipe.lr, t.steps)
     if not 0.0 <= d.eval_holdout < 1.0:
         raise RecipeError(f"data.eval_holdout: must be in [0, 1), got {d.eval_holdout}")
     if d.streaming and not d.packing:
