@@ -14,7 +14,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from vp_accelerate.distributed import spawn
-from vp_accelerate.models.tiny import tiny_config
+from helpers.tiny import tiny_config
 
 
 class _Counted:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vp_accelerate.models import StageLayout, assemble_state_dict, build_rank, save_hf
 from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
 from vp_accelerate.models.row_map import COMPOSED, COPY, MEAN, RowMap
-from vp_accelerate.models.tiny import tiny_config
+from helpers.tiny import tiny_config
 from vp_accelerate.train.recipe import ModelSection, Recipe, RecipeError, TokenizerSection
 from vp_accelerate.train.token_map import token_bytes
 from vp_accelerate.train.tokenizer import EOS, PAD, train_bpe
