@@ -142,3 +142,76 @@ def test_batch_iterator_small():
     assert it.steps_per_epoch == 2
     seen = torch.cat([next(it)["input_ids"] for _ in range(2)])
     assert len(set(seen[:, 0].tolist())) == 8  # no sequence twice within an epoch
+
+
+def test_streaming_resumes_from_the_streams_own_state(corpus, monkeypatch):
+    """A saved stream position is loaded, not replayed: with a one-document shuffle buffer (nothing in it is lost)
+    the resumed batches are the uninterrupted ones, reading fewer documents than the run up to there did; with a
+    real buffer no sequence trained on before the save comes back."""
+    import datasets
+
+    d, tok = corpus
+    read = []
+    real_iter = datasets.IterableDataset.__iter__
+    monkeypatch.setattr(datasets.IterableDataset, "__iter__", lambda self: (read.append(1) or x for x in real_iter(self)))
+    for buffer in (1, 50):
+        c = cfg(d, streaming=True, shuffle_buffer=buffer, eval_holdout=0.0)
+        train = build_data(c, tok, len(tok), 0, 8)[0]
+        read.clear()
+        before = [next(train)["input_ids"] for _ in range(3)]
+        state = train.state_dict()
+        assert state["step"] == 3 and "stream" in state
+        after = [next(train)["input_ids"] for _ in range(3)]
+        read_uninterrupted = len(read)
+        resumed = build_data(c, tok, len(tok), 0, 8)[0]
+        read.clear()
+        resumed.load_state_dict(state)
+        got = [next(resumed)["input_ids"] for _ in range(3)]
+        if buffer == 1:
+            assert all(torch.equal(a, b) for a, b in zip(got, after))
+            assert len(read) <= read_uninterrupted - 3, (len(read), read_uninterrupted)
+        else:
+            seen = {tuple(r.tolist()) for b in before for r in b}
+            assert not seen & {tuple(r.tolist()) for b in got for r in b}
+    monkeypatch.undo()
+    replay = build_data(cfg(d, streaming=True, shuffle_buffer=50, stream_resume="replay"), tok, len(tok), 0, 8)[0]
+    first = [next(replay)["input_ids"] for _ in range(4)]
+    assert "stream" not in replay.state_dict()
+    again = build_data(cfg(d, streaming=True, shuffle_buffer=50, stream_resume="replay"), tok, len(tok), 0, 8)[0]
+    again.load_state_dict({"epoch": 0, "step": 2})
+    assert torch.equal(next(again)["input_ids"], first[2])
+
+
+def test_the_text_field_is_checked_at_check_time(tmp_path, corpus, capsys):
+    """Text data without its `text_field` fails `--check` with exit 2, naming data.text_field and the columns
+    found, in any of the files (a chat file is detected as chat and passes)."""
+    from vp_accelerate.train.commands import train_main
+
+    d, _ = corpus
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({"tokenizer": {"source": f"bpe:{d / 'tok'}"},
+                                  "data": {"files": [str(tmp_path / "chat.jsonl")], "seq_len": 16}}))
+    assert train_main([str(recipe), "--check"]) == 0
+    assert "data format chat" in capsys.readouterr().err
+    assert train_main([str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'}]", "--set",
+                       "data.format=text"]) == 2
+    err = capsys.readouterr().err
+    assert "data.text_field: 'text' is not a column of" in err and "columns found: ['body']" in err
+    (tmp_path / "more.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
+    assert train_main([str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'},{tmp_path / 'more.jsonl'}]",
+                       "--set", "data.text_field=body"]) == 2
+    assert "data.text_field: 'body' is not a column of" in capsys.readouterr().err
+    assert train_main([str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'}]",
+                       "--set", "data.text_field=body"]) == 0
+
+
+def test_hub_datasets_take_name_and_revision(monkeypatch):
+    import datasets
+
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or "ds")
+    from vp_accelerate.train.data import load_documents
+
+    assert load_documents(None, "org/corpus", "validation", streaming=True, name="en", revision="v1.2") == "ds"
+    assert calls == [(("org/corpus", "en"), {"split": "validation", "streaming": True, "revision": "v1.2"})]

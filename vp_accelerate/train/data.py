@@ -66,13 +66,57 @@ def _format_of(files: list[str], fmt: str) -> str:
     return kinds.pop()
 
 
+def first_record_columns(path: str, fmt: str) -> list[str] | None:
+    """The columns of a local file's first record (None when it has none to read), without loading the file."""
+    import json
+
+    if fmt == "text":
+        return ["text"]
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: the first record is not JSON ({e}); data.format is json for .json/.jsonl")
+                return sorted(record) if isinstance(record, dict) else []
+    return None
+
+
+def check_columns(cfg) -> None:
+    """Every local training / eval file of text format has `text_field` in its first record; else a DataError
+    naming the columns found (checked before launch, not after)."""
+    for key, patterns in (("data.files", cfg.files), ("data.eval_files", cfg.eval_files)):
+        if not patterns:
+            continue
+        paths = [p for p in expand_files(patterns) if os.path.getsize(p) > 0]
+        if not paths:
+            continue
+        builder = _format_of(paths, _builder_of(paths, cfg))
+        for path in paths:
+            columns = first_record_columns(path, builder)
+            if columns is None:
+                continue
+            fmt, _ = sample_format(cfg, columns)
+            if fmt == "text" and cfg.text_field not in columns:
+                raise DataError(f"data.text_field: {cfg.text_field!r} is not a column of {path} (columns found: "
+                                f"{columns}); set data.text_field to the column holding the text")
+
+
 def load_documents(files: list[str] | None, hub_id: str | None = None, split: str = "train", fmt: str = "auto",
-                   streaming: bool = False):
-    """A `datasets` Dataset (or IterableDataset when streaming) of raw documents."""
+                   streaming: bool = False, name: str | None = None, revision: str | None = None):
+    """A `datasets` Dataset (or IterableDataset when streaming) of raw documents.
+
+    A hub dataset takes its configuration `name` and a `revision` (branch, tag or commit) for a pinned corpus.
+    """
     from datasets import load_dataset
 
     if hub_id:
-        return load_dataset(hub_id, split=split, streaming=streaming)
+        return load_dataset(hub_id, name, split=split, streaming=streaming, revision=revision)
     paths = expand_files(files or [])
     if not paths:
         raise DataError("data.files: no files")
@@ -311,35 +355,55 @@ class BatchIterator:
         self._order = self._permutation(self.epoch)
 
 
+def pack_stream(stream, seq_len: int, buf: list[int]):
+    """Fixed-length sequences of a stream of tokenized examples; `buf` holds the tokens not yet cut into one."""
+    for example in stream:
+        buf.extend(example["input_ids"])
+        while len(buf) >= seq_len:
+            seq = buf[:seq_len]
+            del buf[:seq_len]
+            yield seq
+
+
 class StreamingBatchIterator:
     """Resumable iterator over a streamed corpus: shuffle buffer -> tokenize -> pack -> batches.
 
-    The stream's order is deterministic for (seed, epoch); `load_state_dict` replays the stream up to
-    the saved position (exact, at the cost of re-reading what was already trained on).
+    The stream's order is deterministic for (seed, epoch). `state_dict()` holds the stream's own position
+    (`IterableDataset.state_dict()`, datasets >= 2.18) and the tokens packed but not yet batched, so
+    `load_state_dict` continues from there without re-reading the stream. As datasets documents, the
+    shuffle buffer's content is not in that state: on resume the buffer is refilled from the stream, and
+    the documents it held at the save are skipped. `replay=True` (or a state without the stream's
+    position) instead replays the stream up to the saved step: exact, at the cost of re-reading.
     """
 
     def __init__(self, make_stream, seq_len: int, seed: int, global_batch: int, dp_rank: int = 0,
-                 dp_size: int = 1):
+                 dp_size: int = 1, replay: bool = False):
         self.make_stream, self.seq_len, self.seed = make_stream, seq_len, seed
         self.global_batch, self.per_replica, self.dp_rank = global_batch, global_batch // dp_size, dp_rank
+        self.replay = replay
         self.epoch, self.step = 0, 0
-        self._batches = self._global_batches(0)
+        self._start(0)
 
-    def _sequences(self, epoch: int):
-        buf: list[int] = []
-        for example in self.make_stream(epoch):
-            buf.extend(example["input_ids"])
-            while len(buf) >= self.seq_len:
-                yield buf[: self.seq_len]
-                del buf[: self.seq_len]
+    def _start(self, epoch: int, stream_state: dict | None = None, buf: list[int] | None = None) -> None:
+        self._stream = self.make_stream(epoch)
+        if stream_state is not None:
+            self._stream.load_state_dict(stream_state)
+        self._buf = list(buf or [])
+        self._batches = self._global_batches()
 
-    def _global_batches(self, epoch: int):
+    def _global_batches(self):
         rows: list[list[int]] = []
-        for seq in self._sequences(epoch):
+        for seq in pack_stream(self._stream, self.seq_len, self._buf):
             rows.append(seq)
             if len(rows) == self.global_batch:
+                # between examples: the stream's position and the tokens in _buf are a consistent state
+                self._position = {"stream": self._stream_state(), "buf": list(self._buf)}
                 yield rows
                 rows = []
+
+    def _stream_state(self):
+        get = getattr(self._stream, "state_dict", None)
+        return get() if get is not None and not self.replay else None
 
     def __iter__(self):
         return self
@@ -351,7 +415,7 @@ class StreamingBatchIterator:
                 raise DataError(f"the streamed training data has fewer than train.global_batch="
                                 f"{self.global_batch} sequences of {self.seq_len} tokens")
             self.epoch, self.step = self.epoch + 1, 0
-            self._batches = self._global_batches(self.epoch)
+            self._start(self.epoch)
             rows = next(self._batches)
         self.step += 1
         mine = rows[self.dp_rank * self.per_replica: (self.dp_rank + 1) * self.per_replica]
@@ -366,11 +430,19 @@ class StreamingBatchIterator:
         return f"streamed sequences {start + first}..{start + end - 1} of epoch {epoch}"
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step}
+        state = {"epoch": self.epoch, "step": self.step}
+        position = getattr(self, "_position", None) if self.step else None
+        if position is not None and position["stream"] is not None:
+            state.update(stream=position["stream"], buf=torch.tensor(position["buf"], dtype=torch.long))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step = int(state["epoch"]), 0
-        self._batches = self._global_batches(self.epoch)
+        if state.get("stream") is not None and not self.replay:
+            self._start(self.epoch, state["stream"], torch.as_tensor(state["buf"]).tolist())
+            self.step = int(state["step"])
+            return
+        self._start(self.epoch)
         for _ in range(int(state["step"])):
             next(self._batches)
             self.step += 1
@@ -467,7 +539,8 @@ def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     paths = expand_files(cfg.files or []) if not cfg.hub_id else []
     builder = _builder_of(paths, cfg) if paths else "auto"
-    docs = load_documents(cfg.files, cfg.hub_id, cfg.hub_split, builder, cfg.streaming)
+    docs = load_documents(cfg.files, cfg.hub_id, cfg.hub_split, builder, cfg.streaming, cfg.hub_name,
+                          cfg.hub_revision)
     fmt, _ = sample_format(cfg, docs.column_names)
 
     def fn_for(files: list[str], where: str, every: int):
@@ -493,13 +566,14 @@ def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp
             stream.set_epoch(epoch)
             return stream
 
-        train = StreamingBatchIterator(make_stream, cfg.seq_len, seed, global_batch, dp_rank, dp_size)
+        train = StreamingBatchIterator(make_stream, cfg.seq_len, seed, global_batch, dp_rank, dp_size,
+                                       replay=cfg.stream_resume == "replay")
         eval_rows = []
         if n_eval:
             if cfg.eval_files:
                 eval_rows = list(_eval_sequences(cfg, fn_for, pad_id, fmt).ids[:n_eval])
             else:
-                for seq in StreamingBatchIterator(lambda e: make_stream(e, True), cfg.seq_len, seed, 1)._sequences(0):
+                for seq in pack_stream(make_stream(0, True), cfg.seq_len, []):
                     eval_rows.append(seq)
                     if len(eval_rows) == n_eval:
                         break

@@ -168,6 +168,20 @@ def _data_note(recipe) -> str:
     return note
 
 
+def _check_data(recipe) -> list[str]:
+    """Text-format local files must hold `data.text_field` (checked on the first record of every file)."""
+    from .data import DataError, check_columns
+
+    d = recipe.data
+    if d.hub_id or d.format in ("chat", "prompt_completion"):
+        return []  # a hub dataset's columns are known at the start of the run; SFT formats check their fields
+    try:
+        check_columns(d)
+    except DataError as e:
+        raise RecipeError(str(e) if str(e).startswith("data.") else f"data.files: {e}") from None
+    return []
+
+
 def pipeline_size(recipe, world_size: int | None) -> int | None:
     """Pipeline ranks of the run: pipeline.pp_size, or world size / dp_size; None when unknown."""
     p = recipe.pipeline
@@ -224,7 +238,7 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True) -> list
     decision among them. full=False: the quick form every launched rank runs (see `vocab_decision`).
     """
     _check_remote_code(recipe)
-    notes = [_data_note(recipe)]
+    notes = [_data_note(recipe)] + _check_data(recipe)
     config = _model_config(recipe)
     if config is None:
         return notes + [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]

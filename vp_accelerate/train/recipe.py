@@ -79,6 +79,12 @@ class DataSection:
     hub_split: str = "train"
     """The split of `hub_id` to train on."""
 
+    hub_name: Optional[str] = None
+    """The configuration (subset) of `hub_id`, e.g. `wikitext-103-raw-v1`; None = its default."""
+
+    hub_revision: Optional[str] = None
+    """A branch, tag or commit of `hub_id` (pins the corpus); None = the default branch."""
+
     format: Literal["auto", "text", "chat", "prompt_completion", "json", "parquet"] = "auto"
     """Sample format: `text` (loss on every token), `chat` (a `messages_field` list of {role, content} turns
     rendered with the tokenizer's chat template, or ChatML when it has none; loss on assistant turns) or
@@ -122,7 +128,12 @@ class DataSection:
 
     streaming: bool = False
     """Stream the corpus instead of tokenizing it up front (large corpora). Order is deterministic per
-    seed through a shuffle buffer; resuming replays the stream up to the saved position."""
+    seed through a shuffle buffer; resuming continues from the stream's saved state (see `stream_resume`)."""
+
+    stream_resume: Literal["state", "replay"] = "state"
+    """Streaming resume: `state` continues from the datasets stream's own saved position (fast; as datasets
+    does, the documents in the shuffle buffer at the save are skipped), `replay` re-reads the stream up to
+    the saved step (exactly the uninterrupted order, slow on large corpora)."""
 
     shuffle_buffer: int = 10000
     """Documents in the streaming shuffle buffer."""
