@@ -101,7 +101,10 @@ def check_columns(cfg) -> None:
             columns = first_record_columns(path, builder)
             if columns is None:
                 continue
-            fmt, _ = sample_format(cfg, columns)
+            try:
+                fmt, _ = sample_format(cfg, columns)
+            except DataError:  # no format's columns: then it is text without its field
+                fmt = "text"
             if fmt == "text" and cfg.text_field not in columns:
                 raise DataError(f"data.text_field: {cfg.text_field!r} is not a column of {path} (columns found: "
                                 f"{columns}); set data.text_field to the column holding the text")
