@@ -37,11 +37,27 @@ def world_mean(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+_CUDA_RUN_PEAK = 0  # the allocator's peak over the run (its own counter is reset at every log)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on GPU, max resident set size on CPU."""
+    """Peak memory of this process over the run: CUDA allocator peak on GPU, max resident set size on CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return max(_CUDA_RUN_PEAK, int(torch.cuda.max_memory_allocated(device)))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def cuda_window_memory(device: torch.device) -> dict:
+    """CUDA max allocated and max reserved bytes since the previous call (then the allocator's peaks are
+    reset, so each logging step shows its own window); {} off CUDA."""
+    global _CUDA_RUN_PEAK
+    if device.type != "cuda":
+        return {}
+    out = {"cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+           "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+    _CUDA_RUN_PEAK = max(_CUDA_RUN_PEAK, out["cuda_max_allocated_bytes"])
+    torch.cuda.reset_peak_memory_stats(device)
+    return out
 
 
 def resident_bytes() -> int:
@@ -65,6 +81,7 @@ def rank_stats(pipe, device: torch.device, step_time_s: float | None = None) -> 
     out = {"peak_activation_bytes": int(stats.get("peak_activation_bytes", 0)),
            "param_bytes": int(stats.get("param_bytes", 0)), "peak_memory_bytes": peak_memory_bytes(device),
            "rss_bytes": resident_bytes()}
+    out.update(cuda_window_memory(device))  # after the run peak above has read the allocator's counter
     if step_time_s is not None:
         out["step_time_s"] = float(step_time_s)
     return out
@@ -79,6 +96,9 @@ def rank_metrics(all_stats: list[dict]) -> dict:
         out[f"memory/rank{r}_peak_mib"] = s["peak_memory_bytes"] / 2**20
         if "rss_bytes" in s:
             out[f"memory/rank{r}_rss_mib"] = s["rss_bytes"] / 2**20
+        if "cuda_max_allocated_bytes" in s:  # since the previous log
+            out[f"memory/rank{r}_cuda_max_allocated_mib"] = s["cuda_max_allocated_bytes"] / 2**20
+            out[f"memory/rank{r}_cuda_max_reserved_mib"] = s["cuda_max_reserved_bytes"] / 2**20
         if "step_time_s" in s:
             out[f"perf/rank{r}_step_time_s"] = s["step_time_s"]
     return out
