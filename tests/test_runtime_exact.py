@@ -87,8 +87,9 @@ def _train_on_ranks(ckpt: str, batches, configs, microbatches: int, dp_size: int
         layers = tuple(end - start for start, end in pipe.layout.chunk_layers)
         memory = (stats["peak_activation_microbatches"], stats["peak_stash_microbatches"],
                   stats["peak_activation_bytes"], layers)
+        comm = sorted({(r.op, r.mb) for r in stats["timeline"] if r.lane == "comm" and r.end >= r.start})
         eval_loss = pipe.eval_step(*batches[0])
-        results[(schedule, method, opt_name)] = (losses, pipe.gather_hf_state_dict(), memory, eval_loss)
+        results[(schedule, method, opt_name)] = (losses, pipe.gather_hf_state_dict(), memory, eval_loss, comm)
         pipe.close()
     return results
 
@@ -108,7 +109,17 @@ def _check(world: int, vocab: int, tied: bool, configs, dp_size: int = 1, tmp_pa
             _compare(key, per_rank, world, ref_losses, ref_params, seed)
             for r in range(world):  # evaluation with the forward-only schedule, on the trained weights
                 assert per_rank[r][key][3] == pytest.approx(ref_eval, rel=1e-5), (key, r)
+            _check_comm_lane(key, per_rank, world, microbatches)
     _compare_memory_with_simulator(per_rank, configs, world // dp_size, microbatches, vocab, runs[0])
+
+
+def _check_comm_lane(key, per_rank, world, microbatches):
+    """The measured timeline has each vocabulary collective chain as it ran, on its own lane."""
+    method = key[1]
+    ops = {"vocab-1": ["C0", "C1", "C2", "IB_BCAST", "IF_REDUCE"], "vocab-2": ["C0", "C1", "IB_BCAST", "IF_REDUCE"]}
+    want = sorted((op, mb) for op in ops.get(method, []) for mb in range(microbatches))
+    for r in range(world):
+        assert per_rank[r][key][4] == want, (key, r)
 
 
 def _compare_memory_with_simulator(per_rank, configs, pp, microbatches, vocab, run):

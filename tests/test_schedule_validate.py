@@ -81,3 +81,17 @@ def test_wrong_root():
     acts = [dataclasses.replace(a, peer=0) if a.op is Op.C0 else a for a in s.actions[0]]
     with pytest.raises(ScheduleError, match="root must be rank 1"):
         validate(_with_rank(s, 0, acts))
+
+
+def test_the_validator_sees_each_collective_of_a_chain():
+    """C1 is one IR action but three collectives (max, then the sums after the rescale); the order check
+    compares them one by one and names the one where two ranks part."""
+    from vp_accelerate.schedule.ir import chain_collectives
+
+    assert len(chain_collectives(Op.C1, "vocab-2")) == 3 and len(chain_collectives(Op.C2, "vocab-1")) == 1
+    s = build_schedule("1f1b", "vocab-2", 4, 8)
+    acts = list(s.actions[1])
+    i = next(k for k in range(len(acts) - 1) if acts[k].op is Op.IF_REDUCE and acts[k + 1].op is Op.C1)
+    acts[i], acts[i + 1] = acts[i + 1], acts[i]
+    with pytest.raises(ScheduleError, match=r"rank 1, .*C1.*\(all_reduce max m_i\) but rank 0's is IF_REDUCE"):
+        validate(_with_rank(s, 1, acts))

@@ -6,8 +6,13 @@ decide anything about order — the schedule did; it only executes, waits lazily
 records what it measured.
 
 Laziness where it pays: receives are posted when the IR says and waited on by the pass that consumes
-them; every vocabulary collective (C0, C1, C2, IF reduce, IB broadcast) is started asynchronously and
-waited on by the pass that needs its result, so the barrier overlaps the next transformer pass.
+them; every vocabulary collective chain (C0, C1, C2, IF reduce, IB broadcast) is handed to the
+communication engine (vocab/comm.py: a worker thread on gloo, a CUDA stream on NCCL) and waited on by
+the pass that needs its result, so a chain progresses while this rank computes other passes and no
+rank's compute thread sits on another rank's critical path.
+
+Timeline: passes, WAIT (time a pass spent waiting for its inputs) and the issue of each collective are
+records of the compute lane; each chain as the worker ran it is a record of the "comm" lane.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ class Executor:
         # parameters are not activations: autograd saves views of them (F.linear keeps weight.t()), so
         # their storages are excluded by address rather than by type
         self.meter = ActivationMeter(exclude={p.untyped_storage().data_ptr() for _, p in self.mods.named_parameters()})
+        self.issued: list[tuple[str, int, object]] = []          # every chain: (op, mb, its timer)
         self.live_mb, self.peak_mb = 0.0, 0.0    # weighted (mb, chunk) activations in flight
         self.live_stash, self.peak_stash = 0, 0  # S->T states held
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # a sum of m small terms
@@ -149,6 +155,7 @@ class Executor:
             self._wait(kind, mb)
         for pending in self.inflight:
             pending.wait()
+        records += self._comm_records(t0)
         # each microbatch's Σ g·loss: vocabulary methods know it on every rank, the baseline on the last stage
         losses = {mb: st.loss_sum.detach() for mb, st in self.states.items()}
         losses.update({mb: loss.detach() for mb, loss in self.losses.items()})
@@ -157,6 +164,19 @@ class Executor:
         return StepOutput(loss_sum=loss_sum, records=records, peak_activation_bytes=self.meter.peak,
                           peak_activation_microbatches=self.peak_mb, peak_stash_microbatches=self.peak_stash,
                           microbatch_losses=losses)
+
+    def _issue(self, op: str, mb: int, pending):
+        if pending.timer is not None:
+            self.issued.append((op, mb, pending.timer))
+        return pending
+
+    def _comm_records(self, t0: float) -> list[TimedAction]:
+        """The chains as they ran on the communication worker (none on CUDA: a stream is not host-timed)."""
+        out = []
+        for op, mb, timer in self.issued:
+            start, end = timer.span()
+            out.append(TimedAction(self.g.rank, op, mb, 0, start - t0, end - t0, lane="comm"))
+        return out
 
     # ---- point to point ----------------------------------------------------------------------
     def _p2p(self, acts: list[Action]) -> None:
@@ -326,8 +346,8 @@ class Executor:
     def _do_IF_REDUCE(self, a: Action) -> None:
         # vocabulary collectives name their root by its rank in the group, i.e. its pipeline rank
         # asynchronous: F of chunk 0 waits for it, other ranks only at the end of the step
-        pending = vemb.if_reduce(self.partials.pop(a.mb), self.schedule.chunk_rank[0], self.g.vocab_group,
-                                 async_op=True)
+        pending = self._issue("IF_REDUCE", a.mb, vemb.if_reduce(
+            self.partials.pop(a.mb), self.schedule.chunk_rank[0], self.g.vocab_group, async_op=True))
         if self.g.rank == self._owner(0):
             self.partials[a.mb] = pending
         else:
@@ -336,7 +356,8 @@ class Executor:
     def _do_IB_BCAST(self, a: Action) -> None:
         src = self.schedule.chunk_rank[0]
         grad = self.emb_grads.pop(a.mb).contiguous() if self.g.pp_rank == src else self._empty_act()
-        self.emb_grads[a.mb] = vemb.ib_broadcast(grad, src, self.g.vocab_group, async_op=True)  # IB waits
+        self.emb_grads[a.mb] = self._issue("IB_BCAST", a.mb, vemb.ib_broadcast(  # IB waits
+            grad, src, self.g.vocab_group, async_op=True))
 
     def _do_IB(self, a: Action) -> None:
         mb = self.mbs[a.mb]
@@ -355,7 +376,7 @@ class Executor:
             x = self._output_for_consumer(a.mb, self.last_chunk)
         else:
             x = self._empty_act()
-        self.x[a.mb] = vout.broadcast_x(x, src, self.g.vocab_group, async_op=True)  # S waits
+        self.x[a.mb] = self._issue("C0", a.mb, vout.broadcast_x(x, src, self.g.vocab_group, async_op=True))  # S waits
 
     def _do_S(self, a: Action) -> None:
         mb = self.mbs[a.mb]
@@ -381,7 +402,8 @@ class Executor:
         return self._low_weights[key]
 
     def _do_C1(self, a: Action) -> None:
-        self.pending[("C1", a.mb)] = vout.c1(self.states[a.mb], self.g.vocab_group, async_op=True)
+        self.pending[("C1", a.mb)] = self._issue("C1", a.mb, vout.c1(self.states[a.mb], self.g.vocab_group,
+                                                                     async_op=True))
 
     def _wait(self, kind: str, mb: int) -> None:
         """Complete an async C1/C2; keep ∂L/∂X where the last chunk's B will need it."""
@@ -406,7 +428,8 @@ class Executor:
             self._drop_state(a.mb)
 
     def _do_C2(self, a: Action) -> None:
-        self.pending[("C2", a.mb)] = vout.c2(self.states[a.mb], self.g.vocab_group, async_op=True)
+        self.pending[("C2", a.mb)] = self._issue("C2", a.mb, vout.c2(self.states[a.mb], self.g.vocab_group,
+                                                                     async_op=True))
 
     def _vocab_grad_x(self, mb: int) -> torch.Tensor:
         self._wait("C1", mb)

@@ -33,6 +33,7 @@ from vp_accelerate.runtime.groups import build_groups
 from vp_accelerate.runtime import precision, watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
+from vp_accelerate.vocab import comm
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
 from vp_accelerate.vocab.partition import VocabPartition
 
@@ -346,7 +347,9 @@ class PipelineModel:
             raise
 
     def close(self) -> None:
-        """Stop the process's watchdog at a normal end of training (peers may then exit in any order)."""
+        """Stop the process's watchdog at a normal end of training (peers may then exit in any order),
+        and the vocabulary group's communication worker."""
+        comm.close_worker(self.groups.vocab_group)
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None

@@ -52,6 +52,18 @@ P2P = frozenset({Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD})
 COLLECTIVES = frozenset({Op.C0, Op.C1, Op.C2, Op.IF_REDUCE, Op.IB_BCAST})
 
 
+def chain_collectives(op: Op, method: str) -> tuple[str, ...]:
+    """The collectives one collective action runs on every rank, in order (its chain; vocab/comm.py runs
+    the whole chain off the compute thread). C1 is one action of the IR but three collectives with the
+    rescale exp(m_i − m) between the first and the last: the validator and the simulator see each."""
+    if op is Op.C1:
+        if method == "vocab-2":
+            return ("all_reduce max m_i", "all_reduce sum [c_i, t_i]", "all_reduce sum [s_i, a_i] rescaled")
+        return ("all_reduce max m_i", "all_reduce sum t_i", "all_reduce sum s_i rescaled")
+    return {Op.C0: ("broadcast X",), Op.C2: ("all_reduce sum grad_x_i",), Op.IF_REDUCE: ("reduce embedding",),
+            Op.IB_BCAST: ("broadcast grad_emb",)}.get(op, ())
+
+
 @dataclass(frozen=True)
 class Action:
     """One step of one rank's program."""
@@ -151,3 +163,6 @@ class TimedAction:
     """Seconds from the step start."""
     end: float
     """Seconds from the step start."""
+    lane: str = "compute"
+    """"compute": on the rank's compute thread (passes, WAIT, the issue of a collective); "comm": a
+    collective chain as it ran on the rank's communication worker (its own timeline row)."""

@@ -4,7 +4,8 @@ Checks, in order:
 1. each action is legal on its rank (ownership, peers, method) and its local prerequisites came
    earlier on that rank (cross-rank data arrives only through a receive or a collective);
 2. counts: every expected action exactly once per rank;
-3. every rank issues the vocabulary collectives in the same global order;
+3. every rank issues the vocabulary collectives in the same global order, each expanded into the
+   collectives of its chain (`chain_collectives`: C1 is max -> sums), as the communication worker runs them;
 4. a replay with non-blocking sends, blocking receives (matched in order per sender->receiver pair,
    as NCCL does) and blocking collectives finishes, with no send left unreceived.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import COLLECTIVES, Action, Op, Schedule, ScheduleError
+from .ir import COLLECTIVES, Action, Op, Schedule, ScheduleError, chain_collectives
 
 
 def validate(schedule: Schedule) -> None:
@@ -132,17 +133,19 @@ _AFTER = {Op.IF_REDUCE: Op.IF, Op.S: Op.C0, Op.C1: Op.S, Op.T: Op.C1, Op.C2: Op.
 
 
 def _collectives(s: Schedule, r: int) -> list:
-    return [(i, a) for i, a in enumerate(s.actions[r]) if a.op in COLLECTIVES]
+    """(action index, action, collective of its chain) for every collective rank r runs, in order."""
+    return [(i, a, sub) for i, a in enumerate(s.actions[r]) if a.op in COLLECTIVES
+            for sub in chain_collectives(a.op, s.method)]
 
 
 def _check_collective_order(s: Schedule) -> None:
-    ref = [(a.op, a.mb) for _, a in _collectives(s, 0)]
+    ref = [(a.op, a.mb, sub) for _, a, sub in _collectives(s, 0)]
     for r in range(1, s.num_ranks):
         mine = _collectives(s, r)
-        for k, (i, a) in enumerate(mine):
-            if k >= len(ref) or (a.op, a.mb) != ref[k]:
-                other = f"{Action(ref[k][0], ref[k][1])}" if k < len(ref) else "nothing"
-                raise _err(r, i, a, f"is this rank's collective #{k} but rank 0's is {other}: "
+        for k, (i, a, sub) in enumerate(mine):
+            if k >= len(ref) or (a.op, a.mb, sub) != ref[k]:
+                other = f"{Action(ref[k][0], ref[k][1])} ({ref[k][2]})" if k < len(ref) else "nothing"
+                raise _err(r, i, a, f"is this rank's collective #{k} ({sub}) but rank 0's is {other}: "
                                     "all ranks must issue the vocabulary collectives in one order")
         if len(mine) < len(ref):
             raise ScheduleError(f"rank {r} issues {len(mine)} collectives, rank 0 issues {len(ref)}")

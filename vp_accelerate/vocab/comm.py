@@ -1,41 +1,75 @@
-"""Collective helpers of the vocabulary layers: a `Pending` handle and group-rank addressing.
+"""How the vocabulary collectives run: a `Pending` handle per chain, and the engine that progresses it.
 
-Every collective entry point (C0, C1, C2, IF reduce, IB broadcast) returns a `Pending`. With
-`async_op=False` it is already complete; otherwise the caller may run other work and call `wait()`,
-which waits for the issued collectives and then runs the step's finalization (which may itself issue
-the dependent rest of the step's collectives, e.g. C1's sums need C1's max first).
+Every collective entry point (C0, C1, C2, IF reduce, IB broadcast) is a *chain*: a function that runs
+one or more collectives and the small compute between them (C1: max all-reduce -> rescale -> sums
+all-reduce) and returns the step's result. The caller gets a `Pending` at once and only waits on it.
+
+Why a chain must progress on its own: if a dependent collective (C1's sums need C1's max) were issued
+by the consuming pass, every rank would wait for the slowest rank to reach its consumer. So:
+
+- gloo (CPU tensors): one communication worker thread per process group runs the chains in
+  submission order. One thread per group keeps the collective order identical on every rank (the
+  callers submit in schedule order) and means the group is never used from two threads at once —
+  gloo process groups are not safe for that. All collectives on a vocabulary group must therefore go
+  through `submit` (the pipeline's p2p traffic uses another group).
+- NCCL (CUDA tensors): the chain is issued at once on a dedicated CUDA stream that first waits for
+  the compute stream (an event after the producer); the consumer's stream waits on the chain's
+  done-event. No host synchronisation on the critical path. The caching allocator is told which
+  streams use which tensors (`record_stream`) so a buffer is not reused while the other stream reads it.
+
+With `async_op=False` the caller waits at once (same path, same order).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import queue
+import threading
+import time
+from dataclasses import fields, is_dataclass
+from typing import Any, Callable, Iterable, Sequence
 
+import torch
 import torch.distributed as dist
 
 
 class Pending:
-    """Handle of collectives in flight; `wait()` completes them and returns the step's result."""
+    """Handle of one collective chain in flight; `wait()` completes it and returns the chain's result."""
 
-    def __init__(self, works: Sequence[Any] = (), finalize: Callable[[], Any] | None = None):
+    def __init__(self, works: Sequence[Any] = (), finalize: Callable[[], Any] | None = None, *,
+                 job: Any = None, label: str = ""):
+        # works + finalize: collectives already issued on the caller's thread (kept for callers that
+        # issue their own); job: a chain handed to a communication engine.
         self._works = [w for w in works if w is not None]
         self._finalize = finalize
+        self._job = job
         self._done = False
         self._result: Any = None
+        self.label = label
+        """What the chain is (e.g. "C1"), for timelines."""
 
     @property
     def done(self) -> bool:
         """True once `wait()` has run (always true for a synchronous call)."""
         return self._done
 
+    @property
+    def timer(self) -> "_ThreadJob | None":
+        """What times the chain on the communication worker (`.span()`), None where nothing does (an
+        already-issued work list, CUDA streams). Holds no tensors, so it may outlive the result."""
+        return self._job if isinstance(self._job, _ThreadJob) else None
+
     def wait(self) -> Any:
-        """Wait for the collectives, finalize the state once, and return the result (idempotent)."""
+        """Wait for the chain and return its result (idempotent); re-raises the chain's error."""
         if not self._done:
-            for w in self._works:
-                w.wait()
-            self._works = []
-            if self._finalize is not None:
-                self._result = self._finalize()
-                self._finalize = None
+            if self._job is not None:
+                self._result = self._job.result()
+            else:
+                for w in self._works:
+                    w.wait()
+                self._works = []
+                if self._finalize is not None:
+                    self._result = self._finalize()
+                    self._finalize = None
             self._done = True
         return self._result
 
@@ -53,3 +87,159 @@ def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
         return group_rank
     return dist.get_global_rank(group, group_rank)
 
+
+# ---- the engines ---------------------------------------------------------------------------------
+
+def submit(chain: Callable[[], Any], group: dist.ProcessGroup | None, device: torch.device,
+           inputs: Iterable[torch.Tensor] = (), label: str = "", async_op: bool = True) -> Pending:
+    """Run `chain` (collectives on `group` and the compute between them) off the caller's critical path.
+
+    `device` is where the chain's tensors live (CUDA: stream engine; else the group's worker thread).
+    `inputs` are the tensors the chain reads that the caller's stream produced (CUDA only needs them).
+    """
+    if device.type == "cuda":
+        job: Any = _StreamJob(chain, device, list(inputs))
+    else:
+        job = worker(group).submit(chain)
+    return finish(Pending(job=job, label=label), async_op)
+
+
+class _ThreadJob:
+    """One chain queued on a `CommWorker`."""
+
+    def __init__(self, chain: Callable[[], Any]):
+        self.chain = chain
+        self.finished = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.start = self.end = 0.0
+
+    def run(self) -> None:
+        self.start = time.perf_counter()
+        try:
+            with torch.no_grad():  # grad mode is per thread; the chains never build graphs
+                self.value = self.chain()
+        except BaseException as e:  # handed to the waiter, which re-raises it on its own thread
+            self.error = e
+        finally:
+            self.chain = None
+            self.end = time.perf_counter()
+            self.finished.set()
+
+    def result(self) -> Any:
+        """The chain's value (once: the job lets go of it so that it can be kept as a timer)."""
+        self.finished.wait()
+        if self.error is not None:
+            raise RuntimeError(f"a vocabulary collective failed on the communication worker: {self.error}"
+                               ) from self.error
+        value, self.value = self.value, None
+        return value
+
+    def span(self) -> tuple[float, float]:
+        """(start, end) of the chain on the worker, in `time.perf_counter()` seconds (waits for it)."""
+        self.finished.wait()
+        return self.start, self.end
+
+
+class CommWorker:
+    """A single daemon thread that runs submitted chains one after another, in submission order."""
+
+    def __init__(self, name: str = "vp-comm"):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, chain: Callable[[], Any]) -> _ThreadJob:
+        job = _ThreadJob(chain)
+        self._queue.put(job)
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.run()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop after the chains already queued (a daemon thread stuck in a collective is left behind)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+
+_WORKERS: dict[Any, CommWorker] = {}
+_WORKERS_LOCK = threading.Lock()
+
+
+def worker(group: dist.ProcessGroup | None) -> CommWorker:
+    """The communication worker of `group` (one per group and process, started on first use)."""
+    key = dist.GroupMember.WORLD if group is None else group
+    with _WORKERS_LOCK:
+        w = _WORKERS.get(key)
+        if w is None:
+            w = _WORKERS[key] = CommWorker()
+        return w
+
+
+def close_worker(group: dist.ProcessGroup | None) -> None:
+    """Stop `group`'s communication worker, if it has one (its queued chains finish first)."""
+    key = dist.GroupMember.WORLD if group is None else group
+    with _WORKERS_LOCK:
+        w = _WORKERS.pop(key, None)
+    if w is not None:
+        w.close()
+
+
+def close_workers() -> None:
+    """Stop every communication worker (e.g. before destroying the process groups)."""
+    with _WORKERS_LOCK:
+        workers = list(_WORKERS.values())
+        _WORKERS.clear()
+    for w in workers:
+        w.close()
+
+
+_STREAMS: dict[torch.device, Any] = {}
+
+
+def _comm_stream(device: torch.device):
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device=device)
+    return _STREAMS[device]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Tensors reachable from a chain's result (a tensor, a list/tuple of them, or a dataclass state)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if is_dataclass(value) and not isinstance(value, type):
+        return [t for f in fields(value) for t in _tensors(getattr(value, f.name))]
+    return []
+
+
+class _StreamJob:
+    """A chain issued at once on the device's communication stream, ordered by events."""
+
+    def __init__(self, chain: Callable[[], Any], device: torch.device, inputs: list[torch.Tensor]):
+        compute = torch.cuda.current_stream(device)
+        comm = _comm_stream(device)
+        ready = torch.cuda.Event()
+        ready.record(compute)  # after the producer
+        comm.wait_event(ready)
+        for t in inputs:  # made on the compute stream, read on the comm stream: keep them until it has
+            if t.is_cuda:
+                t.record_stream(comm)
+        with torch.cuda.stream(comm), torch.no_grad():
+            self.value = chain()
+        self.done = torch.cuda.Event()
+        self.done.record(comm)
+
+    def result(self) -> Any:
+        consumer = torch.cuda.current_stream()
+        consumer.wait_event(self.done)  # the device waits, the host does not
+        for t in _tensors(self.value):  # made on the comm stream, used (and freed) on the consumer's
+            if t.is_cuda:
+                t.record_stream(consumer)
+        return self.value

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_float, check_token_ids
-from .comm import Pending, finish, global_rank
+from .comm import Pending, global_rank, submit
 from .partition import VocabPartition
 
 
@@ -46,9 +46,13 @@ def embed_partial(ids: torch.Tensor, weight: torch.Tensor, partition: VocabParti
 def if_reduce(partial: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
               async_op: bool = False) -> Pending:
     """IF (collective): sum the partials in place into group rank `dst`; its `wait()` returns the tensor
-    (the full embedding output on `dst`, unspecified elsewhere)."""
-    work = dist.reduce(partial, global_rank(group, dst), op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return finish(Pending([work], lambda: partial), async_op)
+    (the full embedding output on `dst`, unspecified elsewhere). Runs on the communication engine."""
+
+    def chain() -> torch.Tensor:
+        dist.reduce(partial, global_rank(group, dst), op=dist.ReduceOp.SUM, group=group)
+        return partial
+
+    return submit(chain, group, partial.device, [partial], "IF_REDUCE", async_op)
 
 
 def ib_broadcast(grad: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
@@ -56,8 +60,12 @@ def ib_broadcast(grad: torch.Tensor, src: int, group: dist.ProcessGroup | None =
     """IB (collective): broadcast ∂L/∂emb in place from group rank `src` (grad is the buffer elsewhere)."""
     if not grad.is_contiguous():
         raise ValueError("grad must be contiguous to be broadcast; pass grad.contiguous()")
-    work = dist.broadcast(grad, global_rank(group, src), group=group, async_op=True)
-    return finish(Pending([work], lambda: grad), async_op)
+
+    def chain() -> torch.Tensor:
+        dist.broadcast(grad, global_rank(group, src), group=group)
+        return grad
+
+    return submit(chain, group, grad.device, [grad], "IB_BCAST", async_op)
 
 
 def embed_backward(ids: torch.Tensor, grad: torch.Tensor, weight_grad: torch.Tensor,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_float, check_same_dtype, check_token_ids
-from .comm import Pending, finish, global_rank
+from .comm import Pending, global_rank, submit
 from .logits import chunk_logit_derivative, chunk_logits, chunk_ranges, target_columns
 from .partition import VocabPartition
 
@@ -198,8 +198,12 @@ def broadcast_x(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = Non
     """C0: broadcast X in place from group rank `src` (x is the receive buffer on the other ranks)."""
     if not x.is_contiguous():
         raise ValueError("x must be contiguous to be broadcast; pass x.contiguous()")
-    work = dist.broadcast(x, global_rank(group, src), group=group, async_op=True)
-    return finish(Pending([work], lambda: x), async_op)
+
+    def chain() -> torch.Tensor:
+        dist.broadcast(x, global_rank(group, src), group=group)
+        return x
+
+    return submit(chain, group, x.device, [x], "C0", async_op)
 
 
 def s_pass(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weight: torch.Tensor,
@@ -277,23 +281,31 @@ def _shard_weight(state: OutputState) -> torch.Tensor:
 def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: bool = True) -> Pending:
     """C1: global softmax statistics and the loss; vocab-2 also ∇x, naive also ∇x (its extra barriers).
 
-    Collectives that do not depend on each other are issued at once; `wait()` issues the sums that need
-    the global max and finalizes `state` (loss, loss_sum, and grad_x for naive / vocab-2).
+    The whole chain runs on the communication engine (comm.py): the max all-reduce (with the sums that
+    do not need it riding along), the rescale by exp(m_i − m), then the sums all-reduce — so it
+    completes as soon as every rank has issued it, whatever each rank's compute thread does meanwhile.
+    `wait()` returns once `state` is final (loss, loss_sum, and grad_x for naive / vocab-2). The
+    sub-collectives are listed, in order, by `schedule.ir.chain_collectives`.
     """
     if state.c1_done:
         raise RuntimeError("c1 already ran for this microbatch state")
     algo = state.opts.algorithm
-    mx = state.local_max.clone()
-    works = [dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+    inputs = [state.local_max, state.local_sum, state.local_target]
     if algo == "vocab-2":
-        # Σ c_i and Σ t_i do not need the max: they ride along with it.
-        ct = torch.cat([state.local_c, state.local_target[:, None]], dim=1)
-        works.append(dist.all_reduce(ct, group=group, async_op=True))
-    elif algo == "vocab-1":
-        tt = state.local_target.clone()
-        works.append(dist.all_reduce(tt, group=group, async_op=True))
+        inputs += [state.local_a, state.local_c]
 
-    def finalize() -> None:
+    def chain() -> OutputState:
+        mx = state.local_max.clone()
+        works = [dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+        if algo == "vocab-2":
+            # Σ c_i and Σ t_i do not need the max: they ride along with it.
+            ct = torch.cat([state.local_c, state.local_target[:, None]], dim=1)
+            works.append(dist.all_reduce(ct, group=group, async_op=True))
+        elif algo == "vocab-1":
+            tt = state.local_target.clone()
+            works.append(dist.all_reduce(tt, group=group, async_op=True))
+        for w in works:
+            w.wait()
         state.row_max = mx
         w = _shard_weight(state)
         if algo == "vocab-2":
@@ -319,8 +331,11 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
             dist.all_reduce(gx, group=group)
             state.grad_x = gx.to(state.x.dtype).reshape(state.x_shape)
         state.c1_done = True
+        return state
 
-    return finish(Pending(works, finalize), async_op)
+    if algo == "naive":  # its third barrier needs the logits and the weight shard too
+        inputs += [state.x, state.weight] + list(state.logits or [])
+    return submit(chain, group, state.local_max.device, inputs, "C1", async_op)
 
 
 def t_pass(state: OutputState, weight_grad: torch.Tensor | None) -> None:
@@ -347,19 +362,20 @@ def t_pass(state: OutputState, weight_grad: torch.Tensor | None) -> None:
 
 
 def c2(state: OutputState, group: dist.ProcessGroup | None = None, async_op: bool = True) -> Pending:
-    """C2 (vocab-1 only): all-reduce the shards' ∇x_i into `state.grad_x`."""
+    """C2 (vocab-1 only): all-reduce the shards' ∇x_i into `state.grad_x` (on the communication engine)."""
     if state.opts.algorithm != "vocab-1":
         raise ValueError(f"c2 exists only for vocab-1; {state.opts.algorithm} has grad_x after c1")
     if not state.t_done:
         raise RuntimeError("c2 needs ∇x_i from t_pass: run t_pass first")
     gx = state.grad_x_local
-    work = dist.all_reduce(gx, group=group, async_op=True)
 
-    def finalize() -> None:
+    def chain() -> OutputState:
+        dist.all_reduce(gx, group=group)
         state.grad_x = gx.to(state.x.dtype).reshape(state.x_shape)
         state.grad_x_local = None
+        return state
 
-    return finish(Pending([work], finalize), async_op)
+    return submit(chain, group, gx.device, [gx], "C2", async_op)
 
 
 def run_output_layer(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weight: torch.Tensor,
