@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "selftest": ("vp_accelerate.vocab.selftest", "main", "check the vocabulary-parallel math on N ranks"),
     "simulate": ("vp_accelerate.sim.commands", "simulate_main", "simulate a schedule: step time, MFU, memory"),
     "plot-schedule": ("vp_accelerate.sim.commands", "plot_schedule_main", "draw a schedule's timeline as PNG"),
+    "plan": ("vp_accelerate.train.plan_command", "plan_main",
+             "the fastest layouts of a model on N GPUs (schedule, method, pp x dp, microbatches, memory)"),
     "bench": ("vp_accelerate.bench.run", "bench_main", "benchmark methods side by side on local ranks"),
 }
 

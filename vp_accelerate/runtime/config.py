@@ -13,7 +13,8 @@ from typing import Literal, Optional
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, normalise_method, normalise_schedule
 
 # The recipe loader checks these (case-insensitively, with a "did you mean"); the names are the registry's.
-ScheduleName = Literal[tuple(SCHEDULES)]
+ScheduleName = Literal[tuple(SCHEDULES) + ("auto",)]
+AUTO = "auto"  # schedule "auto": the trainer asks the planner (sim/plan.py) for the whole layout
 MethodName = Literal[tuple(METHODS)]
 MemoryMode = Literal["store", "recompute"]
 
@@ -24,7 +25,9 @@ class PipelineConfig:
 
     schedule: ScheduleName = "1f1b"
     """Pipeline schedule, a key of schedule.registry.SCHEDULES (any case): "1f1b", "vhalf" (zero-bubble
-    V shape, B/W split) or "interleaved"."""
+    V shape, B/W split) or "interleaved"; or "auto" (recipes only): the trainer simulates every layout
+    (`vp-accelerate plan`) and takes the fastest that fits — schedule, method, microbatches, memory,
+    dp_size and pp_size are then the plan's, printed at start."""
 
     method: MethodName = "vocab-2"
     """Where the vocabulary layers live, a key of schedule.registry.METHODS (any case): "baseline"
@@ -77,12 +80,19 @@ class PipelineConfig:
     "selective" every other layer of each chunk (the 1st, 3rd, ...), halving the saving and the extra
     forward compute."""
 
+    plan_memory_gb: Optional[float] = None
+    """With schedule "auto": memory per rank the plan may fill, GB; None = the GPU's total memory (on CPU
+    the host's memory divided by the ranks)."""
+
     watchdog_dead_after_s: Optional[float] = 60.0
     """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
 
     def __post_init__(self):
         # canonical names, so `1F1B` and `Vocab-2` work and an unknown name fails here with the valid ones
-        self.schedule = normalise_schedule(self.schedule)
+        if not (isinstance(self.schedule, str) and self.schedule.strip().lower() == AUTO):
+            self.schedule = normalise_schedule(self.schedule)
+        else:
+            self.schedule = AUTO
         self.method = normalise_method(self.method)
         if self.layers_per_stage is not None:  # a list from the API or YAML; the layout wants a tuple
             self.layers_per_stage = tuple(self.layers_per_stage)

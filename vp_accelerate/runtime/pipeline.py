@@ -66,6 +66,9 @@ class PipelineModel:
                  seed: int = 0, device: torch.device | str | None = None, adapter: AdapterConfig | None = None):
         cfg = config or PipelineConfig()
         cfg.check()  # a bad value fails here, before any process group or weights
+        if cfg.schedule == "auto":
+            raise ValueError("schedule: 'auto' is resolved by the trainer from a recipe; PipelineModel needs a "
+                             "concrete schedule (see `vp-accelerate plan` for the best one)")
         self.adapter = (adapter or AdapterConfig()).check()
         self.cfg = cfg
         init_from_env()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import sys
 
@@ -42,11 +43,17 @@ def train_main(argv: list[str] | None = None) -> int:
                          "checked too (under a launcher, WORLD_SIZE is used)")
     args = ap.parse_args(argv)
 
+    from .plan_command import resolve_auto
     from .preflight import check_plan, world_size_from_env
     from .recipe import RecipeError, load_recipe, recipe_to_dict
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        recipe, plan = resolve_auto(recipe, args.world_size or world_size_from_env())
+        if plan is not None and os.environ.get("RANK", "0") == "0":
+            print(f"pipeline.schedule auto: {plan.describe()} (predicted {plan.tokens_per_s:.0f} tokens/s, "
+                  f"MFU {plan.mfu * 100:.1f}%, bubble {plan.bubble * 100:.1f}%, peak "
+                  f"{max(plan.peak_memory_gb):.1f} GB per rank)", file=sys.stderr, flush=True)
         # model/tokenizer/schedule checks, before accelerate starts a process group (every rank runs them)
         world = world_size_from_env()
         # one process (or --check): also convert tokenizers and count a swap's rows; launched ranks skip that

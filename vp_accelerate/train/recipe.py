@@ -331,12 +331,15 @@ def check(recipe: Recipe) -> Recipe:
     if p.mixed_precision not in (None, "no") and t.precision != "fp32":
         raise RecipeError(f"pipeline.mixed_precision: {p.mixed_precision} keeps fp32 master weights and needs "
                           f"train.precision: fp32 (got {t.precision}); set one of the two, not both")
-    if t.global_batch % p.dp_size:
+    if p.schedule == "auto":  # the planner chooses dp_size and microbatches; checked again once it has
+        if p.layers_per_stage is not None:
+            raise RecipeError("pipeline.layers_per_stage: cannot be set with schedule auto (the plan splits the "
+                              "layers); drop it or name a schedule")
+    elif t.global_batch % p.dp_size:
         raise RecipeError(f"train.global_batch: {t.global_batch} is not divisible by pipeline.dp_size={p.dp_size}")
-    per_replica = t.global_batch // p.dp_size
-    if per_replica % p.microbatches:
-        raise RecipeError(f"train.global_batch: the per-replica batch {per_replica} (global_batch / dp_size) "
-                          f"is not divisible by pipeline.microbatches={p.microbatches}")
+    elif (t.global_batch // p.dp_size) % p.microbatches:
+        raise RecipeError(f"train.global_batch: the per-replica batch {t.global_batch // p.dp_size} (global_batch / "
+                          f"dp_size) is not divisible by pipeline.microbatches={p.microbatches}")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise RecipeError(f"optimizer.betas: expected two values in [0, 1), got {o.betas}")
     if o.lr <= 0 or o.eps <= 0 or o.weight_decay < 0:
