@@ -189,3 +189,18 @@ def test_check_states_the_format_and_the_template(tok, tmp_path, capsys):
                                         "train": {"global_batch": 2}}))
         assert train_main([str(path), "--check", "--world-size", "2"]) == 0
         assert expected in capsys.readouterr().err
+
+
+def test_demo_chat_set_is_valid_and_deterministic(tmp_path):
+    pytest.importorskip("babel")
+    from vp_accelerate.train.chat_corpus import make_demo_chat
+
+    counts = make_demo_chat(str(tmp_path / "a"), conversations=200, seed=3)
+    make_demo_chat(str(tmp_path / "b"), conversations=200, seed=3)
+    assert counts == {"train": 190, "eval": 10}
+    text = (tmp_path / "a" / "train.jsonl").read_text()
+    assert text == (tmp_path / "b" / "train.jsonl").read_text()
+    for line in text.splitlines():
+        messages = json.loads(line)["messages"]
+        sft.check_messages(messages)  # known roles, an assistant turn, string contents
+        assert all(m["content"] for m in messages)

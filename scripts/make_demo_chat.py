@@ -1,0 +1,29 @@
+#!/usr/bin/env python
+"""Write the demo chat set (question/answer conversations from Babel/CLDR, Faker and Python docstrings).
+
+    python scripts/make_demo_chat.py --out outputs/demo_chat --conversations 4000 --seed 0
+
+Offline and deterministic for a seed and package versions; needs `pip install faker babel` (the `demo`
+extra). See vp_accelerate/train/chat_corpus.py for what the conversations are.
+"""
+
+import argparse
+import json
+import sys
+
+from vp_accelerate.train.chat_corpus import make_demo_chat
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="outputs/demo_chat", help="output directory")
+    ap.add_argument("--conversations", type=int, default=4000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    counts = make_demo_chat(args.out, args.conversations, args.seed)
+    print(json.dumps(counts), f"-> {args.out}/train.jsonl, {args.out}/eval.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
