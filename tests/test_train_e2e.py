@@ -133,6 +133,11 @@ def test_checkpoint_records_the_layout(full_run):
     meta = ckpt.read_meta(ckpt.read_latest(str(run_dir / "ckpt")))
     fp = meta["fingerprint"]
     assert fp["world_size"] == 2 and fp["method"] == "vocab-2" and len(fp["layout"]) == 2
+    # the layout is describe()'s fields (RankLayout.placement), not its text: chunks, layers, vocabulary rows
+    assert [r["chunks"] for r in fp["layout"]] == [[{"chunk": 0, "start": 0, "end": 2}],
+                                                   [{"chunk": 1, "start": 2, "end": 4}]]
+    v = meta["vocab_size"]
+    assert [r["vocab_rows"] for r in fp["layout"]] == [[0, (v + 1) // 2], [(v + 1) // 2, v]]
     assert meta["sharded_names"] == ["lm_head.weight", "model.embed_tokens.weight"]
     with pytest.raises(ckpt.CheckpointError, match="method: checkpoint has 'vocab-2', this run has 'baseline'"):
         ckpt.check_fingerprint(fp, {**fp, "method": "baseline"}, "ckpt")

@@ -1,13 +1,16 @@
 """The pipeline engine: run any schedule of the IR on real ranks. `PipelineModel` is the public API.
 
-`PipelineConfig` imports without torch (the training recipe is validated with it before anything
-heavy loads); `PipelineModel` and `StepResult` load the engine on first use.
+`PipelineConfig` and the layout records of `describe()` import without torch (the training recipe
+is validated with it before anything heavy loads); `PipelineModel` and `StepResult` load the engine on
+first use.
 """
 
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
+from vp_accelerate.runtime.describe import ChunkLayers, PipelineLayout, RankLayout
 
-__all__ = ["AdapterConfig", "PipelineConfig", "PipelineModel", "StepResult"]
+__all__ = ["AdapterConfig", "ChunkLayers", "PipelineConfig", "PipelineLayout", "PipelineModel", "RankLayout",
+           "StepResult"]
 
 
 def __getattr__(name):

@@ -27,6 +27,7 @@ from vp_accelerate.distributed import init_from_env
 from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config, split_counts
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
+from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
 from vp_accelerate.runtime.groups import build_groups
@@ -165,23 +166,20 @@ class PipelineModel:
     def dp_size(self) -> int:
         return self.groups.dp_size
 
-    def describe(self) -> str:
-        """One line saying what this rank holds."""
-        chunks = ", ".join(f"chunk {c}: layers {s}-{e - 1}" for c in self.layout.chunks_of(self.pp_rank)
-                           for s, e in [self.layout.chunk_layers[c]])
+    def describe(self) -> RankLayout:
+        """What this rank holds (chunks, decoder layers, vocabulary rows, parameter size); `str()` of it is
+        one line for a person. Not a collective: gather it from every rank into a `PipelineLayout`."""
+        chunks = tuple(ChunkLayers(c, *self.layout.chunk_layers[c]) for c in self.layout.chunks_of(self.pp_rank))
+        rows = None
         if self.vocab:
             start, end = self.partition.shard_range(self.pp_rank)
-            vocab = (f"vocab rows {start}-{min(end, self.partition.vocab_size) - 1} of {self.partition.vocab_size}"
-                     f" (embedding{' + tied' if self.mods.tied else ' + lm_head'})")
-        else:
-            parts = []
-            if self.pp_rank == self.layout.first_rank:
-                parts.append("full embedding")
-            if self.pp_rank == self.layout.last_rank:
-                parts.append("norm + full lm_head + loss")
-            vocab = ", ".join(parts) or "no vocabulary layers"
-        return (f"rank {self.rank} (pp {self.pp_rank}/{self.groups.pp_size}, dp {self.dp_rank}/{self.dp_size}): "
-                f"{chunks}; {vocab}; {self.param_bytes() / 2**20:.1f} MiB of parameters")
+            rows = (start, min(end, self.partition.vocab_size))
+        first, last = self.pp_rank == self.layout.first_rank, self.pp_rank == self.layout.last_rank
+        return RankLayout(rank=self.rank, pp_rank=self.pp_rank, pp_size=self.groups.pp_size, dp_rank=self.dp_rank,
+                          dp_size=self.dp_size, chunks=chunks, vocab_size=self.hf_config.vocab_size, vocab_rows=rows,
+                          tied=bool(self.mods.tied), full_embedding=not self.vocab and first,
+                          full_head=not self.vocab and last, param_count=sum(p.numel() for p in self.parameters()),
+                          param_bytes=self.param_bytes())
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]

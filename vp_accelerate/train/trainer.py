@@ -1,4 +1,5 @@
-"""The training loop: accelerate for processes and tracking, PipelineModel for the model.
+"""The training run: `setup` builds it from a recipe, `train` loops over steps (the step, logging,
+evaluation and checkpoints are the small functions of loop.py; save/resume are in run_state.py).
 
 accelerate starts the processes (`accelerate launch`), sets the device, seeds, orders the main
 process first where files are written, and hosts the wandb tracker. The pipeline engine owns the model:
@@ -9,20 +10,20 @@ shards), and we optimize `pipe.parameters()` with a plain torch AdamW on every r
 from __future__ import annotations
 
 import logging
-import math
 import os
-import time
 
 import torch
 
-from . import checkpoint as ckpt
-from .data import DataError, build_data
-from .nonfinite import NonFiniteError, check_weights_before_save, step_problem
+from .data import build_data
+from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer, build_scheduler
 from .presets import model_source, resolve_config
 from .recipe import Recipe, recipe_to_dict
+from .run_state import fingerprint, resume_run
 from .tokenizer import load_tokenizer
-from .tracking import Tracker, gather, plot_measured_timeline, rank_metrics, rank_stats, world_mean
+from .tracking import Tracker, gather, plot_measured_timeline
+
+__all__ = ["build_pipeline", "evaluate", "fingerprint", "make_accelerator", "setup", "train"]
 
 log = logging.getLogger("vp_accelerate.train")
 
@@ -129,28 +130,38 @@ def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = No
     return pipe, plan
 
 
-def fingerprint(recipe: Recipe, pipe, layout_lines: list[str]) -> dict:
-    """What must match for a checkpoint to be resumed by this run (layout, model, data order)."""
-    p = recipe.pipeline
-    return {"model": ckpt.config_fingerprint(pipe.hf_config), "world_size": pipe.world_size,
-            "dp_size": pipe.dp_size, "schedule": p.schedule, "method": p.method,
-            "chunks_per_rank": p.chunks_per_rank, "pad_multiple": p.pad_multiple, "layout": layout_lines, "precision": recipe.train.precision,
-            "global_batch": recipe.train.global_batch, "seq_len": recipe.data.seq_len, "seed": recipe.train.seed,
-            **({"adapter": recipe_to_dict(recipe)["adapter"]} if recipe.adapter.enabled else {})}
+def setup(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> Run:
+    """Accelerator, tokenizer, pipeline, data, optimizer and tracker of a run (resumed if asked)."""
+    from accelerate.utils import set_seed
 
+    from vp_accelerate.runtime import PipelineLayout
 
-def _layout_line(line: str) -> str:
-    """describe() without the MiB figure (bf16 vs fp32 is in `precision`; the rest is the layout)."""
-    return line.rsplit(";", 1)[0] if line.endswith("MiB of parameters") else line
-
-
-def evaluate(pipe, batches: list[dict]) -> float:
-    """Mean token loss over the fixed eval batches, averaged over data-parallel replicas."""
-    if not batches:
-        return float("nan")
-    losses = [pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"))
-              for b in batches]
-    return world_mean(sum(losses) / len(losses))
+    accelerator = make_accelerator(recipe)
+    set_seed(recipe.train.seed)
+    t = recipe.train
+    model_dir, tokenizer, model_tokenizer = load_model_and_tokenizers(recipe, accelerator)
+    pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer,
+                                 accelerator.mixed_precision)
+    layout = PipelineLayout(tuple(gather(pipe.describe())))
+    if accelerator.is_main_process:
+        for line in vocab.lines():
+            log.info("%s", line)
+        log.info("distributed: %s, world size %d (pp %d x dp %d)", accelerator.distributed_type,
+                 pipe.world_size, pipe.world_size // pipe.dp_size, pipe.dp_size)
+        for rank in layout.ranks:
+            log.info("%s", rank)
+    with accelerator.main_process_first():  # tokenized data lands in the datasets cache once
+        train_it, eval_batches = build_data(recipe.data, tokenizer, pipe.hf_config.vocab_size, t.seed,
+                                            t.global_batch, pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
+    optimizer = build_optimizer(pipe.named_parameters(), recipe.optimizer)
+    run = Run(recipe=recipe, accelerator=accelerator, pipe=pipe, tokenizer=tokenizer, train_it=train_it,
+              eval_batches=eval_batches, optimizer=optimizer, scheduler=build_scheduler(optimizer, recipe.lr, t.steps),
+              layout=layout, vocab=vocab, fingerprint=fingerprint(recipe, pipe, layout),
+              recipe_dict=recipe_to_dict(recipe))
+    run.start_step = resume_run(run) if resume else 0
+    run.end_step = t.steps if stop_at is None else max(run.start_step, min(stop_at, t.steps))
+    run.tracker = Tracker(accelerator, recipe, run.recipe_dict)  # after a resume that could fail
+    return run
 
 
 def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> dict:
@@ -159,186 +170,38 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
     `stop_at`: end after that step (saving a checkpoint there) without changing the LR schedule, as a
     preempted job would; `resume=True` continues from the latest checkpoint.
     """
-    from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
-    accelerator = make_accelerator(recipe)
-    is_main = accelerator.is_main_process
-    set_seed(recipe.train.seed)
-    t, d = recipe.train, recipe.data
-
-    model_dir, tokenizer, model_tokenizer = load_model_and_tokenizers(recipe, accelerator)
-    pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer,
-                                 accelerator.mixed_precision)
-    lines = gather(pipe.describe())
-    if is_main:
-        for line in vocab.lines():
-            log.info("%s", line)
-        log.info("distributed: %s, world size %d (pp %d x dp %d)", accelerator.distributed_type,
-                 pipe.world_size, pipe.world_size // pipe.dp_size, pipe.dp_size)
-        for line in lines:
-            log.info("%s", line)
-    layout = [_layout_line(x) for x in lines]
-
-    with accelerator.main_process_first():  # tokenized data lands in the datasets cache once
-        train_it, eval_batches = build_data(d, tokenizer, pipe.hf_config.vocab_size, t.seed, t.global_batch,
-                                            pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
-
-    optimizer = build_optimizer(pipe.named_parameters(), recipe.optimizer)
-    scheduler = build_scheduler(optimizer, recipe.lr, t.steps)
-    fp = fingerprint(recipe, pipe, layout)
-    start_step = 0
-    if resume:
-        start_step = _resume(recipe, pipe, optimizer, scheduler, train_it, fp)
-
-    recipe_dict = recipe_to_dict(recipe)
-    tracker = Tracker(accelerator, recipe, recipe_dict)
-    tokens_per_step = t.global_batch * d.seq_len
-    peak = recipe.logging.peak_tflops * 1e12 * pipe.world_size
-    clip = recipe.optimizer.grad_clip if recipe.optimizer.grad_clip is not None else float("inf")
-    summary = {"start_step": start_step, "losses": {}, "eval": {},
-               "vocab": {"tokenizer": vocab.tokenizer_size, "rows_before": vocab.rows_before,
-                         "rows_after": vocab.rows_after, "mode": vocab.mode, "rows": vocab.counts()}}
-    bar = tqdm(total=t.steps, initial=start_step, disable=not is_main, desc="train", dynamic_ncols=True)
-    eval_loss = float("nan")
-    window_time, window_steps = 0.0, 0  # this rank's step times since the last log (per-rank mean)
-    skipped_in_a_row, skipped_total = 0, 0
-    scaler_skips = 0  # fp16 steps dropped by the loss scaler (not counted as non-finite problems)
-
-    end_step = t.steps if stop_at is None else max(start_step, min(stop_at, t.steps))
-    for step in range(start_step, end_step):
-        batch = next(train_it)
-        t0 = time.perf_counter()
-        try:
-            res = pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
-                                  batch.get("position_ids"))
-        except ValueError as e:  # bad ids/labels/shape: checked before any communication, on every rank
-            rows = train_it.describe_rows(0, len(batch["input_ids"])) if hasattr(train_it, "describe_rows") else ""
-            if pipe.watchdog is not None:  # data-parallel peers with other rows may already be waiting on us
-                pipe.watchdog.report_failure(e)
-            raise DataError(f"step {step + 1}, batch of {rows}: {e}") from e
-        grad_norm = pipe.clip_grad_norm_(clip)
-        lr = scheduler.get_last_lr()[0]
-        per_mb = len(batch["input_ids"]) // pipe.cfg.microbatches
-        rows_of = ((lambda mb: train_it.describe_rows(mb * per_mb, (mb + 1) * per_mb))
-                   if hasattr(train_it, "describe_rows") else None)
-        # an fp16 loss-scale overflow is routine: the scaler already lowered the scale, only the update is dropped
-        problem = None if res.skipped else step_problem(step + 1, res, grad_norm, pipe, rows_of)
-        if res.skipped:
-            scaler_skips += 1
-        elif problem is not None:
-            skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
-            if t.on_nonfinite == "stop" or skipped_in_a_row > t.max_skipped_steps:
-                why = ("train.on_nonfinite: stop" if t.on_nonfinite == "stop" else
-                       f"more than train.max_skipped_steps={t.max_skipped_steps} skipped steps in a row")
-                raise NonFiniteError(f"{problem}. Stopping ({why}); the latest checkpoint is untouched. Lower "
-                                     f"optimizer.lr, check that data, or set train.on_nonfinite: skip.")
-            if is_main:
-                log.warning("%s; skipping the update (train.on_nonfinite: skip)", problem)
-        else:
-            skipped_in_a_row = 0
-            pipe.step(optimizer)
-        scheduler.step()  # LR is a function of the step number, skipped or not
-        pipe.zero_grad()
-        step_time = time.perf_counter() - t0
-        window_time, window_steps = window_time + step_time, window_steps + 1
-        done = step + 1
-        summary["losses"][done] = res.loss
-        tok_s = tokens_per_step / step_time
+    run, state = setup(recipe, resume, stop_at), LoopState()
+    losses = {}
+    bar = tqdm(total=recipe.train.steps, initial=run.start_step, disable=not run.accelerator.is_main_process,
+               desc="train", dynamic_ncols=True)
+    for step in range(run.start_step + 1, run.end_step + 1):
+        out = train_step_once(run, state, step)
+        losses[step] = out.loss
         bar.update(1)
-        bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{tok_s:,.0f}")
-        if done % recipe.logging.log_every == 0 or done == end_step:
-            metrics = {"train/loss": res.loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                       "train/tokens": done * tokens_per_step, "train/loss_tokens": res.num_tokens,
-                       "perf/tokens_per_s": tok_s, "perf/step_time_s": step_time,
-                       "perf/pipeline_step_time_s": res.step_time_s, "perf/bubble_rate": res.bubble_rate,
-                       "train/skipped_steps": skipped_total}
-            if pipe.loss_scaler is not None:
-                metrics.update({"train/loss_scale": res.loss_scale, "train/loss_scale_skips": scaler_skips})
-            if peak > 0:
-                metrics["perf/mfu"] = pipe.flops_per_token * tok_s / peak
-            metrics.update(rank_metrics(gather(rank_stats(pipe, accelerator.device, window_time / window_steps))))
-            window_time, window_steps = 0.0, 0
-            tracker.log(metrics, done)
-        is_last = done == end_step
-        if (recipe.eval.every and done % recipe.eval.every == 0) or is_last:
-            eval_loss = evaluate(pipe, eval_batches)
-            summary["eval"][done] = eval_loss
-            if not math.isnan(eval_loss):
-                tracker.log({"eval/loss": eval_loss, "eval/ppl": math.exp(min(eval_loss, 50.0))}, done)
-                if is_main:
-                    bar.write(f"step {done}: eval loss {eval_loss:.4f}, ppl {math.exp(min(eval_loss, 50.0)):.2f}")
-        if recipe.checkpoint.dir and ((recipe.checkpoint.every and done % recipe.checkpoint.every == 0) or is_last):
-            _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, done, recipe_dict)
+        bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
+        log_step(run, state, out)
+        maybe_eval(run, state, step, say=bar.write)
+        maybe_save(run, step)
     bar.close()
+    finish(run)
+    v = run.vocab
+    return {"start_step": run.start_step, "losses": losses, "eval": state.evals,
+            "vocab": {"tokenizer": v.tokenizer_size, "rows_before": v.rows_before, "rows_after": v.rows_after,
+                      "mode": v.mode, "rows": v.counts()},
+            "final_eval_loss": state.eval_loss, "end_step": run.end_step}
 
-    if recipe.logging.timeline_image and pipe.stats().get("timeline") is not None and start_step < end_step:
+
+def finish(run: Run) -> None:
+    """The measured timeline of the last step as an image, then close the tracker and the watchdog."""
+    recipe, pipe = run.recipe, run.pipe
+    if recipe.logging.timeline_image and pipe.stats().get("timeline") is not None and run.start_step < run.end_step:
         timelines = [r for rank_records in gather(pipe.stats()["timeline"]) for r in rank_records]
-        if is_main:
-            title = f"measured step {end_step}: {recipe.pipeline.schedule} {recipe.pipeline.method}"
+        if run.accelerator.is_main_process:
+            title = f"measured step {run.end_step}: {recipe.pipeline.schedule} {recipe.pipeline.method}"
             path = plot_measured_timeline(timelines, os.path.join(recipe.logging.output_dir, "timeline.png"), title)
             if path:
-                tracker.log_image("perf/timeline", path, end_step)
-    tracker.finish()
+                run.tracker.log_image("perf/timeline", path, run.end_step)
+    run.tracker.finish()
     pipe.close()  # stop the failure watchdog before the ranks exit in whatever order
-    summary["final_eval_loss"] = eval_loss
-    summary["end_step"] = end_step
-    return summary
-
-
-def _save(recipe, pipe, optimizer, scheduler, train_it, fp, tokenizer, step, recipe_dict) -> None:
-    import torch.distributed as dist
-
-    from vp_accelerate.runtime.groups import host_group
-
-    mods = getattr(pipe, "mods", None)
-    rank_info = gather({"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank,
-                        "duplicates": sorted(n for n, _ in pipe.named_parameters()
-                                             if mods is not None and mods.is_duplicate(n))})
-    meta = {"fingerprint": fp, "recipe": recipe_dict, "ranks": rank_info,
-            "vocab_size": pipe.hf_config.vocab_size,
-            "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
-            "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names)}
-
-    def write_model_files(out_dir: str) -> None:
-        pipe.hf_config.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-
-    model_state, optimizer_state = pipe.state_dict(), optimizer.state_dict()
-    check_weights_before_save(step, model_state, optimizer_state)
-    trainer_state = {"scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(), "data": train_it.state_dict(),
-                     "precision": pipe.precision_state_dict(),
-                     "step": step}
-    barrier = (lambda: dist.barrier(group=host_group())) if dist.is_initialized() else (lambda: None)
-    path = ckpt.save_checkpoint(recipe.checkpoint.dir, step, rank=pipe.rank, model_state=model_state,
-                                optimizer_state=optimizer_state, trainer_state=trainer_state, meta=meta,
-                                barrier=barrier, write_model_files=write_model_files, keep=recipe.checkpoint.keep)
-    if pipe.rank == 0:
-        log.info("saved checkpoint %s", path)
-
-
-def _resume(recipe, pipe, optimizer, scheduler, train_it, fp) -> int:
-    """Load the latest checkpoint of `checkpoint.dir` into every piece of state; returns its step."""
-    cdir = recipe.checkpoint.dir
-    path = ckpt.read_latest(cdir) if cdir and os.path.isdir(cdir) else None
-    if path is None:
-        if pipe.rank == 0:
-            log.warning("--resume: no checkpoint in %s; starting from step 0", cdir)
-        return 0
-    meta = ckpt.read_meta(path)
-    steps = gather(int(meta["step"]))
-    if len(set(steps)) > 1:  # `latest` moved between ranks' reads: another run is writing into this dir
-        raise ckpt.CheckpointError(f"ranks found different latest checkpoints in {cdir} (steps {steps}); is another "
-                                   f"run still writing there? Stop it and resume again")
-    ckpt.check_fingerprint(meta["fingerprint"], fp, path)
-    model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
-    ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
-    pipe.load_state_dict(model_state)
-    optimizer.load_state_dict(optimizer_state)
-    scheduler.load_state_dict(trainer_state["scheduler"])
-    pipe.load_precision_state_dict(trainer_state.get("precision", {}))  # the fp16 loss scale
-    train_it.load_state_dict(trainer_state["data"])
-    ckpt.set_rng_state(trainer_state["rng"])
-    if pipe.rank == 0:
-        log.info("resumed from %s (step %d)", path, meta["step"])
-    return int(meta["step"])

@@ -1,0 +1,221 @@
+"""One training step and what follows it: log, evaluate, save. `trainer.train` calls these in order.
+
+Every function here runs on every rank with the same arguments; the decisions (skip a step, log,
+evaluate, save) depend only on the step number and on values that are the same on every rank, so the
+collectives inside them (gathers, evaluation, checkpoint barriers) are reached by all ranks together.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .data import DataError
+from .nonfinite import NonFiniteError, step_problem
+from .recipe import Recipe
+from .run_state import save_run
+from .tracking import Tracker, gather, rank_metrics, rank_stats, world_mean
+
+log = logging.getLogger("vp_accelerate.train")
+
+
+@dataclass
+class Run:
+    """Everything a training run holds, built once by `trainer.setup` (each rank has its own)."""
+
+    recipe: Recipe
+    """The validated recipe."""
+    accelerator: Any
+    """accelerate's Accelerator (processes, device, tracker)."""
+    pipe: Any
+    """This rank's PipelineModel."""
+    tokenizer: Any
+    """The run's tokenizer (saved with every checkpoint)."""
+    train_it: Any
+    """Iterator over this replica's training batches, with state_dict() for resume."""
+    eval_batches: list
+    """The fixed evaluation batches of this replica."""
+    optimizer: Any
+    """AdamW over this rank's parameters."""
+    scheduler: Any
+    """The LR schedule (a function of the step number)."""
+    layout: Any
+    """Every rank's `RankLayout` (a runtime.PipelineLayout)."""
+    vocab: Any
+    """The vocabulary decision (vocab_plan.VocabPlan: tokenizer size, rows before/after, how rows map)."""
+    fingerprint: dict
+    """What a checkpoint must match to be resumed by this run."""
+    recipe_dict: dict
+    """The recipe as a plain dict (wandb config, checkpoint meta)."""
+    start_step: int = 0
+    """Steps already done (from a resumed checkpoint)."""
+    end_step: int = 0
+    """The step after which this process stops (train.steps, or --stop-at)."""
+    tracker: Tracker | None = None
+    """wandb + metrics.jsonl; created after a resume has succeeded."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.recipe.train.global_batch * self.recipe.data.seq_len
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from one step to the next."""
+
+    window_time: float = 0.0
+    """This rank's step time summed since the last log (logged as the per-rank mean)."""
+    window_steps: int = 0
+    """Steps in that window."""
+    skipped_in_a_row: int = 0
+    """Consecutive steps skipped for NaN/inf (train.on_nonfinite: skip)."""
+    skipped_total: int = 0
+    """All skipped steps of this process."""
+    scaler_skips: int = 0
+    """fp16 steps dropped by the loss scaler (routine, not counted as non-finite problems)."""
+    eval_loss: float = float("nan")
+    """The latest evaluation loss."""
+    evals: dict = field(default_factory=dict)
+    """step -> evaluation loss."""
+
+
+@dataclass
+class StepOutcome:
+    """What one optimizer step measured."""
+
+    step: int
+    """Steps done after this one (1-based)."""
+    result: Any
+    """The PipelineModel's StepResult (loss, tokens, pipeline step time, bubble rate)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """The LR this step used."""
+    step_time_s: float
+    """Wall time of the whole step on this rank (pipeline, clipping, optimizer)."""
+    tokens_per_s: float
+    """Global tokens of the step / step_time_s."""
+
+    @property
+    def loss(self) -> float:
+        return self.result.loss
+
+
+def _rows_of(train_it, batch_rows: int, microbatches: int) -> Callable[[int], str] | None:
+    """microbatch -> "which data rows", where the iterator can say it (for error messages)."""
+    if not hasattr(train_it, "describe_rows"):
+        return None
+    per_mb = batch_rows // microbatches
+    return lambda mb: train_it.describe_rows(mb * per_mb, (mb + 1) * per_mb)
+
+
+def _forward_backward(run: Run, batch: dict, step: int):
+    pipe = run.pipe
+    try:
+        return pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
+                               batch.get("position_ids"))
+    except ValueError as e:  # bad ids/labels/shape: checked before any communication, on every rank
+        rows = run.train_it.describe_rows(0, len(batch["input_ids"])) if hasattr(run.train_it, "describe_rows") else ""
+        if pipe.watchdog is not None:  # data-parallel peers with other rows may already be waiting on us
+            pipe.watchdog.report_failure(e)
+        raise DataError(f"step {step}, batch of {rows}: {e}") from e
+
+
+def _skip_or_stop(run: Run, state: LoopState, problem: str) -> None:
+    """A NaN/inf step: raise NonFiniteError, or count it as skipped (train.on_nonfinite)."""
+    t = run.recipe.train
+    state.skipped_in_a_row += 1
+    state.skipped_total += 1
+    if t.on_nonfinite == "stop" or state.skipped_in_a_row > t.max_skipped_steps:
+        why = ("train.on_nonfinite: stop" if t.on_nonfinite == "stop" else
+               f"more than train.max_skipped_steps={t.max_skipped_steps} skipped steps in a row")
+        raise NonFiniteError(f"{problem}. Stopping ({why}); the latest checkpoint is untouched. Lower "
+                             f"optimizer.lr, check that data, or set train.on_nonfinite: skip.")
+    if run.accelerator.is_main_process:
+        log.warning("%s; skipping the update (train.on_nonfinite: skip)", problem)
+
+
+def train_step_once(run: Run, state: LoopState, step: int) -> StepOutcome:
+    """Optimizer step number `step` (1-based): forward + backward of the next batch, clip, update.
+
+    A NaN/inf step is skipped or stops the run (train.on_nonfinite); the LR schedule moves on either way,
+    so step k keeps its LR and its data.
+    """
+    pipe, clip = run.pipe, run.recipe.optimizer.grad_clip
+    batch = next(run.train_it)
+    t0 = time.perf_counter()
+    res = _forward_backward(run, batch, step)
+    grad_norm = pipe.clip_grad_norm_(clip if clip is not None else float("inf"))
+    lr = run.scheduler.get_last_lr()[0]
+    # an fp16 loss-scale overflow is routine: the scaler already lowered the scale, only the update is dropped
+    problem = None if res.skipped else step_problem(step, res, grad_norm, pipe, _rows_of(
+        run.train_it, len(batch["input_ids"]), pipe.cfg.microbatches))
+    if res.skipped:
+        state.scaler_skips += 1
+    elif problem is not None:
+        _skip_or_stop(run, state, problem)
+    else:
+        state.skipped_in_a_row = 0
+        pipe.step(run.optimizer)
+    run.scheduler.step()  # LR is a function of the step number, skipped or not
+    pipe.zero_grad()
+    step_time = time.perf_counter() - t0
+    state.window_time += step_time
+    state.window_steps += 1
+    return StepOutcome(step=step, result=res, grad_norm=grad_norm, lr=lr, step_time_s=step_time,
+                       tokens_per_s=run.tokens_per_step / step_time)
+
+
+def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
+    """Every logging.log_every steps (and the last): the step's metrics and every rank's memory numbers."""
+    if out.step % run.recipe.logging.log_every and out.step != run.end_step:
+        return
+    res = out.result
+    metrics = {"train/loss": res.loss, "train/lr": out.lr, "train/grad_norm": out.grad_norm,
+               "train/tokens": out.step * run.tokens_per_step, "train/loss_tokens": res.num_tokens,
+               "perf/tokens_per_s": out.tokens_per_s, "perf/step_time_s": out.step_time_s,
+               "perf/pipeline_step_time_s": res.step_time_s, "perf/bubble_rate": res.bubble_rate,
+               "train/skipped_steps": state.skipped_total}
+    if run.pipe.loss_scaler is not None:
+        metrics.update({"train/loss_scale": res.loss_scale, "train/loss_scale_skips": state.scaler_skips})
+    peak = run.recipe.logging.peak_tflops * 1e12 * run.pipe.world_size
+    if peak > 0:
+        metrics["perf/mfu"] = run.pipe.flops_per_token * out.tokens_per_s / peak
+    mean_time = state.window_time / state.window_steps
+    metrics.update(rank_metrics(gather(rank_stats(run.pipe, run.accelerator.device, mean_time))))  # a collective
+    state.window_time, state.window_steps = 0.0, 0
+    run.tracker.log(metrics, out.step)
+
+
+def evaluate(pipe, batches: list[dict]) -> float:
+    """Mean token loss over the fixed eval batches, averaged over data-parallel replicas."""
+    if not batches:
+        return float("nan")
+    losses = [pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"))
+              for b in batches]
+    return world_mean(sum(losses) / len(losses))
+
+
+def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None] = print) -> None:
+    """Every eval.every steps (and the last): evaluate, log eval/loss and eval/ppl, `say` it on the main rank."""
+    every = run.recipe.eval.every
+    if not ((every and step % every == 0) or step == run.end_step):
+        return
+    loss = evaluate(run.pipe, run.eval_batches)
+    state.eval_loss = state.evals[step] = loss
+    if math.isnan(loss):
+        return
+    ppl = math.exp(min(loss, 50.0))
+    run.tracker.log({"eval/loss": loss, "eval/ppl": ppl}, step)
+    if run.accelerator.is_main_process:
+        say(f"step {step}: eval loss {loss:.4f}, ppl {ppl:.2f}")
+
+
+def maybe_save(run: Run, step: int) -> None:
+    """Every checkpoint.every steps (and the last): a checkpoint of every rank's state, if checkpoint.dir is set."""
+    c = run.recipe.checkpoint
+    if c.dir and ((c.every and step % c.every == 0) or step == run.end_step):
+        save_run(run, step)

@@ -1,0 +1,98 @@
+"""Save and resume a training run's whole state (model, optimizer, LR schedule, data position, RNG)
+through the checkpoint format of checkpoint.py. Both are collectives: every rank calls them."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from . import checkpoint as ckpt
+from .nonfinite import check_weights_before_save
+from .recipe import recipe_to_dict
+from .tracking import gather
+
+log = logging.getLogger("vp_accelerate.train")
+
+
+def fingerprint(recipe, pipe, layout) -> dict:
+    """What must match for a checkpoint to be resumed by this run (layout, model, data order).
+
+    `layout` is every rank's `RankLayout` (a runtime.PipelineLayout); its placement (chunks, decoder
+    layers, vocabulary rows) is recorded, not its sizes (bf16 vs fp32 is `precision`).
+    """
+    p = recipe.pipeline
+    return {"model": ckpt.config_fingerprint(pipe.hf_config), "world_size": pipe.world_size,
+            "dp_size": pipe.dp_size, "schedule": p.schedule, "method": p.method,
+            "chunks_per_rank": p.chunks_per_rank, "pad_multiple": p.pad_multiple, "layout": layout.placement(),
+            "precision": recipe.train.precision, "global_batch": recipe.train.global_batch,
+            "seq_len": recipe.data.seq_len, "seed": recipe.train.seed,
+            **({"adapter": recipe_to_dict(recipe)["adapter"]} if recipe.adapter.enabled else {})}
+
+
+def as_saved(saved: dict, current: dict, layout) -> dict:
+    """`current` in the form `saved` was written in: checkpoints from before the layout was recorded as
+    data hold describe()'s text lines without the size; those lines are made from the same fields."""
+    old = saved.get("layout")
+    if isinstance(old, list) and old and all(isinstance(x, str) for x in old):
+        return {**current, "layout": [r.text(params=False) for r in layout.ranks]}
+    return current
+
+
+def save_run(run, step: int) -> None:
+    """Checkpoint `run` after `step` into recipe.checkpoint.dir (keeping checkpoint.keep of them)."""
+    import torch.distributed as dist
+
+    from vp_accelerate.runtime.groups import host_group
+
+    pipe = run.pipe
+    mods = getattr(pipe, "mods", None)
+    rank_info = gather({"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank,
+                        "duplicates": sorted(n for n, _ in pipe.named_parameters()
+                                             if mods is not None and mods.is_duplicate(n))})
+    meta = {"fingerprint": run.fingerprint, "recipe": run.recipe_dict, "ranks": rank_info,
+            "vocab_size": pipe.hf_config.vocab_size,
+            "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
+            "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names)}
+
+    def write_model_files(out_dir: str) -> None:
+        pipe.hf_config.save_pretrained(out_dir)
+        run.tokenizer.save_pretrained(out_dir)
+
+    model_state, optimizer_state = pipe.state_dict(), run.optimizer.state_dict()
+    check_weights_before_save(step, model_state, optimizer_state)
+    trainer_state = {"scheduler": run.scheduler.state_dict(), "rng": ckpt.rng_state(),
+                     "data": run.train_it.state_dict(), "precision": pipe.precision_state_dict(), "step": step}
+    barrier = (lambda: dist.barrier(group=host_group())) if dist.is_initialized() else (lambda: None)
+    c = run.recipe.checkpoint
+    path = ckpt.save_checkpoint(c.dir, step, rank=pipe.rank, model_state=model_state,
+                                optimizer_state=optimizer_state, trainer_state=trainer_state, meta=meta,
+                                barrier=barrier, write_model_files=write_model_files, keep=c.keep)
+    if pipe.rank == 0:
+        log.info("saved checkpoint %s", path)
+
+
+def resume_run(run) -> int:
+    """Load the latest checkpoint of checkpoint.dir into every piece of `run`'s state; returns its step."""
+    pipe, cdir = run.pipe, run.recipe.checkpoint.dir
+    path = ckpt.read_latest(cdir) if cdir and os.path.isdir(cdir) else None
+    if path is None:
+        if pipe.rank == 0:
+            log.warning("--resume: no checkpoint in %s; starting from step 0", cdir)
+        return 0
+    meta = ckpt.read_meta(path)
+    steps = gather(int(meta["step"]))
+    if len(set(steps)) > 1:  # `latest` moved between ranks' reads: another run is writing into this dir
+        raise ckpt.CheckpointError(f"ranks found different latest checkpoints in {cdir} (steps {steps}); is another "
+                                   f"run still writing there? Stop it and resume again")
+    ckpt.check_fingerprint(meta["fingerprint"], as_saved(meta["fingerprint"], run.fingerprint, run.layout), path)
+    model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
+    ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
+    pipe.load_state_dict(model_state)
+    run.optimizer.load_state_dict(optimizer_state)
+    run.scheduler.load_state_dict(trainer_state["scheduler"])
+    pipe.load_precision_state_dict(trainer_state.get("precision", {}))  # the fp16 loss scale
+    run.train_it.load_state_dict(trainer_state["data"])
+    ckpt.set_rng_state(trainer_state["rng"])
+    if pipe.rank == 0:
+        log.info("resumed from %s (step %d)", path, meta["step"])
+    return int(meta["step"])
