@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from vp_accelerate.cost import (MeasuredCosts, ModelShape, StageCosts, for_schedule, redis_layer_split,
+                                shape_from_hf_config)
 from vp_accelerate.schedule import build_schedule
-from vp_accelerate.sim.cost import MeasuredCosts, StageCosts, for_schedule, redis_layer_split
-from vp_accelerate.sim.shape import ModelShape, shape_from_hf_config
 from vp_accelerate.sim.simulate import simulate
 
 

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.distributed import init_from_env
-from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config, split_counts
+from vp_accelerate.cost import plan_layout, shape_from_hf_config
+from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
@@ -120,17 +121,7 @@ class PipelineModel:
 
     # ---- construction helpers --------------------------------------------------------------------
     def _layout(self) -> StageLayout:
-        n = self.hf_config.num_hidden_layers
-        chunk_rank = self.schedule.chunk_rank
-        counts = self.cfg.layers_per_stage
-        if counts is None and self.method.balanced_layers:
-            from vp_accelerate.sim.cost import redis_layer_split
-
-            seq = min(2048, getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
-            counts = redis_layer_split(self.hf_config, len(chunk_rank), seq=seq)
-        if counts is None:
-            counts = split_counts(n, len(chunk_rank))
-        return StageLayout.from_counts(tuple(counts), chunk_rank)
+        return plan_layout(self.hf_config, self.schedule, self.cfg.layers_per_stage)
 
     def _make_tied_group(self):
         """Baseline with tied weights: the first and last stage each hold the matrix and must add their
@@ -457,9 +448,7 @@ class PipelineModel:
 
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token as the paper counts them for MFU (docs/design.md §8; sim.shape's formula),
+        """Training FLOPs per token as the paper counts them for MFU (docs/design.md §8; cost.shape's formula),
         at the sequence length of the last step."""
-        from vp_accelerate.sim.shape import shape_from_hf_config
-
         shape = shape_from_hf_config(self.hf_config, seq=getattr(self, "_last_seq", 2048))
         return shape.model_flops() / shape.tokens

@@ -6,11 +6,10 @@ import argparse
 import json
 import sys
 
+from vp_accelerate.cost import Hardware, MeasuredCosts, ModelShape, for_schedule, shape_from_hf_config
 from vp_accelerate.schedule import ScheduleError, build_schedule, validate
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, argparse_type, normalise_method, normalise_schedule
 
-from .cost import Hardware, MeasuredCosts, for_schedule
-from .shape import ModelShape, shape_from_hf_config
 from .simulate import simulate
 
 
@@ -39,7 +38,7 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
     ap.add_argument("--bandwidth-gbs", type=float, default=100.0, help="p2p and collective bandwidth, GB/s")
     ap.add_argument("--blocking-collectives", action="store_true",
                     help="every rank waits for each collective (CPU/gloo); default: asynchronous (GPU)")
-    ap.add_argument("--measured", help="JSON of measured per-pass times (see sim.cost.MeasuredCosts)")
+    ap.add_argument("--measured", help="JSON of measured per-pass times (see cost.MeasuredCosts)")
     if with_out:
         ap.add_argument("--out", required=True, help="PNG path")
     else:

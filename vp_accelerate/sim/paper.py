@@ -10,9 +10,8 @@ from pathlib import Path
 
 from vp_accelerate.schedule import build_schedule
 
-from .cost import for_schedule
+from vp_accelerate.cost import ModelShape, for_schedule
 from .plot import plot_timeline, plot_vocab_sweep
-from .shape import ModelShape
 from .simulate import simulate
 
 VOCABS = (32000, 64000, 128000, 256000)

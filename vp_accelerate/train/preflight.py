@@ -197,7 +197,7 @@ def pipeline_size(recipe, world_size: int | None) -> int | None:
 
 def _check_schedule(recipe, config, pp: int) -> str:
     """Build the schedule and layout as the runtime will; their errors become recipe errors."""
-    from vp_accelerate.models import StageLayout, split_counts
+    from vp_accelerate.cost import plan_layout
     from vp_accelerate.models.layout import LayoutError
     from vp_accelerate.schedule import ScheduleError, build_schedule
 
@@ -211,23 +211,12 @@ def _check_schedule(recipe, config, pp: int) -> str:
     chunks = len(schedule.chunk_rank)
     layers = config.num_hidden_layers
     try:
-        if p.layers_per_stage is not None:
-            counts = list(p.layers_per_stage)
-            if len(counts) != chunks or sum(counts) != layers:
-                raise LayoutError(f"layers_per_stage {counts} must have {chunks} entries (one per chunk) summing to "
-                                  f"the model's {layers} decoder layers")
-        elif METHODS[p.method].balanced_layers:
-            from vp_accelerate.sim.cost import redis_layer_split
-
-            seq = min(2048, getattr(config, "max_position_embeddings", 2048) or 2048)
-            counts = redis_layer_split(config, chunks, seq=seq)
-        else:
-            counts = split_counts(layers, chunks)
-        StageLayout.from_counts(tuple(counts), schedule.chunk_rank)
+        layout = plan_layout(config, schedule, p.layers_per_stage)  # as PipelineModel will
     except LayoutError as e:
         key = "pipeline.layers_per_stage" if p.layers_per_stage is not None else "pipeline"
         raise RecipeError(f"{key}: {e} [{p.schedule} on {pp} ranks: {chunks} chunks; model: {layers} decoder "
                           f"layers]") from None
+    counts = [end - start for start, end in layout.chunk_layers]
     return f"{p.schedule} x {p.method} on {pp} ranks, {p.microbatches} microbatches, layers per chunk {counts}"
 
 

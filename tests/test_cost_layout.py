@@ -1,0 +1,53 @@
+"""plan_layout: the one stage-layout decision shared by PipelineModel and the launch check."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers.tiny import tiny_config
+from vp_accelerate.cost import plan_layout, redis_layer_split
+from vp_accelerate.models.layout import LayoutError
+from vp_accelerate.schedule import build_schedule
+
+
+def _counts(layout):
+    return [end - start for start, end in layout.chunk_layers]
+
+
+def test_even_explicit_and_balanced():
+    cfg = tiny_config("llama", num_layers=10, vocab_size=50000, hidden_size=64)
+    vhalf = build_schedule("vhalf", "vocab-2", 2, 4)
+    even = plan_layout(cfg, vhalf)
+    assert _counts(even) == [3, 3, 2, 2] and even.chunk_rank == vhalf.chunk_rank
+    explicit = plan_layout(cfg, vhalf, [1, 4, 4, 1])
+    assert _counts(explicit) == [1, 4, 4, 1]
+    redis = build_schedule("1f1b", "redis", 3, 6)
+    balanced = _counts(plan_layout(cfg, redis))
+    seq = min(2048, cfg.max_position_embeddings)
+    assert tuple(balanced) == redis_layer_split(cfg, 3, seq=seq) and sum(balanced) == 10
+    assert balanced != _counts(plan_layout(cfg, build_schedule("1f1b", "baseline", 3, 6)))  # the head costs layers
+    assert _counts(plan_layout(cfg, redis, [3, 4, 3])) == [3, 4, 3]  # explicit wins over the cost model
+
+
+@pytest.mark.parametrize("counts,message", [
+    ([5, 5], "layers_per_stage \\[5, 5\\] must have 4 entries"),
+    ([1, 1, 1, 1], "summing to the model's 10 decoder layers"),
+    ([0, 5, 4, 1], "every chunk needs at least one decoder layer"),
+])
+def test_bad_explicit_layouts(counts, message):
+    cfg = tiny_config("llama", num_layers=10)
+    with pytest.raises(LayoutError, match=message):
+        plan_layout(cfg, build_schedule("vhalf", "baseline", 2, 4), counts)
+
+
+def test_too_many_chunks():
+    with pytest.raises(LayoutError, match="cannot split 4 decoder layers into 8 chunks"):
+        plan_layout(tiny_config("llama", num_layers=4), build_schedule("vhalf", "vocab-2", 4, 4))
+
+
+def test_runtime_does_not_import_the_simulator():
+    code = ("import sys, vp_accelerate.runtime, vp_accelerate.train.preflight; "
+            "print([m for m in sys.modules if m.startswith('vp_accelerate.sim')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

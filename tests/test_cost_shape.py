@@ -1,0 +1,32 @@
+"""The cost model's model shape matches the real HF modules: the MLP's matrix count (FLOPs, MFU, params)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers.tiny import FAMILIES, tiny_config
+from vp_accelerate.cost import shape_from_hf_config
+from vp_accelerate.cost.shape import mlp_matrices
+from vp_accelerate.models.adapter import find_parts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlp_matrices_match_the_modules(family):
+    """Every supported family: the MLP weights of a decoder layer hold mlp_matrices * h * ffn elements."""
+    cfg = tiny_config(family)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    mlp = find_parts(model).layers[0].mlp
+    shape = shape_from_hf_config(cfg, seq=16)
+    weights = sum(p.numel() for p in mlp.parameters() if p.dim() == 2)
+    assert weights == shape.mlp_matrices * shape.hidden * shape.ffn
+
+
+def test_cohere_and_granite_count_the_gated_mlp():
+    for family in ("cohere", "granite"):
+        shape = shape_from_hf_config({"model_type": family, "hidden_size": 64, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}, seq=8)
+        assert shape.mlp_matrices == 3
+        n, h = shape.tokens, shape.hidden
+        assert shape.layer_linear_flops() == 8 * n * h * h + 2 * 3 * n * h * 128
+    assert mlp_matrices("gpt2") == mlp_matrices("gpt_neox") == mlp_matrices("") == 2

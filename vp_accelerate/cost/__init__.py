@@ -1,0 +1,13 @@
+"""The cost model, below the runtime: model shapes and FLOP formulas (shape.py), pass and
+communication times and memory (costs.py), and stage layouts chosen from them (layout.py).
+
+The simulator (sim/) times schedules with it; the runtime uses it for the balanced ("redis") layer
+split and for MFU's FLOP count. Nothing here imports torch.
+"""
+
+from .costs import CostModel, Hardware, MeasuredCosts, even_layer_split
+from .layout import StageCosts, for_schedule, plan_layout, redis_layer_split
+from .shape import ModelShape, shape_from_hf_config
+
+__all__ = ["CostModel", "Hardware", "MeasuredCosts", "ModelShape", "StageCosts", "even_layer_split", "for_schedule",
+           "plan_layout", "redis_layer_split", "shape_from_hf_config"]

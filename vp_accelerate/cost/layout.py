@@ -1,0 +1,121 @@
+"""Which decoder layers each pipeline chunk gets: an even split, an explicit one, or the cost model's
+balanced split ("redis": fewer layers on the stages that also run the vocabulary layers).
+
+`plan_layout` is the one place the runtime (`PipelineModel`) and the launch check (`train.preflight`)
+get a stage layout from; `for_schedule` gives the simulator the CostModel of a schedule with the same
+kind of split.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vp_accelerate.schedule.ir import Op, Schedule
+
+from .costs import CostModel, Hardware, even_layer_split
+from .shape import ModelShape, shape_from_hf_config
+
+# The balanced split's default sequence length when the model allows it (the split hardly depends on it).
+BALANCE_SEQ = 2048
+
+
+def plan_layout(config, schedule: Schedule, layers_per_stage=None, *, seq: int | None = None):
+    """The `models.StageLayout` of `schedule` for an HF `config`: `layers_per_stage` when given (one
+    count per chunk, model order, summing to the model's decoder layers), else the cost model's
+    balanced split for a method with `balanced_layers` (redis), else an even split.
+
+    Raises models.LayoutError when the layers cannot fill the chunks. `seq` sets the sequence length
+    the balanced split is costed at (default min(2048, max_position_embeddings)).
+    """
+    # models imports torch and transformers; the simulator, which never builds a layout, does not need them
+    from vp_accelerate.models.layout import LayoutError, StageLayout, split_counts
+
+    layers = config.num_hidden_layers
+    chunks = schedule.num_chunks
+    if layers_per_stage is not None:
+        counts = [int(n) for n in layers_per_stage]
+        if len(counts) != chunks or sum(counts) != layers:
+            raise LayoutError(f"layers_per_stage {counts} must have {chunks} entries (one per chunk) summing to "
+                              f"the model's {layers} decoder layers")
+    elif schedule.method_spec.balanced_layers:
+        if seq is None:
+            seq = min(BALANCE_SEQ, getattr(config, "max_position_embeddings", BALANCE_SEQ) or BALANCE_SEQ)
+        counts = redis_layer_split(config, chunks, seq=seq)
+    else:
+        counts = split_counts(layers, chunks)
+    return StageLayout.from_counts(tuple(counts), schedule.chunk_rank)
+
+
+def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = None,
+                 chunk_layers: tuple[int, ...] | None = None) -> CostModel:
+    """The CostModel of `schedule`: `chunk_layers` when given, else the balanced split (redis_layer_split)
+    for a method with `balanced_layers`, else an even split."""
+    hw = hw or Hardware()
+    if chunk_layers is None:
+        if schedule.method_spec.balanced_layers:
+            if schedule.num_chunks != schedule.num_ranks:
+                raise ValueError("redis balances one chunk per rank (schedule kind 1f1b)")
+            chunk_layers = redis_layer_split(shape, schedule.num_ranks, hw=hw)
+        else:
+            chunk_layers = even_layer_split(shape.layers, schedule.num_chunks)
+    return CostModel(shape, schedule.method, schedule.chunk_rank, tuple(chunk_layers), hw,
+                     split_backward=schedule.split_backward)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Fwd+bwd time (any unit) of one transformer layer and of the extras on the first and last stage."""
+
+    layer: float
+    """One transformer layer."""
+    first: float
+    """Input embedding (and whatever else only the first stage runs)."""
+    last: float
+    """Output layer and loss."""
+
+
+def redis_layer_split(model, num_stages: int, costs: StageCosts | None = None, *, seq: int = 2048,
+                      vocab: int | None = None, hw: Hardware | None = None, min_layers: int = 1) -> tuple[int, ...]:
+    """Layers per stage that minimise the slowest stage's time (the "redis" baseline): the last stage,
+    which also runs the output layer, and the first, which runs the embedding, get fewer layers.
+
+    model: a layer count (then `costs` is required), a ModelShape, or an HF config (object, dict or
+    path of config.json; `seq`, default 2048, and `vocab` complete it). Every stage keeps at least
+    `min_layers` layers (the runtime needs one).
+    """
+    if isinstance(model, int):
+        if costs is None:
+            raise ValueError("redis_layer_split(num_layers, ...) needs costs=StageCosts(layer, first, last)")
+        num_layers = model
+    else:
+        shape = model if isinstance(model, ModelShape) else shape_from_hf_config(model, seq=seq, vocab=vocab)
+        num_layers = shape.layers
+        if costs is None:
+            hw = hw or Hardware()
+            probe = CostModel(shape, "baseline", (0, 1), (1, 1), hw)
+            layer = probe.pass_time(0, Op.F, 0) + probe.pass_time(0, Op.B, 0) - 2 * probe._gather_time()
+            last = probe.pass_time(1, Op.F, 1) + probe.pass_time(1, Op.B, 1) - layer
+            costs = StageCosts(layer=layer, first=2 * probe._gather_time(), last=last)
+    if num_stages * min_layers > num_layers:
+        raise ValueError(f"{num_layers} layers cannot give {num_stages} stages {min_layers} layer(s) each")
+    extra = [costs.first] + [0.0] * (num_stages - 2) + [costs.last] if num_stages > 1 else [costs.first + costs.last]
+
+    def capacity(limit: float) -> list[int]:
+        return [max(0, math.floor((limit - e) / costs.layer + 1e-9)) for e in extra]
+
+    candidates = sorted({e + k * costs.layer for e in extra for k in range(min_layers, num_layers + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:  # smallest stage-time limit under which the stages can hold every layer
+        mid = (lo + hi) // 2
+        caps = capacity(candidates[mid])
+        if all(c >= min_layers for c in caps) and sum(caps) >= num_layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = capacity(candidates[lo])
+    while sum(counts) > num_layers:  # give back the surplus from the currently slowest stages
+        i = max((i for i in range(num_stages) if counts[i] > min_layers),
+                key=lambda i: (extra[i] + counts[i] * costs.layer, counts[i]))
+        counts[i] -= 1
+    return tuple(counts)

@@ -1,0 +1,163 @@
+"""Model shape and the FLOP / byte formulas of docs/design.md §1 and §8."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# HF model types whose decoder MLP has two matrices (up, down: GPT-2 style). Every other family has a
+# gated MLP (gate, up, down: SwiGLU / GeGLU), as nearly every decoder since Llama; a list of the gated
+# ones went stale as families were added (Cohere and Granite were counted with two matrices).
+# tests/test_cost_shape.py checks this against the modules of every family models/ supports.
+UNGATED_MLP_TYPES = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "opt", "bloom",
+                               "falcon", "phi", "starcoder2", "mpt", "biogpt", "xglm"})
+
+
+def mlp_matrices(model_type: str) -> int:
+    """Weight matrices of one decoder layer's MLP for an HF `model_type`: 2 (up, down) or 3 (gated).
+    Without a model type: 2, the paper's formula (ModelShape's default)."""
+    return 2 if not model_type or model_type in UNGATED_MLP_TYPES else 3
+
+
+ATTENTION_KINDS = ("flash", "eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs to know about a decoder-only transformer and one microbatch."""
+
+    hidden: int
+    """Hidden size h."""
+    layers: int
+    """Transformer layers L."""
+    heads: int
+    """Attention heads (kept for reporting; the FLOP formula does not need it)."""
+    ffn: int
+    """MLP intermediate size."""
+    vocab: int
+    """Vocabulary size V."""
+    seq: int
+    """Sequence length s."""
+    microbatch_size: int = 1
+    """Sequences per microbatch b."""
+    dtype_bytes: int = 2
+    """Bytes per activation / parameter element (2 for bf16)."""
+    mlp_matrices: int = 2
+    """2 for a GELU MLP (the paper's formula), 3 for a gated (SwiGLU) MLP."""
+    tied: bool = False
+    """Input embedding and output weight are one tensor."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None = `heads`."""
+    attention: str = "flash"
+    """How a layer keeps its activations for the backward: "flash" is the paper's setting (a Megatron
+    layer with flash attention, Korthikanti et al.'s count); "eager" or "sdpa" is a Hugging Face pre-norm
+    decoder layer (RMSNorm, rotary attention) as this project's runtime runs it with that
+    `attn_implementation`, counted tensor by tensor."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per microbatch N = b*s."""
+        return self.microbatch_size * self.seq
+
+    # ---- FLOPs per microbatch --------------------------------------------------------------
+    def layer_linear_flops(self) -> float:
+        """Forward FLOPs of one layer's weight matmuls: 8Nh^2 (QKV+O) + 2*k*N*h*ffn (MLP)."""
+        n, h = self.tokens, self.hidden
+        return 8 * n * h * h + 2 * self.mlp_matrices * n * h * self.ffn
+
+    def layer_attention_flops(self) -> float:
+        """Forward FLOPs of the attention core (QK^T and AV): 4*b*s^2*h, counted as the paper does."""
+        return 4 * self.microbatch_size * self.seq * self.seq * self.hidden
+
+    def layer_flops(self) -> tuple[float, float, float]:
+        """(F, B, W) FLOPs of one layer: B = input gradients (+ attention core backward), W = weight
+        gradients; B + W = 2F, so fwd+bwd is s*h*(72h + 12s) at b=1, ffn=4h (docs/design.md §1)."""
+        lin, att = self.layer_linear_flops(), self.layer_attention_flops()
+        return lin + att, lin + 2 * att, lin
+
+    def output_matmul_flops(self, rows: int | None = None) -> float:
+        """One N x h x rows matmul (2*N*h*rows); rows defaults to the whole vocabulary."""
+        return 2 * self.tokens * self.hidden * (self.vocab if rows is None else rows)
+
+    def model_flops(self) -> float:
+        """Training FLOPs of one microbatch as the paper counts them for MFU (docs/design.md §8):
+        3*(2*b*s*h*V + L*(8*b*s*h^2 + 4*b*s^2*h + 2k*b*s*h*FFN))."""
+        return 3 * (self.output_matmul_flops() + self.layers * (self.layer_linear_flops() + self.layer_attention_flops()))
+
+    # ---- bytes -----------------------------------------------------------------------------
+    def layer_params(self) -> int:
+        """Parameters of one layer: 4h^2 attention + k*h*ffn MLP (norms and biases ignored)."""
+        return 4 * self.hidden * self.hidden + self.mlp_matrices * self.hidden * self.ffn
+
+    def layer_activation_bytes(self) -> float:
+        """Activations one layer keeps per microbatch for its backward.
+
+        "flash": Korthikanti et al.'s 34*s*b*h bytes in 16-bit at ffn=4h (15*sbh in the attention block,
+        19*sbh in the MLP, which we scale by ffn/4h). "eager" / "sdpa": `_hf_layer_elements()` elements.
+        """
+        if self.attention != "flash":
+            return self._hf_layer_elements() * self.dtype_bytes
+        sbh = self.tokens * self.hidden
+        return sbh * (15 + 19 * self.ffn / (4 * self.hidden)) * self.dtype_bytes / 2
+
+    def _hf_layer_elements(self) -> float:
+        """What autograd saves in an HF pre-norm decoder layer (N tokens, a heads of size d, k kv heads):
+        each RMSNorm its input, x·rsqrt(var) and the weighted output that feeds the next matmul (3Nh) plus
+        rsqrt (N); q after rotary; eager attention k and v repeated to all a heads, the probabilities
+        [b, a, s, s] and a contiguous copy of the output for o_proj; sdpa k and v at k heads, the kernel's
+        output and its log-sum-exp [b, a, s]; the MLP gate, act(gate), up and their product (gated) or its
+        pre-activation and activation (2 matrices). Rotary's cos / sin are per chunk (`chunk_extra_bytes`)."""
+        n, h, f, b, s = self.tokens, self.hidden, self.ffn, self.microbatch_size, self.seq
+        a = self.heads
+        qd = a * (h // a)  # q (and o_proj's input) width
+        kd = (self.kv_heads or a) * (h // a)
+        norms = 2 * (3 * n * h + n)
+        mlp = (4 if self.mlp_matrices == 3 else 2) * n * f
+        if self.attention == "eager":
+            attn = n * qd * 4 + b * a * s * s  # q, k and v repeated, o_proj input; probabilities
+        else:
+            attn = n * qd * 2 + n * kd * 2 + b * a * s  # q, out; k, v; log-sum-exp
+        return norms + attn + mlp
+
+    def chunk_extra_bytes(self, last: bool) -> float:
+        """Per microbatch and chunk, beyond its layers (0 for "flash"): rotary cos and sin [b, s, d], and on
+        the chunk that ends the model the final norm (3Nh + N; its output is X)."""
+        if self.attention == "flash":
+            return 0.0
+        n, h = self.tokens, self.hidden
+        rotary = 2 * n * (h // self.heads)
+        return (rotary + (3 * n * h + n if last else 0)) * self.dtype_bytes
+
+    @property
+    def stat_bytes(self) -> int:
+        """Bytes per element of the softmax work (logits, statistics): fp32, or the model's dtype if wider."""
+        return max(4, self.dtype_bytes)
+
+    def hidden_bytes(self) -> float:
+        """One [N, h] activation tensor (what p2p, C0, IF_REDUCE and IB_BCAST move)."""
+        return self.tokens * self.hidden * self.dtype_bytes
+
+
+def shape_from_hf_config(config, seq: int, vocab: int | None = None, microbatch_size: int = 1,
+                         dtype_bytes: int = 2, attention: str = "flash") -> ModelShape:
+    """A ModelShape from an HF config (object, dict, or path to config.json). `vocab` overrides;
+    `attention` says how activations are counted (see `ModelShape.attention`)."""
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    h = get("hidden_size") or get("n_embd") or get("d_model")
+    layers = get("num_hidden_layers") or get("n_layer")
+    heads = get("num_attention_heads") or get("n_head")
+    if not (h and layers and heads):
+        raise ValueError("config lacks hidden_size / num_hidden_layers / num_attention_heads (or GPT-2's n_embd/n_layer/n_head)")
+    ffn = get("intermediate_size") or get("n_inner") or 4 * h
+    return ModelShape(hidden=h, layers=layers, heads=heads, ffn=ffn, vocab=vocab or get("vocab_size"), seq=seq,
+                      microbatch_size=microbatch_size, dtype_bytes=dtype_bytes,
+                      mlp_matrices=mlp_matrices(get("model_type", "") or ""),
+                      tied=bool(get("tie_word_embeddings", False)),
+                      kv_heads=get("num_key_value_heads") or heads, attention=attention)
