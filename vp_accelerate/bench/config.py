@@ -86,12 +86,3 @@ def synthetic_batch(cfg: BenchConfig, vocab: int, ignore_fraction: float = 0.0):
     if ignore_fraction > 0:
         labels[torch.rand(labels.shape, generator=g) < ignore_fraction] = -100
     return input_ids, labels
-
-
-def shift_labels(labels):
-    """HF-convention labels -> per-position targets (target[t] = labels[t + 1], the last one ignored)."""
-    import torch
-
-    target = torch.full_like(labels, -100)
-    target[:, :-1] = labels[:, 1:]
-    return target

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from vp_accelerate.bench.config import shift_labels
 from vp_accelerate.bench.timeline import Pass
+from vp_accelerate.vocab.labels import shift_labels
 
 
 class PeerStage(nn.Module):

@@ -36,6 +36,7 @@ from vp_accelerate.runtime import precision, watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.vocab import comm
+from vp_accelerate.vocab.labels import shift_labels
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
 from vp_accelerate.vocab.partition import VocabPartition
 
@@ -212,10 +213,7 @@ class PipelineModel:
                              f"is not the ignore index -100")
         dev = self.device
         # HF convention: the token at t predicts labels[t + 1]
-        shifted = torch.full_like(labels, -100)
-        shifted[:, :-1] = labels[:, 1:]
-        if attention_mask is not None:
-            shifted[:, :-1][attention_mask[:, 1:] == 0] = -100
+        shifted = shift_labels(labels, attention_mask)
         valid = (shifted != -100)
         n_valid = torch.tensor([valid.sum().item()], dtype=torch.float64, device=dev)
         if self.groups.dp_group is not None:  # a device group: the count travels on the device

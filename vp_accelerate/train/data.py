@@ -1,11 +1,9 @@
 """Training data: load text with `datasets`, tokenize, pack into fixed-length sequences, batch per replica.
 
 Label convention (HF): a batch carries `input_ids` and `labels` equal to `input_ids` (with -100 on
-padding). The *trainer* turns them into next-token labels with `next_token_labels` — `labels[:, t]`
-becomes `labels[:, t+1]` and the last position gets -100 — because the pipeline's loss scores
-position t against the label given at t (no shift inside the runtime). This is exactly what
-`AutoModelForCausalLM(input_ids, labels=input_ids)` computes, so exported models reproduce the
-training/eval loss.
+padding). `PipelineModel` shifts them (`vocab.labels.shift_labels`: position t is scored against
+`labels[:, t+1]`, the last position against nothing), exactly as `AutoModelForCausalLM(input_ids,
+labels=input_ids)` does, so exported models reproduce the training/eval loss.
 
 Order and slicing: sequence order is a pure function of (seed, epoch). Step k takes the global batch
 `order[k*G:(k+1)*G]`; data-parallel replica r takes rows `[r*B:(r+1)*B]` of it (B = G / dp_size).
@@ -43,13 +41,6 @@ _FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", 
 
 class DataError(ValueError):
     """A data problem, with the file or sample it concerns."""
-
-
-def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
-    """HF-convention labels [B, S] -> next-token labels: shift left by one, -100 in the last column."""
-    out = torch.full_like(labels, -100)
-    out[:, :-1] = labels[:, 1:]
-    return out
 
 
 def _format_of(files: list[str], fmt: str) -> str:

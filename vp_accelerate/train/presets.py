@@ -74,7 +74,7 @@ def preset_config(name: str, overrides: dict | None = None):
     return AutoConfig.for_model(model_type, **{**kwargs, **(overrides or {})})
 
 
-def resolve_config(source: str, overrides: dict | None = None, trust_remote_code: bool = False):
+def recipe_model_config(source: str, overrides: dict | None = None, trust_remote_code: bool = False):
     """The model config of a recipe's `model.source` (preset, local dir, or hub id), overrides applied."""
     from transformers import AutoConfig
 

@@ -17,7 +17,7 @@ import torch
 from .data import build_data
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer, build_scheduler
-from .presets import model_source, resolve_config
+from .presets import model_source, recipe_model_config
 from .recipe import Recipe, recipe_to_dict
 from .run_state import fingerprint, resume_run
 from .tokenizer import load_tokenizer
@@ -104,7 +104,7 @@ def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = No
     from .vocab_plan import plan_vocab
 
     m = recipe.model
-    config = resolve_config(model_dir or m.source, m.config, m.trust_remote_code)
+    config = recipe_model_config(model_dir or m.source, m.config, m.trust_remote_code)
     pretrained = m.pretrained_weights and m.source not in PRESETS
     if pretrained and model_dir is not None:
         from transformers import AutoConfig
