@@ -127,8 +127,7 @@ def _compare_memory_with_simulator(per_rank, configs, pp, microbatches, vocab, r
     (microbatch, chunk) activations and S->T states, and bytes within 10% (the runtime counts the
     storages autograd saves; the simulator's cost model computes them for an eager-attention HF layer)."""
     from vp_accelerate.schedule import build_schedule
-    from vp_accelerate.sim.cost import for_schedule
-    from vp_accelerate.sim.shape import ModelShape
+    from vp_accelerate.cost import ModelShape, for_schedule
     from vp_accelerate.sim.simulate import simulate
 
     dtype, opt_name, _ = run
