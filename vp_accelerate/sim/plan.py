@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
-from .cost import CostModel, Hardware, for_schedule
-from .shape import ModelShape, shape_from_hf_config
+from vp_accelerate.cost import CostModel, Hardware, ModelShape, for_schedule, shape_from_hf_config
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES
 
