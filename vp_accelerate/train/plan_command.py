@@ -109,7 +109,7 @@ def resolve_auto(recipe, world_size: int | None):
 
     from vp_accelerate.sim.plan import PlanRequest, best
 
-    from .presets import resolve_config
+    from .presets import recipe_model_config
     from .recipe import RecipeError, check
 
     p = recipe.pipeline
@@ -119,7 +119,7 @@ def resolve_auto(recipe, world_size: int | None):
         raise RecipeError("pipeline.schedule: auto needs the number of processes (run under a launcher, or pass "
                           "--world-size N with --check)")
     m = recipe.model
-    config = resolve_config(m.source, m.config, m.trust_remote_code)
+    config = recipe_model_config(m.source, m.config, m.trust_remote_code)
     memory = p.plan_memory_gb or _memory_gb(world_size)
     peak = recipe.logging.peak_tflops * 1e12 or Hardware.peak_flops  # only MFU's scale; the ranking is the same
     req = PlanRequest(gpus=world_size, memory_gb=memory, seq=recipe.data.seq_len,
