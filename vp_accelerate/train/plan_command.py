@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from vp_accelerate.sim.cost import Hardware
+from vp_accelerate.cost import Hardware
 
 
 def model_config(source: str):
