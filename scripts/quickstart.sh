@@ -10,6 +10,9 @@ export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 WANDB_MOD
 [ -f outputs/demo_corpus/train.jsonl ] || python scripts/make_demo_corpus.py --out outputs/demo_corpus
 [ -f outputs/demo_tokenizer/tokenizer.json ] || \
   python scripts/train_tokenizer.py --vocab-size 4096 --out outputs/demo_tokenizer outputs/demo_corpus/train.jsonl
-accelerate launch --config_file configs/accelerate_cpu_2proc.yaml -m vp_accelerate train recipes/quickstart.yaml "$@"
-vp-accelerate export outputs/quickstart/checkpoints outputs/quickstart/hf
+# a second run continues the first (a finished one has nothing left to do) instead of mixing checkpoints
+resume=(); [ -f outputs/quickstart/checkpoints/latest ] && resume=(--resume)
+accelerate launch --config_file configs/accelerate_cpu_2proc.yaml -m vp_accelerate train recipes/quickstart.yaml \
+  "${resume[@]}" "$@"
+vp-accelerate export outputs/quickstart/checkpoints outputs/quickstart/hf  # the run exports too; this keeps it current
 echo "done: metrics in outputs/quickstart/metrics.jsonl, wandb run in outputs/quickstart/wandb, HF model in outputs/quickstart/hf"

@@ -61,8 +61,7 @@ def launch(setup, name, *extra, check=True):
     env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(d / "ds_cache"), "OMP_NUM_THREADS": "1"}
     cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-           "-m", "vp_accelerate", "train", recipe, "--set", f"logging.output_dir={d / name}",
-           "--set", f"checkpoint.dir={d / name / 'ckpt'}", *extra]
+           "-m", "vp_accelerate", "train", recipe, "--set", f"logging.output_dir={d / name}", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(d))
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
@@ -106,16 +105,38 @@ def test_two_processes_train_and_log_to_wandb_offline(full_run):
     assert len(runs) == 1 and os.path.getsize(runs[0]) > 0, os.listdir(run_dir)
 
 
-def test_resume_equals_uninterrupted(setup, full_run):
-    """Resume from the step-3 checkpoint the full run wrote (what a crash after step 3 leaves behind)."""
-    import shutil
+def test_checkpoints_and_the_hf_export_are_on_by_default(full_run):
+    """No checkpoint section in the command: output_dir/checkpoints (the recipe's every 3, keep 3) and the final
+    model in output_dir/hf with its tokenizer; a new run into the same directory is refused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    run_dir, out = full_run
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
+    model = AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"))
+    tok = AutoTokenizer.from_pretrained(str(run_dir / "hf"))
+    assert model.config.vocab_size == len(tok) == 512
+    assert "exported the final model to" in out.stderr
+
+
+def test_a_new_run_does_not_mix_with_an_earlier_ones_checkpoints(setup, full_run, capsys):
+    from vp_accelerate.train.commands import train_main
+
+    d, recipe = setup
+    args = [recipe, "--set", f"logging.output_dir={d / 'full'}", "--check"]
+    assert train_main(args) == 2
+    assert "holds checkpoints of an earlier run (latest step_00000006); continue that run with --resume" in \
+        capsys.readouterr().err
+    assert train_main(args + ["--resume", "3"]) == 0
+    assert train_main(args + ["--resume", "4"]) == 2
+    assert "--resume 4: no complete checkpoint" in capsys.readouterr().err
+
+
+def test_resume_equals_uninterrupted(setup, full_run):
+    """Resume from the step-3 checkpoint the full run wrote (what a crash after step 3 leaves behind), named by
+    its path, into a new output dir."""
     run_dir, _ = full_run
-    ckpt_dir = setup[0] / "resumed" / "ckpt"
-    os.makedirs(ckpt_dir)
-    shutil.copytree(run_dir / "ckpt" / "step_00000003", ckpt_dir / "step_00000003")
-    (ckpt_dir / "latest").write_text("step_00000003\n")
-    launch(setup, "resumed", "--resume", "--set", "logging.wandb_mode=disabled")
+    launch(setup, "resumed", "--resume", str(run_dir / "checkpoints" / "step_00000003"),
+           "--set", "logging.wandb_mode=disabled")
     full, full_eval = metrics(run_dir / "metrics.jsonl")
     resumed, resumed_eval = metrics(setup[0] / "resumed" / "metrics.jsonl")
     assert sorted(resumed) == [4, 5, 6]
@@ -130,7 +151,7 @@ def test_checkpoint_records_the_layout(full_run):
     from vp_accelerate.train import checkpoint as ckpt
 
     run_dir, _ = full_run
-    meta = ckpt.read_meta(ckpt.read_latest(str(run_dir / "ckpt")))
+    meta = ckpt.read_meta(ckpt.read_latest(str(run_dir / "checkpoints")))
     fp = meta["fingerprint"]
     assert fp["world_size"] == 2 and fp["method"] == "vocab-2" and len(fp["layout"]) == 2
     # the layout is describe()'s fields (RankLayout.placement), not its text: chunks, layers, vocabulary rows
@@ -153,7 +174,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_eval_loss(setup, full_r
     d, recipe_path = setup
     run_dir, _ = full_run
     out = d / "hf"
-    assert export_main([str(run_dir / "ckpt"), str(out)]) == 0
+    assert export_main([str(run_dir / "checkpoints"), str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     tok = AutoTokenizer.from_pretrained(str(out))
     recipe = load_recipe(recipe_path)
@@ -163,3 +184,17 @@ def test_export_loads_with_from_pretrained_and_gives_the_eval_loss(setup, full_r
         losses = [model(input_ids=b["input_ids"], labels=b["labels"]).loss.item() for b in evals]
     _, trained_eval = metrics(run_dir / "metrics.jsonl")
     assert sum(losses) / len(losses) == pytest.approx(trained_eval[STEPS], rel=1e-4)
+
+    auto = AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"))  # the automatic export is the same model
+    assert all(torch.equal(a, b) for a, b in zip(auto.state_dict().values(), model.state_dict().values()))
+
+
+def test_init_from_takes_the_weights_only(setup, full_run):
+    """model.init_from: the full run's last weights, a fresh optimizer and schedule (at a negligible LR, the
+    first evaluation equals the full run's last one; a fresh model's is far above)."""
+    run_dir, _ = full_run
+    launch(setup, "init", "--set", f"model.init_from={run_dir / 'checkpoints'}", "--set", "train.steps=1",
+           "--set", "optimizer.lr=1e-12", "--set", "logging.wandb_mode=disabled", "--set", "checkpoint.export_hf=false")
+    train, evals = metrics(setup[0] / "init" / "metrics.jsonl")
+    _, full_eval = metrics(run_dir / "metrics.jsonl")
+    assert sorted(train) == [1] and evals[1] == pytest.approx(full_eval[STEPS], abs=1e-5)

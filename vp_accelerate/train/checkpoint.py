@@ -190,6 +190,23 @@ def resolve(path: str) -> str:
     return found
 
 
+def resume_path(ckpt_dir: str | None, which: str = "latest") -> str | None:
+    """The checkpoint `--resume WHICH` names: `latest` (the newest complete one in `ckpt_dir`, None when there
+    is none), a step number (`ckpt_dir/step_XXXXXXXX`), or a path (a step dir, or a checkpoint dir whose
+    `latest` is followed)."""
+    if which == "latest":
+        return read_latest(ckpt_dir) if ckpt_dir and os.path.isdir(ckpt_dir) else None
+    if which.isdigit():
+        path = os.path.join(ckpt_dir or "", step_dir_name(int(which)))
+        if not os.path.isfile(os.path.join(path, META)):
+            have = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp")) \
+                if ckpt_dir and os.path.isdir(ckpt_dir) else []
+            raise CheckpointError(f"--resume {which}: no complete checkpoint {path} (checkpoints there: "
+                                  f"{', '.join(have) or 'none'})")
+        return path
+    return resolve(os.path.expanduser(which))
+
+
 def read_meta(path: str) -> dict:
     with open(os.path.join(path, META)) as f:
         return json.load(f)

@@ -1,7 +1,8 @@
 """`vp-accelerate train` and `vp-accelerate export`: argument parsing around trainer and export.
 
     accelerate launch --config_file configs/accelerate_cpu_2proc.yaml -m vp_accelerate train recipes/quickstart.yaml
-    vp-accelerate train RECIPE [--set key.path=value ...] [--resume] [--stop-at STEP] [--check [--world-size N]]
+    vp-accelerate train RECIPE [--set key.path=value ...] [--resume [latest|STEP|PATH]] [--stop-at STEP]
+                       [--check [--world-size N]]
     vp-accelerate export CHECKPOINT OUT_DIR
 
 The recipe is read and validated before accelerate creates any process group, so a bad recipe
@@ -33,7 +34,9 @@ def train_main(argv: list[str] | None = None) -> int:
     ap.add_argument("recipe", help="recipe YAML file (see recipes/ and docs/training.md)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="override a recipe field, typed by the field (repeatable)")
-    ap.add_argument("--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint")
+    ap.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|STEP|PATH",
+                    help="continue a run from a checkpoint: the latest in the checkpoint dir (no value or `latest`), "
+                         "step STEP there, or the checkpoint at PATH")
     ap.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                     help="stop after this step (checkpointing it) as if interrupted; the LR schedule still "
                          "spans train.steps, so `--resume` later continues the same run")
@@ -44,7 +47,7 @@ def train_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from .plan_command import resolve_auto
-    from .preflight import check_plan, world_size_from_env
+    from .preflight import check_plan, check_run_dirs, world_size_from_env
     from .recipe import RecipeError, load_recipe, recipe_to_dict
 
     try:
@@ -58,6 +61,7 @@ def train_main(argv: list[str] | None = None) -> int:
         world = world_size_from_env()
         # one process (or --check): also convert tokenizers and count a swap's rows; launched ranks skip that
         notes = check_plan(recipe, args.world_size or world, full=args.check or (world or 1) == 1)
+        notes += check_run_dirs(recipe, args.resume)
     except RecipeError as e:
         print(f"recipe error: {e}", file=sys.stderr)
         return 2

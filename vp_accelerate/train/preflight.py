@@ -182,6 +182,36 @@ def _check_data(recipe) -> list[str]:
     return []
 
 
+def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
+    """Settle where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
+    write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
+    `--resume STEP|PATH` must name a complete checkpoint. Returns notes for `--check`."""
+    from . import checkpoint as ckpt
+
+    c, out = recipe.checkpoint, recipe.logging.output_dir
+    recipe.checkpoint.dir = c.resolved_dir(out)
+    if c.dir is None:
+        if resume is not None:
+            raise RecipeError("checkpoint.enabled: --resume needs checkpoints; set checkpoint.enabled: true")
+        if recipe.model.init_from is None:
+            return ["checkpoints off (checkpoint.enabled: false): no resume and no final export"]
+        return []
+    if resume is None:
+        latest = ckpt.read_latest(c.dir) if os.path.isdir(c.dir) else None
+        if latest is not None:
+            raise RecipeError(f"checkpoint.dir: {c.dir} holds checkpoints of an earlier run (latest "
+                              f"{os.path.basename(latest)}); continue that run with --resume, or start a new one in "
+                              f"another logging.output_dir or checkpoint.dir")
+    elif resume != "latest":
+        try:
+            ckpt.resume_path(c.dir, resume)
+        except ckpt.CheckpointError as e:
+            raise RecipeError(str(e)) from None
+    every = f"every {c.every} steps and " if c.every else ""
+    export = f"; the final model is exported to {os.path.join(out, 'hf')}" if c.export_hf else ""
+    return [f"checkpoints in {c.dir}, {every}at the end, keeping the last {c.keep}{export}"]
+
+
 def pipeline_size(recipe, world_size: int | None) -> int | None:
     """Pipeline ranks of the run: pipeline.pp_size, or world size / dp_size; None when unknown."""
     p = recipe.pipeline

@@ -39,6 +39,11 @@ class ModelSection:
     trust_remote_code: bool = False
     """Allow custom modelling code from a checkpoint dir / hub repo. Off unless you trust the source."""
 
+    init_from: Optional[str] = None
+    """A training checkpoint (a step dir, or a checkpoint dir whose `latest` is used) to take the weights from,
+    and nothing else: the optimizer, LR schedule, data order and step start afresh. It must have this run's
+    model and pipeline layout; for another layout, `vp-accelerate export` it and use it as `model.source`."""
+
 
 @dataclass
 class TokenizerSection:
@@ -229,14 +234,27 @@ class EvalSection:
 
 @dataclass
 class CheckpointSection:
-    dir: Optional[str] = None
-    """Checkpoint directory; None = no checkpoints."""
+    enabled: bool = True
+    """Save checkpoints (and resume from them). Off: no checkpoints and no final export."""
 
-    every: int = 0
+    dir: Optional[str] = None
+    """Checkpoint directory; None = `<logging.output_dir>/checkpoints`."""
+
+    every: int = 500
     """Save every N steps (and at the end); 0 = only at the end."""
 
     keep: int = 2
     """How many recent checkpoints to keep (older ones are deleted after a new one is complete)."""
+
+    export_hf: bool = True
+    """At the end, write the final model as an HF directory (safetensors + config + tokenizer) to
+    `<logging.output_dir>/hf`, loadable with `AutoModelForCausalLM.from_pretrained`."""
+
+    def resolved_dir(self, output_dir: str) -> Optional[str]:
+        """Where checkpoints go: `dir`, else `<output_dir>/checkpoints`; None when disabled."""
+        if not self.enabled:
+            return None
+        return self.dir if self.dir is not None else os.path.join(output_dir, "checkpoints")
 
 
 @dataclass
@@ -379,6 +397,13 @@ def _check_paths(recipe: Recipe) -> None:
                               f"`python scripts/train_tokenizer.py --out {path} FILES...`")
     elif tok.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(tok)):
         raise RecipeError(f"tokenizer.source: directory {tok!r} does not exist")
+    if recipe.model.init_from is not None:
+        from .checkpoint import CheckpointError, resolve
+
+        try:
+            resolve(os.path.expanduser(recipe.model.init_from))
+        except CheckpointError as e:
+            raise RecipeError(f"model.init_from: {e}") from None
     src = recipe.model.source
     if src.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(src)):
         raise RecipeError(f"model.source: directory {src!r} does not exist")

@@ -71,10 +71,11 @@ def save_run(run, step: int) -> None:
         log.info("saved checkpoint %s", path)
 
 
-def resume_run(run) -> int:
-    """Load the latest checkpoint of checkpoint.dir into every piece of `run`'s state; returns its step."""
+def resume_run(run, which: str = "latest") -> int:
+    """Load checkpoint `which` (latest / a step / a path, see `checkpoint.resume_path`) into every piece of
+    `run`'s state; returns its step."""
     pipe, cdir = run.pipe, run.recipe.checkpoint.dir
-    path = ckpt.read_latest(cdir) if cdir and os.path.isdir(cdir) else None
+    path = ckpt.resume_path(cdir, which)
     if path is None:
         if pipe.rank == 0:
             log.warning("--resume: no checkpoint in %s; starting from step 0", cdir)
@@ -96,3 +97,50 @@ def resume_run(run) -> int:
     if pipe.rank == 0:
         log.info("resumed from %s (step %d)", path, meta["step"])
     return int(meta["step"])
+
+
+#: fingerprint keys that must match for weights-only initialisation (data order, batch, seed may differ)
+_WEIGHT_KEYS = ("model", "world_size", "dp_size", "schedule", "method", "chunks_per_rank", "pad_multiple", "layout",
+                "adapter")
+
+
+def init_weights_from(run, source: str) -> None:
+    """model.init_from: this rank's weights from a training checkpoint and nothing else (the optimizer, LR
+    schedule, data order and step count start afresh). Each rank reads only its own shard file."""
+    from safetensors.torch import load_file
+
+    pipe = run.pipe
+    path = ckpt.resolve(os.path.expanduser(source))
+    meta = ckpt.read_meta(path)
+    saved = meta["fingerprint"]
+    current = as_saved(saved, run.fingerprint, run.layout)
+    try:
+        ckpt.check_fingerprint({k: saved.get(k) for k in _WEIGHT_KEYS}, {k: current.get(k) for k in _WEIGHT_KEYS}, path)
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"model.init_from: {e}\nFor a checkpoint of another model or layout, export it "
+                                   f"(vp-accelerate export {source} DIR) and set model.source: DIR") from None
+    rdir = os.path.join(path, ckpt.rank_dir_name(pipe.rank))
+    if not os.path.isdir(rdir):
+        raise ckpt.CheckpointError(f"model.init_from: checkpoint {path} has no shards for rank {pipe.rank}")
+    state = load_file(os.path.join(rdir, "model.safetensors"))
+    ckpt.check_shapes(state, pipe.state_dict(), path, pipe.rank)
+    pipe.load_state_dict(state)
+    if pipe.rank == 0:
+        log.info("initialised the weights from %s (step %d); optimizer, schedule and data start afresh", path,
+                 meta["step"])
+
+
+def export_final(run) -> str | None:
+    """A completed run's final checkpoint as an HF model dir (safetensors + config + tokenizer) in
+    `<output_dir>/hf`, written by rank 0 (checkpoint.export_hf); None when not exported."""
+    c = run.recipe.checkpoint
+    done = run.end_step == run.recipe.train.steps and run.start_step < run.end_step
+    if not (c.dir and c.export_hf and done):
+        return None
+    out = os.path.join(run.recipe.logging.output_dir, "hf")
+    if run.pipe.rank == 0:
+        from .export import export_checkpoint
+
+        export_checkpoint(c.dir, out)
+        log.info("exported the final model to %s (AutoModelForCausalLM.from_pretrained / AutoTokenizer)", out)
+    return out

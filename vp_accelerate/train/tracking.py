@@ -104,10 +104,39 @@ def rank_metrics(all_stats: list[dict]) -> dict:
     return out
 
 
+def start_metrics(path: str, resumed_step: int | None) -> str | None:
+    """Prepare `path` (metrics.jsonl) for a run; returns where an earlier run's file was moved, if it was.
+
+    A new run never appends to an earlier one: that file becomes metrics.1.jsonl (metrics.2.jsonl, ...: the
+    first free name). A resumed run appends, after dropping rows logged past the checkpoint it resumes from
+    (the interrupted run's steps that are trained again), so the file reads as one run.
+    """
+    if not os.path.isfile(path):
+        return None
+    if resumed_step is None:
+        stem, ext = os.path.splitext(path)
+        k = 1
+        while os.path.exists(f"{stem}.{k}{ext}"):
+            k += 1
+        os.replace(path, f"{stem}.{k}{ext}")
+        return f"{stem}.{k}{ext}"
+    with open(path) as f:
+        rows = [line for line in f if line.strip()]
+    kept = [line for line in rows if json.loads(line).get("step", 0) <= resumed_step]
+    if len(kept) != len(rows):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return None
+
+
 class Tracker:
     """wandb (through accelerate) + a local JSON-lines log, written on the main process only."""
 
-    def __init__(self, accelerator, recipe, recipe_dict: dict):
+    def __init__(self, accelerator, recipe, recipe_dict: dict, resumed_step: int | None = None):
+        """`resumed_step`: the step a resumed run continues after (None: a new run). One metrics.jsonl per run:
+        a new run moves an earlier run's file aside; a resumed one keeps its rows up to `resumed_step`."""
         self.accelerator = accelerator
         self.enabled = recipe.logging.wandb_mode != "disabled"
         self.is_main = accelerator.is_main_process
@@ -115,6 +144,7 @@ class Tracker:
         self.metrics_path = os.path.join(out, "metrics.jsonl")
         if self.is_main:
             os.makedirs(out, exist_ok=True)
+            self.rotated = start_metrics(self.metrics_path, resumed_step)
         if self.enabled:
             init = {"mode": recipe.logging.wandb_mode, "dir": out}
             if recipe.logging.run_name:

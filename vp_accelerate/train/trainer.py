@@ -19,7 +19,7 @@ from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, tr
 from .optim import build_optimizer, build_scheduler
 from .presets import model_source, recipe_model_config
 from .recipe import Recipe, recipe_to_dict
-from .run_state import fingerprint, resume_run
+from .run_state import export_final, fingerprint, init_weights_from, resume_run
 from .tokenizer import load_tokenizer
 from .tracking import Tracker, gather, plot_measured_timeline
 
@@ -130,8 +130,9 @@ def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = No
     return pipe, plan
 
 
-def setup(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> Run:
-    """Accelerator, tokenizer, pipeline, data, optimizer and tracker of a run (resumed if asked)."""
+def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None) -> Run:
+    """Accelerator, tokenizer, pipeline, data, optimizer and tracker of a run (resumed if asked: "latest" or
+    True, a step number, or a checkpoint path; else initialised from model.init_from's weights if set)."""
     from accelerate.utils import set_seed
 
     from vp_accelerate.runtime import PipelineLayout
@@ -139,6 +140,8 @@ def setup(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> R
     accelerator = make_accelerator(recipe)
     set_seed(recipe.train.seed)
     t = recipe.train
+    recipe.checkpoint.dir = recipe.checkpoint.resolved_dir(recipe.logging.output_dir)
+    which = "latest" if resume is True else (resume or None)
     model_dir, tokenizer, model_tokenizer = load_model_and_tokenizers(recipe, accelerator)
     pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer,
                                  accelerator.mixed_precision)
@@ -158,17 +161,21 @@ def setup(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> R
               eval_batches=eval_batches, optimizer=optimizer, scheduler=build_scheduler(optimizer, recipe.lr, t.steps),
               layout=layout, vocab=vocab, fingerprint=fingerprint(recipe, pipe, layout),
               recipe_dict=recipe_to_dict(recipe))
-    run.start_step = resume_run(run) if resume else 0
+    run.start_step = resume_run(run, which) if which else 0
+    if not which and recipe.model.init_from:
+        init_weights_from(run, recipe.model.init_from)
     run.end_step = t.steps if stop_at is None else max(run.start_step, min(stop_at, t.steps))
-    run.tracker = Tracker(accelerator, recipe, run.recipe_dict)  # after a resume that could fail
+    # after a resume that could fail; one metrics.jsonl per run (a resumed run appends to its own)
+    run.tracker = Tracker(accelerator, recipe, run.recipe_dict, resumed_step=run.start_step or None)
     return run
 
 
-def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> dict:
+def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None) -> dict:
     """Run a validated recipe on this process's rank. Returns a summary (the same on every rank).
 
     `stop_at`: end after that step (saving a checkpoint there) without changing the LR schedule, as a
-    preempted job would; `resume=True` continues from the latest checkpoint.
+    preempted job would; `resume` continues a run from a checkpoint ("latest" or True, a step, a path). A
+    completed run exports its final model to `<output_dir>/hf` (checkpoint.export_hf).
     """
     from tqdm.auto import tqdm
 
@@ -186,11 +193,12 @@ def train(recipe: Recipe, resume: bool = False, stop_at: int | None = None) -> d
         maybe_save(run, step)
     bar.close()
     finish(run)
+    hf_dir = export_final(run)
     v = run.vocab
     return {"start_step": run.start_step, "losses": losses, "eval": state.evals,
             "vocab": {"tokenizer": v.tokenizer_size, "rows_before": v.rows_before, "rows_after": v.rows_after,
                       "mode": v.mode, "rows": v.counts()},
-            "final_eval_loss": state.eval_loss, "end_step": run.end_step}
+            "final_eval_loss": state.eval_loss, "end_step": run.end_step, "hf_dir": hf_dir}
 
 
 def finish(run: Run) -> None:
