@@ -80,7 +80,7 @@ def test_collectives_same_order_everywhere_and_rooted():
 
 @pytest.mark.parametrize("args,match", [
     (("1f1b", "baseline", 4, 3), "num_microbatches .3. must be >= num_ranks .4."),
-    (("1f1b", "baseline", 1, 4), "num_ranks must be an integer >= 2"),
+    (("1f1b", "baseline", 0, 4), "num_ranks must be an integer >= 1"),
     (("zb", "baseline", 4, 8), "unknown schedule kind"),
     (("1f1b", "vocab-3", 4, 8), "unknown method"),
     (("interleaved", "vocab-1", 4, 8), "does not support method 'vocab-1'"),
@@ -96,3 +96,15 @@ def test_wrong_chunk_counts():
         build_schedule("vhalf", "baseline", 4, 8, chunks_per_rank=3)
     with pytest.raises(ScheduleError, match="chunks_per_rank must be an integer >= 1"):
         build_schedule("interleaved", "baseline", 4, 8, chunks_per_rank=0)
+
+
+@pytest.mark.parametrize("kind,method", [("1f1b", "vocab-2"), ("vhalf", "vocab-1"), ("interleaved", "baseline")])
+def test_one_rank_is_a_valid_degenerate_pipeline(kind, method):
+    """World size 1 (a single-GPU check) runs the same passes with no point-to-point traffic."""
+    from vp_accelerate.schedule.ir import P2P
+    from vp_accelerate.schedule.validate import validate
+
+    s = build_schedule(kind, method, 1, 4)
+    validate(s)
+    assert s.num_ranks == 1 and not any(a.op in P2P for a in s.actions[0])
+    assert sum(a.op is Op.F for a in s.actions[0]) == 4 * len(s.chunk_rank)

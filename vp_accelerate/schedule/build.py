@@ -33,8 +33,10 @@ def build_schedule(kind: str, method: str, num_ranks: int, num_microbatches: int
 
 
 def _check_inputs(kind: ScheduleKind, p, m, chunks_per_rank, forward_only: bool) -> int:
-    if not isinstance(p, int) or p < 2:
-        raise ScheduleError(f"num_ranks must be an integer >= 2 (got {p!r}); with one rank there is no pipeline")
+    # one rank is a degenerate pipeline (no point-to-point traffic, 1-rank vocabulary collectives): the same
+    # passes and code paths on a single device, which is what a one-GPU check can run
+    if not isinstance(p, int) or p < 1:
+        raise ScheduleError(f"num_ranks must be an integer >= 1 (got {p!r})")
     if not isinstance(m, int) or m < p:
         raise ScheduleError(f"num_microbatches ({m!r}) must be >= num_ranks ({p}): with fewer microbatches "
                             f"than stages the pipeline never fills; raise the microbatch count or use fewer ranks")
