@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS,
                     help="algorithms to time (default all); fewer make full sizes affordable on a CPU")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="memory modes (default all)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every row as JSON to PATH")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -154,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| V | p | algorithm | memory | time ms | peak MiB | held S→T MiB | scaling eff. |")
     print("|---|---|---|---|---|---|---|---|")
     base = dict(tokens=n, hidden=h, dtype=args.dtype, reps=args.reps, chunk_size=chunk, threads=args.threads)
+    rows_out = []
     for V in vocabs:
         full = _spawn_config({**base, "rows": V, "algorithm": "baseline", "memory": "-"})
+        rows_out.append({"vocab": V, "p": None, "algorithm": "baseline", "memory": None, **full})
         print(f"| {V} | - | HF lm_head + cross_entropy | - | {full['time_s'] * 1e3:.1f} | "
               f"{full['peak_bytes'] / 2**20:.0f} | - | - |", flush=True)
         for p in args.ranks:
@@ -164,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in args.modes:
                     r = _spawn_config({**base, "rows": rows, "algorithm": algo, "memory": mode})
                     eff = full["time_s"] / (p * r["time_s"])
+                    rows_out.append({"vocab": V, "p": p, "algorithm": algo, "memory": mode, **r, "efficiency": eff})
                     print(f"| {V} | {p} | {algo} | {mode} | {r['time_s'] * 1e3:.1f} | "
                           f"{r['peak_bytes'] / 2**20:.0f} | {r['held_bytes'] / 2**20:.1f} | {eff * 100:.0f}% |",
                           flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens": n, "hidden": h, "dtype": args.dtype, "reps": args.reps, "where": where,
+                       "rows": rows_out}, f, indent=1)
     if not torch.cuda.is_available():
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end (other jobs on the machine add noise)")
     return 0

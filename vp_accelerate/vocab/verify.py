@@ -85,7 +85,7 @@ def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = N
     e_shard = shard_tensor(prob["emb"], part, rank).to(dev)
     w_shard = e_shard if case.tied else shard_tensor(prob["weight"], part, rank).to(dev)
     e_grad = torch.zeros(e_shard.shape, dtype=torch.float32, device=dev)
-    w_grad = e_grad if case.tied else torch.zeros(w_shard.shape, dtype=torch.float32)
+    w_grad = e_grad if case.tied else torch.zeros(w_shard.shape, dtype=torch.float32, device=dev)
 
     n_valid = int((prob["labels"] != o.ignore_index).sum())
     mbs = list(range(case.microbatches))
