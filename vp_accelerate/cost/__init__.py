@@ -1,5 +1,6 @@
 """The cost model, below the runtime: model shapes and FLOP formulas (shape.py), pass and
-communication times and memory (costs.py), and stage layouts chosen from them (layout.py).
+communication times and memory (costs.py) with GEMM efficiency by shape and collective chains
+(efficiency.py), and stage layouts chosen from them (layout.py).
 
 The simulator (sim/) times schedules with it; the runtime uses it for the balanced ("redis") layer
 split and for MFU's FLOP count. Nothing here imports torch.

@@ -17,6 +17,8 @@ from pathlib import Path
 from vp_accelerate.schedule.ir import Op
 from vp_accelerate.schedule.registry import Method, method as method_entry
 
+from . import efficiency as eff
+from .efficiency import GemmModel
 from .shape import ModelShape
 
 
@@ -26,8 +28,9 @@ class Hardware:
 
     peak_flops: float = 312e12
     """Dense bf16 peak FLOP/s of one device (MFU's denominator)."""
-    efficiency: float = 0.55
-    """Fraction of peak the matmuls sustain; scales absolute MFU, hardly the ratios between methods."""
+    efficiency: float = 0.62
+    """Fraction of peak a large, well-tiled GEMM sustains; smaller and oddly shaped GEMMs run below it
+    (cost.efficiency.GemmModel). Scales absolute MFU, hardly the ratios between methods."""
     mem_bandwidth: float = 1.6e12
     """HBM bytes/s, for memory-bound work (softmax over the logits, embedding gathers)."""
     logit_bytes: float = 12.0
@@ -60,6 +63,11 @@ class CostModel:
     """Bytes of optimizer state per parameter: fp32 master copy + Adam m and v."""
     split_backward: bool = False
     """The schedule splits B (input grads) from W (weight grads)."""
+    output_memory: str = "store"
+    """VP output layer's S->T state: "store" keeps the shard's logits, "recompute" redoes X W_iᵀ in T."""
+    gemm: GemmModel | None = field(default_factory=GemmModel)
+    """GEMM efficiency by shape (wave quantisation, short reductions) and memory-bound elementwise work;
+    None = every FLOP at `hw.efficiency` of peak (the plain FLOP model)."""
 
     @property
     def num_ranks(self) -> int:
@@ -89,33 +97,49 @@ class CostModel:
     def _gather_time(self) -> float:
         return 2 * self.shape.hidden_bytes() / self.hw.mem_bandwidth
 
+    def _rate(self) -> float:
+        return self.hw.peak_flops * self.hw.efficiency
+
+    def _layer_time(self, op: str) -> float:
+        if self.gemm is None:
+            return self._flops_time(dict(zip("FBW", self.shape.layer_flops()))[op])
+        return eff.layer_time(self.shape, op, self._rate(), self.hw.mem_bandwidth, self.gemm)
+
+    def _out_time(self, rows: int, *parts: str) -> float:
+        """Output-layer products over `rows` vocabulary rows (see efficiency.output_gemm_time)."""
+        if self.gemm is None:
+            return self._flops_time(len(parts) * self.shape.output_matmul_flops(rows))
+        return sum(eff.output_gemm_time(self.shape, rows, part, self._rate(), self.gemm) for part in parts)
+
     def pass_time(self, rank: int, op: Op, chunk: int) -> float:
         s = self.shape
         last = len(self.chunk_rank) - 1
         if op in (Op.F, Op.B, Op.W):
-            f, b, w = s.layer_flops()
-            n = self.chunk_layers[chunk]
+            t = self._layer_time(op.value)
             if op is Op.B and not self.split_backward:
-                b += w  # an unsplit backward computes the weight gradients too
-            t = self._flops_time(n * {Op.F: f, Op.B: b, Op.W: w}[op])
+                t += self._layer_time("W")  # an unsplit backward computes the weight gradients too
+            t *= self.chunk_layers[chunk]
             if not self.vocab_parallel:
                 if chunk == last:  # the whole output layer and loss ride on the last chunk
-                    head = s.output_matmul_flops()
+                    V = s.vocab
                     if op is Op.F:
-                        t += self._flops_time(head) + self._logit_time(s.vocab)
+                        t += self._out_time(V, "logits") + self._logit_time(V)
                     elif op is Op.B:
-                        t += self._flops_time(head if self.split_backward else 2 * head) + self._logit_time(s.vocab)
+                        parts = ("input_grad",) if self.split_backward else ("input_grad", "weight_grad")
+                        t += self._out_time(V, *parts) + self._logit_time(V)
                     else:
-                        t += self._flops_time(head)
+                        t += self._out_time(V, "weight_grad")
                 if chunk == 0 and op is not Op.W:
                     t += self._gather_time()
             return t
         rows = self.shard_rows
-        mm = s.output_matmul_flops(rows)
-        if op is Op.S:  # logits (+ a_i = p_i W_i for vocab-2) and the local softmax statistics
-            return self._flops_time(mm * (1 if self.spec.input_grad_in_t else 2)) + self._logit_time(rows)
-        if op is Op.T:  # weight gradient (+ local input gradient for vocab-1)
-            return self._flops_time(mm * (2 if self.spec.input_grad_in_t else 1)) + self._logit_time(rows)
+        one = self.spec.input_grad_in_t
+        if op is Op.S:  # logits (+ a_i = softmax_i W_i for vocab-2) and the local softmax statistics
+            return self._out_time(rows, "logits", *(() if one else ("input_grad",))) + self._logit_time(rows)
+        if op is Op.T:  # weight gradient (+ local input gradient for vocab-1; + the logits again in recompute)
+            parts = ("weight_grad",) + (("input_grad",) if one else ()) + \
+                (("logits",) if self.output_memory == "recompute" else ())
+            return self._out_time(rows, *parts) + self._logit_time(rows)
         if op in (Op.IF, Op.IB):
             return self._gather_time()
         raise ValueError(f"no compute time for {op}")
@@ -123,19 +147,13 @@ class CostModel:
     def p2p_time(self) -> float:
         return self.shape.hidden_bytes() / self.hw.p2p_bandwidth + self.hw.latency
 
+    def chain_steps(self, op: Op) -> list[tuple[str, float]]:
+        """(step, seconds) of collective `op`'s chain (C1: max all-reduce, rescale, sums all-reduce)."""
+        return eff.chain_steps(self.shape, self.num_ranks, op.value, self.spec.barriers,
+                               self.hw.collective_bandwidth, self.hw.latency, self.hw.mem_bandwidth)
+
     def collective_time(self, op: Op) -> float:
-        s, p = self.shape, self.num_ranks
-        ring = 2 * (p - 1) / p  # all-reduce moves this many times the buffer over the bus
-        x = s.hidden_bytes()
-        stats = 3 * s.tokens * 4  # max, sum, target logit per token, fp32
-        nbytes = {
-            Op.C0: x,
-            Op.IF_REDUCE: x,
-            Op.IB_BCAST: x,
-            Op.C1: ring * (stats + (s.tokens * s.hidden * 4 if self.spec.grad_barrier is Op.C1 else 0)),
-            Op.C2: ring * s.tokens * s.hidden * 4,
-        }[op]
-        return nbytes / self.hw.collective_bandwidth + self.hw.latency
+        return sum(seconds for _, seconds in self.chain_steps(op))
 
     # ---- memory ------------------------------------------------------------------------------
     def activation_bytes(self, chunk: int) -> float:
@@ -154,7 +172,10 @@ class CostModel:
         if not self.vocab_parallel:
             return 0.0
         s = self.shape
-        b = s.tokens * self.shard_rows * s.stat_bytes + s.hidden_bytes()
+        if self.output_memory == "recompute":  # X and three statistics per token; T recomputes the logits
+            b = 3 * s.tokens * s.stat_bytes + s.hidden_bytes()
+        else:
+            b = s.tokens * self.shard_rows * s.stat_bytes + s.hidden_bytes()
         if self.spec.input_grad_in_t:
             b += s.tokens * s.hidden * s.stat_bytes
         return b
@@ -195,7 +216,8 @@ class MeasuredCosts:
     """Pass times measured on real hardware, per rank, in seconds.
 
     JSON: {"passes": [{"F": s, "B": s, "W": s, "S": s, "T": s, "IF": s, "IB": s}, ...one per rank],
-           "p2p": s, "collectives": {"C0": s, "C1": s, "C2": s, "IF_REDUCE": s, "IB_BCAST": s}}
+           "p2p": s, "collectives": {"C0": s, "C1": s, "C2": s, "IF_REDUCE": s, "IB_BCAST": s},
+           "issue": {"SEND_ACT": s, "RECV_ACT": s, ..., "C1": s}}  (issue: optional, host time per post)
     A per-chunk time may be given as "F:3" (chunk 3); it overrides the rank's "F".
     """
 
@@ -207,11 +229,14 @@ class MeasuredCosts:
     """Collective op name -> seconds."""
     model: CostModel | None = None
     """Shape-based model for memory and FLOPs (optional)."""
+    issue: dict = field(default_factory=dict)
+    """Op name -> seconds of the compute thread's time to post a transfer or hand a collective over."""
 
     @staticmethod
     def from_json(path, model: CostModel | None = None) -> "MeasuredCosts":
         d = json.loads(Path(path).read_text())
-        return MeasuredCosts(tuple(d["passes"]), float(d.get("p2p", 0.0)), dict(d.get("collectives", {})), model)
+        return MeasuredCosts(tuple(d["passes"]), float(d.get("p2p", 0.0)), dict(d.get("collectives", {})),
+                             issue=dict(d.get("issue", {})), model=model)
 
     def pass_time(self, rank: int, op: Op, chunk: int) -> float:
         times = self.passes[rank]
@@ -227,3 +252,6 @@ class MeasuredCosts:
 
     def collective_time(self, op: Op) -> float:
         return float(self.collectives.get(op.value, 0.0))
+
+    def issue_time(self, op: Op) -> float:
+        return float(self.issue.get(op.value, 0.0))

@@ -37,8 +37,10 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
                     help="fraction of peak the matmuls sustain")
     ap.add_argument("--bandwidth-gbs", type=float, default=100.0, help="p2p and collective bandwidth, GB/s")
     ap.add_argument("--blocking-collectives", action="store_true",
-                    help="every rank waits for each collective (CPU/gloo); default: asynchronous (GPU)")
-    ap.add_argument("--measured", help="JSON of measured per-pass times (see cost.MeasuredCosts)")
+                    help="every rank waits for each collective chain; default: chains overlap compute, as the "
+                         "runtime's communication worker (gloo) / stream (NCCL) runs them")
+    ap.add_argument("--measured", help="JSON of measured per-pass times (cost.MeasuredCosts; "
+                                       "scripts/measure_costs.py writes them)")
     if with_out:
         ap.add_argument("--out", required=True, help="PNG path")
     else:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -31,22 +32,73 @@ def shape(vocab: int, seq: int) -> ModelShape:
     return ModelShape(hidden=3072, layers=32, heads=24, ffn=4 * 3072, vocab=vocab, seq=seq)
 
 
-def run(kind: str, method: str, p: int, m: int, vocab: int, seq: int):
+# The paper's reference artifact's redis on 8 GPUs: decoder layers on the last stage per vocabulary size,
+# the rest spread over the other stages (the runtime's redis keeps at least one layer per stage instead).
+PAPER_REDIS_LAST = {32000: 4, 64000: 3, 128000: 2, 256000: 0}
+METHODS = ("baseline", "redis", "vocab-1", "vocab-2")
+
+
+def paper_redis_split(vocab: int, p: int = 8, layers: int = 32) -> tuple[int, ...]:
+    """Layers per stage of the paper's redis: PAPER_REDIS_LAST[vocab] on the last stage, the remainder
+    spread evenly over the others (later stages take the extra ones, nearest the output layer's stage)."""
+    k = PAPER_REDIS_LAST[vocab]
+    base, extra = divmod(layers - k, p - 1)
+    return tuple([base + (1 if i >= p - 1 - extra else 0) for i in range(p - 1)] + [k])
+
+
+def run(kind: str, method: str, p: int, m: int, vocab: int, seq: int, paper_redis: bool = False):
     s = build_schedule(kind, method, p, m)
-    return simulate(s, for_schedule(shape(vocab, seq), s))
+    layers = paper_redis_split(vocab, p) if paper_redis and method == "redis" else None
+    return simulate(s, for_schedule(shape(vocab, seq), s, chunk_layers=layers))
+
+
+def ratio_cells(p: int = 8, m: int = 128) -> list[dict]:
+    """Every cell of the paper's 8-GPU table as a ratio to the baseline, simulated and measured."""
+    cells = []
+    for seq in (2048, 4096):
+        for i, v in enumerate(VOCABS):
+            mfu = {meth: run("1f1b", meth, p, m, v, seq, paper_redis=True).mfu * 100 for meth in METHODS}
+            for meth in METHODS[1:]:
+                sim = mfu[meth] / mfu["baseline"]
+                paper = PAPER_MFU[seq][meth][i] / PAPER_MFU[seq]["baseline"][i]
+                cells.append({"seq": seq, "vocab": v, "method": meth, "sim_mfu": mfu[meth],
+                              "sim_baseline_mfu": mfu["baseline"], "sim_ratio": sim, "paper_ratio": paper,
+                              "error": sim / paper - 1})
+    return cells
 
 
 def ratio_table(p: int = 8, m: int = 128) -> str:
-    lines = ["| seq | V | sim vocab-2/baseline | paper | sim redis/baseline | paper | sim MFU base / redis / vocab-1 / vocab-2 |",
+    lines = ["| seq | V | method | sim MFU % (baseline) | sim / baseline | paper / baseline | error |",
              "|---|---|---|---|---|---|---|"]
-    for seq in (2048, 4096):
-        for i, v in enumerate(VOCABS):
-            mfu = {meth: run("1f1b", meth, p, m, v, seq).mfu * 100 for meth in ("baseline", "redis", "vocab-1", "vocab-2")}
-            pm = {k: vals[i] for k, vals in PAPER_MFU[seq].items()}
-            lines.append(f"| {seq} | {v // 1000}k | {mfu['vocab-2'] / mfu['baseline']:.2f} | "
-                         f"{pm['vocab-2'] / pm['baseline']:.2f} | {mfu['redis'] / mfu['baseline']:.2f} | "
-                         f"{pm['redis'] / pm['baseline']:.2f} | {mfu['baseline']:.1f} / {mfu['redis']:.1f} / "
-                         f"{mfu['vocab-1']:.1f} / {mfu['vocab-2']:.1f} |")
+    for c in ratio_cells(p, m):
+        lines.append(f"| {c['seq']} | {c['vocab'] // 1000}k | {c['method']} | {c['sim_mfu']:.1f} "
+                     f"({c['sim_baseline_mfu']:.1f}) | {c['sim_ratio']:.3f} | {c['paper_ratio']:.3f} | "
+                     f"{c['error'] * 100:+.1f}% |")
+    return "\n".join(lines)
+
+
+def vocab_scaling_table(seq: int = 2048) -> str:
+    """The vocabulary passes' time per rank as a fraction of linear scaling from one GPU (Table 3's
+    measure): output layer = S + T (+ C1's chain and vocab-1's C2), input layer = IF + IB + its
+    reduce and broadcast; one GPU's time is the same work on the whole vocabulary without collectives."""
+    from vp_accelerate.schedule.ir import Op
+
+    lines = ["| V | p | output vocab-1 | output vocab-2 | input |", "|---|---|---|---|---|"]
+    for v in (128000, 256000):
+        for p in (8, 16, 32):
+            row = []
+            for meth in ("vocab-1", "vocab-2"):
+                one = for_schedule(shape(v, seq), build_schedule("1f1b", meth, 2, 2))
+                one = dataclasses.replace(one, chunk_rank=(0,), chunk_layers=(32,))  # one rank: V rows each
+                many = for_schedule(shape(v, seq), build_schedule("1f1b", meth, p, p))
+                comm = many.collective_time(Op.C1) + (many.collective_time(Op.C2) if meth == "vocab-1" else 0)
+                t1 = one.pass_time(0, Op.S, 0) + one.pass_time(0, Op.T, 0)
+                tp = many.pass_time(0, Op.S, 0) + many.pass_time(0, Op.T, 0) + comm
+                row.append(t1 / (p * tp))
+            inp_one = one.pass_time(0, Op.IF, 0) + one.pass_time(0, Op.IB, 0)
+            inp = inp_one + many.collective_time(Op.IF_REDUCE) + many.collective_time(Op.IB_BCAST)
+            row.append(inp_one / (p * inp))
+            lines.append(f"| {v // 1000}k | {p} | " + " | ".join(f"{x * 100:.0f}%" for x in row) + " |")
     return "\n".join(lines)
 
 
@@ -102,6 +154,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = Path(argv[0] if argv else "docs")
     print(ratio_table())
+    print()
+    print(vocab_scaling_table())
     print()
     print(memory_table())
     print()

@@ -2,8 +2,12 @@
 
 Execution model: each rank runs its actions in order. A send is non-blocking; the data lands
 p2p_time later. A receive is posted where it stands and waited for by the pass that consumes it.
-Collectives run on one stream of their own, in order, once every rank has issued them (a rank issues
-one when it reaches it, without waiting); the pass that needs the result waits for it.
+Collectives run as the runtime runs them (vocab/comm.py): each is a chain of dependent steps (C1: the
+max all-reduce, the rescale by exp(m_i - m), the sums all-reduce) on a communication resource of its
+own that overlaps compute; a chain starts once every rank has issued it (a rank issues one when it
+reaches it, without waiting) and the resource is free, and the pass that needs the result waits for
+it. `blocking_collectives=True` makes every rank wait for each chain instead. Chain steps are timeline
+records of lane "comm".
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
     stream = 0.0         # the collectives' stream is busy until then
     timeline: list[TimedAction] = []
     grad_barrier = schedule.method_spec.grad_barrier
+    # host time a rank spends posting a transfer or handing a chain over (measured costs may give it)
+    issue = getattr(costs, "issue_time", lambda op: 0.0)
 
     def ready(r: int, a) -> float | None:
         """Earliest start of compute pass `a` on rank r, or None while an input has not been sent."""
@@ -93,10 +99,13 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
                     timeline.append(TimedAction(r, a.op.value, a.mb, a.chunk, t, end))
                     clock[r] = end
                 elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                    clock[r] += issue(a.op)
                     key = (Op.RECV_ACT, a.mb, a.chunk + 1) if a.op is Op.SEND_ACT else (Op.RECV_GRAD, a.mb, a.chunk - 1)
                     arrival[key] = clock[r] + costs.p2p_time()
                 elif a.op in COLLECTIVES:
                     break
+                else:  # a receive is posted here and waited for by its consumer
+                    clock[r] += issue(a.op)
                 pc[r] += 1
                 progress = True
         at = [acts[r][pc[r]] if pc[r] < len(acts[r]) else None for r in range(p)]
@@ -104,11 +113,16 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
             break
         if all(a is not None and a.op in COLLECTIVES for a in at):
             a = at[0]
-            start = max(max(clock), stream)
-            end = start + costs.collective_time(a.op)
+            for r in range(p):
+                clock[r] += issue(a.op)
+            # the chain starts once the last rank has issued it and the communication resource is free;
+            # its steps (C1: max all-reduce, rescale, sums all-reduce) run back to back on that resource
+            end = max(max(clock), stream)
+            for _, seconds in chain_steps(costs, a.op):
+                start, end = end, end + seconds
+                timeline += [TimedAction(r, a.op.value, a.mb, 0, start, end, lane="comm") for r in range(p)]
             stream = done_at[(a.op, a.mb)] = end
             for r in range(p):
-                timeline.append(TimedAction(r, a.op.value, a.mb, 0, start, end))
                 if blocking_collectives:
                     clock[r] = end
                 pc[r] += 1
@@ -116,6 +130,13 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
         if not progress:
             raise RuntimeError(f"simulation stuck (validate the schedule): {[str(a) for a in at]}")
     return _summarise(schedule, costs, timeline, peak_flops)
+
+
+def chain_steps(costs, op: Op) -> list[tuple[str, float]]:
+    """(step, seconds) of one collective chain: the cost model's steps when it has them, else one step."""
+    if hasattr(costs, "chain_steps"):
+        return costs.chain_steps(op)
+    return [(op.value, costs.collective_time(op))]
 
 
 def _summarise(schedule: Schedule, costs, timeline: list[TimedAction], peak_flops) -> SimResult:
@@ -151,11 +172,11 @@ def _memory(schedule: Schedule, timeline: list[TimedAction], model):
     for t in timeline:
         r = t.rank
         if t.op == "F" and not schedule.forward_only:
-            w = layers[t.chunk] / rank_layers[r]
+            w = layers[t.chunk] / rank_layers[r] if rank_layers[r] else 0.0  # a stage may hold no layer (paper redis)
             b = model.activation_bytes(t.chunk) if model else 0.0
             events[r].append((t.start, 1, w, 0, b))
         elif t.op == free_op:
-            w = layers[t.chunk] / rank_layers[r]
+            w = layers[t.chunk] / rank_layers[r] if rank_layers[r] else 0.0  # a stage may hold no layer (paper redis)
             b = model.activation_bytes(t.chunk) if model else 0.0
             events[r].append((t.end, 0, -w, 0, -b))
         elif t.op == "S":
