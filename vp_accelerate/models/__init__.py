@@ -7,10 +7,13 @@ weights  weight sources: live model, local safetensors checkpoint, seeded init
 build    build_rank(source, layout, rank, placement, partition) -> RankModules
 rank     RankModules: one rank's chunks and vocabulary pieces, HF-named parameters
 export   gather ranks into one HF state dict and save_pretrained it
+families check_supported(config): refuse a family the split cannot run exactly; VERIFIED families
+coverage tiny config of every decoder family and the 2-rank exactness walk (docs/models.md)
 """
 
 from .adapter import ADAPTERS, ModelParts, PartNames, UnsupportedModelError, find_parts
 from .build import build_rank, meta_model, resolve_config
+from .families import VERIFIED, check_supported, decoder_families, unsupported_reason
 from .export import assemble_state_dict, export_hf, gather_state_dict, save_hf
 from .layout import LayoutError, StageLayout, split_counts
 from .rank import RankModules
@@ -18,6 +21,7 @@ from .stage import FullEmbedding, FullHead, StageChunk, apply_logit_transforms
 
 __all__ = [
     "ADAPTERS", "FullEmbedding", "FullHead", "LayoutError", "ModelParts", "PartNames", "RankModules", "StageChunk",
-    "StageLayout", "UnsupportedModelError", "apply_logit_transforms", "assemble_state_dict", "build_rank",
+    "StageLayout", "UnsupportedModelError", "VERIFIED", "apply_logit_transforms", "assemble_state_dict", "build_rank",
+    "check_supported", "decoder_families", "unsupported_reason",
     "export_hf", "find_parts", "gather_state_dict", "meta_model", "resolve_config", "save_hf", "split_counts",
 ]

@@ -12,16 +12,13 @@ Works on a model built on the meta device (only module structure and the config 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from torch import nn
 
 log = logging.getLogger(__name__)
 
-#: Families whose stage split is checked against the HF forward by tests/test_models_*.py.
-VERIFIED_MODEL_TYPES = frozenset({
-    "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox", "cohere", "granite",
-})
 
 #: Attention-mask kinds a decoder layer may need, by `config.layer_types` entry.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -66,9 +63,11 @@ class ModelParts:
     norm: nn.Module
     """Final norm; its output is X, the input of the output layer."""
     lm_head: nn.Linear
-    """Output projection [V, h] (no bias)."""
+    """Output projection [V, h], with a [V] bias in some families (Phi)."""
     rotary_emb: nn.Module | None
     """Rotary embedding (buffers only) or None for absolute-position models."""
+    rotary_per_layer_type: bool
+    """The rotary embedding takes a layer type (Gemma-3, Olmo-3: other frequencies for sliding layers)."""
     pos_embed: nn.Embedding | None
     """GPT-2 style learned position embedding added after the lookup, or None."""
     embed_dropout: nn.Module | None
@@ -91,6 +90,11 @@ class ModelParts:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def head_bias(self) -> bool:
+        """The output projection has a bias (sharded with the rows under vocabulary parallelism)."""
+        return self.lm_head.bias is not None
 
 
 # Families that declare no base_model_pp_plan.
@@ -207,10 +211,9 @@ def find_parts(model: nn.Module) -> ModelParts:
         raise _unsupported(model, f"input embedding {names.embed} is {type(embed).__name__}, not an nn.Embedding")
     if not isinstance(head, nn.Linear):
         raise _unsupported(model, f"output layer {names.lm_head} is {type(head).__name__}, not an nn.Linear")
-    if head.bias is not None:
-        raise _unsupported(model, f"output layer {names.lm_head} has a bias, which the vocabulary-parallel output "
-                                  "layer does not carry", how_to=False)
-    if mt not in VERIFIED_MODEL_TYPES:
+    from .families import VERIFIED
+
+    if mt not in VERIFIED:
         log.warning("model_type %r is split from its pp plan but not verified against the HF forward; any extra "
                     "logic in its forward outside the layers (scales, masks) would be missed", mt)
     rotary = _get(model, names.rotary_emb) if names.rotary_emb else None
@@ -219,6 +222,7 @@ def find_parts(model: nn.Module) -> ModelParts:
     in_w, out_w = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     return ModelParts(
         model_type=mt, names=names, embed=embed, layers=layers, norm=norm, lm_head=head, rotary_emb=rotary,
+        rotary_per_layer_type=rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters,
         pos_embed=_get(model, names.pos_embed) if names.pos_embed else None,
         embed_dropout=_get(model, names.embed_dropout) if names.embed_dropout else None,
         embed_scale=scale, embed_scale_in_dtype=in_dtype,

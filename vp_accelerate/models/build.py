@@ -30,7 +30,8 @@ from .layout import LayoutError, StageLayout
 from .rank import PLACEMENTS, RankModules
 from .row_map import RowMap
 from .stage import FullEmbedding, FullHead, StageChunk
-from .weights import SafetensorsSource, StateDictSource, WeightSource, mean_rows, seeded_init, seeded_vocab_rows
+from .weights import (ConvertedSource, SafetensorsSource, StateDictSource, WeightSource, mean_rows, seeded_init,
+                      seeded_vocab_rows)
 
 
 def resolve_config(source):
@@ -56,17 +57,21 @@ def meta_model(config, dtype: torch.dtype = torch.float32, attn_implementation: 
     kwargs = {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if dtype == torch.float64:
+        # mixture-of-experts layers default to torch's grouped matmul, which has no float64 kernel
+        kwargs["experts_implementation"] = "eager"
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
-def _weight_source(source) -> WeightSource | None:
+def _weight_source(source, model: nn.Module) -> WeightSource | None:
     if isinstance(source, CheckpointSource):
-        return SafetensorsSource(source.path)
+        return ConvertedSource(SafetensorsSource(source.path), model)
     if isinstance(source, nn.Module):
         return StateDictSource(source)
     if isinstance(source, (str, Path)):
-        return SafetensorsSource(source)
+        # checkpoint names -> the model's names (renamed heads, fused experts), as from_pretrained converts them
+        return ConvertedSource(SafetensorsSource(source), model)
     return None  # a config: fresh init
 
 
@@ -120,6 +125,21 @@ def vocab_rows(parts: ModelParts, which: str, start: int, end: int, row_map: Row
     return row_map.rows(read, start, end, h, dtype, overall_mean)
 
 
+@torch.no_grad()
+def bias_rows(parts: ModelParts, start: int, end: int, row_map: RowMap, source: WeightSource | None,
+              model: nn.Module, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Entries [start, end) of the lm_head bias, made by `row_map` like the weight's rows (padding: 0)."""
+    name = f"{parts.names.lm_head}.bias"
+    old_v = row_map.source_rows
+
+    def read(s: int, e: int) -> torch.Tensor:
+        if source is not None:
+            return source.rows(name, s, e).to(dtype)[:, None]
+        return seeded_vocab_rows(model, "bias", name, s, e, old_v, parts.embed.embedding_dim, dtype, seed)[:, None]
+
+    return row_map.rows(read, start, end, 1, dtype, lambda: read(0, old_v).to(torch.float64).mean(0))[:, 0]
+
+
 def _new_param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=True)
 
@@ -159,7 +179,7 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
         if partition.vocab_size != V or partition.world_size != layout.num_ranks:
             raise ValueError(f"partition is for V={partition.vocab_size} over {partition.world_size} ranks, but the "
                              f"model has V={V} and the layout {layout.num_ranks} ranks")
-    src = _weight_source(source)
+    src = _weight_source(source, model)
     if isinstance(source, CheckpointSource) and vocab_size in (None, source.config.vocab_size):
         row_map, means = source.rows_map(), source.means
     else:
@@ -170,6 +190,11 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
     def rows(which: str, start: int, end: int) -> torch.Tensor:
         return vocab_rows(parts, which, start, end, row_map, src, model, seed, dtype, means)
 
+    def bias(start: int, end: int) -> nn.Parameter | None:
+        if not parts.head_bias:
+            return None
+        return _new_param(bias_rows(parts, start, end, row_map, src, model, seed, dtype))
+
     kw = dict(rank=rank, layout=layout, placement=placement, config=config, names=parts.names, chunks=chunks,
               tied=parts.tied, vocab_size=V, final_softcap=parts.final_softcap, logit_scale=parts.logit_scale,
               padding_idx=parts.padding_idx)
@@ -177,7 +202,8 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
         start, end = partition.shard_range(rank)
         embed_w = _new_param(rows("embed", start, end))
         head_w = embed_w if parts.tied else _new_param(rows("head", start, end))
-        rm = RankModules(partition=partition, embed_weight=embed_w, head_weight=head_w, **kw)
+        rm = RankModules(partition=partition, embed_weight=embed_w, head_weight=head_w, head_bias=bias(start, end),
+                         **kw)
     else:
         embed = head = None
         if rank == layout.first_rank:
@@ -185,7 +211,7 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
         if rank == layout.last_rank:
             tied_here = parts.tied and embed is not None
             weight = embed.weight if tied_here else _new_param(rows("head", 0, V))
-            head = FullHead(weight, parts.logit_scale, parts.final_softcap)
+            head = FullHead(weight, parts.logit_scale, parts.final_softcap, bias(0, V))
         rm = RankModules(embed=embed, head=head, **kw)
     return rm.to(device)
 
@@ -213,5 +239,6 @@ def _build_chunk(parts: ModelParts, layout: StageLayout, c: int, src: WeightSour
     chunk = StageChunk(model.config, names, c, (start, end), layers, parts.layer_types, rotary, norm=norm,
                        pos_embed=pos, embed_dropout=parts.embed_dropout if first else None,
                        embed_scale=parts.embed_scale if first else None,
-                       embed_scale_in_dtype=parts.embed_scale_in_dtype)
+                       embed_scale_in_dtype=parts.embed_scale_in_dtype,
+                       rotary_per_layer_type=parts.rotary_per_layer_type)
     return chunk

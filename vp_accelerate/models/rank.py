@@ -41,6 +41,8 @@ class RankModules:
     """"vocab": this rank's embedding shard [shard_size, h], padded rows zero."""
     head_weight: nn.Parameter | None = None
     """"vocab": this rank's lm_head shard [shard_size, h]; the same Parameter as embed_weight when tied."""
+    head_bias: nn.Parameter | None = None
+    """"vocab", families with an output bias (Phi): this rank's shard [shard_size] of it, padded entries zero."""
     embed: FullEmbedding | None = None
     """"baseline", on chunk 0's owner: full lookup ids -> E[ids] (chunk 0 applies scale / positions)."""
     head: FullHead | None = None
@@ -74,6 +76,8 @@ class RankModules:
             shards["embed"] = self.embed_weight
         if self.head_weight is not None and not self.tied:
             shards["head"] = self.head_weight
+        if self.head_bias is not None:
+            shards["head_bias"] = self.head_bias
         self.container["shards"] = shards
 
     # ---- naming ------------------------------------------------------------------------------
@@ -88,11 +92,26 @@ class RankModules:
         return self.embed_name if self.tied else f"{self.names.lm_head}.weight"
 
     @property
+    def head_bias_name(self) -> str:
+        """HF name of the output bias (families that have one)."""
+        return f"{self.names.lm_head}.bias"
+
+    @property
+    def output_bias(self) -> nn.Parameter | None:
+        """The output bias this rank holds: its shard ("vocab"), the full bias (baseline, last rank), or None."""
+        if self.head_bias is not None:
+            return self.head_bias
+        return self.head.bias if self.head is not None else None
+
+    @property
     def sharded_names(self) -> frozenset[str]:
         """HF names whose tensor here is a row shard of the padded vocabulary ("vocab" placement)."""
         if self.placement != "vocab":
             return frozenset()
-        return frozenset({self.embed_name, self.head_name})
+        names = {self.embed_name, self.head_name}
+        if self.head_bias is not None:
+            names.add(self.head_bias_name)
+        return frozenset(names)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(HF name, parameter) for every parameter on this rank, each tensor once.
@@ -107,7 +126,8 @@ class RankModules:
                 yield name, p
         for name, p in ((self.embed_name, self.embed_weight), (self.head_name, self.head_weight),
                         (self.embed_name, self.embed.weight if self.embed else None),
-                        (self.head_name, self.head.weight if self.head else None)):
+                        (self.head_name, self.head.weight if self.head else None),
+                        (self.head_bias_name, self.output_bias)):
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 yield name, p
@@ -138,8 +158,12 @@ class RankModules:
             yield p
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """HF name -> detached tensor (shards as shards), what a per-rank checkpoint stores."""
-        return {name: p.detach() for name, p in self.named_parameters()}
+        """HF name -> detached tensor (shards as shards): the parameters and the layers' persistent buffers
+        (e.g. Apertus' activation constants), everything an HF checkpoint of these parts holds."""
+        out = {name: p.detach() for name, p in self.named_parameters()}
+        for c in sorted(self.chunks):
+            out.update({name: b.detach() for name, b in self.chunks[c].hf_named_buffers()})
+        return out
 
     def param_bytes(self) -> int:
         """Resident parameter bytes on this rank."""
@@ -154,6 +178,8 @@ class RankModules:
         if "embed" in shards:
             self.embed_weight = shards["embed"]
             self.head_weight = shards["head"] if "head" in shards else self.embed_weight
+        if "head_bias" in shards:
+            self.head_bias = shards["head_bias"]
         if self.embed is not None and self.head is not None and self.tied and self.head.weight is not self.embed.weight:
             self.head.weight = self.embed.weight
         return self

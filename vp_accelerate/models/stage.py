@@ -38,7 +38,7 @@ class StageChunk(nn.Module):
                  layers: list[nn.Module], layer_types: tuple[str, ...], rotary_emb: nn.Module | None,
                  norm: nn.Module | None = None, pos_embed: nn.Module | None = None,
                  embed_dropout: nn.Module | None = None, embed_scale: float | None = None,
-                 embed_scale_in_dtype: bool = False):
+                 embed_scale_in_dtype: bool = False, rotary_per_layer_type: bool = False):
         super().__init__()
         start, end = layer_range
         if len(layers) != end - start:
@@ -50,6 +50,7 @@ class StageChunk(nn.Module):
         self.layer_types = tuple(layer_types[start:end])
         self.layers = nn.ModuleDict({str(start + k): layer for k, layer in enumerate(layers)})
         self.rotary_emb = rotary_emb
+        self.rotary_per_layer_type = rotary_per_layer_type
         self.norm = norm
         self.pos_embed = pos_embed
         self.embed_dropout = embed_dropout
@@ -92,6 +93,15 @@ class StageChunk(nn.Module):
                       position_ids=position_ids)
         return {t: _MASK_BUILDERS[t](**kwargs) for t in sorted(set(self.layer_types))}
 
+    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """Rotary (cos, sin) for the layers: one pair, or one per layer type (Gemma-3 / Olmo-3 rotary takes the
+        type: sliding layers use other frequencies); None without rotary."""
+        if self.rotary_emb is None:
+            return None
+        if self.rotary_per_layer_type:
+            return {t: self.rotary_emb(hidden, position_ids, t) for t in sorted(set(self.layer_types))}
+        return self.rotary_emb(hidden, position_ids)
+
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [b, s, h] -> hidden [b, s, h].
@@ -105,10 +115,9 @@ class StageChunk(nn.Module):
         if self.is_first:
             hidden = self.apply_input_pieces(hidden, position_ids)
         masks = self.build_masks(hidden, position_ids, attention_mask)
-        extra = {}
-        if self.rotary_emb is not None:
-            extra["position_embeddings"] = self.rotary_emb(hidden, position_ids)
+        rope = self.position_embeddings(hidden, position_ids)
         for k, (layer, kind) in enumerate(zip(self.layers.values(), self.layer_types)):
+            extra = {} if rope is None else {"position_embeddings": rope[kind] if self.rotary_per_layer_type else rope}
             kwargs = dict(attention_mask=masks[kind], position_ids=position_ids, **extra)
             if k in self.checkpointed and torch.is_grad_enabled():
                 if self.on_checkpoint_input is not None:
@@ -135,6 +144,14 @@ class StageChunk(nn.Module):
         """(HF name, parameter) for every parameter of the chunk."""
         for name, p in self.named_parameters():
             yield self.hf_name(name), p
+
+    def hf_named_buffers(self):
+        """(HF name, buffer) for every persistent buffer of the chunk (checkpoints hold them; rotary tables are
+        non-persistent and recomputed)."""
+        params = {name for name, _ in self.named_parameters()}
+        for name, t in self.state_dict(keep_vars=True).items():
+            if name not in params:
+                yield self.hf_name(name), t
 
 
 def apply_logit_transforms(logits: torch.Tensor, logit_scale: float = 1.0,
@@ -164,13 +181,15 @@ class FullEmbedding(nn.Module):
 
 
 class FullHead(nn.Module):
-    """Baseline placement: the whole lm_head on the rank holding the last chunk; X -> logits."""
+    """Baseline placement: the whole lm_head (and its bias, if any) on the rank holding the last chunk; X -> logits."""
 
-    def __init__(self, weight: nn.Parameter, logit_scale: float = 1.0, softcap: float | None = None):
+    def __init__(self, weight: nn.Parameter, logit_scale: float = 1.0, softcap: float | None = None,
+                 bias: nn.Parameter | None = None):
         super().__init__()
         self.weight = weight
+        self.bias = bias
         self.logit_scale = logit_scale
         self.softcap = softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_logit_transforms(F.linear(x, self.weight), self.logit_scale, self.softcap)
+        return apply_logit_transforms(F.linear(x, self.weight, self.bias), self.logit_scale, self.softcap)

@@ -1,7 +1,11 @@
 """Where a rank's weights come from: a live model, a local safetensors checkpoint, or a seeded init.
 
-Every source answers by HF state-dict name and can read a block of vocabulary rows without the
-rest, so a rank never holds more of the embedding / lm_head than its shard (plus one init block).
+Every source answers by HF state-dict name (the model's own parameter names) and can read a block of
+vocabulary rows without the rest, so a rank never holds more of the embedding / lm_head than its
+shard (plus one init block). A checkpoint's names can differ from the model's: transformers renames
+and converts them on load (GPT-NeoX stores its output head as `embed_out`, mixture-of-experts
+checkpoints store one tensor per expert that the model holds fused); `ConvertedSource` applies the
+same conversions, per tensor asked for.
 
 Seeded init (no checkpoint): each module is initialized by the model's own `_init_weights`
 under a generator seeded from (seed, HF module name), so a decoder layer gets the same values
@@ -58,8 +62,9 @@ def seeded_init(model: nn.Module, module: nn.Module, seed: int, name: str) -> No
 @torch.no_grad()
 def seeded_vocab_rows(model: nn.Module, kind: str, name: str, start: int, end: int, num_rows: int, hidden: int,
                       dtype: torch.dtype, seed: int, padding_idx: int | None = None) -> torch.Tensor:
-    """Rows [start, end) of a fresh [num_rows, hidden] embedding ("embed") or lm_head ("head") init."""
-    out = torch.empty(end - start, hidden, dtype=dtype)
+    """Rows [start, end) of a fresh [num_rows, hidden] embedding ("embed") or lm_head ("head") init, or
+    entries [start, end) of the lm_head's [num_rows] bias ("bias")."""
+    out = torch.empty((end - start, hidden) if kind != "bias" else (end - start,), dtype=dtype)
     B = INIT_BLOCK_ROWS
     for b in range(start // B, -(-end // B)):
         b0, b1 = b * B, min((b + 1) * B, num_rows)
@@ -67,12 +72,12 @@ def seeded_vocab_rows(model: nn.Module, kind: str, name: str, start: int, end: i
             pad = padding_idx - b0 if padding_idx is not None and b0 <= padding_idx < b1 else None
             tmp = nn.Embedding(b1 - b0, hidden, padding_idx=pad, _weight=torch.empty(b1 - b0, hidden, dtype=dtype))
         else:
-            tmp = nn.Linear(hidden, b1 - b0, bias=False, device="meta", dtype=dtype).to_empty(device="cpu")
+            tmp = nn.Linear(hidden, b1 - b0, bias=kind == "bias", device="meta", dtype=dtype).to_empty(device="cpu")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derived_seed(seed, name, b))
             model._init_weights(tmp)
         lo, hi = max(start, b0), min(end, b1)
-        out[lo - start:hi - start] = tmp.weight[lo - b0:hi - b0]
+        out[lo - start:hi - start] = (tmp.bias if kind == "bias" else tmp.weight)[lo - b0:hi - b0]
     return out
 
 
@@ -152,3 +157,68 @@ def mean_rows(source: WeightSource | None, name: str, num_rows: int, hidden: int
         rows = source.rows(name, s, e) if source is not None else init(s, e)
         total += rows.to(torch.float64).sum(0)
     return (total / num_rows).to(torch.float32)
+
+
+class ConvertedSource:
+    """A checkpoint read through transformers' own weight conversions, answering by the model's names.
+
+    `save_pretrained` writes the family's checkpoint names (the conversion reversed), `from_pretrained`
+    renames and converts them back (`transformers.conversion_mapping`). This applies the same renamings
+    and converters lazily: a renamed tensor (and its vocabulary rows) is read alone; a converted one
+    (e.g. experts fused from per-expert tensors) reads just the checkpoint tensors that form it.
+    """
+
+    def __init__(self, base: "SafetensorsSource", model: nn.Module):
+        import copy
+
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        self.base, self.model, self._copy = base, model, copy.deepcopy
+        mapping = get_model_conversion_mapping(model)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        meta = model.state_dict()
+        prefix = model.base_model_prefix
+        self.plain: dict[str, str] = {}
+        self.groups: dict[str, tuple[object, list[tuple[str, str]]]] = {}
+        self._done: dict[str, torch.Tensor] = {}
+        for key in sorted(base.weight_map, key=dot_natural_key):
+            name, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+            if name not in meta and key in meta:
+                name, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+            if name not in meta:
+                continue  # not a tensor of this model (e.g. a head another class would use)
+            if pattern is None:
+                self.plain[name] = key
+                continue
+            conv = by_pattern[pattern]
+            group = self.groups.setdefault(name, (conv, []))
+            group[1].append((key, pattern))
+            first = conv.target_patterns[0]
+            for other in conv.target_patterns[1:]:  # one-to-many (a fused q|k|v split): every target names the group
+                if first in name:
+                    self.groups.setdefault(name.replace(first, other, 1), group)
+
+    def has(self, name: str) -> bool:
+        return name in self.plain or name in self.groups or name in self._done
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.plain:
+            return self.base.get(self.plain[name])
+        if name in self._done:
+            return self._done.pop(name)
+        proto, members = self.groups[name]
+        conv = self._copy(proto)
+        first = next(n for n, g in self.groups.items() if g is self.groups[name])  # the name the loader converts under
+        for key, pattern in members:
+            conv.add_tensor(first, key, pattern, lambda k=key: self.base.get(k))
+        out = conv.convert(first, model=self.model, config=self.model.config)
+        self._done.update({k: v for k, v in out.items() if k != name})  # one-to-many: the other targets
+        return out[name]
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        if name in self.plain:
+            return self.base.rows(self.plain[name], start, end)
+        return self.get(name)[start:end]

@@ -381,15 +381,16 @@ class Executor:
     def _do_S(self, a: Action) -> None:
         mb = self.mbs[a.mb]
         x = self.x.pop(a.mb).wait()
-        weight = self.mods.head_weight
+        weight, bias = self.mods.head_weight, self.mods.head_bias
         if self.compute_dtype is not None:  # low-precision matmuls; the statistics stay fp32 inside s_pass
             x, weight = x.to(self.compute_dtype), self._low_weight(weight)
+            bias = None if bias is None else bias.to(self.compute_dtype)
         with torch.no_grad():
             st = vout.s_pass(x.reshape(-1, x.shape[-1]), mb.labels.reshape(-1), mb.grad_scale,
-                             weight, self.partition, self.g.pp_rank, self.out_opts)
+                             weight, self.partition, self.g.pp_rank, self.out_opts, bias=bias)
         self.states[a.mb] = st
         # the shard (a Parameter, or its per-step low-precision copy shared by every microbatch) is not stash
-        self.meter.add(("S", a.mb), _tensor_bytes((v for k, v in vars(st).items() if k != "weight"),
+        self.meter.add(("S", a.mb), _tensor_bytes((v for k, v in vars(st).items() if k not in ("weight", "bias")),
                                                   self.meter.exclude))
         self.live_stash += 1
         self.peak_stash = max(self.peak_stash, self.live_stash)
@@ -420,8 +421,9 @@ class Executor:
     def _do_T(self, a: Action) -> None:
         self._wait("C1", a.mb)
         with torch.no_grad():
-            head = self.mods.head_weight
-            vout.t_pass(self.states[a.mb], self._grad_buffer(head) if head.requires_grad else None)
+            head, bias = self.mods.head_weight, self.mods.head_bias
+            vout.t_pass(self.states[a.mb], self._grad_buffer(head) if head.requires_grad else None,
+                        self._grad_buffer(bias) if bias is not None and bias.requires_grad else None)
         self.meter.release(("S", a.mb))
         self.live_stash -= 1
         if not self.method.input_grad_in_t:  # otherwise C2 still all-reduces ∂X

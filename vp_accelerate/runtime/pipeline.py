@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from vp_accelerate.distributed import init_from_env
 from vp_accelerate.cost import plan_layout, shape_from_hf_config
-from vp_accelerate.models import StageLayout, build_rank, export_hf, gather_state_dict, resolve_config
+from vp_accelerate.models import StageLayout, build_rank, check_supported, export_hf, gather_state_dict, resolve_config
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
@@ -74,6 +74,7 @@ class PipelineModel:
                              "concrete schedule (see `vp-accelerate plan` for the best one)")
         self.adapter = (adapter or AdapterConfig()).check()
         self.cfg = cfg
+        check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)
         self.device = torch.device(device) if device is not None else (
@@ -312,9 +313,17 @@ class PipelineModel:
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
                   attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> float:
-        """Token-mean loss of a batch with the forward-only schedule (no gradients, no T/B/W passes)."""
+        """Token-mean loss of a batch with the forward-only schedule (no gradients, no T/B/W passes).
+
+        Runs the modules in eval mode (no dropout), as HF's model.eval(); train_step applies the model's dropout.
+        """
         mbs, _ = self._microbatches(input_ids, labels, attention_mask, position_ids)
-        out = self._run(self.eval_schedule, mbs, input_ids.shape[1])
+        training = self.mods.container.training
+        self.mods.eval()
+        try:
+            out = self._run(self.eval_schedule, mbs, input_ids.shape[1])
+        finally:
+            self.mods.train(training)
         return self._finish_loss(out.loss_sum)
 
     def _nonfinite_microbatches(self, losses: dict[int, torch.Tensor]) -> tuple[tuple[int, int], ...]:

@@ -261,6 +261,9 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True) -> list
     config = _model_config(recipe)
     if config is None:
         return notes + [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
+    from vp_accelerate.models import unsupported_reason
+    if (why := unsupported_reason(config)) is not None:  # a family the pipeline cannot run exactly
+        raise RecipeError(f"model.source: {why}")
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and recipe.data.seq_len > max_pos:
         raise RecipeError(f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's max_position_embeddings="

@@ -1,6 +1,6 @@
 """Per-chunk logit math shared by the S and T passes: logits, their transform and its derivative.
 
-The model's logit transform z = f(r) of the raw logits r = x Wᵀ is
+The model's logit transform z = f(r) of the raw logits r = x Wᵀ (+ b, when the head has a bias) is
     z = softcap · tanh(logit_scale · r / softcap)   (Gemma-2 final softcapping), or
     z = logit_scale · r                             (no softcap),
 and enters the gradient through f'(r). f'(r) is recovered from z alone, so a stored z (store mode)
@@ -25,13 +25,17 @@ def chunk_ranges(rows: int, chunk_size: int | None) -> list[tuple[int, int]]:
 
 
 def chunk_logits(x: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, softcap: float | None,
-                 logit_scale: float, stat_dtype: torch.dtype) -> torch.Tensor:
-    """Transformed logits z = f(x W[lo:hi]ᵀ) of one chunk, `[N, hi − lo]` in `stat_dtype`.
+                 logit_scale: float, stat_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Transformed logits z = f(x W[lo:hi]ᵀ + b[lo:hi]) of one chunk, `[N, hi − lo]` in `stat_dtype`.
 
     The matmul runs in the inputs' dtype (bf16 stays bf16 for speed); everything after it in fp32,
-    because the softmax statistics are only as good as the logits fed to them.
+    because the softmax statistics are only as good as the logits fed to them. `bias` is the shard's
+    output bias (Phi), added in the inputs' dtype as `F.linear` does.
     """
-    z = (x @ weight[lo:hi].t()).to(stat_dtype)
+    r = x @ weight[lo:hi].t()
+    if bias is not None:
+        r = r + bias[lo:hi]
+    z = r.to(stat_dtype)
     if logit_scale != 1.0:
         z = z * logit_scale
     if softcap is not None:

@@ -86,6 +86,8 @@ class OutputState:
     """Shape of the x the caller passed; grad_x comes back in it."""
     weight: torch.Tensor
     """This rank's shard [shard_size, h] (a reference, not a copy)."""
+    bias: torch.Tensor | None
+    """This rank's shard [shard_size] of the output bias, or None (most families have none)."""
     labels: torch.Tensor
     """[N] int64 labels."""
     grad_scale: torch.Tensor
@@ -133,7 +135,7 @@ class OutputState:
         if self.logits is not None:
             return self.logits[index]
         o = self.opts
-        return chunk_logits(self.x, self.weight, lo, hi, o.softcap, o.logit_scale, self.stat_dtype)
+        return chunk_logits(self.x, self.weight, lo, hi, o.softcap, o.logit_scale, self.stat_dtype, self.bias)
 
     def logit_grad(self, z: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """G = g ⊙ (P − target) ⊙ f' of one chunk, [N, hi − lo] in the statistics dtype (needs C1)."""
@@ -207,9 +209,16 @@ def broadcast_x(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = Non
 
 
 def s_pass(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weight: torch.Tensor,
-           partition: VocabPartition, rank: int, opts: OutputLayerOptions) -> OutputState:
-    """S: this shard's logits and row statistics for one microbatch (local, no communication)."""
+           partition: VocabPartition, rank: int, opts: OutputLayerOptions,
+           bias: torch.Tensor | None = None) -> OutputState:
+    """S: this shard's logits and row statistics for one microbatch (local, no communication).
+
+    `bias`: the shard [shard_size] of an output bias (z = X Wᵢᵀ + bᵢ), or None.
+    """
     _check_s_inputs(x, labels, grad_scale, weight, partition, rank, opts)
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} must be the shard's [{weight.shape[0]}] entries in "
+                         f"the weight's dtype {weight.dtype}")
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     n = x2.shape[0]
@@ -231,7 +240,7 @@ def s_pass(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weig
     stored: list[torch.Tensor] | None = [] if opts.memory == "store" else None
 
     for lo, hi in chunk_ranges(partition.valid_rows(rank), opts.chunk_size):
-        z = chunk_logits(x2, weight, lo, hi, opts.softcap, opts.logit_scale, sd)
+        z = chunk_logits(x2, weight, lo, hi, opts.softcap, opts.logit_scale, sd, bias)
         if stored is not None:
             stored.append(z)
         # Online max/sum across chunks (flash-attention style): rescale what was summed so far.
@@ -261,7 +270,7 @@ def s_pass(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weig
                     c += (eps / V) * fprime * w_chunk.to(sd).sum(dim=0)
         m = m_new
 
-    return OutputState(opts=opts, partition=partition, rank=rank, x=x2, x_shape=x.shape, weight=weight,
+    return OutputState(opts=opts, partition=partition, rank=rank, x=x2, x_shape=x.shape, weight=weight, bias=bias,
                        labels=labels1, grad_scale=g, local_labels=local_labels, in_shard=in_shard,
                        local_max=m, local_sum=s, local_target=t, logits=stored, local_a=a, local_c=c)
 
@@ -338,9 +347,15 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
     return submit(chain, group, state.local_max.device, inputs, "C1", async_op)
 
 
-def t_pass(state: OutputState, weight_grad: torch.Tensor | None) -> None:
+def t_pass(state: OutputState, weight_grad: torch.Tensor | None, bias_grad: torch.Tensor | None = None) -> None:
     """T: accumulate ∇W_i into `weight_grad` (shard shaped, caller owned; None for a frozen shard);
-    vocab-1 also computes ∇x_i."""
+    vocab-1 also computes ∇x_i.
+
+    With an output bias, `bias_grad` (the shard's [shard_size]; None when frozen) accumulates
+    ∇b_i = Σ_n G[n, :], the column sums of G; padded entries are never visited and keep a zero gradient.
+    """
+    if state.bias is None and bias_grad is not None:
+        raise ValueError("t_pass got bias_grad but s_pass was given no bias")
     if not state.c1_done:
         raise RuntimeError("t_pass needs the global statistics: wait() on c1's Pending first")
     if state.t_done:
@@ -350,10 +365,12 @@ def t_pass(state: OutputState, weight_grad: torch.Tensor | None) -> None:
                          f"{tuple(state.weight.shape)}")
     one = state.opts.algorithm == "vocab-1"
     gx = torch.zeros(state.x.shape, dtype=state.stat_dtype, device=state.x.device) if one else None
-    for i, (lo, hi) in enumerate(state.chunks() if one or weight_grad is not None else ()):
+    for i, (lo, hi) in enumerate(state.chunks() if one or weight_grad is not None or bias_grad is not None else ()):
         grad = state.logit_grad(state.chunk_z(i, lo, hi), lo, hi).to(state.x.dtype)
         if weight_grad is not None:
             weight_grad[lo:hi] += (grad.t() @ state.x).to(weight_grad.dtype)
+        if bias_grad is not None:
+            bias_grad[lo:hi] += grad.sum(dim=0).to(bias_grad.dtype)
         if one:
             gx += (grad @ state.weight[lo:hi]).to(gx.dtype)
     state.logits = None  # the stored logits are dead after T: free them now
@@ -380,11 +397,12 @@ def c2(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
 
 def run_output_layer(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weight: torch.Tensor,
                      weight_grad: torch.Tensor, partition: VocabPartition, rank: int,
-                     opts: OutputLayerOptions, group: dist.ProcessGroup | None = None) -> OutputState:
+                     opts: OutputLayerOptions, group: dist.ProcessGroup | None = None,
+                     bias: torch.Tensor | None = None, bias_grad: torch.Tensor | None = None) -> OutputState:
     """S, C1, T (, C2) back to back for one microbatch whose X every rank already holds."""
-    state = s_pass(x, labels, grad_scale, weight, partition, rank, opts)
+    state = s_pass(x, labels, grad_scale, weight, partition, rank, opts, bias)
     c1(state, group, async_op=False)
-    t_pass(state, weight_grad)
+    t_pass(state, weight_grad, bias_grad)
     if opts.algorithm == "vocab-1":
         c2(state, group, async_op=False)
     return state
