@@ -68,6 +68,19 @@ class CostModel:
     gemm: GemmModel | None = field(default_factory=GemmModel)
     """GEMM efficiency by shape (wave quantisation, short reductions) and memory-bound elementwise work;
     None = every FLOP at `hw.efficiency` of peak (the plain FLOP model)."""
+    activation_checkpointing: str = "none"
+    """Decoder layers recomputed in backward, as PipelineConfig.activation_checkpointing: "none", "full"
+    (every layer keeps only its input and reruns its forward in B) or "selective" (every other layer of
+    a chunk: the 1st, 3rd, ...)."""
+
+    def checkpointed_layers(self, chunk: int) -> int:
+        """Layers of `chunk` whose activations are recomputed."""
+        n = self.chunk_layers[chunk]
+        counts = {"none": 0, "full": n, "selective": (n + 1) // 2}
+        if self.activation_checkpointing not in counts:
+            raise ValueError(f"activation_checkpointing must be one of {sorted(counts)}, got "
+                             f"{self.activation_checkpointing!r}")
+        return counts[self.activation_checkpointing]
 
     @property
     def num_ranks(self) -> int:
@@ -119,6 +132,8 @@ class CostModel:
             if op is Op.B and not self.split_backward:
                 t += self._layer_time("W")  # an unsplit backward computes the weight gradients too
             t *= self.chunk_layers[chunk]
+            if op is Op.B:  # checkpointed layers rerun their forward first
+                t += self.checkpointed_layers(chunk) * self._layer_time("F")
             if not self.vocab_parallel:
                 if chunk == last:  # the whole output layer and loss ride on the last chunk
                     V = s.vocab
@@ -159,7 +174,10 @@ class CostModel:
     def activation_bytes(self, chunk: int) -> float:
         """What one microbatch keeps on the chunk's rank from its F to its B (W when split)."""
         s, last = self.shape, chunk == len(self.chunk_rank) - 1
-        b = self.chunk_layers[chunk] * s.layer_activation_bytes() + s.chunk_extra_bytes(last)
+        ckpt = self.checkpointed_layers(chunk)  # these keep only their input hidden state
+        kept = self.chunk_layers[chunk] - ckpt
+        # the rotary cos/sin are saved by the layers that keep their activations (none when all recompute)
+        b = kept * s.layer_activation_bytes() + ckpt * s.hidden_bytes() + s.chunk_extra_bytes(last, rotary=kept > 0)
         if not self.vocab_parallel and last:
             b += s.tokens * s.vocab * s.stat_bytes  # log-probabilities of the loss (at least fp32)
             if s.attention == "flash":

@@ -48,9 +48,9 @@ def plan_layout(config, schedule: Schedule, layers_per_stage=None, *, seq: int |
 
 
 def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = None,
-                 chunk_layers: tuple[int, ...] | None = None) -> CostModel:
+                 chunk_layers: tuple[int, ...] | None = None, activation_checkpointing: str = "none") -> CostModel:
     """The CostModel of `schedule`: `chunk_layers` when given, else the balanced split (redis_layer_split)
-    for a method with `balanced_layers`, else an even split."""
+    for a method with `balanced_layers`, else an even split; `activation_checkpointing` as PipelineConfig's."""
     hw = hw or Hardware()
     if chunk_layers is None:
         if schedule.method_spec.balanced_layers:
@@ -60,7 +60,7 @@ def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = No
         else:
             chunk_layers = even_layer_split(shape.layers, schedule.num_chunks)
     return CostModel(shape, schedule.method, schedule.chunk_rank, tuple(chunk_layers), hw,
-                     split_backward=schedule.split_backward)
+                     split_backward=schedule.split_backward, activation_checkpointing=activation_checkpointing)
 
 
 @dataclass(frozen=True)

@@ -124,14 +124,14 @@ class ModelShape:
             attn = n * qd * 2 + n * kd * 2 + b * a * s  # q, out; k, v; log-sum-exp
         return norms + attn + mlp
 
-    def chunk_extra_bytes(self, last: bool) -> float:
+    def chunk_extra_bytes(self, last: bool, rotary: bool = True) -> float:
         """Per microbatch and chunk, beyond its layers (0 for "flash"): rotary cos and sin [b, s, d], and on
         the chunk that ends the model the final norm (3Nh + N; its output is X)."""
         if self.attention == "flash":
             return 0.0
         n, h = self.tokens, self.hidden
-        rotary = 2 * n * (h // self.heads)
-        return (rotary + (3 * n * h + n if last else 0)) * self.dtype_bytes
+        cos_sin = 2 * n * (h // self.heads) if rotary else 0  # not saved when every layer recomputes
+        return (cos_sin + (3 * n * h + n if last else 0)) * self.dtype_bytes
 
     @property
     def stat_bytes(self) -> int:

@@ -32,6 +32,8 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
     ap.add_argument("--method", type=argparse_type(normalise_method), choices=tuple(METHODS), default="vocab-2")
     ap.add_argument("--chunks-per-rank", type=int, help="interleaved only (default 2)")
     ap.add_argument("--forward-only", action="store_true", help="evaluation step")
+    ap.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
+                    help="decoder layers recomputed in backward, as pipeline.activation_checkpointing")
     ap.add_argument("--peak-tflops", type=float, default=312.0, help="per device, for MFU (A100 bf16: 312)")
     ap.add_argument("--efficiency", type=float, default=Hardware.efficiency,
                     help="fraction of peak the matmuls sustain")
@@ -68,7 +70,7 @@ def _run(args):
     bw = args.bandwidth_gbs * 1e9
     hw = Hardware(peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency, p2p_bandwidth=bw,
                   collective_bandwidth=bw)
-    model = for_schedule(shape, sched, hw)
+    model = for_schedule(shape, sched, hw, activation_checkpointing=args.activation_checkpointing)
     costs = MeasuredCosts.from_json(args.measured, model) if args.measured else model
     return sched, model, simulate(sched, costs, blocking_collectives=args.blocking_collectives)
 
