@@ -6,9 +6,8 @@ mode, simulates one training step of each with the cost model, drops what does n
 ranks the rest by predicted tokens/s.
 
 Speed (a plan takes seconds): schedules are built once per (kind, method, pp, microbatches) and cached;
-a step with many microbatches is simulated at two smaller counts and extrapolated linearly (past the
-warm-up every extra microbatch adds the same time in a steady pipeline, and the memory peak no longer
-grows), and pp x dp combinations are limited to pp >= 2 with pp dividing the GPU count. Data
+a step with many microbatches is simulated at a smaller count and extrapolated (past the warm-up every
+extra microbatch adds the busiest rank's work for one microbatch, and the memory peak no longer grows), and pp x dp combinations are limited to pp >= 2 with pp dividing the GPU count. Data
 parallelism adds a ring all-reduce of the gradients after the pipeline drains (not overlapped).
 """
 
@@ -24,8 +23,9 @@ from vp_accelerate.schedule.registry import METHODS, SCHEDULES
 from .simulate import simulate
 
 MEMORY_MODES = ("store", "recompute")
-MAX_SIMULATED_MICROBATCHES = 48
-"""Above this many microbatches per replica a step is extrapolated from two shorter simulated ones."""
+MAX_SIMULATED_MICROBATCHES = 32
+"""Above this many (and 3 x pp) microbatches per replica a step is extrapolated from a shorter simulated
+one at the busiest rank's per-microbatch pace."""
 
 
 @dataclass(frozen=True)
@@ -108,11 +108,11 @@ def _simulate_step(kind: str, method: str, pp: int, m: int, shape: ModelShape, h
     if m <= MAX_SIMULATED_MICROBATCHES:
         res, model = run(m)
         return res.step_time, res.bubble_rate, res.busy, res.peak_memory_bytes, model.chunk_layers
-    hi = max(MAX_SIMULATED_MICROBATCHES, 2 * pp)
-    lo = max(hi // 2, pp)
+    hi = max(MAX_SIMULATED_MICROBATCHES, 3 * pp)
     r_hi, model = run(hi)
-    r_lo, _ = run(lo)
-    per_mb = (r_hi.step_time - r_lo.step_time) / (hi - lo)
+    # past the warm-up the pipeline runs at its busiest rank's pace: each extra microbatch adds that
+    # rank's work for one microbatch (and the memory peak no longer grows)
+    per_mb = max(r_hi.busy) / hi
     step = r_hi.step_time + (m - hi) * per_mb
     busy = [b * m / hi for b in r_hi.busy]  # busy time is per-microbatch work
     bubble = 1 - sum(busy) / (pp * step)

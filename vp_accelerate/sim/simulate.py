@@ -65,6 +65,8 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
     grad_barrier = schedule.method_spec.grad_barrier
     # host time a rank spends posting a transfer or handing a chain over (measured costs may give it)
     issue = getattr(costs, "issue_time", lambda op: 0.0)
+    pass_times: dict = {}  # (rank, op, chunk) -> seconds
+    chains: dict = {}      # collective op -> its chain's steps
 
     def ready(r: int, a) -> float | None:
         """Earliest start of compute pass `a` on rank r, or None while an input has not been sent."""
@@ -95,7 +97,10 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
                     t = ready(r, a)
                     if t is None:
                         break
-                    end = t + costs.pass_time(r, a.op, a.chunk)
+                    key_t = (r, a.op, a.chunk)
+                    if key_t not in pass_times:  # the same pass costs the same for every microbatch
+                        pass_times[key_t] = costs.pass_time(r, a.op, a.chunk)
+                    end = t + pass_times[key_t]
                     timeline.append(TimedAction(r, a.op.value, a.mb, a.chunk, t, end))
                     clock[r] = end
                 elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
@@ -118,7 +123,9 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
             # the chain starts once the last rank has issued it and the communication resource is free;
             # its steps (C1: max all-reduce, rescale, sums all-reduce) run back to back on that resource
             end = max(max(clock), stream)
-            for _, seconds in chain_steps(costs, a.op):
+            if a.op not in chains:
+                chains[a.op] = chain_steps(costs, a.op)
+            for _, seconds in chains[a.op]:
                 start, end = end, end + seconds
                 timeline += [TimedAction(r, a.op.value, a.mb, 0, start, end, lane="comm") for r in range(p)]
             stream = done_at[(a.op, a.mb)] = end
