@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,8 @@ def prepare(spec: RunSpec) -> str:
 def start(spec: RunSpec, name: str, fault: dict | None = None, resume: bool = False) -> subprocess.Popen:
     """Start a run in its own process group (so a kill reaches the launcher and both ranks)."""
     out = os.path.join(spec.work, name)
+    if not resume:  # a fresh run of this script: an earlier one's checkpoints would be refused (not mixed in)
+        shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_CACHE": os.path.join(spec.work, "ds_cache"), "VP_FAULT": json.dumps(fault or {})}

@@ -22,6 +22,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -55,7 +56,8 @@ def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     metrics = os.path.join(args.out, "metrics.jsonl")
     if os.path.exists(metrics):
-        os.remove(metrics)  # the tracker appends; a previous soak's rows would mix in
+        os.remove(metrics)  # a previous soak's rows are not this one's
+    shutil.rmtree(os.path.join(args.out, "checkpoints"), ignore_errors=True)  # a new run refuses an earlier run's
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     cmd = [accelerate, "launch", "--config_file", os.path.join(ROOT, "configs/accelerate_cpu_2proc.yaml"),
            "-m", "vp_accelerate", "train", args.recipe,
