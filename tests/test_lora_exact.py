@@ -138,3 +138,41 @@ def test_lora_matches_single_process_peft(tmp_path):
         loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
         assert loaded.peft_config["default"].r == 4
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
+
+
+def _gpt2_on_ranks(ckpt: str, ids, out: str):
+    from vp_accelerate.runtime import AdapterConfig, PipelineConfig, PipelineModel
+
+    pipe = PipelineModel(ckpt, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2), dtype=torch.float64,
+                         seed=SEED, adapter=AdapterConfig(type="lora", r=4, alpha=8))  # peft's default: c_attn
+    pipe.train_step(ids, ids.clone())  # with GPT-2's dropout on: training mode
+    with torch.no_grad():
+        for p in pipe.trainable_parameters():
+            p -= 0.5 * p.grad
+    pipe.export_hf(f"{out}/merged")
+    pipe.export_adapter(f"{out}/adapter", base_model_name_or_path=ckpt)
+    return pipe.eval_step(ids, ids.clone())
+
+
+def test_gpt2_conv1d_adapters_merge_transposed_and_eval_without_dropout(tmp_path):
+    """GPT-2's Conv1D layers hold W transposed (peft's fan_in_fan_out): the merged export must add (BA)^T,
+    whichever rank holds the layer; evaluation runs without dropout, as HF's eval mode."""
+    from peft import PeftModel
+    from transformers import GPT2Config
+
+    torch.manual_seed(random.randrange(2**31))
+    ckpt = str(tmp_path / "ckpt")
+    AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4,
+                                                n_positions=32)).save_pretrained(ckpt)
+    ids = torch.randint(0, 97, (2, 8))
+    evals = spawn(_gpt2_on_ranks, 2, ckpt, ids, str(tmp_path), timeout_s=600)
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float64)
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64),
+                                           str(tmp_path / "adapter"))
+        logits = loaded(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, logits, rtol=1e-9, atol=1e-9)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+    assert evals[0] == evals[1] == pytest.approx(loss.item(), rel=1e-10)
+    assert not torch.allclose(merged.transformer.h[0].attn.c_attn.weight,
+                              AutoModelForCausalLM.from_pretrained(ckpt).transformer.h[0].attn.c_attn.weight.double())

@@ -426,9 +426,15 @@ class PipelineModel:
         from vp_accelerate.models.lora import merge_lora
 
         sd = self.gather_hf_state_dict()
+        transposed = self._all_lora_transposed()
         if sd is not None and self.dp_rank == 0:
-            save_hf(merge_lora(sd, self.adapter.scaling, self.lora_transposed), self.mods.config, out_dir,
-                    tokenizer=tokenizer)
+            save_hf(merge_lora(sd, self.adapter.scaling, transposed), self.mods.config, out_dir, tokenizer=tokenizer)
+
+    def _all_lora_transposed(self) -> list[str]:
+        """Every pipeline rank's adapted Conv1D (fan_in_fan_out) module names; a collective."""
+        parts = [None] * dist.get_world_size(self.groups.pp_host_group)
+        dist.all_gather_object(parts, self.lora_transposed, group=self.groups.pp_host_group)
+        return sorted(n for names in parts for n in names)
 
     def export_adapter(self, out_dir, base_model_name_or_path: str | None = None) -> None:
         """Write a peft adapter folder (`PeftModel.from_pretrained(base_model, out_dir)` loads it) on rank 0;
