@@ -223,6 +223,7 @@ class _StreamJob:
     """A chain issued at once on the device's communication stream, ordered by events."""
 
     def __init__(self, chain: Callable[[], Any], device: torch.device, inputs: list[torch.Tensor]):
+        self.device = device
         compute = torch.cuda.current_stream(device)
         comm = _comm_stream(device)
         ready = torch.cuda.Event()
@@ -237,7 +238,7 @@ class _StreamJob:
         self.done.record(comm)
 
     def result(self) -> Any:
-        consumer = torch.cuda.current_stream()
+        consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(self.done)  # the device waits, the host does not
         for t in _tensors(self.value):  # made on the comm stream, used (and freed) on the consumer's
             if t.is_cuda:
