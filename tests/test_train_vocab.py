@@ -239,3 +239,20 @@ def test_swap_keeps_what_a_trained_model_learned(tmp_path, corpora):
     composed, mean_only, by_id = loss_after(tok_c), loss_after(tok_c, compose=False), loss_after(tok_c, by_token=False)
     assert composed < mean_only - 2.0, (composed, mean_only)
     assert composed < by_id - 3.0, (composed, by_id)
+
+
+def test_a_hub_model_is_snapshotted_once_then_read_per_rank(tmp_path, monkeypatch, corpora):
+    """A hub id becomes a local snapshot (config, safetensors, tokenizer), which ranks then read per tensor."""
+    import huggingface_hub
+
+    from vp_accelerate.train.presets import local_model_dir
+
+    d, tok_a, *_ = corpora
+    save_model(tmp_path / "snap", tok_a)
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, allow_patterns: calls.append((repo, allow_patterns)) or str(tmp_path / "snap"))
+    assert local_model_dir("org/model") == str(tmp_path / "snap")
+    assert calls[0][0] == "org/model" and {"*.json", "*.safetensors"} <= set(calls[0][1])
+    assert local_model_dir(str(tmp_path / "snap")) == str(tmp_path / "snap") and len(calls) == 1
+    assert tokenizer_source(recipe("org/model")) == "org/model"  # the model's own tokenizer, by its hub id
