@@ -16,6 +16,7 @@ COLORS = {
 LABELS = {"F": "forward", "B": "backward" , "W": "weight grad", "S": "S (output fwd)", "T": "T (output wgrad)",
           "IF": "input emb fwd", "IB": "input emb bwd"}
 _FIELDS = ("rank", "op", "mb", "chunk", "start", "end")
+COMM_COLOR = "#555555"
 
 
 def _record(r) -> tuple:
@@ -30,6 +31,25 @@ def _record(r) -> tuple:
     return int(vals[0]), str(op), int(vals[2]), int(vals[3]), float(vals[4]), float(vals[5])
 
 
+def _lane(r) -> str:
+    """A record's lane ("compute" unless it says "comm": a collective chain on the communication worker)."""
+    if isinstance(r, dict):
+        return r.get("lane", "compute")
+    return getattr(r, "lane", "compute")
+
+
+def _comm_spans(records) -> list[tuple]:
+    """(rank, start, end) of the collective chains among `records` (any nesting, as `_flatten`)."""
+    out = []
+    for r in records:
+        if isinstance(r, (list, tuple)) and r and not isinstance(r[0], (int, float, str)):
+            out += _comm_spans(r)
+        elif _lane(r) == "comm":
+            rank, _, _, _, start, end = _record(r)
+            out.append((rank, start, end))
+    return out
+
+
 def _flatten(records) -> list[tuple]:
     out = []
     for r in records:
@@ -42,8 +62,10 @@ def _flatten(records) -> list[tuple]:
 
 def plot_timeline(records, path=None, *, ax=None, title: str | None = None, label_microbatches: bool = True):
     """Draw passes (rank, op, mb, chunk, start, end) — simulated (SimResult.timeline) or measured
-    (the runtime's records, flat or one list per rank). Collectives and p2p are not drawn.
+    (the runtime's records, flat or one list per rank). Collective chains (records of lane "comm") are
+    a thin strip under each rank's passes; p2p and the issue of a collective are not drawn.
     Saves to `path` when given; draws into `ax` when given; returns the figure."""
+    comm = _comm_spans(records)
     recs = [r for r in _flatten(records) if r[1] in COLORS]
     if not recs:
         raise ValueError("no compute passes to draw")
@@ -67,12 +89,18 @@ def plot_timeline(records, path=None, *, ax=None, title: str | None = None, labe
                        edgecolor="white", linewidth=0.2)
         if label_microbatches and end - start > 0.012 * span:
             ax.text((start + end) / 2, rank, str(mb), ha="center", va="center", fontsize=5, color="white")
+    for rank, start, end in comm:  # collective chains: a thin strip under the rank's passes
+        if rank in ranks:
+            ax.broken_barh([(start, end - start)], (rank + 0.44, 0.12), facecolors=COMM_COLOR)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)
     ax.set_xlabel("seconds from step start")
     present = [op for op in COLORS if any(r[1] == op for r in recs)]
-    ax.legend(handles=[Patch(color=COLORS[o], label=LABELS[o]) for o in present], loc="upper center",
-              bbox_to_anchor=(0.5, -0.28 if own else -0.35), ncol=len(present), fontsize=7, frameon=False)
+    handles = [Patch(color=COLORS[o], label=LABELS[o]) for o in present]
+    if comm:
+        handles.append(Patch(color=COMM_COLOR, label="collective chains"))
+    ax.legend(handles=handles, loc="upper center",
+              bbox_to_anchor=(0.5, -0.28 if own else -0.35), ncol=len(handles), fontsize=7, frameon=False)
     if title:
         ax.set_title(title, fontsize=9)
     if own:
