@@ -36,6 +36,8 @@ class VerifyCase:
     """Algorithm, memory mode, chunking, smoothing, softcap, scale."""
     tied: bool = False
     """Use one tensor as embedding and output weight."""
+    bias: bool = False
+    """Give the output layer a bias (Phi), sharded with the rows; adds "grad_b" to the errors."""
     dtype: str = "float32"
     """Dtype of x and weights ("float32", "bfloat16" or "float64"); statistics stay fp32."""
     pad_multiple: int = 1
@@ -66,9 +68,10 @@ def make_problem(case: VerifyCase, seed: int) -> dict:
     ids = torch.randint(0, V, (N,), generator=gen)
     labels = torch.randint(0, V, (N,), generator=gen)
     labels[torch.rand(N, generator=gen) < case.ignored_fraction] = case.opts.ignore_index
+    bias = torch.randn(V, generator=gen) if case.bias else None
     # Round the inputs to the run dtype first so the reference sees exactly what the ranks see.
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    return dict(x0=cast(x0), emb=cast(emb), weight=cast(weight), ids=ids, labels=labels)
+    return dict(x0=cast(x0), emb=cast(emb), weight=cast(weight), ids=ids, labels=labels, bias=cast(bias))
 
 
 def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
@@ -78,7 +81,7 @@ def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = N
     prob = make_problem(case, seed)
     o = case.opts
     ref = reference(prob["x0"], prob["ids"], prob["labels"], prob["emb"], prob["weight"], o.label_smoothing,
-                    o.softcap, o.logit_scale, o.ignore_index)
+                    o.softcap, o.logit_scale, o.ignore_index, prob["bias"])
 
     # NCCL needs the tensors on this rank's GPU; the reference stays on the CPU.
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
@@ -86,6 +89,10 @@ def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = N
     w_shard = e_shard if case.tied else shard_tensor(prob["weight"], part, rank).to(dev)
     e_grad = torch.zeros(e_shard.shape, dtype=torch.float32, device=dev)
     w_grad = e_grad if case.tied else torch.zeros(w_shard.shape, dtype=torch.float32, device=dev)
+    b_shard = b_grad = None
+    if case.bias:  # padded entries are zero and never visited (their logits are -inf)
+        b_shard = shard_tensor(prob["bias"], part, rank).to(dev)
+        b_grad = torch.zeros(b_shard.shape, dtype=torch.float32, device=dev)
 
     n_valid = int((prob["labels"] != o.ignore_index).sum())
     mbs = list(range(case.microbatches))
@@ -101,13 +108,13 @@ def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = N
         x = x.contiguous()
         broadcast_x(x, case.root, group)
         g = token_mean_grad_scale(labels_mb[k], n_valid, o.ignore_index)
-        states.append(s_pass(x, labels_mb[k], g, w_shard, part, rank, o))
+        states.append(s_pass(x, labels_mb[k], g, w_shard, part, rank, o, b_shard))
     # C1 of all microbatches in flight at once, issued newest first; T and C2 oldest first.
     pendings = [c1(states[k], group, async_op=True) for k in reversed(mbs)]
     for pend in pendings:
         pend.wait()
     for k in mbs:
-        t_pass(states[k], w_grad)
+        t_pass(states[k], w_grad, b_grad)
     if o.algorithm == "vocab-1":
         for pend in [c2(states[k], group, async_op=True) for k in mbs]:
             pend.wait()
@@ -122,7 +129,12 @@ def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = N
     start, _ = part.shard_range(rank)
     n = part.valid_rows(rank)
     padded_ok = bool((w_grad[n:] == 0).all()) and bool((e_grad[n:] == 0).all())
-    return {
+    errors = {}
+    if case.bias:
+        b_grad = b_grad.cpu()
+        errors["grad_b"] = (_relative_error(b_grad[:n], ref.grad_b[start:start + n], ref.grad_b)
+                            if bool((b_grad[n:] == 0).all()) else float("inf"))
+    return errors | {
         "loss": _relative_error(loss.reshape(1), ref.loss.reshape(1)),
         "grad_x": _relative_error(grad_x, ref.grad_x),
         "grad_w": _relative_error(w_grad[:n], ref.grad_w[start:start + n], ref.grad_w) if padded_ok else float("inf"),
