@@ -86,3 +86,17 @@ def test_every_decoder_family_passes_or_is_refused(tmp_path):
     for r in results:
         if r.status == "refused":
             assert r.reason, r.model_type
+
+
+def test_verified_list_is_the_documented_table():
+    """families.VERIFIED (what find_parts trusts without a warning) is exactly docs/models.md's passing rows."""
+    from pathlib import Path
+
+    from vp_accelerate.models import VERIFIED
+
+    table = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    passing = {row.split("|")[1].strip() for row in table.splitlines() if row.startswith("| ") and "| pass |" in row}
+    assert passing == set(VERIFIED)
+    assert len(passing) >= 30
+    documented = {row.split("|")[1].strip() for row in table.splitlines() if row.startswith("| ") and "|---" not in row}
+    assert set(decoder_families()) <= documented | {"family"}, "a family of the installed transformers is missing"

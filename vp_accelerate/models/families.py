@@ -14,10 +14,14 @@ from .adapter import ADAPTERS, UnsupportedModelError, find_parts
 
 #: Families checked exactly (loss and every gradient vs HF, checkpoint and config, vocab-2 and baseline).
 VERIFIED = frozenset({
-    "apertus", "apertus1p5_text", "arcee", "cohere", "cohere2", "cwm", "ernie4_5", "exaone", "exaone4", "gemma",
-    "gemma2", "gemma3_text", "glm", "glm4", "gpt2", "gpt_neox", "granite", "granite_swa", "helium", "hyperclovax",
-    "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3",
-    "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma",
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "codegen", "cohere", "cohere2",
+    "cohere2_moe", "cohere_compass_text", "cwm", "deepseek_v2", "deepseek_v3", "doge", "dots1", "ernie4_5",
+    "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "glm",
+    "glm4", "glm4_moe", "glm4_moe_lite", "gpt2", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa", "helium",
+    "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama", "mellum",
+    "mimo_v2_flash", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral",
+    "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe",
+    "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
 })
 
 #: Families refused, with the feature the stage split lacks.
