@@ -8,7 +8,6 @@ matrices for the collective mean. The whole checkpoint is about twice that.
 """
 
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM

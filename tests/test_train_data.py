@@ -153,7 +153,8 @@ def test_streaming_resumes_from_the_streams_own_state(corpus, monkeypatch):
     d, tok = corpus
     read = []
     real_iter = datasets.IterableDataset.__iter__
-    monkeypatch.setattr(datasets.IterableDataset, "__iter__", lambda self: (read.append(1) or x for x in real_iter(self)))
+    monkeypatch.setattr(datasets.IterableDataset, "__iter__",
+                        lambda self: (read.append(1) or x for x in real_iter(self)))
     for buffer in (1, 50):
         c = cfg(d, streaming=True, shuffle_buffer=buffer, eval_holdout=0.0)
         train = build_data(c, tok, len(tok), 0, 8)[0]

@@ -13,10 +13,9 @@ import json
 import math
 import random
 
-import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from vp_accelerate.models import StageLayout, assemble_state_dict, build_rank, save_hf
 from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
@@ -132,7 +131,8 @@ def test_check_prints_the_vocabulary_decision(tmp_path, corpora, capsys):
 
     d, tok_a, tok_b, _ = corpora
     save_model(tmp_path / "m", tok_a, vocab_size=len(tok_a) + 4)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in sentences(random.Random(1), 50)))
+    texts = sentences(random.Random(1), 50)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     (tmp_path / "r.yaml").write_text(json.dumps({"model": {"source": str(tmp_path / "m")},
                                                  "data": {"files": [str(tmp_path / "data.jsonl")], "seq_len": 32},
                                                  "train": {"global_batch": 8}}))
