@@ -22,6 +22,20 @@ def test_mlp_matrices_match_the_modules(family):
     assert weights == shape.mlp_matrices * shape.hidden * shape.ffn
 
 
+@pytest.mark.parametrize("model_type", ["apertus", "arcee", "jais2", "phi", "starcoder2", "cohere2", "olmo2", "glm4",
+                                        "exaone4", "smollm3"])
+def test_mlp_matrices_of_more_families(model_type):
+    """Families beyond the tiny test set, at their default sizes on the meta device (no memory)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shape = shape_from_hf_config(cfg, seq=16)
+    mlp = model.model.layers[0].mlp
+    assert sum(p.numel() for p in mlp.parameters() if p.dim() == 2) == shape.mlp_matrices * shape.hidden * shape.ffn
+
+
 def test_cohere_and_granite_count_the_gated_mlp():
     for family in ("cohere", "granite"):
         shape = shape_from_hf_config({"model_type": family, "hidden_size": 64, "num_hidden_layers": 2,

@@ -11,7 +11,8 @@ from pathlib import Path
 # ones went stale as families were added (Cohere and Granite were counted with two matrices).
 # tests/test_cost_shape.py checks this against the modules of every family models/ supports.
 UNGATED_MLP_TYPES = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "opt", "bloom",
-                               "falcon", "phi", "starcoder2", "mpt", "biogpt", "xglm"})
+                               "falcon", "phi", "starcoder2", "mpt", "biogpt", "xglm", "apertus", "apertus1p5_text",
+                               "arcee", "jais2", "nemotron"})
 
 
 def mlp_matrices(model_type: str) -> int:

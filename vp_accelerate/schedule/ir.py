@@ -57,7 +57,9 @@ def chain_collectives(op: Op, method: str) -> tuple[str, ...]:
     the whole chain off the compute thread). C1 is one action of the IR but three collectives with the
     rescale exp(m_i − m) between the first and the last: the validator and the simulator see each."""
     if op is Op.C1:
-        if method == "vocab-2":
+        from .registry import method as method_entry  # the registry imports this module
+
+        if method_entry(method).grad_barrier is Op.C1:  # C1 also all-reduces the input gradient a_i
             return ("all_reduce max m_i", "all_reduce sum [c_i, t_i]", "all_reduce sum [s_i, a_i] rescaled")
         return ("all_reduce max m_i", "all_reduce sum t_i", "all_reduce sum s_i rescaled")
     return {Op.C0: ("broadcast X",), Op.C2: ("all_reduce sum grad_x_i",), Op.IF_REDUCE: ("reduce embedding",),
