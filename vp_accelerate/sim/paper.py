@@ -9,9 +9,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from vp_accelerate.cost import ModelShape, for_schedule
 from vp_accelerate.schedule import build_schedule
 
-from vp_accelerate.cost import ModelShape, for_schedule
 from .plot import plot_timeline, plot_vocab_sweep
 from .simulate import simulate
 
@@ -48,7 +48,7 @@ def paper_redis_split(vocab: int, p: int = 8, layers: int = 32) -> tuple[int, ..
 
 def run(kind: str, method: str, p: int, m: int, vocab: int, seq: int, paper_redis: bool = False):
     s = build_schedule(kind, method, p, m)
-    layers = paper_redis_split(vocab, p) if paper_redis and method == "redis" else None
+    layers = paper_redis_split(vocab, p) if paper_redis and s.method_spec.balanced_layers else None
     return simulate(s, for_schedule(shape(vocab, seq), s, chunk_layers=layers))
 
 
