@@ -4,8 +4,9 @@ The default run covers one family per mechanism (one 2-rank spawn): GPT-NeoX (ou
 `embed_out`, untied), Phi (lm_head bias sharded with the vocabulary rows), Gemma-3 (rotary embedding per
 layer type, tied weights), Qwen2-MoE (experts fused from per-expert checkpoint tensors, shared expert).
 Each is trained one step with vocab-2 and baseline from `save_pretrained`'s directory and from the config,
-and its loss and every gradient are compared with the HF model (float64, 1e-5); `eval_step` on the same
-checkpoint with dropout 0.1 equals HF's `model.eval()` loss. The whole walk (docs/models.md) is `-m slow`.
+and its loss and every gradient are compared with the HF model (float64, 1e-5); `export_hf` writes the
+checkpoint's own tensor names and reloads to the same weights; `eval_step` on the same checkpoint with
+dropout 0.1 equals HF's `model.eval()` loss. The whole walk (docs/models.md) is `-m slow`.
 """
 
 import json

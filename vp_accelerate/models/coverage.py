@@ -5,6 +5,8 @@ For every decoder-only causal LM in the installed transformers that declares a `
 saves it with `save_pretrained`, then trains one step with `PipelineModel` on 2 gloo ranks — loaded
 from that directory and from the config, with vocab-2 and with the baseline placement — and compares
 the loss and every parameter gradient with the HF model in one process (float64, 1e-5 relative).
+`export_hf` of the checkpoint-loaded pipeline must write the checkpoint's own tensor names and reload
+with `from_pretrained` to the same weights; `eval_step` with dropout 0.1 must equal HF's eval loss.
 A family that `families.check_supported` refuses is reported with its reason and never started.
 
 Tiny configs turn on what the family is about at small scale: vocabulary 101 (not divisible by 2),
@@ -68,6 +70,7 @@ METHODS = ("vocab-2", "baseline")
 SOURCES = ("checkpoint", "config")
 RTOL = 1e-5
 DROPOUT_SUFFIX = "-dropout"  # the same checkpoint with dropout 0.1, for the evaluation check
+EXPORT_SUFFIX = "-export"  # export_hf of the checkpoint-loaded vocab-2 pipeline
 
 
 def dropout_fields(config) -> list[str]:
@@ -177,6 +180,8 @@ def _rank_worker(cases: list[tuple[str, str, int]]):
                                                             attn_implementation="eager", watchdog_dead_after_s=None),
                                      dtype=torch.float64, seed=seed)
                 res = pipe.train_step(ids, labels)
+                if source_kind == "checkpoint" and method == "vocab-2":  # no optimizer step: the same weights
+                    pipe.export_hf(ckpt + EXPORT_SUFFIX)
                 grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
                          for n, p in pipe.named_parameters() if p.requires_grad and not pipe.mods.is_duplicate(n)}
                 weights = pipe.gather_hf_state_dict() if source_kind == "config" else None
@@ -222,6 +227,32 @@ def _reference(model_type: str, ckpt: str, weights, ids, labels):
     # parameters with requires_grad=False (e.g. a router's load-balancing bias updated outside autograd) are not trained
     return loss.item(), {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()
                          if p.requires_grad}
+
+
+def _checkpoint_keys(path: str) -> set[str]:
+    import json
+
+    from safetensors import safe_open
+
+    index = Path(path) / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+@torch.no_grad()
+def _compare_export(ckpt: str, exported: str) -> str:
+    """"" when export_hf wrote the checkpoint's own tensor names and from_pretrained loads the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    want_keys, got_keys = _checkpoint_keys(ckpt), _checkpoint_keys(exported)
+    if want_keys != got_keys:
+        return f"tensor names differ from save_pretrained's: {sorted(want_keys ^ got_keys)[:4]}"
+    want = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
+    bad = [k for k in want if k not in got or not torch.equal(want[k], got[k])]
+    return f"reloaded weights differ: {bad[:4]}" if bad else ""
 
 
 @torch.no_grad()
@@ -337,6 +368,10 @@ def check_families(model_types: list[str], workdir: str | Path | None = None, ti
                     if not worst <= RTOL and res.status == "pass":
                         res.status = "fail"
                         res.reason = f"{source_kind}/{method}: {what} differs by {worst:.1e} (relative)"
+            if res.status == "pass":
+                problem = _compare_export(ckpt, ckpt + EXPORT_SUFFIX)
+                if problem:
+                    res.status, res.reason = "fail", f"export_hf: {problem}"
             if res.status == "pass" and (mt, "eval") in per_rank[0]:
                 err = _compare_eval(ckpt + DROPOUT_SUFFIX, per_rank[0][(mt, "eval")], ids, labels)
                 res.worst["eval"] = err
@@ -355,7 +390,9 @@ GPT-2, which has an adapter), as `scripts/model_coverage.py` last found it. **pa
 saved with `save_pretrained`, loaded by `PipelineModel` from that directory and from the config, trained
 one step on 2 gloo ranks with vocab-2 and with the baseline placement: the loss and every parameter
 gradient equal the Hugging Face model's in one process (float64, within 1e-5 relative; the column is
-the worst relative error over the loss and all gradients of the four runs). **refused**: the pipeline
+the worst relative error over the loss and all gradients of the four runs); `export_hf` writes the
+checkpoint's own tensor names and `from_pretrained` reloads the same weights; `eval_step` equals HF's
+`model.eval()` loss with dropout 0.1 (families with dropout fields). **refused**: the pipeline
 raises `UnsupportedModelError` with this reason before any process group starts (preflight and
 `PipelineModel` call `vp_accelerate.models.check_supported`).
 
