@@ -16,8 +16,8 @@ if [ "$MODE" = "--cpu" ]; then
   export CUDA_VISIBLE_DEVICES=""
 fi
 export PYTHONPATH="$HERE/..${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# seconds per part; 60 + 60 + 150 + 150 + 40 = 460 s < 8 minutes with the summary
-for spec in selftest:60 exact:60 bf16:150 output_layer:150 share:40; do
+# seconds per part; 60 + 60 + 90 + 200 + 40 = 450 s < 8 minutes with the summary
+for spec in selftest:60 exact:60 bf16:90 output_layer:200 share:40; do
   part=${spec%%:*}; limit=${spec##*:}
   rm -f "$OUT/$part.json"
   timeout --kill-after=5 "$limit" python "$HERE/gpu_check.py" --part "$part" --out "$OUT" "${EXTRA[@]}" \
