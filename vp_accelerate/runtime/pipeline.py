@@ -86,6 +86,7 @@ class PipelineModel:
             raise ValueError(f"mixed_precision={self.precision} keeps fp32 master weights: build the model with "
                              f"dtype=torch.float32 (got {dtype}), or set mixed_precision: no to train in {dtype}")
         self.loss_scaler = precision.LossScaler() if self.precision == "fp16" else None
+        self._skip_next_optimizer_step = False  # set by each train_step (fp16 overflow); read by step()
         self.hf_config = resolve_config(source)
         self.schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
                                        chunks_per_rank=cfg.chunks_per_rank)
@@ -297,7 +298,7 @@ class PipelineModel:
     def step(self, optimizer) -> bool:
         """`optimizer.step()` unless the last train_step was skipped by the fp16 loss scaler (gradient
         overflow); True when it stepped. The same decision on every rank."""
-        if getattr(self, "_skip_next_optimizer_step", False):
+        if self._skip_next_optimizer_step:
             return False
         optimizer.step()
         return True
