@@ -27,9 +27,13 @@ LR = 1e-3
 
 
 def _optimizer(name: str, params):
-    # Adam's first update is lr * g / (|g| + eps): with the default eps a gradient element that is zero
-    # up to rounding (1e-17) moves by ±lr either way; eps=1e-6 keeps such elements still, others unaffected
-    return torch.optim.SGD(params, lr=0.5) if name == "sgd" else torch.optim.AdamW(params, lr=LR, eps=1e-6)
+    # Adam's update is lr * m / (sqrt(v) + eps): for a gradient element far below eps it is lr * g / eps, so
+    # eps sets how much a gradient's rounding noise moves the weights. HF's float64 models are not float64
+    # throughout (RMSNorm, the eager softmax and rotary run in float32), so the pipeline's and the
+    # reference's gradients differ by ~1e-9 wherever they batch rows differently; with eps=1e-6 that moved
+    # a near-zero element by 1.5e-6 after three steps for about one seed in three (data-parallel run).
+    # eps=1e-4 keeps that noise 100x below the check while gradients above 1e-4 are still normalised.
+    return torch.optim.SGD(params, lr=0.5) if name == "sgd" else torch.optim.AdamW(params, lr=LR, eps=1e-4)
 
 
 def _tiny_config(vocab: int, tied: bool) -> LlamaConfig:
