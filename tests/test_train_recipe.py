@@ -52,6 +52,9 @@ def test_defaults_and_roundtrip(corpus):
     ({"train": {"steps": 0}}, "train.steps: must be >= 1"),
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected two values"),
     ({"data": {"files": ["/nonexistent/*.jsonl"]}}, "data.files: no file matches"),
+    ({"data": {"eval_files": ["/nowhere/demo_chat/eval.jsonl"]}},
+     "data.eval_files: no file matches '/nowhere/demo_chat/eval.jsonl'; make it with "
+     "`python scripts/make_demo_chat.py --out /nowhere/demo_chat`"),
     ({"tokenizer": {"source": "bpe:/nonexistent/tok"}}, "tokenizer.source: '/nonexistent/tok' has no tokenizer.json"),
     ({"model": {"source": "./no/such/dir"}}, "model.source: directory './no/such/dir' does not exist"),
     ({"data": {"hub_id": "some/dataset"}}, "data: set exactly one of data.files"),

@@ -381,6 +381,17 @@ def check(recipe: Recipe) -> Recipe:
     return recipe
 
 
+# the demo data sets the shipped recipes read, and the script that makes each (offline, seconds)
+_DEMO_DATA = {"demo_corpus": "python scripts/make_demo_corpus.py --out {dir}",
+              "demo_chat": "python scripts/make_demo_chat.py --out {dir}"}
+
+
+def _make_hint(pattern: str) -> str:
+    folder = os.path.dirname(pattern)
+    make = _DEMO_DATA.get(os.path.basename(folder))
+    return f"; make it with `{make.format(dir=folder)}`" if make else ""
+
+
 def _check_paths(recipe: Recipe) -> None:
     """Local inputs must exist before launching ranks, so a typo fails in a second, not after startup."""
     import glob
@@ -388,7 +399,7 @@ def _check_paths(recipe: Recipe) -> None:
     for key, patterns in (("data.files", recipe.data.files), ("data.eval_files", recipe.data.eval_files)):
         for pattern in patterns:
             if not glob.glob(os.path.expanduser(pattern)):
-                raise RecipeError(f"{key}: no file matches {pattern!r}")
+                raise RecipeError(f"{key}: no file matches {pattern!r}{_make_hint(pattern)}")
     tok = recipe.tokenizer.source or ""
     if tok.startswith("bpe:"):
         path = tok[4:]
