@@ -9,9 +9,11 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from vp_accelerate.distributed import spawn
+
+from helpers.tiny import tiny_llama
 
 pytest.importorskip("peft", reason="LoRA needs the lora extra (pip install peft)")
 
@@ -99,9 +101,7 @@ def _train_on_ranks(ckpt: str, batches, configs, out_dir: str):
 def test_lora_matches_single_process_peft(tmp_path):
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = tiny_llama(101)
     ckpt = str(tmp_path / "ckpt")
     AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
     batches = _batches(seed, 101, rows=4, seq=8)

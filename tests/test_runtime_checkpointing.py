@@ -7,9 +7,11 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from vp_accelerate.distributed import spawn
+
+from helpers.tiny import tiny_llama
 
 CONFIGS = [("1f1b", "vocab-2"), ("vhalf", "vocab-1"), ("interleaved", "baseline")]
 MODES = ["none", "selective", "full"]
@@ -34,9 +36,7 @@ def _grads(ckpt: str, ids, labels):
 def test_checkpointing_is_exact_and_saves_activation_memory(tmp_path):
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=89, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, attn_implementation="eager")
+    cfg = tiny_llama(89, attn_implementation="eager")
     ckpt = str(tmp_path / "ckpt")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(ckpt)
     model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)

@@ -13,9 +13,11 @@ import random
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from vp_accelerate.distributed import spawn
+
+from helpers.tiny import tiny_llama
 
 CONFIGS = [  # (schedule, method, dp_size)
     ("1f1b", "baseline", 1), ("1f1b", "redis", 1), ("1f1b", "vocab-1", 1), ("1f1b", "vocab-2", 1),
@@ -73,9 +75,7 @@ def _check(tmp_path, world: int, configs):
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     vocab = 101
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)  # tied: the baseline's first/last stage gradient reduce runs
+    cfg = tiny_llama(vocab, tied=True, num_layers=4)  # tied: the baseline's first/last stage gradient reduce runs
     ckpt = str(tmp_path / "ckpt")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(ckpt)
     per_rank = spawn(_cycle, world, ckpt, str(tmp_path / "export"), seed, vocab, configs, timeout_s=600)

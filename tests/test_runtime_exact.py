@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from vp_accelerate.distributed import spawn
 
+from helpers.tiny import tiny_llama
+
 CONFIGS = [  # (schedule, method)
     ("1f1b", "baseline"), ("1f1b", "redis"), ("1f1b", "vocab-1"), ("1f1b", "vocab-2"),
     ("vhalf", "baseline"), ("vhalf", "vocab-1"), ("vhalf", "vocab-2"),
@@ -37,9 +39,7 @@ def _optimizer(name: str, params):
 
 
 def _tiny_config(vocab: int, tied: bool) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=tied, attn_implementation="eager")
+    return tiny_llama(vocab, tied=tied, attn_implementation="eager")
 
 
 def _batches(seed: int, vocab: int, batch: int, seq: int, pad: bool):

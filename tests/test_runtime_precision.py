@@ -12,14 +12,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from vp_accelerate.distributed import spawn
 from vp_accelerate.runtime.precision import LossScaler, resolve
 
+from helpers.tiny import tiny_llama
+
 CONFIGS = [("1f1b", "vocab-2"), ("vhalf", "vocab-1"), ("1f1b", "baseline")]  # vhalf: deferred weight gradients
 STEPS, LR = 3, 1e-3
 
 
 def _config(vocab: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False, attn_implementation="eager")
+    return tiny_llama(vocab, hidden_size=64, num_layers=4, attn_implementation="eager")
 
 
 def _batches(seed: int, vocab: int):

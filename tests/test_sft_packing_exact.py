@@ -13,10 +13,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from vp_accelerate.distributed import spawn
 from vp_accelerate.train.data import pack_documents
+
+from helpers.tiny import tiny_llama
 
 CONFIGS = [
     ("1f1b", "baseline"), ("1f1b", "redis"), ("1f1b", "vocab-1"), ("1f1b", "vocab-2"),
@@ -99,9 +101,7 @@ RUNS = [("sdpa", *c) for c in CONFIGS] + [("eager", "1f1b", "vocab-2"), ("eager"
 def test_packed_batch_equals_documents_one_by_one(tmp_path):
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = tiny_llama(101)
     ckpt = str(tmp_path / "ckpt")
     AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
     ids, labels, pos, pieces = _documents(seed, 101)

@@ -43,3 +43,13 @@ def tiny_config(family: str, *, vocab_size: int = 257, hidden_size: int = 32, nu
         kw["tie_word_embeddings"] = tie
     kw.update(overrides)
     return AutoConfig.for_model(family, **kw)
+
+
+def tiny_llama(vocab_size: int, *, tied: bool = False, num_layers: int = 8, hidden_size: int = 32, **overrides):
+    """The small Llama the runtime's exactness tests share: GQA (4 heads, 2 key/value heads), FFN 2h,
+    `num_layers` layers (8 split into 2 or 4 stages, or 2 chunks on each of 4 ranks)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64, tie_word_embeddings=tied, **overrides)
