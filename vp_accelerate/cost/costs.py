@@ -222,11 +222,11 @@ class CostModel:
 
 
 def even_layer_split(num_layers: int, num_chunks: int) -> tuple[int, ...]:
-    """Layers per chunk, the first num_layers % num_chunks chunks one more (as models.layout does)."""
-    if num_chunks > num_layers:
-        raise ValueError(f"{num_layers} layers cannot fill {num_chunks} chunks (each needs one)")
-    base, extra = divmod(num_layers, num_chunks)
-    return tuple(base + (1 if c < extra else 0) for c in range(num_chunks))
+    """Layers per chunk as the runtime splits them (`models.layout.split_counts`, imported here because
+    the models package loads torch, which the cost model does not need otherwise)."""
+    from vp_accelerate.models.layout import split_counts
+
+    return tuple(split_counts(num_layers, num_chunks))
 
 
 @dataclass(frozen=True)
