@@ -168,3 +168,23 @@ class TimedAction:
     lane: str = "compute"
     """"compute": on the rank's compute thread (passes, WAIT, the issue of a collective); "comm": a
     collective chain as it ran on the rank's communication worker (its own timeline row)."""
+
+
+def p2p_batches(actions) -> list:
+    """A rank's actions as the runtime issues them: every maximal run of adjacent p2p actions is one
+    batch (a tuple: one `batch_isend_irecv` call — on NCCL its ops start together and it completes as a
+    whole), every other action stands alone. The executor issues exactly these batches and the validator
+    replays exactly these, so what is proven deadlock-free is what runs."""
+    out: list = []
+    run: list = []
+    for a in actions:
+        if a.op in P2P:
+            run.append(a)
+            continue
+        if run:
+            out.append(tuple(run))
+            run = []
+        out.append(a)
+    if run:
+        out.append(tuple(run))
+    return out

@@ -1,22 +1,25 @@
 """Turn grid-placed passes and collectives into each rank's ordered action list, adding p2p.
 
-Sort key of everything on a rank: (time, phase, slot order, mb, chunk, sub, seq).
-- a pass ending at grid time e: (e, 0, slot order, mb, chunk, 1, 0); its sends follow it (sub 2);
-  passes of one rank never overlap, so sorting by end is sorting by start;
+Sort key of everything on a rank: (time, phase, ...).
+- a pass ending at grid time e: (e, 0, slot order, mb, chunk, 1, 0); passes of one rank never
+  overlap, so sorting by end is sorting by start;
+- the p2p of boundary e: (e, 0.5, ...) on the sender AND on the receiver of every message whose
+  producer ends at e. The executor posts adjacent p2p actions as one batch, so each rank's p2p at e
+  form one batch that meets, op for op, its peers' batches at e. That is what NCCL needs: a send
+  completes only once the peer's matching receive is posted, and a rank's batches complete in
+  issue order; with every batch's counterpart at the same global time, no batch can wait behind one
+  that waits for it. (A receive posted at its consumer instead could sit behind a send the peer
+  cannot complete until it has received: the classic 1F1B deadlock.) On one channel the receives
+  are thereby issued in send order, as messages between two ranks are matched;
 - a collective at boundary t: (t, 1, its global collective order, mb, 0, 0, 0) on every rank: issued
-  after the passes that end by t and before a pass still under way at t, so no rank holds up a
-  collective by a pass it does not need;
-- receives precede their consumer (sub 0). p2p between a pair of ranks is matched in issue order
-  (NCCL semantics), so on each sender->receiver channel the receives are issued in send order: a
-  receive goes right before its own consumer or before the consumer of any later-sent message on the
-  channel, whichever comes first (suffix minimum). Placing it no earlier keeps the receiver free.
-Every receive sorts after its send in global time, and collectives sit at one global time, so the
-lists cannot deadlock (the validator checks it anyway).
+  after the passes that end by t and the p2p of t, before a pass still under way at t, so no rank
+  holds up a collective by a pass it does not need.
+Every operation waits only for operations of an earlier key or its counterparts of the same key, on
+every rank and communicator, so the lists cannot deadlock even with all communicators serialised
+(`schedule.streams` replays them under those rules; the validator runs it).
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 from .ir import Action, Op
 from .timing import COLLECTIVE_ORDER, SLOT_ORDER, TimedCollective, TimedPass
@@ -37,30 +40,22 @@ def lower(num_ranks: int, chunk_rank: tuple[int, ...], passes: list[TimedPass],
         for r in range(num_ranks):
             keyed[r].append((key, action))
 
-    # messages: (src, dst) -> [(send key, consumer key, recv action)]
-    channels: dict = defaultdict(list)
+    # every message goes in the p2p batch of the global time its producer ends, on both sides: the
+    # sender's send and the receiver's receive share one key, so each rank's batches meet its peers'
+    # batch by batch (NCCL completes a send only once the matching receive is posted, and a rank's
+    # batches in issue order; a receive posted later, at its consumer, could wait behind a send the
+    # peer cannot complete). The batch sits after the passes that end at that time (phase 0) and before
+    # the collectives of that boundary (phase 1), the same relative order on every rank.
     last = len(chunk_rank) - 1
     for (op, mb, c), key in pass_key.items():
         src = chunk_rank[c]
         if op is Op.F and c < last and chunk_rank[c + 1] != src:
             dst = chunk_rank[c + 1]
-            send_key = key[:5] + (2, 0)
-            keyed[src].append((send_key, Action(Op.SEND_ACT, mb, c, dst)))
-            channels[(src, dst)].append((send_key, pass_key[(Op.F, mb, c + 1)], Action(Op.RECV_ACT, mb, c + 1, src)))
+            keyed[src].append(((key[0], 0.5, 0, mb, c, 0, 0), Action(Op.SEND_ACT, mb, c, dst)))
+            keyed[dst].append(((key[0], 0.5, 1, mb, c, 0, 0), Action(Op.RECV_ACT, mb, c + 1, src)))
         if op is Op.B and c > 0 and chunk_rank[c - 1] != src:
             dst = chunk_rank[c - 1]
-            send_key = key[:5] + (2, 0)
-            keyed[src].append((send_key, Action(Op.SEND_GRAD, mb, c, dst)))
-            channels[(src, dst)].append((send_key, pass_key[(Op.B, mb, c - 1)], Action(Op.RECV_GRAD, mb, c - 1, src)))
-
-    for (src, dst), msgs in channels.items():
-        msgs.sort(key=lambda x: x[0])
-        earliest = None
-        placed = []
-        for i in range(len(msgs) - 1, -1, -1):  # suffix minimum of consumer keys
-            consumer = msgs[i][1]
-            earliest = consumer if earliest is None or consumer < earliest else earliest
-            placed.append((earliest[:5] + (0, i), msgs[i][2]))
-        keyed[dst] += placed
+            keyed[src].append(((key[0], 0.5, 0, mb, c, 1, 0), Action(Op.SEND_GRAD, mb, c, dst)))
+            keyed[dst].append(((key[0], 0.5, 1, mb, c, 1, 0), Action(Op.RECV_GRAD, mb, c - 1, src)))
 
     return tuple(tuple(a for _, a in sorted(rank, key=lambda x: x[0])) for rank in keyed)
