@@ -1,17 +1,15 @@
 """The one-GPU check, part by part; scripts/gpu_check.sh runs each part in its own process with a time limit.
 
-    python scripts/gpu_check.py --part exact --out DIR [--tiny]     # one part -> DIR/<part>.json
-    python scripts/gpu_check.py --summarize --out DIR               # DIR/results.json + DIR/summary.md
+    python3 scripts/gpu_check.py --part schedules_ws1 --out DIR [--tiny]   # one part -> DIR/<part>.json
+    python3 scripts/gpu_check.py --summarize --out DIR                     # DIR/results.json + DIR/summary.md
 
-Parts (every one has a --tiny size that runs on a CPU in seconds, to test the plumbing):
-  selftest      the vocabulary layers against float64 (vp-accelerate selftest) on a 1-rank group
-  exact         one train_step of every schedule x method at world size 1 vs the HF model, float64
-  bf16          a small Llama trained 50 steps with bf16 compute and fp32 master weights, and in fp32
-  output_layer  scripts/bench_output_layer.py in bf16 at N=4096, h=4096, shards of a 256k vocabulary
-                for p = 1, 2, 4, 8: S+T scaling efficiency beside the paper's Table 3
-  share         can two ranks share the one GPU (NCCL, or gloo with CUDA tensors)? Decides the 2-rank bench
-Each part writes {"part", "status": "pass" | "fail" | "not run", "why", ...figures}; the summary says
-plainly what did not run and why.
+One GPU runs one rank. NCCL refuses two ranks on one device, so every part here runs at world size 1:
+there is no point-to-point traffic and a collective on a 1-rank group moves no data. What needs more
+than one rank (p2p, NCCL's one-Work batches and rendezvous order, collectives that move data, PP x DP)
+is checked on the CPU by the test suite (gloo ranks), not here. The parts and what each really checks:
+see CHECKS and CRITERIA below (the summary prints both). Every part has a --tiny size that runs on a CPU
+in seconds; that run tests the plumbing of this script, not a GPU.
+Each part writes {"part", "status": "pass" | "fail", "why", "checks", "criterion", ...figures}.
 """
 
 from __future__ import annotations
@@ -26,8 +24,43 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("selftest", "exact", "bf16", "output_layer", "share")
-PAPER_TABLE3 = "87–93% at 8 shards"  # the paper's output-layer scaling efficiency (Table 3), as a range
+PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu")
+CHECKS = {
+    "vocab_ws1": "the vocabulary layers' CUDA compute (S, T, input-layer IF/IB; naive, vocab-1, vocab-2 x store, "
+                 "recompute, chunked) against float64, on a 1-rank NCCL group: one shard is the whole vocabulary "
+                 "and the collectives move no data",
+    "schedules_ws1": "one train_step of every schedule x method on the GPU at world size 1 (1-rank NCCL group: no "
+                     "p2p, no data moved by collectives), float64, against the HF model: device placement and each "
+                     "schedule's local pass order on CUDA, not multi-rank exactness",
+    "bf16_ws1": "bf16 compute with fp32 master weights at world size 1: a small Llama trained the same 50 AdamW "
+                "steps in bf16 and in fp32",
+    "output_layer_1gpu": "one rank's compute share of the output layer (S + C1 + T over V/p rows, C1/C2 on a 1-rank "
+                         "group) against HF's lm_head + cross_entropy over the whole vocabulary, bf16, N=4096, "
+                         "h=4096, V=256k, p = 1, 2, 4, 8: whether the shard's kernels keep their throughput and "
+                         "its memory falls as V/p shrinks. Communication is not in it, so it is not the paper's "
+                         "multi-GPU scaling figure (Table 3)",
+}
+TOLERANCE = {"vocab_ws1": 1e-4, "schedules_ws1": 1e-5, "bf16_gap": 0.02}
+EFFICIENCY_BAND = (0.6, 1.6)  # full time / (p x shard time); outside it the shard's kernels or the timing are off
+MEMORY_AT_8 = 0.35  # the shard's peak memory at p = 8 over its peak at p = 1 (ideal: 1/8 plus the fixed N x h)
+CRITERIA = {
+    "vocab_ws1": f"every relative error (loss, dX, dW, dE) <= {TOLERANCE['vocab_ws1']:g}",
+    "schedules_ws1": f"all 9 schedule x method pairs: loss and every gradient within relative "
+                     f"{TOLERANCE['schedules_ws1']:g} of HF float64",
+    "bf16_ws1": f"both losses fall by > 3%, bf16 and fp32 agree within {TOLERANCE['bf16_gap']:.0%} over the last 5 "
+                "steps, parameters and AdamW state stay fp32",
+    "output_layer_1gpu": f"every (algorithm, p) row measured; scaling efficiency full / (p x shard) within "
+                         f"{EFFICIENCY_BAND[0]:.0%}-{EFFICIENCY_BAND[1]:.0%} for every row; the shard's peak memory "
+                         f"at p = 8 <= {MEMORY_AT_8:g} x its peak at p = 1 (tiny CPU run: rows measured and finite "
+                         "only, CPU timings of a 128-token problem are noise)",
+}
+# Paper Table 3: vocabulary-layer scaling efficiency relative to linear scaling, at 8 / 16 / 32 GPUs
+# (communication included). One GPU cannot reproduce these; the summary quotes them for context only.
+PAPER_GPUS = (8, 16, 32)
+PAPER_TABLE3 = {
+    2048: {"output vocab-1": (91.3, 84.2, 80.6), "output vocab-2": (86.7, 79.8, 75.9), "input": (40.0, 28.9, 15.2)},
+    4096: {"output vocab-1": (93.2, 88.0, 85.2), "output vocab-2": (88.4, 83.4, 79.7), "input": (27.7, 15.5, 8.4)},
+}
 
 
 def _device():
@@ -53,25 +86,31 @@ def _llama(vocab: int, hidden: int, layers: int, heads: int = 4):
 
 
 # ---- parts ------------------------------------------------------------------------------------------
-def part_selftest(tiny: bool, out: Path) -> dict:
+def part_vocab_ws1(tiny: bool, out: Path) -> dict:
+    """vp-accelerate selftest on a 1-rank group (NCCL on a GPU, gloo on a CPU)."""
     import contextlib
     import io
 
     from vp_accelerate.vocab import selftest
 
     _one_rank_env()
-    args = ["--json", "--seed", "0"] + (["--vocab", "300", "--hidden", "32", "--tokens", "64"] if tiny else
-                                       ["--vocab", "8000", "--hidden", "512", "--tokens", "1024"])  # its float64 reference runs on the CPU
+    args = ["--json", "--seed", "0", "--tolerance", str(TOLERANCE["vocab_ws1"])] + (
+        ["--vocab", "300", "--hidden", "32", "--tokens", "64"] if tiny else
+        ["--vocab", "8000", "--hidden", "512", "--tokens", "1024"])  # its float64 reference runs on the CPU
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = selftest.main(args)
     res = json.loads(buf.getvalue().strip().splitlines()[-1])
     worst = max(v for modes in res["max_rel_error"].values() for v in modes.values())
-    return {"status": "pass" if rc == 0 else "fail", "max_rel_error": worst, "tolerance": res["tolerance"],
-            "vocab": res["vocab"], "hidden": res["hidden"], "tokens": res["tokens"]}
+    bad = [f"{a}/{m} {v:.1e}" for a, modes in res["max_rel_error"].items() for m, v in modes.items()
+           if not v <= res["tolerance"]]
+    ok = rc == 0 and not bad and res["world_size"] == 1
+    return {"status": "pass" if ok else "fail", "max_rel_error": worst, "tolerance": res["tolerance"],
+            "world_size": res["world_size"], "vocab": res["vocab"], "hidden": res["hidden"], "tokens": res["tokens"],
+            **({} if ok else {"why": f"over the tolerance {res['tolerance']:g}: {', '.join(bad) or 'see the log'}"})}
 
 
-def part_exact(tiny: bool, out: Path) -> dict:
+def part_schedules_ws1(tiny: bool, out: Path) -> dict:
     """train_step of every schedule x method on one rank (NCCL on a GPU) vs the HF model, both float64."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -109,12 +148,16 @@ def part_exact(tiny: bool, out: Path) -> dict:
             err = max(err, float((p.grad[:r.shape[0]] - r).norm() / r.norm().clamp_min(1e-30)))
         loss_err = abs(res.loss - loss.item()) / abs(loss.item())
         # HF upcasts the logits to float32 in its loss: 1e-5 is its rounding, not ours
-        good = loss_err < 1e-5 and err < 1e-5 and pipe.groups.world_size == 1
+        tol = TOLERANCE["schedules_ws1"]
+        good = loss_err < tol and err < tol and pipe.groups.world_size == 1
         ok &= good
         rows.append({"schedule": schedule, "method": method, "loss_rel_error": loss_err, "grad_rel_error": err,
                      "ok": good})
         pipe.close()
-    return {"status": "pass" if ok else "fail", "backend": dist.get_backend(), "device": str(dev), "rows": rows}
+    bad = [f"{r['schedule']}/{r['method']}" for r in rows if not r["ok"]]
+    return {"status": "pass" if ok else "fail", "backend": dist.get_backend(), "device": str(dev),
+            "world_size": dist.get_world_size(), "rows": rows,
+            **({"why": f"off by more than {TOLERANCE['schedules_ws1']:g}: {', '.join(bad)}"} if bad else {})}
 
 
 def _learnable_batch(g, batch: int, seq: int, vocab: int):
@@ -130,7 +173,7 @@ def _learnable_batch(g, batch: int, seq: int, vocab: int):
     return ids
 
 
-def part_bf16(tiny: bool, out: Path) -> dict:
+def part_bf16_ws1(tiny: bool, out: Path) -> dict:
     """50 AdamW steps in bf16 compute with fp32 master weights, and the same in fp32: loss falls, and the
     two agree within 2% over the last 5 steps."""
     import torch
@@ -170,92 +213,74 @@ def part_bf16(tiny: bool, out: Path) -> dict:
     last = {m: sum(c["losses"][-tail:]) / tail for m, c in curves.items()}
     gap = abs(last["bf16"] - last["no"]) / last["no"]
     falls = all(math.isfinite(last[m]) and last[m] < 0.97 * curves[m]["losses"][0] for m in curves)
-    ok = falls and gap < 0.02 and dtypes == {"torch.float32"}
-    return {"status": "pass" if ok else "fail", "steps": steps, "model": f"Llama {layers} x h{hidden}, V={vocab}",
+    ok = falls and gap < TOLERANCE["bf16_gap"] and dtypes == {"torch.float32"}
+    why = "; ".join(w for w, bad in (("a loss did not fall by 3%", not falls),
+                                     (f"bf16 vs fp32 gap {gap:.1%} >= {TOLERANCE['bf16_gap']:.0%}",
+                                      not gap < TOLERANCE["bf16_gap"]),
+                                     (f"master dtypes {sorted(dtypes)}", dtypes != {"torch.float32"})) if bad)
+    return {"status": "pass" if ok else "fail", **({"why": why} if why else {}), "steps": steps,
+            "model": f"Llama {layers} x h{hidden}, V={vocab}",
             "first_loss": {m: c["losses"][0] for m, c in curves.items()}, "last_loss": last,
             "relative_gap": gap, "master_dtypes": sorted(dtypes), "curves": curves}
 
 
-def part_output_layer(tiny: bool, out: Path) -> dict:
-    """bench_output_layer.py: S+T(+C1) of one shard vs the full layer; efficiency = full / (p x shard)."""
+OUTPUT_LAYER_SIZE = {"tokens": 4096, "hidden": 4096, "vocab": 256000, "ranks": (1, 2, 4, 8),
+                     "algorithms": ("vocab-1", "vocab-2")}
+OUTPUT_LAYER_TINY = {"tokens": 128, "hidden": 32, "vocab": 2048, "ranks": (1, 2), "algorithms": ("vocab-2",)}
+
+
+def judge_output_layer(rows: list[dict], size: dict, tiny: bool) -> list[str]:
+    """What is off in the output-layer rows (empty = pass): CRITERIA["output_layer_1gpu"]."""
+    problems = []
+    shard = {(r["algorithm"], r["p"]): r for r in rows if r.get("p") is not None}
+    full = [r for r in rows if r.get("p") is None]
+    if len(full) != 1 or not (math.isfinite(full[0]["time_s"]) and full[0]["time_s"] > 0):
+        problems.append("the full-vocabulary reference was not measured")
+    for algo in size["algorithms"]:
+        for p in size["ranks"]:
+            r = shard.get((algo, p))
+            if r is None or not (math.isfinite(r["time_s"]) and r["time_s"] > 0):
+                problems.append(f"{algo} p={p} not measured")
+            elif not tiny and not EFFICIENCY_BAND[0] <= r["efficiency"] <= EFFICIENCY_BAND[1]:
+                problems.append(f"{algo} p={p} efficiency {r['efficiency']:.0%} outside "
+                                f"{EFFICIENCY_BAND[0]:.0%}-{EFFICIENCY_BAND[1]:.0%}")
+        one, eight = shard.get((algo, 1)), shard.get((algo, 8))
+        if not tiny and one and eight and not eight["peak_bytes"] <= MEMORY_AT_8 * one["peak_bytes"]:
+            problems.append(f"{algo} peak memory at p=8 is {eight['peak_bytes'] / max(one['peak_bytes'], 1):.2f} x "
+                            f"that at p=1 (> {MEMORY_AT_8:g})")
+    return problems
+
+
+def part_output_layer_1gpu(tiny: bool, out: Path) -> dict:
+    """bench_output_layer.py: S+C1+T(+C2) of one V/p shard vs the full layer; efficiency = full / (p x shard)."""
     path = out / "output_layer_rows.json"
-    size = (["--tokens", "128", "--hidden", "32", "--vocab", "2048", "--ranks", "1", "2", "--algorithms", "vocab-2",
-             "--reps", "1"] if tiny else
-            ["--tokens", "4096", "--hidden", "4096", "--vocab", "256000", "--ranks", "1", "2", "4", "8",
-             "--algorithms", "vocab-1", "vocab-2", "--reps", "5", "--dtype", "bfloat16"])
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_output_layer.py"), *size, "--modes", "store",
-                          "--json", str(path)], capture_output=True, text=True, check=False)
+    size = OUTPUT_LAYER_TINY if tiny else OUTPUT_LAYER_SIZE
+    args = ["--tokens", str(size["tokens"]), "--hidden", str(size["hidden"]), "--vocab", str(size["vocab"]),
+            "--ranks", *map(str, size["ranks"]), "--algorithms", *size["algorithms"], "--modes", "store",
+            "--reps", "1" if tiny else "5", "--dtype", "float32" if tiny else "bfloat16", "--json", str(path)]
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_output_layer.py"), *args],
+                         capture_output=True, text=True, check=False)
     if run.returncode != 0:
-        return {"status": "fail", "why": run.stderr[-2000:]}
+        return {"status": "fail", "why": f"bench_output_layer.py exited {run.returncode}: {run.stderr[-1500:]}"}
     data = json.loads(path.read_text())
     table = [{k: r[k] for k in ("vocab", "p", "algorithm", "time_s", "peak_bytes", "efficiency") if k in r}
              for r in data["rows"]]
-    at8 = [r["efficiency"] for r in table if r.get("p") == 8]
-    return {"status": "pass", "where": data["where"], "tokens": data["tokens"], "hidden": data["hidden"],
-            "dtype": data["dtype"], "rows": table, "paper_table3": PAPER_TABLE3,
-            "efficiency_at_8": at8, "markdown": run.stdout}
-
-
-def _share_worker(rank: int, port: int, backend: str, results) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        torch.cuda.set_device(0)
-        dist.init_process_group(backend, rank=rank, world_size=2)
-        t = torch.ones(4, device="cuda")
-        dist.all_reduce(t)
-        if rank == 0:  # the pipeline also needs point-to-point
-            dist.send(t, 1)
-        else:
-            dist.recv(t, 0)
-        torch.cuda.synchronize()
-        results.put((rank, "ok", float(t[0])))
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - the answer is whether this works
-        results.put((rank, "error", f"{type(e).__name__}: {str(e)[:300]}"))
-
-
-def part_share(tiny: bool, out: Path) -> dict:
-    """Two processes on one GPU: does NCCL (or gloo with CUDA tensors) do all-reduce and send/recv?"""
-    import queue
-
-    import torch
-    import torch.multiprocessing as mp
-
-    from vp_accelerate.distributed import free_port
-
-    if not torch.cuda.is_available():
-        return {"status": "not run", "why": "no CUDA device: two ranks sharing a GPU cannot be tried on a CPU"}
-    found = {}
-    for backend in ("nccl", "gloo"):
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=_share_worker, args=(r, port, backend, results), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        answers = []
-        for _ in range(2):
-            try:
-                answers.append(results.get(timeout=60))
-            except queue.Empty:
-                answers.append((-1, "error", "no answer within 60 s (hung)"))
-                break
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        found[backend] = ("works" if all(a[1] == "ok" for a in answers) else
-                          "; ".join(str(a[2]) for a in answers if a[1] != "ok"))
-    works = [b for b, v in found.items() if v == "works"]
-    why = ("the 2-rank `vp-accelerate bench` was not run: its harness places every rank on the CPU (gloo); "
-           "a GPU comparison of 2 ranks needs 2 GPUs")
-    return {"status": "not run", "two_ranks_on_one_gpu": found, "usable_backends": works, "why": why}
+    problems = judge_output_layer(table, size, tiny)
+    return {"status": "fail" if problems else "pass", **({"why": "; ".join(problems)} if problems else {}),
+            "where": data["where"], "tokens": data["tokens"], "hidden": data["hidden"], "dtype": data["dtype"],
+            "rows": table, "markdown": run.stdout}
 
 
 # ---- summary ----------------------------------------------------------------------------------------
+def paper_table3_markdown() -> str:
+    head = " | ".join(f"{g} GPUs" for g in PAPER_GPUS)
+    lines = [f"| seq | layer | {head} |", "|---|---|" + "---|" * len(PAPER_GPUS)]
+    for seq, layers in PAPER_TABLE3.items():
+        for layer, figures in layers.items():
+            lines.append(f"| {seq} | {layer} | " + " | ".join(f"{x:.1f}%" for x in figures) + " |")
+    return "\n".join(lines)
+
+
 def summarize(out: Path) -> tuple[dict, str]:
     results = {}
     for part in PARTS:
@@ -263,22 +288,31 @@ def summarize(out: Path) -> tuple[dict, str]:
         results[part] = json.loads(f.read_text()) if f.exists() else {
             "part": part, "status": "not run", "why": "no result: the part crashed or ran past its time limit "
                                                         f"(see {part}.log)"}
-    lines = ["# GPU check", ""]
-    dev = next((r.get("device_name") for r in results.values() if r.get("device_name")), None)
-    lines += [f"Device: {dev or 'unknown'}.", "", "| part | status | result |", "|---|---|---|"]
+    ran = [r for r in results.values() if "tiny" in r]
+    dev = next((r.get("device_name") for r in ran if r.get("device_name")), None)
+    tiny = any(r["tiny"] for r in ran)
+    lines = ["# GPU check", "", f"Device: {dev or 'unknown'}. "
+             + ("Tiny sizes on the CPU: this run checks the script's plumbing, not a GPU (the sizes named below are "
+                "the GPU run's). " if tiny else "")
+             + "Every part runs at world size 1 (one GPU holds one rank; NCCL refuses two ranks on one device): "
+             "there is no point-to-point traffic and a collective on a 1-rank group moves no data. Multi-rank "
+             "behaviour is checked on the CPU by the test suite, not here.", "",
+             "| part | status | result | passes when |", "|---|---|---|---|"]
     for part in PARTS:
         r = results[part]
-        lines.append(f"| {part} | {r['status']} | {_one_line(part, r)} |")
-    lines += ["", "Did not run or failed:" if any(r["status"] != "pass" for r in results.values()) else
-              "Every part ran and passed."]
-    for part in PARTS:
-        r = results[part]
-        if r["status"] != "pass":
-            lines.append(f"- {part}: {r.get('why', 'see its JSON')}")
-    ol = results["output_layer"]
+        lines.append(f"| {part} | {r['status']} | {_one_line(part, r)} | {CRITERIA[part]} |")
+    failed = [p for p in PARTS if results[p]["status"] != "pass"]
+    lines += ["", "Did not run or failed:" if failed else "Every part ran and passed."]
+    lines += [f"- {p}: {results[p].get('why', 'see its JSON')}" for p in failed]
+    lines += ["", "## What each part checks", ""] + [f"- `{p}`: {CHECKS[p]}." for p in PARTS]
+    ol = results["output_layer_1gpu"]
     if ol.get("markdown"):
-        lines += ["", "## Output layer (scripts/bench_output_layer.py)", "", ol["markdown"].strip(),
-                  "", f"Paper, Table 3: {PAPER_TABLE3}."]
+        lines += ["", "## Output layer on one GPU (scripts/bench_output_layer.py)", "", ol["markdown"].strip()]
+    lines += ["", "The paper's Table 3 (below) is the vocabulary layers' scaling across 8, 16 and 32 GPUs, "
+              "communication included, relative to linear scaling. One GPU cannot reproduce it: the efficiency "
+              "above is one rank's compute share against the full layer, with no communication, so it says "
+              "whether the shard's kernels keep their throughput as V/p shrinks, and is no estimate of the "
+              "paper's figures.", "", paper_table3_markdown()]
     text = "\n".join(lines) + "\n"
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "summary.md").write_text(text)
@@ -286,23 +320,22 @@ def summarize(out: Path) -> tuple[dict, str]:
 
 
 def _one_line(part: str, r: dict) -> str:
-    if r["status"] == "not run" and part != "share":
-        return r.get("why", "")[:120]
-    if part == "selftest":
+    if r["status"] == "not run" or "traceback" in r:
+        return r.get("why", "")[:160]
+    if part == "vocab_ws1":
         return f"max relative error {r['max_rel_error']:.1e} (tolerance {r['tolerance']:g})"
-    if part == "exact":
+    if part == "schedules_ws1":
         bad = [f"{x['schedule']}/{x['method']}" for x in r["rows"] if not x["ok"]]
-        worst = max(x["grad_rel_error"] for x in r["rows"])
-        return (f"{len(r['rows'])} schedule x method on {r['backend']}, worst gradient error {worst:.1e}"
-                + (f"; FAILED: {', '.join(bad)}" if bad else ""))
-    if part == "bf16":
+        worst = max(max(x["grad_rel_error"], x["loss_rel_error"]) for x in r["rows"])
+        return (f"{len(r['rows'])} schedule x method on {r['backend']} at world size {r['world_size']}, "
+                f"worst relative error {worst:.1e}" + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+    if part == "bf16_ws1":
         return (f"{r['steps']} steps, loss {r['first_loss']['bf16']:.3f} -> {r['last_loss']['bf16']:.3f} (bf16) vs "
                 f"{r['last_loss']['no']:.3f} (fp32), gap {r['relative_gap'] * 100:.2f}%, master {r['master_dtypes']}")
-    if part == "output_layer":
-        at8 = ", ".join(f"{e * 100:.0f}%" for e in r.get("efficiency_at_8", [])) or "p=8 not measured"
-        return f"S+T efficiency at 8 shards: {at8} (paper: {PAPER_TABLE3})"
-    if part == "share":
-        return f"two ranks on one GPU: {r.get('two_ranks_on_one_gpu', r.get('why', ''))}"
+    if part == "output_layer_1gpu":
+        eff = ", ".join(f"{x['algorithm']} p={x['p']} {x['efficiency'] * 100:.0f}%" for x in r["rows"]
+                        if x.get("p") is not None)
+        return f"one shard's compute vs the full layer: {eff}" + (f"; {r['why']}" if r.get("why") else "")
     return ""
 
 
@@ -315,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.summarize:
-        print(summarize(out)[1])
-        return 0
+    if args.summarize:  # exit status 0 only when every part ran and passed
+        results, text = summarize(out)
+        print(text)
+        return 0 if all(r["status"] == "pass" for r in results.values()) else 1
     if not args.part:
         ap.error("give --part or --summarize")
     import torch
@@ -329,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         result = {"status": "fail", "why": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    result.update(part=args.part, seconds=round(time.perf_counter() - t0, 1), tiny=args.tiny,
+    result.update(part=args.part, checks=CHECKS[args.part], criterion=CRITERIA[args.part],
+                  seconds=round(time.perf_counter() - t0, 1), tiny=args.tiny,
                   device_name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU")
     (out / f"{args.part}.json").write_text(json.dumps(result, indent=1))
     print(f"{args.part}: {result['status']} ({result['seconds']} s)", flush=True)

@@ -1,33 +1,115 @@
-"""scripts/gpu_check.py's plumbing on the CPU: the world-size-1 exact part (every schedule x method against
-HF) at its tiny size, and a summary that names every part that did not run."""
+"""scripts/gpu_check.sh and gpu_check.py on the CPU: the whole `--cpu` tiny path with only `python3` on PATH,
+the output-layer part's pass criterion (it fails when its numbers are off, not only when its subprocess
+fails), the summary's honesty (world size 1 said, parts that did not run named, the paper's Table 3 as
+published) and the interpreter the script picks."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu")
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-                               "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, timeout=300)
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def test_exact_part_at_world_size_1_and_the_summary(tmp_path):
-    run = _run("--part", "exact", "--tiny", "--out", str(tmp_path))
-    assert run.returncode == 0, run.stdout + run.stderr
-    exact = json.loads((tmp_path / "exact.json").read_text())
-    assert exact["status"] == "pass" and exact["backend"] == "gloo"
-    assert len(exact["rows"]) == 9 and all(r["ok"] for r in exact["rows"])  # every schedule x method
-    assert _run("--summarize", "--out", str(tmp_path)).returncode == 0
-    summary = (tmp_path / "summary.md").read_text()
-    assert "| exact | pass | 9 schedule x method on gloo" in summary
-    for part in ("selftest", "bf16", "output_layer", "share"):  # not run here: said so, with the reason
-        assert f"| {part} | not run |" in summary and f"- {part}: no result" in summary
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results) == {"selftest", "exact", "bf16", "output_layer", "share"}
+def _env(path: str) -> dict:
+    return {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": path,
+            "HOME": os.environ.get("HOME", "/tmp")}
+
+
+def test_cpu_path_of_the_script_with_only_python3(tmp_path):
+    """A copy of the scripts outside the repository (no .venv next to it) and a PATH whose only Python is
+    `python3`: every part runs at its tiny size, passes, and the summary says what the run was."""
+    scripts = tmp_path / "repo" / "scripts"
+    scripts.mkdir(parents=True)
+    for name in ("gpu_check.sh", "gpu_check.py", "bench_output_layer.py"):
+        shutil.copy(ROOT / "scripts" / name, scripts / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (bin_dir / "python3").chmod(0o755)
+    tools = [shutil.which(t) for t in ("timeout", "tail", "mkdir", "rm", "dirname")]
+    for tool in tools:  # coreutils only: no `python` anywhere on this PATH
+        os.symlink(tool, bin_dir / os.path.basename(tool))
+    out = tmp_path / "out"
+    run = subprocess.run([shutil.which("bash"), str(scripts / "gpu_check.sh"), str(out), "--cpu"], capture_output=True, text=True,
+                         env={**_env(str(bin_dir)), "PYTHONPATH": str(ROOT)}, timeout=900)
+    log = run.stdout + run.stderr + "".join((out / f"{p}.log").read_text() for p in PARTS if (out / f"{p}.log").exists())
+    assert run.stdout.splitlines()[0] == f"gpu_check: {bin_dir}/python3", log
+    assert run.returncode == 0, log
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == set(PARTS) and all(r["status"] == "pass" and r["tiny"] for r in results.values()), results
+    assert all(r["criterion"] and r["checks"] for r in results.values())
+    schedules = results["schedules_ws1"]
+    assert schedules["backend"] == "gloo" and schedules["world_size"] == 1 and len(schedules["rows"]) == 9
+    summary = (out / "summary.md").read_text()
+    assert "Tiny sizes on the CPU" in summary and "Every part ran and passed." in summary
+    assert "| schedules_ws1 | pass | 9 schedule x method on gloo at world size 1" in summary
+
+
+def test_the_output_layer_part_fails_when_its_numbers_are_off():
+    gc = _module()
+    size = {"ranks": (1, 2, 4, 8), "algorithms": ("vocab-1", "vocab-2")}
+
+    def rows(eff=1.0, peak8=1.2e9, drop=None):
+        out = [{"p": None, "algorithm": "baseline", "time_s": 0.05, "peak_bytes": 9e9}]
+        for algo in size["algorithms"]:
+            for p in size["ranks"]:
+                if (algo, p) != drop:
+                    out.append({"p": p, "algorithm": algo, "time_s": 0.05 / (p * eff), "efficiency": eff,
+                                "peak_bytes": peak8 if p == 8 else 8e9 / p})
+        return out
+
+    assert gc.judge_output_layer(rows(), size, tiny=False) == []
+    assert gc.judge_output_layer(rows(eff=0.95), size, tiny=False) == []
+    slow = gc.judge_output_layer(rows(eff=0.4), size, tiny=False)
+    assert len(slow) == 8 and "vocab-1 p=1 efficiency 40% outside 60%-160%" in slow[0]
+    assert gc.judge_output_layer(rows(eff=2.5), size, tiny=False)  # faster than the full layer per row: broken timing
+    assert gc.judge_output_layer(rows(peak8=7e9), size, tiny=False) == [
+        "vocab-1 peak memory at p=8 is 0.88 x that at p=1 (> 0.35)",
+        "vocab-2 peak memory at p=8 is 0.88 x that at p=1 (> 0.35)"]
+    assert gc.judge_output_layer(rows(drop=("vocab-2", 4)), size, tiny=False) == ["vocab-2 p=4 not measured"]
+    assert gc.judge_output_layer(rows(drop=("vocab-2", 4)), size, tiny=True) == ["vocab-2 p=4 not measured"]
+    assert gc.judge_output_layer(rows(eff=0.4), size, tiny=True) == []  # tiny CPU timings are noise: not judged
+    assert gc.judge_output_layer(rows()[1:], size, tiny=False) == ["the full-vocabulary reference was not measured"]
+
+
+def test_summary_names_what_did_not_run_and_quotes_table_3(tmp_path):
+    gc = _module()
+    (tmp_path / "vocab_ws1.json").write_text(json.dumps({
+        "part": "vocab_ws1", "status": "fail", "max_rel_error": 3e-3, "tolerance": 1e-4, "tiny": False,
+        "device_name": "NVIDIA H200", "why": "over the tolerance 0.0001: vocab-2/chunked 3.0e-03"}))
+    results, text = gc.summarize(tmp_path)
+    assert "Device: NVIDIA H200." in text and "Every part runs at world size 1" in text
+    assert "| vocab_ws1 | fail | max relative error 3.0e-03 (tolerance 0.0001) |" in text
+    assert "- vocab_ws1: over the tolerance 0.0001: vocab-2/chunked 3.0e-03" in text
+    for part in PARTS[1:]:
+        assert f"| {part} | not run |" in text and f"- {part}: no result" in text
+    assert "NCCL exactness" not in text and "share" not in results
+    for row in ("| 2048 | output vocab-1 | 91.3% | 84.2% | 80.6% |", "| 2048 | output vocab-2 | 86.7% | 79.8% | 75.9% |",
+                "| 2048 | input | 40.0% | 28.9% | 15.2% |", "| 4096 | output vocab-1 | 93.2% | 88.0% | 85.2% |",
+                "| 4096 | output vocab-2 | 88.4% | 83.4% | 79.7% |", "| 4096 | input | 27.7% | 15.5% | 8.4% |"):
+        assert row in text
+    assert gc.main(["--summarize", "--out", str(tmp_path)]) == 1  # not every part passed
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(), reason="no .venv in this checkout")
+def test_the_script_prefers_the_repository_venv(tmp_path):
+    run = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "no_such_part"],
+                         capture_output=True, text=True, env=_env("/usr/bin:/bin"), timeout=60)
+    assert run.stdout.splitlines()[0] == f"gpu_check: {ROOT}/scripts/../.venv/bin/python"
+    assert run.returncode == 2 and "unknown part 'no_such_part'" in run.stderr
