@@ -33,14 +33,46 @@ def _batches(seed: int, vocab: int):
     return out
 
 
+def _record_exchanges(exchanged: set) -> None:
+    """Record the dtype of every tensor a rank sends or receives: p2p batches, C0's X, IB's gradient.
+    Call after building each pipeline (it installs its p2p transport into torch.distributed)."""
+    import torch.distributed as dist
+
+    from vp_accelerate.vocab import embedding, output_layer
+
+    post = dist.batch_isend_irecv
+
+    def posted(ops):
+        exchanged.update(("p2p", str(op.tensor.dtype)) for op in ops)
+        return post(ops)
+
+    dist.batch_isend_irecv = posted
+    if hasattr(output_layer.broadcast_x, "recorded"):
+        return
+    c0, ib = output_layer.broadcast_x, embedding.ib_broadcast
+
+    def broadcast_x(x, *args, **kwargs):
+        exchanged.add(("C0", str(x.dtype)))
+        return c0(x, *args, **kwargs)
+
+    def ib_broadcast(grad, *args, **kwargs):
+        exchanged.add(("IB", str(grad.dtype)))
+        return ib(grad, *args, **kwargs)
+
+    broadcast_x.recorded = True
+    output_layer.broadcast_x, embedding.ib_broadcast = broadcast_x, ib_broadcast
+
+
 def _train(ckpt: str, batches, mode: str):
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
 
     out = {}
+    exchanged: set = set()  # (what, dtype) of every tensor that travelled between ranks
     for schedule, method in CONFIGS:
         pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=4,
                                                   mixed_precision=mode, attn_implementation="eager"),
                              dtype=torch.float32)
+        _record_exchanges(exchanged)
         opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
         computed = set()  # the dtype decoder matmuls really ran in
         for chunk in pipe.mods.chunks.values():
@@ -60,6 +92,7 @@ def _train(ckpt: str, batches, mode: str):
                    if torch.is_tensor(v) and v.is_floating_point()}
         out[(schedule, method)] = (losses, pipe.gather_hf_state_dict(), dtypes, skipped, computed)
         pipe.close()
+    out["exchanged"] = exchanged
     return out
 
 
@@ -87,10 +120,12 @@ def test_mixed_precision_trains_like_float64_with_fp32_master_weights(tmp_path, 
     batches = _batches(seed, vocab)
     per_rank = spawn(_train, 2, ckpt, batches, mode, timeout_s=600)
     ref_losses, init, ref = _reference(ckpt, batches)
+    low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[mode]
+    for rank in per_rank:  # activations, gradients, C0 and IB travel in the compute dtype: half fp32's bytes
+        assert rank["exchanged"] == {("p2p", low), ("C0", low), ("IB", low)}, rank["exchanged"]
     for key in CONFIGS:
         losses, params, dtypes, skipped, computed = per_rank[0][key]
         assert dtypes == {"torch.float32"}, (key, dtypes)  # parameters, gradients, AdamW state
-        low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[mode]
         assert computed == {low} and per_rank[1][key][4] == {low}, (key, computed)
         assert per_rank[1][key][2] == {"torch.float32"}, key
         assert skipped == [False] * STEPS, key

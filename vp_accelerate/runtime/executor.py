@@ -18,7 +18,7 @@ records of the compute lane; each chain as the worker ran it is a record of the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,9 @@ class StepOutput:
     rank's layers — the simulator's unit, so the two can be compared."""
     peak_stash_microbatches: int = 0
     """Peak number of microbatches whose output-layer S->T state is held."""
+    weight_copy_bytes: int = 0
+    """Bytes of the low-precision weight copies the step held (mixed precision: one per weight, shared by
+    every microbatch; not part of the activation peak). Set by PipelineModel from the executor's meter."""
     microbatch_losses: dict[int, torch.Tensor] = field(default_factory=dict)
     """Microbatch -> its Σ_n g_n·loss_n where this rank knows it (to name one that went NaN/inf)."""
 
@@ -71,19 +74,23 @@ class Executor:
     def __init__(self, schedule: Schedule, rank_modules, groups: Groups, partition, out_opts,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
                  weight_grads: WeightGradStore | None, chunk_weight: dict[int, float] | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None):
         self.schedule = schedule
         self.mods = rank_modules
         self.g = groups
         self.partition = partition
-        self.out_opts = out_opts
+        # ids and labels were checked on the host before the step (PipelineModel._microbatches): the IF and
+        # S passes skip the check, which on a GPU is a device->host sync per pass
+        self.out_opts = replace(out_opts, check_inputs=False)
         self.act_shape = act_shape
-        self.act_dtype = act_dtype
+        self.act_dtype = act_dtype  # what stages exchange (p2p, C0, IB): the compute dtype under mixed precision
+        self.param_dtype = param_dtype or act_dtype  # what a chunk's residual stream runs in (the parameters')
         self.device = device
         self.weight_grads = weight_grads
         self.chunk_weight = chunk_weight or {}
         self.compute_dtype = compute_dtype  # mixed precision (runtime/precision.py); None = the parameters' dtype
-        self._low_weights: dict[int, torch.Tensor] = {}  # per step: vocabulary shards cast once for all microbatches
+        self._low_weights: dict[int, torch.Tensor] = {}  # per step: weights cast once for all microbatches
+        self._frozen: dict[int, list] = {}  # chunk -> its frozen matmul weights' per-step copies (swapped in for F)
         self.last_chunk = len(schedule.chunk_rank) - 1
         self.method = schedule.method_spec
         self.vocab = self.method.vocab_parallel
@@ -271,15 +278,32 @@ class Executor:
                 self.inputs[(a.mb, a.chunk)] = x
                 self.live_mb += self.chunk_weight.get(a.chunk, 1.0)
                 self.peak_mb = max(self.peak_mb, self.live_mb)
-            with precision.autocast(self.device, self.compute_dtype):
-                out = self.mods.chunks[a.chunk](x, mb.position_ids, mb.attention_mask)
-                # stages exchange the parameters' dtype whatever the chunk computed in (receive buffers)
-                out = out.to(self.act_dtype)
+            # The chunk starts from the parameters' dtype (a received activation arrives in the exchange
+            # dtype), and from a non-leaf: autocast would cache a cast of a leaf for the whole step.
+            x_in = x.to(self.param_dtype) if x.dtype != self.param_dtype else x.view_as(x)
+            with precision.autocast(self.device, self.compute_dtype), precision.swapped(self._frozen_copies(a.chunk)):
+                out = self.mods.chunks[a.chunk](x_in, mb.position_ids, mb.attention_mask)
+                # what goes to the next chunk travels in the exchange dtype (the receive buffers'); the last
+                # chunk's output stays here (the baseline loss, or C0, which casts it itself)
+                out = out.to(self.act_dtype if a.chunk != self.last_chunk else self.param_dtype)
                 if a.chunk == self.last_chunk and not self.vocab:
                     self.losses[a.mb] = self._baseline_loss(out, mb)
                     if self.schedule.forward_only:
                         return
         self.outputs[(a.mb, a.chunk)] = out
+
+    def _frozen_copies(self, chunk: int) -> list:
+        """(module, name, low-precision copy) of the chunk's frozen matmul weights (and the full lm_head's on
+        the last chunk), cast once per step and shared by every microbatch; [] without mixed precision."""
+        if self.compute_dtype is None:
+            return []
+        if chunk not in self._frozen:
+            mods = [self.mods.chunks[chunk]]
+            if chunk == self.last_chunk and self.mods.head is not None:
+                mods.append(self.mods.head)
+            self._frozen[chunk] = [(owner, name, self._low_weight(w)) for m in mods
+                                   for owner, name, w in precision.frozen_matmul_weights(m)]
+        return self._frozen[chunk]
 
     def _output_for_consumer(self, mb: int, chunk: int) -> torch.Tensor:
         """A chunk's output for the next chunk / C0. Training keeps the graph until B; evaluation drops it."""
@@ -341,7 +365,7 @@ class Executor:
         mb = self.mbs[a.mb]
         with torch.no_grad():
             self.partials[a.mb] = vemb.embed_partial(mb.input_ids, self.mods.embed_weight, self.partition,
-                                                     self.g.pp_rank)
+                                                     self.g.pp_rank, check_inputs=False)  # checked on the host
 
     def _do_IF_REDUCE(self, a: Action) -> None:
         # vocabulary collectives name their root by its rank in the group, i.e. its pipeline rank
@@ -355,7 +379,8 @@ class Executor:
 
     def _do_IB_BCAST(self, a: Action) -> None:
         src = self.schedule.chunk_rank[0]
-        grad = self.emb_grads.pop(a.mb).contiguous() if self.g.pp_rank == src else self._empty_act()
+        # in the exchange dtype (half the bytes under mixed precision); IB accumulates it into the fp32 grad
+        grad = self.emb_grads.pop(a.mb).to(self.act_dtype).contiguous() if self.g.pp_rank == src else self._empty_act()
         self.emb_grads[a.mb] = self._issue("IB_BCAST", a.mb, vemb.ib_broadcast(  # IB waits
             grad, src, self.g.vocab_group, async_op=True))
 
@@ -372,8 +397,8 @@ class Executor:
     # ---- output layer passes (vocabulary parallel) --------------------------------------------
     def _do_C0(self, a: Action) -> None:
         src = self.schedule.chunk_rank[self.last_chunk]
-        if self.g.pp_rank == src:
-            x = self._output_for_consumer(a.mb, self.last_chunk)
+        if self.g.pp_rank == src:  # in the exchange dtype: exact under mixed precision, S multiplies in it anyway
+            x = self._output_for_consumer(a.mb, self.last_chunk).to(self.act_dtype)
         else:
             x = self._empty_act()
         self.x[a.mb] = self._issue("C0", a.mb, vout.broadcast_x(x, src, self.g.vocab_group, async_op=True))  # S waits
@@ -384,7 +409,7 @@ class Executor:
         weight, bias = self.mods.head_weight, self.mods.head_bias
         if self.compute_dtype is not None:  # low-precision matmuls; the statistics stay fp32 inside s_pass
             x, weight = x.to(self.compute_dtype), self._low_weight(weight)
-            bias = None if bias is None else bias.to(self.compute_dtype)
+            bias = None if bias is None else self._low_weight(bias)
         with torch.no_grad():
             st = vout.s_pass(x.reshape(-1, x.shape[-1]), mb.labels.reshape(-1), mb.grad_scale,
                              weight, self.partition, self.g.pp_rank, self.out_opts, bias=bias)
@@ -396,10 +421,12 @@ class Executor:
         self.peak_stash = max(self.peak_stash, self.live_stash)
 
     def _low_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """The shard in the compute dtype, cast once per step (weights change only between steps)."""
+        """`weight` in the compute dtype, cast once per step (weights change only between steps) and shared
+        by every microbatch: a vocabulary shard, or a frozen matmul weight. The meter counts it once."""
         key = id(weight)
         if key not in self._low_weights:
             self._low_weights[key] = weight.detach().to(self.compute_dtype)
+            self.meter.add_weight_copy(self._low_weights[key])
         return self._low_weights[key]
 
     def _do_C1(self, a: Action) -> None:
@@ -436,7 +463,7 @@ class Executor:
     def _vocab_grad_x(self, mb: int) -> torch.Tensor:
         self._wait("C1", mb)
         self._wait("C2", mb)
-        return self.grad_x.pop(mb).reshape(self.act_shape).to(self.act_dtype)
+        return self.grad_x.pop(mb).reshape(self.act_shape).to(self.param_dtype)  # the last chunk's output dtype
 
     def _drop_state(self, mb: int) -> None:
         """Free the big S->T tensors but keep the loss, which is read at the end of the step."""

@@ -4,6 +4,14 @@ Autograd's saved-tensor hooks see every tensor a forward pass keeps for its back
 storages (once each, parameters excluded) gives the activation memory of that pass without guessing.
 Stashed pass state (the output layer's S->T tensors) is added explicitly. The peak over the step is
 what the simulator predicts in microbatches; on CUDA torch.cuda.max_memory_allocated is reported too.
+
+Under mixed precision a forward pass also saves the low-precision copies of the weights it multiplied
+by (autocast's cast of a parameter, or the executor's per-step copy of a frozen one). Those are weights,
+shared by every microbatch of the step, not activations: each is counted once, in `weight_copy_bytes`,
+and never in the activation total. A saved tensor is such a copy when it (or the tensor it views) is a
+dtype cast of a Parameter (its grad_fn is ToCopyBackward0 straight from the parameter's AccumulateGrad)
+or was registered with `add_weight_copy`. A copy made again for each microbatch is a new storage each
+time and so shows up as several copies: the count measures the sharing, it does not assume it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,17 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
+def is_parameter_cast(t: torch.Tensor) -> bool:
+    """True when `t`, or the tensor it is a view of, is a dtype cast of a Parameter that requires grad
+    (autocast's cached low-precision copy of a weight; F.linear saves a transposed view of it)."""
+    base = t if t._base is None else t._base
+    fn = base.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    source = fn.next_functions[0][0]
+    return isinstance(getattr(source, "variable", None), torch.nn.Parameter)
+
+
 class ActivationMeter:
     """Live activation bytes per key, and the peak of their sum."""
 
@@ -27,6 +46,7 @@ class ActivationMeter:
         self.seen: dict[object, set] = defaultdict(set)
         self.total = 0
         self.peak = 0
+        self.weight_copies: dict[int, int] = {}  # storage data_ptr -> bytes of a low-precision weight copy
 
     def hooks(self, key):
         """(pack, unpack) for torch.autograd.graph.saved_tensors_hooks, charging `key`."""
@@ -35,12 +55,26 @@ class ActivationMeter:
             if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
                 return t
             ptr, nbytes = _storage_key(t)
-            if ptr not in self.exclude and ptr not in self.seen[key]:
-                self.seen[key].add(ptr)
-                self.add(key, nbytes)
+            if ptr in self.exclude or ptr in self.seen[key] or ptr in self.weight_copies:
+                return t
+            if is_parameter_cast(t):  # a weight, not an activation: once per step, whoever saves it
+                self.weight_copies[ptr] = nbytes
+                return t
+            self.seen[key].add(ptr)
+            self.add(key, nbytes)
             return t
 
         return pack, (lambda t: t)
+
+    def add_weight_copy(self, t: torch.Tensor) -> None:
+        """Count `t` (a per-step low-precision copy of a weight) once, and never as an activation."""
+        ptr, nbytes = _storage_key(t)
+        self.weight_copies[ptr] = nbytes
+
+    @property
+    def weight_copy_bytes(self) -> int:
+        """Bytes of the distinct low-precision weight copies seen this step."""
+        return sum(self.weight_copies.values())
 
     def add(self, key, nbytes: int) -> None:
         self.live[key] += nbytes

@@ -240,7 +240,9 @@ class PipelineModel:
         layers = {c: self.layout.chunk_layers[c][1] - self.layout.chunk_layers[c][0] for c in mine}
         weight = {c: n / sum(layers.values()) for c, n in layers.items()}
         return Executor(schedule, self.mods, self.groups, self.partition, self.out_opts,
-                        act_shape=(mb_rows, seq, self.hf_config.hidden_size), act_dtype=self.dtype,
+                        act_shape=(mb_rows, seq, self.hf_config.hidden_size),
+                        # stages exchange activations / gradients in the compute dtype under mixed precision
+                        act_dtype=self.compute_dtype or self.dtype, param_dtype=self.dtype,
                         device=self.device, weight_grads=self.weight_grads, chunk_weight=weight,
                         compute_dtype=self.compute_dtype)
 
@@ -288,6 +290,7 @@ class PipelineModel:
         self.last_stats = {"timeline": out.records, "peak_activation_bytes": peak, "step_time_s": step_time,
                            "peak_activation_microbatches": out.peak_activation_microbatches,
                            "peak_stash_microbatches": out.peak_stash_microbatches,
+                           "weight_copy_bytes": out.weight_copy_bytes,
                            "pass_time_s": sum(r.end - r.start for r in out.records if r.op in COMPUTE_OPS)}
         if self.device.type == "cuda":
             self.last_stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -340,7 +343,11 @@ class PipelineModel:
 
     def _run(self, schedule, mbs: list[Microbatch], seq: int):
         try:
-            return self._executor(schedule, mbs[0].input_ids.shape[0], seq).run(mbs)
+            ex = self._executor(schedule, mbs[0].input_ids.shape[0], seq)
+            with precision.step_weight_casts(self.device, self.compute_dtype):  # one cast per weight per step
+                out = ex.run(mbs)
+            out.weight_copy_bytes = ex.meter.weight_copy_bytes
+            return out
         except BaseException as e:
             if self.watchdog is not None:
                 self.watchdog.report_failure(e)  # peers blocked on us exit now, naming this rank

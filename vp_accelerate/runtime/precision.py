@@ -7,8 +7,15 @@ Where the low precision is used (the executor applies it):
   differentiable), so microbatches accumulate in fp32;
 - the vocabulary passes cast X and their weight shard to the low dtype for the matmuls; the softmax
   statistics (max, sum, target logit) and the loss stay fp32, and ∇W accumulates into the fp32 grad;
-- activations and gradients between stages travel in the parameters' dtype (fp32), so receive buffers
-  need not know what the sender computed in.
+- activations and gradients between stages, C0's X and IB's embedding gradient travel in the compute
+  dtype (half the bytes of fp32); a received activation is widened back to the parameters' dtype before
+  the chunk runs, so each stage's residual stream is fp32 as in one process. C0 is exact that way (the S
+  pass multiplies X in the compute dtype anyway); the IF reduce stays fp32. Without mixed precision
+  everything travels in the parameters' dtype.
+
+One low-precision copy of each weight per step (`step_weight_casts`, `frozen_matmul_weights`): every
+microbatch in flight shares it, and it is freed at the end of the step. Without that, each forward pass
+would cast for itself and every microbatch between its F and B would hold its own copy of every weight.
 
 fp16's narrow exponent makes small gradients underflow, so its backward runs on the loss times a
 power-of-two scale S (folded into the per-token gradient weights g; exact). After the step the
@@ -47,6 +54,74 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def step_weight_casts(device: torch.device, dtype: torch.dtype | None):
+    """Enclose one step's passes so that autocast casts each trainable weight once for all microbatches.
+
+    torch.autocast caches its low-precision cast of every fp32 leaf tensor that requires grad (the
+    weights) while any autocast region is open, and clears the cache when the outermost region exits
+    (torch/amp/autocast_mode.py). Each forward pass is its own region, so on its own each microbatch
+    would cast again and its graph would keep its own copy of every weight until its backward. This
+    enclosing region (autocast off inside it: nothing else changes precision) keeps the cache for the
+    whole step: the first forward casts, later microbatches reuse that copy and their backwards add
+    into the same fp32 .grad through it, and the copies go when the step ends, after the last backward
+    and before the optimizer changes the weights. The cache is cleared on exit even inside a caller's
+    own autocast region, so no cast outlives the weights it was made from.
+
+    On CUDA the autograd engine runs backward on a device thread, where no region is open: an
+    activation-checkpointed layer's recompute opens and closes one there, and closing it would clear
+    the (process-wide) cache in the middle of the step. Backward therefore runs on the calling thread
+    while the step lasts (torch.autograd.set_multithreading_enabled(False)), inside this region.
+    Frozen weights (requires_grad=False) are not cached by autocast: see `frozen_matmul_weights`.
+    """
+    if dtype is None:
+        yield
+        return
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autocast(device_type=device.type, dtype=dtype, enabled=False))
+            if device.type == "cuda":
+                stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+            yield
+    finally:
+        torch.clear_autocast_cache()
+
+
+def frozen_matmul_weights(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """(owner, name, parameter) of every frozen fp32 matmul weight under `module`: the `weight` of each
+    nn.Linear, GPT-2 Conv1D and full lm_head whose weight does not require grad (a LoRA base layer, a
+    frozen vocabulary). autocast casts these for every call without caching them (it caches only
+    tensors that require grad), so the executor casts each once per step and swaps the copy in for the
+    forward passes (`swapped`). Embeddings and norms are left alone: autocast does not cast them."""
+    from transformers.pytorch_utils import Conv1D
+
+    from vp_accelerate.models.stage import FullHead
+
+    found = []
+    for sub in module.modules():
+        if not isinstance(sub, (torch.nn.Linear, Conv1D, FullHead)):
+            continue
+        w = sub._parameters.get("weight")
+        if w is not None and not w.requires_grad and w.dtype == torch.float32:
+            found.append((sub, "weight", w))
+    return found
+
+
+@contextlib.contextmanager
+def swapped(copies: list[tuple[torch.nn.Module, str, torch.Tensor]]):
+    """Put each tensor in place of its module's parameter `name` for the duration (as
+    torch.func.functional_call does), and the parameters back afterwards, even on error."""
+    saved = []
+    try:
+        for owner, name, tensor in copies:
+            saved.append((owner, name, owner._parameters[name]))
+            owner._parameters[name] = tensor
+        yield
+    finally:
+        for owner, name, param in reversed(saved):
+            owner._parameters[name] = param
 
 
 @dataclass

@@ -2,6 +2,10 @@
 
 All checks run on every rank before any collective, on data every rank holds identically, so a bad
 input makes every rank raise the same ValueError instead of leaving peers blocked in a collective.
+
+`check_token_ids` reads its verdict back to the host: on a GPU that is a device->host sync. The
+pipeline runtime checks ids and labels once per step on the host (`PipelineModel._microbatches`) and
+calls the per-microbatch passes with `check_inputs=False`, so IF and S never wait on the device for it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,145 @@
+"""Mixed precision holds one low-precision copy of each weight per step, whatever the microbatches in flight.
+
+One rank, baseline method, the step's forwards all before its backwards (GPipe order), so m microbatches
+are in flight at the peak. Each in-flight microbatch must add only its activations to the peak: before
+the step-wide cast, every forward cast the weights for itself and its graph kept that copy until its
+backward, so each microbatch in flight also added a whole bf16 copy of the rank's weights. The copies
+are counted once, as weight copies, and are gone after the step. Frozen weights (a LoRA base model)
+are cast once per step too. The same rank also checks that the vocabulary passes leave the id check
+to the host (no device sync per pass) and what dtype C0 / IB travel in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+
+from vp_accelerate.distributed import spawn
+
+from helpers.tiny import tiny_llama
+
+VOCAB = 256
+
+
+def _gpipe(schedule):
+    """The same actions with every forward first: all microbatches in flight before the first backward."""
+    from vp_accelerate.schedule.ir import Op
+
+    acts = schedule.actions[0]
+    forwards = [a for a in acts if a.op is Op.F]
+    return dataclasses.replace(schedule, actions=(tuple(forwards + [a for a in acts if a.op is not Op.F]),))
+
+
+def _matmul_weight_bytes(pipe) -> int:
+    """bf16 bytes of one copy of every nn.Linear weight in the chunks plus the full lm_head."""
+    n = sum(m.weight.numel() for c in pipe.mods.chunks.values() for m in c.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * (n + pipe.mods.head.weight.numel())
+
+
+def _memory(adapter):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime import memory
+
+    copies = []  # weak references to every weight copy the meter saw, to check they are freed
+    is_cast, add_copy = memory.is_parameter_cast, memory.ActivationMeter.add_weight_copy
+
+    def spy_cast(t):
+        found = is_cast(t)
+        if found:
+            copies.append(weakref.ref(t if t._base is None else t._base))
+        return found
+
+    def spy_add(self, t):
+        copies.append(weakref.ref(t))
+        return add_copy(self, t)
+
+    memory.is_parameter_cast, memory.ActivationMeter.add_weight_copy = spy_cast, spy_add
+    out = {}
+    for m in (2, 8):
+        pipe = PipelineModel(tiny_llama(VOCAB, hidden_size=64, num_layers=2, attn_implementation="eager"),
+                             PipelineConfig(schedule="1f1b", method="baseline", microbatches=m, mixed_precision="bf16",
+                                            attn_implementation="eager"), adapter=adapter)
+        pipe.schedule = _gpipe(pipe.schedule)
+        ids = torch.randint(0, VOCAB, (m, 4), generator=torch.Generator().manual_seed(0))
+        res = pipe.train_step(ids, ids)
+        stats = pipe.stats()
+        gc.collect()
+        out[m] = dict(loss=res.loss, peak=res.peak_activation_bytes, copies=stats["weight_copy_bytes"],
+                      in_flight=stats["peak_activation_microbatches"], one_copy=_matmul_weight_bytes(pipe),
+                      seen=len(copies), alive=sum(r() is not None for r in copies))
+        copies.clear()
+        pipe.close()
+    return out
+
+
+def _rank():
+    from vp_accelerate.runtime.adapter_config import AdapterConfig
+
+    return {"trainable": _memory(None), "lora": _memory(AdapterConfig(type="lora", r=4)), "vocab": _vocab_passes()}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    (out,) = spawn(_rank, 1, timeout_s=600)  # one process for every case: a rank's start costs more than a step
+    return out
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["trainable", "lora"])
+def test_microbatches_in_flight_share_one_low_precision_copy_of_the_weights(measured, lora):
+    two, eight = measured["lora" if lora else "trainable"][2], measured["lora" if lora else "trainable"][8]
+    assert (two["in_flight"], eight["in_flight"]) == (2, 8)
+    one_copy = two["one_copy"]
+    # the peak grows by the activations of the 6 extra microbatches only: each used to add a weight copy too
+    per_microbatch = (eight["peak"] - two["peak"]) / 6
+    assert 0 < per_microbatch < one_copy, (per_microbatch, one_copy)
+    assert eight["peak"] == pytest.approx(4 * two["peak"], rel=0.05)  # activations alone: linear in flight
+    for run in (two, eight):
+        assert run["seen"] > 0 and run["alive"] == 0  # the copies die with the step
+        if lora:  # LoRA A of layer 0 multiplies an input that needs no gradient: its weight is never saved
+            assert 0.95 * one_copy < run["copies"] <= one_copy, (run["copies"], one_copy)
+        else:
+            assert run["copies"] == one_copy  # exactly one copy, counted once, for 2 or 8 in flight
+
+
+def _vocab_passes():
+    """Vocabulary passes (IF, S) at p=1: how often they check ids, what C0 / IB carry, and the host check."""
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.vocab import embedding, output_layer
+
+    calls = []
+    for module in (embedding, output_layer):
+        original = module.check_token_ids
+        module.check_token_ids = lambda *a, _f=original, **k: (calls.append(a[2]), _f(*a, **k))[1]
+    exchanged = {}
+    c0, ib = output_layer.broadcast_x, embedding.ib_broadcast
+    output_layer.broadcast_x = lambda x, *a, **k: (exchanged.setdefault("C0", set()).add(str(x.dtype)), c0(x, *a, **k))[1]
+    embedding.ib_broadcast = lambda g, *a, **k: (exchanged.setdefault("IB", set()).add(str(g.dtype)), ib(g, *a, **k))[1]
+    out = {}
+    for mode in ("no", "bf16"):
+        exchanged.clear()
+        pipe = PipelineModel(tiny_llama(VOCAB, hidden_size=32, num_layers=2),
+                             PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, mixed_precision=mode))
+        ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+        pipe.train_step(ids, ids)
+        out[mode] = (len(calls), {k: sorted(v) for k, v in exchanged.items()})
+        bad = ids.clone()
+        bad[1, 3] = VOCAB
+        try:
+            pipe.train_step(bad, ids)
+        except ValueError as e:
+            out[mode + " error"] = str(e)
+        pipe.close()
+    return out
+
+
+def test_vocabulary_passes_leave_the_id_check_to_the_host_and_exchange_the_compute_dtype(measured):
+    out = measured["vocab"]
+    assert out["no"][0] == 0 and out["bf16"][0] == 0  # IF and S never ran the per-pass check (a device sync on GPUs)
+    assert out["no"][1] == {"C0": ["torch.float32"], "IB": ["torch.float32"]}
+    assert out["bf16"][1] == {"C0": ["torch.bfloat16"], "IB": ["torch.bfloat16"]}
+    for mode in ("no", "bf16"):  # the host check still names the bad id
+        assert f"token id {VOCAB} at sample 1, position 3 is outside the vocabulary" in out[mode + " error"]
