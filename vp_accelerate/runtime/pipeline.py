@@ -28,6 +28,7 @@ from vp_accelerate.cost import plan_layout, shape_from_hf_config
 from vp_accelerate.models import StageLayout, build_rank, check_supported, export_hf, gather_state_dict, resolve_config
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
+from vp_accelerate.runtime import grad_sync
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
@@ -370,10 +371,12 @@ class PipelineModel:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=self._tied_group)
         if self.groups.dp_group is not None:
+            grads = []
             for p in self.trainable_parameters():  # frozen ones (LoRA) have no gradient and no optimizer state
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.groups.dp_group)
+                grads.append(p.grad)
+            grad_sync.all_reduce_buckets(grads, self.groups.dp_group)  # flat buckets of <= 25 MiB, not one call each
 
     # ---- optimizer-side helpers ----------------------------------------------------------------------
     def zero_grad(self) -> None:
