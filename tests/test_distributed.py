@@ -43,3 +43,58 @@ def test_spawn_stops_when_a_rank_dies_without_reporting():
     with pytest.raises(RankFailed, match="rank 1 failed: process exited with code 3"):
         spawn(_die_on_rank1, 2, timeout_s=120)
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
+
+
+class _FakeCuda:
+    """torch.cuda as a 2-GPU machine would answer; records set_device and what came first."""
+
+    def __init__(self, monkeypatch, events: list, count: int = 2):
+        self.current = 0
+
+        def set_device(index):
+            events.append(("set_device", int(index)))
+            self.current = int(index)
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_device", set_device)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+
+
+def test_the_device_comes_from_local_rank(monkeypatch):
+    from vp_accelerate.distributed import local_device
+
+    events: list = []
+    _FakeCuda(monkeypatch, events)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert local_device() == torch.device("cuda", 1) and events == [("set_device", 1)]
+    monkeypatch.delenv("LOCAL_RANK")
+    assert local_device() == torch.device("cuda", 1)  # no LOCAL_RANK: the current device, left as it is
+    monkeypatch.setenv("LOCAL_RANK", "2")  # more processes than GPUs
+    assert local_device(strict=False) == torch.device("cuda", 1)  # gloo (CPU tests on a GPU box): current device
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=2 but this machine shows 2 CUDA device"):
+        local_device(strict=True)  # NCCL: two ranks cannot share a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert local_device() == torch.device("cpu")
+
+
+def test_init_from_env_sets_the_device_before_the_process_group(monkeypatch):
+    from vp_accelerate import distributed
+
+    events: list = []
+    _FakeCuda(monkeypatch, events)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: events.append(("init", backend)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    for key, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="29500").items():
+        monkeypatch.setenv(key, value)
+    assert distributed.init_from_env() == (3, 4)
+    assert events == [("set_device", 1), ("init", "nccl")]  # NCCL's communicators land on GPU 1, not 0
+
+    events.clear()  # a group accelerate made already: the device is still set from LOCAL_RANK
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert distributed.init_from_env() == (3, 4)
+    assert events == [("set_device", 1)]

@@ -3,6 +3,10 @@
 `spawn` is what tests, the self-test and the benchmarks use to run a function on N local ranks
 (gloo on CPU). Under `accelerate launch` / `torchrun` the processes already exist and
 `init_from_env` joins the group they describe.
+
+Each process's GPU is `cuda:LOCAL_RANK` (`local_device`), made the current device before any process
+group exists: NCCL builds its communicators on the current device, so a process that never called
+`torch.cuda.set_device` would put every rank of the machine on GPU 0.
 """
 
 from __future__ import annotations
@@ -26,6 +30,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_device(strict: bool | None = None) -> torch.device:
+    """This process's device, made current: `cuda:LOCAL_RANK` when CUDA is available and LOCAL_RANK is
+    set, else the current CUDA device, else the CPU.
+
+    A LOCAL_RANK beyond the visible GPUs is an error when `strict` (NCCL: ranks cannot share a GPU); on
+    gloo (CPU tests on a machine that has a GPU) it falls back to the current device. `strict=None`
+    means strict when the process group already exists and is NCCL.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    raw = os.environ.get("LOCAL_RANK")
+    if raw is not None:
+        index, count = int(raw), torch.cuda.device_count()
+        if strict is None:
+            strict = dist.is_initialized() and dist.get_backend() == "nccl"
+        if index < count:
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        if strict:
+            raise RuntimeError(f"LOCAL_RANK={index} but this machine shows {count} CUDA device(s): start at most "
+                               f"{count} processes per machine (--nproc_per_node / --num_processes), or make more "
+                               f"GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class RankFailed(RuntimeError):
     """Raised in the parent when one or more spawned ranks raised; names each failing rank."""
 
@@ -39,6 +68,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":  # this rank's GPU, before the group (NCCL builds on the current device)
+            local_device(strict=True)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         out = fn(*args, **kwargs)
@@ -100,7 +131,18 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", time
         else:
             errors[rank] = value
         if errors:
-            break  # one failure is enough: peers may be blocked waiting for the failed rank
+            # one failure is enough (peers may be blocked waiting for the failed rank); take the reports
+            # already on their way, so each failing rank is named with its own error
+            while len(outs) + len(errors) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    break
+                if status == "ok":
+                    outs[rank] = pickle.loads(value)
+                else:
+                    errors[rank] = value
+            break
     for p in procs:
         p.join(timeout=5.0 if not errors else 0.5)
     for r, p in enumerate(procs):  # name ranks that died silently (killed, out of memory) before we stop the rest
@@ -120,7 +162,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> tuple
     """Join the process group a launcher (accelerate launch, torchrun) described in the env.
 
     Returns (rank, world_size). A single process with no launcher env gets a 1-rank group, so the
-    same code runs on a laptop. The backend is NCCL when CUDA is available, gloo otherwise.
+    same code runs on a laptop. The backend is NCCL when CUDA is available, gloo otherwise. With CUDA,
+    `cuda:LOCAL_RANK` becomes the current device first (also when a launcher such as accelerate made
+    the group already: its NCCL communicators are only built at the first collective).
     """
     if not dist.is_initialized():
         if backend is None:
@@ -129,7 +173,8 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> tuple
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_device(strict=backend == "nccl")
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    else:
+        local_device()
     return dist.get_rank(), dist.get_world_size()

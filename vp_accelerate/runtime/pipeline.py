@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vp_accelerate.distributed import init_from_env
+from vp_accelerate.distributed import init_from_env, local_device
 from vp_accelerate.cost import plan_layout, shape_from_hf_config
 from vp_accelerate.models import StageLayout, build_rank, check_supported, export_hf, gather_state_dict, resolve_config
 from vp_accelerate.runtime.adapter_config import AdapterConfig
@@ -78,8 +78,8 @@ class PipelineModel:
         check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        # cuda:LOCAL_RANK (made current), also when accelerate made the group; the CPU without CUDA
+        self.device = torch.device(device) if device is not None else local_device()
         self.dtype = dtype
         self.precision = precision.resolve(cfg.mixed_precision)
         self.compute_dtype = precision.low_dtype(self.precision)
