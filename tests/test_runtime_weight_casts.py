@@ -143,3 +143,14 @@ def test_vocabulary_passes_leave_the_id_check_to_the_host_and_exchange_the_compu
     assert out["bf16"][1] == {"C0": ["torch.bfloat16"], "IB": ["torch.bfloat16"]}
     for mode in ("no", "bf16"):  # the host check still names the bad id
         assert f"token id {VOCAB} at sample 1, position 3 is outside the vocabulary" in out[mode + " error"]
+
+
+def test_the_cost_model_counts_one_low_precision_copy_per_parameter():
+    """The simulator's static memory under mixed precision: fp32 parameters (the master copy), fp32
+    gradients, Adam's m and v, and the step's one 16-bit copy of the weights — not one per microbatch."""
+    from vp_accelerate.cost import CostModel, shape_from_hf_config
+
+    shape = shape_from_hf_config(tiny_llama(VOCAB, hidden_size=64, num_layers=4), seq=16)
+    model = CostModel(shape, "vocab-2", chunk_rank=(0, 1), chunk_layers=(2, 2))
+    for rank in (0, 1):
+        assert model.static_bytes(rank) == model.rank_params(rank) * (4 + 4 + 8 + 2)

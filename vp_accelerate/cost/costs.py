@@ -60,7 +60,10 @@ class CostModel:
     grad_bytes: int = 4
     """Bytes per gradient element (fp32 accumulation)."""
     optimizer_bytes: int = 12
-    """Bytes of optimizer state per parameter: fp32 master copy + Adam m and v."""
+    """Bytes of optimizer state per parameter: fp32 master copy + Adam m and v. With the runtime's mixed
+    precision (fp32 parameters, bf16/fp16 compute) the fp32 parameters are the master copy and the
+    16-bit `shape.dtype_bytes` is the one low-precision copy of the weights each step holds, shared by
+    every microbatch (runtime/precision.py): 2 + 4 + 12 = 18 bytes per parameter either way."""
     split_backward: bool = False
     """The schedule splits B (input grads) from W (weight grads)."""
     output_memory: str = "store"
@@ -213,7 +216,8 @@ class CostModel:
         return n
 
     def static_bytes(self, rank: int) -> float:
-        """Parameters + gradients + optimizer state of `rank` in bytes."""
+        """Parameters + gradients + optimizer state of `rank` in bytes (under mixed precision: the step's
+        low-precision weight copy, fp32 gradients, fp32 parameters and Adam's m and v; see optimizer_bytes)."""
         return self.rank_params(rank) * (self.shape.dtype_bytes + self.grad_bytes + self.optimizer_bytes)
 
     def model_flops(self) -> float:
