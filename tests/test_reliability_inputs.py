@@ -38,7 +38,7 @@ def tok_dir(tmp_path_factory):
 def recipe_file(tmp_path, tok_dir, **sections):
     data = {"model": {"source": "llama-tiny"}, "tokenizer": {"source": f"bpe:{tok_dir / 'tok'}"},
             "data": {"files": [str(tok_dir / "train.jsonl")], "seq_len": 64},
-            "pipeline": {"microbatches": 4}, "train": {"global_batch": 8}}
+            "pipeline": {"microbatches": 4}, "train": {"global_batch": 8}, "eval": {"batches": 0}}
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
     path = tmp_path / f"r{RNG.randrange(10**6)}.yaml"
@@ -155,8 +155,9 @@ def test_token_id_outside_the_model_vocab_names_the_document(tmp_path, tok_dir):
     texts[bad] = "λόγος 世界"  # multi-byte text: byte-level ids far above the single-letter ones
     limit = max(tok("a", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) + 1
     assert max(tok(texts[bad], add_special_tokens=False)["input_ids"]) >= limit
-    with pytest.raises(DataError, match=rf"document {bad} \('λόγος 世界'...\) has token id \d+ >= the model's vocab "
-                                        rf"size {limit}; set tokenizer.resize_vocab: true"):
+    with pytest.raises(DataError, match=rf"tokenizer.resize_vocab: .*d.jsonl, line {bad + 1} \('λόγος 世界'...\) has "
+                                        rf"token id \d+ >= the model's vocab size {limit}; set tokenizer.resize_vocab: "
+                                        rf"true"):
         build_data(data_cfg(tmp_path, texts), tok, limit, 0, 2)
 
 

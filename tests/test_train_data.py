@@ -123,7 +123,8 @@ def test_txt_files_and_text_field(corpus):
 
 def test_errors_are_clear(corpus):
     d, tok = corpus
-    with pytest.raises(DataError, match=r"document \d+ .* has token id \d+ >= the model's vocab size 100"):
+    with pytest.raises(DataError, match=r"tokenizer.resize_vocab: .*train.jsonl, line \d+ .* has token id \d+ >= the "
+                                        r"model's vocab size 100"):
         build_data(cfg(d), tok, 100, 0, 8)
     with pytest.raises(DataError, match="empty"):
         build_data(cfg(d, files=[str(d / "empty.jsonl")]), tok, len(tok), 0, 8)
@@ -189,10 +190,11 @@ def test_the_text_field_is_checked_at_check_time(tmp_path, corpus, capsys):
     from vp_accelerate.train.commands import train_main
 
     d, _ = corpus
-    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}) + "\n" for i in range(64)))
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(json.dumps({"tokenizer": {"source": f"bpe:{d / 'tok'}"},
-                                  "data": {"files": [str(tmp_path / "chat.jsonl")], "seq_len": 16}}))
+    recipe.write_text(json.dumps({"tokenizer": {"source": f"bpe:{d / 'tok'}"}, "eval": {"batches": 0},
+                                  "data": {"files": [str(tmp_path / "chat.jsonl")], "seq_len": 32}}))
     assert train_main([str(recipe), "--check"]) == 0
     assert "data format chat" in capsys.readouterr().err
     assert train_main([str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'}]", "--set",

@@ -143,7 +143,7 @@ def test_bad_chat_rows_name_file_and_row(tok, tmp_path, row, message):
     good = [{"messages": _chat(rng)} for _ in range(40)]
     path = _write(tmp_path / "chat.jsonl", good[:7] + [row] + good[7:])
     cfg = DataSection(files=[path], format="chat", seq_len=192, eval_holdout=0.0)
-    with pytest.raises(DataError, match=rf"chat.jsonl, row 8: .*{message}.*data.skip_invalid"):
+    with pytest.raises(DataError, match=rf"data.files: .*chat.jsonl, line 8: .*{message}.*data.skip_invalid"):
         build_data(cfg, tok, len(tok), 0, 4)
     cfg.skip_invalid = True
     train, _ = build_data(cfg, tok, len(tok), 0, 4)
@@ -156,10 +156,10 @@ def test_bad_rows_in_the_second_file_and_prompt_completion(tok, tmp_path):
     first = _write(tmp_path / "a.jsonl", [{"prompt": "p ", "completion": "c"}] * 5)
     second = _write(tmp_path / "b.jsonl", [{"prompt": "p ", "completion": "c"}] * 2 + [{"prompt": "p"}])
     cfg = DataSection(files=[first, second], seq_len=8, eval_holdout=0.0)
-    with pytest.raises(DataError, match=r"b.jsonl, row 3: has no 'completion'"):
+    with pytest.raises(DataError, match=r"b.jsonl, line 3: has no 'completion'"):
         build_data(cfg, tok, len(tok), 0, 2)
     empty = _write(tmp_path / "c.jsonl", [{"prompt": "p ", "completion": ""}] * 3)
-    with pytest.raises(DataError, match=r"c.jsonl, row 1: 'completion' is empty"):
+    with pytest.raises(DataError, match=r"3 invalid rows; the first: .*c.jsonl, line 1: 'completion' is empty"):
         build_data(DataSection(files=[empty], seq_len=8, eval_holdout=0.0), tok, len(tok), 0, 2)
 
 
@@ -176,8 +176,9 @@ def test_check_states_the_format_and_the_template(tok, tmp_path, capsys):
 
     tok_dir = tmp_path / "tok"
     tok.save_pretrained(str(tok_dir))
-    chat = _write(tmp_path / "chat.jsonl", [{"messages": _chat(np.random.default_rng(6))}] * 4)
-    pc = _write(tmp_path / "pc.jsonl", [{"prompt": "a ", "completion": "b"}] * 4)
+    rng = np.random.default_rng(6)
+    chat = _write(tmp_path / "chat.jsonl", [{"messages": _chat(rng)} for _ in range(12)])
+    pc = _write(tmp_path / "pc.jsonl", [{"prompt": "a ", "completion": "b"}] * 64)
     for files, expected in (([chat], "data format chat (detected from column 'messages'); chat template: ChatML "
                                      "default (the tokenizer has none); loss on assistant turns only; packed "
                                      "keeping document boundaries"),
@@ -186,7 +187,7 @@ def test_check_states_the_format_and_the_template(tok, tmp_path, capsys):
         path = tmp_path / "r.yaml"
         path.write_text(yaml.safe_dump({"model": {"source": "llama-tiny"}, "tokenizer": {"source": str(tok_dir)},
                                         "data": {"files": files, "seq_len": 64}, "pipeline": {"microbatches": 2},
-                                        "train": {"global_batch": 2}}))
+                                        "train": {"global_batch": 2}, "eval": {"batches": 0}}))
         assert train_main([str(path), "--check", "--world-size", "2"]) == 0
         assert expected in capsys.readouterr().err
 

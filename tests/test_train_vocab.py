@@ -135,7 +135,7 @@ def test_check_prints_the_vocabulary_decision(tmp_path, corpora, capsys):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     (tmp_path / "r.yaml").write_text(json.dumps({"model": {"source": str(tmp_path / "m")},
                                                  "data": {"files": [str(tmp_path / "data.jsonl")], "seq_len": 32},
-                                                 "train": {"global_batch": 8}}))
+                                                 "train": {"global_batch": 8}, "eval": {"batches": 0}}))
     assert train_main([str(tmp_path / "r.yaml"), "--check", "--world-size", "2"]) == 0
     err = capsys.readouterr().err
     assert f"vocabulary: tokenizer {len(tok_a):,} tokens, rows {len(tok_a) + 4:,} -> {len(tok_a) + 4:,} " \

@@ -17,7 +17,7 @@ from .data import DataError
 from .nonfinite import NonFiniteError, step_problem
 from .recipe import Recipe
 from .run_state import save_run
-from .tracking import Tracker, gather, rank_metrics, rank_stats, world_mean
+from .tracking import Tracker, gather, rank_metrics, rank_stats
 
 log = logging.getLogger("vp_accelerate.train")
 
@@ -190,13 +190,17 @@ def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
     run.tracker.log(metrics, out.step)
 
 
-def evaluate(pipe, batches: list[dict]) -> float:
-    """Mean token loss over the fixed eval batches, averaged over data-parallel replicas."""
-    if not batches:
-        return float("nan")
-    losses = [pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"))
-              for b in batches]
-    return world_mean(sum(losses) / len(losses))
+def evaluate(pipe, batches) -> float:
+    """The token mean of the loss over the evaluation batches (`data.EvalBatches`): each batch's loss (already
+    over every replica's rows) weighted by its target tokens, so it is the loss of the whole evaluation set as
+    one, whatever the batch boundaries. NaN without batches (or without a target token)."""
+    weights = getattr(batches, "loss_tokens", None) or [1] * len(batches)
+    total = count = 0.0
+    for b, w in zip(batches, weights):
+        loss = pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"))
+        if w:
+            total, count = total + loss * w, count + w
+    return total / count if count else float("nan")
 
 
 def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None] = print) -> None:

@@ -228,14 +228,16 @@ class EvalSection:
     every: int = 0
     """Evaluate every N steps (and at the end); 0 = only at the end."""
 
-    batches: int = 4
-    """Eval batches (each the replica's batch size) per evaluation."""
+    batches: Optional[int] = None
+    """Batches of train.global_batch sequences per evaluation: null = the whole evaluation set (every held-out
+    sequence once; the last batch is filled with padding), N = at most the first N, 0 = no evaluation. A
+    stream's held-out documents have no end: null reads 4 batches of them."""
 
 
 @dataclass
 class CheckpointSection:
     enabled: bool = True
-    """Save checkpoints (and resume from them). Off: no checkpoints and no final export."""
+    """Save checkpoints (and resume from them). Off: no checkpoints; the final export (export_hf) still happens."""
 
     dir: Optional[str] = None
     """Checkpoint directory; None = `<logging.output_dir>/checkpoints`."""
@@ -335,7 +337,7 @@ def check(recipe: Recipe) -> Recipe:
         if importlib.util.find_spec("peft") is None:
             raise RecipeError("adapter.type: lora needs the peft package; pip install 'vp-accelerate[lora]' (or peft)")
     positive = {"train.steps": t.steps, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
-                "logging.log_every": recipe.logging.log_every, "eval.batches": recipe.eval.batches,
+                "logging.log_every": recipe.logging.log_every,
                 "data.shuffle_buffer": d.shuffle_buffer, "tokenizer.pad_to_multiple_of":
                 recipe.tokenizer.pad_to_multiple_of, "checkpoint.keep": recipe.checkpoint.keep,
                 "train.max_skipped_steps": t.max_skipped_steps}
@@ -343,6 +345,7 @@ def check(recipe: Recipe) -> Recipe:
         if value < 1:
             raise RecipeError(f"{key}: must be >= 1, got {value}")
     for key, value in {"eval.every": recipe.eval.every, "checkpoint.every": recipe.checkpoint.every,
+                       "eval.batches": recipe.eval.batches or 0,
                        "lr.warmup_steps": recipe.lr.warmup_steps}.items():
         if value < 0:
             raise RecipeError(f"{key}: must be >= 0, got {value}")

@@ -86,8 +86,9 @@ def _short(x, n: int = 60) -> str:
 
 
 def _clean(messages: list) -> list:
-    """Only role and content (datasets fills absent keys of other rows with None, which templates mis-render)."""
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    """The turns without None-valued keys (parquet / hub rows fill absent keys of other rows with None, which
+    templates mis-render); `chat_rows.normalize` already kept only the keys the template reads."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
 def _render(tokenizer, template: str, messages: list, generation_prompt: bool) -> str:

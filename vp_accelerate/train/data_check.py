@@ -1,0 +1,142 @@
+"""`--check`'s data report: every row of every file tokenized with the run's tokenizer and template, packed as the
+run will pack it (the same cached result the launch then reads), and what that found.
+
+    data.files [...]: 3,800 rows, 3,800 valid; 512,334 tokens, the longest row 611
+    data.seq_len 256: 12 rows truncated (6,120 tokens cut), 3 dropped (every loss token past data.seq_len; keeping
+        them needs data.seq_len >= 301); 2,113 packed sequences, 21.4% padding, 81,233 tokens carry loss
+    train.global_batch 16: 132 steps per epoch; train.steps 120 = 0.91 epochs
+    evaluation: data.eval_files [...]: 200 rows, 111 sequences, 7 batches per evaluation (eval.batches: all)
+
+`show_example` prints one packed row with the tokens that carry loss marked (as axolotl's preprocess debug
+does), its documents apart.
+"""
+
+from __future__ import annotations
+
+from .data import DataError, PreparedData, SplitStats, no_eval_message, prepare_data
+
+
+def _rows_line(s: SplitStats, held_out: int) -> str:
+    skipped = f" ({s.bad:,} invalid, skipped: data.skip_invalid)" if s.bad else ""
+    held = f", {held_out:,} held out for evaluation" if held_out else ""
+    return (f"{s.source}: {s.rows:,} rows{skipped}, {s.documents:,} for training{held}; {s.tokens:,} tokens, the "
+            f"longest row {s.longest:,}")
+
+
+def _packing_line(s: SplitStats, seq_len: int) -> str:
+    parts = []
+    if s.truncated:
+        parts.append(f"{s.truncated:,} rows truncated ({s.cut_tokens:,} tokens cut)")
+    elif s.cut_tokens:
+        parts.append(f"{s.cut_tokens:,} tokens of the incomplete last sequence left out")
+    if s.dropped:
+        parts.append(f"{s.dropped:,} dropped (every loss token past data.seq_len; keeping them needs data.seq_len >= "
+                     f"{s.dropped_need:,})")
+    parts.append(f"{s.sequences:,} packed sequences, {s.padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry "
+                 f"loss")
+    return f"data.seq_len {seq_len}: " + "; ".join(parts)
+
+
+def _keys_line(s: SplitStats) -> str | None:
+    if not s.dropped_keys:
+        return None
+    keys = ", ".join(f"{k} ({n:,} rows)" for k, n in sorted(s.dropped_keys.items()))
+    return (f"{s.source}: message keys the chat template does not read, dropped from those rows: {keys}; a template "
+            f"that renders them (tokenizer.chat_template) would keep them")
+
+
+def steps_per_epoch(prepared: PreparedData, global_batch: int) -> int:
+    """Optimizer steps of one pass over the training sequences (the incomplete last global batch is dropped)."""
+    prepared.check_sizes(global_batch, 0)
+    return len(prepared.train) // global_batch
+
+
+def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], PreparedData]:
+    """(report lines, the prepared data) for `--check`. Raises DataError (BadRowsError lists the invalid rows)
+    for what would stop the run: invalid rows, every conversation dropped, too few sequences for one step, no
+    evaluation sequence when evaluation is on."""
+    d, t, e = recipe.data, recipe.train, recipe.eval
+    prepared = prepare_data(d, tokenizer, vocab_size)
+    prepared.check_sizes(t.global_batch, e.batches)
+    lines = []
+    if prepared.train is None:
+        lines.append(f"data.streaming: the training stream is read as the run goes ({prepared.fmt}); its rows are "
+                     f"checked then")
+    else:
+        s = prepared.stats["train"]
+        held = prepared.stats["eval"].documents if not d.eval_files else 0
+        lines += [_rows_line(s, held), _packing_line(s, d.seq_len)]
+        if (keys := _keys_line(s)) is not None:
+            lines.append(keys)
+        per_epoch = steps_per_epoch(prepared, t.global_batch)
+        epochs = getattr(t, "epochs", None)
+        if epochs is not None:
+            lines.append(f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.epochs "
+                         f"{epochs:g} = {max(1, round(epochs * per_epoch)):,} steps")
+        else:
+            lines.append(f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.steps {t.steps:,} "
+                         f"= {t.steps / per_epoch:.2f} epochs")
+    if e.batches == 0:
+        lines.append("evaluation off (eval.batches: 0)")
+        return lines, prepared
+    ev = prepared.eval
+    if ev is None:
+        lines.append("evaluation: held-out documents of the stream, read at the start of the run")
+        return lines, prepared
+    if len(ev) == 0:
+        raise DataError(no_eval_message(d))
+    s = prepared.stats["eval"]
+    batches = -(-len(ev) // t.global_batch)
+    used = batches if e.batches is None else min(batches, e.batches)
+    which = "eval.batches: all" if e.batches is None else f"eval.batches: {e.batches}"
+    lines.append(f"evaluation: {s.source}: {s.documents:,} rows, {len(ev):,} sequences ({s.loss_tokens:,} tokens carry "
+                 f"loss), {used:,} batches of train.global_batch per evaluation ({which})")
+    if s.dropped or s.truncated:
+        lines.append("evaluation " + _packing_line(s, d.seq_len))
+    return lines, prepared
+
+
+def bad_rows_text(err) -> str:
+    """The full list of a BadRowsError, for `--check`."""
+    lines = [f"data error: {err.count:,} invalid row{'s' if err.count != 1 else ''} in {err.key}:"]
+    lines += [f"  {x}" for x in err.examples]
+    if err.count > len(err.examples):
+        lines.append(f"  ... and {err.count - len(err.examples):,} more")
+    lines.append("Fix the rows, or set data.skip_invalid: true to skip such rows (they are counted).")
+    return "\n".join(lines)
+
+
+def show_example(prepared: PreparedData, tokenizer, color: bool = False, row: int = 0) -> str:
+    """One packed training row as text, its documents apart, the tokens that carry loss marked: between
+    [[ and ]] (or green with `color`). A token carries loss when it is a target (its label is not -100)."""
+    seqs = prepared.train
+    if seqs is None or not len(seqs):
+        return "no packed training sequence to show (data.streaming reads the data as the run goes)"
+    ids = seqs.ids[row]
+    labels = seqs.labels[row] if seqs.labels is not None else ids
+    mask = seqs.mask[row] if seqs.mask is not None else None
+    starts = [0] if seqs.positions is None else [i for i, p in enumerate(seqs.positions[row]) if p == 0]
+    first = set(starts)
+    real = int(seqs.lengths[row]) if seqs.lengths is not None else len(ids)
+    on, off = ("\x1b[42m", "\x1b[0m") if color else ("[[", "]]")
+    targets = [int(lab != -100 and t not in first and (mask is None or mask[t]))
+               for t, lab in enumerate(labels)]
+    out = [f"example: packed training sequence {row} of {len(seqs):,} ({len(ids)} tokens, {sum(targets)} carry loss, "
+           f"{len(ids) - real} padding); {on}...{off} = the tokens that carry loss"]
+    bounds = [s for s in starts if s < real] + [real]
+    what = {"chat": "conversation", "prompt_completion": "row"}.get(prepared.fmt, "document")
+    for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if seqs.positions is not None:
+            out.append(f"--- {what} {k + 1}: tokens {a}-{b - 1} ---")
+        text, t = [], a
+        while t < b:  # runs of tokens with the same flag, decoded together (multi-byte characters stay whole)
+            e = t
+            while e < b and targets[e] == targets[t]:
+                e += 1
+            piece = tokenizer.decode([int(i) for i in ids[t:e]])
+            text.append(f"{on}{piece}{off}" if targets[t] else piece)
+            t = e
+        out.append("".join(text))
+    if real < len(ids):
+        out.append(f"--- padding: tokens {real}-{len(ids) - 1} (token {int(ids[-1])}, no loss) ---")
+    return "\n".join(out)

@@ -1,0 +1,158 @@
+"""Reading local data files into `datasets` rows without changing their values, and naming a row's place.
+
+JSON is not parsed by `datasets`' JSON builder: pyarrow infers one type per column over a block of rows, so
+one row with `"content": [{"type": "text", ...}]` turns every other row's content into a JSON-typed value
+(an answer `"74."` comes back as `74.0`), and a malformed line stops the read with a pyarrow traceback.
+Instead every JSON Lines file is read as lines (the `text` builder, cached and streamable like any
+dataset): the column `_raw` holds each line as written, and the tokenizer parses it row by row, so values
+stay what the file says, and a bad line is one bad row named by its file and 1-based line. A `.json` file
+that is one array of records is read the same way, one element per row (not streamable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+RAW = "_raw"
+"""The column holding one JSON record as written."""
+
+WHERE = "_where"
+"""The column naming each record's place, for files read record by record (JSON arrays)."""
+
+_EXT = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """A data problem, with the file or row it concerns (`data.DataError`)."""
+
+
+def json_layout(path: str) -> str:
+    """"lines" (one record per line, JSON Lines) or "array" (the file is one JSON list of records)."""
+    if path.lower().endswith(".jsonl"):
+        return "lines"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = ""
+        for line in f:  # the first non-blank line (read alone: lines of a big file may be long)
+            if line.strip():
+                first = line.lstrip("\ufeff").strip()
+                break
+    if first.startswith("["):
+        return "array"
+    if first == "{":  # a pretty-printed object: one record, not a data set
+        raise DataError(f"{path}: holds one JSON object; a data file holds one record per line (JSON Lines) or a "
+                        f"list of records")
+    return "lines"
+
+
+def _array_records(files: list):
+    """Rows of JSON-array files (`Dataset.from_generator`): each element as JSON text, with its place.
+    `files` carries (path, size, mtime) so the cached result is redone when a file changes."""
+    for path, _, _ in files:
+        with open(path, encoding="utf-8") as f:
+            try:
+                records = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        for k, record in enumerate(records):
+            yield {RAW: json.dumps(record, ensure_ascii=False), WHERE: f"{path}, record {k + 1}"}
+
+
+def load_rows(paths: list[str], builder: str, streaming: bool = False):
+    """A `datasets` Dataset (IterableDataset when streaming) of the rows of local files.
+
+    builder: text (a row per line, column `text`), json (column `_raw`, see the module doc) or parquet.
+    """
+    from datasets import Dataset, Features, Value, load_dataset
+
+    if builder == "text":
+        return load_dataset("text", data_files=paths, split="train", streaming=streaming)
+    if builder == "parquet":
+        return load_dataset("parquet", data_files=paths, split="train", streaming=streaming)
+    layouts = {p: json_layout(p) for p in paths}
+    if all(kind == "lines" for kind in layouts.values()):
+        return load_dataset("text", data_files=paths, split="train", streaming=streaming,
+                            features=Features({RAW: Value("string")}))
+    arrays = [p for p, kind in layouts.items() if kind == "array"]
+    if streaming:
+        raise DataError(f"data.streaming: {arrays[0]} is one JSON array, which cannot be streamed; write it as JSON "
+                        f"Lines (one record per line, .jsonl) or set data.streaming: false")
+    lines = [p for p, kind in layouts.items() if kind == "lines"]
+    if lines:
+        raise DataError(f"data.files: mixes JSON Lines ({lines[0]}) and JSON arrays ({arrays[0]}); use one layout")
+    stamp = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
+    return Dataset.from_generator(_array_records, gen_kwargs={"files": stamp},
+                                  features=Features({RAW: Value("string"), WHERE: Value("string")}))
+
+
+def _line_count(path: str) -> int:
+    """Rows the `text` builder makes of a file: its lines after universal-newline translation, as it reads them."""
+    n = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for _ in f:
+            n += 1
+    return n
+
+
+class RowLocator:
+    """Row index in the concatenated files -> "FILE, line N" (1-based), or "FILE, row N" for parquet.
+
+    Per-file row counts are read on first use (only when a row must be named).
+    """
+
+    def __init__(self, paths: list[str], builder: str, source: str):
+        self.paths, self.builder, self.source = paths, builder, source
+        self._counts: list[int] = []
+
+    def _count(self, path: str) -> int:
+        if self.builder == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        return _line_count(path)
+
+    def __call__(self, index: int) -> str:
+        unit = "row" if self.builder == "parquet" else "line"
+        if len(self.paths) == 1:
+            return f"{self.paths[0]}, {unit} {index + 1}"
+        if not self._counts:
+            self._counts = [self._count(p) for p in self.paths]
+        for path, n in zip(self.paths, self._counts):
+            if index < n:
+                return f"{path}, {unit} {index + 1}"
+            index -= n
+        return f"{self.source}, {unit} {index + 1}"
+
+
+def extension_format(path: str) -> str | None:
+    """text / json / parquet from a file's extension, None when it says nothing."""
+    return _EXT.get(os.path.splitext(path)[1].lower())
+
+
+def first_record_columns(path: str, fmt: str) -> list[str] | None:
+    """The columns of a local file's first record (None when it has none to read), without loading the file."""
+    if fmt == "text":
+        return ["text"]
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    if json_layout(path) == "array":
+        with open(path, encoding="utf-8") as f:
+            try:
+                records = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        first = next((r for r in records if isinstance(r, dict)), None)
+        return sorted(first) if first is not None else None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a bad line is reported as a bad row by the data check; the columns come from a good one
+            if isinstance(record, dict):
+                return sorted(record)
+    return None

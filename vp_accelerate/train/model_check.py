@@ -1,0 +1,110 @@
+"""Checks of the model a recipe names, before launch: a hub model that cannot be had offline, LoRA targets that
+name no module of the model's decoder layers.
+
+A hub id is looked up in the local HF cache first (what an offline run can use); with `HF_HUB_OFFLINE=1`
+and nothing cached that is an error naming `model.source`, not a `LocalEntryNotFoundError` inside every rank.
+LoRA targets are matched as peft matches them (a name, or a dotted suffix of a module's name) against the
+linear modules of one decoder layer built on the meta device (no weights), and a target that matches
+nothing is an error listing the names there are. peft itself only fails when no target matches at all,
+so `[q_proj, v_prj]` would silently adapt half of what was asked.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+
+from .recipe_io import RecipeError
+
+
+def hub_offline() -> bool:
+    """Whether the hub may not be reached (HF_HUB_OFFLINE, read now: tests and users set it late)."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE")
+    return constants.HF_HUB_OFFLINE if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_snapshot(source: str) -> str | None:
+    """The local HF-cache snapshot dir of hub repo `source` when its config.json is cached, else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = try_to_load_from_cache(source, "config.json")
+    except ValueError:  # not a valid repo id (HFValidationError)
+        return None
+    return os.path.dirname(path) if isinstance(path, str) else None
+
+
+def missing_hub_source(key: str, source: str) -> RecipeError:
+    """The error for a hub id that is neither cached nor reachable."""
+    return RecipeError(f"{key}: {source!r} is not a preset, a local directory, nor a model in the local HF cache, "
+                       f"and the hub is offline (HF_HUB_OFFLINE=1); fix the name, point {key} at a local checkpoint "
+                       f"directory, or download it once with the hub reachable (huggingface-cli download {source})")
+
+
+def valid_repo_id(source: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _linear_names(layer) -> list[str]:
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    return [name for name, m in layer.named_modules() if name and isinstance(m, (nn.Linear, Conv1D))]
+
+
+def decoder_layer_modules(config) -> list[str]:
+    """The names of the linear modules of one decoder layer of `config`'s model (built on the meta device)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vp_accelerate.models.adapter import find_parts
+
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    for key in ("layer_types",):  # per-layer lists must match the layer count
+        if isinstance(getattr(one, key, None), list):
+            setattr(one, key, getattr(one, key)[:1])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(one)
+    return _linear_names(find_parts(model).layers[0])
+
+
+def _matches(target: str, name: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def check_adapter_targets(recipe, config) -> str | None:
+    """A RecipeError naming `adapter.target_modules` when a target matches no linear module of a decoder layer;
+    else a note naming what is adapted (None without an adapter)."""
+    a = recipe.adapter
+    if not a.enabled:
+        return None
+    from vp_accelerate.models.lora import target_modules_for
+
+    try:
+        targets = target_modules_for(config, a.target_modules)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+    try:
+        names = decoder_layer_modules(config)
+    except Exception as e:  # noqa: BLE001 - a model this cannot build on meta is checked at launch instead
+        return f"adapter targets {targets} not checked before launch ({type(e).__name__}: {e})"
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+    for target in targets:
+        if not any(_matches(target, n) for n in names):
+            hint = difflib.get_close_matches(target.rsplit(".", 1)[-1], leaves, n=1)
+            more = f"did you mean {hint[0]}? " if hint else ""
+            raise RecipeError(f"adapter.target_modules: {target!r} matches no module of the model's decoder layers; "
+                              f"{more}(linear modules of a {config.model_type} decoder layer: {', '.join(names)})")
+    adapted = sorted(n for n in names if any(_matches(t, n) for t in targets))
+    return f"LoRA adapters on {', '.join(adapted)} of every decoder layer"
