@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Every test runs under NCCL's p2p semantics emulated on gloo (runtime/p2p.py): one Work per batch,
+# sends that wait for the peer's receive, a rank's batches in issue order. Spawned ranks and launched
+# training runs inherit it, so an order that would hang a multi-GPU launch fails here.
+os.environ.setdefault("VP_STRICT_P2P", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,11 +1,11 @@
 """Vocabulary collective chains progress without their rank's compute thread.
 
-One rank is busy (asleep) for 1 s between issuing a chain (C0, C1, C2, IF reduce, IB broadcast) and
-waiting on it. The other ranks' waits must end within 0.1 s of the last rank's issue: the chain —
-for C1 max all-reduce -> rescale -> sums all-reduce — runs on each rank's communication worker, not in
-the busy rank's `wait()`. Were any step of a chain issued by the consumer, every other rank would wait
-the full second. Tiny tensors keep each collective at about a millisecond; the busy rank sleeps (it
-does not compute) so that a loaded machine still has CPU for the chains.
+One rank is busy computing (a loop of matmuls) for 1 s between issuing a chain (C0, C1, C2, IF reduce,
+IB broadcast) and waiting on it. The other ranks' waits must end within 0.1 s of the last rank's issue:
+the chain — for C1 max all-reduce -> rescale -> sums all-reduce — runs on each rank's communication
+worker, not in the busy rank's `wait()`. Were any step of a chain issued by the consumer, every other
+rank would wait the full second: `test_the_check_fails_when_chains_run_in_wait` runs the same
+measurement with every chain moved into `wait()` and requires every case to come out late.
 """
 
 from __future__ import annotations
@@ -57,12 +57,33 @@ def _issue(algorithm: str, op: str, part: VocabPartition, rank: int, busy: int, 
     return lambda: if_reduce(partial, busy, group, async_op=True)
 
 
-def _measure(cases) -> list[list[tuple[float, float]]]:
+def _busy(seconds: float) -> None:
+    """Keep the compute thread busy with real work (torch releases the GIL inside each matmul)."""
+    a = torch.randn(128, 128)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+
+
+def _chains_in_wait() -> None:
+    """The wrong engine: each chain runs on the consumer's thread when it waits (as issuing C1's sums
+    all-reduce inside wait() once did)."""
+    from vp_accelerate.vocab import comm, embedding, output_layer
+
+    def submit(chain, group, device, inputs=(), label="", async_op=True):
+        return comm.finish(comm.Pending(finalize=chain, label=label), async_op)
+
+    output_layer.submit = embedding.submit = submit
+
+
+def _measure(cases, lazy: bool = False, tries: int = ATTEMPTS) -> list[list[tuple[float, float]]]:
     """Per case, per attempt: every rank's (issue time, time its wait ended), time.monotonic() seconds.
 
     A case is retried (up to ATTEMPTS) only while some non-busy rank ended late: a wait that the busy
     rank delays is late in every attempt, while a loaded machine's scheduling hiccup is not.
     """
+    if lazy:
+        _chains_in_wait()
     rank, p = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(p)))  # the vocabulary group; barriers below use the world group
     part = VocabPartition(V, p)
@@ -72,13 +93,13 @@ def _measure(cases) -> list[list[tuple[float, float]]]:
     out = []
     for algorithm, op in cases:
         attempts = []
-        for _ in range(ATTEMPTS):
+        for _ in range(tries):
             issue = _issue(algorithm, op, part, rank, busy, group)
             dist.barrier()
             t_issue = time.monotonic()
             pending = issue()
             if rank == busy:
-                time.sleep(BUSY_S)  # the compute thread is busy between issuing and consuming
+                _busy(BUSY_S)  # the compute thread is busy between issuing and consuming
             pending.wait()
             times = [None] * p
             dist.all_gather_object(times, (t_issue, time.monotonic()))
@@ -108,3 +129,9 @@ def test_a_busy_rank_does_not_delay_the_others(world_size):
             late.append(f"{case}: the other ranks' waits ended {[round(_late(t, busy), 3) for t in tries]} s "
                         f"after the last issue (bound {BOUND_S} s, busy rank {busy} slept {BUSY_S} s)")
     assert not late, "\n".join(late)
+
+
+def test_the_check_fails_when_chains_run_in_wait():
+    attempts = spawn(_measure, 2, CASES, True, 1, timeout_s=120)[0]
+    for case, tries in zip(CASES, attempts):
+        assert _late(tries[0], 1) > BUSY_S / 2, f"{case} looks overlapped although it ran in wait()"

@@ -28,7 +28,8 @@ from vp_accelerate.runtime import precision
 from vp_accelerate.runtime.groups import Groups
 from vp_accelerate.runtime.memory import ActivationMeter
 from vp_accelerate.runtime.weight_grad import WeightGradStore
-from vp_accelerate.schedule.ir import P2P, Action, Op, Schedule, TimedAction
+from vp_accelerate.runtime import p2p
+from vp_accelerate.schedule.ir import Action, Op, Schedule, TimedAction, p2p_batches
 from vp_accelerate.vocab import embedding as vemb
 from vp_accelerate.vocab import output_layer as vout
 
@@ -114,8 +115,8 @@ class Executor:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> chunk input (leaf)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> chunk output (graph)
         self.grads: dict[tuple[int, int], torch.Tensor] = {}     # (mb, chunk) -> ∂L/∂output
-        self.recvs: dict[tuple[str, int, int], tuple] = {}       # pending receive buffers + works
-        self.sends: list = []                                    # isend works, waited at the end
+        self.recvs: dict[tuple[str, int, int], tuple] = {}       # pending receive buffers + their batch
+        self.sends: list = []                                    # batches with sends, waited at the end
         self.partials: dict[int, torch.Tensor] = {}              # IF partial / reduced embedding out
         self.x: dict[int, torch.Tensor] = {}                     # C0 result
         self.states: dict[int, object] = {}                      # S -> T output-layer state
@@ -134,20 +135,14 @@ class Executor:
         records: list[TimedAction] = []
         actions = self.schedule.actions[self.g.pp_rank]
         t0 = time.perf_counter()
-        i = 0
-        while i < len(actions):
-            a = actions[i]
-            if a.op in P2P:
-                # post a run of adjacent sends/receives together (batch_isend_irecv on NCCL needs it)
-                j = i
-                while j < len(actions) and actions[j].op in P2P:
-                    j += 1
+        for item in p2p_batches(actions):
+            if isinstance(item, tuple):  # one p2p batch of the IR, posted as one batch_isend_irecv
                 start = time.perf_counter() - t0
-                self._p2p(actions[i:j])
+                self._p2p(item)
                 end = time.perf_counter() - t0
-                records += [TimedAction(self.g.rank, b.op.value, b.mb, b.chunk, start, end) for b in actions[i:j]]
-                i = j
+                records += [TimedAction(self.g.rank, b.op.value, b.mb, b.chunk, start, end) for b in item]
                 continue
+            a = item
             start = time.perf_counter() - t0
             if self._await_inputs(a):  # time spent waiting for data is a WAIT, not part of the pass
                 now = time.perf_counter() - t0
@@ -155,9 +150,8 @@ class Executor:
                 start = now
             getattr(self, f"_do_{a.op.value}")(a)
             records.append(TimedAction(self.g.rank, a.op.value, a.mb, a.chunk, start, time.perf_counter() - t0))
-            i += 1
-        for work in self.sends:
-            work.wait()
+        for batch in self.sends:
+            batch.wait()
         for kind, mb in list(self.pending):  # e.g. vocab-1's C2 on ranks that never needed ∂X
             self._wait(kind, mb)
         for pending in self.inflight:
@@ -186,8 +180,8 @@ class Executor:
         return out
 
     # ---- point to point ----------------------------------------------------------------------
-    def _p2p(self, acts: list[Action]) -> None:
-        ops = []
+    def _p2p(self, acts: tuple[Action, ...]) -> None:
+        ops, recv_keys = [], []
         for a in acts:
             peer = self.g.global_rank(a.peer)
             if a.op is Op.SEND_ACT:
@@ -197,27 +191,28 @@ class Executor:
                 ops.append(dist.P2POp(dist.isend, grad, peer, self.g.pp_group))
             else:
                 buf = self._empty_act()
-                self.recvs[(a.op.value, a.mb, a.chunk)] = buf
+                recv_keys.append(((a.op.value, a.mb, a.chunk), buf))
                 ops.append(dist.P2POp(dist.irecv, buf, peer, self.g.pp_group))
-        works = dist.batch_isend_irecv(ops)
-        for a, op, work in zip(acts, ops, works):
-            if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
-                self.sends.append(work)
-            else:
-                self.recvs[(a.op.value, a.mb, a.chunk)] = (self.recvs[(a.op.value, a.mb, a.chunk)], work)
+        # the batch completes as a whole: NCCL returns one Work for it, gloo one per op, so its Works are
+        # never paired with its ops — a receive's data is there once its batch is
+        batch = p2p.post(ops, ", ".join(str(a) for a in acts))
+        for key, buf in recv_keys:
+            self.recvs[key] = (buf, batch)
+        if len(recv_keys) < len(ops):
+            self.sends.append(batch)
 
     def _take_recv(self, op: Op, mb: int, chunk: int) -> torch.Tensor:
-        buf, work = self.recvs.pop((op.value, mb, chunk))
-        if work is not None:
-            work.wait()
+        buf, batch = self.recvs.pop((op.value, mb, chunk))
+        if batch is not None:
+            batch.wait()
         return buf
 
     def _wait_recv(self, key: tuple[str, int, int]) -> bool:
-        """Complete a posted receive now (a gloo work must be waited on once only)."""
-        buf, work = self.recvs.get(key, (None, None))
-        if work is None:
+        """Complete a posted receive now (its whole batch: `Batch.wait` is idempotent)."""
+        buf, batch = self.recvs.get(key, (None, None))
+        if batch is None:
             return False
-        work.wait()
+        batch.wait()
         self.recvs[key] = (buf, None)
         return True
 

@@ -33,7 +33,7 @@ from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
 from vp_accelerate.runtime.groups import build_groups
-from vp_accelerate.runtime import precision, watchdog
+from vp_accelerate.runtime import p2p, precision, shutdown, watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.vocab import comm
@@ -78,6 +78,8 @@ class PipelineModel:
         check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)
+        shutdown.register()  # workers, watchdog and groups end cleanly at exit, close() or not
+        p2p.install()  # VP_STRICT_P2P: NCCL's p2p semantics emulated on gloo
         # cuda:LOCAL_RANK (made current), also when accelerate made the group; the CPU without CUDA
         self.device = torch.device(device) if device is not None else local_device()
         self.dtype = dtype
@@ -356,8 +358,9 @@ class PipelineModel:
 
     def close(self) -> None:
         """Stop the process's watchdog at a normal end of training (peers may then exit in any order),
-        and the vocabulary group's communication worker."""
+        and the communication workers (vocabulary chains; strict p2p batches)."""
         comm.close_worker(self.groups.vocab_group)
+        comm.close_worker(self.groups.pp_group)
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
@@ -447,9 +450,10 @@ class PipelineModel:
         dist.all_gather_object(parts, self.lora_transposed, group=self.groups.pp_host_group)
         return sorted(n for names in parts for n in names)
 
-    def export_adapter(self, out_dir, base_model_name_or_path: str | None = None) -> None:
-        """Write a peft adapter folder (`PeftModel.from_pretrained(base_model, out_dir)` loads it) on rank 0;
-        a collective over the pipeline ranks. Only LoRA adapters with a frozen vocabulary fit one."""
+    def export_adapter(self, out_dir, base_model_name_or_path: str | None = None, tokenizer=None) -> None:
+        """Write a peft adapter folder (`PeftModel.from_pretrained(base_model, out_dir)` loads it; with
+        `base_model_name_or_path` and `tokenizer`, `AutoPeftModelForCausalLM.from_pretrained(out_dir)` too) on
+        rank 0; a collective over the pipeline ranks. Only LoRA adapters with a frozen vocabulary fit one."""
         if not self.adapter.enabled:
             raise ValueError("export_adapter: this model has no adapter (adapter.type is null); use export_hf")
         if self.adapter.train_vocab:
@@ -464,7 +468,8 @@ class PipelineModel:
         if self.pp_rank == 0 and self.dp_rank == 0:
             state = {n: t for part, _ in gathered for n, t in part.items()}
             transposed = [n for _, names in gathered for n in names]
-            save_adapter(state, self.mods.config, self.adapter, transposed, out_dir, base_model_name_or_path)
+            save_adapter(state, self.mods.config, self.adapter, transposed, out_dir, base_model_name_or_path,
+                         tokenizer=tokenizer)
 
     def trainable_parameters(self):
         """The parameters that train (all of them without an adapter; LoRA's, plus the vocabulary if asked)."""

@@ -22,6 +22,7 @@ With `async_op=False` the caller waits at once (same path, same order).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -128,9 +129,11 @@ class _ThreadJob:
 
     def result(self) -> Any:
         """The chain's value (once: the job lets go of it so that it can be kept as a timer)."""
-        self.finished.wait()
+        while not self.finished.wait(0.25):
+            if _FATAL:  # a communication failure elsewhere in this process means this chain cannot end
+                raise RuntimeError(_FATAL[0])
         if self.error is not None:
-            raise RuntimeError(f"a vocabulary collective failed on the communication worker: {self.error}"
+            raise RuntimeError(f"a collective chain failed on the communication worker: {self.error}"
                                ) from self.error
         value, self.value = self.value, None
         return value
@@ -139,6 +142,17 @@ class _ThreadJob:
         """(start, end) of the chain on the worker, in `time.perf_counter()` seconds (waits for it)."""
         self.finished.wait()
         return self.start, self.end
+
+
+_FATAL: list[str] = []  # set once by `fail`: the process's communication is broken
+
+
+def fail(message: str) -> None:
+    """Record that this process's communication is broken (e.g. a p2p batch that can never complete
+    under the NCCL emulation), so that a thread waiting on any chain raises `message` instead of waiting
+    for the process group's timeout."""
+    if not _FATAL:
+        _FATAL.append(message)
 
 
 class CommWorker:
@@ -161,19 +175,39 @@ class CommWorker:
                 return
             job.run()
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop after the chains already queued (a daemon thread stuck in a collective is left behind)."""
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop after the chains already queued; True if the thread ended (a daemon thread stuck in a
+        collective is left behind)."""
         self._queue.put(None)
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 _WORKERS: dict[Any, CommWorker] = {}
 _WORKERS_LOCK = threading.Lock()
+_SERIAL = "serial"  # the one worker every group shares under VP_STRICT_P2P=serial
+
+
+def strict_mode() -> str | None:
+    """The NCCL emulation asked for by VP_STRICT_P2P (runtime/p2p.py): "strict", "serial" or None.
+    Under "serial" every group shares one worker: all communicators of a rank progress in one issue
+    order, as NCCL's do with CUDA_DEVICE_MAX_CONNECTIONS=1."""
+    value = os.environ.get("VP_STRICT_P2P", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return None
+    if value in ("1", "true", "yes", "on", "strict"):
+        return "strict"
+    if value == "serial":
+        return "serial"
+    raise ValueError(f"VP_STRICT_P2P={value!r}: use 1 (NCCL's p2p semantics on gloo), serial (also one issue "
+                     "order for all communicators of a rank), or 0")
 
 
 def worker(group: dist.ProcessGroup | None) -> CommWorker:
     """The communication worker of `group` (one per group and process, started on first use)."""
     key = dist.GroupMember.WORLD if group is None else group
+    if strict_mode() == "serial":
+        key = _SERIAL
     with _WORKERS_LOCK:
         w = _WORKERS.get(key)
         if w is None:
@@ -184,19 +218,21 @@ def worker(group: dist.ProcessGroup | None) -> CommWorker:
 def close_worker(group: dist.ProcessGroup | None) -> None:
     """Stop `group`'s communication worker, if it has one (its queued chains finish first)."""
     key = dist.GroupMember.WORLD if group is None else group
+    if strict_mode() == "serial":
+        key = _SERIAL
     with _WORKERS_LOCK:
         w = _WORKERS.pop(key, None)
     if w is not None:
         w.close()
 
 
-def close_workers() -> None:
-    """Stop every communication worker (e.g. before destroying the process groups)."""
+def close_workers() -> int:
+    """Stop every communication worker (e.g. before destroying the process groups); returns how many
+    did not end (stuck in a collective)."""
     with _WORKERS_LOCK:
         workers = list(_WORKERS.values())
         _WORKERS.clear()
-    for w in workers:
-        w.close()
+    return sum(not w.close() for w in workers)
 
 
 _STREAMS: dict[torch.device, Any] = {}

@@ -1,0 +1,120 @@
+"""NCCL's p2p semantics emulated on gloo (VP_STRICT_P2P, runtime/p2p.py), and the runtime under it.
+
+- one Work per batch: code that pairs the returned Works with the ops (as the executor once did) breaks;
+- a send completes only once the peer has posted the matching receive, and a rank's batches complete in
+  issue order: the order the lowering used before (each receive posted at its consumer) hangs, and the
+  stuck batch is named;
+- the runtime trains exactly under the emulation, also with every communicator serialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from vp_accelerate.distributed import RankFailed, spawn
+from vp_accelerate.schedule import Op
+from vp_accelerate.schedule.ir import COMPUTE_PASSES
+from vp_accelerate.schedule.streams import consumed
+
+from helpers.tiny import tiny_llama
+
+
+def _batch_works(_unused=None):
+    from vp_accelerate.runtime import p2p
+
+    assert p2p.install()
+    r, peer = dist.get_rank(), 1 - dist.get_rank()
+    out, into = torch.full((4,), float(r)), torch.empty(4)
+    ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]
+    works = dist.batch_isend_irecv(ops)
+    n = len(works)
+    p2p.Batch(works, "test").wait()
+    # a second batch in the other order on rank 1: the batches still meet (one batch each, both posted)
+    ops = [dist.P2POp(dist.irecv, into, peer), dist.P2POp(dist.isend, out * 2, peer)]
+    p2p.Batch(dist.batch_isend_irecv(ops), "test").wait()
+    return n, into.tolist()
+
+
+def test_one_work_per_batch(monkeypatch):
+    monkeypatch.setenv("VP_STRICT_P2P", "1")
+    res = spawn(_batch_works, 2)
+    assert [n for n, _ in res] == [1, 1]  # two ops, one Work: zip(ops, works) would drop the receive
+    assert res[0][1] == [2.0] * 4 and res[1][1] == [0.0] * 4
+
+
+def _receives_at_consumers(s):
+    """The lowering's previous order: each receive posted right before the pass that consumes it."""
+    lists = []
+    for r, acts in enumerate(s.actions):
+        recvs = {(a.op, a.mb, a.chunk): a for a in acts if a.op in (Op.RECV_ACT, Op.RECV_GRAD)}
+        out = []
+        for a in acts:
+            if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                continue
+            if a.op in COMPUTE_PASSES:
+                out += [recvs[k] for k in consumed(s, r, a) if k in recvs]
+            out.append(a)
+        lists.append(tuple(out))
+    return dataclasses.replace(s, actions=tuple(lists))
+
+
+def _train(ckpt, schedule, method, old_order: bool):
+    """One training step; its loss and every gradient's sum (to compare runs bit for bit)."""
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+
+    pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=4,
+                                              attn_implementation="eager", watchdog_dead_after_s=None))
+    if old_order:
+        pipe.schedule = _receives_at_consumers(pipe.schedule)
+    ids = torch.randint(0, pipe.hf_config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    loss = pipe.train_step(ids, labels=ids).loss
+    grads = [float(p.grad.double().sum()) for _, p in sorted(pipe.named_parameters()) if p.grad is not None]
+    pipe.close()
+    return loss, grads
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("nccl") / "tiny"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_llama(61, tied=False, attn_implementation="eager")).save_pretrained(path)
+    return str(path)
+
+
+def test_the_previous_receive_order_hangs_and_names_the_stuck_batch(monkeypatch, ckpt):
+    # 1F1B + vocab-2, p=2, m=4: rank 0 posts SEND_ACT(mb 2) then RECV_GRAD(mb 0) in separate batches,
+    # rank 1 SEND_GRAD(mb 0) then RECV_ACT(mb 2): each send waits for a receive that sits behind the
+    # peer's own send. gloo alone runs this order; NCCL (and the emulation) cannot.
+    monkeypatch.setenv("VP_STRICT_P2P", "1")
+    monkeypatch.setenv("VP_STRICT_P2P_TIMEOUT", "4")
+    with pytest.raises(RankFailed, match=r"p2p batch #\d+ .*did not complete in 4 s under NCCL semantics"):
+        spawn(_train, 2, ckpt, "1f1b", "vocab-2", True, timeout_s=120)
+    monkeypatch.setenv("VP_STRICT_P2P", "0")  # the same order without the emulation: gloo never blocks a send
+    loss, _ = spawn(_train, 2, ckpt, "1f1b", "vocab-2", True)[0]
+    assert loss > 0
+
+
+def _plain_then_strict(ckpt, pairs, mode):
+    import os
+
+    from vp_accelerate.vocab import comm
+
+    out = {}
+    for m in ("0", mode):
+        os.environ["VP_STRICT_P2P"] = m  # PipelineModel installs (or removes) the emulation accordingly
+        out[m] = [_train(ckpt, s, meth, False) for s, meth in pairs]
+        comm.close_workers()
+    return out["0"], out[mode]
+
+
+def test_runtime_trains_the_same_under_the_emulation(ckpt):
+    # the suite runs under VP_STRICT_P2P=1 (conftest); here the plain gloo path against the strictest rule
+    pairs = [("1f1b", "vocab-1"), ("vhalf", "vocab-2"), ("interleaved", "baseline")]
+    for plain, strict in spawn(_plain_then_strict, 2, ckpt, pairs, "serial"):
+        assert strict == plain  # the same reductions in the same order: bit for bit
