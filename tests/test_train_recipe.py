@@ -118,11 +118,14 @@ def test_shipped_recipes_validate(corpus, tmp_path):
     paths = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
     assert len(paths) >= 6
     for path in paths:
-        r = load_recipe(path, [f"data.files=[{corpus}]", f"data.eval_files=[{corpus}]"]
+        out = tmp_path / "elsewhere" / os.path.basename(path)
+        r = load_recipe(path, [f"data.files=[{corpus}]", f"data.eval_files=[{corpus}]", f"logging.output_dir={out}"]
                         + ([f"tokenizer.source=bpe:{tok}"] if "bpe:" in open(path).read() else [])
                         + ([f"model.source={model}", f"tokenizer.source={model}"]
                            if "./outputs" in open(path).read() else []))
         assert r.train.global_batch % (r.pipeline.dp_size * r.pipeline.microbatches) == 0, path
+        # every output follows logging.output_dir: no recipe pins its checkpoints elsewhere
+        assert r.checkpoint.dir is None and r.checkpoint.resolved_dir(str(out)) == str(out / "checkpoints"), path
 
 
 def test_bad_recipe_fails_before_any_process_group(tmp_path, corpus):
