@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .build import meta_model
+from .generation import generation_config_for, with_tokenizer_ids
 
 
 def assemble_state_dict(rank_state_dicts: Sequence[dict[str, torch.Tensor]], vocab_size: int,
@@ -43,7 +44,14 @@ def assemble_state_dict(rank_state_dicts: Sequence[dict[str, torch.Tensor]], voc
 
 def save_hf(state_dict: dict[str, torch.Tensor], config, out_dir: str | Path, *, tokenizer=None,
             max_shard_size: int | str = "5GB") -> Path:
-    """`save_pretrained` a full state dict with its config, without allocating a second copy of the model."""
+    """`save_pretrained` a full state dict with its config, without allocating a second copy of the model.
+
+    With a `tokenizer`, it is saved beside the weights, and its bos/eos/pad ids go into config.json and
+    generation_config.json (generation also stopping at its chat template's end-of-turn token), so the
+    directory is ready for `generate()`; the caller's `config` is not changed.
+    """
+    if tokenizer is not None:
+        config = with_tokenizer_ids(config, tokenizer)
     dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     model = meta_model(config, dtype)
@@ -62,6 +70,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], config, out_dir: str | Path, *,
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     if tokenizer is not None:
+        generation_config_for(tokenizer).save_pretrained(out)
         tokenizer.save_pretrained(out)
     return out
 

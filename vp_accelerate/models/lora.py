@@ -127,8 +127,12 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def save_adapter(state: dict[str, torch.Tensor], config, adapter, transposed, out_dir,
-                 base_model_name_or_path: str | None = None) -> Path:
-    """Write a peft adapter folder (adapter_config.json + adapter_model.safetensors)."""
+                 base_model_name_or_path: str | None = None, tokenizer=None) -> Path:
+    """Write a peft adapter folder (adapter_config.json + adapter_model.safetensors, and the tokenizer when
+    given: `AutoPeftModelForCausalLM` reads it from the folder instead of asking the hub).
+
+    `base_model_name_or_path` is what `AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads the base from
+    (a hub id or a directory; without it, only `PeftModel.from_pretrained(base, out_dir)` works)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -137,4 +141,20 @@ def save_adapter(state: dict[str, torch.Tensor], config, adapter, transposed, ou
     cfg.base_model_name_or_path = base_model_name_or_path
     cfg.save_pretrained(str(out))
     save_file(adapter_state_dict(state), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
     return out
+
+
+def parameter_counts(named_parameters, is_duplicate=lambda name: False) -> tuple[int, int]:
+    """(trainable, total) parameters of one rank, a tied copy (`is_duplicate`) counted once over the ranks."""
+    own = [(p.numel(), p.requires_grad) for n, p in named_parameters if not is_duplicate(n)]
+    return sum(n for n, trains in own if trains), sum(n for n, _ in own)
+
+
+def describe_adapter(adapter, config, trainable: int, total: int) -> str:
+    """The line a LoRA run starts with: what is adapted and how many parameters train."""
+    vocab = "trains (adapter.train_vocab)" if adapter.train_vocab else "is frozen"
+    return (f"LoRA r={adapter.r} alpha={adapter.alpha:g} on {', '.join(target_modules_for(config, adapter.target_modules))}"
+            f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%); the "
+            f"vocabulary {vocab}")

@@ -82,7 +82,15 @@ def train_main(argv: list[str] | None = None) -> int:
         # the same decision on every rank (same data / all-reduced values): each says why and exits 3
         print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 3
-    logging.getLogger("vp_accelerate.train").info("done: final eval loss %.4f", summary["final_eval_loss"])
+    log = logging.getLogger("vp_accelerate.train")
+    if summary["end_step"] < recipe.train.steps:
+        saved = (f"checkpoint {recipe.checkpoint.dir}; continue with --resume" if recipe.checkpoint.dir else
+                 "no checkpoint (checkpoint.enabled: false), so it cannot be resumed")
+        log.info("stopped after step %d of %d (--stop-at %s): eval loss %.4f; %s; no final export", summary["end_step"],
+                 recipe.train.steps, args.stop_at, summary["final_eval_loss"], saved)
+    else:
+        log.info("done: final eval loss %.4f after step %d%s", summary["final_eval_loss"], summary["end_step"],
+                 f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else "")
     return 0
 
 

@@ -1,38 +1,47 @@
-"""Turn a pipeline checkpoint (per-rank shards) into one HF model directory, in a single process.
+"""Turn a run into HF model directories: the final export of `train`, and `vp-accelerate export CHECKPOINT`.
 
-The first data-parallel replica's ranks hold every tensor once; vocabulary shards are concatenated in
-pipeline-rank order and cut to `vocab_size` rows, tensors duplicated across ranks (the baseline's tied
-embedding copy) are taken once. The config and tokenizer saved in the checkpoint go beside the
-weights, so `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` work.
+From a checkpoint (per-rank shards, read in one process): the first data-parallel replica's ranks hold every
+tensor once; vocabulary shards are concatenated in pipeline-rank order and cut to `vocab_size` rows, tensors
+duplicated across ranks (the baseline's tied embedding copy) are taken once. Without checkpoints
+(`checkpoint.enabled: false`) the final export gathers the same state dict from the ranks instead.
 
-A LoRA run's checkpoint holds the frozen base weights and the adapters: export merges them (W + alpha/r·BA)
-into a plain HF model, or with `adapter_only` writes a peft adapter folder (`PeftModel.from_pretrained`).
+Every export ships the run's tokenizer (with the chat template it trained with) and writes its bos/eos/pad
+ids into config.json and generation_config.json, where generation also stops at the template's end-of-turn
+token (`models/generation.py`), so `generate()` works on it as it is.
+
+A LoRA run's state holds the frozen base weights and the adapters: the model directory is merged (W +
+alpha/r·BA, a plain HF model); the peft adapter folder (`adapter_dir`, or `adapter_only`) holds the adapters,
+the tokenizer and `base_model_name_or_path`: the model source when the run's frozen base is exactly that
+model (an absolute path for a local one), else the frozen base itself, written into `<adapter>/base` — a
+fresh model, a vocabulary the run resized or swapped, config overrides, other special-token ids. So
+`AutoPeftModelForCausalLM.from_pretrained(adapter)` loads it offline.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 
 from . import checkpoint as ckpt
 
+log = logging.getLogger("vp_accelerate.train")
 
-def _adapter_of(meta: dict):
+
+def _adapter_of(recipe: dict):
     """The run's AdapterConfig when it trained LoRA adapters, else None."""
     from vp_accelerate.runtime.adapter_config import AdapterConfig
 
-    section = (meta.get("recipe") or {}).get("adapter") or {}
+    section = (recipe or {}).get("adapter") or {}
     adapter = AdapterConfig(**section) if section else AdapterConfig()
     return adapter if adapter.enabled else None
 
 
-def export_checkpoint(path: str, out_dir: str, max_shard_size: str = "5GB", adapter_only: bool = False) -> str:
-    """Write the HF model dir for checkpoint `path` (a step dir, or a checkpoint root with `latest`), or
-    its LoRA adapter folder (`adapter_only`)."""
+def checkpoint_state(path: str):
+    """(full HF state dict, config, tokenizer, meta) of checkpoint `path` (a step dir or a checkpoint root)."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
-    from vp_accelerate.models.export import assemble_state_dict, save_hf
+    from vp_accelerate.models.export import assemble_state_dict
 
     path = ckpt.resolve(path)
     meta = ckpt.read_meta(path)
@@ -45,22 +54,122 @@ def export_checkpoint(path: str, out_dir: str, max_shard_size: str = "5GB", adap
         shards.append({k: v for k, v in sd.items() if k not in set(r.get("duplicates", ()))})
     state = assemble_state_dict(shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())))
     model_dir = os.path.join(path, "model")
-    config = AutoConfig.from_pretrained(model_dir)
-    adapter = _adapter_of(meta)
-    if adapter_only:
+    trust = bool(((meta.get("recipe") or {}).get("model") or {}).get("trust_remote_code", False))
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
+    return state, config, tokenizer, meta
+
+
+def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, str]:
+    """(what the adapter folder names as its base model, why): the model source when the run's frozen base
+    is exactly that model with this tokenizer's ids, else None (the base is written beside the adapter)."""
+    from .presets import PRESETS
+
+    m = (recipe or {}).get("model") or {}
+    source = m.get("source")
+    if not source or source in PRESETS or not m.get("pretrained_weights", True):
+        return None, "the run started from a fresh model, which exists nowhere else"
+    if m.get("config") or m.get("init_from"):
+        return None, "model.config / model.init_from: the run's base is not model.source's weights"
+    local = os.path.expanduser(source)
+    if not os.path.isdir(local) and (source.startswith((".", "/", "~")) or source.count("/") != 1):
+        return None, f"model.source {source!r} is not a directory here"
+    where = os.path.abspath(local) if os.path.isdir(local) else source
+    try:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        from vp_accelerate.models.generation import generation_eos
+
+        from .token_map import same_vocabulary
+
+        if AutoConfig.from_pretrained(where).vocab_size != vocab_size:
+            return None, "the run resized the vocabulary"
+        if not same_vocabulary(AutoTokenizer.from_pretrained(where), tokenizer):
+            return None, "the run's tokenizer differs from the model's (a swap, or chat tokens added)"
+        stops = GenerationConfig.from_pretrained(where).eos_token_id
+        as_list = lambda x: sorted(x) if isinstance(x, list) else ([] if x is None else [x])  # noqa: E731
+        if as_list(stops) != as_list(generation_eos(tokenizer)):
+            return None, f"{where} stops generation at {stops}, the run's tokenizer at {generation_eos(tokenizer)}"
+    except (OSError, ValueError) as e:
+        return None, f"cannot read {where} offline ({type(e).__name__})"
+    return where, f"the frozen base is {where}"
+
+
+def write_exports(state, config, tokenizer, recipe: dict, transposed, out_dir: str | None,
+                  adapter_dir: str | None = None, max_shard_size: str = "5GB") -> None:
+    """Write the model directory `out_dir` (merged for a LoRA run) and, for a LoRA run, the adapter folder
+    `adapter_dir`, from a full HF state dict; either may be None."""
+    from vp_accelerate.models.export import save_hf
+
+    adapter = _adapter_of(recipe)
+    if adapter_dir is not None:
         if adapter is None or adapter.train_vocab:
-            raise ckpt.CheckpointError(f"{path}: no LoRA adapter to export alone (adapter.type is null, or "
-                                       f"adapter.train_vocab trained the vocabulary too); export the full model")
-        from vp_accelerate.models.lora import save_adapter
+            raise ckpt.CheckpointError("no LoRA adapter to export alone (adapter.type is null, or adapter.train_vocab "
+                                       "trained the vocabulary too); export the full model")
+        from vp_accelerate.models.lora import merge_lora, save_adapter
 
-        save_adapter(state, config, adapter, meta.get("lora_transposed", []), out_dir)
-        return out_dir
-    if adapter is not None:
-        from vp_accelerate.models.lora import merge_lora
+        base, why = adapter_base(recipe, config.vocab_size, tokenizer)
+        if base is None:
+            base = os.path.abspath(os.path.join(adapter_dir, "base"))
+            save_hf(merge_lora(state, 0.0, transposed), config, base, tokenizer=tokenizer,
+                    max_shard_size=max_shard_size)
+            why = f"the frozen base is written to {base}: {why}"
+        save_adapter(state, config, adapter, transposed, adapter_dir, base, tokenizer=tokenizer)
+        log.info("LoRA adapter folder %s (AutoPeftModelForCausalLM.from_pretrained); %s", adapter_dir, why)
+    if out_dir is not None:
+        if adapter is not None:
+            from vp_accelerate.models.lora import merge_lora
 
-        state = merge_lora(state, adapter.scaling, meta.get("lora_transposed", []))
-    save_hf(state, config, out_dir, max_shard_size=max_shard_size)
-    for name in os.listdir(model_dir):  # tokenizer files (config.json was just written by save_hf)
-        if name != "config.json":
-            shutil.copy2(os.path.join(model_dir, name), os.path.join(out_dir, name))
-    return out_dir
+            state = merge_lora(state, adapter.scaling, transposed)
+        save_hf(state, config, out_dir, tokenizer=tokenizer, max_shard_size=max_shard_size)
+
+
+def export_checkpoint(path: str, out_dir: str | None, max_shard_size: str = "5GB", adapter_only: bool = False,
+                      adapter_dir: str | None = None) -> str | None:
+    """Write the HF model dir for checkpoint `path` (a step dir, or a checkpoint root with `latest`) to
+    `out_dir`, and a LoRA run's adapter folder to `adapter_dir`; `adapter_only`: the adapter folder alone, in
+    `out_dir`."""
+    state, config, tokenizer, meta = checkpoint_state(path)
+    if adapter_only:
+        out_dir, adapter_dir = None, out_dir
+    try:
+        write_exports(state, config, tokenizer, meta.get("recipe") or {}, meta.get("lora_transposed", []), out_dir,
+                      adapter_dir, max_shard_size)
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"{ckpt.resolve(path)}: {e}") from None
+    return out_dir or adapter_dir
+
+
+def export_final(run) -> str | None:
+    """A completed run's final model as an HF model dir (safetensors + config + tokenizer) in `<output_dir>/hf`
+    (checkpoint.export_hf), merged for a LoRA run, whose adapter folder goes to `<output_dir>/adapter`.
+
+    With checkpoints it is read from the final checkpoint by rank 0; without (checkpoint.enabled: false) the
+    ranks gather it (a collective). Returns the model dir, None when not exported.
+    """
+    recipe, pipe = run.recipe, run.pipe
+    c = recipe.checkpoint
+    done = run.end_step == recipe.train.steps or getattr(run, "stopped_early", False)  # eval.patience ends it too
+    if not (c.export_hf and done and run.start_step < run.end_step):
+        return None
+    out = os.path.join(recipe.logging.output_dir, "hf")
+    adapter = recipe.adapter if recipe.adapter.enabled else None
+    adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter and not adapter.train_vocab else None
+    if c.dir:
+        if pipe.rank == 0:
+            from .run_state import final_checkpoint  # the best one with checkpoint.keep_best
+
+            export_checkpoint(final_checkpoint(run), out, adapter_dir=adapter_dir)
+    else:
+        from .tracking import gather
+
+        state = pipe.gather_hf_state_dict()  # collectives: every rank takes part
+        transposed = sorted({n for names in gather(list(getattr(pipe, "lora_transposed", []))) for n in names})
+        if pipe.rank == 0:
+            write_exports(state, pipe.hf_config, run.tokenizer, run.recipe_dict, transposed, out, adapter_dir)
+    if pipe.rank == 0:
+        merged = " (LoRA merged into the weights; the adapter alone is in " + adapter_dir + ")" if adapter_dir else \
+            " (LoRA merged into the weights)" if adapter else ""
+        log.info("exported the final model to %s%s: AutoModelForCausalLM.from_pretrained / AutoTokenizer, ready "
+                 "for generate()", out, merged)
+    return out

@@ -118,7 +118,7 @@ def vocab_decision(recipe, config, full: bool = True):
     full=False (every rank under a launcher) skips what is slow and cannot fail: converting a Qwen tokenizer
     and building a swap's row map (the trainer builds it); the row counts are still decided.
     """
-    from .vocab_plan import model_tokenizer_source, plan_vocab, tokenizer_source
+    from .vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
 
     source = tokenizer_source(recipe)
     tokenizer = _load_local_tokenizer(recipe, source, convert=full)
@@ -130,7 +130,8 @@ def vocab_decision(recipe, config, full: bool = True):
     model_tokenizer = None
     if own is not None:
         model_tokenizer = tokenizer if own == source else _load_local_tokenizer(recipe, own, convert=full)
-    return plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, build_map=full)
+    chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, pretrained)  # the tokens it adds need rows
+    return plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, build_map=full, chat=chat)
 
 
 def _data_note(recipe) -> str:
@@ -193,9 +194,9 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
     if c.dir is None:
         if resume is not None:
             raise RecipeError("checkpoint.enabled: --resume needs checkpoints; set checkpoint.enabled: true")
-        if recipe.model.init_from is None:
-            return ["checkpoints off (checkpoint.enabled: false): no resume and no final export"]
-        return []
+        export = (f"the final model is still exported to {os.path.join(out, 'hf')}" if c.export_hf else
+                  "no final export (checkpoint.export_hf: false)")
+        return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"]
     if resume is None:
         latest = ckpt.read_latest(c.dir) if os.path.isdir(c.dir) else None
         if latest is not None:

@@ -129,18 +129,3 @@ def init_weights_from(run, source: str) -> None:
         log.info("initialised the weights from %s (step %d); optimizer, schedule and data start afresh", path,
                  meta["step"])
 
-
-def export_final(run) -> str | None:
-    """A completed run's final checkpoint as an HF model dir (safetensors + config + tokenizer) in
-    `<output_dir>/hf`, written by rank 0 (checkpoint.export_hf); None when not exported."""
-    c = run.recipe.checkpoint
-    done = run.end_step == run.recipe.train.steps and run.start_step < run.end_step
-    if not (c.dir and c.export_hf and done):
-        return None
-    out = os.path.join(run.recipe.logging.output_dir, "hf")
-    if run.pipe.rank == 0:
-        from .export import export_checkpoint
-
-        export_checkpoint(c.dir, out)
-        log.info("exported the final model to %s (AutoModelForCausalLM.from_pretrained / AutoTokenizer)", out)
-    return out

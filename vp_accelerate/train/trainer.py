@@ -19,7 +19,8 @@ from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, tr
 from .optim import build_optimizer, build_scheduler
 from .presets import model_source, recipe_model_config
 from .recipe import Recipe, recipe_to_dict
-from .run_state import export_final, fingerprint, init_weights_from, resume_run
+from .export import export_final
+from .run_state import fingerprint, init_weights_from, resume_run
 from .tokenizer import load_tokenizer
 from .tracking import Tracker, gather, plot_measured_timeline
 
@@ -65,13 +66,15 @@ def mixed_precision_for(recipe: Recipe, accelerate_mode: str | None) -> str:
 
 
 def load_model_and_tokenizers(recipe: Recipe, accelerator):
-    """(model dir or None for a preset, tokenizer, the model's own tokenizer or None), one process first.
+    """(model dir or None for a preset, tokenizer, the model's own tokenizer or None, the chat template
+    decision), one process first.
 
     A hub model is snapshotted to the local cache (config, safetensors, tokenizer) so every rank reads
-    its own tensors from files; Qwen tokenizers are converted once.
+    its own tensors from files; Qwen tokenizers are converted once. The chat template the run trains with is
+    set on the tokenizer, with the special tokens it needs (`chat_template.py`).
     """
     from .presets import PRESETS, local_model_dir
-    from .vocab_plan import model_tokenizer_source, tokenizer_source
+    from .vocab_plan import model_tokenizer_source, prepare_tokenizers, tokenizer_source
 
     m = recipe.model
     with accelerator.main_process_first():
@@ -85,11 +88,12 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
         if own is not None:
             model_tokenizer = tokenizer if os.path.abspath(own) == os.path.abspath(source) else \
                 load_tokenizer(own, recipe.tokenizer.cache_dir, m.trust_remote_code)
-    return model_dir, tokenizer, model_tokenizer
+    chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, m.pretrained_weights and m.source not in PRESETS)
+    return model_dir, tokenizer, model_tokenizer, chat
 
 
 def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = None, model_tokenizer=None,
-                   accelerate_mixed_precision: str | None = None):
+                   accelerate_mixed_precision: str | None = None, chat=None):
     """(PipelineModel of the recipe's model, the vocabulary decision `VocabPlan`).
 
     Pretrained weights are read per rank from `model_dir` (each rank its own tensors and vocabulary rows);
@@ -110,7 +114,7 @@ def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = No
         from transformers import AutoConfig
 
         config.vocab_size = AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code).vocab_size
-    plan = plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer)
+    plan = plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, chat=chat)
     source = model_source(m, config, plan, model_dir)
     if isinstance(source, CheckpointSource):
         if dist.is_available() and dist.is_initialized():
@@ -130,6 +134,19 @@ def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = No
     return pipe, plan
 
 
+def _adapter_line(recipe: Recipe, pipe) -> str | None:
+    """A LoRA run's trainable / total parameters over the pipeline (replica 0's ranks); a collective."""
+    if not recipe.adapter.enabled:
+        return None
+    from vp_accelerate.models.lora import describe_adapter, parameter_counts
+
+    mods = getattr(pipe, "mods", None)
+    counts = gather((pipe.dp_rank, *parameter_counts(pipe.named_parameters(),
+                                                     mods.is_duplicate if mods is not None else lambda n: False)))
+    trainable, total = (sum(c[k] for c in counts if c[0] == 0) for k in (1, 2))
+    return describe_adapter(recipe.adapter, pipe.hf_config, trainable, total)
+
+
 def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None) -> Run:
     """Accelerator, tokenizer, pipeline, data, optimizer and tracker of a run (resumed if asked: "latest" or
     True, a step number, or a checkpoint path; else initialised from model.init_from's weights if set)."""
@@ -142,12 +159,13 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     t = recipe.train
     recipe.checkpoint.dir = recipe.checkpoint.resolved_dir(recipe.logging.output_dir)
     which = "latest" if resume is True else (resume or None)
-    model_dir, tokenizer, model_tokenizer = load_model_and_tokenizers(recipe, accelerator)
+    model_dir, tokenizer, model_tokenizer, chat = load_model_and_tokenizers(recipe, accelerator)
     pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer,
-                                 accelerator.mixed_precision)
+                                 accelerator.mixed_precision, chat)
     layout = PipelineLayout(tuple(gather(pipe.describe())))
+    adapter_line = _adapter_line(recipe, pipe)  # a collective
     if accelerator.is_main_process:
-        for line in vocab.lines():
+        for line in vocab.lines() + ([adapter_line] if adapter_line else []):
             log.info("%s", line)
         log.info("distributed: %s, world size %d (pp %d x dp %d)", accelerator.distributed_type,
                  pipe.world_size, pipe.world_size // pipe.dp_size, pipe.dp_size)

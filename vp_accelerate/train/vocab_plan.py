@@ -66,6 +66,8 @@ class VocabPlan:
     """Why, in words, with the key that changes it."""
     row_map: object = None
     """`models.RowMap` (pretrained weights only): where each new row comes from."""
+    chat: object = None
+    """The chat template decision (`chat_template.ChatSetup`), made before this one: it may add tokens."""
 
     @property
     def padding(self) -> int:
@@ -82,15 +84,51 @@ class VocabPlan:
         if counts is not None and self.mode in ("swap", "remap", "grow", "shrink"):
             out.append("vocabulary rows: {copied:,} copied, {composed:,} composed of old pieces, {mean:,} from the "
                        "mean of the old rows".format(**counts))
-        return out
+        chat = self.chat.line() if self.chat is not None else None
+        return out + ([chat] if chat else [])
+
+
+def is_swap(recipe, tokenizer, model_tokenizer, pretrained: bool = True) -> bool:
+    """Whether the run swaps the model's tokenizer for another, rebuilding rows by token string."""
+    from .token_map import same_vocabulary
+
+    t = recipe.tokenizer
+    if not pretrained:
+        return False
+    if t.remap == "by_token":
+        if model_tokenizer is None:
+            raise RecipeError(f"tokenizer.remap: by_token needs the model's own tokenizer, and model.source "
+                              f"{recipe.model.source!r} has none; use tokenizer.remap: by_id if the ids mean the "
+                              f"same tokens")
+        return True
+    return t.remap == "auto" and model_tokenizer is not None and not same_vocabulary(model_tokenizer, tokenizer)
+
+
+def prepare_tokenizers(recipe, tokenizer, model_tokenizer, pretrained: bool):
+    """The chat template decision (`chat_template.ChatSetup`) for the run, applied to the tokenizers: call it
+    before `plan_vocab`, which then counts the tokens it added."""
+    from .chat_template import data_format, prepare_chat
+
+    swap = is_swap(recipe, tokenizer, model_tokenizer, pretrained)
+    try:
+        return prepare_chat(tokenizer, model_tokenizer, data_format(recipe.data) == "chat", swap)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
 
 
 def plan_vocab(recipe, rows_before: int, tokenizer, pretrained: bool, model_tokenizer=None,
-               build_map: bool = True) -> VocabPlan:
-    """Decide the run's vocabulary. `model_tokenizer`: the model's own tokenizer when known (for swaps).
+               build_map: bool = True, chat=None) -> VocabPlan:
+    """Decide the run's vocabulary. `model_tokenizer`: the model's own tokenizer when known (for swaps);
+    `chat`: the chat template decision (`prepare_tokenizers`), reported with it.
 
     build_map=False leaves a swap's `row_map` None (the decision and row counts do not need it).
     """
+    plan = _plan(recipe, rows_before, tokenizer, pretrained, model_tokenizer, build_map)
+    plan.chat = chat
+    return plan
+
+
+def _plan(recipe, rows_before: int, tokenizer, pretrained: bool, model_tokenizer, build_map: bool) -> VocabPlan:
     t = recipe.tokenizer
     n = len(tokenizer)
     padded = padded_vocab(n, t.pad_to_multiple_of)
@@ -102,20 +140,11 @@ def plan_vocab(recipe, rows_before: int, tokenizer, pretrained: bool, model_toke
             raise _too_small(n, rows_before)
         return VocabPlan(n, rows_before, rows_before, "fresh", "random init, tokenizer.resize_vocab: false keeps "
                          "the config's rows")
-    from .token_map import build_row_map, same_vocabulary
+    from .token_map import build_row_map
 
     from vp_accelerate.models.row_map import RowMap
 
-    swap = False
-    if t.remap == "by_token":
-        if model_tokenizer is None:
-            raise RecipeError(f"tokenizer.remap: by_token needs the model's own tokenizer, and model.source "
-                              f"{recipe.model.source!r} has none; use tokenizer.remap: by_id if the ids mean the "
-                              f"same tokens")
-        swap = True
-    elif t.remap == "auto" and model_tokenizer is not None:
-        swap = not same_vocabulary(model_tokenizer, tokenizer)
-    if swap:
+    if is_swap(recipe, tokenizer, model_tokenizer):
         if t.resize_vocab:
             rows, mode = padded, "swap"
             why = (f"a different tokenizer than the model's: rows rebuilt by token string "
