@@ -18,7 +18,7 @@ import torch.distributed as dist
 from vp_accelerate.distributed import RankFailed, spawn
 from vp_accelerate.schedule import Op
 from vp_accelerate.schedule.ir import COMPUTE_PASSES
-from vp_accelerate.schedule.streams import consumed
+from vp_accelerate.schedule.deps import consumed
 
 from helpers.tiny import tiny_llama
 

@@ -29,6 +29,7 @@ from vp_accelerate.runtime.groups import Groups
 from vp_accelerate.runtime.memory import ActivationMeter
 from vp_accelerate.runtime.weight_grad import WeightGradStore
 from vp_accelerate.runtime import p2p
+from vp_accelerate.schedule.deps import consumed
 from vp_accelerate.schedule.ir import Action, Op, Schedule, TimedAction, p2p_batches
 from vp_accelerate.vocab import embedding as vemb
 from vp_accelerate.vocab import output_layer as vout
@@ -115,12 +116,12 @@ class Executor:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> chunk input (leaf)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> chunk output (graph)
         self.grads: dict[tuple[int, int], torch.Tensor] = {}     # (mb, chunk) -> ∂L/∂output
-        self.recvs: dict[tuple[str, int, int], tuple] = {}       # pending receive buffers + their batch
+        self.recvs: dict[tuple[Op, int, int], tuple] = {}        # pending receive buffers + their batch
         self.sends: list = []                                    # batches with sends, waited at the end
         self.partials: dict[int, torch.Tensor] = {}              # IF partial / reduced embedding out
         self.x: dict[int, torch.Tensor] = {}                     # C0 result
         self.states: dict[int, object] = {}                      # S -> T output-layer state
-        self.pending: dict[tuple[str, int], object] = {}         # async C1/C2 handles
+        self.pending: dict[tuple[Op, int], object] = {}          # async C1/C2 handles
         self.emb_grads: dict[int, torch.Tensor] = {}             # IB gradient of the embedding output
         self.losses: dict[int, torch.Tensor] = {}                # baseline: last chunk's scaled loss
         self.inflight: list = []                                 # async collectives nobody here consumes
@@ -191,7 +192,7 @@ class Executor:
                 ops.append(dist.P2POp(dist.isend, grad, peer, self.g.pp_group))
             else:
                 buf = self._empty_act()
-                recv_keys.append(((a.op.value, a.mb, a.chunk), buf))
+                recv_keys.append(((a.op, a.mb, a.chunk), buf))
                 ops.append(dist.P2POp(dist.irecv, buf, peer, self.g.pp_group))
         # the batch completes as a whole: NCCL returns one Work for it, gloo one per op, so its Works are
         # never paired with its ops — a receive's data is there once its batch is
@@ -202,12 +203,12 @@ class Executor:
             self.sends.append(batch)
 
     def _take_recv(self, op: Op, mb: int, chunk: int) -> torch.Tensor:
-        buf, batch = self.recvs.pop((op.value, mb, chunk))
+        buf, batch = self.recvs.pop((op, mb, chunk))
         if batch is not None:
             batch.wait()
         return buf
 
-    def _wait_recv(self, key: tuple[str, int, int]) -> bool:
+    def _wait_recv(self, key: tuple[Op, int, int]) -> bool:
         """Complete a posted receive now (its whole batch: `Batch.wait` is idempotent)."""
         buf, batch = self.recvs.get(key, (None, None))
         if batch is None:
@@ -217,31 +218,23 @@ class Executor:
         return True
 
     def _await_inputs(self, a: Action) -> bool:
-        """Wait for the communication `a` consumes (received activations/gradients, collective results)
-        before the pass starts, so measured pass times exclude waiting. True if there was anything."""
-        waits, collectives = [], []
-        received = False
-        if a.op is Op.F:
-            received = self._wait_recv(("RECV_ACT", a.mb, a.chunk))
-            if a.chunk == 0 and self.vocab:
-                waits.append(self.partials.get(a.mb))
-        elif a.op is Op.B:
-            received = self._wait_recv(("RECV_GRAD", a.mb, a.chunk))
-            if a.chunk == self.last_chunk and self.vocab:
-                collectives = [("C1", a.mb), ("C2", a.mb)]
-        elif a.op is Op.S:
-            waits.append(self.x.get(a.mb))
-        elif a.op is Op.T:
-            collectives = [("C1", a.mb)]
-        elif a.op is Op.IB:
-            waits.append(self.emb_grads.get(a.mb))
-        waits = [w for w in waits if w is not None]
-        for w in waits:
-            w.wait()
-        pending = [k for k in collectives if k in self.pending]
-        for kind, mb in pending:
-            self._wait(kind, mb)
-        return bool(received or waits or pending)
+        """Wait for the communication `a` reads (`schedule.deps.consumed`, the rule the validator and the
+        NCCL replay use too: its receive, the collective whose result it takes) before the pass starts,
+        so measured pass times exclude waiting. True if anything was still pending."""
+        waited = False
+        for op, mb, chunk in consumed(self.schedule, self.g.pp_rank, a):
+            if op in (Op.RECV_ACT, Op.RECV_GRAD):
+                waited |= self._wait_recv((op, mb, chunk))
+            elif op in (Op.C1, Op.C2):
+                if (op, mb) in self.pending:
+                    self._wait(op, mb)
+                    waited = True
+            else:  # IF_REDUCE (chunk 0's owner), C0, IB_BCAST: a handle the pass will take
+                handle = {Op.IF_REDUCE: self.partials, Op.C0: self.x, Op.IB_BCAST: self.emb_grads}[op].get(mb)
+                if handle is not None:
+                    handle.wait()
+                    waited = True
+        return waited
 
     # ---- transformer chunk passes ------------------------------------------------------------
     def _chunk_input(self, a: Action) -> torch.Tensor:
@@ -425,23 +418,23 @@ class Executor:
         return self._low_weights[key]
 
     def _do_C1(self, a: Action) -> None:
-        self.pending[("C1", a.mb)] = self._issue("C1", a.mb, vout.c1(self.states[a.mb], self.g.vocab_group,
+        self.pending[(Op.C1, a.mb)] = self._issue("C1", a.mb, vout.c1(self.states[a.mb], self.g.vocab_group,
                                                                      async_op=True))
 
-    def _wait(self, kind: str, mb: int) -> None:
+    def _wait(self, kind: Op, mb: int) -> None:
         """Complete an async C1/C2; keep ∂L/∂X where the last chunk's B will need it."""
         p = self.pending.pop((kind, mb), None)
         if p is None:
             return
         p.wait()
-        done = self.method.grad_barrier.value  # the collective that completes ∂L/∂X
+        done = self.method.grad_barrier  # the collective that completes ∂L/∂X
         if kind == done and self.g.rank == self._owner(self.last_chunk):
             self.grad_x[mb] = self.states[mb].grad_x
-        if kind == "C2":
+        if kind is Op.C2:
             self._drop_state(mb)
 
     def _do_T(self, a: Action) -> None:
-        self._wait("C1", a.mb)
+        self._wait(Op.C1, a.mb)
         with torch.no_grad():
             head, bias = self.mods.head_weight, self.mods.head_bias
             vout.t_pass(self.states[a.mb], self._grad_buffer(head) if head.requires_grad else None,
@@ -452,12 +445,12 @@ class Executor:
             self._drop_state(a.mb)
 
     def _do_C2(self, a: Action) -> None:
-        self.pending[("C2", a.mb)] = self._issue("C2", a.mb, vout.c2(self.states[a.mb], self.g.vocab_group,
+        self.pending[(Op.C2, a.mb)] = self._issue("C2", a.mb, vout.c2(self.states[a.mb], self.g.vocab_group,
                                                                      async_op=True))
 
     def _vocab_grad_x(self, mb: int) -> torch.Tensor:
-        self._wait("C1", mb)
-        self._wait("C2", mb)
+        self._wait(Op.C1, mb)
+        self._wait(Op.C2, mb)
         return self.grad_x.pop(mb).reshape(self.act_shape).to(self.param_dtype)  # the last chunk's output dtype
 
     def _drop_state(self, mb: int) -> None:

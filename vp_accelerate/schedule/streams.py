@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .deps import consumed
 from .ir import COLLECTIVES, P2P, Action, Op, Schedule, ScheduleError, p2p_batches
 
 _SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
@@ -50,21 +51,6 @@ def _message(a: Action, sender: int) -> tuple:
     if a.op is Op.SEND_ACT:
         return (Op.RECV_ACT, a.mb, a.chunk + 1, sender)
     return (Op.RECV_GRAD, a.mb, a.chunk - 1, sender)
-
-
-def consumed(s: Schedule, rank: int, a: Action) -> list[tuple]:
-    """(op, mb, chunk) of the communication compute pass `a` on `rank` reads (receives, collectives)."""
-    mb, c, last = a.mb, a.chunk, s.last_chunk
-    if a.op is Op.F:
-        if c == 0 and s.vocab_parallel:
-            return [(Op.IF_REDUCE, mb, 0)]
-        return [(Op.RECV_ACT, mb, c)] if c > 0 and s.owner(c - 1) != rank else []
-    if a.op is Op.B:
-        if c == last:
-            barrier = s.method_spec.grad_barrier
-            return [(barrier, mb, 0)] if barrier is not None else []
-        return [(Op.RECV_GRAD, mb, c)] if s.owner(c + 1) != rank else []
-    return {Op.S: [(Op.C0, mb, 0)], Op.T: [(Op.C1, mb, 0)], Op.IB: [(Op.IB_BCAST, mb, 0)]}.get(a.op, [])
 
 
 class _Rank:

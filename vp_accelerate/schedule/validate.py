@@ -15,6 +15,7 @@ Checks, in order:
 from __future__ import annotations
 
 from .ir import COLLECTIVES, Action, Op, Schedule, ScheduleError, chain_collectives
+from .deps import prerequisites
 from .streams import replay_streams
 
 
@@ -79,7 +80,7 @@ def _check_rank(s: Schedule, r: int) -> None:
         if key not in expected:
             raise _err(r, i, a, "does not belong on this rank for this schedule "
                                 f"({s.describe()}, rank holds chunks {list(s.chunks_of(r))})")
-        need = _prerequisites(s, r, a)
+        need = prerequisites(s, r, a)
         missing = [n for n in need if n not in done]
         if missing:
             op, mb, c = missing[0]
@@ -95,42 +96,6 @@ def _check_rank(s: Schedule, r: int) -> None:
     if missing:
         op, mb, c = missing[0]
         raise ScheduleError(f"rank {r} never runs {Action(op, mb, c)} ({len(missing)} expected actions missing)")
-
-
-def _prerequisites(s: Schedule, r: int, a: Action) -> list:
-    """Actions that must already have run on rank r before `a` (the dependency rules of the IR)."""
-    mb, c, last = a.mb, a.chunk, s.last_chunk
-    op = a.op
-    if op is Op.F:
-        need = []
-        if c == 0 and s.vocab_parallel:
-            need.append((Op.IF_REDUCE, mb, 0))
-        if c > 0:
-            need.append((Op.F, mb, c - 1) if s.owner(c - 1) == r else (Op.RECV_ACT, mb, c))
-        return need
-    if op is Op.B:
-        need = [(Op.F, mb, c)]
-        if c == last:
-            if s.method_spec.grad_barrier is not None:  # the output layer's input gradient is complete
-                need.append((s.method_spec.grad_barrier, mb, 0))
-        else:
-            need.append((Op.B, mb, c + 1) if s.owner(c + 1) == r else (Op.RECV_GRAD, mb, c))
-        return need
-    if op is Op.W or op is Op.SEND_GRAD:
-        return [(Op.B, mb, c)]
-    if op is Op.SEND_ACT:
-        return [(Op.F, mb, c)]
-    if op in _AFTER:
-        return [(_AFTER[op], mb, 0)]
-    if op is Op.C0:
-        return [(Op.F, mb, last)] if s.owner(last) == r else []
-    if op is Op.IB_BCAST:
-        return [(Op.B, mb, 0)] if s.owner(0) == r else []
-    return []
-
-
-# vocabulary actions that follow one action of the same microbatch on every rank
-_AFTER = {Op.IF_REDUCE: Op.IF, Op.S: Op.C0, Op.C1: Op.S, Op.T: Op.C1, Op.C2: Op.T, Op.IB: Op.IB_BCAST}
 
 
 def _collectives(s: Schedule, r: int) -> list:
