@@ -76,10 +76,30 @@ def _memory(adapter):
     return out
 
 
+def _recomputed(adapter):
+    """Loss and gradients with activation checkpointing none / selective / full under bf16. A recomputed
+    layer casts its weights in backward as autocast does, while the forward used the step's shared
+    copies (cached or, for frozen weights, swapped in): the gradients agree only if both are the same."""
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+
+    out = {}
+    for mode in ("none", "selective", "full"):
+        pipe = PipelineModel(tiny_llama(VOCAB, hidden_size=32, num_layers=4, attn_implementation="eager"),
+                             PipelineConfig(schedule="1f1b", method="baseline", microbatches=4, mixed_precision="bf16",
+                                            activation_checkpointing=mode, attn_implementation="eager"), adapter=adapter)
+        ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+        res = pipe.train_step(ids, ids)
+        out[mode] = (res.loss, {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
+        pipe.close()
+    return out
+
+
 def _rank():
     from vp_accelerate.runtime.adapter_config import AdapterConfig
 
-    return {"trainable": _memory(None), "lora": _memory(AdapterConfig(type="lora", r=4)), "vocab": _vocab_passes()}
+    lora = AdapterConfig(type="lora", r=4)
+    return {"trainable": _memory(None), "lora": _memory(lora), "vocab": _vocab_passes(),
+            "recomputed": _recomputed(None), "recomputed lora": _recomputed(lora)}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +123,18 @@ def test_microbatches_in_flight_share_one_low_precision_copy_of_the_weights(meas
             assert 0.95 * one_copy < run["copies"] <= one_copy, (run["copies"], one_copy)
         else:
             assert run["copies"] == one_copy  # exactly one copy, counted once, for 2 or 8 in flight
+
+
+@pytest.mark.parametrize("key", ["recomputed", "recomputed lora"])
+def test_recomputed_layers_see_the_same_low_precision_weights(measured, key):
+    runs = measured[key]
+    loss, grads = runs["none"]
+    assert grads  # LoRA: the adapters (and nothing frozen) have gradients
+    for mode in ("selective", "full"):
+        assert runs[mode][0] == loss, mode
+        assert runs[mode][1].keys() == grads.keys()
+        for name, g in grads.items():
+            assert torch.equal(runs[mode][1][name], g), (mode, name)
 
 
 def _vocab_passes():
