@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .ir import Schedule, ScheduleError
+from .list_schedule import Stuck, list_schedule, tick_costs
 from .lower import lower
 from .registry import SCHEDULES, ScheduleKind, check_pair
 from .timing import place
@@ -12,24 +13,55 @@ SUPPORTED = {name: kind.methods for name, kind in SCHEDULES.items()}
 
 
 def build_schedule(kind: str, method: str, num_ranks: int, num_microbatches: int,
-                   chunks_per_rank: int | None = None, forward_only: bool = False) -> Schedule:
+                   chunks_per_rank: int | None = None, forward_only: bool = False, costs=None) -> Schedule:
     """The schedule of one optimizer step (or one evaluation step when `forward_only`).
 
     kind and method: names in schedule.registry's SCHEDULES and METHODS (any case): "1f1b" (1 chunk
     per rank), "vhalf" (2 chunks per rank, V shape, B/W split) or "interleaved" (`chunks_per_rank`
     chunks round-robin, default 2); "baseline", "redis" (same order as baseline, the layer split
     differs), "vocab-1" or "vocab-2".
+
+    costs: None builds the block's order on its unit grid. Pass costs (anything with
+    `pass_time(rank, op, chunk)`, `p2p_time()` and `collective_time(op)`: a cost.CostModel of this
+    layout, or measured cost.MeasuredCosts) build a cost-aware order instead (list_schedule.py): the
+    block's order as a priority, its activation peaks as the limit, the real pass times deciding the
+    rest; the block's own order is kept when, timed with the same costs, it is no slower. Every rank
+    must pass the same costs (the order is a pure function of the inputs).
     """
     sk, meth = check_pair(kind, method)
     v = _check_inputs(sk, num_ranks, num_microbatches, chunks_per_rank, forward_only)
     p, m = num_ranks, num_microbatches
     q = sk.block(p, v, 0).sub_period
     block = sk.block(p, v, meth.barriers * q)
+    split = block.split_backward and not forward_only
     passes, colls = place(block, p, m, meth, forward_only)
+    costed = costs is not None and p > 1
+    if costed:
+        passes, colls, costed = _cost_aware(block, p, meth, split, forward_only, passes, colls, costs)
     actions = lower(p, block.chunk_rank, passes, colls)
-    return Schedule(kind=sk.name, method=meth.name, num_ranks=p, num_microbatches=m,
-                    chunk_rank=block.chunk_rank, split_backward=block.split_backward and not forward_only,
-                    forward_only=forward_only, actions=actions)
+    schedule = Schedule(kind=sk.name, method=meth.name, num_ranks=p, num_microbatches=m,
+                        chunk_rank=block.chunk_rank, split_backward=split, forward_only=forward_only,
+                        actions=actions)
+    if costed:  # the grid orders are checked by the tests; a cost-aware one is new for every input
+        from .validate import validate
+
+        validate(schedule)
+    return schedule
+
+
+def _cost_aware(block, p: int, meth, split: bool, forward_only: bool, passes, colls, costs):
+    """(passes, collectives, whether they are the list schedule's): the list schedule of the block's
+    placement with `costs`, or the placement itself when its own order is as fast."""
+    ticks = tick_costs(costs, block.chunk_rank, {tp.op for tp in passes}, {c.op for c in colls})
+    *_, grid_span = list_schedule(passes, colls, block.chunk_rank, p, meth, split, forward_only, ticks, strict=True)
+    try:
+        new_passes, new_colls, span = list_schedule(passes, colls, block.chunk_rank, p, meth, split, forward_only,
+                                                    ticks)
+    except Stuck:  # the greedy order painted itself into a corner: keep the block's
+        return passes, colls, False
+    if span >= grid_span:
+        return passes, colls, False
+    return new_passes, new_colls, True
 
 
 def _check_inputs(kind: ScheduleKind, p, m, chunks_per_rank, forward_only: bool) -> int:
