@@ -186,3 +186,38 @@ def test_the_cost_model_counts_one_low_precision_copy_per_parameter():
     model = CostModel(shape, "vocab-2", chunk_rank=(0, 1), chunk_layers=(2, 2))
     for rank in (0, 1):
         assert model.static_bytes(rank) == model.rank_params(rank) * (4 + 4 + 8 + 2)
+
+
+def _saved_weight_storages(lin: torch.nn.Linear, x: torch.Tensor, refs: list | None = None) -> set[int]:
+    """Storages of the bf16 [out, in]-sized tensors one autocast forward of `lin` saves for backward
+    (weak references to them go to `refs`)."""
+    found = set()
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and t.numel() == lin.weight.numel():
+            found.add(t.untyped_storage().data_ptr())
+            if refs is not None:
+                refs.append(weakref.ref(t if t._base is None else t._base))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(x).float().sum().backward()
+    return found
+
+
+def test_the_step_region_holds_one_cast_and_runs_cuda_backward_on_the_calling_thread():
+    from vp_accelerate.runtime.precision import step_weight_casts
+
+    lin, x = torch.nn.Linear(8, 8), torch.randn(2, 8, requires_grad=True)
+    assert len(_saved_weight_storages(lin, x) | _saved_weight_storages(lin, x)) == 2  # one cast per forward
+    refs: list = []
+    with step_weight_casts(torch.device("cpu"), torch.bfloat16):
+        shared = _saved_weight_storages(lin, x, refs) | _saved_weight_storages(lin, x, refs)
+        assert len(shared) == 1 and torch.is_autocast_enabled("cpu") is False  # autocast itself stays off
+        assert refs[0]() is not None  # the cache holds the copy while the step lasts
+    assert refs and all(r() is None for r in refs)  # and lets it go when the step ends
+    assert torch._C._is_multithreading_enabled()  # CPU backward runs on the calling thread anyway
+    # on CUDA the step's backward runs on the calling thread, where the region is open; restored after
+    with step_weight_casts(torch.device("cuda"), torch.bfloat16):
+        assert not torch._C._is_multithreading_enabled()
+    assert torch._C._is_multithreading_enabled()
