@@ -16,14 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from vp_accelerate.distributed import spawn
+from vp_accelerate.schedule.registry import supported_pairs
 
 from helpers.tiny import tiny_llama
 
-CONFIGS = [  # (schedule, method)
-    ("1f1b", "baseline"), ("1f1b", "redis"), ("1f1b", "vocab-1"), ("1f1b", "vocab-2"),
-    ("vhalf", "baseline"), ("vhalf", "vocab-1"), ("vhalf", "vocab-2"),
-    ("interleaved", "baseline"), ("interleaved", "vocab-2"),
-]
+CONFIGS = supported_pairs()  # every (schedule, method) the registry offers: a new schedule is tested too
 RUNS = [(torch.float32, "sgd", 1), (torch.float64, "adamw", 3)]  # (dtype, optimizer, steps)
 LR = 1e-3
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vp_accelerate.schedule.registry import supported_pairs
+
 # Every method the harness knows, in the order tables and plots list them. "peer" is
-# torch.distributed.pipelining's Schedule1F1B; the rest run through our runtime.
-ALL_METHODS = ("peer", "1f1b-baseline", "1f1b-redis", "1f1b-vocab-1", "1f1b-vocab-2",
-               "vhalf-baseline", "vhalf-vocab-2")
+# torch.distributed.pipelining's Schedule1F1B; the rest, every pair the schedule registry offers, run
+# through our runtime.
+ALL_METHODS = ("peer",) + tuple(f"{kind}-{method}" for kind, method in supported_pairs())
 QUICK_METHODS = ("peer", "1f1b-vocab-2")
 DEFAULT_VOCABS = (32768, 65536, 131072, 262144)
 

@@ -13,6 +13,7 @@ import torch
 
 from vp_accelerate.bench.timeline import Pass
 from vp_accelerate.schedule.ir import COMPUTE_OPS  # the rest (sends, receives, collectives) are waits
+from vp_accelerate.schedule.registry import supported_pairs
 
 
 class Runner(Protocol):
@@ -110,8 +111,7 @@ def _ours(schedule: str, method: str) -> Method:
 
 METHODS: dict[str, Method] = {
     "peer": Method("peer", "1f1b", _build_peer, relative_times=False, unavailable=_peer_missing),
-    **{m.name: m for m in (_ours("1f1b", "baseline"), _ours("1f1b", "redis"), _ours("1f1b", "vocab-1"),
-                           _ours("1f1b", "vocab-2"), _ours("vhalf", "baseline"), _ours("vhalf", "vocab-2"))},
+    **{m.name: m for m in (_ours(kind, method) for kind, method in supported_pairs())},
 }
 
 
