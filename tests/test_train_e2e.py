@@ -144,6 +144,8 @@ def test_resume_equals_uninterrupted(setup, full_run):
         assert resumed[step]["train/loss"] == full[step]["train/loss"], step
         assert resumed[step]["train/grad_norm"] == full[step]["train/grad_norm"], step
         assert resumed[step]["train/lr"] == full[step]["train/lr"], step
+        for key in ("train/tokens", "train/loss_tokens", "train/epoch"):  # counters go on from the checkpoint
+            assert resumed[step][key] == full[step][key], (step, key)
     assert resumed_eval[STEPS] == full_eval[STEPS]
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 LATEST = "latest"
+BEST = "best"
 META = "meta.json"
 
 
@@ -98,11 +99,12 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(ckpt_dir: str, step: int, *, rank: int, model_state: dict, optimizer_state: dict,
                     trainer_state: dict, meta: dict, barrier: Callable[[], None],
                     write_model_files: Callable[[str], None] | None = None, keep: int = 2,
-                    _crash_after: str | None = None) -> str:
+                    best: bool = False, keep_best: bool = False, _crash_after: str | None = None) -> str:
     """Collective: every rank calls it with its own state. Returns the final checkpoint path.
 
     `meta` (rank 0's is written) must hold the layout fingerprint; `write_model_files(dir)` (rank 0)
-    writes config/tokenizer files for export. `_crash_after` is for tests: raise after that stage.
+    writes config/tokenizer files for export. `best`: this one becomes the `best` pointer's; `keep_best`: the
+    checkpoint `best` names is never pruned. `_crash_after` is for tests: raise after that stage.
     """
     from safetensors.torch import save_file
 
@@ -152,17 +154,30 @@ def save_checkpoint(ckpt_dir: str, step: int, *, rank: int, model_state: dict, o
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(ckpt_dir, LATEST))
         _fsync_dir(ckpt_dir)
-        _prune(ckpt_dir, keep)
+        if best:
+            _write_pointer(ckpt_dir, BEST, step_dir_name(step))
+        _prune(ckpt_dir, keep, read_best(ckpt_dir) if keep_best else None)
     barrier()
     return final
 
 
-def _prune(ckpt_dir: str, keep: int) -> None:
-    """Delete complete checkpoints older than the newest `keep` (never the one `latest` names)."""
+def _write_pointer(ckpt_dir: str, name: str, target: str) -> None:
+    """`name` (latest / best) names `target`, replaced atomically."""
+    tmp = os.path.join(ckpt_dir, name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(target + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(ckpt_dir, name))
+    _fsync_dir(ckpt_dir)
+
+
+def _prune(ckpt_dir: str, keep: int, protect: str | None = None) -> None:
+    """Delete complete checkpoints older than the newest `keep` (never the one `latest` names, nor `protect`)."""
     latest = read_latest(ckpt_dir)
     steps = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))
     for name in steps[:-keep] if keep > 0 else []:
-        if os.path.join(ckpt_dir, name) != latest:
+        if os.path.join(ckpt_dir, name) not in (latest, protect):
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
 
@@ -178,6 +193,16 @@ def read_latest(ckpt_dir: str) -> str | None:
     if not os.path.isfile(os.path.join(path, META)):
         raise CheckpointError(f"{pointer} names {name}, which is not a complete checkpoint")
     return path
+
+
+def read_best(ckpt_dir: str) -> str | None:
+    """Path of the checkpoint with the lowest eval loss (checkpoint.keep_best), or None when none is named."""
+    pointer = os.path.join(ckpt_dir, BEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        path = os.path.join(ckpt_dir, f.read().strip())
+    return path if os.path.isfile(os.path.join(path, META)) else None
 
 
 def resolve(path: str) -> str:

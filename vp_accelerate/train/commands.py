@@ -14,7 +14,6 @@ steps stop every rank together with exit code 3.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import logging
 import sys
@@ -40,7 +39,11 @@ def train_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                     help="stop after this step (checkpointing it) as if interrupted; the LR schedule still "
                          "spans train.steps, so `--resume` later continues the same run")
-    ap.add_argument("--check", action="store_true", help="validate the recipe, print it, and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="validate the recipe, the plan and every data row (tokenized as the run will), print what "
+                         "was found, and exit (2 on anything that would stop the run)")
+    ap.add_argument("--show-example", action="store_true",
+                    help="with --check: print one packed training row with the tokens that carry loss marked")
     ap.add_argument("--world-size", type=int, default=None, metavar="N",
                     help="with --check: the number of processes the run will have, so the schedule and layout are "
                          "checked too (under a launcher, WORLD_SIZE is used)")
@@ -48,7 +51,8 @@ def train_main(argv: list[str] | None = None) -> int:
 
     from .plan_command import resolve_auto
     from .preflight import check_plan, check_run_dirs, world_size_from_env
-    from .recipe import RecipeError, load_recipe, recipe_to_dict
+    from .recipe import RecipeError, load_recipe
+    from .user_errors import say_once
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -60,30 +64,45 @@ def train_main(argv: list[str] | None = None) -> int:
         # model/tokenizer/schedule checks, before accelerate starts a process group (every rank runs them)
         world = world_size_from_env()
         # one process (or --check): also convert tokenizers and count a swap's rows; launched ranks skip that
-        notes = check_plan(recipe, args.world_size or world, full=args.check or (world or 1) == 1)
+        found: dict = {}
+        notes = check_plan(recipe, args.world_size or world, full=args.check or (world or 1) == 1, found=found)
         notes += check_run_dirs(recipe, args.resume)
     except RecipeError as e:
-        print(f"recipe error: {e}", file=sys.stderr)
+        say_once(f"recipe error: {e}")  # every launched rank found the same: said once per machine
         return 2
     if args.check:
-        print(json.dumps(recipe_to_dict(recipe), indent=1))
-        for note in notes:
-            print(f"checked: {note}", file=sys.stderr)
-        return 0
+        from .check_command import run_check
+
+        return run_check(recipe, notes, found, args.show_example)
     _setup_logging()
     from .checkpoint import CheckpointError
     from .data import DataError
     from .nonfinite import NonFiniteError
-    from .trainer import train
+    from .trainer import setup, train
+    from .user_errors import USER_ERRORS, leave, report
 
     try:
-        summary = train(recipe, resume=args.resume, stop_at=args.stop_at)
+        run = setup(recipe, resume=args.resume, stop_at=args.stop_at)
+    except USER_ERRORS as e:  # found at the start (data, model source): one line, every rank stops, exit 2
+        report(e)
+        leave()
+        return 2
+    except (CheckpointError, NonFiniteError) as e:
+        print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 3
+    try:
+        summary = train(recipe, resume=args.resume, stop_at=args.stop_at, run=run)
     except (CheckpointError, DataError, NonFiniteError) as e:
         # the same decision on every rank (same data / all-reduced values): each says why and exits 3
         print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 3
     log = logging.getLogger("vp_accelerate.train")
-    if summary["end_step"] < recipe.train.steps:
+    best = summary.get("best") or {}
+    if summary.get("stopped_early"):
+        log.info("stopped early after step %d of %d (eval.patience): best eval loss %.4f at step %d%s",
+                 summary["end_step"], recipe.train.steps, best.get("loss", float("nan")), best.get("step", 0),
+                 f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else "")
+    elif summary["end_step"] < recipe.train.steps:
         saved = (f"checkpoint {recipe.checkpoint.dir}; continue with --resume" if recipe.checkpoint.dir else
                  "no checkpoint (checkpoint.enabled: false), so it cannot be resumed")
         log.info("stopped after step %d of %d (--stop-at %s): eval loss %.4f; %s; no final export", summary["end_step"],

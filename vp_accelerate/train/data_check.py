@@ -69,10 +69,14 @@ def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], Prepared
         if (keys := _keys_line(s)) is not None:
             lines.append(keys)
         per_epoch = steps_per_epoch(prepared, t.global_batch)
-        epochs = getattr(t, "epochs", None)
-        if epochs is not None:
+        if t.epochs is not None:
+            from .recipe import finish_steps
+
+            finish_steps(recipe, per_epoch)
             lines.append(f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.epochs "
-                         f"{epochs:g} = {max(1, round(epochs * per_epoch)):,} steps")
+                         f"{t.epochs:g} = {t.steps:,} steps" + (f", lr.warmup_ratio {recipe.lr.warmup_ratio:g} = "
+                                                               f"{recipe.lr.warmup_steps:,} warm-up steps"
+                                                               if recipe.lr.warmup_ratio is not None else ""))
         else:
             lines.append(f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.steps {t.steps:,} "
                          f"= {t.steps / per_epoch:.2f} epochs")
@@ -140,3 +144,16 @@ def show_example(prepared: PreparedData, tokenizer, color: bool = False, row: in
     if real < len(ids):
         out.append(f"--- padding: tokens {real}-{len(ids) - 1} (token {int(ids[-1])}, no loss) ---")
     return "\n".join(out)
+
+
+def data_metrics(prepared: PreparedData, global_batch: int) -> dict:
+    """What the run trains and evaluates on, as the data/ metrics logged once at its start."""
+    out = {}
+    for split, s in prepared.stats.items():
+        out.update({f"data/{split}_rows": s.rows or s.documents, f"data/{split}_invalid_rows": s.bad,
+                    f"data/{split}_tokens": s.tokens, f"data/{split}_sequences": s.sequences,
+                    f"data/{split}_padding_fraction": s.padding, f"data/{split}_loss_tokens": s.loss_tokens,
+                    f"data/{split}_truncated_rows": s.truncated, f"data/{split}_dropped_rows": s.dropped})
+    if prepared.train is not None:
+        out["data/steps_per_epoch"] = len(prepared.train) // global_batch
+    return out

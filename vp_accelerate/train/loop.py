@@ -21,6 +21,9 @@ from .tracking import Tracker, gather, rank_metrics, rank_stats
 
 log = logging.getLogger("vp_accelerate.train")
 
+NEW_COUNTERS = {"tokens": 0, "loss_tokens": 0, "loss_sum": 0.0, "loss_steps": 0}
+NEW_BEST = {"loss": float("inf"), "step": 0, "stale": 0}
+
 
 @dataclass
 class Run:
@@ -56,6 +59,15 @@ class Run:
     """The step after which this process stops (train.steps, or --stop-at)."""
     tracker: Tracker | None = None
     """wandb + metrics.jsonl; created after a resume has succeeded."""
+    counters: dict = field(default_factory=lambda: dict(NEW_COUNTERS))
+    """Cumulative counts (saved in checkpoints, so a resumed run goes on counting): `tokens` trained on (no
+    padding), `loss_tokens` (tokens that carried loss), and the logging window's `loss_sum` / `loss_steps`."""
+    best: dict = field(default_factory=lambda: dict(NEW_BEST))
+    """The best eval loss so far, its step, and `stale`: evaluations since (early stopping, keep_best)."""
+    stopped_early: bool = False
+    """Early stopping (eval.patience) ended the run at end_step."""
+    data: Any = None
+    """The prepared data (`data.PreparedData`: sizes for the run's data/ metrics)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -165,6 +177,11 @@ def train_step_once(run: Run, state: LoopState, step: int) -> StepOutcome:
     step_time = time.perf_counter() - t0
     state.window_time += step_time
     state.window_steps += 1
+    c = run.counters
+    c["tokens"] += int(getattr(run.train_it, "last_tokens", 0))  # the global batch's real (non-padding) tokens
+    c["loss_tokens"] += int(res.num_tokens)  # the global batch's targets
+    if math.isfinite(res.loss):  # a skipped NaN/inf step is not part of the logged mean
+        c["loss_sum"], c["loss_steps"] = c["loss_sum"] + res.loss, c["loss_steps"] + 1
     return StepOutcome(step=step, result=res, grad_norm=grad_norm, lr=lr, step_time_s=step_time,
                        tokens_per_s=run.tokens_per_step / step_time)
 
@@ -173,9 +190,13 @@ def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
     """Every logging.log_every steps (and the last): the step's metrics and every rank's memory numbers."""
     if out.step % run.recipe.logging.log_every and out.step != run.end_step:
         return
-    res = out.result
-    metrics = {"train/loss": res.loss, "train/lr": out.lr, "train/grad_norm": out.grad_norm,
-               "train/tokens": out.step * run.tokens_per_step, "train/loss_tokens": res.num_tokens,
+    res, c = out.result, run.counters
+    # the mean of the steps' losses since the last log (HF Trainer's convention), not only this step's
+    loss = c["loss_sum"] / c["loss_steps"] if c["loss_steps"] else res.loss
+    c["loss_sum"], c["loss_steps"] = 0.0, 0
+    metrics = {"train/loss": loss, "train/lr": out.lr, "train/grad_norm": out.grad_norm,
+               "train/epoch": run.train_it.epoch_progress, "train/tokens": c["tokens"],
+               "train/loss_tokens": c["loss_tokens"], "train/step_loss_tokens": res.num_tokens,
                "perf/tokens_per_s": out.tokens_per_s, "perf/step_time_s": out.step_time_s,
                "perf/pipeline_step_time_s": res.step_time_s, "perf/bubble_rate": res.bubble_rate,
                "train/skipped_steps": state.skipped_total}
@@ -204,18 +225,35 @@ def evaluate(pipe, batches) -> float:
 
 
 def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None] = print) -> None:
-    """Every eval.every steps (and the last): evaluate, log eval/loss and eval/ppl, `say` it on the main rank."""
-    every = run.recipe.eval.every
-    if not ((every and step % every == 0) or step == run.end_step):
+    """Every eval.every steps (and the last): evaluate, log eval/loss and eval/ppl, `say` it on the main rank;
+    track the best eval loss, and stop the run early after eval.patience evaluations without a new best."""
+    e = run.recipe.eval
+    if e.batches == 0 or not ((e.every and step % e.every == 0) or step == run.end_step):
         return
     loss = evaluate(run.pipe, run.eval_batches)
     state.eval_loss = state.evals[step] = loss
+    if e.prompts:
+        from .samples import log_samples
+
+        log_samples(run, step)  # a collective: every rank takes part in gathering the model
     if math.isnan(loss):
         return
     ppl = math.exp(min(loss, 50.0))
-    run.tracker.log({"eval/loss": loss, "eval/ppl": ppl}, step)
+    best = run.best
+    if loss < best["loss"] - e.min_delta:
+        best.update(loss=loss, step=step, stale=0)
+    else:
+        best["stale"] += 1
+    run.tracker.log({"eval/loss": loss, "eval/ppl": ppl, "eval/best_loss": best["loss"]}, step)
     if run.accelerator.is_main_process:
-        say(f"step {step}: eval loss {loss:.4f}, ppl {ppl:.2f}")
+        say(f"step {step}: eval loss {loss:.4f}, ppl {ppl:.2f}" + ("" if best["step"] == step else
+                                                                 f" (best {best['loss']:.4f} at step {best['step']})"))
+    if e.patience is not None and best["stale"] >= e.patience and step < run.end_step:
+        # the same values on every rank (the eval loss is all-reduced): all stop at this step together
+        run.stopped_early, run.end_step = True, step
+        if run.accelerator.is_main_process:
+            say(f"step {step}: stopping early: no eval loss below {best['loss']:.4f} (step {best['step']}) in "
+                f"{e.patience} evaluations (eval.patience)")
 
 
 def maybe_save(run: Run, step: int) -> None:

@@ -57,8 +57,9 @@ def _check_remote_code(recipe) -> None:
                               f"only for a source you trust")
 
 
-def _model_config(recipe):
-    """The model config the run will use, or None when it cannot be read offline (a hub id)."""
+def _model_config(recipe, full: bool = True):
+    """The model config the run will use, or None when it cannot be read before launch (a hub id not yet in the
+    local cache, on a launched rank: full=False; `--check` reads its config from the hub)."""
     m = recipe.model
     if m.source in PRESETS:
         try:
@@ -73,13 +74,23 @@ def _model_config(recipe):
         if hint and "/" not in m.source:  # a typo of a preset would otherwise become a hub download attempt
             raise RecipeError(f"model.source: {m.source!r} is not a preset (did you mean {hint[0]}?) nor a local "
                               f"directory")
-        return None
+        from .model_check import hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
+
+        if not valid_repo_id(m.source):
+            raise RecipeError(f"model.source: {m.source!r} is not a preset, a local directory nor a hub id (presets: "
+                              f"{', '.join(PRESETS)})")
+        src = hub_snapshot(m.source)  # what an offline run can use
+        if src is None and hub_offline():
+            raise missing_hub_source("model.source", m.source)
+        if src is None and not full:
+            return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
+        src = src or m.source
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"model.source: cannot read the config of {src}: {e}") from None
+        raise RecipeError(f"model.source: cannot read the config of {src}: {str(e).splitlines()[0]}") from None
     if "vocab_size" in m.config and m.pretrained_weights:
         raise RecipeError("model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
                           "resize_vocab / allow_shrink / pad_to_multiple_of), not a config override")
@@ -105,15 +116,29 @@ def _load_local_tokenizer(recipe, source: str, convert: bool):
         if not convert and not os.path.isfile(os.path.join(path, "tokenizer.json")):
             return None  # converted on the first run (one rank first); the data check catches bad ids
     elif _local_dir(source[4:] if source.startswith("bpe:") else source) is None:
-        return None
+        if source.startswith("bpe:"):
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        from .model_check import hub_offline, missing_hub_source, valid_repo_id
+
+        key = "tokenizer.source" if recipe.tokenizer.source is not None else "model.source"
+        if not valid_repo_id(source):
+            raise RecipeError(f"{key}: {source!r} is neither a local directory nor a hub id")
+        cached = isinstance(try_to_load_from_cache(source, "tokenizer_config.json"), str)
+        if not cached and hub_offline():
+            raise missing_hub_source(key, source)
+        if not cached and not convert:
+            return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
     try:
         return load_tokenizer(source, recipe.tokenizer.cache_dir, recipe.model.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"tokenizer.source: cannot load the tokenizer {source!r}: {e}") from None
+        raise RecipeError(f"tokenizer.source: cannot load the tokenizer {source!r}: {str(e).splitlines()[0]}") from None
 
 
-def vocab_decision(recipe, config, full: bool = True):
-    """The run's `VocabPlan`, or None when a tokenizer cannot be read offline.
+def vocab_decision(recipe, config, full: bool = True, found: dict | None = None):
+    """The run's `VocabPlan`, or None when a tokenizer cannot be read offline (`found["tokenizer"]`: the tokenizer
+    as the run will use it, for the data check).
 
     full=False (every rank under a launcher) skips what is slow and cannot fail: converting a Qwen tokenizer
     and building a swap's row map (the trainer builds it); the row counts are still decided.
@@ -131,27 +156,29 @@ def vocab_decision(recipe, config, full: bool = True):
     if own is not None:
         model_tokenizer = tokenizer if own == source else _load_local_tokenizer(recipe, own, convert=full)
     chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, pretrained)  # the tokens it adds need rows
+    if found is not None:
+        found["tokenizer"] = tokenizer
     return plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, build_map=full, chat=chat)
 
 
 def _data_note(recipe) -> str:
     """Which sample format the data has (declared or detected from the first file's columns), and for chat
     which template renders it."""
-    from .data import DataError, _builder_of, document_boundaries, load_documents, sample_format
+    from .data import DataError, _builder_of, _format_of, document_boundaries, first_record_columns, sample_format
     from .sft import chat_template_of
     from .tokenizer import expand_files
 
     d = recipe.data
     if d.hub_id:
         return "data: a hub dataset; its format is detected from its columns at the start of the run"
-    paths = expand_files(d.files)[:1]
+    paths = [p for p in expand_files(d.files) if os.path.getsize(p) > 0][:1]
     try:
-        columns = load_documents(paths, None, "train", _builder_of(paths, d), streaming=True).column_names
-        if columns is None:  # a JSON stream only knows its columns after reading a row
-            columns = list(next(iter(load_documents(paths, None, "train", _builder_of(paths, d), streaming=True))))
+        columns = first_record_columns(paths[0], _format_of(paths, _builder_of(paths, d))) if paths else None
+        if columns is None:
+            raise DataError(f"data.files: no record in {expand_files(d.files)[:3]}")
         fmt, how = sample_format(d, columns)
-    except (DataError, StopIteration) as e:
-        raise RecipeError(f"data: {e or 'the first file has no rows'}") from None
+    except DataError as e:
+        raise RecipeError(str(e) if str(e).startswith("data") else f"data: {e}") from None
     note = f"data format {fmt} ({how})"
     if fmt == "chat":
         tok = _local_tokenizer(recipe)
@@ -190,6 +217,7 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
     from . import checkpoint as ckpt
 
     c, out = recipe.checkpoint, recipe.logging.output_dir
+    explicit = c.dir is not None and c.dir != os.path.join(out, "checkpoints")  # else it follows logging.output_dir
     recipe.checkpoint.dir = c.resolved_dir(out)
     if c.dir is None:
         if resume is not None:
@@ -200,9 +228,11 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
     if resume is None:
         latest = ckpt.read_latest(c.dir) if os.path.isdir(c.dir) else None
         if latest is not None:
+            other = ("another checkpoint.dir (it is set in the recipe)" if explicit else
+                     "another logging.output_dir (--set logging.output_dir=DIR; checkpoints go to DIR/checkpoints)")
             raise RecipeError(f"checkpoint.dir: {c.dir} holds checkpoints of an earlier run (latest "
                               f"{os.path.basename(latest)}); continue that run with --resume, or start a new one in "
-                              f"another logging.output_dir or checkpoint.dir")
+                              f"{other}")
     elif resume != "latest":
         try:
             ckpt.resume_path(c.dir, resume)
@@ -251,15 +281,18 @@ def _check_schedule(recipe, config, pp: int) -> str:
     return f"{p.schedule} x {p.method} on {pp} ranks, {p.microbatches} microbatches, layers per chunk {counts}"
 
 
-def check_plan(recipe, world_size: int | None = None, full: bool = True) -> list[str]:
+def check_plan(recipe, world_size: int | None = None, full: bool = True, found: dict | None = None) -> list[str]:
     """Raise RecipeError if the run described by `recipe` on `world_size` processes cannot work.
 
     Returns notes on what was checked (and what could not be, e.g. a hub model offline), the vocabulary
     decision among them. full=False: the quick form every launched rank runs (see `vocab_decision`).
+    `found` (a dict, filled when given): the model `config`, the vocabulary `plan` and the `tokenizer`, for the
+    data check of `--check`.
     """
+    found = {} if found is None else found
     _check_remote_code(recipe)
     notes = [_data_note(recipe)] + _check_data(recipe)
-    config = _model_config(recipe)
+    config = found["config"] = _model_config(recipe, full)
     if config is None:
         return notes + [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
     from vp_accelerate.models import unsupported_reason
@@ -269,7 +302,11 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True) -> list
     if max_pos and recipe.data.seq_len > max_pos:
         raise RecipeError(f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's max_position_embeddings="
                           f"{max_pos}; lower data.seq_len to at most {max_pos}")
-    plan = vocab_decision(recipe, config, full=full)
+    from .model_check import check_adapter_targets
+
+    if (lora := check_adapter_targets(recipe, config)) is not None:
+        notes.append(lora)
+    plan = found["plan"] = vocab_decision(recipe, config, full=full, found=found)
     vocab = config.vocab_size
     if plan is None:
         notes.append("tokenizer not on disk yet: its size was not compared with the model's")

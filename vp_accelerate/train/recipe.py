@@ -11,6 +11,7 @@ recipe contains and which combinations are valid.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -185,6 +186,10 @@ class LRSection:
     warmup_steps: int = 0
     """Linear warm-up from 0 to the peak LR over this many steps."""
 
+    warmup_ratio: Optional[float] = None
+    """Warm-up as a fraction of the run's steps instead (e.g. 0.03; rounded to whole steps, which `--check`
+    shows as lr.warmup_steps); not together with warmup_steps."""
+
     decay: str = "cosine"
     """The schedule: `cosine`, `linear`, `constant` (this project's: warm-up, then down to `min_lr_ratio` x peak
     at the last step), or any `transformers.get_scheduler` name (`cosine_with_min_lr`, `warmup_stable_decay`,
@@ -202,8 +207,13 @@ class LRSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 100
-    """Optimizer steps to run (total, including those before a resume)."""
+    steps: Optional[int] = None
+    """Optimizer steps to run (total, including those before a resume); null = `epochs` x the steps of one epoch,
+    or 100 without `epochs`."""
+
+    epochs: Optional[float] = None
+    """Passes over the training sequences instead of `steps` (rounded up to whole steps of global_batch; `--check`
+    says how many). Not with data.streaming (a stream's length is unknown)."""
 
     global_batch: int = 16
     """Sequences per optimizer step over all data-parallel replicas."""
@@ -233,6 +243,21 @@ class EvalSection:
     sequence once; the last batch is filled with padding), N = at most the first N, 0 = no evaluation. A
     stream's held-out documents have no end: null reads 4 batches of them."""
 
+    patience: Optional[int] = None
+    """Early stopping: end the run after this many evaluations in a row without a new best eval loss (by more
+    than min_delta), saving a checkpoint there and exporting as a finished run would; null = never."""
+
+    min_delta: float = 0.0
+    """How much lower than the best an eval loss must be to count as a new best (early stopping, keep_best)."""
+
+    prompts: list[str] = field(default_factory=list)
+    """Prompts completed at every evaluation, greedily, up to max_new_tokens (chat data: each is a user turn
+    rendered with the chat template and its generation prompt), logged as the wandb table `eval/samples` and to
+    metrics.jsonl. The model is gathered onto rank 0 for it, so it must fit there once."""
+
+    max_new_tokens: int = 64
+    """Tokens generated per prompt (generation stops earlier at the tokenizer's EOS / the template's end of turn)."""
+
 
 @dataclass
 class CheckpointSection:
@@ -247,6 +272,10 @@ class CheckpointSection:
 
     keep: int = 2
     """How many recent checkpoints to keep (older ones are deleted after a new one is complete)."""
+
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest eval loss (`best` names it) however old, and export that one as
+    the final model. Needs evaluation at every checkpoint: checkpoint.every a multiple of eval.every."""
 
     export_hf: bool = True
     """At the end, write the final model as an HF directory (safetensors + config + tokenizer) to
@@ -336,11 +365,12 @@ def check(recipe: Recipe) -> Recipe:
 
         if importlib.util.find_spec("peft") is None:
             raise RecipeError("adapter.type: lora needs the peft package; pip install 'vp-accelerate[lora]' (or peft)")
-    positive = {"train.steps": t.steps, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
+    _check_length(recipe)
+    positive = {"train.steps": t.steps or 1, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
                 "logging.log_every": recipe.logging.log_every,
                 "data.shuffle_buffer": d.shuffle_buffer, "tokenizer.pad_to_multiple_of":
                 recipe.tokenizer.pad_to_multiple_of, "checkpoint.keep": recipe.checkpoint.keep,
-                "train.max_skipped_steps": t.max_skipped_steps}
+                "train.max_skipped_steps": t.max_skipped_steps, "eval.max_new_tokens": recipe.eval.max_new_tokens}
     for key, value in positive.items():
         if value < 1:
             raise RecipeError(f"{key}: must be >= 1, got {value}")
@@ -369,9 +399,9 @@ def check(recipe: Recipe) -> Recipe:
         raise RecipeError(f"optimizer.grad_clip: must be > 0 or null, got {o.grad_clip}")
     if not 0.0 <= recipe.lr.min_lr_ratio <= 1.0:
         raise RecipeError(f"lr.min_lr_ratio: must be in [0, 1], got {recipe.lr.min_lr_ratio}")
-    from .optim import check_schedule
-
-    check_schedule(recipe.lr, t.steps)
+    _check_eval(recipe)
+    if t.steps is not None:
+        finish_steps(recipe)
     if not 0.0 <= d.eval_holdout < 1.0:
         raise RecipeError(f"data.eval_holdout: must be in [0, 1), got {d.eval_holdout}")
     if d.streaming and not d.packing:
@@ -421,6 +451,69 @@ def _check_paths(recipe: Recipe) -> None:
     src = recipe.model.source
     if src.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(src)):
         raise RecipeError(f"model.source: directory {src!r} does not exist")
+
+
+DEFAULT_STEPS = 100
+"""train.steps when neither it nor train.epochs is set."""
+
+
+def _check_length(recipe: Recipe) -> None:
+    """train.steps or train.epochs (one of them), lr.warmup_steps or lr.warmup_ratio (at most one)."""
+    t, lr = recipe.train, recipe.lr
+    if t.epochs is not None:
+        if t.steps is not None:
+            raise RecipeError(f"train.epochs: set train.steps ({t.steps}) or train.epochs ({t.epochs:g}), not both")
+        if t.epochs <= 0:
+            raise RecipeError(f"train.epochs: must be > 0, got {t.epochs:g}")
+        if recipe.data.streaming:
+            raise RecipeError("train.epochs: a stream's length is not known before it is read (data.streaming); "
+                              "set train.steps instead")
+    elif t.steps is None:
+        t.steps = DEFAULT_STEPS
+    if lr.warmup_ratio is not None:
+        if not 0.0 <= lr.warmup_ratio < 1.0:
+            raise RecipeError(f"lr.warmup_ratio: must be in [0, 1), got {lr.warmup_ratio:g}")
+        if lr.warmup_steps:
+            raise RecipeError(f"lr.warmup_ratio: set lr.warmup_steps ({lr.warmup_steps}) or lr.warmup_ratio "
+                              f"({lr.warmup_ratio:g}), not both")
+
+
+def finish_steps(recipe: Recipe, steps_per_epoch: int | None = None) -> Recipe:
+    """Settle the run's length once it is known: train.steps from train.epochs (`steps_per_epoch` optimizer steps
+    per pass over the data), lr.warmup_steps from lr.warmup_ratio; then build the LR schedule once to check it."""
+    from .optim import check_schedule
+
+    t, lr = recipe.train, recipe.lr
+    if t.steps is None:
+        if steps_per_epoch is None:
+            raise ValueError("finish_steps: train.epochs needs the steps per epoch")
+        t.steps = max(1, math.ceil(t.epochs * steps_per_epoch - 1e-9))
+    if lr.warmup_ratio is not None:
+        lr.warmup_steps = int(round(lr.warmup_ratio * t.steps))
+    check_schedule(lr, t.steps)
+    return recipe
+
+
+def _check_eval(recipe: Recipe) -> None:
+    """Early stopping and keep_best need evaluations (and keep_best one at every checkpoint)."""
+    e, c = recipe.eval, recipe.checkpoint
+    if e.patience is not None:
+        if e.patience < 1:
+            raise RecipeError(f"eval.patience: must be >= 1 or null, got {e.patience}")
+        if e.batches == 0 or e.every == 0:
+            raise RecipeError("eval.patience: early stopping needs evaluations during the run; set eval.every > 0 "
+                              "and eval.batches other than 0")
+    if e.min_delta < 0:
+        raise RecipeError(f"eval.min_delta: must be >= 0, got {e.min_delta:g}")
+    if e.prompts and e.batches == 0:
+        raise RecipeError("eval.prompts: completions are made at evaluations, and eval.batches: 0 turns them off")
+    if c.keep_best:
+        if not c.enabled:
+            raise RecipeError("checkpoint.keep_best: needs checkpoints (checkpoint.enabled: true)")
+        if e.batches == 0 or e.every == 0 or c.every == 0 or c.every % e.every:
+            raise RecipeError(f"checkpoint.keep_best: every checkpoint needs an eval loss: set eval.every > 0 and "
+                              f"checkpoint.every a multiple of it (now eval.every={e.every}, checkpoint.every="
+                              f"{c.every}, eval.batches={e.batches})")
 
 
 def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:

@@ -61,12 +61,17 @@ def save_run(run, step: int) -> None:
     model_state, optimizer_state = pipe.state_dict(), run.optimizer.state_dict()
     check_weights_before_save(step, model_state, optimizer_state)
     trainer_state = {"scheduler": run.scheduler.state_dict(), "rng": ckpt.rng_state(),
-                     "data": run.train_it.state_dict(), "precision": pipe.precision_state_dict(), "step": step}
+                     "data": run.train_it.state_dict(), "precision": pipe.precision_state_dict(), "step": step,
+                     "counters": dict(getattr(run, "counters", {})), "best": dict(getattr(run, "best", {}))}
+    best = getattr(run, "best", {})
+    if best.get("step") == step:  # this step's evaluation is the best so far
+        meta["eval_loss"] = best["loss"]
     barrier = (lambda: dist.barrier(group=host_group())) if dist.is_initialized() else (lambda: None)
     c = run.recipe.checkpoint
     path = ckpt.save_checkpoint(c.dir, step, rank=pipe.rank, model_state=model_state,
                                 optimizer_state=optimizer_state, trainer_state=trainer_state, meta=meta,
-                                barrier=barrier, write_model_files=write_model_files, keep=c.keep)
+                                barrier=barrier, write_model_files=write_model_files, keep=c.keep,
+                                best=c.keep_best and best.get("step") == step, keep_best=c.keep_best)
     if pipe.rank == 0:
         log.info("saved checkpoint %s", path)
 
@@ -94,6 +99,9 @@ def resume_run(run, which: str = "latest") -> int:
     pipe.load_precision_state_dict(trainer_state.get("precision", {}))  # the fp16 loss scale
     run.train_it.load_state_dict(trainer_state["data"])
     ckpt.set_rng_state(trainer_state["rng"])
+    # counters and the best eval loss go on (a checkpoint from before they were saved starts them afresh)
+    run.counters.update(trainer_state.get("counters", {}))
+    run.best.update(trainer_state.get("best", {}))
     if pipe.rank == 0:
         log.info("resumed from %s (step %d)", path, meta["step"])
     return int(meta["step"])
@@ -129,3 +137,11 @@ def init_weights_from(run, source: str) -> None:
         log.info("initialised the weights from %s (step %d); optimizer, schedule and data start afresh", path,
                  meta["step"])
 
+
+def final_checkpoint(run) -> str | None:
+    """The checkpoint the run's final model comes from: the best one (checkpoint.keep_best), else the latest."""
+    c = run.recipe.checkpoint
+    if not c.dir:
+        return None
+    best = ckpt.read_best(c.dir) if c.keep_best else None
+    return best or c.dir

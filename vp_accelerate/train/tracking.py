@@ -159,6 +159,17 @@ class Tracker:
         if self.enabled:
             self.accelerator.log(metrics, step=step)
 
+    def log_samples(self, rows: list[dict], step: int, key: str = "eval/samples") -> None:
+        """Generated samples ({"prompt", "completion"} each): a wandb table `key` and one metrics.jsonl row."""
+        if not self.is_main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, key: rows}, ensure_ascii=False) + "\n")
+        if self.enabled:
+            self.accelerator.get_tracker("wandb").log_table(key, columns=["step", "prompt", "completion"],
+                                                           data=[[step, r["prompt"], r["completion"]] for r in rows],
+                                                           step=step)
+
     def log_image(self, key: str, path: str, step: int) -> None:
         if self.is_main and self.enabled:
             self.accelerator.get_tracker("wandb").log_images({key: [path]}, step=step)

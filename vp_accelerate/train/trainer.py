@@ -14,15 +14,16 @@ import os
 
 import torch
 
-from .data import build_data
+from .data import prepare_data
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer, build_scheduler
 from .presets import model_source, recipe_model_config
-from .recipe import Recipe, recipe_to_dict
+from .recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
 from .export import export_final
 from .run_state import fingerprint, init_weights_from, resume_run
 from .tokenizer import load_tokenizer
 from .tracking import Tracker, gather, plot_measured_timeline
+from .user_errors import main_process_first
 
 __all__ = ["build_pipeline", "evaluate", "fingerprint", "make_accelerator", "setup", "train"]
 
@@ -77,12 +78,19 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
     from .vocab_plan import model_tokenizer_source, prepare_tokenizers, tokenizer_source
 
     m = recipe.model
-    with accelerator.main_process_first():
-        model_dir = local_model_dir(m.source) if m.source not in PRESETS else None
+    with main_process_first("loading the model and tokenizer"):  # an error there stops every rank
+        try:
+            model_dir = local_model_dir(m.source) if m.source not in PRESETS else None
+        except (OSError, ValueError) as e:  # huggingface_hub: not found, offline, gated
+            raise RecipeError(f"model.source: cannot get {m.source!r}: {str(e).splitlines()[0]}; fix model.source "
+                              f"or point it at a local checkpoint directory") from None
         source = tokenizer_source(recipe)
         if source == m.source and model_dir is not None:
             source = model_dir
-        tokenizer = load_tokenizer(source, recipe.tokenizer.cache_dir, m.trust_remote_code)
+        try:
+            tokenizer = load_tokenizer(source, recipe.tokenizer.cache_dir, m.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise RecipeError(f"tokenizer.source: cannot load {source!r}: {str(e).splitlines()[0]}") from None
         model_tokenizer = None
         own = model_tokenizer_source(model_dir) if model_dir is not None and m.pretrained_weights else None
         if own is not None:
@@ -92,18 +100,9 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
     return model_dir, tokenizer, model_tokenizer, chat
 
 
-def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = None, model_tokenizer=None,
-                   accelerate_mixed_precision: str | None = None, chat=None):
-    """(PipelineModel of the recipe's model, the vocabulary decision `VocabPlan`).
-
-    Pretrained weights are read per rank from `model_dir` (each rank its own tensors and vocabulary rows);
-    the mean row that resized / swapped vocabularies need is computed collectively (`share_vocab_means`).
-    """
-    import torch.distributed as dist
-
-    from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
-    from vp_accelerate.runtime import PipelineModel
-
+def plan_model(recipe: Recipe, tokenizer, model_dir: str | None = None, model_tokenizer=None, chat=None):
+    """(the model config, the vocabulary decision `VocabPlan`): what the pipeline and the data need to know of the
+    model before it is built (the data check compares token ids with `plan.rows_after`)."""
     from .presets import PRESETS
     from .vocab_plan import plan_vocab
 
@@ -114,7 +113,24 @@ def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = No
         from transformers import AutoConfig
 
         config.vocab_size = AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code).vocab_size
-    plan = plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, chat=chat)
+    return config, plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, chat=chat)
+
+
+def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = None, model_tokenizer=None,
+                   accelerate_mixed_precision: str | None = None, chat=None, planned=None):
+    """(PipelineModel of the recipe's model, the vocabulary decision `VocabPlan`); `planned`: `plan_model`'s
+    result when the caller has it.
+
+    Pretrained weights are read per rank from `model_dir` (each rank its own tensors and vocabulary rows);
+    the mean row that resized / swapped vocabularies need is computed collectively (`share_vocab_means`).
+    """
+    import torch.distributed as dist
+
+    from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
+    from vp_accelerate.runtime import PipelineModel
+
+    m = recipe.model
+    config, plan = planned or plan_model(recipe, tokenizer, model_dir, model_tokenizer, chat)
     source = model_source(m, config, plan, model_dir)
     if isinstance(source, CheckpointSource):
         if dist.is_available() and dist.is_initialized():
@@ -160,8 +176,14 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     recipe.checkpoint.dir = recipe.checkpoint.resolved_dir(recipe.logging.output_dir)
     which = "latest" if resume is True else (resume or None)
     model_dir, tokenizer, model_tokenizer, chat = load_model_and_tokenizers(recipe, accelerator)
+    planned = plan_model(recipe, tokenizer, model_dir, model_tokenizer, chat)
+    with main_process_first("preparing the data"):  # tokenized once into the datasets cache (as --check did)
+        data = prepare_data(recipe.data, tokenizer, planned[1].rows_after)
+        data.check_sizes(t.global_batch, recipe.eval.batches)
+    if t.steps is None:  # train.epochs: the run's length is known now
+        finish_steps(recipe, len(data.train) // t.global_batch)
     pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer,
-                                 accelerator.mixed_precision, chat)
+                                 accelerator.mixed_precision, chat, planned)
     layout = PipelineLayout(tuple(gather(pipe.describe())))
     adapter_line = _adapter_line(recipe, pipe)  # a collective
     if accelerator.is_main_process:
@@ -171,14 +193,12 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
                  pipe.world_size, pipe.world_size // pipe.dp_size, pipe.dp_size)
         for rank in layout.ranks:
             log.info("%s", rank)
-    with accelerator.main_process_first():  # tokenized data lands in the datasets cache once
-        train_it, eval_batches = build_data(recipe.data, tokenizer, pipe.hf_config.vocab_size, t.seed,
-                                            t.global_batch, pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
+    train_it, eval_batches = data.iterators(t.seed, t.global_batch, pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
     optimizer = build_optimizer(pipe.named_parameters(), recipe.optimizer)
     run = Run(recipe=recipe, accelerator=accelerator, pipe=pipe, tokenizer=tokenizer, train_it=train_it,
               eval_batches=eval_batches, optimizer=optimizer, scheduler=build_scheduler(optimizer, recipe.lr, t.steps),
               layout=layout, vocab=vocab, fingerprint=fingerprint(recipe, pipe, layout),
-              recipe_dict=recipe_to_dict(recipe))
+              recipe_dict=recipe_to_dict(recipe), data=data)
     run.start_step = resume_run(run, which) if which else 0
     if not which and recipe.model.init_from:
         init_weights_from(run, recipe.model.init_from)
@@ -188,16 +208,21 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     return run
 
 
-def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None) -> dict:
+def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None, run: Run | None = None) -> dict:
     """Run a validated recipe on this process's rank. Returns a summary (the same on every rank).
 
     `stop_at`: end after that step (saving a checkpoint there) without changing the LR schedule, as a
     preempted job would; `resume` continues a run from a checkpoint ("latest" or True, a step, a path). A
-    completed run exports its final model to `<output_dir>/hf` (checkpoint.export_hf).
+    completed run exports its final model to `<output_dir>/hf` (checkpoint.export_hf). `run`: `setup`'s result
+    when the caller built it (the command does, to tell errors at the start from those of training).
     """
     from tqdm.auto import tqdm
 
-    run, state = setup(recipe, resume, stop_at), LoopState()
+    run, state = run or setup(recipe, resume, stop_at), LoopState()
+    if run.start_step == 0 and run.data is not None:  # what the run trains on, once: data/ metrics at step 0
+        from .data_check import data_metrics
+
+        run.tracker.log(data_metrics(run.data, recipe.train.global_batch), 0)
     losses = {}
     bar = tqdm(total=recipe.train.steps, initial=run.start_step, disable=not run.accelerator.is_main_process,
                desc="train", dynamic_ncols=True)
@@ -209,14 +234,20 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         log_step(run, state, out)
         maybe_eval(run, state, step, say=bar.write)
         maybe_save(run, step)
+        if run.stopped_early:  # eval.patience: end_step is this step now
+            break
     bar.close()
     finish(run)
     hf_dir = export_final(run)
+    if hf_dir and recipe.checkpoint.keep_best and run.pipe.rank == 0:
+        log.info("checkpoint.keep_best: %s holds the checkpoint of step %d, the best eval loss (%.4f)", hf_dir,
+                 run.best["step"], run.best["loss"])
     v = run.vocab
     return {"start_step": run.start_step, "losses": losses, "eval": state.evals,
             "vocab": {"tokenizer": v.tokenizer_size, "rows_before": v.rows_before, "rows_after": v.rows_after,
                       "mode": v.mode, "rows": v.counts()},
-            "final_eval_loss": state.eval_loss, "end_step": run.end_step, "hf_dir": hf_dir}
+            "final_eval_loss": state.eval_loss, "end_step": run.end_step, "hf_dir": hf_dir,
+            "stopped_early": run.stopped_early, "best": dict(run.best)}
 
 
 def finish(run: Run) -> None:
