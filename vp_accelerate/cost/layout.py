@@ -3,7 +3,8 @@ balanced split ("redis": fewer layers on the stages that also run the vocabulary
 
 `plan_layout` is the one place the runtime (`PipelineModel`) and the launch check (`train.preflight`)
 get a stage layout from; `for_schedule` gives the simulator the CostModel of a schedule with the same
-kind of split.
+kind of split. `cost_aware_schedule` (simulator, planner) and `layout_costs` (runtime) give the schedule
+builder the pass costs it orders the passes by (schedule/list_schedule.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,39 @@ def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = No
             chunk_layers = even_layer_split(shape.layers, schedule.num_chunks)
     return CostModel(shape, schedule.method, schedule.chunk_rank, tuple(chunk_layers), hw,
                      split_backward=schedule.split_backward, activation_checkpointing=activation_checkpointing)
+
+
+def cost_aware_schedule(shape: ModelShape, kind: str, method: str, num_ranks: int, num_microbatches: int, *,
+                        chunks_per_rank: int | None = None, forward_only: bool = False, hw: Hardware | None = None,
+                        chunk_layers: tuple[int, ...] | None = None, activation_checkpointing: str = "none",
+                        costs=None) -> tuple[Schedule, CostModel]:
+    """(schedule, cost model): the schedule built from this layout's pass costs (build_schedule's
+    `costs`) and the CostModel that times it (`for_schedule`'s arguments). `costs`: a function of the
+    CostModel giving other pass costs to order by (e.g. measured ones), else the CostModel itself."""
+    from vp_accelerate.schedule.build import build_schedule
+
+    # the layout (chunk owners, split backward) does not depend on the microbatch count: a short step gives it
+    layout = build_schedule(kind, method, num_ranks, num_ranks, chunks_per_rank, forward_only)
+    model = for_schedule(shape, layout, hw, chunk_layers, activation_checkpointing)
+    order_by = costs(model) if costs is not None else model
+    return build_schedule(kind, method, num_ranks, num_microbatches, chunks_per_rank, forward_only,
+                          costs=order_by), model
+
+
+def layout_costs(config, schedule: Schedule, layout, activation_checkpointing: str = "none",
+                 seq: int | None = None) -> CostModel:
+    """The CostModel of an HF `config` run as `schedule` with `layout` (a models.StageLayout): what the
+    runtime orders its schedule by. `seq` defaults to the balanced split's (min(2048, max positions));
+    the order hardly depends on it."""
+    if seq is None:
+        seq = min(BALANCE_SEQ, _get(config, "max_position_embeddings") or BALANCE_SEQ)
+    shape = shape_from_hf_config(config, seq=seq)
+    counts = tuple(end - start for start, end in layout.chunk_layers)
+    return for_schedule(shape, schedule, chunk_layers=counts, activation_checkpointing=activation_checkpointing)
+
+
+def _get(config, key: str):
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
 @dataclass(frozen=True)

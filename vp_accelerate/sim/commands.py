@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from vp_accelerate.cost import Hardware, MeasuredCosts, ModelShape, for_schedule, shape_from_hf_config
+from vp_accelerate.cost import Hardware, MeasuredCosts, ModelShape, cost_aware_schedule, for_schedule, shape_from_hf_config
 from vp_accelerate.schedule import ScheduleError, build_schedule, validate
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, argparse_type, normalise_method, normalise_schedule
 
@@ -42,7 +42,10 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
                     help="every rank waits for each collective chain; default: chains overlap compute, as the "
                          "runtime's communication worker (gloo) / stream (NCCL) runs them")
     ap.add_argument("--measured", help="JSON of measured per-pass times (cost.MeasuredCosts; "
-                                       "scripts/measure_costs.py writes them)")
+                                       "scripts/measure_costs.py writes them): the step is ordered and timed by them")
+    ap.add_argument("--order", choices=("cost", "grid"), default="cost",
+                    help="cost (default): each rank's order built from the pass costs, as the runtime builds it; "
+                         "grid: the schedule block's unit-grid order")
     if with_out:
         ap.add_argument("--out", required=True, help="PNG path")
     else:
@@ -64,14 +67,21 @@ def _shape(args) -> ModelShape:
 
 def _run(args):
     shape = _shape(args)
-    sched = build_schedule(args.schedule, args.method, args.pp, args.microbatches, args.chunks_per_rank,
-                           forward_only=args.forward_only)
-    validate(sched)
     bw = args.bandwidth_gbs * 1e9
     hw = Hardware(peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency, p2p_bandwidth=bw,
                   collective_bandwidth=bw)
-    model = for_schedule(shape, sched, hw, activation_checkpointing=args.activation_checkpointing)
-    costs = MeasuredCosts.from_json(args.measured, model) if args.measured else model
+    measured = (lambda model: MeasuredCosts.from_json(args.measured, model)) if args.measured else None
+    if args.order == "grid":
+        sched = build_schedule(args.schedule, args.method, args.pp, args.microbatches, args.chunks_per_rank,
+                               forward_only=args.forward_only)
+        model = for_schedule(shape, sched, hw, activation_checkpointing=args.activation_checkpointing)
+    else:
+        sched, model = cost_aware_schedule(shape, args.schedule, args.method, args.pp, args.microbatches,
+                                           chunks_per_rank=args.chunks_per_rank, forward_only=args.forward_only,
+                                           hw=hw, activation_checkpointing=args.activation_checkpointing,
+                                           costs=measured)
+    validate(sched)
+    costs = measured(model) if measured else model
     return sched, model, simulate(sched, costs, blocking_collectives=args.blocking_collectives)
 
 

@@ -9,8 +9,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from vp_accelerate.cost import ModelShape, for_schedule
+from vp_accelerate.cost import ModelShape, cost_aware_schedule, for_schedule
 from vp_accelerate.schedule import build_schedule
+from vp_accelerate.schedule.registry import method as method_entry
 
 from .plot import plot_timeline, plot_vocab_sweep
 from .simulate import simulate
@@ -46,10 +47,16 @@ def paper_redis_split(vocab: int, p: int = 8, layers: int = 32) -> tuple[int, ..
     return tuple([base + (1 if i >= p - 1 - extra else 0) for i in range(p - 1)] + [k])
 
 
-def run(kind: str, method: str, p: int, m: int, vocab: int, seq: int, paper_redis: bool = False):
-    s = build_schedule(kind, method, p, m)
-    layers = paper_redis_split(vocab, p) if paper_redis and s.method_spec.balanced_layers else None
-    return simulate(s, for_schedule(shape(vocab, seq), s, chunk_layers=layers))
+def run(kind: str, method: str, p: int, m: int, vocab: int, seq: int, paper_redis: bool = False,
+        order: str = "cost"):
+    """One simulated step of the paper's model; `order` "cost": the schedule built from the pass costs
+    (as the runtime builds it), "grid": the block's unit-grid order."""
+    layers = paper_redis_split(vocab, p) if paper_redis and method_entry(method).balanced_layers else None
+    if order == "grid":
+        s = build_schedule(kind, method, p, m)
+        return simulate(s, for_schedule(shape(vocab, seq), s, chunk_layers=layers))
+    s, model = cost_aware_schedule(shape(vocab, seq), kind, method, p, m, chunk_layers=layers)
+    return simulate(s, model)
 
 
 def ratio_cells(p: int = 8, m: int = 128) -> list[dict]:
@@ -120,9 +127,8 @@ def scaling_table(m: int = 128, seq: int = 2048) -> str:
         for v in (64000, 256000):
             cells = []
             for kind, meth in combos:
-                s = build_schedule(kind, meth, p, m)
                 sh = ModelShape(hidden=3072, layers=layers, heads=24, ffn=4 * 3072, vocab=v, seq=seq)
-                r = simulate(s, for_schedule(sh, s))
+                r = simulate(*cost_aware_schedule(sh, kind, meth, p, m))
                 cells.append(f"{r.mfu * 100:.1f}% / {max(r.peak_memory_bytes) / 1e9:.0f}G")
             lines.append(f"| {p} | {layers} | {v // 1000}k | " + " | ".join(cells) + " |")
     return "\n".join(lines)
