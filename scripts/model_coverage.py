@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vp_accelerate.models.coverage import FamilyResult, check_families, write_table  # noqa: E402
+from vp_accelerate.bench.coverage import FamilyResult, check_families, write_table  # noqa: E402
 from vp_accelerate.models.families import decoder_families  # noqa: E402
 
 

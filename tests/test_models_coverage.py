@@ -14,7 +14,7 @@ import json
 import pytest
 
 from vp_accelerate.models import UnsupportedModelError, check_supported
-from vp_accelerate.models.coverage import check_families, decoder_families, tiny_family_config
+from vp_accelerate.bench.coverage import check_families, decoder_families, tiny_family_config
 
 MECHANISMS = ["gpt_neox", "phi", "gemma3_text", "qwen2_moe"]
 

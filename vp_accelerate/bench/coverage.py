@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .families import check_supported, decoder_families
+from vp_accelerate.models.families import check_supported, decoder_families
 
 #: Shape every tiny config gets, where the family's config has the field.
 TINY = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -83,7 +83,7 @@ def tiny_family_config(model_type: str, **overrides):
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .families import REFUSED
+    from vp_accelerate.models.families import REFUSED
 
     default = CONFIG_MAPPING[model_type]()
     if model_type in REFUSED or getattr(default, "is_heterogeneous", False):
@@ -145,8 +145,8 @@ def _screen(ckpt: str) -> None:
     that crashes fails here, alone, instead of stopping the 2-rank run of every family with it."""
     from vp_accelerate.vocab.partition import VocabPartition
 
-    from .build import build_rank, resolve_config
-    from .layout import StageLayout
+    from vp_accelerate.models.build import build_rank, resolve_config
+    from vp_accelerate.models.layout import StageLayout
 
     cfg = resolve_config(ckpt)
     layout = StageLayout.one_per_rank(cfg.num_hidden_layers, 2)
@@ -317,7 +317,7 @@ def check_families(model_types: list[str], workdir: str | Path | None = None, ti
     """Refuse or run every family in `model_types` (one 2-rank spawn for all that are accepted)."""
     from vp_accelerate.distributed import spawn
 
-    from .adapter import UnsupportedModelError
+    from vp_accelerate.models.adapter import UnsupportedModelError
 
     _quiet()
     results: dict[str, FamilyResult] = {}
