@@ -61,7 +61,8 @@ def run_check(capsys, path, *extra):
 
 
 BAD_ROWS = [  # (row, what the report says about it)
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}, "turn 1 has unknown role 'bot'"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]},
+     "turn 1 has unknown role 'bot'"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
     ({"messages": "hello"}, "non-empty list of turns"),
     ({"prompt": "a"}, "has no 'messages'"),
@@ -142,7 +143,8 @@ def test_the_report_counts_rows_tokens_truncation_padding_and_steps(tmp_path, to
     seqs = prepared.train
     padding = 1 - seqs.lengths.sum() / seqs.ids.size
     assert f"{len(seqs)} packed sequences, {padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry loss" in err
-    assert f"train.global_batch 4: {len(seqs) // 4} steps per epoch; train.steps 10 = {10 / (len(seqs) // 4):.2f}" in err
+    per_epoch = len(seqs) // 4
+    assert f"train.global_batch 4: {per_epoch} steps per epoch; train.steps 10 = {10 / per_epoch:.2f}" in err
     assert json.loads(out)["data"]["seq_len"] == 64
 
 
@@ -159,7 +161,8 @@ def test_every_conversation_dropped_and_no_eval_sequence_fail_at_check(tmp_path,
     assert "raise data.seq_len" in err
 
     short = write_lines(tmp_path / "short.jsonl", [json.dumps({"messages": chat(rng)}) for _ in range(40)])
-    code, _, err = run_check(capsys, recipe(tmp_path, tok_dir, [short], data={"eval_holdout": 0.0}, eval={"batches": None}))
+    code, _, err = run_check(capsys, recipe(tmp_path, tok_dir, [short], data={"eval_holdout": 0.0},
+                                            eval={"batches": None}))
     assert code == 2 and "data error: data.eval_holdout: 0.0 of the training rows held out no sequence" in err
     assert "set data.eval_files, raise data.eval_holdout, or set eval.batches: 0" in err
 
@@ -228,7 +231,7 @@ def test_tool_calls_are_kept_when_the_template_renders_them_and_refused_when_not
     tok.save_pretrained(str(tmp_path / "tool_tok"))
     code, _, err = run_check(capsys, recipe(tmp_path, tmp_path / "tool_tok", [path]))
     assert code == 0, err
-    assert "message keys the chat template does not read, dropped from those rows: tool_call_id (1 rows)" in err
+    assert "message keys the chat template does not read, dropped from those rows: tool_call_id (1 row)" in err
 
 
 def test_show_example_marks_exactly_the_tokens_that_carry_loss(tmp_path, tok_dir, capsys):

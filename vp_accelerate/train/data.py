@@ -43,6 +43,12 @@ __all__ = ["BatchIterator", "DataError", "EvalBatches", "PreparedData", "Sequenc
 
 log = logging.getLogger("vp_accelerate.train")
 
+def _warn(message: str, *args) -> None:
+    """A warning about the data, from the first process only (every rank prepares the same data)."""
+    if os.environ.get("RANK", "0") == "0":
+        log.warning(message, *args)
+
+
 BAD_ROWS_LISTED = 20
 """How many invalid rows `--check` lists (then a count)."""
 
@@ -617,6 +623,10 @@ def prepare_data(cfg, tokenizer, vocab_size: int, cache: bool = True) -> Prepare
     _split_stats(eval_stats, eval_part)
     eval_seqs = _to_sequences(_encoded(eval_part), cfg, pad_id, eval_stats.source, fmt, allow_empty=True,
                               stats=eval_stats)
+    for stats in (train_stats, eval_stats):
+        if stats.dropped_keys:  # said once, at the start (and listed by --check)
+            _warn("%s: message keys the chat template does not read were dropped: %s", stats.source,
+                  ", ".join(f"{k} ({n} rows)" for k, n in sorted(stats.dropped_keys.items())))
     return PreparedData(cfg, fmt, how, train, eval_seqs, {"train": train_stats, "eval": eval_stats}, None, pad_id)
 
 
@@ -638,8 +648,8 @@ def _stop_or_skip(cfg, splits) -> None:
         examples += stats.bad_examples
         count += stats.bad
         if cfg.skip_invalid:
-            log.warning("%s: skipped %d invalid row(s) (data.skip_invalid); the first: %s", source, stats.bad,
-                        stats.bad_examples[0])
+            _warn("%s: skipped %d invalid row(s) (data.skip_invalid); the first: %s", source, stats.bad,
+                  stats.bad_examples[0])
     if count and not cfg.skip_invalid:
         raise BadRowsError(key, examples[:BAD_ROWS_LISTED], count)
 
@@ -684,8 +694,8 @@ def _to_sequences(enc: Encoded, cfg, pad_id: int, source: str, fmt: str = "text"
                             f"{info['min_need']}, the longest has {stats.longest or max(map(len, rows))} tokens); "
                             f"raise data.seq_len")
         if dropped:
-            log.warning("%s: %d of %d %s dropped: their loss tokens lie beyond data.seq_len=%d (keeping them all "
-                        "needs data.seq_len >= %d)", source, dropped, len(rows), _what(fmt), S, info["dropped_need"])
+            _warn("%s: %d of %d %s dropped: their loss tokens lie beyond data.seq_len=%d (keeping them all "
+                  "needs data.seq_len >= %d)", source, dropped, len(rows), _what(fmt), S, info["dropped_need"])
         stats.cut_tokens = sum(max(0, len(r) - S) for r in rows) if fmt != "text" else 0
     elif cfg.packing:
         ids = pack(rows, S)

@@ -23,10 +23,14 @@ def _rows_line(s: SplitStats, held_out: int) -> str:
             f"longest row {s.longest:,}")
 
 
+def _rows(n: int) -> str:
+    return f"{n:,} row{'' if n == 1 else 's'}"
+
+
 def _packing_line(s: SplitStats, seq_len: int) -> str:
     parts = []
     if s.truncated:
-        parts.append(f"{s.truncated:,} rows truncated ({s.cut_tokens:,} tokens cut)")
+        parts.append(f"{_rows(s.truncated)} truncated ({s.cut_tokens:,} tokens cut)")
     elif s.cut_tokens:
         parts.append(f"{s.cut_tokens:,} tokens of the incomplete last sequence left out")
     if s.dropped:
@@ -40,7 +44,7 @@ def _packing_line(s: SplitStats, seq_len: int) -> str:
 def _keys_line(s: SplitStats) -> str | None:
     if not s.dropped_keys:
         return None
-    keys = ", ".join(f"{k} ({n:,} rows)" for k, n in sorted(s.dropped_keys.items()))
+    keys = ", ".join(f"{k} ({_rows(n)})" for k, n in sorted(s.dropped_keys.items()))
     return (f"{s.source}: message keys the chat template does not read, dropped from those rows: {keys}; a template "
             f"that renders them (tokenizer.chat_template) would keep them")
 

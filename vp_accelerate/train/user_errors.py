@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from contextlib import contextmanager
 
 from .data_read import DataError
@@ -85,9 +86,16 @@ def report(err: Exception) -> None:
 
 def say_once(message: str) -> None:
     """Print a line that every launched rank would print the same (a recipe error before the process group)
-    once per machine: on its first local rank."""
+    once per machine: on its first local rank. The others wait a moment before they exit: the launcher stops
+    every rank as soon as one exits, and the one that speaks must get to say it first."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
+    elif int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        time.sleep(SILENT_EXIT_DELAY_S)
+
+
+SILENT_EXIT_DELAY_S = 3.0
+"""How long a rank that says nothing waits before exiting with a user error."""
 
 
 def leave() -> None:
