@@ -216,3 +216,56 @@ def test_samples_are_what_hf_generate_answers(launched):
             new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
         assert sample["completion"] == tok.decode(new[0, ids.shape[1]:], skip_special_tokens=True)
         assert sample["completion"]  # the text model does not stop at once: a real comparison
+
+
+def _lora_samples_on_ranks(ckpt: str, tok_dir: str, prompts: list, out_dir: str):
+    import zlib
+
+    from transformers import AutoTokenizer
+
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.adapter_config import AdapterConfig
+    from vp_accelerate.train.samples import complete
+
+    pipe = PipelineModel(ckpt, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2), seed=3,
+                         adapter=AdapterConfig(type="lora", r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # trained-looking adapters (B starts at zero), the same whatever the layout
+        for name, p in pipe.named_parameters():
+            if ".lora_B." in name:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    texts = complete(pipe, tok, prompts, "text", 8)
+    pipe.export_hf(out_dir, tok)  # the runtime's own merge and export: the reference's weights
+    pipe.close()
+    return texts
+
+
+def test_lora_samples_match_generate_on_the_merged_export(tmp_path):
+    """Samples of a LoRA pipeline on 2 ranks (the gathered model with the adapters merged) are what HF
+    `generate` answers with the runtime's merged export."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vp_accelerate.distributed import spawn
+    from vp_accelerate.train.tokenizer import train_bpe
+
+    from helpers.tiny import tiny_llama
+
+    rng = random.Random(RNG.random())
+    words = "alpha beta gamma delta paris france capital hello world".split()
+    (tmp_path / "t.txt").write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(100)) + "\n")
+    tok = train_bpe([str(tmp_path / "t.txt")], 280, str(tmp_path / "tok"), min_frequency=1)
+    torch.manual_seed(rng.randrange(1000))
+    AutoModelForCausalLM.from_config(tiny_llama(len(tok), num_layers=4)).save_pretrained(str(tmp_path / "m"))
+    prompts = [" ".join(rng.choices(words, k=3)) for _ in range(2)]
+    texts = spawn(_lora_samples_on_ranks, 2, str(tmp_path / "m"), str(tmp_path / "tok"), prompts,
+                  str(tmp_path / "merged"), timeout_s=240)
+    assert texts[1] is None  # rank 0 generates
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
+    for prompt, text in zip(prompts, texts[0]):
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        assert text == tok.decode(new[0, ids.shape[1]:], skip_special_tokens=True) and text
