@@ -211,3 +211,24 @@ def test_the_adapter_folder_names_the_model_source_only_when_it_is_the_runs_base
     overridden = {"model": {**same["model"], "config": {"num_hidden_layers": 1}}}
     assert adapter_base(overridden, len(tok), tok)[0] is None
     assert adapter_base({"model": {"source": "./no/such/dir"}}, len(tok), tok)[0] is None
+
+
+def test_stop_at_says_where_the_run_stopped(toks, tmp_path, monkeypatch, caplog):
+    """The closing line of a run cut short by --stop-at: where it stopped and how to go on (not "done")."""
+    import logging
+
+    from vp_accelerate.train import trainer
+    from vp_accelerate.train.commands import train_main
+
+    monkeypatch.setattr(trainer, "setup", lambda *a, **k: None)
+    monkeypatch.setattr(trainer, "train", lambda recipe, **k: {"end_step": 4, "final_eval_loss": 1.5, "hf_dir": None})
+    (tmp_path / "r.yaml").write_text(json.dumps({
+        "model": {"source": "llama-tiny"}, "tokenizer": {"source": f"bpe:{toks / 'tok_a'}"},
+        "data": {"files": [chat_file(tmp_path / "chat.jsonl", 40)], "seq_len": 32}, "pipeline": {"microbatches": 2},
+        "train": {"steps": 10, "global_batch": 2}, "eval": {"batches": 0},
+        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run")}}))
+    with caplog.at_level(logging.INFO, logger="vp_accelerate.train"):
+        assert train_main([str(tmp_path / "r.yaml"), "--stop-at", "4"]) == 0
+    assert f"stopped after step 4 of 10 (--stop-at 4): eval loss 1.5000; checkpoint {tmp_path / 'run' / 'checkpoints'}; " \
+           f"continue with --resume; no final export" in caplog.text
+    assert "done:" not in caplog.text

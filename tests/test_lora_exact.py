@@ -139,6 +139,24 @@ def test_lora_matches_single_process_peft(tmp_path):
         assert loaded.peft_config["default"].r == 4
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
 
+        # the final export of a run without checkpoints, from the gathered state: merged hf/ and the adapter
+        # folder, whose fresh base (exists nowhere else) goes to adapter/base; AutoPeftModel loads it as it is
+        from peft import AutoPeftModelForCausalLM
+
+        from vp_accelerate.train.export import write_exports
+
+        recipe = {"model": {"source": "llama-tiny"}, "adapter": {"type": "lora", "r": 4, "alpha": 8,
+                                                                 "target_modules": TARGETS}}
+        write_exports(per_rank[0][CONFIGS[0]][1], config, None, recipe, [], str(tmp_path / "final_hf"),
+                      str(tmp_path / "final_adapter"))
+        auto = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "final_adapter"), attn_implementation="eager",
+                                                        dtype=torch.float64)
+        assert auto.peft_config["default"].base_model_name_or_path == str(tmp_path / "final_adapter" / "base")
+        torch.testing.assert_close(auto(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
+        final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final_hf"), attn_implementation="eager",
+                                                     dtype=torch.float64)
+        torch.testing.assert_close(final(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
+
 
 def _gpt2_on_ranks(ckpt: str, ids, out: str):
     from vp_accelerate.runtime import AdapterConfig, PipelineConfig, PipelineModel

@@ -1,6 +1,7 @@
 """SFT end to end under a real 2-process `accelerate launch`: the demo chat set, chat format detected,
 LoRA adapters; the checkpoint exports merged (reproducing the run's eval loss on the packed chat batches
-through plain HF) and as a peft adapter folder (the same logits through PeftModel)."""
+through plain HF) and as a peft adapter folder (the same logits through PeftModel); the run's own adapter
+folder loads offline through AutoPeftModelForCausalLM."""
 
 import json
 import os
@@ -89,3 +90,17 @@ def test_chat_lora_run_exports_merged_and_adapter(tmp_path):
     ids = evals[0]["input_ids"][:2]
     with torch.no_grad():  # merged weights were rounded to float32 once: float32 tolerance
         torch.testing.assert_close(loaded(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+    # the run wrote its adapter folder beside the merged hf/ and said so; its fresh base exists nowhere else, so
+    # it sits in adapter/base, and the folder loads offline as it is, tokenizer included
+    from peft import AutoPeftModelForCausalLM
+
+    log = out.stdout + out.stderr
+    assert "LoRA r=4 alpha=8 on q_proj, v_proj, down_proj: " in log and " trainable of " in log
+    assert "(LoRA merged into the weights; the adapter alone is in " in log
+    folder = tmp_path / "run" / "adapter"
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(folder / "base")
+    auto = AutoPeftModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64)
+    assert len(AutoTokenizer.from_pretrained(str(folder))) == auto.get_input_embeddings().weight.shape[0]
+    with torch.no_grad():
+        torch.testing.assert_close(auto(input_ids=ids).logits, loaded(input_ids=ids).logits, rtol=1e-12, atol=1e-12)
