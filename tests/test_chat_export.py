@@ -229,6 +229,7 @@ def test_stop_at_says_where_the_run_stopped(toks, tmp_path, monkeypatch, caplog)
         "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run")}}))
     with caplog.at_level(logging.INFO, logger="vp_accelerate.train"):
         assert train_main([str(tmp_path / "r.yaml"), "--stop-at", "4"]) == 0
-    assert f"stopped after step 4 of 10 (--stop-at 4): eval loss 1.5000; checkpoint {tmp_path / 'run' / 'checkpoints'}; " \
-           f"continue with --resume; no final export" in caplog.text
+    where = tmp_path / "run" / "checkpoints"
+    assert f"stopped after step 4 of 10 (--stop-at 4): eval loss 1.5000; checkpoint {where}; continue with --resume; " \
+           f"no final export" in caplog.text
     assert "done:" not in caplog.text

@@ -68,9 +68,9 @@ def launch(d, name, recipe):
     path.write_text(yaml.safe_dump(recipe))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_CACHE": str(d / "ds_cache")}
-    out = subprocess.run([ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-                          "-m", "vp_accelerate", "train", str(path)], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=str(d))
+    config = os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml")
+    out = subprocess.run([ACCELERATE, "launch", "--config_file", config, "-m", "vp_accelerate", "train", str(path)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=str(d))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return d / name, out.stdout + out.stderr
 
@@ -101,8 +101,9 @@ def sft_run(data):
     """Full SFT of a fresh tiny Llama (ChatML fallback: the tokenizer has no template), checkpoints off."""
     d, sets = data
     return launch(d, "sft", {
-        "model": {"source": "llama-tiny", "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                                     "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "model": {"source": "llama-tiny", "config": {"hidden_size": 64, "intermediate_size": 128,
+                                                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 2}},
         "tokenizer": {"source": f"bpe:{d / 'tok'}"}, "data": chat_data(sets, "a"),
         "optimizer": {"lr": 1e-2, "weight_decay": 0.0}, "train": {"steps": 30, "global_batch": 8},
         "checkpoint": {"enabled": False}})

@@ -155,6 +155,7 @@ def parameter_counts(named_parameters, is_duplicate=lambda name: False) -> tuple
 def describe_adapter(adapter, config, trainable: int, total: int) -> str:
     """The line a LoRA run starts with: what is adapted and how many parameters train."""
     vocab = "trains (adapter.train_vocab)" if adapter.train_vocab else "is frozen"
-    return (f"LoRA r={adapter.r} alpha={adapter.alpha:g} on {', '.join(target_modules_for(config, adapter.target_modules))}"
-            f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%); the "
-            f"vocabulary {vocab}")
+    targets = ", ".join(target_modules_for(config, adapter.target_modules))
+    share = 100 * trainable / max(total, 1)
+    return (f"LoRA r={adapter.r} alpha={adapter.alpha:g} on {targets}: {trainable:,} trainable of {total:,} "
+            f"parameters ({share:.2f}%); the vocabulary {vocab}")

@@ -57,7 +57,9 @@ class ChatSetup:
 
 
 def data_format(d) -> str:
-    """The run's sample format (text / chat / prompt_completion): declared, else from the first record's columns."""
+    """The run's sample format (text / chat / prompt_completion): declared, else from the first record's columns
+    (a hub dataset's first streamed row; "text" when the hub cannot be reached, so declare `data.format: chat`
+    for a hub chat set checked offline)."""
     from .data import _builder_of, _format_of, first_record_columns, load_documents, sample_format
     from .tokenizer import expand_files
 
@@ -65,8 +67,11 @@ def data_format(d) -> str:
         return d.format
     try:
         if d.hub_id:
-            first = next(iter(load_documents(None, d.hub_id, d.hub_split, streaming=True, name=d.hub_name,
-                                             revision=d.hub_revision)), None)
+            try:
+                first = next(iter(load_documents(None, d.hub_id, d.hub_split, streaming=True, name=d.hub_name,
+                                                 revision=d.hub_revision)), None)
+            except Exception:  # the hub out of reach (--check offline): set data.format to decide without it
+                return "text"
             columns = sorted(first) if first else []
         else:
             paths = [p for p in expand_files(d.files or []) if os.path.getsize(p) > 0]

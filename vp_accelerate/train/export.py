@@ -60,6 +60,11 @@ def checkpoint_state(path: str):
     return state, config, tokenizer, meta
 
 
+def _ids(x) -> list:
+    """A generation config's eos_token_id (an id, a list, None) as a sorted list."""
+    return sorted(x) if isinstance(x, list) else ([] if x is None else [x])
+
+
 def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, str]:
     """(what the adapter folder names as its base model, why): the model source when the run's frozen base
     is exactly that model with this tokenizer's ids, else None (the base is written beside the adapter)."""
@@ -87,8 +92,7 @@ def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, 
         if not same_vocabulary(AutoTokenizer.from_pretrained(where), tokenizer):
             return None, "the run's tokenizer differs from the model's (a swap, or chat tokens added)"
         stops = GenerationConfig.from_pretrained(where).eos_token_id
-        as_list = lambda x: sorted(x) if isinstance(x, list) else ([] if x is None else [x])  # noqa: E731
-        if as_list(stops) != as_list(generation_eos(tokenizer)):
+        if _ids(stops) != _ids(generation_eos(tokenizer)):
             return None, f"{where} stops generation at {stops}, the run's tokenizer at {generation_eos(tokenizer)}"
     except (OSError, ValueError) as e:
         return None, f"cannot read {where} offline ({type(e).__name__})"
