@@ -33,7 +33,7 @@ def test_even_explicit_and_balanced():
 @pytest.mark.parametrize("counts,message", [
     ([5, 5], "layers_per_stage \\[5, 5\\] must have 4 entries"),
     ([1, 1, 1, 1], "summing to the model's 10 decoder layers"),
-    ([0, 5, 4, 1], "every chunk needs at least one decoder layer"),
+    ([3, 0, 6, 1], "every chunk but the first and the last needs at least one decoder layer"),
 ])
 def test_bad_explicit_layouts(counts, message):
     cfg = tiny_config("llama", num_layers=10)
@@ -51,3 +51,24 @@ def test_runtime_does_not_import_the_simulator():
             "print([m for m in sys.modules if m.startswith('vp_accelerate.sim')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_end_chunks_may_be_empty():
+    """The first and the last chunk still run the vocabulary layers (and the final norm): they may hold no
+    decoder layer; an inner chunk may not."""
+    cfg = tiny_config("llama", num_layers=10)
+    sched = build_schedule("vhalf", "baseline", 2, 4)
+    assert _counts(plan_layout(cfg, sched, [0, 5, 4, 1])) == [0, 5, 4, 1]
+    assert _counts(plan_layout(cfg, sched, [4, 3, 3, 0])) == [4, 3, 3, 0]
+
+
+def test_redis_empties_the_last_stage_when_the_output_layer_is_a_stages_worth():
+    """The paper's 8-GPU model at seq 4096: the cost model puts 4, 3, 2, 0 decoder layers on the last stage
+    at 32k / 64k / 128k / 256k, the paper's reference split."""
+    from vp_accelerate.cost import redis_layer_split
+    from vp_accelerate.sim.paper import PAPER_REDIS_LAST, shape
+
+    got = {v: redis_layer_split(shape(v, 4096), 8) for v in PAPER_REDIS_LAST}
+    assert {v: c[-1] for v, c in got.items()} == PAPER_REDIS_LAST
+    assert all(sum(c) == 32 and min(c[1:-1]) >= 1 for c in got.values())
+    assert redis_layer_split(shape(256000, 4096), 8, min_end_layers=1)[-1] == 1  # the old floor, on request

@@ -29,7 +29,7 @@ def test_layout_constructors():
     (lambda: StageLayout.interleaved(8, 2, 0), "chunks_per_rank must be >= 1"),
     (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[2, 2, 2]), "sum to 6, but the model has 8"),
     (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[4, 4]), "got 2 layer counts but this layout has 3"),
-    (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[4, 4, 0]), "needs at least one decoder layer"),
+    (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[4, 0, 4]), "needs at least one decoder layer"),
     (lambda: StageLayout(((0, 2), (3, 4)), (0, 1)), "chunk 1 starts at layer 3"),
     (lambda: StageLayout(((0, 2), (2, 4)), (0, 2)), "must use every rank"),
 ])

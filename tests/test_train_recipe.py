@@ -87,7 +87,7 @@ def test_overrides_are_typed(corpus):
     ("pipeline.microbatches=four", "pipeline.microbatches: expected int, got str 'four'"),
     ("pipeline.method=vocab-3", "pipeline.method: expected one of"),
     ("pipeline=3", "pipeline: expected a mapping"),
-    ("train.steps.x=3", "train.steps: is a value (int), not a section"),
+    ("train.steps.x=3", "train.steps: is a value (int or null), not a section"),
     ("noequals", "expected key.path=value"),
 ])
 def test_override_errors(corpus, item, message):
@@ -166,7 +166,8 @@ def test_pipeline_section_is_the_runtime_config(corpus):
     ({"microbatches": 0}, "pipeline.microbatches: must be >= 1, got 0"),
     ({"chunks_per_rank": 0}, "pipeline.chunks_per_rank: must be >= 1 or null, got 0"),
     ({"label_smoothing": 1.0}, "pipeline.label_smoothing: must be in [0, 1), got 1.0"),
-    ({"layers_per_stage": [2, 0]}, "pipeline.layers_per_stage: every chunk needs at least one layer, got [2, 0]"),
+    ({"layers_per_stage": [2, 0, 2]}, "pipeline.layers_per_stage: every chunk but the first and the last needs at "
+                                      "least one layer (the end chunks may hold none), got [2, 0, 2]"),
     ({"layers_per_stage": "2,2"}, "pipeline.layers_per_stage: expected list of int, got str '2,2'"),
     ({"watchdog_dead_after_s": 0}, "pipeline.watchdog_dead_after_s: must be > 0 or null, got 0.0"),
     ({"schedule": "1f1c"}, "pipeline.schedule: expected one of"),

@@ -110,13 +110,16 @@ class StageCosts:
 
 
 def redis_layer_split(model, num_stages: int, costs: StageCosts | None = None, *, seq: int = 2048,
-                      vocab: int | None = None, hw: Hardware | None = None, min_layers: int = 1) -> tuple[int, ...]:
+                      vocab: int | None = None, hw: Hardware | None = None, min_layers: int = 1,
+                      min_end_layers: int = 0) -> tuple[int, ...]:
     """Layers per stage that minimise the slowest stage's time (the "redis" baseline): the last stage,
-    which also runs the output layer, and the first, which runs the embedding, get fewer layers.
+    which also runs the output layer, and the first, which runs the embedding, get fewer layers —
+    none when the output layer alone costs a stage's share (as the paper's split does at 256k).
 
     model: a layer count (then `costs` is required), a ModelShape, or an HF config (object, dict or
-    path of config.json; `seq`, default 2048, and `vocab` complete it). Every stage keeps at least
-    `min_layers` layers (the runtime needs one).
+    path of config.json; `seq`, default 2048, and `vocab` complete it). Every inner stage keeps at least
+    `min_layers` layers, the first and the last at least `min_end_layers` (their chunks still run the
+    vocabulary layers and the final norm).
     """
     if isinstance(model, int):
         if costs is None:
@@ -131,25 +134,30 @@ def redis_layer_split(model, num_stages: int, costs: StageCosts | None = None, *
             layer = probe.pass_time(0, Op.F, 0) + probe.pass_time(0, Op.B, 0) - 2 * probe._gather_time()
             last = probe.pass_time(1, Op.F, 1) + probe.pass_time(1, Op.B, 1) - layer
             costs = StageCosts(layer=layer, first=2 * probe._gather_time(), last=last)
-    if num_stages * min_layers > num_layers:
+    least = [min_layers] * num_stages
+    if num_stages > 1:
+        least[0] = least[-1] = min(min_layers, min_end_layers)
+    else:
+        least = [max(1, min_layers)]
+    if sum(least) > num_layers:
         raise ValueError(f"{num_layers} layers cannot give {num_stages} stages {min_layers} layer(s) each")
     extra = [costs.first] + [0.0] * (num_stages - 2) + [costs.last] if num_stages > 1 else [costs.first + costs.last]
 
     def capacity(limit: float) -> list[int]:
         return [max(0, math.floor((limit - e) / costs.layer + 1e-9)) for e in extra]
 
-    candidates = sorted({e + k * costs.layer for e in extra for k in range(min_layers, num_layers + 1)})
+    candidates = sorted({e + k * costs.layer for e, lo in zip(extra, least) for k in range(lo, num_layers + 1)})
     lo, hi = 0, len(candidates) - 1
     while lo < hi:  # smallest stage-time limit under which the stages can hold every layer
         mid = (lo + hi) // 2
         caps = capacity(candidates[mid])
-        if all(c >= min_layers for c in caps) and sum(caps) >= num_layers:
+        if all(c >= n for c, n in zip(caps, least)) and sum(caps) >= num_layers:
             hi = mid
         else:
             lo = mid + 1
     counts = capacity(candidates[lo])
     while sum(counts) > num_layers:  # give back the surplus from the currently slowest stages
-        i = max((i for i in range(num_stages) if counts[i] > min_layers),
+        i = max((i for i in range(num_stages) if counts[i] > least[i]),
                 key=lambda i: (extra[i] + counts[i] * costs.layer, counts[i]))
         counts[i] -= 1
     return tuple(counts)

@@ -220,7 +220,7 @@ def _build_chunk(parts: ModelParts, layout: StageLayout, c: int, src: WeightSour
                  seed: int, dtype: torch.dtype) -> StageChunk:
     start, end = layout.chunk_layers[c]
     names = parts.names
-    first, last = start == 0, c == layout.num_chunks - 1
+    first, last = c == 0, c == layout.num_chunks - 1  # chunk 0 may hold no layer: chunk 1 then starts at 0 too
     layers = []
     for i in range(start, end):
         layer = parts.layers[i]

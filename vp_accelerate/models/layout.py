@@ -2,7 +2,9 @@
 
 A chunk is a contiguous range of decoder layers; chunks are numbered in model order, so chunk 0
 starts the model (it receives the embedding output) and the last chunk ends it (its output, after
-the final norm, is X for the output layer). Every schedule in the project describes placement with
+the final norm, is X for the output layer). The first and the last chunk may hold no decoder layer
+(the balanced "redis" split empties the last stage when the output layer alone is a stage's worth):
+chunk 0 then only applies the input pieces, the last chunk only the final norm. Every schedule in the project describes placement with
 the same `chunk_rank` tuple (see `schedule.ir.Schedule.chunk_rank`).
 """
 
@@ -35,9 +37,12 @@ class StageLayout:
             if start != expect:
                 raise LayoutError(f"chunk {c} starts at layer {start} but the previous chunk ended at {expect}: "
                                   "chunks must cover the layers contiguously in model order")
-            if end <= start:
-                raise LayoutError(f"chunk {c} has no layers ({start}..{end}); every chunk needs at least one")
+            if end < start or (end == start and 0 < c < len(self.chunk_layers) - 1):
+                raise LayoutError(f"chunk {c} has no layers ({start}..{end}); only the first and the last chunk may "
+                                  "hold none (they also run the vocabulary layers), every other chunk needs one")
             expect = end
+        if expect == 0:
+            raise LayoutError("the chunks hold no decoder layer at all")
         ranks = set(self.chunk_rank)
         if min(ranks) < 0 or ranks != set(range(max(ranks) + 1)):
             raise LayoutError(f"chunk owners {self.chunk_rank} must use every rank 0..p-1 at least once")
@@ -100,9 +105,12 @@ class StageLayout:
         """Explicit layer count per chunk (model order) and owner per chunk."""
         if len(layer_counts) != len(chunk_rank):
             raise LayoutError(f"{len(layer_counts)} layer counts for {len(chunk_rank)} chunks")
-        bad = [(c, n) for c, n in enumerate(layer_counts) if n < 1]
+        ends = (0, len(layer_counts) - 1)
+        bad = [(c, n) for c, n in enumerate(layer_counts) if n < 0 or (n == 0 and c not in ends)]
         if bad:
-            raise LayoutError(f"every chunk needs at least one decoder layer; chunk(s) {bad} (chunk, count) have none")
+            raise LayoutError(f"every chunk but the first and the last needs at least one decoder layer (the end "
+                              f"chunks may hold none: they also run the vocabulary layers); chunk(s) {bad} "
+                              "(chunk, count) do not")
         ranges, start = [], 0
         for n in layer_counts:
             ranges.append((start, start + int(n)))

@@ -56,7 +56,7 @@ class StageChunk(nn.Module):
         self.embed_dropout = embed_dropout
         self.embed_scale = embed_scale
         self.embed_scale_in_dtype = embed_scale_in_dtype
-        self.is_first = start == 0
+        self.is_first = chunk == 0  # not start == 0: an empty chunk 0 (balanced split) leaves chunk 1 at layer 0
         self.is_last = norm is not None
         self.checkpointed: frozenset[int] = frozenset()
         """Local indices (0 = the chunk's first layer) of layers whose activations are recomputed in backward."""

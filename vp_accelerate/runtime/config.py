@@ -61,7 +61,8 @@ class PipelineConfig:
     """Pad each vocabulary shard to a multiple of this many rows (64 suits GPU matmuls)."""
 
     layers_per_stage: Optional[tuple[int, ...]] = None
-    """Explicit decoder layers per chunk in model order; None = an even split (or the cost model's for redis)."""
+    """Explicit decoder layers per chunk in model order; None = an even split (or the cost model's for redis).
+    The first and the last chunk may hold none (they still run the vocabulary layers and the final norm)."""
 
     attn_implementation: Optional[str] = None
     """HF attention kernel ("eager", "sdpa", ...); None = the model's default."""
@@ -110,9 +111,10 @@ class PipelineConfig:
                 raise ValueError(f"{name}: must be >= 1 or null, got {value}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing: must be in [0, 1), got {self.label_smoothing}")
-        if self.layers_per_stage is not None and any(n < 1 for n in self.layers_per_stage):
-            raise ValueError(f"layers_per_stage: every chunk needs at least one layer, got "
-                             f"{list(self.layers_per_stage)}")
+        split = self.layers_per_stage
+        if split is not None and (any(n < 0 for n in split) or any(n < 1 for n in split[1:-1])):
+            raise ValueError(f"layers_per_stage: every chunk but the first and the last needs at least one layer "
+                             f"(the end chunks may hold none), got {list(split)}")
         if self.mixed_precision is not None and str(self.mixed_precision).lower() not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision: must be no, bf16, fp16 or null, got {self.mixed_precision!r}")
         if self.activation_checkpointing not in ("none", "full", "selective"):

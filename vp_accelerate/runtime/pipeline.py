@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.distributed import init_from_env, local_device
-from vp_accelerate.cost import plan_layout, shape_from_hf_config
+from vp_accelerate.cost import layout_costs, plan_layout, shape_from_hf_config
 from vp_accelerate.models import StageLayout, build_rank, check_supported, export_hf, gather_state_dict, resolve_config
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
@@ -98,6 +98,13 @@ class PipelineModel:
         self.method = self.schedule.method_spec
         self.vocab = self.method.vocab_parallel
         self.layout = self._layout()
+        # each rank's order from the cost model's pass times (schedule/list_schedule.py); the unit-grid
+        # schedule above only gave the layout. Every rank computes the same order from the same inputs.
+        costs = layout_costs(self.hf_config, self.schedule, self.layout, cfg.activation_checkpointing)
+        self.schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
+                                       chunks_per_rank=cfg.chunks_per_rank, costs=costs)
+        self.eval_schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
+                                            chunks_per_rank=cfg.chunks_per_rank, forward_only=True, costs=costs)
         self.partition = (VocabPartition(self.hf_config.vocab_size, g.pp_size, cfg.pad_multiple)
                           if self.vocab else None)
         self.mods = build_rank(source, self.layout, g.pp_rank, "vocab" if self.vocab else "baseline",
@@ -241,7 +248,8 @@ class PipelineModel:
     def _executor(self, schedule, mb_rows: int, seq: int) -> Executor:
         mine = self.layout.chunks_of(self.pp_rank)
         layers = {c: self.layout.chunk_layers[c][1] - self.layout.chunk_layers[c][0] for c in mine}
-        weight = {c: n / sum(layers.values()) for c, n in layers.items()}
+        total = sum(layers.values())  # 0 on a stage the balanced split emptied (its chunk runs only the norm)
+        weight = {c: n / total if total else 0.0 for c, n in layers.items()}
         return Executor(schedule, self.mods, self.groups, self.partition, self.out_opts,
                         act_shape=(mb_rows, seq, self.hf_config.hidden_size),
                         # stages exchange activations / gradients in the compute dtype under mixed precision
