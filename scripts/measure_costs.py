@@ -87,7 +87,7 @@ def _worker(configs, shape: dict, microbatches: int, steps: int) -> dict:
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, pipe.last_stats["timeline"])
                 steps_out.append((time.perf_counter() - t0, [r for recs in gathered for r in recs]))
-        out[(schedule, method)] = steps_out
+        out[(schedule, method)] = (pipe.schedule, steps_out)  # the order it ran (built from the cost model)
         pipe.close()
     return out
 
@@ -106,7 +106,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from vp_accelerate.distributed import spawn
-    from vp_accelerate.schedule import build_schedule
     from vp_accelerate.sim.cost import MeasuredCosts
     from vp_accelerate.sim.simulate import simulate
 
@@ -117,8 +116,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print("| schedule / method | step | measured s | simulated from that step's passes | error |")
     print("|---|---|---|---|---|")
-    for (schedule, method), steps in res.items():
-        sched = build_schedule(schedule, method, args.ranks, args.microbatches)
+    for (schedule, method), (sched, steps) in res.items():
         for k, (measured, records) in enumerate(steps):
             costs = _costs(records, args.ranks)
             path = out / f"{schedule}_{method}_step{k}.json"
