@@ -76,6 +76,8 @@ def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, 
         return None, "the run started from a fresh model, which exists nowhere else"
     if m.get("config") or m.get("init_from"):
         return None, "model.config / model.init_from: the run's base is not model.source's weights"
+    if tokenizer is None:
+        return None, "no tokenizer to compare with the model's"
     local = os.path.expanduser(source)
     if not os.path.isdir(local) and (source.startswith((".", "/", "~")) or source.count("/") != 1):
         return None, f"model.source {source!r} is not a directory here"
