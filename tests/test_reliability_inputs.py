@@ -202,14 +202,13 @@ def test_batch_rows_are_named_for_errors():
 
 
 # ------------------------------------------------------------------------------------------- runtime
-def fake_pipe(vocab=64, max_pos=32, microbatches=2):
-    cfg = SimpleNamespace(vocab_size=vocab, max_position_embeddings=max_pos)
-    return SimpleNamespace(cfg=SimpleNamespace(microbatches=microbatches), hf_config=cfg)
+def fake_config(vocab=64, max_pos=32):
+    return SimpleNamespace(vocab_size=vocab, max_position_embeddings=max_pos)
 
 
 @pytest.mark.parametrize("what", ["id", "label", "seq"])
 def test_runtime_batch_checks_name_sample_and_position(what):
-    from vp_accelerate.runtime.pipeline import PipelineModel
+    from vp_accelerate.runtime.microbatches import check_batch
 
     b, s = 4, 16
     ids = torch.randint(0, 64, (b, s))
@@ -225,7 +224,7 @@ def test_runtime_batch_checks_name_sample_and_position(what):
         ids = labels = torch.zeros(b, 33, dtype=torch.long)
         match = "sequence length 33 exceeds the model's max_position_embeddings=32"
     with pytest.raises(ValueError, match=match):
-        PipelineModel._microbatches(fake_pipe(), ids, labels, None)
+        check_batch(ids, labels, None, 2, fake_config())
 
 
 def test_vocab_smaller_than_ranks_in_the_runtime():

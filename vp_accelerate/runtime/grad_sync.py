@@ -1,4 +1,6 @@
-"""Data-parallel gradient all-reduce in flat buckets: a few large collectives instead of one per tensor.
+"""Gradient synchronisation after the backward: tied and data-parallel sums, and global-norm clipping.
+
+Data-parallel gradients are all-reduced in flat buckets: a few large collectives instead of one per tensor.
 
 One all-reduce per parameter pays the collective's fixed cost (a launch, a ring's latency) hundreds of
 times per step and never fills the links. The gradients are instead packed, in order, into flat
@@ -10,6 +12,8 @@ runs, and the extra memory stays at a few buckets rather than a second copy of e
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -73,3 +77,41 @@ def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = B
     for item in pending:
         finish(*item)
     return calls
+
+
+def sync_grads(tied_param, tied_group, trainable: list[torch.Tensor], dp_group) -> None:
+    """After the step's backward: the tied baseline matrix held by two ranks adds their gradients (over
+    `tied_group`), then data-parallel replicas add theirs in flat buckets. Frozen parameters (LoRA) have
+    no gradient and no optimizer state, so only `trainable` ones are reduced."""
+    if tied_param is not None and tied_param.requires_grad:  # a frozen (LoRA) vocabulary has no gradient to add
+        if tied_param.grad is None:
+            tied_param.grad = torch.zeros_like(tied_param)
+        dist.all_reduce(tied_param.grad, group=tied_group)
+    if dp_group is not None:
+        grads = []
+        for p in trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        all_reduce_buckets(grads, dp_group)  # flat buckets of <= 25 MiB, not one call each
+
+
+@torch.no_grad()
+def clip_grad_norm(named_params, is_duplicate, max_norm: float, device: torch.device, pp_group) -> float:
+    """Clip by the global L2 norm over the whole pipeline, each parameter counted once (`is_duplicate`
+    names the second copy of a matrix a rank holds twice); returns the norm before clipping."""
+    # summed on the device (one transfer at the end, not one per parameter); pp_group is NCCL on GPUs
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    params = []
+    for name, p in named_params:
+        params.append(p)
+        if p.grad is not None and not is_duplicate(name):
+            sq += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=pp_group)
+    norm = math.sqrt(float(sq.item()))
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

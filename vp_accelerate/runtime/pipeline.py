@@ -25,10 +25,11 @@ import torch.distributed as dist
 
 from vp_accelerate.distributed import init_from_env, local_device
 from vp_accelerate.cost import layout_costs, plan_layout, shape_from_hf_config
-from vp_accelerate.models import StageLayout, build_rank, check_supported, export_hf, gather_state_dict, resolve_config
+from vp_accelerate.models import StageLayout, build_rank, check_supported, resolve_config
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
-from vp_accelerate.runtime import grad_sync
+from vp_accelerate.runtime import grad_sync, model_io
+from vp_accelerate.runtime.microbatches import make_microbatches
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
@@ -37,7 +38,6 @@ from vp_accelerate.runtime import p2p, precision, shutdown, watchdog
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.vocab import comm
-from vp_accelerate.vocab.labels import shift_labels
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
 from vp_accelerate.vocab.partition import VocabPartition
 
@@ -197,53 +197,9 @@ class PipelineModel:
     # ---- the step --------------------------------------------------------------------------------
     def _microbatches(self, input_ids, labels, attention_mask, position_ids=None, loss_scale: float = 1.0
                       ) -> tuple[list[Microbatch], int]:
-        m = self.cfg.microbatches
-        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-            raise ValueError(f"input_ids and labels must both be [batch, seq]; got {tuple(input_ids.shape)} and "
-                             f"{tuple(labels.shape)}")
-        b, s = input_ids.shape
-        if position_ids is not None and tuple(position_ids.shape) != (b, s):
-            raise ValueError(f"position_ids must be [batch, seq] like input_ids {tuple(input_ids.shape)}; got "
-                             f"{tuple(position_ids.shape)}")
-        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
-        if max_pos and s > max_pos:  # GPT-2 would index past its position table; RoPE models were never trained there
-            raise ValueError(f"sequence length {s} exceeds the model's max_position_embeddings={max_pos}; use "
-                             f"sequences of at most {max_pos} tokens (data.seq_len)")
-        if b % m:
-            raise ValueError(f"batch size {b} is not divisible by microbatches={m}; use a batch that is a multiple "
-                             f"of {m} or change pipeline.microbatches")
-        V = self.hf_config.vocab_size
-        bad = (input_ids < 0) | (input_ids >= V)
-        if bad.any():
-            row, col = bad.nonzero()[0].tolist()
-            raise ValueError(f"token id {int(input_ids[row, col])} at sample {row}, position {col} is outside the "
-                             f"vocabulary [0, {V}); the tokenizer and the model disagree (resize the model's vocabulary)")
-        bad = ((labels < 0) & (labels != -100)) | (labels >= V)
-        if bad.any():
-            row, col = bad.nonzero()[0].tolist()
-            raise ValueError(f"label {int(labels[row, col])} at sample {row}, position {col} is outside [0, {V}) and "
-                             f"is not the ignore index -100")
-        dev = self.device
-        # HF convention: the token at t predicts labels[t + 1]
-        shifted = shift_labels(labels, attention_mask)
-        valid = (shifted != -100)
-        n_valid = torch.tensor([valid.sum().item()], dtype=torch.float64, device=dev)
-        if self.groups.dp_group is not None:  # a device group: the count travels on the device
-            dist.all_reduce(n_valid, group=self.groups.dp_group)
-        n_total = int(n_valid.item())
-        # g in at least float32 (float64 models keep float64: 1/N in float32 would cost 1e-8 relative)
-        # (fp16: times the loss scale, a power of two, so the backward runs on S x loss exactly)
-        scale = valid.to(torch.promote_types(self.dtype, torch.float32)) * (loss_scale / max(n_total, 1))
-        default_pos = torch.arange(s).unsqueeze(0).expand(b // m, s)
-        mbs = []
-        for k in range(m):
-            sl = slice(k * b // m, (k + 1) * b // m)
-            mask = None if attention_mask is None else attention_mask[sl].to(dev)
-            pos = default_pos if position_ids is None else position_ids[sl].long()
-            mbs.append(Microbatch(input_ids=input_ids[sl].to(dev), labels=shifted[sl].to(dev),
-                                  grad_scale=scale[sl].reshape(-1).to(dev), position_ids=pos.to(dev),
-                                  attention_mask=mask))
-        return mbs, n_total
+        return make_microbatches(input_ids, labels, attention_mask, position_ids, microbatches=self.cfg.microbatches,
+                                 hf_config=self.hf_config, dtype=self.dtype, device=self.device,
+                                 dp_group=self.groups.dp_group, loss_scale=loss_scale)
 
     def _executor(self, schedule, mb_rows: int, seq: int) -> Executor:
         mine = self.layout.chunks_of(self.pp_rank)
@@ -375,109 +331,44 @@ class PipelineModel:
 
     def _sync_grads(self) -> None:
         """Tied baseline weights on two ranks add their gradients; DP replicas add theirs."""
-        param = None if self._tied_group is None else (
+        tied = None if self._tied_group is None else (
             self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight)
-        if param is not None and param.requires_grad:  # a frozen (LoRA) vocabulary has no gradient to add
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self._tied_group)
-        if self.groups.dp_group is not None:
-            grads = []
-            for p in self.trainable_parameters():  # frozen ones (LoRA) have no gradient and no optimizer state
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            grad_sync.all_reduce_buckets(grads, self.groups.dp_group)  # flat buckets of <= 25 MiB, not one call each
+        grad_sync.sync_grads(tied, self._tied_group, self.trainable_parameters(), self.groups.dp_group)
 
     # ---- optimizer-side helpers ----------------------------------------------------------------------
     def zero_grad(self) -> None:
         for p in self.parameters():
             p.grad = None
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global L2 norm over the whole pipeline (each parameter counted once)."""
-        # summed on the device (one transfer at the end, not one per parameter); pp_group is NCCL on GPUs
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for name, p in self.named_parameters():
-            if p.grad is not None and not self.mods.is_duplicate(name):
-                sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self.groups.pp_group)
-        norm = math.sqrt(float(sq.item()))
-        if max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+        return grad_sync.clip_grad_norm(self.named_parameters(), self.mods.is_duplicate, max_norm, self.device,
+                                        self.groups.pp_group)
 
     def stats(self) -> dict:
         """Measurements of the last train step on this rank."""
         return {"param_bytes": self.param_bytes(), **self.last_stats}
 
+    # ---- weights in and out (runtime/model_io.py) ------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by HF-style name (shards of vocabulary matrices keep their shard shape)."""
-        return {n: p.detach() for n, p in self.named_parameters()}
+        return model_io.rank_state_dict(self)
 
-    @torch.no_grad()
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        own = dict(self.named_parameters())
-        missing, unexpected = set(own) - set(sd), set(sd) - set(own)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match this rank's layout: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}; it was saved with another pipeline layout or model")
-        for n, p in own.items():
-            if sd[n].shape != p.shape:
-                raise ValueError(f"checkpoint tensor {n} has shape {tuple(sd[n].shape)}, this rank expects "
-                                 f"{tuple(p.shape)}: it was saved with another layout or vocabulary size")
-            p.copy_(sd[n])
+        model_io.load_rank_state_dict(self, sd)
 
     def gather_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective. With LoRA the
-        adapters stay separate (`...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`)."""
-        return gather_state_dict(self.mods, group=self.groups.pp_host_group, dst=0)  # host copies over gloo
+        """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective."""
+        return model_io.gather_hf_state_dict(self)
 
     def export_hf(self, out_dir, tokenizer=None) -> None:
-        """Gather every rank's part into one HF model directory written by rank 0 (a collective). LoRA
-        adapters are merged into the weights (see `export_adapter` for a peft adapter folder)."""
-        if not self.adapter.enabled:
-            export_hf(self.mods, self.layout, self.partition, self.hf_config, out_dir, tokenizer=tokenizer,
-                      group=self.groups.pp_host_group, ranks=self.groups.pp_ranks, write=self.dp_rank == 0)
-            return
-        from vp_accelerate.models.export import save_hf
-        from vp_accelerate.models.lora import merge_lora
-
-        sd = self.gather_hf_state_dict()
-        transposed = self._all_lora_transposed()
-        if sd is not None and self.dp_rank == 0:
-            save_hf(merge_lora(sd, self.adapter.scaling, transposed), self.mods.config, out_dir, tokenizer=tokenizer)
-
-    def _all_lora_transposed(self) -> list[str]:
-        """Every pipeline rank's adapted Conv1D (fan_in_fan_out) module names; a collective."""
-        parts = [None] * dist.get_world_size(self.groups.pp_host_group)
-        dist.all_gather_object(parts, self.lora_transposed, group=self.groups.pp_host_group)
-        return sorted(n for names in parts for n in names)
+        """Gather every rank's part into one HF model directory written by rank 0 (a collective); LoRA
+        adapters merged. With `tokenizer`, its special-token ids go into the config and it is saved too."""
+        model_io.export_hf(self, out_dir, tokenizer)
 
     def export_adapter(self, out_dir, base_model_name_or_path: str | None = None, tokenizer=None) -> None:
-        """Write a peft adapter folder (`PeftModel.from_pretrained(base_model, out_dir)` loads it; with
-        `base_model_name_or_path` and `tokenizer`, `AutoPeftModelForCausalLM.from_pretrained(out_dir)` too) on
-        rank 0; a collective over the pipeline ranks. Only LoRA adapters with a frozen vocabulary fit one."""
-        if not self.adapter.enabled:
-            raise ValueError("export_adapter: this model has no adapter (adapter.type is null); use export_hf")
-        if self.adapter.train_vocab:
-            raise ValueError("export_adapter: the vocabulary layers were trained too (adapter.train_vocab), which "
-                             "an adapter folder does not hold; export the merged model with export_hf")
-        from vp_accelerate.models.lora import is_lora_name, save_adapter
-
-        local = {n: p.detach().cpu() for n, p in self.named_parameters() if is_lora_name(n)}
-        group = self.groups.pp_host_group
-        gathered = [None] * dist.get_world_size(group) if self.pp_rank == 0 else None
-        dist.gather_object((local, self.lora_transposed), gathered, group=group, group_dst=0)
-        if self.pp_rank == 0 and self.dp_rank == 0:
-            state = {n: t for part, _ in gathered for n, t in part.items()}
-            transposed = [n for _, names in gathered for n in names]
-            save_adapter(state, self.mods.config, self.adapter, transposed, out_dir, base_model_name_or_path,
-                         tokenizer=tokenizer)
+        """Write a peft adapter folder on rank 0 (a collective); see `model_io.export_adapter`."""
+        model_io.export_adapter(self, out_dir, base_model_name_or_path, tokenizer)
 
     def trainable_parameters(self):
         """The parameters that train (all of them without an adapter; LoRA's, plus the vocabulary if asked)."""

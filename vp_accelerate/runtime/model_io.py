@@ -1,0 +1,84 @@
+"""A pipeline's weights in and out: per-rank state dicts, the gathered HF model, the peft adapter folder.
+
+Plain functions over a `PipelineModel` (its modules, layout, groups and adapter); `PipelineModel`'s
+methods of the same names call them. Gathers run over the pipeline's gloo side group, so a GPU run
+never stages the model through device memory; only data-parallel replica 0 writes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vp_accelerate.models import export_hf as write_hf_model
+from vp_accelerate.models import gather_state_dict
+from vp_accelerate.models.export import save_hf
+from vp_accelerate.models.lora import is_lora_name, merge_lora, save_adapter
+
+
+def rank_state_dict(pipe) -> dict[str, torch.Tensor]:
+    """This rank's parameters by HF-style name (shards of vocabulary matrices keep their shard shape)."""
+    return {n: p.detach() for n, p in pipe.named_parameters()}
+
+
+@torch.no_grad()
+def load_rank_state_dict(pipe, sd: dict[str, torch.Tensor]) -> None:
+    """Load what `rank_state_dict` wrote on this rank; a layout or vocabulary mismatch names itself."""
+    own = dict(pipe.named_parameters())
+    missing, unexpected = set(own) - set(sd), set(sd) - set(own)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match this rank's layout: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}; it was saved with another pipeline layout or model")
+    for n, p in own.items():
+        if sd[n].shape != p.shape:
+            raise ValueError(f"checkpoint tensor {n} has shape {tuple(sd[n].shape)}, this rank expects "
+                             f"{tuple(p.shape)}: it was saved with another layout or vocabulary size")
+        p.copy_(sd[n])
+
+
+def gather_hf_state_dict(pipe) -> dict[str, torch.Tensor] | None:
+    """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective. With LoRA the
+    adapters stay separate (`...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`)."""
+    return gather_state_dict(pipe.mods, group=pipe.groups.pp_host_group, dst=0)  # host copies over gloo
+
+
+def export_hf(pipe, out_dir, tokenizer=None) -> None:
+    """Gather every rank's part into one HF model directory written by rank 0 (a collective). LoRA
+    adapters are merged into the weights (see `export_adapter` for a peft adapter folder)."""
+    g = pipe.groups
+    if not pipe.adapter.enabled:
+        write_hf_model(pipe.mods, pipe.layout, pipe.partition, pipe.hf_config, out_dir, tokenizer=tokenizer,
+                       group=g.pp_host_group, ranks=g.pp_ranks, write=g.dp_rank == 0)
+        return
+    sd = gather_hf_state_dict(pipe)
+    transposed = _all_lora_transposed(pipe)
+    if sd is not None and g.dp_rank == 0:
+        save_hf(merge_lora(sd, pipe.adapter.scaling, transposed), pipe.mods.config, out_dir, tokenizer=tokenizer)
+
+
+def _all_lora_transposed(pipe) -> list[str]:
+    """Every pipeline rank's adapted Conv1D (fan_in_fan_out) module names; a collective."""
+    group = pipe.groups.pp_host_group
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, pipe.lora_transposed, group=group)
+    return sorted(n for names in parts for n in names)
+
+
+def export_adapter(pipe, out_dir, base_model_name_or_path: str | None = None, tokenizer=None) -> None:
+    """Write a peft adapter folder (`PeftModel.from_pretrained(base_model, out_dir)` loads it; with
+    `base_model_name_or_path` and `tokenizer`, `AutoPeftModelForCausalLM.from_pretrained(out_dir)` too) on
+    rank 0; a collective over the pipeline ranks. Only LoRA adapters with a frozen vocabulary fit one."""
+    if not pipe.adapter.enabled:
+        raise ValueError("export_adapter: this model has no adapter (adapter.type is null); use export_hf")
+    if pipe.adapter.train_vocab:
+        raise ValueError("export_adapter: the vocabulary layers were trained too (adapter.train_vocab), which "
+                         "an adapter folder does not hold; export the merged model with export_hf")
+    g = pipe.groups
+    local = {n: p.detach().cpu() for n, p in pipe.named_parameters() if is_lora_name(n)}
+    gathered = [None] * dist.get_world_size(g.pp_host_group) if g.pp_rank == 0 else None
+    dist.gather_object((local, pipe.lora_transposed), gathered, group=g.pp_host_group, group_dst=0)
+    if g.pp_rank == 0 and g.dp_rank == 0:
+        state = {n: t for part, _ in gathered for n, t in part.items()}
+        transposed = [n for _, names in gathered for n in names]
+        save_adapter(state, pipe.mods.config, pipe.adapter, transposed, out_dir, base_model_name_or_path,
+                     tokenizer=tokenizer)
