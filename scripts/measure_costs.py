@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from vp_accelerate.distributed import spawn
-    from vp_accelerate.sim.cost import MeasuredCosts
+    from vp_accelerate.cost import MeasuredCosts
     from vp_accelerate.sim.simulate import simulate
 
     shape = dict(vocab=args.vocab, hidden=args.hidden, ffn=4 * args.hidden, layers=args.layers, heads=4, seq=args.seq)

@@ -2,9 +2,10 @@
 
 import pytest
 
-from vp_accelerate.schedule import SUPPORTED, Op, ScheduleError, build_schedule, validate
+from vp_accelerate.schedule import Op, ScheduleError, build_schedule, validate
+from vp_accelerate.schedule.registry import supported_pairs
 
-PAIRS = [(k, m) for k, ms in SUPPORTED.items() for m in ms]
+PAIRS = supported_pairs()
 
 
 def _cases():

@@ -8,7 +8,7 @@ import pytest
 from vp_accelerate.cost.efficiency import GemmModel
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import Op, chain_collectives
-from vp_accelerate.sim.cost import MeasuredCosts, for_schedule
+from vp_accelerate.cost import MeasuredCosts, for_schedule
 from vp_accelerate.sim.paper import shape
 from vp_accelerate.sim.simulate import simulate
 

@@ -143,13 +143,11 @@ def test_bad_recipe_fails_before_any_process_group(tmp_path, corpus):
 
 
 def test_pipeline_section_is_the_runtime_config(corpus):
-    """The recipe's pipeline section loads straight into runtime.PipelineConfig (the old name is an alias)."""
+    """The recipe's pipeline section loads straight into runtime.PipelineConfig."""
     import yaml
 
     from vp_accelerate.runtime import PipelineConfig
-    from vp_accelerate.train.recipe import PipelineSection
 
-    assert PipelineSection is PipelineConfig
     r = recipe_from_dict(base(corpus, pipeline={"layers_per_stage": [1, 3], "attn_implementation": "eager"}),
                          ["pipeline.watchdog_dead_after_s=null", "pipeline.label_smoothing=0.1"])
     assert type(r.pipeline) is PipelineConfig

@@ -8,8 +8,6 @@ from .lower import lower
 from .registry import SCHEDULES, ScheduleKind, check_pair
 from .timing import place
 
-# Which methods each kind supports (kept for callers of the old name; the registry is the source).
-SUPPORTED = {name: kind.methods for name, kind in SCHEDULES.items()}
 
 
 def build_schedule(kind: str, method: str, num_ranks: int, num_microbatches: int,

@@ -21,7 +21,7 @@ from vp_accelerate.runtime.config import PipelineConfig
 
 from .recipe_io import RecipeError, from_dict, set_override, to_dict
 
-__all__ = ["PipelineConfig", "PipelineSection", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict",
+__all__ = ["PipelineConfig", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict",
            "recipe_to_dict"]
 
 
@@ -159,8 +159,7 @@ class DataSection:
 
 
 # The pipeline section is the runtime's own config, loaded whole (one set of fields and docstrings):
-# see vp_accelerate/runtime/config.py. `PipelineSection` is its old name here.
-PipelineSection = PipelineConfig
+# see vp_accelerate/runtime/config.py.
 
 
 @dataclass
