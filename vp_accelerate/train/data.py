@@ -434,13 +434,17 @@ def _column_flags(tokenized, column: str) -> np.ndarray:
 
 def _row_problems(tokenized, stats: SplitStats) -> np.ndarray:
     """Count invalid rows and dropped message keys into `stats`; the invalid rows' indices."""
+    import pyarrow as pa
+
     stats.rows = len(tokenized)
-    bad = np.flatnonzero(_column_flags(tokenized, "invalid"))
+    flags = _column_flags(tokenized, "invalid")
+    bad = np.flatnonzero(flags)
     stats.bad = len(bad)
-    stats.bad_examples = [tokenized[int(i)]["invalid"] for i in bad[:BAD_ROWS_LISTED]]
-    with_keys = np.flatnonzero(_column_flags(tokenized, "keys"))
-    for i in with_keys:
-        for key in tokenized[int(i)]["keys"].split(","):
+    reasons = _arrow_column(tokenized, "invalid").filter(pa.array(flags))
+    stats.bad_examples = reasons.slice(0, BAD_ROWS_LISTED).to_pylist()
+    keys = _column_flags(tokenized, "keys")
+    for joined in _arrow_column(tokenized, "keys").filter(pa.array(keys)).to_pylist():
+        for key in joined.split(","):
             stats.dropped_keys[key] = stats.dropped_keys.get(key, 0) + 1
     return bad
 

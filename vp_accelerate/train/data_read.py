@@ -40,21 +40,29 @@ def json_layout(path: str) -> str:
     if first.startswith("["):
         return "array"
     if first == "{":  # a pretty-printed object: one record, not a data set
-        raise DataError(f"{path}: holds one JSON object; a data file holds one record per line (JSON Lines) or a "
-                        f"list of records")
+        raise DataError(f"data.files: {path} holds one JSON object; a data file holds one record per line (JSON "
+                        f"Lines) or a list of records")
     return "lines"
+
+
+def _array_of(path: str) -> list:
+    """The records of a file that is one JSON array; DataError naming the file when it is not."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            records = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"data.files: {path} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                            f"{e.colno}); a .json data file is one array of records or one record per line") from None
+    if not isinstance(records, list):
+        raise DataError(f"data.files: {path} holds a JSON {type(records).__name__}, not an array of records")
+    return records
 
 
 def _array_records(files: list):
     """Rows of JSON-array files (`Dataset.from_generator`): each element as JSON text, with its place.
     `files` carries (path, size, mtime) so the cached result is redone when a file changes."""
     for path, _, _ in files:
-        with open(path, encoding="utf-8") as f:
-            try:
-                records = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-        for k, record in enumerate(records):
+        for k, record in enumerate(_array_of(path)):
             yield {RAW: json.dumps(record, ensure_ascii=False), WHERE: f"{path}, record {k + 1}"}
 
 
@@ -80,6 +88,8 @@ def load_rows(paths: list[str], builder: str, streaming: bool = False):
     lines = [p for p, kind in layouts.items() if kind == "lines"]
     if lines:
         raise DataError(f"data.files: mixes JSON Lines ({lines[0]}) and JSON arrays ({arrays[0]}); use one layout")
+    for path in paths:  # an error inside the builder would reach the user as datasets' DatasetGenerationError
+        _array_of(path)
     stamp = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
     return Dataset.from_generator(_array_records, gen_kwargs={"files": stamp},
                                   features=Features({RAW: Value("string"), WHERE: Value("string")}))
@@ -138,12 +148,7 @@ def first_record_columns(path: str, fmt: str) -> list[str] | None:
 
         return list(pq.read_schema(path).names)
     if json_layout(path) == "array":
-        with open(path, encoding="utf-8") as f:
-            try:
-                records = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-        first = next((r for r in records if isinstance(r, dict)), None)
+        first = next((r for r in _array_of(path) if isinstance(r, dict)), None)
         return sorted(first) if first is not None else None
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):

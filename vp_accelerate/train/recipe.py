@@ -365,7 +365,8 @@ def check(recipe: Recipe) -> Recipe:
         if importlib.util.find_spec("peft") is None:
             raise RecipeError("adapter.type: lora needs the peft package; pip install 'vp-accelerate[lora]' (or peft)")
     _check_length(recipe)
-    positive = {"train.steps": t.steps or 1, "train.global_batch": t.global_batch, "data.seq_len": d.seq_len,
+    positive = {"train.steps": 1 if t.steps is None else t.steps, "train.global_batch": t.global_batch,
+                "data.seq_len": d.seq_len,
                 "logging.log_every": recipe.logging.log_every,
                 "data.shuffle_buffer": d.shuffle_buffer, "tokenizer.pad_to_multiple_of":
                 recipe.tokenizer.pad_to_multiple_of, "checkpoint.keep": recipe.checkpoint.keep,
