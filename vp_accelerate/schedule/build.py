@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .ir import Schedule, ScheduleError
-from .list_schedule import Stuck, list_schedule, tick_costs
+from .list_schedule import POLICIES, Stuck, list_schedule, tick_costs
 from .lower import lower
 from .registry import SCHEDULES, ScheduleKind, check_pair
 from .timing import place
@@ -23,7 +23,8 @@ def build_schedule(kind: str, method: str, num_ranks: int, num_microbatches: int
     `pass_time(rank, op, chunk)`, `p2p_time()` and `collective_time(op)`: a cost.CostModel of this
     layout, or measured cost.MeasuredCosts) build a cost-aware order instead (list_schedule.py): the
     block's order as a priority, its activation peaks as the limit, the real pass times deciding the
-    rest; the block's own order is kept when, timed with the same costs, it is no slower. Every rank
+    rest (a few priority policies, the fastest kept); the block's own order is kept when, timed with the
+    same costs, it is no slower. Every rank
     must pass the same costs (the order is a pure function of the inputs).
     """
     sk, meth = check_pair(kind, method)
@@ -51,15 +52,17 @@ def _cost_aware(block, p: int, meth, split: bool, forward_only: bool, passes, co
     """(passes, collectives, whether they are the list schedule's): the list schedule of the block's
     placement with `costs`, or the placement itself when its own order is as fast."""
     ticks = tick_costs(costs, block.chunk_rank, {tp.op for tp in passes}, {c.op for c in colls})
-    *_, grid_span = list_schedule(passes, colls, block.chunk_rank, p, meth, split, forward_only, ticks, strict=True)
-    try:
-        new_passes, new_colls, span = list_schedule(passes, colls, block.chunk_rank, p, meth, split, forward_only,
-                                                    ticks)
-    except Stuck:  # the greedy order painted itself into a corner: keep the block's
-        return passes, colls, False
-    if span >= grid_span:
-        return passes, colls, False
-    return new_passes, new_colls, True
+    *_, best_span = list_schedule(passes, colls, block.chunk_rank, p, meth, split, forward_only, ticks, strict=True)
+    best = (passes, colls, False)
+    for policy in POLICIES:
+        try:
+            new_passes, new_colls, span = list_schedule(passes, colls, block.chunk_rank, p, meth, split,
+                                                        forward_only, ticks, policy=policy)
+        except Stuck:  # this greedy order painted itself into a corner: another may not
+            continue
+        if span < best_span:
+            best_span, best = span, (new_passes, new_colls, True)
+    return best
 
 
 def _check_inputs(kind: ScheduleKind, p, m, chunks_per_rank, forward_only: bool) -> int:

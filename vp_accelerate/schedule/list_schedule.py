@@ -12,7 +12,10 @@ pass times under a memory limit:
   better one whose inputs are known to arrive before that pass would end (it then runs a shorter
   one, or waits);
 - weight-gradient passes (W) come last in priority: they have no consumer, so they fill the gaps the
-  dependencies leave, and run earlier only when the activation limit demands it;
+  dependencies leave, and run earlier only when the activation limit nears;
+- which passes go first besides is a `Policy`: the grid order alone, or S first (every rank's S(k) gates
+  C1(k), hence the last chunk's B(k): with a large vocabulary S is the longest pass), or W behind
+  every pass but the forwards even near the limit; the builder tries each and keeps the fastest;
 - a forward may start only while the rank's activations in flight (from F to the pass that frees
   them: W when the backward is split, else B) stay within the block's own peak, per chunk and in all:
   the schedule keeps the block's activation memory (V-Half: about half of 1F1B's, plus one
@@ -44,8 +47,22 @@ computed a few microbatches ahead of their first forward (every rank's IF(j) and
 done by then, and a rank may be in the middle of a long pass), not all at the start."""
 W_MARGIN = 2
 """W passes wait behind every other ready pass while the rank holds at least this many activations
-below its limit; closer to the limit they take their grid turn, so that a forward never has to wait
-for the W that frees its room."""
+below its limit; closer to the limit they take their grid turn (or, with `Policy.w_behind_backward`,
+go before the forwards only), so that a forward never has to wait for the W that frees its room."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which ready passes a free rank prefers, beyond the grid order (module docstring)."""
+
+    s_first: bool = False
+    """Every ready S goes first."""
+    w_behind_backward: bool = False
+    """Near the activation limit, W goes before the forwards but behind every other pass."""
+
+
+POLICIES = (Policy(), Policy(s_first=True), Policy(w_behind_backward=True))
+"""What the builder tries, in this order (the first of equally fast ones wins)."""
 _FREE_AFTER = {True: Op.W, False: Op.B}
 
 
@@ -148,10 +165,11 @@ def block_memory(passes: list[TimedPass], split_backward: bool, num_ranks: int):
 
 def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chunk_rank: tuple[int, ...],
                   num_ranks: int, method, split_backward: bool, forward_only: bool, costs: TickCosts,
-                  strict: bool = False):
+                  strict: bool = False, policy: Policy = Policy()):
     """The passes of the block placement `grid` rescheduled with `costs`: (timed passes, timed
     collectives, makespan in ticks). `grid`'s slots are the priorities, its memory peaks the limits.
-    `strict` keeps each rank's grid order and only times it (what the block alone would take)."""
+    `strict` keeps each rank's grid order and only times it (what the block alone would take); `policy`
+    refines the priorities."""
     p = num_ranks
     last = len(chunk_rank) - 1
     vocab = method.vocab_parallel
@@ -274,6 +292,11 @@ def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chun
             cands = [ps for ps in cands if ps.op is not Op.F or lim.allows(ps.chunk)]
             if not lim.pressure(W_MARGIN):  # W has no consumer: it fills what the others leave
                 cands = [ps for ps in cands if ps.op is not Op.W] + [ps for ps in cands if ps.op is Op.W]
+            elif policy.w_behind_backward:
+                cands = ([ps for ps in cands if ps.op not in (Op.W, Op.F)] + [ps for ps in cands if ps.op is Op.W]
+                         + [ps for ps in cands if ps.op is Op.F])
+        if policy.s_first:
+            cands = [ps for ps in cands if ps.op is Op.S] + [ps for ps in cands if ps.op is not Op.S]
         if not cands:
             return None
         t = max(t0, min(ps.ready for ps in cands))
