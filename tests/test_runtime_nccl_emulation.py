@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.distributed import RankFailed, spawn
-from vp_accelerate.schedule import Op
+from vp_accelerate.schedule import Op, build_schedule
 from vp_accelerate.schedule.ir import COMPUTE_PASSES
 from vp_accelerate.schedule.deps import consumed
 
@@ -68,8 +68,8 @@ def _train(ckpt, schedule, method, old_order: bool):
 
     pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=4,
                                               attn_implementation="eager", watchdog_dead_after_s=None))
-    if old_order:
-        pipe.schedule = _receives_at_consumers(pipe.schedule)
+    if old_order:  # the unit-grid order with its receives moved to their consumers, as the lowering once did
+        pipe.schedule = _receives_at_consumers(build_schedule(schedule, method, 2, 4))
     ids = torch.randint(0, pipe.hf_config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     loss = pipe.train_step(ids, labels=ids).loss
     grads = [float(p.grad.double().sum()) for _, p in sorted(pipe.named_parameters()) if p.grad is not None]
