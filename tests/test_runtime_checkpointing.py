@@ -28,7 +28,8 @@ def _grads(ckpt: str, ids, labels):
                                  dtype=torch.float64)
             res = pipe.train_step(ids, labels)
             grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
-            out[(schedule, method, mode)] = (res.loss, grads, res.peak_activation_bytes)
+            # the order the runtime ran (from its cost model), for the simulator to replay
+            out[(schedule, method, mode)] = (res.loss, grads, res.peak_activation_bytes, pipe.schedule)
             pipe.close()
     return out
 
@@ -79,15 +80,14 @@ def _compare_with_simulator(per_rank, cfg):
     """The cost model's activation memory with checkpointing is what the runtime held (bytes within 10%; 30%
     for "full" at this toy size)."""
     from vp_accelerate.cost import ModelShape, for_schedule
-    from vp_accelerate.schedule import build_schedule
     from vp_accelerate.sim.simulate import simulate
 
     shape = ModelShape(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
                        ffn=cfg.intermediate_size, vocab=cfg.vocab_size, seq=16, dtype_bytes=8, mlp_matrices=3,
                        kv_heads=cfg.num_key_value_heads, attention="eager")
     for schedule, method in CONFIGS:
-        sched = build_schedule(schedule, method, 2, 4)
         for mode in MODES:
+            sched = per_rank[0][(schedule, method, mode)][3]
             sim = simulate(sched, for_schedule(shape, sched, activation_checkpointing=mode))
             for r in range(2):
                 measured = per_rank[r][(schedule, method, mode)][2]
