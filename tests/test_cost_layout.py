@@ -72,3 +72,17 @@ def test_redis_empties_the_last_stage_when_the_output_layer_is_a_stages_worth():
     assert {v: c[-1] for v, c in got.items()} == PAPER_REDIS_LAST
     assert all(sum(c) == 32 and min(c[1:-1]) >= 1 for c in got.values())
     assert redis_layer_split(shape(256000, 4096), 8, min_end_layers=1)[-1] == 1  # the old floor, on request
+
+
+def test_runtime_costs_on_cpu_use_the_plain_flop_model():
+    """A CPU run orders its passes by CPU-like ratios (no GPU wave quantisation, a costlier softmax)."""
+    from vp_accelerate.cost import layout_costs
+    from vp_accelerate.schedule.ir import Op
+
+    cfg = tiny_config("llama", num_layers=8, hidden_size=256, vocab_size=32768)  # the benchmark's shape
+    sched = build_schedule("vhalf", "vocab-2", 2, 4)
+    layout = plan_layout(cfg, sched)
+    gpu, cpu = layout_costs(cfg, sched, layout, seq=256), layout_costs(cfg, sched, layout, seq=256, device="cpu")
+    assert gpu.gemm is not None and cpu.gemm is None
+    # measured on the benchmark's CPU run: T ~ 0.7 S; the GPU model's T is a tenth of its S
+    assert cpu.pass_time(0, Op.T, 0) / cpu.pass_time(0, Op.S, 0) > 0.4 > gpu.pass_time(0, Op.T, 0) / gpu.pass_time(0, Op.S, 0)

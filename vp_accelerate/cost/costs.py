@@ -41,6 +41,29 @@ class Hardware:
     """Bus bytes/s of the vocabulary collectives over the pipeline group."""
     latency: float = 20e-6
     """Seconds of fixed cost per communication call."""
+    sms: int = 108
+    """Streaming multiprocessors, for the GEMM efficiency model's wave quantisation (A100: 108, H100: 132)."""
+
+
+CPU_HARDWARE = Hardware(peak_flops=100e9, efficiency=0.5, mem_bandwidth=3e9, p2p_bandwidth=1e9,
+                        collective_bandwidth=1e9, latency=200e-6)
+"""One CPU core per rank with gloo between processes, for ordering a CPU run's passes (only the ratios
+matter; used with the plain FLOP model, `CostModel(gemm=None)`: a core runs every GEMM at about one
+rate, whatever its shape). Against the passes the benchmark measures (h = 256, seq 256, V = 32k, fp32)
+it gives F : B : W : S : T = 1 : 1.1 : 0.9 : 4.2 : 2.5 for one layer, measured 1 : 0.9 : 0.6 : 2.9 : 2.1;
+the A100 model gives 1 : 1.9 : 0.5 : 4.0 : 0.3 (its T is cheap because the GPU's softmax is)."""
+
+# Presets of `vp-accelerate plan --gpu` (SXM parts): dense bf16 peak, HBM bandwidth, NVLink bandwidth per
+# direction (A100 NVLink 3: 600 GB/s both ways; H100 / H200 NVLink 4: 900 GB/s), SMs; and memory per GPU
+# in GB. The sustained GEMM fraction stays the A100-fitted default (an assumption the planner states).
+GPU_PRESETS: dict[str, tuple[Hardware, float]] = {
+    "a100": (Hardware(peak_flops=312e12, mem_bandwidth=2.039e12, p2p_bandwidth=300e9, collective_bandwidth=300e9,
+                      sms=108), 80.0),
+    "h100": (Hardware(peak_flops=989e12, mem_bandwidth=3.35e12, p2p_bandwidth=450e9, collective_bandwidth=450e9,
+                      sms=132), 80.0),
+    "h200": (Hardware(peak_flops=989e12, mem_bandwidth=4.8e12, p2p_bandwidth=450e9, collective_bandwidth=450e9,
+                      sms=132), 141.0),
+}
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,14 @@ builder the pass costs it orders the passes by (schedule/list_schedule.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from vp_accelerate.schedule.ir import Op, Schedule
 
-from .costs import CostModel, Hardware, even_layer_split
+from .costs import CPU_HARDWARE, CostModel, Hardware, even_layer_split
+from .efficiency import GemmModel
 from .shape import ModelShape, shape_from_hf_config
 
 # The balanced split's default sequence length when the model allows it (the split hardly depends on it).
@@ -61,7 +63,8 @@ def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = No
         else:
             chunk_layers = even_layer_split(shape.layers, schedule.num_chunks)
     return CostModel(shape, schedule.method, schedule.chunk_rank, tuple(chunk_layers), hw,
-                     split_backward=schedule.split_backward, activation_checkpointing=activation_checkpointing)
+                     split_backward=schedule.split_backward, activation_checkpointing=activation_checkpointing,
+                     gemm=GemmModel(sms=hw.sms))
 
 
 def cost_aware_schedule(shape: ModelShape, kind: str, method: str, num_ranks: int, num_microbatches: int, *,
@@ -82,15 +85,19 @@ def cost_aware_schedule(shape: ModelShape, kind: str, method: str, num_ranks: in
 
 
 def layout_costs(config, schedule: Schedule, layout, activation_checkpointing: str = "none",
-                 seq: int | None = None) -> CostModel:
-    """The CostModel of an HF `config` run as `schedule` with `layout` (a models.StageLayout): what the
+                 seq: int | None = None, device: str = "cuda") -> CostModel:
+    """The CostModel of an HF `config` run as `schedule` with `layout` (a models.StageLayout) on a
+    `device` type ("cuda": the GPU model; "cpu": CPU_HARDWARE with the plain FLOP model): what the
     runtime orders its schedule by. `seq` defaults to the balanced split's (min(2048, max positions));
     the order hardly depends on it."""
     if seq is None:
         seq = min(BALANCE_SEQ, _get(config, "max_position_embeddings") or BALANCE_SEQ)
     shape = shape_from_hf_config(config, seq=seq)
     counts = tuple(end - start for start, end in layout.chunk_layers)
-    return for_schedule(shape, schedule, chunk_layers=counts, activation_checkpointing=activation_checkpointing)
+    cpu = device == "cpu"
+    model = for_schedule(shape, schedule, CPU_HARDWARE if cpu else None, chunk_layers=counts,
+                         activation_checkpointing=activation_checkpointing)
+    return dataclasses.replace(model, gemm=None) if cpu else model
 
 
 def _get(config, key: str):

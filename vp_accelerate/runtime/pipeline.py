@@ -100,7 +100,8 @@ class PipelineModel:
         self.layout = self._layout()
         # each rank's order from the cost model's pass times (schedule/list_schedule.py); the unit-grid
         # schedule above only gave the layout. Every rank computes the same order from the same inputs.
-        costs = layout_costs(self.hf_config, self.schedule, self.layout, cfg.activation_checkpointing)
+        costs = layout_costs(self.hf_config, self.schedule, self.layout, cfg.activation_checkpointing,
+                             device=self.device.type)
         self.schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
                                        chunks_per_rank=cfg.chunks_per_rank, costs=costs)
         self.eval_schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
