@@ -41,8 +41,7 @@ def run_one(cfg: dict) -> dict:
     import torch.nn.functional as F
 
     from vp_accelerate.distributed import init_from_env
-    from vp_accelerate.vocab.output_layer import (OutputLayerOptions, c1, c2, s_pass, t_pass,
-                                                  token_mean_grad_scale)
+    from vp_accelerate.vocab.output_layer import OutputLayerOptions, c1, c2, s_pass, t_pass, token_mean_grad_scale
     from vp_accelerate.vocab.partition import VocabPartition
 
     if cfg["threads"]:
@@ -53,11 +52,12 @@ def run_one(cfg: dict) -> dict:
     dtype = getattr(torch, cfg["dtype"])
     n, h, rows = cfg["tokens"], cfg["hidden"], cfg["rows"]
     x = torch.randn(n, h, device=dev, dtype=dtype)
-    weight = (torch.randn(rows, h, device=dev, dtype=dtype) * h ** -0.5)
+    weight = torch.randn(rows, h, device=dev, dtype=dtype) * h**-0.5
     labels = torch.randint(0, rows, (n,), device=dev)
 
     held = {"bytes": 0}
     if cfg["algorithm"] == "baseline":
+
         def step():
             xr = x.detach().requires_grad_(True)
             wr = weight.detach().requires_grad_(True)
@@ -69,8 +69,12 @@ def run_one(cfg: dict) -> dict:
         init_from_env(backend="nccl" if cuda else "gloo")  # a 1-rank group: C1/C2 cost nothing
         part = VocabPartition(rows, 1)  # one rank's shard of V/p rows
         chunk = cfg["chunk_size"] if cfg["memory"] == "chunked" else None
-        opts = OutputLayerOptions(algorithm=cfg["algorithm"], memory="store" if cfg["memory"] == "store"
-                                  else "recompute", chunk_size=chunk, check_inputs=False)
+        opts = OutputLayerOptions(
+            algorithm=cfg["algorithm"],
+            memory="store" if cfg["memory"] == "store" else "recompute",
+            chunk_size=chunk,
+            check_inputs=False,
+        )
         g = token_mean_grad_scale(labels, n)
 
         def step():
@@ -79,8 +83,14 @@ def run_one(cfg: dict) -> dict:
             c1(state, async_op=False)
             # What a microbatch keeps alive between C1 and T on top of X (what a schedule pays per
             # microbatch in flight): stored logits and row statistics.
-            kept = (state.logits or []) + [state.local_max, state.local_sum, state.row_max, state.row_sum,
-                                           state.grad_scale, state.local_labels]
+            kept = (state.logits or []) + [
+                state.local_max,
+                state.local_sum,
+                state.row_max,
+                state.row_sum,
+                state.grad_scale,
+                state.local_labels,
+            ]
             held["bytes"] = sum(t.numel() * t.element_size() for t in kept)
             t_pass(state, weight_grad)
             if opts.algorithm == "vocab-1":
@@ -112,8 +122,12 @@ def run_one(cfg: dict) -> dict:
 
 
 def _spawn_config(cfg: dict) -> dict:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"config {cfg} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -126,13 +140,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=None, help="h (default 1024, quick 256)")
     ap.add_argument("--vocab", type=int, nargs="+", default=None, help="V values (default 32768 131072)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8], help="p values")
-    ap.add_argument("--chunk-size", type=int, default=None, help="rows per chunk in 'chunked' (default 2048, quick 512)")
+    ap.add_argument(
+        "--chunk-size", type=int, default=None, help="rows per chunk in 'chunked' (default 2048, quick 512)"
+    )
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=0,
-                    help="CPU threads per config (0 = torch's default); 1 is the least noisy on a busy machine")
-    ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS,
-                    help="algorithms to time (default all); fewer make full sizes affordable on a CPU")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads per config (0 = torch's default); 1 is the least noisy on a busy machine",
+    )
+    ap.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=list(ALGORITHMS),
+        choices=ALGORITHMS,
+        help="algorithms to time (default all); fewer make full sizes affordable on a CPU",
+    )
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="memory modes (default all)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every row as JSON to PATH")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -147,11 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     chunk = args.chunk_size or (512 if args.quick else 2048)
     import torch
 
-    where = f"CUDA ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else \
-        f"CPU, {args.threads or torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} at start"
+    where = (
+        f"CUDA ({torch.cuda.get_device_name()})"
+        if torch.cuda.is_available()
+        else f"CPU, {args.threads or torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} at start"
+    )
     mem_how = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "peak RSS growth (ru_maxrss)"
-    print(f"Output layer fwd+bwd, N={n} h={h} {args.dtype}, {where}; median of {args.reps}; "
-          f"peak memory = {mem_how} over one repetition; chunked = recompute with {chunk}-row chunks\n")
+    print(
+        f"Output layer fwd+bwd, N={n} h={h} {args.dtype}, {where}; median of {args.reps}; "
+        f"peak memory = {mem_how} over one repetition; chunked = recompute with {chunk}-row chunks\n"
+    )
     print("| V | p | algorithm | memory | time ms | peak MiB | held S→T MiB | scaling eff. |")
     print("|---|---|---|---|---|---|---|---|")
     base = dict(tokens=n, hidden=h, dtype=args.dtype, reps=args.reps, chunk_size=chunk, threads=args.threads)
@@ -159,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     for V in vocabs:
         full = _spawn_config({**base, "rows": V, "algorithm": "baseline", "memory": "-"})
         rows_out.append({"vocab": V, "p": None, "algorithm": "baseline", "memory": None, **full})
-        print(f"| {V} | - | HF lm_head + cross_entropy | - | {full['time_s'] * 1e3:.1f} | "
-              f"{full['peak_bytes'] / 2**20:.0f} | - | - |", flush=True)
+        print(
+            f"| {V} | - | HF lm_head + cross_entropy | - | {full['time_s'] * 1e3:.1f} | "
+            f"{full['peak_bytes'] / 2**20:.0f} | - | - |",
+            flush=True,
+        )
         for p in args.ranks:
             rows = -(-V // p)
             for algo in args.algorithms:
@@ -168,13 +201,18 @@ def main(argv: list[str] | None = None) -> int:
                     r = _spawn_config({**base, "rows": rows, "algorithm": algo, "memory": mode})
                     eff = full["time_s"] / (p * r["time_s"])
                     rows_out.append({"vocab": V, "p": p, "algorithm": algo, "memory": mode, **r, "efficiency": eff})
-                    print(f"| {V} | {p} | {algo} | {mode} | {r['time_s'] * 1e3:.1f} | "
-                          f"{r['peak_bytes'] / 2**20:.0f} | {r['held_bytes'] / 2**20:.1f} | {eff * 100:.0f}% |",
-                          flush=True)
+                    print(
+                        f"| {V} | {p} | {algo} | {mode} | {r['time_s'] * 1e3:.1f} | "
+                        f"{r['peak_bytes'] / 2**20:.0f} | {r['held_bytes'] / 2**20:.1f} | {eff * 100:.0f}% |",
+                        flush=True,
+                    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tokens": n, "hidden": h, "dtype": args.dtype, "reps": args.reps, "where": where,
-                       "rows": rows_out}, f, indent=1)
+            json.dump(
+                {"tokens": n, "hidden": h, "dtype": args.dtype, "reps": args.reps, "where": where, "rows": rows_out},
+                f,
+                indent=1,
+            )
     if not torch.cuda.is_available():
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end (other jobs on the machine add noise)")
     return 0

@@ -20,8 +20,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fault_common import (compare_losses, final_weights, finish, kill_when, max_weight_diff, metrics,  # noqa: E402
-                          prepare, run_parser, spec_from, start)
+from fault_common import (  # noqa: E402
+    compare_losses,
+    final_weights,
+    finish,
+    kill_when,
+    max_weight_diff,
+    metrics,
+    prepare,
+    run_parser,
+    spec_from,
+    start,
+)
 
 
 def main(argv=None) -> int:
@@ -58,8 +68,10 @@ def main(argv=None) -> int:
     got = metrics(spec, "victim")
     problems += compare_losses(ref, got, range(first + 1, spec.steps + 1))
     diff = max_weight_diff(final_weights(spec, "reference"), final_weights(spec, "victim"))
-    print(f"resumed steps {first + 1}..{spec.steps}: loss/grad-norm/LR "
-          f"{'identical' if not problems else 'DIFFER'}; final weights max |diff| = {diff:.3g}")
+    print(
+        f"resumed steps {first + 1}..{spec.steps}: loss/grad-norm/LR "
+        f"{'identical' if not problems else 'DIFFER'}; final weights max |diff| = {diff:.3g}"
+    )
     if diff > 1e-6:
         problems.append(f"final weights differ by {diff}")
     for p in problems:

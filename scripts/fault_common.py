@@ -67,8 +67,10 @@ def prepare(spec: RunSpec) -> str:
             f.write(json.dumps({"text": " ".join(rng.choices(words, k=40))}) + "\n")
     train_bpe([corpus], 512, os.path.join(spec.work, "tok"), min_frequency=1)
     recipe = {
-        "model": {"source": "llama-tiny", "config": {"hidden_size": 64, "intermediate_size": 128,
-                                                      "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "model": {
+            "source": "llama-tiny",
+            "config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+        },
         "tokenizer": {"source": f"bpe:{os.path.join(spec.work, 'tok')}"},
         "data": {"files": [corpus], "seq_len": 32, "eval_holdout": 0.05},
         "pipeline": {"microbatches": 4},
@@ -91,14 +93,28 @@ def start(spec: RunSpec, name: str, fault: dict | None = None, resume: bool = Fa
     if not resume:  # a fresh run of this script: an earlier one's checkpoints would be refused (not mixed in)
         shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out, exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": os.path.join(spec.work, "ds_cache"), "VP_FAULT": json.dumps(fault or {})}
-    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-           WORKER, os.path.join(spec.work, "recipe.yaml"), "--set", f"logging.output_dir={out}",
-           "--set", f"checkpoint.dir={os.path.join(out, 'ckpt')}"] + (["--resume"] if resume else [])
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": os.path.join(spec.work, "ds_cache"),
+        "VP_FAULT": json.dumps(fault or {}),
+    }
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+        WORKER,
+        os.path.join(spec.work, "recipe.yaml"),
+        "--set",
+        f"logging.output_dir={out}",
+        "--set",
+        f"checkpoint.dir={os.path.join(out, 'ckpt')}",
+    ] + (["--resume"] if resume else [])
     log = open(os.path.join(out, "resume.log" if resume else "run.log"), "w")
-    return subprocess.Popen(cmd, env=env, cwd=spec.work, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, env=env, cwd=spec.work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, what: str, timeout_s: float = 600) -> None:

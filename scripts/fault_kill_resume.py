@@ -20,8 +20,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fault_common import (compare_losses, final_weights, finish, kill_when, max_weight_diff, metrics,  # noqa: E402
-                          prepare, run_parser, spec_from, start)
+from fault_common import (  # noqa: E402
+    compare_losses,
+    final_weights,
+    finish,
+    kill_when,
+    max_weight_diff,
+    metrics,
+    prepare,
+    run_parser,
+    spec_from,
+    start,
+)
 
 
 def main(argv=None) -> int:
@@ -41,8 +51,10 @@ def main(argv=None) -> int:
     logged = max(metrics(spec, "victim"))
     latest = ckpt.read_latest(os.path.join(spec.work, "victim", "ckpt"))
     resume_from = ckpt.read_meta(latest)["step"]
-    print(f"killed after step {logged} (asked {kill_at}); last checkpoint: step {resume_from}; "
-          f"steps to redo: {logged - resume_from}")
+    print(
+        f"killed after step {logged} (asked {kill_at}); last checkpoint: step {resume_from}; "
+        f"steps to redo: {logged - resume_from}"
+    )
 
     finish(start(spec, "victim", resume=True), "the resumed run")
     got = metrics(spec, "victim")
@@ -53,9 +65,11 @@ def main(argv=None) -> int:
         problems.append(f"resumed from step {resume_from}, expected the checkpoint of step {allowed[0]}")
     problems += compare_losses(ref, got, range(resume_from + 1, spec.steps + 1))
     diff = max_weight_diff(final_weights(spec, "reference"), final_weights(spec, "victim"))
-    print(f"resumed steps {resume_from + 1}..{spec.steps}: loss/grad-norm/LR "
-          f"{'identical to the uninterrupted run' if not problems else 'DIFFER'}; final weights max |diff| = "
-          f"{diff:.3g}")
+    print(
+        f"resumed steps {resume_from + 1}..{spec.steps}: loss/grad-norm/LR "
+        f"{'identical to the uninterrupted run' if not problems else 'DIFFER'}; final weights max |diff| = "
+        f"{diff:.3g}"
+    )
     if diff > 1e-6:
         problems.append(f"final weights differ by {diff}")
     for p in problems:

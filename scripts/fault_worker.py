@@ -70,8 +70,12 @@ def install(fault: dict) -> None:
 
         def chunk_input(self, a):
             x = original_chunk_input(self, a)
-            if (a.chunk == 0 and a.mb == poison.get("microbatch", 0) and state["step"] == poison["step"]
-                    and not self.schedule.forward_only):
+            if (
+                a.chunk == 0
+                and a.mb == poison.get("microbatch", 0)
+                and state["step"] == poison["step"]
+                and not self.schedule.forward_only
+            ):
                 x = x + float(poison.get("value", "nan"))
             return x
 
@@ -96,8 +100,14 @@ def pipeline_main(steps: int = 3) -> int:
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
 
     torch.set_num_threads(1)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     # a short watchdog deadline: a peer that stops answering is declared dead within seconds
     pipe = PipelineModel(config, PipelineConfig(microbatches=2, watchdog_dead_after_s=5.0))
     ids = torch.randint(0, 128, (2, 16))

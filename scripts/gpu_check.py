@@ -27,18 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu")
 CHECKS = {
     "vocab_ws1": "the vocabulary layers' CUDA compute (S, T, input-layer IF/IB; naive, vocab-1, vocab-2 x store, "
-                 "recompute, chunked) against float64, on a 1-rank NCCL group: one shard is the whole vocabulary "
-                 "and the collectives move no data",
+    "recompute, chunked) against float64, on a 1-rank NCCL group: one shard is the whole vocabulary "
+    "and the collectives move no data",
     "schedules_ws1": "one train_step of every schedule x method on the GPU at world size 1 (1-rank NCCL group: no "
-                     "p2p, no data moved by collectives), float64, against the HF model: device placement and each "
-                     "schedule's local pass order on CUDA, not multi-rank exactness",
+    "p2p, no data moved by collectives), float64, against the HF model: device placement and each "
+    "schedule's local pass order on CUDA, not multi-rank exactness",
     "bf16_ws1": "bf16 compute with fp32 master weights at world size 1: a small Llama trained the same 50 AdamW "
-                "steps in bf16 and in fp32",
+    "steps in bf16 and in fp32",
     "output_layer_1gpu": "one rank's compute share of the output layer (S + C1 + T over V/p rows, C1/C2 on a 1-rank "
-                         "group) against HF's lm_head + cross_entropy over the whole vocabulary, bf16, N=4096, "
-                         "h=4096, V=256k, p = 1, 2, 4, 8: whether the shard's kernels keep their throughput and "
-                         "its memory falls as V/p shrinks. Communication is not in it, so it is not the paper's "
-                         "multi-GPU scaling figure (Table 3)",
+    "group) against HF's lm_head + cross_entropy over the whole vocabulary, bf16, N=4096, "
+    "h=4096, V=256k, p = 1, 2, 4, 8: whether the shard's kernels keep their throughput and "
+    "its memory falls as V/p shrinks. Communication is not in it, so it is not the paper's "
+    "multi-GPU scaling figure (Table 3)",
 }
 TOLERANCE = {"vocab_ws1": 1e-4, "schedules_ws1": 1e-5, "bf16_gap": 0.02}
 EFFICIENCY_BAND = (0.6, 1.6)  # full time / (p x shard time); outside it the shard's kernels or the timing are off
@@ -46,13 +46,13 @@ MEMORY_AT_8 = 0.35  # the shard's peak memory at p = 8 over its peak at p = 1 (i
 CRITERIA = {
     "vocab_ws1": f"every relative error (loss, dX, dW, dE) <= {TOLERANCE['vocab_ws1']:g}",
     "schedules_ws1": f"every schedule x method pair the registry supports: loss and every gradient within relative "
-                     f"{TOLERANCE['schedules_ws1']:g} of HF float64",
+    f"{TOLERANCE['schedules_ws1']:g} of HF float64",
     "bf16_ws1": f"both losses fall by > 3%, bf16 and fp32 agree within {TOLERANCE['bf16_gap']:.0%} over the last 5 "
-                "steps, parameters and AdamW state stay fp32",
+    "steps, parameters and AdamW state stay fp32",
     "output_layer_1gpu": f"every (algorithm, p) row measured; scaling efficiency full / (p x shard) within "
-                         f"{EFFICIENCY_BAND[0]:.0%}-{EFFICIENCY_BAND[1]:.0%} for every row; the shard's peak memory "
-                         f"at p = 8 <= {MEMORY_AT_8:g} x its peak at p = 1 (tiny CPU run: rows measured and finite "
-                         "only, CPU timings of a 128-token problem are noise)",
+    f"{EFFICIENCY_BAND[0]:.0%}-{EFFICIENCY_BAND[1]:.0%} for every row; the shard's peak memory "
+    f"at p = 8 <= {MEMORY_AT_8:g} x its peak at p = 1 (tiny CPU run: rows measured and finite "
+    "only, CPU timings of a 128-token problem are noise)",
 }
 # Paper Table 3: vocabulary-layer scaling efficiency relative to linear scaling, at 8 / 16 / 32 GPUs
 # (communication included). One GPU cannot reproduce these; the summary quotes them for context only.
@@ -73,16 +73,23 @@ def _one_rank_env() -> None:
     """A 1-rank launcher environment: init_from_env then joins NCCL on a GPU, gloo on a CPU."""
     from vp_accelerate.distributed import free_port
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def _llama(vocab: int, hidden: int, layers: int, heads: int = 4):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                       max_position_embeddings=512, tie_word_embeddings=False, attn_implementation="eager")
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
 
 
 # ---- parts ------------------------------------------------------------------------------------------
@@ -95,19 +102,32 @@ def part_vocab_ws1(tiny: bool, out: Path) -> dict:
 
     _one_rank_env()
     args = ["--json", "--seed", "0", "--tolerance", str(TOLERANCE["vocab_ws1"])] + (
-        ["--vocab", "300", "--hidden", "32", "--tokens", "64"] if tiny else
-        ["--vocab", "8000", "--hidden", "512", "--tokens", "1024"])  # its float64 reference runs on the CPU
+        ["--vocab", "300", "--hidden", "32", "--tokens", "64"]
+        if tiny
+        else ["--vocab", "8000", "--hidden", "512", "--tokens", "1024"]
+    )  # its float64 reference runs on the CPU
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = selftest.main(args)
     res = json.loads(buf.getvalue().strip().splitlines()[-1])
     worst = max(v for modes in res["max_rel_error"].values() for v in modes.values())
-    bad = [f"{a}/{m} {v:.1e}" for a, modes in res["max_rel_error"].items() for m, v in modes.items()
-           if not v <= res["tolerance"]]
+    bad = [
+        f"{a}/{m} {v:.1e}"
+        for a, modes in res["max_rel_error"].items()
+        for m, v in modes.items()
+        if not v <= res["tolerance"]
+    ]
     ok = rc == 0 and not bad and res["world_size"] == 1
-    return {"status": "pass" if ok else "fail", "max_rel_error": worst, "tolerance": res["tolerance"],
-            "world_size": res["world_size"], "vocab": res["vocab"], "hidden": res["hidden"], "tokens": res["tokens"],
-            **({} if ok else {"why": f"over the tolerance {res['tolerance']:g}: {', '.join(bad) or 'see the log'}"})}
+    return {
+        "status": "pass" if ok else "fail",
+        "max_rel_error": worst,
+        "tolerance": res["tolerance"],
+        "world_size": res["world_size"],
+        "vocab": res["vocab"],
+        "hidden": res["hidden"],
+        "tokens": res["tokens"],
+        **({} if ok else {"why": f"over the tolerance {res['tolerance']:g}: {', '.join(bad) or 'see the log'}"}),
+    }
 
 
 def part_schedules_ws1(tiny: bool, out: Path) -> dict:
@@ -126,8 +146,9 @@ def part_schedules_ws1(tiny: bool, out: Path) -> dict:
     dev = _device()
     torch.manual_seed(0)
     ckpt = out / "exact_model"
-    AutoModelForCausalLM.from_config(_llama(vocab=1000 if tiny else 32000, hidden=64 if tiny else 256,
-                                            layers=4)).save_pretrained(ckpt)
+    AutoModelForCausalLM.from_config(
+        _llama(vocab=1000 if tiny else 32000, hidden=64 if tiny else 256, layers=4)
+    ).save_pretrained(ckpt)
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="eager").to(dev)
     g = torch.Generator().manual_seed(1)
     vocab = ref.config.vocab_size
@@ -139,25 +160,35 @@ def part_schedules_ws1(tiny: bool, out: Path) -> dict:
     grads = {n: p.grad for n, p in ref.named_parameters()}
     rows, ok = [], True
     for schedule, method in supported_pairs():
-        pipe = PipelineModel(str(ckpt), PipelineConfig(schedule=schedule, method=method, microbatches=4,
-                                                       attn_implementation="eager"), dtype=torch.float64, device=dev)
+        pipe = PipelineModel(
+            str(ckpt),
+            PipelineConfig(schedule=schedule, method=method, microbatches=4, attn_implementation="eager"),
+            dtype=torch.float64,
+            device=dev,
+        )
         res = pipe.train_step(ids, labels)
         err = 0.0
         for name, p in pipe.named_parameters():
-            r = grads[name][:p.shape[0]]  # one rank: a vocabulary shard is the whole matrix (plus padding)
-            err = max(err, float((p.grad[:r.shape[0]] - r).norm() / r.norm().clamp_min(1e-30)))
+            r = grads[name][: p.shape[0]]  # one rank: a vocabulary shard is the whole matrix (plus padding)
+            err = max(err, float((p.grad[: r.shape[0]] - r).norm() / r.norm().clamp_min(1e-30)))
         loss_err = abs(res.loss - loss.item()) / abs(loss.item())
         # HF upcasts the logits to float32 in its loss: 1e-5 is its rounding, not ours
         tol = TOLERANCE["schedules_ws1"]
         good = loss_err < tol and err < tol and pipe.groups.world_size == 1
         ok &= good
-        rows.append({"schedule": schedule, "method": method, "loss_rel_error": loss_err, "grad_rel_error": err,
-                     "ok": good})
+        rows.append(
+            {"schedule": schedule, "method": method, "loss_rel_error": loss_err, "grad_rel_error": err, "ok": good}
+        )
         pipe.close()
     bad = [f"{r['schedule']}/{r['method']}" for r in rows if not r["ok"]]
-    return {"status": "pass" if ok else "fail", "backend": dist.get_backend(), "device": str(dev),
-            "world_size": dist.get_world_size(), "rows": rows,
-            **({"why": f"off by more than {TOLERANCE['schedules_ws1']:g}: {', '.join(bad)}"} if bad else {})}
+    return {
+        "status": "pass" if ok else "fail",
+        "backend": dist.get_backend(),
+        "device": str(dev),
+        "world_size": dist.get_world_size(),
+        "rows": rows,
+        **({"why": f"off by more than {TOLERANCE['schedules_ws1']:g}: {', '.join(bad)}"} if bad else {}),
+    }
 
 
 def _learnable_batch(g, batch: int, seq: int, vocab: int):
@@ -191,8 +222,12 @@ def part_bf16_ws1(tiny: bool, out: Path) -> dict:
     AutoModelForCausalLM.from_config(_llama(vocab, hidden, layers, heads=8 if not tiny else 4)).save_pretrained(ckpt)
     curves, dtypes = {}, set()
     for mode in ("bf16", "no"):
-        pipe = PipelineModel(str(ckpt), PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4,
-                                                       mixed_precision=mode), dtype=torch.float32, device=dev)
+        pipe = PipelineModel(
+            str(ckpt),
+            PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4, mixed_precision=mode),
+            dtype=torch.float32,
+            device=dev,
+        )
         opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(2)
         losses = []
@@ -207,25 +242,43 @@ def part_bf16_ws1(tiny: bool, out: Path) -> dict:
         curves[mode] = {"losses": losses, "seconds": time.perf_counter() - t0}
         if mode == "bf16":
             dtypes = {str(p.dtype) for p in pipe.parameters()} | {
-                str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()}
+                str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+            }
         pipe.close()
     tail = max(1, min(5, steps // 4))
     last = {m: sum(c["losses"][-tail:]) / tail for m, c in curves.items()}
     gap = abs(last["bf16"] - last["no"]) / last["no"]
     falls = all(math.isfinite(last[m]) and last[m] < 0.97 * curves[m]["losses"][0] for m in curves)
     ok = falls and gap < TOLERANCE["bf16_gap"] and dtypes == {"torch.float32"}
-    why = "; ".join(w for w, bad in (("a loss did not fall by 3%", not falls),
-                                     (f"bf16 vs fp32 gap {gap:.1%} >= {TOLERANCE['bf16_gap']:.0%}",
-                                      not gap < TOLERANCE["bf16_gap"]),
-                                     (f"master dtypes {sorted(dtypes)}", dtypes != {"torch.float32"})) if bad)
-    return {"status": "pass" if ok else "fail", **({"why": why} if why else {}), "steps": steps,
-            "model": f"Llama {layers} x h{hidden}, V={vocab}",
-            "first_loss": {m: c["losses"][0] for m, c in curves.items()}, "last_loss": last,
-            "relative_gap": gap, "master_dtypes": sorted(dtypes), "curves": curves}
+    why = "; ".join(
+        w
+        for w, bad in (
+            ("a loss did not fall by 3%", not falls),
+            (f"bf16 vs fp32 gap {gap:.1%} >= {TOLERANCE['bf16_gap']:.0%}", not gap < TOLERANCE["bf16_gap"]),
+            (f"master dtypes {sorted(dtypes)}", dtypes != {"torch.float32"}),
+        )
+        if bad
+    )
+    return {
+        "status": "pass" if ok else "fail",
+        **({"why": why} if why else {}),
+        "steps": steps,
+        "model": f"Llama {layers} x h{hidden}, V={vocab}",
+        "first_loss": {m: c["losses"][0] for m, c in curves.items()},
+        "last_loss": last,
+        "relative_gap": gap,
+        "master_dtypes": sorted(dtypes),
+        "curves": curves,
+    }
 
 
-OUTPUT_LAYER_SIZE = {"tokens": 4096, "hidden": 4096, "vocab": 256000, "ranks": (1, 2, 4, 8),
-                     "algorithms": ("vocab-1", "vocab-2")}
+OUTPUT_LAYER_SIZE = {
+    "tokens": 4096,
+    "hidden": 4096,
+    "vocab": 256000,
+    "ranks": (1, 2, 4, 8),
+    "algorithms": ("vocab-1", "vocab-2"),
+}
 OUTPUT_LAYER_TINY = {"tokens": 128, "hidden": 32, "vocab": 2048, "ranks": (1, 2), "algorithms": ("vocab-2",)}
 
 
@@ -242,12 +295,16 @@ def judge_output_layer(rows: list[dict], size: dict, tiny: bool) -> list[str]:
             if r is None or not (math.isfinite(r["time_s"]) and r["time_s"] > 0):
                 problems.append(f"{algo} p={p} not measured")
             elif not tiny and not EFFICIENCY_BAND[0] <= r["efficiency"] <= EFFICIENCY_BAND[1]:
-                problems.append(f"{algo} p={p} efficiency {r['efficiency']:.0%} outside "
-                                f"{EFFICIENCY_BAND[0]:.0%}-{EFFICIENCY_BAND[1]:.0%}")
+                problems.append(
+                    f"{algo} p={p} efficiency {r['efficiency']:.0%} outside "
+                    f"{EFFICIENCY_BAND[0]:.0%}-{EFFICIENCY_BAND[1]:.0%}"
+                )
         one, eight = shard.get((algo, 1)), shard.get((algo, 8))
         if not tiny and one and eight and not eight["peak_bytes"] <= MEMORY_AT_8 * one["peak_bytes"]:
-            problems.append(f"{algo} peak memory at p=8 is {eight['peak_bytes'] / max(one['peak_bytes'], 1):.2f} x "
-                            f"that at p=1 (> {MEMORY_AT_8:g})")
+            problems.append(
+                f"{algo} peak memory at p=8 is {eight['peak_bytes'] / max(one['peak_bytes'], 1):.2f} x "
+                f"that at p=1 (> {MEMORY_AT_8:g})"
+            )
     return problems
 
 
@@ -255,20 +312,50 @@ def part_output_layer_1gpu(tiny: bool, out: Path) -> dict:
     """bench_output_layer.py: S+C1+T(+C2) of one V/p shard vs the full layer; efficiency = full / (p x shard)."""
     path = out / "output_layer_rows.json"
     size = OUTPUT_LAYER_TINY if tiny else OUTPUT_LAYER_SIZE
-    args = ["--tokens", str(size["tokens"]), "--hidden", str(size["hidden"]), "--vocab", str(size["vocab"]),
-            "--ranks", *map(str, size["ranks"]), "--algorithms", *size["algorithms"], "--modes", "store",
-            "--reps", "1" if tiny else "5", "--dtype", "float32" if tiny else "bfloat16", "--json", str(path)]
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_output_layer.py"), *args],
-                         capture_output=True, text=True, check=False)
+    args = [
+        "--tokens",
+        str(size["tokens"]),
+        "--hidden",
+        str(size["hidden"]),
+        "--vocab",
+        str(size["vocab"]),
+        "--ranks",
+        *map(str, size["ranks"]),
+        "--algorithms",
+        *size["algorithms"],
+        "--modes",
+        "store",
+        "--reps",
+        "1" if tiny else "5",
+        "--dtype",
+        "float32" if tiny else "bfloat16",
+        "--json",
+        str(path),
+    ]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_output_layer.py"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if run.returncode != 0:
         return {"status": "fail", "why": f"bench_output_layer.py exited {run.returncode}: {run.stderr[-1500:]}"}
     data = json.loads(path.read_text())
-    table = [{k: r[k] for k in ("vocab", "p", "algorithm", "time_s", "peak_bytes", "efficiency") if k in r}
-             for r in data["rows"]]
+    table = [
+        {k: r[k] for k in ("vocab", "p", "algorithm", "time_s", "peak_bytes", "efficiency") if k in r}
+        for r in data["rows"]
+    ]
     problems = judge_output_layer(table, size, tiny)
-    return {"status": "fail" if problems else "pass", **({"why": "; ".join(problems)} if problems else {}),
-            "where": data["where"], "tokens": data["tokens"], "hidden": data["hidden"], "dtype": data["dtype"],
-            "rows": table, "markdown": run.stdout}
+    return {
+        "status": "fail" if problems else "pass",
+        **({"why": "; ".join(problems)} if problems else {}),
+        "where": data["where"],
+        "tokens": data["tokens"],
+        "hidden": data["hidden"],
+        "dtype": data["dtype"],
+        "rows": table,
+        "markdown": run.stdout,
+    }
 
 
 # ---- summary ----------------------------------------------------------------------------------------
@@ -285,19 +372,35 @@ def summarize(out: Path) -> tuple[dict, str]:
     results = {}
     for part in PARTS:
         f = out / f"{part}.json"
-        results[part] = json.loads(f.read_text()) if f.exists() else {
-            "part": part, "status": "not run", "why": "no result: the part crashed or ran past its time limit "
-                                                        f"(see {part}.log)"}
+        results[part] = (
+            json.loads(f.read_text())
+            if f.exists()
+            else {
+                "part": part,
+                "status": "not run",
+                "why": f"no result: the part crashed or ran past its time limit (see {part}.log)",
+            }
+        )
     ran = [r for r in results.values() if "tiny" in r]
     dev = next((r.get("device_name") for r in ran if r.get("device_name")), None)
     tiny = any(r["tiny"] for r in ran)
-    lines = ["# GPU check", "", f"Device: {dev or 'unknown'}. "
-             + ("Tiny sizes on the CPU: this run checks the script's plumbing, not a GPU (the sizes named below are "
-                "the GPU run's). " if tiny else "")
-             + "Every part runs at world size 1 (one GPU holds one rank; NCCL refuses two ranks on one device): "
-             "there is no point-to-point traffic and a collective on a 1-rank group moves no data. Multi-rank "
-             "behaviour is checked on the CPU by the test suite, not here.", "",
-             "| part | status | result | passes when |", "|---|---|---|---|"]
+    lines = [
+        "# GPU check",
+        "",
+        f"Device: {dev or 'unknown'}. "
+        + (
+            "Tiny sizes on the CPU: this run checks the script's plumbing, not a GPU (the sizes named below are "
+            "the GPU run's). "
+            if tiny
+            else ""
+        )
+        + "Every part runs at world size 1 (one GPU holds one rank; NCCL refuses two ranks on one device): "
+        "there is no point-to-point traffic and a collective on a 1-rank group moves no data. Multi-rank "
+        "behaviour is checked on the CPU by the test suite, not here.",
+        "",
+        "| part | status | result | passes when |",
+        "|---|---|---|---|",
+    ]
     for part in PARTS:
         r = results[part]
         lines.append(f"| {part} | {r['status']} | {_one_line(part, r)} | {CRITERIA[part]} |")
@@ -308,11 +411,16 @@ def summarize(out: Path) -> tuple[dict, str]:
     ol = results["output_layer_1gpu"]
     if ol.get("markdown"):
         lines += ["", "## Output layer on one GPU (scripts/bench_output_layer.py)", "", ol["markdown"].strip()]
-    lines += ["", "The paper's Table 3 (below) is the vocabulary layers' scaling across 8, 16 and 32 GPUs, "
-              "communication included, relative to linear scaling. One GPU cannot reproduce it: the efficiency "
-              "above is one rank's compute share against the full layer, with no communication, so it says "
-              "whether the shard's kernels keep their throughput as V/p shrinks, and is no estimate of the "
-              "paper's figures.", "", paper_table3_markdown()]
+    lines += [
+        "",
+        "The paper's Table 3 (below) is the vocabulary layers' scaling across 8, 16 and 32 GPUs, "
+        "communication included, relative to linear scaling. One GPU cannot reproduce it: the efficiency "
+        "above is one rank's compute share against the full layer, with no communication, so it says "
+        "whether the shard's kernels keep their throughput as V/p shrinks, and is no estimate of the "
+        "paper's figures.",
+        "",
+        paper_table3_markdown(),
+    ]
     text = "\n".join(lines) + "\n"
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "summary.md").write_text(text)
@@ -327,14 +435,19 @@ def _one_line(part: str, r: dict) -> str:
     if part == "schedules_ws1":
         bad = [f"{x['schedule']}/{x['method']}" for x in r["rows"] if not x["ok"]]
         worst = max(max(x["grad_rel_error"], x["loss_rel_error"]) for x in r["rows"])
-        return (f"{len(r['rows'])} schedule x method on {r['backend']} at world size {r['world_size']}, "
-                f"worst relative error {worst:.1e}" + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+        return (
+            f"{len(r['rows'])} schedule x method on {r['backend']} at world size {r['world_size']}, "
+            f"worst relative error {worst:.1e}" + (f"; FAILED: {', '.join(bad)}" if bad else "")
+        )
     if part == "bf16_ws1":
-        return (f"{r['steps']} steps, loss {r['first_loss']['bf16']:.3f} -> {r['last_loss']['bf16']:.3f} (bf16) vs "
-                f"{r['last_loss']['no']:.3f} (fp32), gap {r['relative_gap'] * 100:.2f}%, master {r['master_dtypes']}")
+        return (
+            f"{r['steps']} steps, loss {r['first_loss']['bf16']:.3f} -> {r['last_loss']['bf16']:.3f} (bf16) vs "
+            f"{r['last_loss']['no']:.3f} (fp32), gap {r['relative_gap'] * 100:.2f}%, master {r['master_dtypes']}"
+        )
     if part == "output_layer_1gpu":
-        eff = ", ".join(f"{x['algorithm']} p={x['p']} {x['efficiency'] * 100:.0f}%" for x in r["rows"]
-                        if x.get("p") is not None)
+        eff = ", ".join(
+            f"{x['algorithm']} p={x['p']} {x['efficiency'] * 100:.0f}%" for x in r["rows"] if x.get("p") is not None
+        )
         return f"one shard's compute vs the full layer: {eff}" + (f"; {r['why']}" if r.get("why") else "")
     return ""
 
@@ -363,9 +476,14 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         result = {"status": "fail", "why": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    result.update(part=args.part, checks=CHECKS[args.part], criterion=CRITERIA[args.part],
-                  seconds=round(time.perf_counter() - t0, 1), tiny=args.tiny,
-                  device_name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU")
+    result.update(
+        part=args.part,
+        checks=CHECKS[args.part],
+        criterion=CRITERIA[args.part],
+        seconds=round(time.perf_counter() - t0, 1),
+        tiny=args.tiny,
+        device_name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
+    )
     (out / f"{args.part}.json").write_text(json.dumps(result, indent=1))
     print(f"{args.part}: {result['status']} ({result['seconds']} s)", flush=True)
     return 0 if result["status"] != "fail" else 1

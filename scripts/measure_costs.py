@@ -52,8 +52,12 @@ def _costs(records, p: int) -> dict:
     issue: dict = {}
     for r in posts:
         issue.setdefault(r.op, []).append((r.end - r.start) / batch[(r.rank, r.start)])
-    return {"passes": passes, "p2p": 0.0, "collectives": {k: statistics.median(v) for k, v in per_op.items()},
-            "issue": {k: statistics.median(v) for k, v in issue.items()}}
+    return {
+        "passes": passes,
+        "p2p": 0.0,
+        "collectives": {k: statistics.median(v) for k, v in per_op.items()},
+        "issue": {k: statistics.median(v) for k, v in issue.items()},
+    }
 
 
 ISSUED = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD", "C0", "C1", "C2", "IF_REDUCE", "IB_BCAST")
@@ -66,16 +70,31 @@ def _worker(configs, shape: dict, microbatches: int, steps: int) -> dict:
 
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
 
-    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
-                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                      num_key_value_heads=shape["heads"], max_position_embeddings=shape["seq"],
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"],
+        max_position_embeddings=shape["seq"],
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab"], (microbatches, shape["seq"]), generator=gen)
     out = {}
     for schedule, method in configs:
-        pipe = PipelineModel(cfg, PipelineConfig(schedule=schedule, method=method, microbatches=microbatches,
-                                                 attn_implementation="sdpa", watchdog_dead_after_s=None))
+        pipe = PipelineModel(
+            cfg,
+            PipelineConfig(
+                schedule=schedule,
+                method=method,
+                microbatches=microbatches,
+                attn_implementation="sdpa",
+                watchdog_dead_after_s=None,
+            ),
+        )
         steps_out = []
         for i in range(steps + 1):
             pipe.zero_grad()
@@ -105,8 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args(argv)
 
-    from vp_accelerate.distributed import spawn
     from vp_accelerate.cost import MeasuredCosts
+    from vp_accelerate.distributed import spawn
     from vp_accelerate.sim.simulate import simulate
 
     shape = dict(vocab=args.vocab, hidden=args.hidden, ffn=4 * args.hidden, layers=args.layers, heads=4, seq=args.seq)
@@ -122,8 +141,10 @@ def main(argv=None) -> int:
             path = out / f"{schedule}_{method}_step{k}.json"
             path.write_text(json.dumps(costs, indent=1))
             predicted = simulate(sched, MeasuredCosts.from_json(path)).step_time
-            print(f"| {schedule} / {method} | {k} | {measured:.3f} | {predicted:.3f} | "
-                  f"{100 * (predicted / measured - 1):+.1f}% |")
+            print(
+                f"| {schedule} / {method} | {k} | {measured:.3f} | {predicted:.3f} | "
+                f"{100 * (predicted / measured - 1):+.1f}% |"
+            )
     return 0
 
 

@@ -28,7 +28,7 @@ from vp_accelerate.models.families import decoder_families  # noqa: E402
 def run(families: list[str], batch: int) -> list[FamilyResult]:
     out: list[FamilyResult] = []
     for i in range(0, len(families), batch):
-        group = families[i:i + batch]
+        group = families[i : i + batch]
         t0 = time.perf_counter()
         try:
             res = check_families(group)

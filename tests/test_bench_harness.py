@@ -18,9 +18,34 @@ METHODS = ("peer", "1f1b-baseline", "1f1b-vocab-2", "vhalf-vocab-2")
 def test_bench_command_with_the_runtime(tmp_path, capsys):
     """One spawn of 2 ranks runs the peer and our runtime (1F1B and V-Half, with and without VP)."""
     out = tmp_path / "rows.json"
-    rc = cli.main(["bench", "--hidden", "32", "--layers", "4", "--heads", "2", "--seq", "16", "--microbatches", "4",
-                   "--vocabs", "300", "--warmup", "0", "--steps", "2", "--strict", "--methods", *METHODS,
-                   "--json", str(out), "--plots", str(tmp_path)])
+    rc = cli.main(
+        [
+            "bench",
+            "--hidden",
+            "32",
+            "--layers",
+            "4",
+            "--heads",
+            "2",
+            "--seq",
+            "16",
+            "--microbatches",
+            "4",
+            "--vocabs",
+            "300",
+            "--warmup",
+            "0",
+            "--steps",
+            "2",
+            "--strict",
+            "--methods",
+            *METHODS,
+            "--json",
+            str(out),
+            "--plots",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     rows = json.loads(out.read_text())
     assert [r["method"] for r in rows] == list(METHODS)

@@ -43,7 +43,7 @@ def test_peer_matches_single_process_hf_reference():
         for name, g in grads.items():
             # stage names: embed_tokens.weight, layers.{i}.…, norm.weight, lm_head.weight
             if name.startswith("layers."):
-                i, rest = name[len("layers."):].split(".", 1)
+                i, rest = name[len("layers.") :].split(".", 1)
                 hf_name = f"model.layers.{int(i) + start}.{rest}"
             elif name.startswith("lm_head"):
                 hf_name = name

@@ -15,8 +15,10 @@ import random
 
 import pytest
 import torch
+from test_train_vocab import build_and_export, sentences
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers.tiny import tiny_config
 from vp_accelerate.models import save_hf
 from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
 from vp_accelerate.models.generation import end_of_turn_id, generation_eos
@@ -25,9 +27,6 @@ from vp_accelerate.train.recipe import DataSection, ModelSection, Recipe, Tokeni
 from vp_accelerate.train.sft import CHATML_TEMPLATE
 from vp_accelerate.train.tokenizer import train_bpe
 from vp_accelerate.train.vocab_plan import plan_vocab, prepare_tokenizers
-
-from helpers.tiny import tiny_config
-from test_train_vocab import build_and_export, sentences
 
 CHAT = [{"role": "user", "content": "where is the cat"}, {"role": "assistant", "content": "on the mat"}]
 
@@ -55,16 +54,19 @@ def chat_file(path, n=8):
 
 def save_model(path, tokenizer, tie=False, seed=0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64,
-                                                         num_layers=2, tie=tie))
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2, tie=tie)
+    )
     save_hf(model.state_dict(), model.config, path, tokenizer=tokenizer)
     return model
 
 
 def recipe(model_source, tok_source=None, files=None):
-    return Recipe(model=ModelSection(source=str(model_source)),
-                  tokenizer=TokenizerSection(source=None if tok_source is None else str(tok_source)),
-                  data=DataSection(files=files or []))
+    return Recipe(
+        model=ModelSection(source=str(model_source)),
+        tokenizer=TokenizerSection(source=None if tok_source is None else str(tok_source)),
+        data=DataSection(files=files or []),
+    )
 
 
 def test_export_writes_the_tokenizers_ids_and_stops_at_the_end_of_turn(toks, tmp_path):
@@ -95,16 +97,26 @@ def test_export_writes_the_tokenizers_ids_and_stops_at_the_end_of_turn(toks, tmp
     assert GenerationConfig.from_pretrained(tmp_path / "nobos").pad_token_id == 0
 
 
-@pytest.mark.parametrize("template, markers, expected", [
-    (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
-    ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
-     "{% endfor %}", ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>"),  # Llama 3
-    ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}",
-     ["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>"),  # Gemma
-    ("{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}", [], "<|endoftext|>"),  # EOS closes
-    ("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", [], None),  # plain text
-    ("{{ raise_exception('system turn required') }}", [], None),
-])
+@pytest.mark.parametrize(
+    "template, markers, expected",
+    [
+        (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+        (
+            "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+            "{% endfor %}",
+            ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+            "<|eot_id|>",
+        ),  # Llama 3
+        (
+            "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}",
+            ["<start_of_turn>", "<end_of_turn>"],
+            "<end_of_turn>",
+        ),  # Gemma
+        ("{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}", [], "<|endoftext|>"),  # EOS closes
+        ("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", [], None),  # plain text
+        ("{{ raise_exception('system turn required') }}", [], None),
+    ],
+)
 def test_end_of_turn_token_of_a_template(toks, template, markers, expected):
     tok = load(toks, "tok_a")
     if markers:
@@ -135,8 +147,10 @@ def test_chatml_fallback_adds_special_tokens_with_rows_built_per_rank(toks, tmp_
     share_vocab_means(src, 0, 1)
     back = build_and_export(src, tmp_path / "out")  # 2 ranks: rank 1's shard holds the new rows
     assert back.config.tie_word_embeddings == tie
-    for got, old in ((back.get_input_embeddings().weight, ref.get_input_embeddings().weight),
-                     (back.get_output_embeddings().weight, ref.get_output_embeddings().weight)):
+    for got, old in (
+        (back.get_input_embeddings().weight, ref.get_input_embeddings().weight),
+        (back.get_output_embeddings().weight, ref.get_output_embeddings().weight),
+    ):
         assert torch.equal(got[:n], old)
         torch.testing.assert_close(got[n:], old.mean(0).expand(2, -1), rtol=0, atol=1e-6)
 
@@ -152,16 +166,26 @@ def test_chatml_fallback_adds_special_tokens_with_rows_built_per_rank(toks, tmp_
 def test_check_says_the_chatml_tokens_are_added(toks, tmp_path, capsys):
     from vp_accelerate.train.commands import train_main
 
-    (tmp_path / "r.yaml").write_text(json.dumps({
-        "model": {"source": "llama-tiny"}, "tokenizer": {"source": f"bpe:{toks / 'tok_a'}"},
-        "data": {"files": [chat_file(tmp_path / "chat.jsonl", 40)], "seq_len": 32},
-        "pipeline": {"microbatches": 2}, "train": {"global_batch": 2}, "eval": {"batches": 0}}))
+    (tmp_path / "r.yaml").write_text(
+        json.dumps(
+            {
+                "model": {"source": "llama-tiny"},
+                "tokenizer": {"source": f"bpe:{toks / 'tok_a'}"},
+                "data": {"files": [chat_file(tmp_path / "chat.jsonl", 40)], "seq_len": 32},
+                "pipeline": {"microbatches": 2},
+                "train": {"global_batch": 2},
+                "eval": {"batches": 0},
+            }
+        )
+    )
     assert train_main([str(tmp_path / "r.yaml"), "--check", "--world-size", "2"]) == 0
     err = capsys.readouterr().err
     n = len(load(toks, "tok_a"))
     assert f"vocabulary: tokenizer {n + 2:,} tokens, rows 4,096 -> {n + 2:,}" in err
-    assert "chat template: ChatML (the tokenizer has none); <|im_start|>, <|im_end|> added as special tokens (2 new " \
-           "vocabulary rows); generation stops at <|im_end|>; saved with the tokenizer" in err
+    assert (
+        "chat template: ChatML (the tokenizer has none); <|im_start|>, <|im_end|> added as special tokens (2 new "
+        "vocabulary rows); generation stops at <|im_end|>; saved with the tokenizer" in err
+    )
 
 
 def test_a_swap_keeps_the_models_chat_template(toks, tmp_path):
@@ -186,8 +210,10 @@ def test_a_swap_keeps_the_models_chat_template(toks, tmp_path):
     # why not: neither tokenizer has a template (text data: nothing to add; chat data: ChatML)
     plain = load(toks, "tok_a")
     chat = prepare_chat(load(toks, "tok_b"), plain, chat_data=False, swap=True)
-    assert chat.line() == "chat template: none (neither the new tokenizer nor the model's has a chat template; " \
-                          "the data is not chat)"
+    assert (
+        chat.line() == "chat template: none (neither the new tokenizer nor the model's has a chat template; "
+        "the data is not chat)"
+    )
     chat = prepare_tokenizers(r, load(toks, "tok_b"), plain, pretrained=True)
     assert chat.kind == "chatml" and "neither the new tokenizer nor the model's" in chat.line()
 
@@ -222,14 +248,24 @@ def test_stop_at_says_where_the_run_stopped(toks, tmp_path, monkeypatch, caplog)
 
     monkeypatch.setattr(trainer, "setup", lambda *a, **k: None)
     monkeypatch.setattr(trainer, "train", lambda recipe, **k: {"end_step": 4, "final_eval_loss": 1.5, "hf_dir": None})
-    (tmp_path / "r.yaml").write_text(json.dumps({
-        "model": {"source": "llama-tiny"}, "tokenizer": {"source": f"bpe:{toks / 'tok_a'}"},
-        "data": {"files": [chat_file(tmp_path / "chat.jsonl", 40)], "seq_len": 32}, "pipeline": {"microbatches": 2},
-        "train": {"steps": 10, "global_batch": 2}, "eval": {"batches": 0},
-        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run")}}))
+    (tmp_path / "r.yaml").write_text(
+        json.dumps(
+            {
+                "model": {"source": "llama-tiny"},
+                "tokenizer": {"source": f"bpe:{toks / 'tok_a'}"},
+                "data": {"files": [chat_file(tmp_path / "chat.jsonl", 40)], "seq_len": 32},
+                "pipeline": {"microbatches": 2},
+                "train": {"steps": 10, "global_batch": 2},
+                "eval": {"batches": 0},
+                "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run")},
+            }
+        )
+    )
     with caplog.at_level(logging.INFO, logger="vp_accelerate.train"):
         assert train_main([str(tmp_path / "r.yaml"), "--stop-at", "4"]) == 0
     where = tmp_path / "run" / "checkpoints"
-    assert f"stopped after step 4 of 10 (--stop-at 4): eval loss 1.5000; checkpoint {where}; continue with --resume; " \
-           f"no final export" in caplog.text
+    assert (
+        f"stopped after step 4 of 10 (--stop-at 4): eval loss 1.5000; checkpoint {where}; continue with --resume; "
+        f"no final export" in caplog.text
+    )
     assert "done:" not in caplog.text

@@ -23,16 +23,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 REPLY = "The answer is always forty-two."
 LORA_REPLY = "The answer is forty-two always."  # tokens the base model already predicts, in another order
-WORDS = ("what is the capital of france how many legs does a spider have tell me a joke about cats why sky blue "
-         "name three colors please explain gravity").split()
+WORDS = (
+    "what is the capital of france how many legs does a spider have tell me a joke about cats why sky blue "
+    "name three colors please explain gravity"
+).split()
 QUESTIONS = ["what is the capital of france?", "tell me a joke", "Completely unrelated words here!"]
 
 
 def write_chat(path, reply, n, rng, system=True):
     with open(path, "w") as f:
         for _ in range(n):
-            turns = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 9))) + "?"},
-                     {"role": "assistant", "content": reply}]
+            turns = [
+                {"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 9))) + "?"},
+                {"role": "assistant", "content": reply},
+            ]
             if system and rng.random() < 0.3:
                 turns.insert(0, {"role": "system", "content": "You are a helpful assistant."})
             f.write(json.dumps({"messages": turns}) + "\n")
@@ -46,9 +50,13 @@ def data(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("chat_e2e")
     rng = random.Random(0)
-    sets = {name: {split: write_chat(d / f"{name}_{split}.jsonl", reply, n, rng, system=name == "a")
-                   for split, n in (("train", 400), ("eval", 20))}
-            for name, reply in (("a", REPLY), ("b", LORA_REPLY))}
+    sets = {
+        name: {
+            split: write_chat(d / f"{name}_{split}.jsonl", reply, n, rng, system=name == "a")
+            for split, n in (("train", 400), ("eval", 20))
+        }
+        for name, reply in (("a", REPLY), ("b", LORA_REPLY))
+    }
     for name, size, extra in (("tok", 400, " You are a helpful assistant."), ("tok2", 380, " Other text, 12345.")):
         with open(d / f"{name}.txt", "w") as f:
             for _ in range(300):
@@ -60,17 +68,32 @@ def data(tmp_path_factory):
 def launch(d, name, recipe):
     import yaml
 
-    recipe = {"pipeline": {"schedule": "1f1b", "method": "vocab-2", "microbatches": 2},
-              "lr": {"warmup_steps": 2, "decay": "constant"}, "eval": {"batches": 1},
-              "checkpoint": {"every": 0},
-              "logging": {"wandb_mode": "disabled", "output_dir": str(d / name), "log_every": 5}, **recipe}
+    recipe = {
+        "pipeline": {"schedule": "1f1b", "method": "vocab-2", "microbatches": 2},
+        "lr": {"warmup_steps": 2, "decay": "constant"},
+        "eval": {"batches": 1},
+        "checkpoint": {"every": 0},
+        "logging": {"wandb_mode": "disabled", "output_dir": str(d / name), "log_every": 5},
+        **recipe,
+    }
     path = d / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": str(d / "ds_cache")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(d / "ds_cache"),
+    }
     config = os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml")
-    out = subprocess.run([ACCELERATE, "launch", "--config_file", config, "-m", "vp_accelerate", "train", str(path)],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=str(d))
+    out = subprocess.run(
+        [ACCELERATE, "launch", "--config_file", config, "-m", "vp_accelerate", "train", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(d),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return d / name, out.stdout + out.stderr
 
@@ -80,12 +103,14 @@ def replies(model, tok, margin=2.0):
     token chosen by more than `margin` logits over the runner-up."""
     out = []
     for question in QUESTIONS:
-        prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         with torch.no_grad():
-            gen = model.generate(**prompt, max_new_tokens=20, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True)
-        ids = gen.sequences[0, prompt["input_ids"].shape[1]:]
+            gen = model.generate(
+                **prompt, max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True
+            )
+        ids = gen.sequences[0, prompt["input_ids"].shape[1] :]
         gaps = [float(top[0] - top[1]) for top in (s[0].topk(2).values for s in gen.scores)]
         assert min(gaps) > margin, (question, gaps)
         out.append((tok.decode(ids, skip_special_tokens=True), tok.convert_ids_to_tokens(int(ids[-1])), len(ids)))
@@ -100,13 +125,27 @@ def chat_data(sets, name, seq_len=96):
 def sft_run(data):
     """Full SFT of a fresh tiny Llama (ChatML fallback: the tokenizer has no template), checkpoints off."""
     d, sets = data
-    return launch(d, "sft", {
-        "model": {"source": "llama-tiny", "config": {"hidden_size": 64, "intermediate_size": 128,
-                                                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                                                     "num_key_value_heads": 2}},
-        "tokenizer": {"source": f"bpe:{d / 'tok'}"}, "data": chat_data(sets, "a"),
-        "optimizer": {"lr": 1e-2, "weight_decay": 0.0}, "train": {"steps": 30, "global_batch": 8},
-        "checkpoint": {"enabled": False}})
+    return launch(
+        d,
+        "sft",
+        {
+            "model": {
+                "source": "llama-tiny",
+                "config": {
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                },
+            },
+            "tokenizer": {"source": f"bpe:{d / 'tok'}"},
+            "data": chat_data(sets, "a"),
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.0},
+            "train": {"steps": 30, "global_batch": 8},
+            "checkpoint": {"enabled": False},
+        },
+    )
 
 
 def test_an_sft_export_answers_with_its_reply_and_stops_at_the_end_of_turn(sft_run):
@@ -118,8 +157,11 @@ def test_an_sft_export_answers_with_its_reply_and_stops_at_the_end_of_turn(sft_r
     model = AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"))
     tok = AutoTokenizer.from_pretrained(str(run_dir / "hf"))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == \
-        (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 0, 1)
+    assert (
+        (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id)
+        == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        == (0, 0, 1)
+    )
     assert GenerationConfig.from_pretrained(str(run_dir / "hf")).eos_token_id == [tok.eos_token_id, im_end]
     for text, last, n in replies(model, tok):
         assert (text, last) == (REPLY, "<|im_end|>") and n < 20
@@ -132,17 +174,30 @@ def test_a_lora_adapter_loads_offline_through_peft_and_answers(data, sft_run):
 
     d, sets = data
     base_dir = sft_run[0] / "hf"
-    run_dir, log = launch(d, "lora", {
-        "model": {"source": str(base_dir)}, "data": chat_data(sets, "b"),
-        "adapter": {"type": "lora", "r": 8, "alpha": 16,
-                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
-        "optimizer": {"lr": 2e-2, "weight_decay": 0.0}, "train": {"steps": 60, "global_batch": 8}})
+    run_dir, log = launch(
+        d,
+        "lora",
+        {
+            "model": {"source": str(base_dir)},
+            "data": chat_data(sets, "b"),
+            "adapter": {
+                "type": "lora",
+                "r": 8,
+                "alpha": 16,
+                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            },
+            "optimizer": {"lr": 2e-2, "weight_decay": 0.0},
+            "train": {"steps": 60, "global_batch": 8},
+        },
+    )
     from safetensors.torch import load_file
 
     trainable = sum(t.numel() for t in load_file(str(run_dir / "adapter" / "adapter_model.safetensors")).values())
     total = trainable + sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(base_dir)).parameters())
-    assert f"LoRA r=8 alpha=16 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: {trainable:,} " \
-           f"trainable of {total:,} parameters ({100 * trainable / total:.2f}%); the vocabulary is frozen" in log
+    assert (
+        f"LoRA r=8 alpha=16 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: {trainable:,} "
+        f"trainable of {total:,} parameters ({100 * trainable / total:.2f}%); the vocabulary is frozen" in log
+    )
     assert f"(LoRA merged into the weights; the adapter alone is in {run_dir / 'adapter'})" in log
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base_dir.resolve())  # the model source: the run's frozen base
@@ -152,8 +207,9 @@ def test_a_lora_adapter_loads_offline_through_peft_and_answers(data, sft_run):
         assert (text, last) == (LORA_REPLY, "<|im_end|>") and n < 20
     for text, _, _ in replies(AutoModelForCausalLM.from_pretrained(str(base_dir)), tok):
         assert text == REPLY  # the base alone still gives its own reply: the adapter made the difference
-    merged = replies(AutoModelForCausalLM.from_pretrained(str(run_dir / "hf")), AutoTokenizer.from_pretrained(
-        str(run_dir / "hf")))
+    merged = replies(
+        AutoModelForCausalLM.from_pretrained(str(run_dir / "hf")), AutoTokenizer.from_pretrained(str(run_dir / "hf"))
+    )
     assert {r[0] for r in merged} == {LORA_REPLY}
 
 
@@ -162,10 +218,17 @@ def test_after_a_tokenizer_swap_the_export_still_chats(data, sft_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, sets = data
-    run_dir, log = launch(d, "swap", {
-        "model": {"source": str(sft_run[0] / "hf")}, "tokenizer": {"source": f"bpe:{d / 'tok2'}"},
-        "data": chat_data(sets, "a"), "optimizer": {"lr": 1e-2, "weight_decay": 0.0},
-        "train": {"steps": 60, "global_batch": 8}})
+    run_dir, log = launch(
+        d,
+        "swap",
+        {
+            "model": {"source": str(sft_run[0] / "hf")},
+            "tokenizer": {"source": f"bpe:{d / 'tok2'}"},
+            "data": chat_data(sets, "a"),
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.0},
+            "train": {"steps": 60, "global_batch": 8},
+        },
+    )
     assert "[swap]" in log and "chat template: the model's own, kept across the tokenizer swap" in log
     model = AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"))
     tok = AutoTokenizer.from_pretrained(str(run_dir / "hf"))

@@ -30,11 +30,14 @@ def test_even_explicit_and_balanced():
     assert _counts(plan_layout(cfg, redis, [3, 4, 3])) == [3, 4, 3]  # explicit wins over the cost model
 
 
-@pytest.mark.parametrize("counts,message", [
-    ([5, 5], "layers_per_stage \\[5, 5\\] must have 4 entries"),
-    ([1, 1, 1, 1], "summing to the model's 10 decoder layers"),
-    ([3, 0, 6, 1], "every chunk but the first and the last needs at least one decoder layer"),
-])
+@pytest.mark.parametrize(
+    "counts,message",
+    [
+        ([5, 5], "layers_per_stage \\[5, 5\\] must have 4 entries"),
+        ([1, 1, 1, 1], "summing to the model's 10 decoder layers"),
+        ([3, 0, 6, 1], "every chunk but the first and the last needs at least one decoder layer"),
+    ],
+)
 def test_bad_explicit_layouts(counts, message):
     cfg = tiny_config("llama", num_layers=10)
     with pytest.raises(LayoutError, match=message):
@@ -47,8 +50,10 @@ def test_too_many_chunks():
 
 
 def test_runtime_does_not_import_the_simulator():
-    code = ("import sys, vp_accelerate.runtime, vp_accelerate.train.preflight; "
-            "print([m for m in sys.modules if m.startswith('vp_accelerate.sim')])")
+    code = (
+        "import sys, vp_accelerate.runtime, vp_accelerate.train.preflight; "
+        "print([m for m in sys.modules if m.startswith('vp_accelerate.sim')])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -85,4 +90,8 @@ def test_runtime_costs_on_cpu_use_the_plain_flop_model():
     gpu, cpu = layout_costs(cfg, sched, layout, seq=256), layout_costs(cfg, sched, layout, seq=256, device="cpu")
     assert gpu.gemm is not None and cpu.gemm is None
     # measured on the benchmark's CPU run: T ~ 0.7 S; the GPU model's T is a tenth of its S
-    assert cpu.pass_time(0, Op.T, 0) / cpu.pass_time(0, Op.S, 0) > 0.4 > gpu.pass_time(0, Op.T, 0) / gpu.pass_time(0, Op.S, 0)
+    assert (
+        cpu.pass_time(0, Op.T, 0) / cpu.pass_time(0, Op.S, 0)
+        > 0.4
+        > gpu.pass_time(0, Op.T, 0) / gpu.pass_time(0, Op.S, 0)
+    )

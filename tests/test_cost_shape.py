@@ -22,8 +22,9 @@ def test_mlp_matrices_match_the_modules(family):
     assert weights == shape.mlp_matrices * shape.hidden * shape.ffn
 
 
-@pytest.mark.parametrize("model_type", ["apertus", "arcee", "jais2", "phi", "starcoder2", "cohere2", "olmo2", "glm4",
-                                        "exaone4", "smollm3"])
+@pytest.mark.parametrize(
+    "model_type", ["apertus", "arcee", "jais2", "phi", "starcoder2", "cohere2", "olmo2", "glm4", "exaone4", "smollm3"]
+)
 def test_mlp_matrices_of_more_families(model_type):
     """Families beyond the tiny test set, at their default sizes on the meta device (no memory)."""
     from transformers import AutoConfig
@@ -38,8 +39,17 @@ def test_mlp_matrices_of_more_families(model_type):
 
 def test_cohere_and_granite_count_the_gated_mlp():
     for family in ("cohere", "granite"):
-        shape = shape_from_hf_config({"model_type": family, "hidden_size": 64, "num_hidden_layers": 2,
-                                      "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}, seq=8)
+        shape = shape_from_hf_config(
+            {
+                "model_type": family,
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+            },
+            seq=8,
+        )
         assert shape.mlp_matrices == 3
         n, h = shape.tokens, shape.hidden
         assert shape.layer_linear_flops() == 8 * n * h * h + 2 * 3 * n * h * 128

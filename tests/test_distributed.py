@@ -87,8 +87,9 @@ def test_init_from_env_sets_the_device_before_the_process_group(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: events.append(("init", backend)))
     monkeypatch.setattr(dist, "get_rank", lambda: 3)
     monkeypatch.setattr(dist, "get_world_size", lambda: 4)
-    for key, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT="29500").items():
+    for key, value in dict(
+        RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
+    ).items():
         monkeypatch.setenv(key, value)
     assert distributed.init_from_env() == (3, 4)
     assert events == [("set_device", 1), ("init", "nccl")]  # NCCL's communicators land on GPU 1, not 0

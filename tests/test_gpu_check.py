@@ -27,8 +27,13 @@ def _module():
 
 
 def _env(path: str) -> dict:
-    return {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": path,
-            "HOME": os.environ.get("HOME", "/tmp")}
+    return {
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PATH": path,
+        "HOME": os.environ.get("HOME", "/tmp"),
+    }
 
 
 def test_cpu_path_of_the_script_with_only_python3(tmp_path):
@@ -40,14 +45,19 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
         shutil.copy(ROOT / "scripts" / name, scripts / name)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (bin_dir / "python3").chmod(0o755)
     tools = [shutil.which(t) for t in ("timeout", "tail", "mkdir", "rm", "dirname")]
     for tool in tools:  # coreutils only: no `python` anywhere on this PATH
         os.symlink(tool, bin_dir / os.path.basename(tool))
     out = tmp_path / "out"
-    run = subprocess.run([shutil.which("bash"), str(scripts / "gpu_check.sh"), str(out), "--cpu"],
-                         capture_output=True, text=True, env=_env(str(bin_dir)), timeout=900)
+    run = subprocess.run(
+        [shutil.which("bash"), str(scripts / "gpu_check.sh"), str(out), "--cpu"],
+        capture_output=True,
+        text=True,
+        env=_env(str(bin_dir)),
+        timeout=900,
+    )
     logs = [out / f"{p}.log" for p in PARTS]
     log = run.stdout + run.stderr + "".join(f.read_text() for f in logs if f.exists())
     assert run.stdout.splitlines()[0] == f"gpu_check: {bin_dir}/python3", log
@@ -74,8 +84,15 @@ def test_the_output_layer_part_fails_when_its_numbers_are_off():
         for algo in size["algorithms"]:
             for p in size["ranks"]:
                 if (algo, p) != drop:
-                    out.append({"p": p, "algorithm": algo, "time_s": 0.05 / (p * eff), "efficiency": eff,
-                                "peak_bytes": peak8 if p == 8 else 8e9 / p})
+                    out.append(
+                        {
+                            "p": p,
+                            "algorithm": algo,
+                            "time_s": 0.05 / (p * eff),
+                            "efficiency": eff,
+                            "peak_bytes": peak8 if p == 8 else 8e9 / p,
+                        }
+                    )
         return out
 
     assert gc.judge_output_layer(rows(), size, tiny=False) == []
@@ -85,7 +102,8 @@ def test_the_output_layer_part_fails_when_its_numbers_are_off():
     assert gc.judge_output_layer(rows(eff=2.5), size, tiny=False)  # faster than the full layer per row: broken timing
     assert gc.judge_output_layer(rows(peak8=7e9), size, tiny=False) == [
         "vocab-1 peak memory at p=8 is 0.88 x that at p=1 (> 0.35)",
-        "vocab-2 peak memory at p=8 is 0.88 x that at p=1 (> 0.35)"]
+        "vocab-2 peak memory at p=8 is 0.88 x that at p=1 (> 0.35)",
+    ]
     assert gc.judge_output_layer(rows(drop=("vocab-2", 4)), size, tiny=False) == ["vocab-2 p=4 not measured"]
     assert gc.judge_output_layer(rows(drop=("vocab-2", 4)), size, tiny=True) == ["vocab-2 p=4 not measured"]
     assert gc.judge_output_layer(rows(eff=0.4), size, tiny=True) == []  # tiny CPU timings are noise: not judged
@@ -94,9 +112,19 @@ def test_the_output_layer_part_fails_when_its_numbers_are_off():
 
 def test_summary_names_what_did_not_run_and_quotes_table_3(tmp_path):
     gc = _module()
-    (tmp_path / "vocab_ws1.json").write_text(json.dumps({
-        "part": "vocab_ws1", "status": "fail", "max_rel_error": 3e-3, "tolerance": 1e-4, "tiny": False,
-        "device_name": "NVIDIA H200", "why": "over the tolerance 0.0001: vocab-2/chunked 3.0e-03"}))
+    (tmp_path / "vocab_ws1.json").write_text(
+        json.dumps(
+            {
+                "part": "vocab_ws1",
+                "status": "fail",
+                "max_rel_error": 3e-3,
+                "tolerance": 1e-4,
+                "tiny": False,
+                "device_name": "NVIDIA H200",
+                "why": "over the tolerance 0.0001: vocab-2/chunked 3.0e-03",
+            }
+        )
+    )
     results, text = gc.summarize(tmp_path)
     assert "Device: NVIDIA H200." in text and "Every part runs at world size 1" in text
     assert "| vocab_ws1 | fail | max relative error 3.0e-03 (tolerance 0.0001) |" in text
@@ -104,16 +132,26 @@ def test_summary_names_what_did_not_run_and_quotes_table_3(tmp_path):
     for part in PARTS[1:]:
         assert f"| {part} | not run |" in text and f"- {part}: no result" in text
     assert "NCCL exactness" not in text and "share" not in results
-    for row in ("| 2048 | output vocab-1 | 91.3% | 84.2% | 80.6% |", "| 2048 | output vocab-2 | 86.7% | 79.8% | 75.9% |",
-                "| 2048 | input | 40.0% | 28.9% | 15.2% |", "| 4096 | output vocab-1 | 93.2% | 88.0% | 85.2% |",
-                "| 4096 | output vocab-2 | 88.4% | 83.4% | 79.7% |", "| 4096 | input | 27.7% | 15.5% | 8.4% |"):
+    for row in (
+        "| 2048 | output vocab-1 | 91.3% | 84.2% | 80.6% |",
+        "| 2048 | output vocab-2 | 86.7% | 79.8% | 75.9% |",
+        "| 2048 | input | 40.0% | 28.9% | 15.2% |",
+        "| 4096 | output vocab-1 | 93.2% | 88.0% | 85.2% |",
+        "| 4096 | output vocab-2 | 88.4% | 83.4% | 79.7% |",
+        "| 4096 | input | 27.7% | 15.5% | 8.4% |",
+    ):
         assert row in text
     assert gc.main(["--summarize", "--out", str(tmp_path)]) == 1  # not every part passed
 
 
 @pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(), reason="no .venv in this checkout")
 def test_the_script_prefers_the_repository_venv(tmp_path):
-    run = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "no_such_part"],
-                         capture_output=True, text=True, env=_env("/usr/bin:/bin"), timeout=60)
+    run = subprocess.run(
+        [shutil.which("bash"), str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "no_such_part"],
+        capture_output=True,
+        text=True,
+        env=_env("/usr/bin:/bin"),
+        timeout=60,
+    )
     assert run.stdout.splitlines()[0] == f"gpu_check: {ROOT}/scripts/../.venv/bin/python"
     assert run.returncode == 2 and "unknown part 'no_such_part'" in run.stderr

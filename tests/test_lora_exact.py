@@ -11,15 +11,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from vp_accelerate.distributed import spawn
-
 from helpers.tiny import tiny_llama
+from vp_accelerate.distributed import spawn
 
 pytest.importorskip("peft", reason="LoRA needs the lora extra (pip install peft)")
 
 # (schedule, method, train_vocab): adapters only under four schedules, and with the vocabulary trained too
-CONFIGS = [("1f1b", "vocab-2", False), ("vhalf", "vocab-1", False), ("vhalf", "baseline", False),
-           ("interleaved", "vocab-2", False), ("1f1b", "vocab-1", True), ("vhalf", "baseline", True)]
+CONFIGS = [
+    ("1f1b", "vocab-2", False),
+    ("vhalf", "vocab-1", False),
+    ("vhalf", "baseline", False),
+    ("interleaved", "vocab-2", False),
+    ("1f1b", "vocab-1", True),
+    ("vhalf", "baseline", True),
+]
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 STEPS, LR, SEED = 3, 1e-2, 7
 
@@ -34,7 +39,7 @@ def _batches(seed: int, vocab: int, rows: int, seq: int):
     for _ in range(STEPS):
         ids = torch.randint(0, vocab, (rows, seq), generator=g)
         labels = ids.clone()
-        labels[0, seq // 2:] = -100
+        labels[0, seq // 2 :] = -100
         out.append((ids, labels))
     return out
 
@@ -72,11 +77,16 @@ def _train_on_ranks(ckpt: str, batches, configs, out_dir: str):
     results = {}
     for schedule, method, train_vocab in configs:
         adapter = AdapterConfig(type="lora", r=4, alpha=8, target_modules=TARGETS, train_vocab=train_vocab)
-        pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=4,
-                                                  attn_implementation="eager"),
-                             dtype=torch.float64, seed=SEED, adapter=adapter)
-        opt = build_optimizer(pipe.named_parameters(), OptimizerSection(lr=LR, eps=1e-6, weight_decay=0.0,
-                                                                        betas=[0.9, 0.999]))
+        pipe = PipelineModel(
+            ckpt,
+            PipelineConfig(schedule=schedule, method=method, microbatches=4, attn_implementation="eager"),
+            dtype=torch.float64,
+            seed=SEED,
+            adapter=adapter,
+        )
+        opt = build_optimizer(
+            pipe.named_parameters(), OptimizerSection(lr=LR, eps=1e-6, weight_decay=0.0, betas=[0.9, 0.999])
+        )
         losses = []
         for ids, labels in batches:
             losses.append(pipe.train_step(ids, labels).loss)
@@ -114,8 +124,9 @@ def test_lora_matches_single_process_peft(tmp_path):
         assert losses == pytest.approx(ref_losses, rel=1e-9), (key, seed)
         assert set(params) == set(ref_params), key
         for name, ref in ref_params.items():
-            torch.testing.assert_close(params[name], ref, rtol=1e-8, atol=1e-10,
-                                       msg=lambda m: f"{key} {name} (seed {seed}): {m}")
+            torch.testing.assert_close(
+                params[name], ref, rtol=1e-8, atol=1e-10, msg=lambda m: f"{key} {name} (seed {seed}): {m}"
+            )
         vocab = set()
         for r in range(2):  # optimizer state for exactly the trainable parameters, LoRA's (+ vocabulary)
             _, _, trainable, with_state = per_rank[r][key]
@@ -129,8 +140,9 @@ def test_lora_matches_single_process_peft(tmp_path):
     # bits, which can move a float32 softmax by an ulp — hence 1e-6, not float64's 1e-12
     with torch.no_grad():
         expected = ref_model(input_ids=ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager",
-                                                      dtype=torch.float64)
+        merged = AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "merged"), attn_implementation="eager", dtype=torch.float64
+        )
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
         from peft import PeftModel
 
@@ -145,24 +157,40 @@ def test_lora_matches_single_process_peft(tmp_path):
 
         from vp_accelerate.train.export import write_exports
 
-        recipe = {"model": {"source": "llama-tiny"}, "adapter": {"type": "lora", "r": 4, "alpha": 8,
-                                                                 "target_modules": TARGETS}}
-        write_exports(per_rank[0][CONFIGS[0]][1], config, None, recipe, [], str(tmp_path / "final_hf"),
-                      str(tmp_path / "final_adapter"))
-        auto = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "final_adapter"), attn_implementation="eager",
-                                                        dtype=torch.float64)
+        recipe = {
+            "model": {"source": "llama-tiny"},
+            "adapter": {"type": "lora", "r": 4, "alpha": 8, "target_modules": TARGETS},
+        }
+        write_exports(
+            per_rank[0][CONFIGS[0]][1],
+            config,
+            None,
+            recipe,
+            [],
+            str(tmp_path / "final_hf"),
+            str(tmp_path / "final_adapter"),
+        )
+        auto = AutoPeftModelForCausalLM.from_pretrained(
+            str(tmp_path / "final_adapter"), attn_implementation="eager", dtype=torch.float64
+        )
         assert auto.peft_config["default"].base_model_name_or_path == str(tmp_path / "final_adapter" / "base")
         torch.testing.assert_close(auto(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
-        final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final_hf"), attn_implementation="eager",
-                                                     dtype=torch.float64)
+        final = AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "final_hf"), attn_implementation="eager", dtype=torch.float64
+        )
         torch.testing.assert_close(final(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
 
 
 def _gpt2_on_ranks(ckpt: str, ids, out: str):
     from vp_accelerate.runtime import AdapterConfig, PipelineConfig, PipelineModel
 
-    pipe = PipelineModel(ckpt, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2), dtype=torch.float64,
-                         seed=SEED, adapter=AdapterConfig(type="lora", r=4, alpha=8))  # peft's default: c_attn
+    pipe = PipelineModel(
+        ckpt,
+        PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2),
+        dtype=torch.float64,
+        seed=SEED,
+        adapter=AdapterConfig(type="lora", r=4, alpha=8),
+    )  # peft's default: c_attn
     pipe.train_step(ids, ids.clone())  # with GPT-2's dropout on: training mode
     with torch.no_grad():
         for p in pipe.trainable_parameters():
@@ -180,17 +208,21 @@ def test_gpt2_conv1d_adapters_merge_transposed_and_eval_without_dropout(tmp_path
 
     torch.manual_seed(random.randrange(2**31))
     ckpt = str(tmp_path / "ckpt")
-    AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4,
-                                                n_positions=32)).save_pretrained(ckpt)
+    AutoModelForCausalLM.from_config(
+        GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    ).save_pretrained(ckpt)
     ids = torch.randint(0, 97, (2, 8))
     evals = spawn(_gpt2_on_ranks, 2, ckpt, ids, str(tmp_path), timeout_s=600)
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float64)
-        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64),
-                                           str(tmp_path / "adapter"))
+        loaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), str(tmp_path / "adapter")
+        )
         logits = loaded(input_ids=ids).logits
         torch.testing.assert_close(merged(input_ids=ids).logits, logits, rtol=1e-9, atol=1e-9)
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
     assert evals[0] == evals[1] == pytest.approx(loss.item(), rel=1e-10)
-    assert not torch.allclose(merged.transformer.h[0].attn.c_attn.weight,
-                              AutoModelForCausalLM.from_pretrained(ckpt).transformer.h[0].attn.c_attn.weight.double())
+    assert not torch.allclose(
+        merged.transformer.h[0].attn.c_attn.weight,
+        AutoModelForCausalLM.from_pretrained(ckpt).transformer.h[0].attn.c_attn.weight.double(),
+    )

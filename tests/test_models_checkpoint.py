@@ -4,11 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.tiny import tiny_config
 from vp_accelerate.models import StageLayout, assemble_state_dict, build_rank, resolve_config, save_hf
 from vp_accelerate.models import weights as weights_mod
 from vp_accelerate.vocab.partition import VocabPartition
-
-from helpers.tiny import tiny_config
 
 
 def seeded_model(family, **cfg):
@@ -19,8 +18,9 @@ def seeded_model(family, **cfg):
 def build_all(source, layout, placement, vocab_size=None, **kw):
     V = vocab_size or resolve_config(source).vocab_size
     part = VocabPartition(V, layout.num_ranks) if placement == "vocab" else None
-    return [build_rank(source, layout, r, placement, part, vocab_size=vocab_size, **kw)
-            for r in range(layout.num_ranks)]
+    return [
+        build_rank(source, layout, r, placement, part, vocab_size=vocab_size, **kw) for r in range(layout.num_ranks)
+    ]
 
 
 def export_offline(rms, out_dir):
@@ -37,22 +37,27 @@ def assert_same_weights(a, b):
         assert torch.equal(sa[k], sb[k]), k
 
 
-@pytest.mark.parametrize("family,tie,shard", [("llama", False, None), ("gemma", None, "30KB"),
-                                              ("gpt2", None, "30KB"), ("qwen3", False, "30KB")])
+@pytest.mark.parametrize(
+    "family,tie,shard",
+    [("llama", False, None), ("gemma", None, "30KB"), ("gpt2", None, "30KB"), ("qwen3", False, "30KB")],
+)
 def test_checkpoint_shard_export_roundtrip(tmp_path, family, tie, shard):
     """save_pretrained (sharded or not) -> build every rank reading only its tensors -> export -> same model."""
     ref = seeded_model(family, tie=tie)
     ref.save_pretrained(tmp_path / "ckpt", **({"max_shard_size": shard} if shard else {}))
     if shard:
         assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
-    for placement, layout in (("vocab", StageLayout.v_shape(4, 2)), ("vocab", StageLayout.one_per_rank(4, 3)),
-                              ("baseline", StageLayout.one_per_rank(4, 3))):
+    for placement, layout in (
+        ("vocab", StageLayout.v_shape(4, 2)),
+        ("vocab", StageLayout.one_per_rank(4, 3)),
+        ("baseline", StageLayout.one_per_rank(4, 3)),
+    ):
         rms = build_all(str(tmp_path / "ckpt"), layout, placement)
         if placement == "vocab":
             part = rms[0].partition
             for rm in rms:  # padded rows are zero, a tied model holds one tensor
                 assert rm.embed_weight.shape[0] == part.shard_size
-                assert rm.embed_weight[part.valid_rows(rm.rank):].abs().sum() == 0
+                assert rm.embed_weight[part.valid_rows(rm.rank) :].abs().sum() == 0
                 assert (rm.head_weight is rm.embed_weight) == ref.config.tie_word_embeddings
         out = export_offline(rms, tmp_path / f"out-{placement}-{layout.num_chunks}")
         back = AutoModelForCausalLM.from_pretrained(out)
@@ -68,10 +73,14 @@ def test_checkpoint_rank_reads_only_its_tensors_and_rows(tmp_path, monkeypatch):
     ref.save_pretrained(tmp_path / "ckpt", max_shard_size="30KB")
     reads = []
     orig_get, orig_rows = weights_mod.SafetensorsSource.get, weights_mod.SafetensorsSource.rows
-    monkeypatch.setattr(weights_mod.SafetensorsSource, "get",
-                        lambda self, name: reads.append((name, None)) or orig_get(self, name))
-    monkeypatch.setattr(weights_mod.SafetensorsSource, "rows",
-                        lambda self, name, s, e: reads.append((name, (s, e))) or orig_rows(self, name, s, e))
+    monkeypatch.setattr(
+        weights_mod.SafetensorsSource, "get", lambda self, name: reads.append((name, None)) or orig_get(self, name)
+    )
+    monkeypatch.setattr(
+        weights_mod.SafetensorsSource,
+        "rows",
+        lambda self, name, s, e: reads.append((name, (s, e))) or orig_rows(self, name, s, e),
+    )
     layout = StageLayout.one_per_rank(6, 3)
     part = VocabPartition(ref.config.vocab_size, 3)
     build_rank(str(tmp_path / "ckpt"), layout, 1, "vocab", part)
@@ -79,7 +88,9 @@ def test_checkpoint_rank_reads_only_its_tensors_and_rows(tmp_path, monkeypatch):
     assert whole == {n for n in ref.state_dict() if n.startswith(("model.layers.2.", "model.layers.3."))}
     start, end = part.shard_range(1)
     assert {(name, rows) for name, rows in reads if rows is not None} == {
-        ("model.embed_tokens.weight", (start, end)), ("lm_head.weight", (start, end))}
+        ("model.embed_tokens.weight", (start, end)),
+        ("lm_head.weight", (start, end)),
+    }
 
 
 def test_fresh_init_is_the_same_full_init_for_every_layout(monkeypatch):
@@ -96,7 +107,7 @@ def test_fresh_init_is_the_same_full_init_for_every_layout(monkeypatch):
             n = part.valid_rows(rm.rank)
             for name, t in rm.state_dict().items():
                 if name in rm.sharded_names:
-                    assert torch.equal(t[:n], full_sd[name][start:start + n]), name
+                    assert torch.equal(t[:n], full_sd[name][start : start + n]), name
                     assert t[n:].abs().sum() == 0
                 else:
                     assert torch.equal(t, full_sd[name]), name
@@ -117,9 +128,11 @@ def test_vocab_resize_matches_hf_mean_resizing(tmp_path, family, tie, delta):
     back = AutoModelForCausalLM.from_pretrained(export_offline(rms, tmp_path / "resized"))
     assert back.config.vocab_size == new_v
     ref.resize_token_embeddings(new_v, mean_resizing=True)
-    for got, want in ((back.get_input_embeddings().weight, ref.get_input_embeddings().weight),
-                      (back.get_output_embeddings().weight, ref.get_output_embeddings().weight)):
+    for got, want in (
+        (back.get_input_embeddings().weight, ref.get_input_embeddings().weight),
+        (back.get_output_embeddings().weight, ref.get_output_embeddings().weight),
+    ):
         assert got.shape == want.shape == (new_v, ref.config.hidden_size)
-        assert torch.equal(got[:min(V, new_v)], want[:min(V, new_v)])
+        assert torch.equal(got[: min(V, new_v)], want[: min(V, new_v)])
         # HF samples around the mean with covariance 1e-9 * cov: equal up to that noise.
         torch.testing.assert_close(got[V:], want[V:], atol=1e-4 * want[:V].abs().max().item(), rtol=0)

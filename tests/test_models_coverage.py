@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from vp_accelerate.models import UnsupportedModelError, check_supported
 from vp_accelerate.bench.coverage import check_families, decoder_families, tiny_family_config
+from vp_accelerate.models import UnsupportedModelError, check_supported
 
 MECHANISMS = ["gpt_neox", "phi", "gemma3_text", "qwen2_moe"]
 
@@ -30,16 +30,20 @@ def _assert_all_pass(results):
 def test_one_family_per_mechanism_is_exact_from_checkpoint_and_config(tmp_path):
     results = check_families(MECHANISMS, tmp_path)
     _assert_all_pass(results)
-    assert all("eval" in r.worst for r in results if r.model_type in ("gpt_neox", "phi")), \
+    assert all("eval" in r.worst for r in results if r.model_type in ("gpt_neox", "phi")), (
         "families with dropout fields get the eval_step check"
+    )
 
 
-@pytest.mark.parametrize("model_type,overrides,needle", [
-    ("mixtral", dict(output_router_logits=True), "output_router_logits=True"),
-    ("qwen3_moe", dict(output_router_logits=True), "load-balancing loss"),
-    ("qwen3_5_text", {}, "linear_attention"),
-    ("gemma3n_text", {}, "per-layer inputs"),
-])
+@pytest.mark.parametrize(
+    "model_type,overrides,needle",
+    [
+        ("mixtral", dict(output_router_logits=True), "output_router_logits=True"),
+        ("qwen3_moe", dict(output_router_logits=True), "load-balancing loss"),
+        ("qwen3_5_text", {}, "linear_attention"),
+        ("gemma3n_text", {}, "per-layer inputs"),
+    ],
+)
 def test_unsupported_families_are_refused_naming_the_feature(model_type, overrides, needle):
     cfg = tiny_family_config(model_type, **overrides)
     with pytest.raises(UnsupportedModelError, match=needle):
@@ -64,11 +68,16 @@ def test_preflight_refuses_an_unsupported_checkpoint(tmp_path, capsys):
 
     model_dir = tmp_path / "moe"
     AutoModelForCausalLM.from_config(tiny_family_config("qwen2_moe", output_router_logits=True)).save_pretrained(
-        model_dir)
+        model_dir
+    )
     (tmp_path / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
-    recipe = {"model": {"source": str(model_dir)}, "tokenizer": {"source": str(model_dir)},
-              "data": {"files": [str(tmp_path / "train.jsonl")], "seq_len": 16},
-              "pipeline": {"microbatches": 2}, "train": {"global_batch": 2}}
+    recipe = {
+        "model": {"source": str(model_dir)},
+        "tokenizer": {"source": str(model_dir)},
+        "data": {"files": [str(tmp_path / "train.jsonl")], "seq_len": 16},
+        "pipeline": {"microbatches": 2},
+        "train": {"global_batch": 2},
+    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     code = train_main([str(path), "--check", "--world-size", "2"])

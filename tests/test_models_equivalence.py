@@ -5,10 +5,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from vp_accelerate.models import StageLayout, build_rank
-
 from helpers.tiny import FAMILIES, tiny_config
-
+from vp_accelerate.models import StageLayout, build_rank
 
 LAYOUTS = {
     "1f1b-p3": lambda n: StageLayout.one_per_rank(n, 3),
@@ -58,8 +56,17 @@ def test_stages_match_hf_logits_and_loss(family):
         assert abs(loss.item() - out.loss.item()) <= 1e-5 * out.loss.item(), (family, name)
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gemma2", "eager"), ("mistral", "sdpa"),
-                                         ("qwen2", "sdpa"), ("gpt2", "eager"), ("gpt_neox", "sdpa")])
+@pytest.mark.parametrize(
+    "family,attn",
+    [
+        ("llama", "sdpa"),
+        ("gemma2", "eager"),
+        ("mistral", "sdpa"),
+        ("qwen2", "sdpa"),
+        ("gpt2", "eager"),
+        ("gpt_neox", "sdpa"),
+    ],
+)
 def test_padding_mask_and_packed_positions(family, attn):
     """A 2D right-padding mask, and packed sequences given by position_ids, give HF's masks per layer."""
     ref = reference(family, attn)

@@ -3,11 +3,9 @@
 import pytest
 import torch
 
-from vp_accelerate.models import (LayoutError, StageLayout, UnsupportedModelError, build_rank, find_parts,
-                                  meta_model)
-from vp_accelerate.vocab.partition import VocabPartition
-
 from helpers.tiny import tiny_config
+from vp_accelerate.models import LayoutError, StageLayout, UnsupportedModelError, build_rank, find_parts, meta_model
+from vp_accelerate.vocab.partition import VocabPartition
 
 
 def test_layout_constructors():
@@ -23,16 +21,19 @@ def test_layout_constructors():
     assert StageLayout.v_shape(6, 3).chunk_rank == (0, 1, 2, 2, 1, 0)
 
 
-@pytest.mark.parametrize("make,msg", [
-    (lambda: StageLayout.one_per_rank(3, 4), "cannot split 3 decoder layers into 4 chunks"),
-    (lambda: StageLayout.v_shape(5, 3), "cannot split 5 decoder layers into 6 chunks"),
-    (lambda: StageLayout.interleaved(8, 2, 0), "chunks_per_rank must be >= 1"),
-    (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[2, 2, 2]), "sum to 6, but the model has 8"),
-    (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[4, 4]), "got 2 layer counts but this layout has 3"),
-    (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[4, 0, 4]), "needs at least one decoder layer"),
-    (lambda: StageLayout(((0, 2), (3, 4)), (0, 1)), "chunk 1 starts at layer 3"),
-    (lambda: StageLayout(((0, 2), (2, 4)), (0, 2)), "must use every rank"),
-])
+@pytest.mark.parametrize(
+    "make,msg",
+    [
+        (lambda: StageLayout.one_per_rank(3, 4), "cannot split 3 decoder layers into 4 chunks"),
+        (lambda: StageLayout.v_shape(5, 3), "cannot split 5 decoder layers into 6 chunks"),
+        (lambda: StageLayout.interleaved(8, 2, 0), "chunks_per_rank must be >= 1"),
+        (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[2, 2, 2]), "sum to 6, but the model has 8"),
+        (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[4, 4]), "got 2 layer counts but this layout has 3"),
+        (lambda: StageLayout.one_per_rank(8, 3, layer_counts=[4, 0, 4]), "needs at least one decoder layer"),
+        (lambda: StageLayout(((0, 2), (3, 4)), (0, 1)), "chunk 1 starts at layer 3"),
+        (lambda: StageLayout(((0, 2), (2, 4)), (0, 2)), "must use every rank"),
+    ],
+)
 def test_impossible_layouts_say_why(make, msg):
     with pytest.raises(LayoutError, match=msg):
         make()
@@ -51,8 +52,15 @@ def test_layout_must_fit_the_model_and_vocab_needs_a_partition():
 def test_unsupported_model_names_the_missing_part_and_the_fix():
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model("opt", vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                               ffn_dim=32, word_embed_proj_dim=16)
+    cfg = AutoConfig.for_model(
+        "opt",
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=32,
+        word_embed_proj_dim=16,
+    )
     with pytest.raises(UnsupportedModelError, match=r"OPTForCausalLM .*no base_model_pp_plan.*ADAPTERS\[\"opt\"\]"):
         find_parts(meta_model(cfg))
     with pytest.raises(UnsupportedModelError, match="input embedding"):
@@ -76,8 +84,11 @@ def test_vocab_parallel_balances_parameter_memory_at_256k_vocab():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name, layout in (("1f1b", StageLayout.one_per_rank(8, p)), ("vshape", StageLayout.v_shape(8, p)),
-                             ("1f1b-uneven", StageLayout.one_per_rank(8, p, layer_counts=[3, 2, 2, 1]))):
+        for name, layout in (
+            ("1f1b", StageLayout.one_per_rank(8, p)),
+            ("vshape", StageLayout.v_shape(8, p)),
+            ("1f1b-uneven", StageLayout.one_per_rank(8, p, layer_counts=[3, 2, 2, 1])),
+        ):
             vp = _bytes_per_rank(cfg, layout, "vocab")
             base = _bytes_per_rank(cfg, layout, "baseline")
             print(f"\n{name} V={V} h=64 L=8 p={p}: vocab bytes {vp}; baseline bytes {base}")

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from vp_accelerate.distributed import spawn
 from helpers.tiny import tiny_config
+from vp_accelerate.distributed import spawn
 
 
 class _Counted:
@@ -69,8 +69,9 @@ def _rank_reads(path, cases):
         try:
             row_map = None
             if sources is not None:
-                row_map = RowMap.from_lists([list(s) for s in sources], 97, [0 if not s else 1 if len(s) == 1 else 2
-                                                                             for s in sources])
+                row_map = RowMap.from_lists(
+                    [list(s) for s in sources], 97, [0 if not s else 1 if len(s) == 1 else 2 for s in sources]
+                )
             src = CheckpointSource.from_dir(path, overrides, vocab, row_map)
             share_vocab_means(src, rank, world, dist.all_reduce)
             layout = StageLayout.one_per_rank(src.config.num_hidden_layers, world)
@@ -84,13 +85,17 @@ def _rank_reads(path, cases):
 
 def test_each_rank_reads_only_its_tensors(tmp_path):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, hidden_size=32, num_layers=4,
-                                                         tie=False))
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama", vocab_size=97, hidden_size=32, num_layers=4, tie=False)
+    )
     model.save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")  # several files
     rng = np.random.default_rng()
     swap = [tuple(rng.choice(97, size=int(rng.integers(0, 4)), replace=False).tolist()) for _ in range(131)]
-    cases = [("resize+overrides", {"rms_norm_eps": 1e-3, "num_hidden_layers": 4}, 97 + 29, None),
-             ("swap", {}, 131, swap), ("keep", {"rope_theta": 5e4}, None, None)]
+    cases = [
+        ("resize+overrides", {"rms_norm_eps": 1e-3, "num_hidden_layers": 4}, 97 + 29, None),
+        ("swap", {}, 131, swap),
+        ("keep", {"rope_theta": 5e4}, None, None),
+    ]
     results = spawn(_rank_reads, 2, str(tmp_path / "ckpt"), cases, timeout_s=180)
 
     sd = model.state_dict()
@@ -110,8 +115,7 @@ def test_each_rank_reads_only_its_tensors(tmp_path):
                 mean_bytes = (mean_rows[1] - mean_rows[0]) * row if V > 97 else 0
             else:
                 rows_needed = len({j for i in range(start, end) for j in sources[i]})
-                mean_bytes = (97 * (rank + 1) // 2 - 97 * rank // 2) * row if any(
-                    not s for s in sources) else 0
+                mean_bytes = (97 * (rank + 1) // 2 - 97 * rank // 2) * row if any(not s for s in sources) else 0
             per_matrix = rows_needed * row + mean_bytes
             assert set(counter) == own_layers | {"model.embed_tokens.weight", "lm_head.weight"}, (name, rank)
             assert sum(counter[n] for n in own_layers) == layer_bytes, (name, rank)
@@ -122,11 +126,14 @@ def test_each_rank_reads_only_its_tensors(tmp_path):
         _, (start, end), state = res["resize+overrides"]
         emb = state["model.embed_tokens.weight"]
         n_old = max(0, min(end, 97) - start)
-        assert torch.equal(emb[:n_old], sd["model.embed_tokens.weight"][start:start + n_old])
+        assert torch.equal(emb[:n_old], sd["model.embed_tokens.weight"][start : start + n_old])
         if end > 97:
-            torch.testing.assert_close(emb[97 - start:min(end, 126) - start],
-                                       sd["model.embed_tokens.weight"].mean(0).expand(min(end, 126) - 97, h),
-                                       rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                emb[97 - start : min(end, 126) - start],
+                sd["model.embed_tokens.weight"].mean(0).expand(min(end, 126) - 97, h),
+                rtol=0,
+                atol=1e-6,
+            )
         _, (start, end), state = res["swap"]
         head = state["lm_head.weight"]
         for i in range(start, min(end, 131)):

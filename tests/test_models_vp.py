@@ -11,21 +11,17 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from helpers.tiny import tiny_config
 from vp_accelerate.distributed import spawn
 from vp_accelerate.models import StageLayout, build_rank, export_hf
 from vp_accelerate.vocab.embedding import embed_backward, embed_partial, ib_broadcast, if_reduce
-from vp_accelerate.vocab.output_layer import (OutputLayerOptions, broadcast_x, run_output_layer,
-                                              token_mean_grad_scale)
+from vp_accelerate.vocab.output_layer import OutputLayerOptions, broadcast_x, run_output_layer, token_mean_grad_scale
 from vp_accelerate.vocab.partition import VocabPartition
-
-from helpers.tiny import tiny_config
 
 # (family, tie, layout kind) per world size: tied and untied, 1-chunk, V-shape, interleaved, uneven.
 CASES = {
-    2: [("llama", False, "vshape"), ("gemma2", None, "1f1b"), ("gpt2", None, "interleaved"),
-        ("qwen3", True, "1f1b")],
-    3: [("qwen2", False, "uneven"), ("gemma", None, "vshape"), ("cohere", None, "1f1b"),
-        ("gpt_neox", False, "1f1b")],
+    2: [("llama", False, "vshape"), ("gemma2", None, "1f1b"), ("gpt2", None, "interleaved"), ("qwen3", True, "1f1b")],
+    3: [("qwen2", False, "uneven"), ("gemma", None, "vshape"), ("cohere", None, "1f1b"), ("gpt_neox", False, "1f1b")],
 }
 SEQ = (2, 9)
 

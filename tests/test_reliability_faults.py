@@ -41,8 +41,10 @@ def setup(tmp_path_factory):
             f.write(json.dumps({"text": " ".join(rng.choices(words, k=30))}) + "\n")
     train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
     recipe = {
-        "model": {"source": "llama-tiny", "config": {"hidden_size": 32, "intermediate_size": 64,
-                                                      "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "model": {
+            "source": "llama-tiny",
+            "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+        },
         "tokenizer": {"source": f"bpe:{d / 'tok'}"},
         "data": {"files": [str(d / "train.jsonl")], "seq_len": 16, "eval_holdout": 0.05},
         "pipeline": {"microbatches": 4},
@@ -56,11 +58,28 @@ def setup(tmp_path_factory):
 
 
 def launch(d, name, fault: dict | None, *sets, extra=()):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": str(d / "ds_cache"), "VP_FAULT": json.dumps(fault or {})}
-    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-           WORKER, str(d / "recipe.yaml"), "--set", f"logging.output_dir={d / name}",
-           "--set", f"checkpoint.dir={d / name / 'ckpt'}", *[a for s in sets for a in ("--set", s)], *extra]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(d / "ds_cache"),
+        "VP_FAULT": json.dumps(fault or {}),
+    }
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+        WORKER,
+        str(d / "recipe.yaml"),
+        "--set",
+        f"logging.output_dir={d / name}",
+        "--set",
+        f"checkpoint.dir={d / name / 'ckpt'}",
+        *[a for s in sets for a in ("--set", s)],
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(d))
 
 
@@ -78,8 +97,7 @@ def finite_checkpoints(ckpt_dir):
 @pytest.fixture(scope="module")
 def skipped_run(setup):
     step, mb = RNG.randrange(2, 4), RNG.randrange(4)
-    out = launch(setup, "skip", {"poison": {"step": step, "microbatch": mb, "value": "nan"}},
-                 "train.on_nonfinite=skip")
+    out = launch(setup, "skip", {"poison": {"step": step, "microbatch": mb, "value": "nan"}}, "train.on_nonfinite=skip")
     return out, step, mb
 
 
@@ -87,8 +105,9 @@ def test_nan_in_one_microbatch_is_skipped_and_named(setup, skipped_run):
     out, step, mb = skipped_run
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    assert f"step {step}: non-finite loss (nan) in microbatch {mb} of 4 (replica 0) = packed training sequences [" \
-        in log, log[-3000:]
+    assert (
+        f"step {step}: non-finite loss (nan) in microbatch {mb} of 4 (replica 0) = packed training sequences [" in log
+    ), log[-3000:]
     assert "skipping the update (train.on_nonfinite: skip)" in log
     rows = [json.loads(line) for line in open(setup / "skip" / "metrics.jsonl")]
     train = {r["step"]: r for r in rows if "train/loss" in r}
@@ -109,13 +128,16 @@ def test_inf_gradient_stops_every_rank_and_keeps_the_last_checkpoint(setup):
     from vp_accelerate.train import checkpoint as ckpt
 
     step = RNG.randrange(2, 4)
-    out = launch(setup, "stop", {"poison_grad": {"step": step, "rank": 1, "param": 0, "value": "inf"}},
-                 "train.on_nonfinite=stop")
+    out = launch(
+        setup, "stop", {"poison_grad": {"step": step, "rank": 1, "param": 0, "value": "inf"}}, "train.on_nonfinite=stop"
+    )
     log = out.stdout + out.stderr
     assert out.returncode != 0
     assert log.count("training stopped: NonFiniteError") == 2, log[-3000:]  # every rank, the same decision
-    assert f"step {step}: non-finite gradient (global norm inf) although the loss of every microbatch was " \
-           f"finite" in log and "rank 1: " in log
+    assert (
+        f"step {step}: non-finite gradient (global norm inf) although the loss of every microbatch was finite" in log
+        and "rank 1: " in log
+    )
     cdir = str(setup / "stop" / "ckpt")
     assert ckpt.read_latest(cdir).endswith(f"step_{step - 1:08d}")
     assert finite_checkpoints(cdir) == [f"step_{s:08d}" for s in range(1, step)]
@@ -135,7 +157,11 @@ def test_a_rank_failing_mid_step_stops_the_trainer_everywhere(setup, how):
     if how == "raise":
         assert f"injected failure at step {step}" in log
         # the peer is stopped by the watchdog (naming the rank), gloo's closed connection, or the launcher
-        assert (f"peer failed — rank {rank}: RuntimeError: injected failure" in log or "Connection closed" in log
-                or "Connection reset" in log or "SIGTERM" in log), log[-3000:]
+        assert (
+            f"peer failed — rank {rank}: RuntimeError: injected failure" in log
+            or "Connection closed" in log
+            or "Connection reset" in log
+            or "SIGTERM" in log
+        ), log[-3000:]
     else:
         assert "Signal 9" in log or "SIGKILL" in log or "exitcode  : -9" in log, log[-3000:]

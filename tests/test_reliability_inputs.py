@@ -36,9 +36,14 @@ def tok_dir(tmp_path_factory):
 
 
 def recipe_file(tmp_path, tok_dir, **sections):
-    data = {"model": {"source": "llama-tiny"}, "tokenizer": {"source": f"bpe:{tok_dir / 'tok'}"},
-            "data": {"files": [str(tok_dir / "train.jsonl")], "seq_len": 64},
-            "pipeline": {"microbatches": 4}, "train": {"global_batch": 8}, "eval": {"batches": 0}}
+    data = {
+        "model": {"source": "llama-tiny"},
+        "tokenizer": {"source": f"bpe:{tok_dir / 'tok'}"},
+        "data": {"files": [str(tok_dir / "train.jsonl")], "seq_len": 64},
+        "pipeline": {"microbatches": 4},
+        "train": {"global_batch": 8},
+        "eval": {"batches": 0},
+    }
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
     path = tmp_path / f"r{RNG.randrange(10**6)}.yaml"
@@ -63,7 +68,7 @@ def test_a_valid_plan_passes_and_says_what_was_checked(tmp_path, tok_dir, capsys
 def test_mistyped_key_names_the_key_and_the_fix(tmp_path, tok_dir, capsys):
     name = "microbatches"
     i = RNG.randrange(1, len(name) - 1)
-    typo = name[:i] + name[i + 1:]  # one letter dropped
+    typo = name[:i] + name[i + 1 :]  # one letter dropped
     path = recipe_file(tmp_path, tok_dir)
     data = yaml.safe_load(open(path))
     data["pipeline"][typo] = 4
@@ -82,29 +87,56 @@ def test_unknown_section_lists_the_known_keys(tmp_path, tok_dir, capsys):
     assert code == 2 and f"{junk}: unknown key; known keys: model, tokenizer, data" in err
 
 
-@pytest.mark.parametrize("world, sets, message", [
-    (2, ["pipeline.microbatches=1", "train.global_batch=8"],
-     "pipeline.microbatches: num_microbatches (1) must be >= num_ranks (2)"),
-    (4, ["pipeline.microbatches=2"], "pipeline.microbatches: num_microbatches (2) must be >= num_ranks (4)"),
-    (8, ["pipeline.microbatches=8"], "pipeline: cannot split 4 decoder layers into 8 chunks"),
-    (2, ["pipeline.schedule=interleaved", "pipeline.chunks_per_rank=3"],
-     "pipeline: cannot split 4 decoder layers into 6 chunks"),
-    (4, ["pipeline.schedule=vhalf"], "pipeline: cannot split 4 decoder layers into 8 chunks"),
-    (2, ["pipeline.schedule=vhalf", "pipeline.chunks_per_rank=3"], "pipeline.chunks_per_rank: vhalf holds exactly 2"),
-    (2, ["pipeline.layers_per_stage=[1,2]"], "pipeline.layers_per_stage: layers_per_stage [1, 2] must have 2 "
-                                             "entries (one per chunk) summing to the model's 4 decoder layers"),
-    (3, ["pipeline.pp_size=2"], "pipeline.pp_size: pp_size=2 x dp_size=1 = 2, but 3 processes are launched"),
-    (3, ["pipeline.dp_size=2"], "pipeline.dp_size: 3 processes cannot form 2 equal replicas"),
-    (2, ["data.seq_len=2049"], "data.seq_len: 2049 tokens exceed the model's max_position_embeddings=2048; lower "
-                               "data.seq_len to at most 2048"),
-    (2, ["model.source=gpt2-tiny", "data.seq_len=4096"], "max_position_embeddings=2048"),
-    (2, ["tokenizer.resize_vocab=false", "model.config.vocab_size={short}"],
-     "tokenizer.resize_vocab: the tokenizer has {n} tokens but the model's vocabulary has {short} rows, so ids >= "
-     "{short} have no embedding; set tokenizer.resize_vocab: true"),
-    (512, ["pipeline.microbatches=512", "train.global_batch=512", "model.config.num_hidden_layers=512"],
-     "tokenizer: a vocabulary of {n} tokens cannot be sharded over 512 pipeline ranks"),
-    (2, ["model.source=llama-tyni"], "model.source: 'llama-tyni' is not a preset (did you mean llama-tiny?)"),
-])
+@pytest.mark.parametrize(
+    "world, sets, message",
+    [
+        (
+            2,
+            ["pipeline.microbatches=1", "train.global_batch=8"],
+            "pipeline.microbatches: num_microbatches (1) must be >= num_ranks (2)",
+        ),
+        (4, ["pipeline.microbatches=2"], "pipeline.microbatches: num_microbatches (2) must be >= num_ranks (4)"),
+        (8, ["pipeline.microbatches=8"], "pipeline: cannot split 4 decoder layers into 8 chunks"),
+        (
+            2,
+            ["pipeline.schedule=interleaved", "pipeline.chunks_per_rank=3"],
+            "pipeline: cannot split 4 decoder layers into 6 chunks",
+        ),
+        (4, ["pipeline.schedule=vhalf"], "pipeline: cannot split 4 decoder layers into 8 chunks"),
+        (
+            2,
+            ["pipeline.schedule=vhalf", "pipeline.chunks_per_rank=3"],
+            "pipeline.chunks_per_rank: vhalf holds exactly 2",
+        ),
+        (
+            2,
+            ["pipeline.layers_per_stage=[1,2]"],
+            "pipeline.layers_per_stage: layers_per_stage [1, 2] must have 2 "
+            "entries (one per chunk) summing to the model's 4 decoder layers",
+        ),
+        (3, ["pipeline.pp_size=2"], "pipeline.pp_size: pp_size=2 x dp_size=1 = 2, but 3 processes are launched"),
+        (3, ["pipeline.dp_size=2"], "pipeline.dp_size: 3 processes cannot form 2 equal replicas"),
+        (
+            2,
+            ["data.seq_len=2049"],
+            "data.seq_len: 2049 tokens exceed the model's max_position_embeddings=2048; lower "
+            "data.seq_len to at most 2048",
+        ),
+        (2, ["model.source=gpt2-tiny", "data.seq_len=4096"], "max_position_embeddings=2048"),
+        (
+            2,
+            ["tokenizer.resize_vocab=false", "model.config.vocab_size={short}"],
+            "tokenizer.resize_vocab: the tokenizer has {n} tokens but the model's vocabulary has {short} rows, so ids >= "
+            "{short} have no embedding; set tokenizer.resize_vocab: true",
+        ),
+        (
+            512,
+            ["pipeline.microbatches=512", "train.global_batch=512", "model.config.num_hidden_layers=512"],
+            "tokenizer: a vocabulary of {n} tokens cannot be sharded over 512 pipeline ranks",
+        ),
+        (2, ["model.source=llama-tyni"], "model.source: 'llama-tyni' is not a preset (did you mean llama-tiny?)"),
+    ],
+)
 def test_impossible_plans_fail_before_launch(tmp_path, tok_dir, capsys, world, sets, message):
     from transformers import AutoTokenizer
 
@@ -126,8 +158,15 @@ def test_custom_model_code_needs_trust_remote_code(tmp_path, tok_dir, capsys):
     model = tmp_path / "custom_model"
     model.mkdir()
     kind = "custom" + "".join(RNG.choices(string.ascii_lowercase, k=6))
-    (model / "config.json").write_text(json.dumps({"model_type": kind, "auto_map": {
-        "AutoConfig": "modeling.Cfg", "AutoModelForCausalLM": "modeling.Model"}, "num_hidden_layers": 4}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": kind,
+                "auto_map": {"AutoConfig": "modeling.Cfg", "AutoModelForCausalLM": "modeling.Model"},
+                "num_hidden_layers": 4,
+            }
+        )
+    )
     (model / "modeling.py").write_text("raise SystemExit('remote code ran')\n")
     code, err = check(capsys, recipe_file(tmp_path, tok_dir, model={"source": str(model)}))
     assert code == 2
@@ -155,16 +194,22 @@ def test_token_id_outside_the_model_vocab_names_the_document(tmp_path, tok_dir):
     texts[bad] = "λόγος 世界"  # multi-byte text: byte-level ids far above the single-letter ones
     limit = max(tok("a", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) + 1
     assert max(tok(texts[bad], add_special_tokens=False)["input_ids"]) >= limit
-    with pytest.raises(DataError, match=rf"tokenizer.resize_vocab: .*d.jsonl, line {bad + 1} \('λόγος 世界'...\) has "
-                                        rf"token id \d+ >= the model's vocab size {limit}; set tokenizer.resize_vocab: "
-                                        rf"true"):
+    with pytest.raises(
+        DataError,
+        match=rf"tokenizer.resize_vocab: .*d.jsonl, line {bad + 1} \('λόγος 世界'...\) has "
+        rf"token id \d+ >= the model's vocab size {limit}; set tokenizer.resize_vocab: "
+        rf"true",
+    ):
         build_data(data_cfg(tmp_path, texts), tok, limit, 0, 2)
 
 
-@pytest.mark.parametrize("texts, message", [
-    ([], "the dataset is empty"),
-    (["alpha"], r"only \d tokens, not one sequence of data.seq_len=8"),
-])
+@pytest.mark.parametrize(
+    "texts, message",
+    [
+        ([], "the dataset is empty"),
+        (["alpha"], r"only \d tokens, not one sequence of data.seq_len=8"),
+    ],
+)
 def test_empty_or_too_small_dataset(tmp_path, tok_dir, texts, message):
     from transformers import AutoTokenizer
 
@@ -183,8 +228,11 @@ def test_fewer_sequences_than_a_batch(tmp_path, tok_dir):
     from vp_accelerate.train.data import DataError, build_data
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir / "tok"))
-    with pytest.raises(DataError, match="the training data has 1 sequences, fewer than train.global_batch=16; add "
-                                        "data or lower data.seq_len / train.global_batch"):
+    with pytest.raises(
+        DataError,
+        match="the training data has 1 sequences, fewer than train.global_batch=16; add "
+        "data or lower data.seq_len / train.global_batch",
+    ):
         build_data(data_cfg(tmp_path, [" ".join(["alpha", "мир"] * 4)]), tok, len(tok), 0, 16)
 
 
@@ -230,8 +278,11 @@ def test_runtime_batch_checks_name_sample_and_position(what):
 def test_vocab_smaller_than_ranks_in_the_runtime():
     from vp_accelerate.vocab.partition import VocabPartition
 
-    with pytest.raises(ValueError, match=r"vocab_size \(3\) < world_size \(4\): every rank needs at least one "
-                                         r"vocabulary row"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab_size \(3\) < world_size \(4\): every rank needs at least one "
+        r"vocabulary row",
+    ):
         VocabPartition(3, 4)
 
 

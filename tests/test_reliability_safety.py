@@ -25,18 +25,28 @@ def test_every_torch_load_in_the_package_is_weights_only():
     calls = []
     for rel, text in _sources():
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
-                ok = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
-                         for k in node.keywords)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
+                ok = any(
+                    k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in node.keywords
+                )
                 calls.append((rel, node.lineno, ok))
     assert calls, "expected the checkpoint loader to call torch.load"
     assert [c for c in calls if not c[2]] == []
 
 
 def test_yaml_is_only_read_with_safe_load():
-    unsafe = [(rel, m.group(0)) for rel, text in _sources()
-              for m in re.finditer(r"yaml\.(load|unsafe_load|full_load|load_all)\(", text)]
+    unsafe = [
+        (rel, m.group(0))
+        for rel, text in _sources()
+        for m in re.finditer(r"yaml\.(load|unsafe_load|full_load|load_all)\(", text)
+    ]
     assert unsafe == []
     assert any("yaml.safe_load(" in text for rel, text in _sources() if rel.endswith("recipe.py"))
 
@@ -98,8 +108,12 @@ def test_nonfinite_tensors_are_found_in_nested_states():
     bad = random.choice([float("nan"), float("inf"), -float("inf")])
     w = torch.randn(4, 4)
     w[random.randrange(4), random.randrange(4)] = bad
-    state = {"model.a": torch.randn(3), "model.b": w, "step": torch.tensor(3),
-             "opt": {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.tensor([1.0, bad])}}}
+    state = {
+        "model.a": torch.randn(3),
+        "model.b": w,
+        "step": torch.tensor(3),
+        "opt": {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.tensor([1.0, bad])}},
+    }
     assert nonfinite_tensors(state) == ["model.b", "opt.0.exp_avg_sq"]
     assert nonfinite_tensors({"a": torch.ones(2), "ids": torch.tensor([1, 2])}) == []
 
@@ -111,8 +125,11 @@ def test_no_checkpoint_is_written_with_nonfinite_weights_or_moments():
     step = random.randrange(1, 1000)
     w = torch.randn(3, 3)
     check_weights_before_save(step, {"w": w}, {"state": {0: {"exp_avg": torch.zeros(3)}}})  # finite: no error
-    with pytest.raises(NonFiniteError, match=rf"refusing to write the checkpoint of step {step}: non-finite values "
-                                             rf"in rank 0: optimizer.0.exp_avg; the previous checkpoint stays"):
+    with pytest.raises(
+        NonFiniteError,
+        match=rf"refusing to write the checkpoint of step {step}: non-finite values "
+        rf"in rank 0: optimizer.0.exp_avg; the previous checkpoint stays",
+    ):
         check_weights_before_save(step, {"w": w}, {"state": {0: {"exp_avg": torch.tensor([float("inf")])}}})
     w[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match="rank 0: w"):

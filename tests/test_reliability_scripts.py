@@ -1,6 +1,6 @@
 """The long fault injections (scripts/fault_*.py), each a few real 2-process launches: marked slow.
 
-    pytest -m slow tests/test_reliability_scripts.py      # ~2-3 min on a 2-core box
+pytest -m slow tests/test_reliability_scripts.py      # ~2-3 min on a 2-core box
 """
 
 import os
@@ -14,9 +14,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(script, tmp_path, *args):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--work", str(tmp_path / "w"),
-                          "--steps", "6", "--every", "2", "--seed", str(random.randrange(1000)), *args],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", script),
+            "--work",
+            str(tmp_path / "w"),
+            "--steps",
+            "6",
+            "--every",
+            "2",
+            "--seed",
+            str(random.randrange(1000)),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return out.returncode, out.stdout + out.stderr
 
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from vp_accelerate.distributed import spawn
-
 from helpers.tiny import tiny_llama
+from vp_accelerate.distributed import spawn
 
 CONFIGS = [("1f1b", "vocab-2"), ("vhalf", "vocab-1"), ("interleaved", "baseline")]
 MODES = ["none", "selective", "full"]
@@ -23,9 +22,17 @@ def _grads(ckpt: str, ids, labels):
     out = {}
     for schedule, method in CONFIGS:
         for mode in MODES:
-            pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=4,
-                                                      activation_checkpointing=mode, attn_implementation="eager"),
-                                 dtype=torch.float64)
+            pipe = PipelineModel(
+                ckpt,
+                PipelineConfig(
+                    schedule=schedule,
+                    method=method,
+                    microbatches=4,
+                    activation_checkpointing=mode,
+                    attn_implementation="eager",
+                ),
+                dtype=torch.float64,
+            )
             res = pipe.train_step(ids, labels)
             grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
             # the order the runtime ran (from its cost model), for the simulator to replay
@@ -65,11 +72,17 @@ def test_checkpointing_is_exact_and_saves_activation_memory(tmp_path):
                     if grad.shape != full.shape:  # a vocabulary shard: its rows of the full gradient
                         start = rank * grad.shape[0]
                         full = torch.nn.functional.pad(full, (0, 0, 0, 2 * grad.shape[0] - full.shape[0]))
-                        full = full[start:start + grad.shape[0]]
-                    torch.testing.assert_close(grad, full, rtol=1e-5, atol=1e-7,
-                                               msg=lambda m: f"{key} rank {rank} {name} (seed {seed}): {m}")
-                    torch.testing.assert_close(grad, per_rank[rank][plain][1][name], rtol=1e-12, atol=1e-15,
-                                               msg=lambda m: f"{key} vs none, rank {rank} {name}: {m}")
+                        full = full[start : start + grad.shape[0]]
+                    torch.testing.assert_close(
+                        grad, full, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key} rank {rank} {name} (seed {seed}): {m}"
+                    )
+                    torch.testing.assert_close(
+                        grad,
+                        per_rank[rank][plain][1][name],
+                        rtol=1e-12,
+                        atol=1e-15,
+                        msg=lambda m: f"{key} vs none, rank {rank} {name}: {m}",
+                    )
             peaks[mode] = max(per_rank[r][key][2] for r in range(2))
         # every checkpointed layer keeps only its input: full < selective < none, and full still counts those
         assert 0 < peaks["full"] < peaks["selective"] < peaks["none"], (schedule, method, peaks)
@@ -82,9 +95,18 @@ def _compare_with_simulator(per_rank, cfg):
     from vp_accelerate.cost import ModelShape, for_schedule
     from vp_accelerate.sim.simulate import simulate
 
-    shape = ModelShape(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
-                       ffn=cfg.intermediate_size, vocab=cfg.vocab_size, seq=16, dtype_bytes=8, mlp_matrices=3,
-                       kv_heads=cfg.num_key_value_heads, attention="eager")
+    shape = ModelShape(
+        hidden=cfg.hidden_size,
+        layers=cfg.num_hidden_layers,
+        heads=cfg.num_attention_heads,
+        ffn=cfg.intermediate_size,
+        vocab=cfg.vocab_size,
+        seq=16,
+        dtype_bytes=8,
+        mlp_matrices=3,
+        kv_heads=cfg.num_key_value_heads,
+        attention="eager",
+    )
     for schedule, method in CONFIGS:
         for mode in MODES:
             sched = per_rank[0][(schedule, method, mode)][3]
@@ -94,5 +116,9 @@ def _compare_with_simulator(per_rank, cfg):
                 # "full" leaves only N*h per layer, so at this toy size (N=16, h=32) the per-chunk constants
                 # the two count differently (mask, chunk input, V-Half's deferred W inputs) weigh up to ~25%
                 tolerance = 0.30 if mode == "full" else 0.10
-                assert measured == pytest.approx(sim.peak_activation_bytes[r], rel=tolerance), (schedule, method,
-                                                                                                 mode, r)
+                assert measured == pytest.approx(sim.peak_activation_bytes[r], rel=tolerance), (
+                    schedule,
+                    method,
+                    mode,
+                    r,
+                )

@@ -19,11 +19,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import free_port
 
-from helpers.tiny import tiny_llama
-
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import sys
     import torch
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
@@ -33,17 +32,31 @@ SCRIPT = textwrap.dedent('''
     res = pipe.train_step(ids, labels=ids)
     print("loss", res.loss, "eval", pipe.eval_step(ids, labels=ids), flush=True)
     # no pipe.close(): the exit hook ends the workers, the watchdog and the groups
-''')
+""")
 
 
 def _run_once(script: str, ckpt: str, schedule: str, timeout_s: float = 300.0) -> list[tuple[int, str, str]]:
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, script, ckpt, schedule], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, ckpt, schedule],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     start, outs = time.monotonic(), []
     for p in procs:
         try:

@@ -38,13 +38,18 @@ def layouts():
 
 
 EXPECTED = {  # describe()'s text without the size; 257 rows split 129 + 128
-    "1f1b-vocab2": ["rank 0 (pp 0/2, dp 0/1): chunk 0: layers 0-1; vocab rows 0-128 of 257 (embedding + lm_head)",
-                    "rank 1 (pp 1/2, dp 0/1): chunk 1: layers 2-3; vocab rows 129-256 of 257 (embedding + lm_head)"],
-    "1f1b-baseline-tied": ["rank 0 (pp 0/2, dp 0/1): chunk 0: layers 0-1; full embedding",
-                           "rank 1 (pp 1/2, dp 0/1): chunk 1: layers 2-3; norm + full lm_head + loss"],
+    "1f1b-vocab2": [
+        "rank 0 (pp 0/2, dp 0/1): chunk 0: layers 0-1; vocab rows 0-128 of 257 (embedding + lm_head)",
+        "rank 1 (pp 1/2, dp 0/1): chunk 1: layers 2-3; vocab rows 129-256 of 257 (embedding + lm_head)",
+    ],
+    "1f1b-baseline-tied": [
+        "rank 0 (pp 0/2, dp 0/1): chunk 0: layers 0-1; full embedding",
+        "rank 1 (pp 1/2, dp 0/1): chunk 1: layers 2-3; norm + full lm_head + loss",
+    ],
     "interleaved-vocab2-tied": [
         "rank 0 (pp 0/2, dp 0/1): chunk 0: layers 0-0, chunk 2: layers 2-2; vocab rows 0-128 of 257 (embedding + tied)",
-        "rank 1 (pp 1/2, dp 0/1): chunk 1: layers 1-1, chunk 3: layers 3-3; vocab rows 129-256 of 257 (embedding + tied)"],
+        "rank 1 (pp 1/2, dp 0/1): chunk 1: layers 1-1, chunk 3: layers 3-3; vocab rows 129-256 of 257 (embedding + tied)",
+    ],
 }
 
 
@@ -64,15 +69,18 @@ def test_fields_cover_the_model(layouts, name):
     ranks = [r[0] for r in layouts[name]]
     chunks = sorted((c for r in ranks for c in r.chunks), key=lambda c: c.chunk)
     assert [c.chunk for c in chunks] == list(range(len(chunks)))
-    assert [(c.start, c.end) for c in chunks] == [(i * 4 // len(chunks), (i + 1) * 4 // len(chunks))
-                                                  for i in range(len(chunks))]
+    assert [(c.start, c.end) for c in chunks] == [
+        (i * 4 // len(chunks), (i + 1) * 4 // len(chunks)) for i in range(len(chunks))
+    ]
     if CASES[name][1].startswith("vocab"):
         rows = [r.vocab_rows for r in ranks]
         assert rows[0][0] == 0 and rows[-1][1] == 257 and rows[0][1] == rows[1][0]
         assert not any(r.full_embedding or r.full_head for r in ranks)
     else:
-        assert [(r.vocab_rows, r.full_embedding, r.full_head) for r in ranks] == [(None, True, False),
-                                                                                 (None, False, True)]
+        assert [(r.vocab_rows, r.full_embedding, r.full_head) for r in ranks] == [
+            (None, True, False),
+            (None, False, True),
+        ]
 
 
 def test_placement_survives_json_and_sees_layout_changes(layouts):
@@ -89,13 +97,27 @@ def test_old_checkpoints_fingerprint_still_matches():
     from vp_accelerate.train.checkpoint import CheckpointError, check_fingerprint
     from vp_accelerate.train.run_state import as_saved
 
-    rank = RankLayout(rank=0, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, chunks=(ChunkLayers(0, 0, 4),),
-                      vocab_size=257, vocab_rows=(0, 257), tied=False, full_embedding=False, full_head=False,
-                      param_count=10, param_bytes=40)
+    rank = RankLayout(
+        rank=0,
+        pp_rank=0,
+        pp_size=1,
+        dp_rank=0,
+        dp_size=1,
+        chunks=(ChunkLayers(0, 0, 4),),
+        vocab_size=257,
+        vocab_rows=(0, 257),
+        tied=False,
+        full_embedding=False,
+        full_head=False,
+        param_count=10,
+        param_bytes=40,
+    )
     layout = PipelineLayout((rank,))
     now = {"method": "vocab-2", "layout": layout.placement()}
-    old = {"method": "vocab-2", "layout": ["rank 0 (pp 0/1, dp 0/1): chunk 0: layers 0-3; vocab rows 0-256 of 257 "
-                                           "(embedding + lm_head)"]}
+    old = {
+        "method": "vocab-2",
+        "layout": ["rank 0 (pp 0/1, dp 0/1): chunk 0: layers 0-3; vocab rows 0-256 of 257 (embedding + lm_head)"],
+    }
     check_fingerprint(old, as_saved(old, now, layout), "ck")
     check_fingerprint(now, as_saved(now, now, layout), "ck")
     moved = {**old, "layout": [old["layout"][0].replace("layers 0-3", "layers 0-2")]}

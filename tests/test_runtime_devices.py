@@ -15,21 +15,25 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import spawn
 
-from helpers.tiny import tiny_llama
-
 CONFIGS = [  # (schedule, method, dp_size)
-    ("1f1b", "baseline", 1), ("1f1b", "redis", 1), ("1f1b", "vocab-1", 1), ("1f1b", "vocab-2", 1),
-    ("vhalf", "baseline", 1), ("vhalf", "vocab-1", 1), ("vhalf", "vocab-2", 1),
-    ("interleaved", "baseline", 1), ("interleaved", "vocab-2", 1),
+    ("1f1b", "baseline", 1),
+    ("1f1b", "redis", 1),
+    ("1f1b", "vocab-1", 1),
+    ("1f1b", "vocab-2", 1),
+    ("vhalf", "baseline", 1),
+    ("vhalf", "vocab-1", 1),
+    ("vhalf", "vocab-2", 1),
+    ("interleaved", "baseline", 1),
+    ("interleaved", "vocab-2", 1),
 ]
 DP_CONFIGS = [("vhalf", "vocab-2", 2)]  # 4 ranks: the token count and gradient reduce
 
 
 def _cycle(ckpt: str, out_dir: str, seed: int, vocab: int, configs):
     from helpers.device_audit import CollectiveAudit, audit
-
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.train.nonfinite import check_weights_before_save
     from vp_accelerate.train.tracking import gather, world_mean
@@ -38,8 +42,12 @@ def _cycle(ckpt: str, out_dir: str, seed: int, vocab: int, configs):
     for schedule, method, dp in configs:
         key = f"{schedule}/{method}/dp{dp}"
         with CollectiveAudit(torch.device("cpu"), []) as built:  # construction: host groups not known yet
-            pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=2, dp_size=dp,
-                                                      attn_implementation="eager"))
+            pipe = PipelineModel(
+                ckpt,
+                PipelineConfig(
+                    schedule=schedule, method=method, microbatches=2, dp_size=dp, attn_implementation="eager"
+                ),
+            )
         g = pipe.groups
         backends = [dist.get_backend(g.host_group), dist.get_backend(g.pp_host_group)]
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
@@ -64,10 +72,15 @@ def _cycle(ckpt: str, out_dir: str, seed: int, vocab: int, configs):
             pipe.zero_grad()
             pipe.export_hf(f"{out_dir}/{key.replace('/', '_')}")
         pipe.close()
-        report[key] = {"problems": built.problems() + rec.problems(), "backends": backends,
-                       "groups_used": sorted({r["group"] for r in rec.records}), "n": len(rec.records),
-                       "finite": math.isfinite(res.loss) and math.isfinite(norm) and math.isfinite(mean),
-                       "nonfinite_found": bool(bad.nonfinite_microbatches), "lines": len(lines)}
+        report[key] = {
+            "problems": built.problems() + rec.problems(),
+            "backends": backends,
+            "groups_used": sorted({r["group"] for r in rec.records}),
+            "n": len(rec.records),
+            "finite": math.isfinite(res.loss) and math.isfinite(norm) and math.isfinite(mean),
+            "nonfinite_found": bool(bad.nonfinite_microbatches),
+            "lines": len(lines),
+        }
     return report
 
 

@@ -15,10 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import spawn
 from vp_accelerate.schedule.registry import supported_pairs
-
-from helpers.tiny import tiny_llama
 
 CONFIGS = supported_pairs()  # every (schedule, method) the registry offers: a new schedule is tested too
 RUNS = [(torch.float32, "sgd", 1), (torch.float64, "adamw", 3)]  # (dtype, optimizer, steps)
@@ -74,9 +73,18 @@ def _train_on_ranks(ckpt: str, batches, configs, microbatches: int, dp_size: int
     results = {}
     for config, (dtype, opt_name, steps) in [(c, r) for c in configs for r in runs]:
         schedule, method, *split = config  # an explicit layers_per_stage may follow the method
-        pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=microbatches,
-                                                  layers_per_stage=split[0] if split else None,
-                                                  dp_size=dp_size, attn_implementation="eager"), dtype=dtype)
+        pipe = PipelineModel(
+            ckpt,
+            PipelineConfig(
+                schedule=schedule,
+                method=method,
+                microbatches=microbatches,
+                layers_per_stage=split[0] if split else None,
+                dp_size=dp_size,
+                attn_implementation="eager",
+            ),
+            dtype=dtype,
+        )
         opt = _optimizer(opt_name, pipe.parameters())
         losses = []
         for ids, labels in batches[:steps]:
@@ -88,12 +96,15 @@ def _train_on_ranks(ckpt: str, batches, configs, microbatches: int, dp_size: int
             losses.append(res.loss)
         stats = pipe.stats()
         layers = tuple(end - start for start, end in pipe.layout.chunk_layers)
-        memory = (stats["peak_activation_microbatches"], stats["peak_stash_microbatches"],
-                  stats["peak_activation_bytes"], layers)
+        memory = (
+            stats["peak_activation_microbatches"],
+            stats["peak_stash_microbatches"],
+            stats["peak_activation_bytes"],
+            layers,
+        )
         comm = sorted({(r.op, r.mb) for r in stats["timeline"] if r.lane == "comm" and r.end >= r.start})
         eval_loss = pipe.eval_step(*batches[0])
-        results[(*config, opt_name)] = (losses, pipe.gather_hf_state_dict(), memory, eval_loss, comm,
-                                                 pipe.schedule)
+        results[(*config, opt_name)] = (losses, pipe.gather_hf_state_dict(), memory, eval_loss, comm, pipe.schedule)
         pipe.close()
     return results
 
@@ -135,9 +146,18 @@ def _compare_memory_with_simulator(per_rank, configs, pp, microbatches, vocab, r
 
     dtype, opt_name, _ = run
     cfg = _tiny_config(vocab, tied=False)
-    shape = ModelShape(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
-                       ffn=cfg.intermediate_size, vocab=vocab, seq=8, dtype_bytes=dtype.itemsize, mlp_matrices=3,
-                       kv_heads=cfg.num_key_value_heads, attention="eager")
+    shape = ModelShape(
+        hidden=cfg.hidden_size,
+        layers=cfg.num_hidden_layers,
+        heads=cfg.num_attention_heads,
+        ffn=cfg.intermediate_size,
+        vocab=vocab,
+        seq=8,
+        dtype_bytes=dtype.itemsize,
+        mlp_matrices=3,
+        kv_heads=cfg.num_key_value_heads,
+        attention="eager",
+    )
     for config in configs:
         key = (*config, opt_name)
         sched = per_rank[0][key][5]  # the order the runtime ran (cost-aware)
@@ -161,8 +181,9 @@ def _compare(key, per_rank, world, ref_losses, ref_params, seed):
     assert losses == pytest.approx(ref_losses, rel=1e-5), (key, seed)
     assert set(params) == set(ref_params), key
     for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{key} {name} (seed {seed}): {m}")
+        torch.testing.assert_close(
+            params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {name} (seed {seed}): {m}"
+        )
 
 
 # The balanced split may empty an end stage (the paper's redis at 256k: no decoder layer on the last stage,
@@ -185,8 +206,15 @@ def test_every_schedule_and_method_on_4_ranks_tied(tmp_path):
 
 
 def test_pp2_x_dp2(tmp_path):
-    _check(4, vocab=97, tied=False, configs=[("1f1b", "vocab-2"), ("1f1b", "baseline"), ("vhalf", "vocab-1")],
-           dp_size=2, tmp_path=tmp_path, runs=ADAMW_ONLY)
+    _check(
+        4,
+        vocab=97,
+        tied=False,
+        configs=[("1f1b", "vocab-2"), ("1f1b", "baseline"), ("vhalf", "vocab-1")],
+        dp_size=2,
+        tmp_path=tmp_path,
+        runs=ADAMW_ONLY,
+    )
 
 
 @pytest.mark.slow

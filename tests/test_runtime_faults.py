@@ -24,11 +24,25 @@ def _launch(mode: str, fail_rank: int, timeout_s: float = 120.0):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                   VP_FAULT=json.dumps({"fail": {"step": 2, "rank": fail_rank, "how": mode}}))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--pipeline"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+            VP_FAULT=json.dumps({"fail": {"step": 2, "rank": fail_rank, "how": mode}}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), "--pipeline"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     start = time.monotonic()
     outs = []
     for p in procs:
@@ -49,8 +63,11 @@ def test_a_rank_that_raises_stops_every_rank(fail_rank):
         assert code != 0, f"rank {rank} exited 0\n{out}\n{err}"
         assert "finished" not in out
     other = outs[1 - fail_rank][2]
-    assert f"rank {fail_rank}: RuntimeError: injected failure" in other or "Connection closed" in other \
-        or "Connection reset" in other, other[-2000:]
+    assert (
+        f"rank {fail_rank}: RuntimeError: injected failure" in other
+        or "Connection closed" in other
+        or "Connection reset" in other
+    ), other[-2000:]
 
 
 def test_a_killed_rank_stops_every_rank():

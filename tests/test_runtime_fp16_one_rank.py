@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from vp_accelerate.distributed import spawn
-
 from helpers.tiny import tiny_llama
+from vp_accelerate.distributed import spawn
 
 
 def _one_rank_overflows(ckpt: str):
@@ -21,8 +20,11 @@ def _one_rank_overflows(ckpt: str):
 
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
 
-    pipe = PipelineModel(ckpt, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2,
-                                              mixed_precision="fp16"), dtype=torch.float32)
+    pipe = PipelineModel(
+        ckpt,
+        PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, mixed_precision="fp16"),
+        dtype=torch.float32,
+    )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     pipe.loss_scaler.scale = 8.0  # far from overflow on its own
     if dist.get_rank() == 1:
@@ -40,8 +42,9 @@ def _one_rank_overflows(ckpt: str):
 
 def test_one_rank_overflows_and_every_rank_skips(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    AutoModelForCausalLM.from_config(tiny_llama(97, hidden_size=64, num_layers=4,
-                                                attn_implementation="eager")).save_pretrained(ckpt)
+    AutoModelForCausalLM.from_config(
+        tiny_llama(97, hidden_size=64, num_layers=4, attn_implementation="eager")
+    ).save_pretrained(ckpt)
     (inf0, *rank0), (inf1, *rank1) = spawn(_one_rank_overflows, 2, ckpt)
     assert not inf0 and inf1  # only rank 1 saw an inf in its own gradients
     for skipped, stepped, unchanged, scale in (rank0, rank1):

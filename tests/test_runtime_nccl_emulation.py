@@ -15,12 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import RankFailed, spawn
 from vp_accelerate.schedule import Op, build_schedule
-from vp_accelerate.schedule.ir import COMPUTE_PASSES
 from vp_accelerate.schedule.deps import consumed
-
-from helpers.tiny import tiny_llama
+from vp_accelerate.schedule.ir import COMPUTE_PASSES
 
 
 def _batch_works(_unused=None):
@@ -66,8 +65,12 @@ def _train(ckpt, schedule, method, old_order: bool):
     """One training step; its loss and every gradient's sum (to compare runs bit for bit)."""
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
 
-    pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=4,
-                                              attn_implementation="eager", watchdog_dead_after_s=None))
+    pipe = PipelineModel(
+        ckpt,
+        PipelineConfig(
+            schedule=schedule, method=method, microbatches=4, attn_implementation="eager", watchdog_dead_after_s=None
+        ),
+    )
     if old_order:  # the unit-grid order with its receives moved to their consumers, as the lowering once did
         pipe.schedule = _receives_at_consumers(build_schedule(schedule, method, 2, 4))
     ids = torch.randint(0, pipe.hf_config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import spawn
 from vp_accelerate.runtime.precision import LossScaler, resolve
-
-from helpers.tiny import tiny_llama
 
 CONFIGS = [("1f1b", "vocab-2"), ("vhalf", "vocab-1"), ("1f1b", "baseline")]  # vhalf: deferred weight gradients
 STEPS, LR = 3, 1e-3
@@ -69,9 +68,13 @@ def _train(ckpt: str, batches, mode: str):
     out = {}
     exchanged: set = set()  # (what, dtype) of every tensor that travelled between ranks
     for schedule, method in CONFIGS:
-        pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=4,
-                                                  mixed_precision=mode, attn_implementation="eager"),
-                             dtype=torch.float32)
+        pipe = PipelineModel(
+            ckpt,
+            PipelineConfig(
+                schedule=schedule, method=method, microbatches=4, mixed_precision=mode, attn_implementation="eager"
+            ),
+            dtype=torch.float32,
+        )
         _record_exchanges(exchanged)
         opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
         computed = set()  # the dtype decoder matmuls really ran in
@@ -88,8 +91,9 @@ def _train(ckpt: str, batches, mode: str):
             pipe.zero_grad()
             losses.append(res.loss)
         dtypes |= {str(p.dtype) for p in pipe.parameters()}
-        dtypes |= {str(v.dtype) for s in opt.state.values() for v in s.values()
-                   if torch.is_tensor(v) and v.is_floating_point()}
+        dtypes |= {
+            str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.is_floating_point()
+        }
         out[(schedule, method)] = (losses, pipe.gather_hf_state_dict(), dtypes, skipped, computed)
         pipe.close()
     out["exchanged"] = exchanged
@@ -144,11 +148,14 @@ def test_mixed_precision_trains_like_float64_with_fp32_master_weights(tmp_path, 
 def _overflow(ckpt: str):
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
 
-    pipe = PipelineModel(ckpt, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2,
-                                              mixed_precision="fp16"), dtype=torch.float32)
+    pipe = PipelineModel(
+        ckpt,
+        PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, mixed_precision="fp16"),
+        dtype=torch.float32,
+    )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     before = [p.detach().clone() for p in pipe.parameters()]
-    pipe.loss_scaler.scale = 2.0 ** 120  # fp16 activation gradients overflow at once
+    pipe.loss_scaler.scale = 2.0**120  # fp16 activation gradients overflow at once
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
     res = pipe.train_step(ids, ids)
     stepped = pipe.step(opt)
@@ -164,7 +171,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale(tmp_pat
     AutoModelForCausalLM.from_config(_config(97)).save_pretrained(ckpt)
     for skipped, stepped, unchanged, scale, next_scale, loss in spawn(_overflow, 2, ckpt):
         assert skipped and not stepped and unchanged
-        assert next_scale == 2.0 ** 119  # halved once
+        assert next_scale == 2.0**119  # halved once
         assert scale <= next_scale
         assert loss == pytest.approx(4.57, abs=0.5)  # the loss is still reported unscaled (≈ ln 97)
 

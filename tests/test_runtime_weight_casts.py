@@ -18,9 +18,8 @@ import weakref
 import pytest
 import torch
 
-from vp_accelerate.distributed import spawn
-
 from helpers.tiny import tiny_llama
+from vp_accelerate.distributed import spawn
 
 VOCAB = 256
 
@@ -41,8 +40,7 @@ def _matmul_weight_bytes(pipe) -> int:
 
 
 def _memory(adapter):
-    from vp_accelerate.runtime import PipelineConfig, PipelineModel
-    from vp_accelerate.runtime import memory
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel, memory
 
     copies = []  # weak references to every weight copy the meter saw, to check they are freed
     is_cast, add_copy = memory.is_parameter_cast, memory.ActivationMeter.add_weight_copy
@@ -60,17 +58,27 @@ def _memory(adapter):
     memory.is_parameter_cast, memory.ActivationMeter.add_weight_copy = spy_cast, spy_add
     out = {}
     for m in (2, 8):
-        pipe = PipelineModel(tiny_llama(VOCAB, hidden_size=64, num_layers=2, attn_implementation="eager"),
-                             PipelineConfig(schedule="1f1b", method="baseline", microbatches=m, mixed_precision="bf16",
-                                            attn_implementation="eager"), adapter=adapter)
+        pipe = PipelineModel(
+            tiny_llama(VOCAB, hidden_size=64, num_layers=2, attn_implementation="eager"),
+            PipelineConfig(
+                schedule="1f1b", method="baseline", microbatches=m, mixed_precision="bf16", attn_implementation="eager"
+            ),
+            adapter=adapter,
+        )
         pipe.schedule = _gpipe(pipe.schedule)
         ids = torch.randint(0, VOCAB, (m, 4), generator=torch.Generator().manual_seed(0))
         res = pipe.train_step(ids, ids)
         stats = pipe.stats()
         gc.collect()
-        out[m] = dict(loss=res.loss, peak=res.peak_activation_bytes, copies=stats["weight_copy_bytes"],
-                      in_flight=stats["peak_activation_microbatches"], one_copy=_matmul_weight_bytes(pipe),
-                      seen=len(copies), alive=sum(r() is not None for r in copies))
+        out[m] = dict(
+            loss=res.loss,
+            peak=res.peak_activation_bytes,
+            copies=stats["weight_copy_bytes"],
+            in_flight=stats["peak_activation_microbatches"],
+            one_copy=_matmul_weight_bytes(pipe),
+            seen=len(copies),
+            alive=sum(r() is not None for r in copies),
+        )
         copies.clear()
         pipe.close()
     return out
@@ -84,9 +92,18 @@ def _recomputed(adapter):
 
     out = {}
     for mode in ("none", "selective", "full"):
-        pipe = PipelineModel(tiny_llama(VOCAB, hidden_size=32, num_layers=4, attn_implementation="eager"),
-                             PipelineConfig(schedule="1f1b", method="baseline", microbatches=4, mixed_precision="bf16",
-                                            activation_checkpointing=mode, attn_implementation="eager"), adapter=adapter)
+        pipe = PipelineModel(
+            tiny_llama(VOCAB, hidden_size=32, num_layers=4, attn_implementation="eager"),
+            PipelineConfig(
+                schedule="1f1b",
+                method="baseline",
+                microbatches=4,
+                mixed_precision="bf16",
+                activation_checkpointing=mode,
+                attn_implementation="eager",
+            ),
+            adapter=adapter,
+        )
         ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
         res = pipe.train_step(ids, ids)
         out[mode] = (res.loss, {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
@@ -98,8 +115,13 @@ def _rank():
     from vp_accelerate.runtime.adapter_config import AdapterConfig
 
     lora = AdapterConfig(type="lora", r=4)
-    return {"trainable": _memory(None), "lora": _memory(lora), "vocab": _vocab_passes(),
-            "recomputed": _recomputed(None), "recomputed lora": _recomputed(lora)}
+    return {
+        "trainable": _memory(None),
+        "lora": _memory(lora),
+        "vocab": _vocab_passes(),
+        "recomputed": _recomputed(None),
+        "recomputed lora": _recomputed(lora),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +170,17 @@ def _vocab_passes():
         module.check_token_ids = lambda *a, _f=original, **k: (calls.append(a[2]), _f(*a, **k))[1]
     exchanged = {}
     c0, ib = output_layer.broadcast_x, embedding.ib_broadcast
-    output_layer.broadcast_x = lambda x, *a, **k: (exchanged.setdefault("C0", set()).add(str(x.dtype)), c0(x, *a, **k))[1]
+    output_layer.broadcast_x = lambda x, *a, **k: (exchanged.setdefault("C0", set()).add(str(x.dtype)), c0(x, *a, **k))[
+        1
+    ]
     embedding.ib_broadcast = lambda g, *a, **k: (exchanged.setdefault("IB", set()).add(str(g.dtype)), ib(g, *a, **k))[1]
     out = {}
     for mode in ("no", "bf16"):
         exchanged.clear()
-        pipe = PipelineModel(tiny_llama(VOCAB, hidden_size=32, num_layers=2),
-                             PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, mixed_precision=mode))
+        pipe = PipelineModel(
+            tiny_llama(VOCAB, hidden_size=32, num_layers=2),
+            PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, mixed_precision=mode),
+        )
         ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
         pipe.train_step(ids, ids)
         out[mode] = (len(calls), {k: sorted(v) for k, v in exchanged.items()})

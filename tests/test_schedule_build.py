@@ -77,14 +77,17 @@ def test_collectives_same_order_everywhere_and_rooted():
     assert roots[Op.C0] == 0 and roots[Op.IF_REDUCE] == 0 and roots[Op.C1] == -1
 
 
-@pytest.mark.parametrize("args,match", [
-    (("1f1b", "baseline", 4, 3), "num_microbatches .3. must be >= num_ranks .4."),
-    (("1f1b", "baseline", 0, 4), "num_ranks must be an integer >= 1"),
-    (("zb", "baseline", 4, 8), "unknown schedule kind"),
-    (("1f1b", "vocab-3", 4, 8), "unknown method"),
-    (("interleaved", "vocab-1", 4, 8), "does not support method 'vocab-1'"),
-    (("vhalf", "redis", 4, 8), "does not support method 'redis'"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("1f1b", "baseline", 4, 3), "num_microbatches .3. must be >= num_ranks .4."),
+        (("1f1b", "baseline", 0, 4), "num_ranks must be an integer >= 1"),
+        (("zb", "baseline", 4, 8), "unknown schedule kind"),
+        (("1f1b", "vocab-3", 4, 8), "unknown method"),
+        (("interleaved", "vocab-1", 4, 8), "does not support method 'vocab-1'"),
+        (("vhalf", "redis", 4, 8), "does not support method 'redis'"),
+    ],
+)
 def test_impossible_requests(args, match):
     with pytest.raises(ScheduleError, match=match):
         build_schedule(*args)
@@ -110,6 +113,7 @@ def test_one_rank_is_a_valid_degenerate_pipeline(kind, method):
 
 
 # ---- cost-aware construction (schedule/list_schedule.py) ---------------------------------------------
+
 
 def _costs(kind, method, p, layers_per_rank=2, vocab=32000):
     from vp_accelerate.cost import ModelShape, for_schedule
@@ -161,7 +165,14 @@ def test_cost_aware_from_measured_costs(tmp_path):
     from vp_accelerate.cost import MeasuredCosts
 
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"passes": [{"F": 1.0, "B": 1.2, "W": 0.9, "S": 0.3, "T": 0.2, "IF": 0.0, "IB": 0.0}] * 4,
-                                "p2p": 0.01, "collectives": {"C0": 0.01, "C1": 0.05}}))
+    path.write_text(
+        json.dumps(
+            {
+                "passes": [{"F": 1.0, "B": 1.2, "W": 0.9, "S": 0.3, "T": 0.2, "IF": 0.0, "IB": 0.0}] * 4,
+                "p2p": 0.01,
+                "collectives": {"C0": 0.01, "C1": 0.05},
+            }
+        )
+    )
     s = build_schedule("vhalf", "vocab-2", 4, 16, costs=MeasuredCosts.from_json(path))
     validate(s)

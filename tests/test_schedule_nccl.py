@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 
 from vp_accelerate.schedule import Op, ScheduleError, build_schedule, validate
+from vp_accelerate.schedule.deps import consumed
 from vp_accelerate.schedule.ir import COMPUTE_PASSES, p2p_batches
 from vp_accelerate.schedule.registry import supported_pairs
-from vp_accelerate.schedule.deps import consumed
 from vp_accelerate.schedule.streams import replay_streams
 
 RANKS = (2, 3, 4, 8, 16, 32)

@@ -7,8 +7,16 @@ import pytest
 
 from vp_accelerate.runtime.pipeline import PipelineConfig
 from vp_accelerate.schedule import Op, ScheduleError, build_schedule, validate
-from vp_accelerate.schedule.registry import (METHODS, SCHEDULES, argparse_type, method, normalise_method,
-                                             normalise_schedule, schedule_kind, supported_pairs)
+from vp_accelerate.schedule.registry import (
+    METHODS,
+    SCHEDULES,
+    argparse_type,
+    method,
+    normalise_method,
+    normalise_schedule,
+    schedule_kind,
+    supported_pairs,
+)
 from vp_accelerate.sim.commands import simulate_main
 from vp_accelerate.train.recipe import RecipeError, recipe_from_dict
 
@@ -53,16 +61,25 @@ def test_names_are_case_insensitive():
     assert (cfg.schedule, cfg.method) == ("1f1b", "vocab-1")
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: schedule_kind("1f1bb"), r"unknown schedule kind '1f1bb'; choose one of 1f1b, vhalf, interleaved; "
-                                     r"did you mean '1f1b'\?"),
-    (lambda: method("vocab2"), r"unknown method 'vocab2'; choose one of baseline, redis, vocab-1, vocab-2; "
-                               r"did you mean 'vocab-2'\?"),
-    (lambda: method("zzz"), r"unknown method 'zzz'; choose one of baseline, redis, vocab-1, vocab-2$"),
-    (lambda: schedule_kind(None), r"unknown schedule kind None"),
-    (lambda: PipelineConfig(method="Vocab2"), r"did you mean 'vocab-2'"),
-    (lambda: build_schedule("zb", "baseline", 4, 8), r"unknown schedule kind 'zb'"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (
+            lambda: schedule_kind("1f1bb"),
+            r"unknown schedule kind '1f1bb'; choose one of 1f1b, vhalf, interleaved; "
+            r"did you mean '1f1b'\?",
+        ),
+        (
+            lambda: method("vocab2"),
+            r"unknown method 'vocab2'; choose one of baseline, redis, vocab-1, vocab-2; "
+            r"did you mean 'vocab-2'\?",
+        ),
+        (lambda: method("zzz"), r"unknown method 'zzz'; choose one of baseline, redis, vocab-1, vocab-2$"),
+        (lambda: schedule_kind(None), r"unknown schedule kind None"),
+        (lambda: PipelineConfig(method="Vocab2"), r"did you mean 'vocab-2'"),
+        (lambda: build_schedule("zb", "baseline", 4, 8), r"unknown schedule kind 'zb'"),
+    ],
+)
 def test_unknown_names_list_the_valid_ones(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -74,8 +91,11 @@ def test_recipe_and_cli_take_their_names_from_the_registry(tmp_path, capsys):
     data = {"data": {"files": [str(corpus)]}, "tokenizer": {"source": "qwen"}}
     r = recipe_from_dict({**data, "pipeline": {"schedule": "VHALF", "method": "Vocab-1"}})
     assert (r.pipeline.schedule, r.pipeline.method) == ("vhalf", "vocab-1")
-    with pytest.raises(RecipeError, match="pipeline.method: expected one of 'baseline', 'redis', 'vocab-1', "
-                                          "'vocab-2', got 'vocab2'; did you mean 'vocab-2'"):
+    with pytest.raises(
+        RecipeError,
+        match="pipeline.method: expected one of 'baseline', 'redis', 'vocab-1', "
+        "'vocab-2', got 'vocab2'; did you mean 'vocab-2'",
+    ):
         recipe_from_dict({**data, "pipeline": {"method": "vocab2"}})
 
     parse = argparse_type(normalise_method)
@@ -83,8 +103,12 @@ def test_recipe_and_cli_take_their_names_from_the_registry(tmp_path, capsys):
     with pytest.raises(argparse.ArgumentTypeError, match="did you mean 'redis'"):
         parse("rediss")
     shape = ["--hidden", "256", "--layers", "8", "--heads", "4", "--vocab", "1000", "--seq", "128"]
-    assert simulate_main(shape + ["--pp", "2", "--microbatches", "4", "--schedule", "VHALF", "--method", "Vocab-1",
-                                  "--json"]) == 0
+    assert (
+        simulate_main(
+            shape + ["--pp", "2", "--microbatches", "4", "--schedule", "VHALF", "--method", "Vocab-1", "--json"]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["schedule"] == "vhalf"
     with pytest.raises(SystemExit):
         simulate_main(shape + ["--pp", "2", "--microbatches", "4", "--schedule", "zb"])

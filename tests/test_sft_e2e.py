@@ -35,23 +35,51 @@ def test_chat_lora_run_exports_merged_and_adapter(tmp_path):
         for line in open(tmp_path / "chat" / "train.jsonl"):
             f.write(" ".join(m["content"] for m in json.loads(line)["messages"]) + "\n")
     train_bpe([str(text)], 512, str(tmp_path / "tok"), min_frequency=1)
-    recipe = {"model": {"source": "llama-tiny", "config": {"hidden_size": 64, "intermediate_size": 128,
-                                                            "num_attention_heads": 4, "num_key_value_heads": 2}},
-              "tokenizer": {"source": f"bpe:{tmp_path / 'tok'}"},
-              "data": {"files": [str(tmp_path / "chat" / "train.jsonl")],
-                       "eval_files": [str(tmp_path / "chat" / "eval.jsonl")], "seq_len": 128},
-              "pipeline": {"schedule": "vhalf", "method": "vocab-1", "microbatches": 4},
-              "adapter": {"type": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
-              "optimizer": {"lr": 1e-2}, "train": {"steps": 4, "global_batch": 8},
-              "eval": {"batches": 2}, "checkpoint": {"dir": str(tmp_path / "ckpt")},
-              "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run"), "log_every": 1}}
+    recipe = {
+        "model": {
+            "source": "llama-tiny",
+            "config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+        },
+        "tokenizer": {"source": f"bpe:{tmp_path / 'tok'}"},
+        "data": {
+            "files": [str(tmp_path / "chat" / "train.jsonl")],
+            "eval_files": [str(tmp_path / "chat" / "eval.jsonl")],
+            "seq_len": 128,
+        },
+        "pipeline": {"schedule": "vhalf", "method": "vocab-1", "microbatches": 4},
+        "adapter": {"type": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+        "optimizer": {"lr": 1e-2},
+        "train": {"steps": 4, "global_batch": 8},
+        "eval": {"batches": 2},
+        "checkpoint": {"dir": str(tmp_path / "ckpt")},
+        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run"), "log_every": 1},
+    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": str(tmp_path / "ds_cache")}
-    out = subprocess.run([ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-                          "-m", "vp_accelerate", "train", str(path)], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=str(tmp_path))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "ds_cache"),
+    }
+    out = subprocess.run(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+            "-m",
+            "vp_accelerate",
+            "train",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     final_eval = [r["eval/loss"] for r in rows if "eval/loss" in r][-1]
@@ -68,21 +96,25 @@ def test_chat_lora_run_exports_merged_and_adapter(tmp_path):
         for b in evals:  # the packed chat batches, positions restarting per conversation
             logits = merged(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
             targets = b["labels"][:, 1:].reshape(-1)
-            total += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets,
-                                                       reduction="sum").item()
+            total += torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), targets, reduction="sum"
+            ).item()
             count += int((targets != -100).sum())
     assert total / count == pytest.approx(final_eval, rel=1e-5)  # the token mean over the whole evaluation set
 
     # the adapter folder on the run's frozen base weights (the checkpoint's base_layer tensors, renamed)
+    from safetensors.torch import load_file
+
     from vp_accelerate.models.export import assemble_state_dict, save_hf
     from vp_accelerate.models.lora import merge_lora
     from vp_accelerate.train import checkpoint as ckpt
-    from safetensors.torch import load_file
 
     step = ckpt.resolve(str(tmp_path / "ckpt"))
     meta = ckpt.read_meta(step)
-    shards = [load_file(os.path.join(step, ckpt.rank_dir_name(r["rank"]), "model.safetensors"))
-              for r in sorted(meta["ranks"], key=lambda r: r["pp_rank"])]
+    shards = [
+        load_file(os.path.join(step, ckpt.rank_dir_name(r["rank"]), "model.safetensors"))
+        for r in sorted(meta["ranks"], key=lambda r: r["pp_rank"])
+    ]
     state = assemble_state_dict(shards, meta["vocab_size"], frozenset(meta["sharded_names"]))
     save_hf(merge_lora(state, 0.0), merged.config, tmp_path / "base")
     base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float64)

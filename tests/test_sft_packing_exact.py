@@ -15,15 +15,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import spawn
 from vp_accelerate.train.data import pack_documents
 
-from helpers.tiny import tiny_llama
-
 CONFIGS = [
-    ("1f1b", "baseline"), ("1f1b", "redis"), ("1f1b", "vocab-1"), ("1f1b", "vocab-2"),
-    ("vhalf", "baseline"), ("vhalf", "vocab-1"), ("vhalf", "vocab-2"),
-    ("interleaved", "baseline"), ("interleaved", "vocab-2"),
+    ("1f1b", "baseline"),
+    ("1f1b", "redis"),
+    ("1f1b", "vocab-1"),
+    ("1f1b", "vocab-2"),
+    ("vhalf", "baseline"),
+    ("vhalf", "vocab-1"),
+    ("vhalf", "vocab-2"),
+    ("interleaved", "baseline"),
+    ("interleaved", "vocab-2"),
 ]
 LR = 0.5
 SEQ, ROWS = 24, 4
@@ -44,7 +49,9 @@ def _documents(seed: int, vocab: int):
     pieces = []
     for r in range(ROWS):
         edges = torch.nonzero(pos[r] == 0).flatten().tolist() + [SEQ]
-        pieces += [(ids[r, a:e], labels[r, a:e]) for a, e in zip(edges[:-1], edges[1:]) if (labels[r, a:e] != -100).any()]
+        pieces += [
+            (ids[r, a:e], labels[r, a:e]) for a, e in zip(edges[:-1], edges[1:]) if (labels[r, a:e] != -100).any()
+        ]
     assert all(len(torch.nonzero(pos[r] == 0)) >= 2 for r in range(ROWS))  # several documents in every row
     return ids, labels, pos, pieces
 
@@ -77,8 +84,11 @@ def _train_on_ranks(ckpt: str, batch, runs):
     ids, labels, pos = batch
     out = {}
     for attn, schedule, method in runs:
-        pipe = PipelineModel(ckpt, PipelineConfig(schedule=schedule, method=method, microbatches=ROWS,
-                                                  attn_implementation=attn), dtype=torch.float64)
+        pipe = PipelineModel(
+            ckpt,
+            PipelineConfig(schedule=schedule, method=method, microbatches=ROWS, attn_implementation=attn),
+            dtype=torch.float64,
+        )
         res = pipe.train_step(ids, labels, position_ids=pos)
         with torch.no_grad():
             for p in pipe.parameters():
@@ -88,8 +98,13 @@ def _train_on_ranks(ckpt: str, batch, runs):
         # a batch where no token carries loss (prompts only): loss 0 and zero gradients, not 0/0
         empty = pipe.train_step(ids, torch.full_like(labels, -100), position_ids=pos)
         grads_zero = all(p.grad is None or not p.grad.any() for p in pipe.parameters())
-        out[(attn, schedule, method)] = (res.loss, res.num_tokens, eval_loss, pipe.gather_hf_state_dict(),
-                                   (empty.loss, empty.num_tokens, grads_zero))
+        out[(attn, schedule, method)] = (
+            res.loss,
+            res.num_tokens,
+            eval_loss,
+            pipe.gather_hf_state_dict(),
+            (empty.loss, empty.num_tokens, grads_zero),
+        )
         pipe.close()
     return out
 
@@ -120,5 +135,6 @@ def test_packed_batch_equals_documents_one_by_one(tmp_path):
         params = per_rank[0][key][3]
         assert set(params) == set(ref_params)
         for name, ref in ref_params.items():
-            torch.testing.assert_close(params[name], ref, rtol=tol["rtol"], atol=tol["atol"],
-                                       msg=lambda m: f"{key} {name} (seed {seed}): {m}")
+            torch.testing.assert_close(
+                params[name], ref, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m: f"{key} {name} (seed {seed}): {m}"
+            )

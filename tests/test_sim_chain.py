@@ -5,10 +5,10 @@ import json
 
 import pytest
 
+from vp_accelerate.cost import MeasuredCosts, for_schedule
 from vp_accelerate.cost.efficiency import GemmModel
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import Op, chain_collectives
-from vp_accelerate.cost import MeasuredCosts, for_schedule
 from vp_accelerate.sim.paper import shape
 from vp_accelerate.sim.simulate import simulate
 
@@ -22,8 +22,10 @@ def test_c1_is_a_chain_of_dependent_steps_on_the_comm_lane():
     assert [n for n, _ in steps].index("rescale") == 2
     assert model.collective_time(Op.C1) == pytest.approx(sum(t for _, t in steps))
     res = simulate(s, model)
-    rec = sorted((r for r in res.timeline if r.lane == "comm" and r.op == "C1" and r.mb == 3 and r.rank == 0),
-                 key=lambda r: r.start)
+    rec = sorted(
+        (r for r in res.timeline if r.lane == "comm" and r.op == "C1" and r.mb == 3 and r.rank == 0),
+        key=lambda r: r.start,
+    )
     assert len(rec) == len(steps)
     for a, b in zip(rec, rec[1:]):  # back to back: each step starts when the previous one ends
         assert b.start == pytest.approx(a.end)

@@ -24,14 +24,31 @@ def test_simulate_reports_bad_input(capsys):
 
 def test_plot_schedule(tmp_path):
     out = tmp_path / "t.png"
-    assert plot_schedule_main(SHAPE + ["--vocab", "64000", "--pp", "4", "--microbatches", "8", "--schedule",
-                                       "vhalf", "--method", "vocab-1", "--out", str(out)]) == 0
+    assert (
+        plot_schedule_main(
+            SHAPE
+            + [
+                "--vocab",
+                "64000",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--schedule",
+                "vhalf",
+                "--method",
+                "vocab-1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert out.stat().st_size > 1000
 
 
 def test_plot_timeline_accepts_plain_records(tmp_path):
-    recs = [{"rank": 0, "op": "F", "mb": 0, "chunk": 0, "start": 0.0, "end": 1.0},
-            (1, "B", 0, 1, 1.0, 3.0)]
+    recs = [{"rank": 0, "op": "F", "mb": 0, "chunk": 0, "start": 0.0, "end": 1.0}, (1, "B", 0, 1, 1.0, 3.0)]
     per_rank = [[recs[0]], [recs[1]]]
     for i, data in enumerate((recs, per_rank)):
         plot_timeline(data, tmp_path / f"{i}.png", title="x")

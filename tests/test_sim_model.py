@@ -4,8 +4,14 @@ import json
 
 import pytest
 
-from vp_accelerate.cost import (MeasuredCosts, ModelShape, StageCosts, for_schedule, redis_layer_split,
-                                shape_from_hf_config)
+from vp_accelerate.cost import (
+    MeasuredCosts,
+    ModelShape,
+    StageCosts,
+    for_schedule,
+    redis_layer_split,
+    shape_from_hf_config,
+)
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.sim.simulate import simulate
 
@@ -61,8 +67,14 @@ def test_redis_layer_split():
     assert sum(counts) == 32 and counts[-1] < counts[1] and min(counts[:-1]) >= 1
     assert redis_layer_split(paper_shape(1000), 8) == (4,) * 8  # small vocabulary: even
     assert redis_layer_split(12, 3, StageCosts(layer=1.0, first=0.0, last=3.0)) == (5, 5, 2)
-    cfg = {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
-           "intermediate_size": 1408, "vocab_size": 128000}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "intermediate_size": 1408,
+        "vocab_size": 128000,
+    }
     assert sum(redis_layer_split(cfg, 4, seq=512)) == 8
 
 
@@ -77,16 +89,33 @@ def test_flops_match_the_papers_formula():
 
 def test_hf_config_shapes(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 500,
-                                "tie_word_embeddings": True}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_embd": 64,
+                "n_layer": 4,
+                "n_head": 4,
+                "vocab_size": 500,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     s = shape_from_hf_config(path, seq=128)
     assert (s.hidden, s.layers, s.ffn, s.mlp_matrices, s.tied) == (64, 4, 256, 2, True)
 
 
 def test_measured_costs(tmp_path):
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"passes": [{"F": 1, "B": 2, "S": 0.1, "T": 0.1, "IF": 0, "IB": 0}] * 4,
-                                "p2p": 0.0, "collectives": {"C1": 0.0}}))
+    path.write_text(
+        json.dumps(
+            {
+                "passes": [{"F": 1, "B": 2, "S": 0.1, "T": 0.1, "IF": 0, "IB": 0}] * 4,
+                "p2p": 0.0,
+                "collectives": {"C1": 0.0},
+            }
+        )
+    )
     s = build_schedule("1f1b", "vocab-2", 4, 16)
     r = simulate(s, MeasuredCosts.from_json(path))
     ideal = 16 * 3.2 + 3 * 3

@@ -43,10 +43,15 @@ def write_lines(path, lines):
 
 
 def recipe(tmp_path, tok_dir, files, **sections):
-    data = {"model": {"source": "llama-tiny"}, "tokenizer": {"source": str(tok_dir)},
-            "data": {"files": files, "seq_len": 64}, "pipeline": {"microbatches": 2},
-            "train": {"global_batch": 4}, "eval": {"batches": 0},
-            "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "out")}}
+    data = {
+        "model": {"source": "llama-tiny"},
+        "tokenizer": {"source": str(tok_dir)},
+        "data": {"files": files, "seq_len": 64},
+        "pipeline": {"microbatches": 2},
+        "train": {"global_batch": 4},
+        "eval": {"batches": 0},
+        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "out")},
+    }
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
     path = tmp_path / f"r{RNG.randrange(10**6)}.yaml"
@@ -61,13 +66,22 @@ def run_check(capsys, path, *extra):
 
 
 BAD_ROWS = [  # (row, what the report says about it)
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]},
-     "turn 1 has unknown role 'bot'"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]},
+        "turn 1 has unknown role 'bot'",
+    ),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
     ({"messages": "hello"}, "non-empty list of turns"),
     ({"prompt": "a"}, "has no 'messages'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
-                   {"role": "assistant", "content": "a"}]}, "content part of type 'image_url'"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                {"role": "assistant", "content": "a"},
+            ]
+        },
+        "content part of type 'image_url'",
+    ),
 ]
 
 
@@ -126,8 +140,12 @@ def test_the_report_counts_rows_tokens_truncation_padding_and_steps(tmp_path, to
     rows = [{"messages": chat(rng)} for _ in range(n)]
     long = rng.sample(range(n), 3)
     for i in long:  # longer than data.seq_len: truncated, and dropped (the answer lies past the cut)
-        rows[i] = {"messages": [{"role": "user", "content": " ".join(["hello"] * 70)},
-                                {"role": "assistant", "content": "paris"}]}
+        rows[i] = {
+            "messages": [
+                {"role": "user", "content": " ".join(["hello"] * 70)},
+                {"role": "assistant", "content": "paris"},
+            ]
+        }
     path = write_lines(tmp_path / "c.jsonl", [json.dumps(r) for r in rows])
     r = recipe(tmp_path, tok_dir, [path], data={"eval_holdout": 0.0}, train={"steps": 10})
     code, out, err = run_check(capsys, r)
@@ -138,8 +156,10 @@ def test_the_report_counts_rows_tokens_truncation_padding_and_steps(tmp_path, to
     s = prepared.stats["train"]
     assert s.rows == n and s.bad == 0 and s.truncated == 3 and s.dropped == 3 and s.dropped_need > 64
     assert f"{path}']: {n} rows, {n} for training; {s.tokens:,} tokens, the longest row {s.longest}" in err
-    assert (f"data.seq_len 64: 3 rows truncated ({s.cut_tokens:,} tokens cut); 3 dropped (every loss token past "
-            f"data.seq_len; keeping them needs data.seq_len >= {s.dropped_need})") in err
+    assert (
+        f"data.seq_len 64: 3 rows truncated ({s.cut_tokens:,} tokens cut); 3 dropped (every loss token past "
+        f"data.seq_len; keeping them needs data.seq_len >= {s.dropped_need})"
+    ) in err
     seqs = prepared.train
     padding = 1 - seqs.lengths.sum() / seqs.ids.size
     assert f"{len(seqs)} packed sequences, {padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry loss" in err
@@ -151,8 +171,10 @@ def test_the_report_counts_rows_tokens_truncation_padding_and_steps(tmp_path, to
 def test_every_conversation_dropped_and_no_eval_sequence_fail_at_check(tmp_path, tok_dir, capsys):
     rng = random.Random(RNG.random())
     question = " ".join(["hello"] * rng.randrange(70, 90))
-    rows = [{"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "paris"}]}
-            for _ in range(20)]
+    rows = [
+        {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "paris"}]}
+        for _ in range(20)
+    ]
     path = write_lines(tmp_path / "long.jsonl", [json.dumps(r) for r in rows])
     code, _, err = run_check(capsys, recipe(tmp_path, tok_dir, [path]))
     assert code == 2
@@ -161,8 +183,9 @@ def test_every_conversation_dropped_and_no_eval_sequence_fail_at_check(tmp_path,
     assert "raise data.seq_len" in err
 
     short = write_lines(tmp_path / "short.jsonl", [json.dumps({"messages": chat(rng)}) for _ in range(40)])
-    code, _, err = run_check(capsys, recipe(tmp_path, tok_dir, [short], data={"eval_holdout": 0.0},
-                                            eval={"batches": None}))
+    code, _, err = run_check(
+        capsys, recipe(tmp_path, tok_dir, [short], data={"eval_holdout": 0.0}, eval={"batches": None})
+    )
     assert code == 2 and "data error: data.eval_holdout: 0.0 of the training rows held out no sequence" in err
     assert "set data.eval_files, raise data.eval_holdout, or set eval.batches: 0" in err
 
@@ -184,20 +207,25 @@ def test_json_values_stay_as_written_and_content_parts_are_text(tmp_path, tok_di
     parts = [{"type": "text", "text": "seventy"}, {"type": "text", "text": "four"}]
     rows[(k + 1) % 30] = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "4"}]}
     path = write_lines(tmp_path / "p.jsonl", [json.dumps(r) for r in rows])
-    prepared = prepare_data(DataSection(files=[path], seq_len=256, eval_holdout=0.0, document_boundaries=True,
-                                        packing=False), tok, len(tok))
+    prepared = prepare_data(
+        DataSection(files=[path], seq_len=256, eval_holdout=0.0, document_boundaries=True, packing=False), tok, len(tok)
+    )
     ids = prepared.train.ids
     template = sft.chat_template_of(tok)[0]
-    for i, row in ((k, rows[k]["messages"]), ((k + 1) % 30, [{"role": "user", "content": "seventy\nfour"},
-                                                               {"role": "assistant", "content": "4"}])):
+    for i, row in (
+        (k, rows[k]["messages"]),
+        ((k + 1) % 30, [{"role": "user", "content": "seventy\nfour"}, {"role": "assistant", "content": "4"}]),
+    ):
         _, want, _ = sft.encode_chat(tok, template, row)
-        assert ids[i, :len(want)].tolist() == want
+        assert ids[i, : len(want)].tolist() == want
     assert "74." in tok.decode(ids[k]) and "74.0" not in tok.decode(ids[k])
 
 
-TOOL_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m.tool_calls %}{% for c in "
-                 "m.tool_calls %}[call {{ c['function']['name'] }}]{% endfor %}{% endif %}</>{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m.tool_calls %}{% for c in "
+    "m.tool_calls %}[call {{ c['function']['name'] }}]{% endfor %}{% endif %}</>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def test_tool_calls_are_kept_when_the_template_renders_them_and_refused_when_not(tmp_path, tok_dir, capsys):
@@ -207,18 +235,29 @@ def test_tool_calls_are_kept_when_the_template_renders_them_and_refused_when_not
     from vp_accelerate.train.recipe import DataSection
 
     rng = random.Random(RNG.random())
-    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
-        "name": "gamma", "arguments": "{}"}}]}
-    tool_row = {"messages": [{"role": "user", "content": "hello"}, call,
-                             {"role": "tool", "content": "paris", "name": "gamma", "tool_call_id": "1"},
-                             {"role": "assistant", "content": "france"}]}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "gamma", "arguments": "{}"}}],
+    }
+    tool_row = {
+        "messages": [
+            {"role": "user", "content": "hello"},
+            call,
+            {"role": "tool", "content": "paris", "name": "gamma", "tool_call_id": "1"},
+            {"role": "assistant", "content": "france"},
+        ]
+    }
     rows = [{"messages": chat(rng)} for _ in range(30)]
     at = rng.randrange(30)
     rows.insert(at, tool_row)
     path = write_lines(tmp_path / "t.jsonl", [json.dumps(r) for r in rows])
     tok = AutoTokenizer.from_pretrained(str(tok_dir))  # no template: ChatML, which renders no tool calls
-    with pytest.raises(BadRowsError, match=rf"t.jsonl, line {at + 1}: turn 1 has tool_calls, which the ChatML default "
-                                           rf"template does not render"):
+    with pytest.raises(
+        BadRowsError,
+        match=rf"t.jsonl, line {at + 1}: turn 1 has tool_calls, which the ChatML default "
+        rf"template does not render",
+    ):
         prepare_data(DataSection(files=[path], seq_len=128, eval_holdout=0.0), tok, len(tok))
 
     tok.chat_template = TOOL_TEMPLATE
@@ -259,7 +298,7 @@ def test_show_example_marks_exactly_the_tokens_that_carry_loss(tmp_path, tok_dir
             t = e
         t += 1
     assert marked == "".join(runs) and marked
-    assert text.count("--- conversation") == int((prepared.train.positions[0][:prepared.train.lengths[0]] == 0).sum())
+    assert text.count("--- conversation") == int((prepared.train.positions[0][: prepared.train.lengths[0]] == 0).sum())
 
     code, out, _ = run_check(capsys, recipe(tmp_path, tok_dir, [path]), "--show-example")
     assert code == 0 and "example: packed training sequence 0 of" in out and "[[" in out
@@ -272,19 +311,25 @@ def test_model_source_offline_and_lora_targets_fail_at_check(tmp_path, tok_dir, 
     name = f"someone/model-{RNG.randrange(10**6)}"
     code, _, err = run_check(capsys, recipe(tmp_path, tok_dir, [path], model={"source": name}))
     assert code == 2
-    assert (f"recipe error: model.source: {name!r} is not a preset, a local directory, nor a model in the local HF "
-            f"cache, and the hub is offline (HF_HUB_OFFLINE=1)") in err
+    assert (
+        f"recipe error: model.source: {name!r} is not a preset, a local directory, nor a model in the local HF "
+        f"cache, and the hub is offline (HF_HUB_OFFLINE=1)"
+    ) in err
 
     pytest.importorskip("peft")
     good = rng.choice(["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
     typo = good[:-1]
-    code, _, err = run_check(capsys, recipe(tmp_path, tok_dir, [path], adapter={
-        "type": "lora", "target_modules": ["gate_proj", typo]}))
+    code, _, err = run_check(
+        capsys, recipe(tmp_path, tok_dir, [path], adapter={"type": "lora", "target_modules": ["gate_proj", typo]})
+    )
     assert code == 2
-    assert (f"adapter.target_modules: {typo!r} matches no module of the model's decoder layers; did you mean {good}? "
-            f"(linear modules of a llama decoder layer: self_attn.q_proj, self_attn.k_proj,") in err
-    code, _, err = run_check(capsys, recipe(tmp_path, tok_dir, [path], adapter={
-        "type": "lora", "target_modules": ["gate_proj", good]}))
+    assert (
+        f"adapter.target_modules: {typo!r} matches no module of the model's decoder layers; did you mean {good}? "
+        f"(linear modules of a llama decoder layer: self_attn.q_proj, self_attn.k_proj,"
+    ) in err
+    code, _, err = run_check(
+        capsys, recipe(tmp_path, tok_dir, [path], adapter={"type": "lora", "target_modules": ["gate_proj", good]})
+    )
     assert code == 0, err
     full = {"up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}.get(good, f"self_attn.{good}")
     assert f"LoRA adapters on {', '.join(sorted(['mlp.gate_proj', full]))} of every decoder layer" in err

@@ -13,26 +13,40 @@ from vp_accelerate.train import checkpoint as ckpt
 
 def state(seed: int):
     g = torch.Generator().manual_seed(seed)
-    model = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4, generator=g),
-             "model.embed_tokens.weight": torch.randn(16, 4, generator=g)}
+    model = {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(8, 4, generator=g),
+        "model.embed_tokens.weight": torch.randn(16, 4, generator=g),
+    }
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.AdamW([p], lr=0.1)
     p.grad = torch.ones(3)
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     sched.step()
-    trainer = {"scheduler": sched.state_dict(), "rng": ckpt.rng_state(), "data": {"epoch": 0, "step": seed},
-               "step": seed}
+    trainer = {
+        "scheduler": sched.state_dict(),
+        "rng": ckpt.rng_state(),
+        "data": {"epoch": 0, "step": seed},
+        "step": seed,
+    }
     return model, opt.state_dict(), trainer
 
 
 def save(root, step, crash=None, keep=2):
     model, opt, trainer = state(step)
-    return ckpt.save_checkpoint(str(root), step, rank=0, model_state=model, optimizer_state=opt,
-                                trainer_state=trainer, meta={"fingerprint": {"model": "m"}},
-                                barrier=lambda: None, keep=keep,
-                                write_model_files=lambda d: open(os.path.join(d, "config.json"), "w").write("{}"),
-                                _crash_after=crash)
+    return ckpt.save_checkpoint(
+        str(root),
+        step,
+        rank=0,
+        model_state=model,
+        optimizer_state=opt,
+        trainer_state=trainer,
+        meta={"fingerprint": {"model": "m"}},
+        barrier=lambda: None,
+        keep=keep,
+        write_model_files=lambda d: open(os.path.join(d, "config.json"), "w").write("{}"),
+        _crash_after=crash,
+    )
 
 
 def test_round_trip_and_latest(tmp_path):
@@ -56,8 +70,9 @@ def test_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, stage):
     path = ckpt.read_latest(str(tmp_path))
     assert path.endswith("step_00000010")  # `latest` is updated last
     model, _, trainer = ckpt.load_rank(path, 0)
-    assert trainer["step"] == 10 and torch.equal(model["model.embed_tokens.weight"],
-                                                 state(10)[0]["model.embed_tokens.weight"])
+    assert trainer["step"] == 10 and torch.equal(
+        model["model.embed_tokens.weight"], state(10)[0]["model.embed_tokens.weight"]
+    )
     save(tmp_path, 20)  # the next save cleans up and succeeds
     assert ckpt.read_latest(str(tmp_path)).endswith("step_00000020")
     assert not os.path.exists(tmp_path / "step_00000020.tmp")
@@ -96,8 +111,16 @@ def _two_rank_save(root):
 
     r = dist.get_rank()
     w = {"w": torch.full((2,), float(r))}
-    ckpt.save_checkpoint(root, 5, rank=r, model_state=w, optimizer_state={}, trainer_state={"step": 5},
-                         meta={"fingerprint": {}}, barrier=dist.barrier)
+    ckpt.save_checkpoint(
+        root,
+        5,
+        rank=r,
+        model_state=w,
+        optimizer_state={},
+        trainer_state={"step": 5},
+        meta={"fingerprint": {}},
+        barrier=dist.barrier,
+    )
     return ckpt.load_rank(ckpt.read_latest(root), r)[0]["w"].tolist()
 
 

@@ -123,8 +123,11 @@ def test_txt_files_and_text_field(corpus):
 
 def test_errors_are_clear(corpus):
     d, tok = corpus
-    with pytest.raises(DataError, match=r"tokenizer.resize_vocab: .*train.jsonl, line \d+ .* has token id \d+ >= the "
-                                        r"model's vocab size 100"):
+    with pytest.raises(
+        DataError,
+        match=r"tokenizer.resize_vocab: .*train.jsonl, line \d+ .* has token id \d+ >= the "
+        r"model's vocab size 100",
+    ):
         build_data(cfg(d), tok, 100, 0, 8)
     with pytest.raises(DataError, match="empty"):
         build_data(cfg(d, files=[str(d / "empty.jsonl")]), tok, len(tok), 0, 8)
@@ -154,8 +157,9 @@ def test_streaming_resumes_from_the_streams_own_state(corpus, monkeypatch):
     d, tok = corpus
     read = []
     real_iter = datasets.IterableDataset.__iter__
-    monkeypatch.setattr(datasets.IterableDataset, "__iter__",
-                        lambda self: (read.append(1) or x for x in real_iter(self)))
+    monkeypatch.setattr(
+        datasets.IterableDataset, "__iter__", lambda self: (read.append(1) or x for x in real_iter(self))
+    )
     for buffer in (1, 50):
         c = cfg(d, streaming=True, shuffle_buffer=buffer, eval_holdout=0.0)
         train = build_data(c, tok, len(tok), 0, 8)[0]
@@ -190,23 +194,54 @@ def test_the_text_field_is_checked_at_check_time(tmp_path, corpus, capsys):
     from vp_accelerate.train.commands import train_main
 
     d, _ = corpus
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}) + "\n" for i in range(64)))
+    (tmp_path / "chat.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+            )
+            + "\n"
+            for i in range(64)
+        )
+    )
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(json.dumps({"tokenizer": {"source": f"bpe:{d / 'tok'}"}, "eval": {"batches": 0},
-                                  "data": {"files": [str(tmp_path / "chat.jsonl")], "seq_len": 32}}))
+    recipe.write_text(
+        json.dumps(
+            {
+                "tokenizer": {"source": f"bpe:{d / 'tok'}"},
+                "eval": {"batches": 0},
+                "data": {"files": [str(tmp_path / "chat.jsonl")], "seq_len": 32},
+            }
+        )
+    )
     assert train_main([str(recipe), "--check"]) == 0
     assert "data format chat" in capsys.readouterr().err
-    assert train_main([str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'}]", "--set",
-                       "data.format=text"]) == 2
+    assert (
+        train_main([str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'}]", "--set", "data.format=text"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "data.text_field: 'text' is not a column of" in err and "columns found: ['body']" in err
     (tmp_path / "more.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
-    assert train_main([str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'},{tmp_path / 'more.jsonl'}]",
-                       "--set", "data.text_field=body"]) == 2
+    assert (
+        train_main(
+            [
+                str(recipe),
+                "--check",
+                "--set",
+                f"data.files=[{d / 'train.jsonl'},{tmp_path / 'more.jsonl'}]",
+                "--set",
+                "data.text_field=body",
+            ]
+        )
+        == 2
+    )
     assert "data.text_field: 'body' is not a column of" in capsys.readouterr().err
-    assert train_main([str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'}]",
-                       "--set", "data.text_field=body"]) == 0
+    assert (
+        train_main(
+            [str(recipe), "--check", "--set", f"data.files=[{d / 'train.jsonl'}]", "--set", "data.text_field=body"]
+        )
+        == 0
+    )
 
 
 def test_hub_datasets_take_name_and_revision(monkeypatch):

@@ -36,11 +36,16 @@ def setup(tmp_path_factory):
                     f.write(json.dumps({"text": " ".join(rng.choices(words, k=40))}) + "\n")
     train_bpe([str(d / "corpus" / "train.jsonl")], 512, str(d / "tok"), min_frequency=1)
     recipe = {
-        "model": {"source": "llama-tiny", "config": {"hidden_size": 64, "intermediate_size": 128,
-                                                      "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "model": {
+            "source": "llama-tiny",
+            "config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+        },
         "tokenizer": {"source": f"bpe:{d / 'tok'}", "resize_vocab": True},
-        "data": {"files": [str(d / "corpus" / "train.jsonl")], "eval_files": [str(d / "corpus" / "eval.jsonl")],
-                 "seq_len": 32},
+        "data": {
+            "files": [str(d / "corpus" / "train.jsonl")],
+            "eval_files": [str(d / "corpus" / "eval.jsonl")],
+            "seq_len": 32,
+        },
         "pipeline": {"schedule": "1f1b", "method": "vocab-2", "microbatches": 4},
         "optimizer": {"lr": 3e-3},
         "lr": {"warmup_steps": 2, "decay": "cosine"},
@@ -58,10 +63,27 @@ def setup(tmp_path_factory):
 
 def launch(setup, name, *extra, check=True):
     d, recipe = setup
-    env = {**os.environ, "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_DATASETS_CACHE": str(d / "ds_cache"), "OMP_NUM_THREADS": "1"}
-    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-           "-m", "vp_accelerate", "train", recipe, "--set", f"logging.output_dir={d / name}", *extra]
+    env = {
+        **os.environ,
+        "WANDB_SILENT": "true",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_CACHE": str(d / "ds_cache"),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+        "-m",
+        "vp_accelerate",
+        "train",
+        recipe,
+        "--set",
+        f"logging.output_dir={d / name}",
+        *extra,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(d))
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
@@ -95,8 +117,16 @@ def test_two_processes_train_and_log_to_wandb_offline(full_run):
     losses = [train[s]["train/loss"] for s in sorted(train)]
     assert losses[-1] < losses[0] and all(math.isfinite(x) for x in losses)
     last = train[STEPS]
-    for key in ("train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "perf/bubble_rate",
-                "memory/rank0_param_mib", "memory/rank1_param_mib", "memory/rank1_peak_activation_mib"):
+    for key in (
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "perf/bubble_rate",
+        "memory/rank0_param_mib",
+        "memory/rank1_param_mib",
+        "memory/rank1_peak_activation_mib",
+    ):
         assert key in last, key
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     ppl = [r["eval/ppl"] for r in rows if r["step"] == STEPS and "eval/ppl" in r]
@@ -124,8 +154,10 @@ def test_a_new_run_does_not_mix_with_an_earlier_ones_checkpoints(setup, full_run
     d, recipe = setup
     args = [recipe, "--set", f"logging.output_dir={d / 'full'}", "--check"]
     assert train_main(args) == 2
-    assert "holds checkpoints of an earlier run (latest step_00000006); continue that run with --resume" in \
-        capsys.readouterr().err
+    assert (
+        "holds checkpoints of an earlier run (latest step_00000006); continue that run with --resume"
+        in capsys.readouterr().err
+    )
     assert train_main(args + ["--resume", "3"]) == 0
     assert train_main(args + ["--resume", "4"]) == 2
     assert "--resume 4: no complete checkpoint" in capsys.readouterr().err
@@ -135,8 +167,14 @@ def test_resume_equals_uninterrupted(setup, full_run):
     """Resume from the step-3 checkpoint the full run wrote (what a crash after step 3 leaves behind), named by
     its path, into a new output dir."""
     run_dir, _ = full_run
-    launch(setup, "resumed", "--resume", str(run_dir / "checkpoints" / "step_00000003"),
-           "--set", "logging.wandb_mode=disabled")
+    launch(
+        setup,
+        "resumed",
+        "--resume",
+        str(run_dir / "checkpoints" / "step_00000003"),
+        "--set",
+        "logging.wandb_mode=disabled",
+    )
     full, full_eval = metrics(run_dir / "metrics.jsonl")
     resumed, resumed_eval = metrics(setup[0] / "resumed" / "metrics.jsonl")
     assert sorted(resumed) == [4, 5, 6]
@@ -157,8 +195,10 @@ def test_checkpoint_records_the_layout(full_run):
     fp = meta["fingerprint"]
     assert fp["world_size"] == 2 and fp["method"] == "vocab-2" and len(fp["layout"]) == 2
     # the layout is describe()'s fields (RankLayout.placement), not its text: chunks, layers, vocabulary rows
-    assert [r["chunks"] for r in fp["layout"]] == [[{"chunk": 0, "start": 0, "end": 2}],
-                                                   [{"chunk": 1, "start": 2, "end": 4}]]
+    assert [r["chunks"] for r in fp["layout"]] == [
+        [{"chunk": 0, "start": 0, "end": 2}],
+        [{"chunk": 1, "start": 2, "end": 4}],
+    ]
     v = meta["vocab_size"]
     assert [r["vocab_rows"] for r in fp["layout"]] == [[0, (v + 1) // 2], [(v + 1) // 2, v]]
     assert meta["sharded_names"] == ["lm_head.weight", "model.embed_tokens.weight"]
@@ -180,8 +220,9 @@ def test_export_loads_with_from_pretrained_and_gives_the_eval_loss(setup, full_r
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     tok = AutoTokenizer.from_pretrained(str(out))
     recipe = load_recipe(recipe_path)
-    _, evals = build_data(recipe.data, tok, model.config.vocab_size, 0, recipe.train.global_batch,
-                          eval_batches=recipe.eval.batches)
+    _, evals = build_data(
+        recipe.data, tok, model.config.vocab_size, 0, recipe.train.global_batch, eval_batches=recipe.eval.batches
+    )
     with torch.no_grad():
         losses = [model(input_ids=b["input_ids"], labels=b["labels"]).loss.item() for b in evals]
     _, trained_eval = metrics(run_dir / "metrics.jsonl")
@@ -195,8 +236,20 @@ def test_init_from_takes_the_weights_only(setup, full_run):
     """model.init_from: the full run's last weights, a fresh optimizer and schedule (at a negligible LR, the
     first evaluation equals the full run's last one; a fresh model's is far above)."""
     run_dir, _ = full_run
-    launch(setup, "init", "--set", f"model.init_from={run_dir / 'checkpoints'}", "--set", "train.steps=1",
-           "--set", "optimizer.lr=1e-12", "--set", "logging.wandb_mode=disabled", "--set", "checkpoint.export_hf=false")
+    launch(
+        setup,
+        "init",
+        "--set",
+        f"model.init_from={run_dir / 'checkpoints'}",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "optimizer.lr=1e-12",
+        "--set",
+        "logging.wandb_mode=disabled",
+        "--set",
+        "checkpoint.export_hf=false",
+    )
     train, evals = metrics(setup[0] / "init" / "metrics.jsonl")
     _, full_eval = metrics(run_dir / "metrics.jsonl")
     assert sorted(train) == [1] and evals[1] == pytest.approx(full_eval[STEPS], abs=1e-5)

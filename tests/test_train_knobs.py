@@ -33,19 +33,27 @@ def base(tmp_path, **sections):
     return data
 
 
-@pytest.mark.parametrize("sections, message", [
-    ({"train": {"steps": 10, "epochs": 2}}, "train.epochs: set train.steps (10) or train.epochs (2), not both"),
-    ({"train": {"epochs": 0}}, "train.epochs: must be > 0"),
-    ({"train": {"epochs": 1}, "data": {"streaming": True}}, "train.epochs: a stream's length is not known"),
-    ({"lr": {"warmup_ratio": 0.1, "warmup_steps": 5}}, "lr.warmup_ratio: set lr.warmup_steps (5) or lr.warmup_ratio"),
-    ({"lr": {"warmup_ratio": 1.5}}, "lr.warmup_ratio: must be in [0, 1)"),
-    ({"eval": {"patience": 2}}, "eval.patience: early stopping needs evaluations during the run"),
-    ({"eval": {"every": 5, "patience": 0}}, "eval.patience: must be >= 1"),
-    ({"checkpoint": {"keep_best": True, "every": 10}, "eval": {"every": 4}},
-     "checkpoint.keep_best: every checkpoint needs an eval loss: set eval.every > 0 and checkpoint.every a multiple"),
-    ({"checkpoint": {"keep_best": True, "enabled": False}}, "checkpoint.keep_best: needs checkpoints"),
-    ({"eval": {"prompts": ["hi"], "batches": 0}}, "eval.prompts: completions are made at evaluations"),
-])
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"train": {"steps": 10, "epochs": 2}}, "train.epochs: set train.steps (10) or train.epochs (2), not both"),
+        ({"train": {"epochs": 0}}, "train.epochs: must be > 0"),
+        ({"train": {"epochs": 1}, "data": {"streaming": True}}, "train.epochs: a stream's length is not known"),
+        (
+            {"lr": {"warmup_ratio": 0.1, "warmup_steps": 5}},
+            "lr.warmup_ratio: set lr.warmup_steps (5) or lr.warmup_ratio",
+        ),
+        ({"lr": {"warmup_ratio": 1.5}}, "lr.warmup_ratio: must be in [0, 1)"),
+        ({"eval": {"patience": 2}}, "eval.patience: early stopping needs evaluations during the run"),
+        ({"eval": {"every": 5, "patience": 0}}, "eval.patience: must be >= 1"),
+        (
+            {"checkpoint": {"keep_best": True, "every": 10}, "eval": {"every": 4}},
+            "checkpoint.keep_best: every checkpoint needs an eval loss: set eval.every > 0 and checkpoint.every a multiple",
+        ),
+        ({"checkpoint": {"keep_best": True, "enabled": False}}, "checkpoint.keep_best: needs checkpoints"),
+        ({"eval": {"prompts": ["hi"], "batches": 0}}, "eval.prompts: completions are made at evaluations"),
+    ],
+)
 def test_knob_errors_name_the_key(tmp_path, sections, message):
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         recipe_from_dict(base(tmp_path, **sections))
@@ -72,8 +80,15 @@ class FakePipe:
         self.loss_scaler, self.world_size, self.flops_per_token, self.watchdog, self.dp_rank = None, 1, 1.0, None, 0
 
     def train_step(self, ids, labels, mask=None, pos=None):
-        return SimpleNamespace(loss=self.losses.pop(0), num_tokens=int((labels[:, 1:] != -100).sum()), skipped=False,
-                               step_time_s=0.01, bubble_rate=0.0, nonfinite_microbatches=(), loss_scale=1.0)
+        return SimpleNamespace(
+            loss=self.losses.pop(0),
+            num_tokens=int((labels[:, 1:] != -100).sum()),
+            skipped=False,
+            step_time_s=0.01,
+            bubble_rate=0.0,
+            nonfinite_microbatches=(),
+            loss_scale=1.0,
+        )
 
     def clip_grad_norm_(self, _):
         return 1.0
@@ -92,8 +107,8 @@ class FakePipe:
 
 
 def test_logged_loss_is_the_window_mean_and_counters_add_up(tmp_path):
-    from vp_accelerate.train.data import BatchIterator, pack_documents
     from vp_accelerate.train.batches import Sequences
+    from vp_accelerate.train.data import BatchIterator, pack_documents
     from vp_accelerate.train.loop import LoopState, Run, log_step, train_step_once
 
     rng = np.random.default_rng(RNG.randrange(1000))
@@ -106,19 +121,36 @@ def test_logged_loss_is_the_window_mean_and_counters_add_up(tmp_path):
     losses = [float(x) for x in rng.uniform(1, 5, size=steps)]
     losses[4] = float("nan")  # a skipped NaN step stays out of the mean
     logged = []
-    recipe = recipe_from_dict(base(tmp_path, logging={"log_every": every}, pipeline={"microbatches": 2},
-                                   train={"on_nonfinite": "skip", "global_batch": g}))
+    recipe = recipe_from_dict(
+        base(
+            tmp_path,
+            logging={"log_every": every},
+            pipeline={"microbatches": 2},
+            train={"on_nonfinite": "skip", "global_batch": g},
+        )
+    )
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    run = Run(recipe=recipe, accelerator=SimpleNamespace(is_main_process=True, device=torch.device("cpu")),
-              pipe=FakePipe(losses), tokenizer=None, train_it=BatchIterator(seqs, 0, g), eval_batches=[], optimizer=opt,
-              scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), layout=None, vocab=None,
-              fingerprint={}, recipe_dict={}, end_step=steps,
-              tracker=SimpleNamespace(log=lambda m, step: logged.append((step, m))))
+    run = Run(
+        recipe=recipe,
+        accelerator=SimpleNamespace(is_main_process=True, device=torch.device("cpu")),
+        pipe=FakePipe(losses),
+        tokenizer=None,
+        train_it=BatchIterator(seqs, 0, g),
+        eval_batches=[],
+        optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        layout=None,
+        vocab=None,
+        fingerprint={},
+        recipe_dict={},
+        end_step=steps,
+        tracker=SimpleNamespace(log=lambda m, step: logged.append((step, m))),
+    )
     state, order = LoopState(), run.train_it._order
     tokens = loss_tokens = 0
     window = []
     for step in range(1, steps + 1):
-        rows = order[(step - 1) * g: step * g]
+        rows = order[(step - 1) * g : step * g]
         tokens += int(info["lengths"][rows].sum())
         loss_tokens += int((labels[rows, 1:] != -100).sum())
         window.append(losses[step - 1])
@@ -154,22 +186,45 @@ def launched(tmp_path_factory):
             f.write(json.dumps({"text": " ".join(rng.choices(words, k=20))}) + "\n")
     train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
     prompts = [" ".join(rng.choices(words, k=3)) for _ in range(2)]
-    recipe = {"model": {"source": "llama-tiny", "config": {"hidden_size": 32, "intermediate_size": 64,
-                                                            "num_attention_heads": 4, "num_key_value_heads": 2}},
-              "tokenizer": {"source": f"bpe:{d / 'tok'}"},
-              "data": {"files": [str(d / "train.jsonl")], "eval_files": [str(d / "eval.jsonl")], "seq_len": 32},
-              "pipeline": {"microbatches": 2}, "optimizer": {"lr": 1e-2}, "lr": {"warmup_ratio": 0.2},
-              "train": {"epochs": 3, "global_batch": 4},
-              # min_delta far above any change: the first evaluation is the best, the next one ends the run
-              "eval": {"every": 2, "patience": 1, "min_delta": 100.0, "prompts": prompts, "max_new_tokens": 6},
-              "checkpoint": {"every": 2, "keep": 1, "keep_best": True},
-              "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out"), "log_every": 1}}
+    recipe = {
+        "model": {
+            "source": "llama-tiny",
+            "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+        },
+        "tokenizer": {"source": f"bpe:{d / 'tok'}"},
+        "data": {"files": [str(d / "train.jsonl")], "eval_files": [str(d / "eval.jsonl")], "seq_len": 32},
+        "pipeline": {"microbatches": 2},
+        "optimizer": {"lr": 1e-2},
+        "lr": {"warmup_ratio": 0.2},
+        "train": {"epochs": 3, "global_batch": 4},
+        # min_delta far above any change: the first evaluation is the best, the next one ends the run
+        "eval": {"every": 2, "patience": 1, "min_delta": 100.0, "prompts": prompts, "max_new_tokens": 6},
+        "checkpoint": {"every": 2, "keep": 1, "keep_best": True},
+        "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out"), "log_every": 1},
+    }
     (d / "r.yaml").write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": str(d / "ds_cache")}
-    out = subprocess.run([os.path.join(BIN, "vp-accelerate"), "launch", "--config_file",
-                          os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"), "train", str(d / "r.yaml")],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=str(d))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(d / "ds_cache"),
+    }
+    out = subprocess.run(
+        [
+            os.path.join(BIN, "vp-accelerate"),
+            "launch",
+            "--config_file",
+            os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+            "train",
+            str(d / "r.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(d),
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in open(d / "out" / "metrics.jsonl")]
     return d, prompts, out, rows
@@ -214,7 +269,7 @@ def test_samples_are_what_hf_generate_answers(launched):
         ids = torch.tensor([tok(sample["prompt"], add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
             new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
-        assert sample["completion"] == tok.decode(new[0, ids.shape[1]:], skip_special_tokens=True)
+        assert sample["completion"] == tok.decode(new[0, ids.shape[1] :], skip_special_tokens=True)
         assert sample["completion"]  # the text model does not stop at once: a real comparison
 
 
@@ -227,8 +282,12 @@ def _lora_samples_on_ranks(ckpt: str, tok_dir: str, prompts: list, out_dir: str)
     from vp_accelerate.runtime.adapter_config import AdapterConfig
     from vp_accelerate.train.samples import complete
 
-    pipe = PipelineModel(ckpt, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2), seed=3,
-                         adapter=AdapterConfig(type="lora", r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    pipe = PipelineModel(
+        ckpt,
+        PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2),
+        seed=3,
+        adapter=AdapterConfig(type="lora", r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     with torch.no_grad():  # trained-looking adapters (B starts at zero), the same whatever the layout
         for name, p in pipe.named_parameters():
             if ".lora_B." in name:
@@ -247,10 +306,9 @@ def test_lora_samples_match_generate_on_the_merged_export(tmp_path):
     pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from helpers.tiny import tiny_llama
     from vp_accelerate.distributed import spawn
     from vp_accelerate.train.tokenizer import train_bpe
-
-    from helpers.tiny import tiny_llama
 
     rng = random.Random(RNG.random())
     words = "alpha beta gamma delta paris france capital hello world".split()
@@ -259,8 +317,15 @@ def test_lora_samples_match_generate_on_the_merged_export(tmp_path):
     torch.manual_seed(rng.randrange(1000))
     AutoModelForCausalLM.from_config(tiny_llama(len(tok), num_layers=4)).save_pretrained(str(tmp_path / "m"))
     prompts = [" ".join(rng.choices(words, k=3)) for _ in range(2)]
-    texts = spawn(_lora_samples_on_ranks, 2, str(tmp_path / "m"), str(tmp_path / "tok"), prompts,
-                  str(tmp_path / "merged"), timeout_s=240)
+    texts = spawn(
+        _lora_samples_on_ranks,
+        2,
+        str(tmp_path / "m"),
+        str(tmp_path / "tok"),
+        prompts,
+        str(tmp_path / "merged"),
+        timeout_s=240,
+    )
     assert texts[1] is None  # rank 0 generates
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
@@ -268,4 +333,4 @@ def test_lora_samples_match_generate_on_the_merged_export(tmp_path):
         ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
             new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-        assert text == tok.decode(new[0, ids.shape[1]:], skip_special_tokens=True) and text
+        assert text == tok.decode(new[0, ids.shape[1] :], skip_special_tokens=True) and text

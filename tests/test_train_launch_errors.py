@@ -24,10 +24,10 @@ RNG = random.Random()
 
 
 def _first_rank_fails(kind: str):
+    import torch.distributed as dist
+
     from vp_accelerate.train.data import DataError
     from vp_accelerate.train.user_errors import main_process_first
-
-    import torch.distributed as dist
 
     try:
         with main_process_first("testing"):
@@ -55,22 +55,45 @@ def bad_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("launch")
     rng = random.Random(RNG.random())
     words = ["alpha", "beta", "gamma", "delta", "paris"]
-    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choices(words, k=4))},
-                          {"role": "assistant", "content": rng.choice(words)}]} for _ in range(60)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(rng.choices(words, k=4))},
+                {"role": "assistant", "content": rng.choice(words)},
+            ]
+        }
+        for _ in range(60)
+    ]
     line = rng.randrange(2, 60)
     rows[line - 1]["messages"][1]["role"] = "bot"
     (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "t.txt").write_text(" ".join(words * 20) + "\n")
     train_bpe([str(d / "t.txt")], 280, str(d / "tok"), min_frequency=1)
-    recipe = {"model": {"source": "llama-tiny"}, "tokenizer": {"source": str(d / "tok")},
-              "data": {"files": [str(d / "chat.jsonl")], "seq_len": 64}, "pipeline": {"microbatches": 2},
-              "train": {"global_batch": 4, "steps": 2}, "eval": {"batches": 0},
-              "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out")}}
+    recipe = {
+        "model": {"source": "llama-tiny"},
+        "tokenizer": {"source": str(d / "tok")},
+        "data": {"files": [str(d / "chat.jsonl")], "seq_len": 64},
+        "pipeline": {"microbatches": 2},
+        "train": {"global_batch": 4, "steps": 2},
+        "eval": {"batches": 0},
+        "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out")},
+    }
     (d / "r.yaml").write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": str(d / "ds_cache")}
-    check = subprocess.run([sys.executable, "-m", "vp_accelerate", "train", str(d / "r.yaml"), "--check"],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=str(d))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(d / "ds_cache"),
+    }
+    check = subprocess.run(
+        [sys.executable, "-m", "vp_accelerate", "train", str(d / "r.yaml"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(d),
+    )
     return d, line, env, check
 
 
@@ -87,23 +110,50 @@ def test_check_lists_the_bad_row(bad_run):
 
 def test_vp_accelerate_launch_exits_2_with_one_line(bad_run):
     d, line, env, _ = bad_run
-    out = subprocess.run([os.path.join(BIN, "vp-accelerate"), "launch", "--config_file",
-                          os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"), "train", str(d / "r.yaml")],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=str(d))
+    out = subprocess.run(
+        [
+            os.path.join(BIN, "vp-accelerate"),
+            "launch",
+            "--config_file",
+            os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+            "train",
+            str(d / "r.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(d),
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert _lines(out.stderr) == [
         f"data error: data.files: {d / 'chat.jsonl'}, line {line}: turn 1 has unknown role 'bot'; expected one of "
         f"system, user, assistant, tool. Fix the rows, or set data.skip_invalid: true to skip such rows (they are "
-        f"counted)"], out.stderr[-3000:]
+        f"counted)"
+    ], out.stderr[-3000:]
     assert "tokenizing" not in out.stderr  # the rows --check tokenized were read from the datasets cache
 
 
 @pytest.mark.slow
 def test_accelerate_launch_ranks_say_one_line_and_no_traceback(bad_run):
     d, line, env, _ = bad_run
-    out = subprocess.run([os.path.join(BIN, "accelerate"), "launch", "--config_file",
-                          os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"), "-m", "vp_accelerate", "train",
-                          str(d / "r.yaml")], capture_output=True, text=True, timeout=300, env=env, cwd=str(d))
+    out = subprocess.run(
+        [
+            os.path.join(BIN, "accelerate"),
+            "launch",
+            "--config_file",
+            os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+            "-m",
+            "vp_accelerate",
+            "train",
+            str(d / "r.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(d),
+    )
     assert out.returncode == 1  # torch elastic's, for any failed rank
     said = [x for x in _lines(out.stderr) if x.startswith("data error:")]
     assert len(said) == 1 and f"line {line}: turn 1 has unknown role 'bot'" in said[0]

@@ -28,8 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _recipe(tmp_path, *overrides):
     corpus = tmp_path / "train.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"a document {i}"}) + "\n" for i in range(20)))
-    return load_recipe(str(ROOT / "recipes" / "gpu_llama3_8b_vocab2_1f1b.yaml"),
-                       [f"data.files=[{corpus}]", f"data.eval_files=[{corpus}]", *overrides])
+    return load_recipe(
+        str(ROOT / "recipes" / "gpu_llama3_8b_vocab2_1f1b.yaml"),
+        [f"data.files=[{corpus}]", f"data.eval_files=[{corpus}]", *overrides],
+    )
 
 
 def test_multinode_config_names_an_existing_recipe_and_16_processes():
@@ -70,8 +72,10 @@ def tiny_recipe(tmp_path_factory):
             f.write(json.dumps({"text": " ".join(rng.choices(words, k=40))}) + "\n")
     train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
     recipe = {
-        "model": {"source": "llama-tiny", "config": {"hidden_size": 32, "intermediate_size": 64,
-                                                      "num_attention_heads": 4, "num_key_value_heads": 2}},
+        "model": {
+            "source": "llama-tiny",
+            "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+        },
         "tokenizer": {"source": f"bpe:{d / 'tok'}"},
         "data": {"files": [str(d / "train.jsonl")], "seq_len": 16},
         "pipeline": {"schedule": "1f1b", "method": "vocab-2", "microbatches": 2, "dp_size": 2},
@@ -92,18 +96,36 @@ def _launch_all(d: Path, name: str, launchers: list[list[str]]) -> tuple[Path, l
     LAUNCH_TIMEOUT_S is killed and fails."""
     from vp_accelerate.distributed import free_port
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled", "HF_DATASETS_CACHE": str(d / "ds_cache")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+        "HF_DATASETS_CACHE": str(d / "ds_cache"),
+    }
     for attempt in range(3):
         port, out_dir = str(free_port()), d / f"{name}_{attempt}"
         logs = [d / f"{name}_{attempt}_machine{m}.log" for m in range(len(launchers))]
         procs = []
         for args, log in zip(launchers, logs):
-            cmd = [ACCELERATE, "launch", *(a.replace("{port}", port) for a in args), "-m", "vp_accelerate", "train",
-                   str(d / "recipe.yaml"), "--set", f"logging.output_dir={out_dir}"]
+            cmd = [
+                ACCELERATE,
+                "launch",
+                *(a.replace("{port}", port) for a in args),
+                "-m",
+                "vp_accelerate",
+                "train",
+                str(d / "recipe.yaml"),
+                "--set",
+                f"logging.output_dir={out_dir}",
+            ]
             with open(log, "w") as f:  # a file, not a pipe: a chatty launcher never blocks on a full pipe
-                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(d),
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(d), start_new_session=True
+                    )
+                )
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         try:
             codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
@@ -142,11 +164,26 @@ def test_two_machines_on_loopback_train_like_one_machine(tiny_recipe):
     d = tiny_recipe
     one_cfg = str(ROOT / "configs" / "accelerate_cpu_2proc.yaml")
     two_cfg = str(ROOT / "configs" / "accelerate_cpu_2machines.yaml")
-    single_dir, (single_log,) = _launch_all(d, "single", [["--config_file", one_cfg, "--num_processes", "4",
-                                                            "--main_process_port", "{port}"]])
-    multi_dir, logs = _launch_all(d, "multi", [["--config_file", two_cfg, "--machine_rank", str(m),
-                                                "--main_process_ip", "127.0.0.1", "--main_process_port", "{port}"]
-                                               for m in (0, 1)])
+    single_dir, (single_log,) = _launch_all(
+        d, "single", [["--config_file", one_cfg, "--num_processes", "4", "--main_process_port", "{port}"]]
+    )
+    multi_dir, logs = _launch_all(
+        d,
+        "multi",
+        [
+            [
+                "--config_file",
+                two_cfg,
+                "--machine_rank",
+                str(m),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                "{port}",
+            ]
+            for m in (0, 1)
+        ],
+    )
     assert _ranks_in(logs[0]) == {0, 1} and _ranks_in(logs[1]) == {2, 3}, logs
     assert "world size 4 (pp 2 x dp 2)" in logs[0]
     assert "rank 2 (pp 0/2, dp 1/2)" in logs[0] and "rank 3 (pp 1/2, dp 1/2)" in logs[0]
@@ -180,20 +217,39 @@ def test_slurm_script_starts_one_launcher_per_node_with_its_machine_rank(tmp_pat
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accelerate", FAKE_ACCELERATE)):
         (fake_bin / name).write_text(text)
         (fake_bin / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_BIN": str(fake_bin),
-           "RECORD": str(tmp_path), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-[07-08]",
-           "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8", "SLURM_SUBMIT_DIR": str(ROOT)}
+    env = {
+        **os.environ,
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "FAKE_BIN": str(fake_bin),
+        "RECORD": str(tmp_path),
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "gpu-[07-08]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_GPUS_ON_NODE": "8",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+    }
     recipe = "recipes/gpu_llama3_8b_vocab2_1f1b.yaml"
-    run = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), recipe, "--set",
-                          "pipeline.dp_size=2"], env=env, capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), recipe, "--set", "pipeline.dp_size=2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "2 nodes x 8 processes, main process on gpu-07:24242" in run.stdout
     for m in (0, 1):
         launch, *args = (tmp_path / f"machine{m}").read_text().split("\n")[:-1]
         assert launch == "launch"
         opts = dict(zip(args[:-6:2], args[1:-6:2]))
-        assert opts == {"--config_file": "configs/accelerate_multinode.yaml", "--num_machines": "2",
-                        "--num_processes": "16", "--machine_rank": str(m), "--main_process_ip": "gpu-07",
-                        "--main_process_port": "24242", "--rdzv_backend": "static"}, args
+        assert opts == {
+            "--config_file": "configs/accelerate_multinode.yaml",
+            "--num_machines": "2",
+            "--num_processes": "16",
+            "--machine_rank": str(m),
+            "--main_process_ip": "gpu-07",
+            "--main_process_port": "24242",
+            "--rdzv_backend": "static",
+        }, args
         assert args[-6:] == ["-m", "vp_accelerate", "train", recipe, "--set", "pipeline.dp_size=2"]
         assert (ROOT / opts["--config_file"]).is_file() and (ROOT / recipe).is_file()

@@ -36,31 +36,45 @@ def test_defaults_and_roundtrip(corpus):
     assert recipe_from_dict(recipe_to_dict(r)) == r
 
 
-@pytest.mark.parametrize("sections, message", [
-    ({"pipeline": {"microbatchs": 4}}, "pipeline.microbatchs: unknown key; did you mean microbatches?"),
-    ({"optimzer": {}}, "optimzer: unknown key; did you mean optimizer?"),
-    ({"pipeline": {"microbatches": "8"}}, "pipeline.microbatches: expected int, got str '8'"),
-    ({"pipeline": {"microbatches": 2.5}}, "pipeline.microbatches: expected int"),
-    ({"pipeline": {"method": "vocab2"}}, "pipeline.method: expected one of"),
-    ({"train": {"precision": "fp16"}}, "train.precision: expected one of 'fp32', 'bf16', got 'fp16'"),
-    ({"data": {"packing": "yes"}}, "data.packing: expected bool"),
-    ({"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]: expected float"),
-    ({"optimizer": {"lr": "fast"}}, "optimizer.lr: expected float, got str 'fast'"),
-    ({"pipeline": {"chunk_size": "big"}}, "pipeline.chunk_size: expected int"),
-    ({"train": {"global_batch": 10}, "pipeline": {"microbatches": 4}}, "train.global_batch: the per-replica batch 10"),
-    ({"train": {"global_batch": 16}, "pipeline": {"dp_size": 3}}, "train.global_batch: 16 is not divisible by pipeline.dp_size=3"),
-    ({"train": {"steps": 0}}, "train.steps: must be >= 1"),
-    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected two values"),
-    ({"data": {"files": ["/nonexistent/*.jsonl"]}}, "data.files: no file matches"),
-    ({"data": {"eval_files": ["/nowhere/demo_chat/eval.jsonl"]}},
-     "data.eval_files: no file matches '/nowhere/demo_chat/eval.jsonl'; make it with "
-     "`python scripts/make_demo_chat.py --out /nowhere/demo_chat`"),
-    ({"tokenizer": {"source": "bpe:/nonexistent/tok"}}, "tokenizer.source: '/nonexistent/tok' has no tokenizer.json"),
-    ({"model": {"source": "./no/such/dir"}}, "model.source: directory './no/such/dir' does not exist"),
-    ({"data": {"hub_id": "some/dataset"}}, "data: set exactly one of data.files"),
-    ({"data": {"streaming": True, "packing": False}}, "data.packing: false is not supported with data.streaming"),
-    ({"train": "fast"}, "train: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"pipeline": {"microbatchs": 4}}, "pipeline.microbatchs: unknown key; did you mean microbatches?"),
+        ({"optimzer": {}}, "optimzer: unknown key; did you mean optimizer?"),
+        ({"pipeline": {"microbatches": "8"}}, "pipeline.microbatches: expected int, got str '8'"),
+        ({"pipeline": {"microbatches": 2.5}}, "pipeline.microbatches: expected int"),
+        ({"pipeline": {"method": "vocab2"}}, "pipeline.method: expected one of"),
+        ({"train": {"precision": "fp16"}}, "train.precision: expected one of 'fp32', 'bf16', got 'fp16'"),
+        ({"data": {"packing": "yes"}}, "data.packing: expected bool"),
+        ({"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]: expected float"),
+        ({"optimizer": {"lr": "fast"}}, "optimizer.lr: expected float, got str 'fast'"),
+        ({"pipeline": {"chunk_size": "big"}}, "pipeline.chunk_size: expected int"),
+        (
+            {"train": {"global_batch": 10}, "pipeline": {"microbatches": 4}},
+            "train.global_batch: the per-replica batch 10",
+        ),
+        (
+            {"train": {"global_batch": 16}, "pipeline": {"dp_size": 3}},
+            "train.global_batch: 16 is not divisible by pipeline.dp_size=3",
+        ),
+        ({"train": {"steps": 0}}, "train.steps: must be >= 1"),
+        ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected two values"),
+        ({"data": {"files": ["/nonexistent/*.jsonl"]}}, "data.files: no file matches"),
+        (
+            {"data": {"eval_files": ["/nowhere/demo_chat/eval.jsonl"]}},
+            "data.eval_files: no file matches '/nowhere/demo_chat/eval.jsonl'; make it with "
+            "`python scripts/make_demo_chat.py --out /nowhere/demo_chat`",
+        ),
+        (
+            {"tokenizer": {"source": "bpe:/nonexistent/tok"}},
+            "tokenizer.source: '/nonexistent/tok' has no tokenizer.json",
+        ),
+        ({"model": {"source": "./no/such/dir"}}, "model.source: directory './no/such/dir' does not exist"),
+        ({"data": {"hub_id": "some/dataset"}}, "data: set exactly one of data.files"),
+        ({"data": {"streaming": True, "packing": False}}, "data.packing: false is not supported with data.streaming"),
+        ({"train": "fast"}, "train: expected a mapping"),
+    ],
+)
 def test_errors_name_the_key(corpus, sections, message):
     with pytest.raises(RecipeError) as e:
         recipe_from_dict(base(corpus, **sections))
@@ -73,23 +87,36 @@ def test_yaml11_float_strings_are_accepted(corpus):
 
 
 def test_overrides_are_typed(corpus):
-    r = recipe_from_dict(base(corpus), [
-        "pipeline.microbatches=2", "optimizer.lr=1e-4", "pipeline.chunk_size=null", "data.packing=false",
-        "optimizer.betas=[0.8, 0.9]", "model.source=007", "model.config.hidden_size=64",
-        "logging.run_name=run 1", "train.global_batch=4"])
+    r = recipe_from_dict(
+        base(corpus),
+        [
+            "pipeline.microbatches=2",
+            "optimizer.lr=1e-4",
+            "pipeline.chunk_size=null",
+            "data.packing=false",
+            "optimizer.betas=[0.8, 0.9]",
+            "model.source=007",
+            "model.config.hidden_size=64",
+            "logging.run_name=run 1",
+            "train.global_batch=4",
+        ],
+    )
     assert r.pipeline.microbatches == 2 and r.optimizer.lr == 1e-4 and r.pipeline.chunk_size is None
     assert r.data.packing is False and r.optimizer.betas == [0.8, 0.9]
     assert r.model.source == "007" and r.model.config == {"hidden_size": 64} and r.logging.run_name == "run 1"
 
 
-@pytest.mark.parametrize("item, message", [
-    ("pipeline.microbatchs=4", "pipeline.microbatchs: unknown key; did you mean microbatches?"),
-    ("pipeline.microbatches=four", "pipeline.microbatches: expected int, got str 'four'"),
-    ("pipeline.method=vocab-3", "pipeline.method: expected one of"),
-    ("pipeline=3", "pipeline: expected a mapping"),
-    ("train.steps.x=3", "train.steps: is a value (int or null), not a section"),
-    ("noequals", "expected key.path=value"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("pipeline.microbatchs=4", "pipeline.microbatchs: unknown key; did you mean microbatches?"),
+        ("pipeline.microbatches=four", "pipeline.microbatches: expected int, got str 'four'"),
+        ("pipeline.method=vocab-3", "pipeline.method: expected one of"),
+        ("pipeline=3", "pipeline: expected a mapping"),
+        ("train.steps.x=3", "train.steps: is a value (int or null), not a section"),
+        ("noequals", "expected key.path=value"),
+    ],
+)
 def test_override_errors(corpus, item, message):
     with pytest.raises(RecipeError) as e:
         recipe_from_dict(base(corpus), [item])
@@ -119,10 +146,12 @@ def test_shipped_recipes_validate(corpus, tmp_path):
     assert len(paths) >= 6
     for path in paths:
         out = tmp_path / "elsewhere" / os.path.basename(path)
-        r = load_recipe(path, [f"data.files=[{corpus}]", f"data.eval_files=[{corpus}]", f"logging.output_dir={out}"]
-                        + ([f"tokenizer.source=bpe:{tok}"] if "bpe:" in open(path).read() else [])
-                        + ([f"model.source={model}", f"tokenizer.source={model}"]
-                           if "./outputs" in open(path).read() else []))
+        r = load_recipe(
+            path,
+            [f"data.files=[{corpus}]", f"data.eval_files=[{corpus}]", f"logging.output_dir={out}"]
+            + ([f"tokenizer.source=bpe:{tok}"] if "bpe:" in open(path).read() else [])
+            + ([f"model.source={model}", f"tokenizer.source={model}"] if "./outputs" in open(path).read() else []),
+        )
         assert r.train.global_batch % (r.pipeline.dp_size * r.pipeline.microbatches) == 0, path
         # every output follows logging.output_dir: no recipe pins its checkpoints elsewhere
         assert r.checkpoint.dir is None and r.checkpoint.resolved_dir(str(out)) == str(out / "checkpoints"), path
@@ -132,11 +161,13 @@ def test_bad_recipe_fails_before_any_process_group(tmp_path, corpus):
     """`vp-accelerate train` exits 2 with the key path, without initialising torch.distributed."""
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"data: {{files: [{corpus}]}}\ntokenizer: {{source: qwen}}\npipeline: {{microbatchs: 4}}\n")
-    code = ("import sys, torch.distributed as dist\n"
-            "from vp_accelerate.train.commands import train_main\n"
-            f"rc = train_main([{str(bad)!r}])\n"
-            "assert not dist.is_initialized()\n"
-            "sys.exit(rc)\n")
+    code = (
+        "import sys, torch.distributed as dist\n"
+        "from vp_accelerate.train.commands import train_main\n"
+        f"rc = train_main([{str(bad)!r}])\n"
+        "assert not dist.is_initialized()\n"
+        "sys.exit(rc)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert "pipeline.microbatchs: unknown key; did you mean microbatches?" in out.stderr
@@ -148,8 +179,10 @@ def test_pipeline_section_is_the_runtime_config(corpus):
 
     from vp_accelerate.runtime import PipelineConfig
 
-    r = recipe_from_dict(base(corpus, pipeline={"layers_per_stage": [1, 3], "attn_implementation": "eager"}),
-                         ["pipeline.watchdog_dead_after_s=null", "pipeline.label_smoothing=0.1"])
+    r = recipe_from_dict(
+        base(corpus, pipeline={"layers_per_stage": [1, 3], "attn_implementation": "eager"}),
+        ["pipeline.watchdog_dead_after_s=null", "pipeline.label_smoothing=0.1"],
+    )
     assert type(r.pipeline) is PipelineConfig
     assert r.pipeline.layers_per_stage == (1, 3) and r.pipeline.attn_implementation == "eager"
     assert r.pipeline.watchdog_dead_after_s is None and r.pipeline.label_smoothing == 0.1
@@ -160,16 +193,22 @@ def test_pipeline_section_is_the_runtime_config(corpus):
     assert r.pipeline.layers_per_stage == (2, 2)
 
 
-@pytest.mark.parametrize("pipeline, message", [
-    ({"microbatches": 0}, "pipeline.microbatches: must be >= 1, got 0"),
-    ({"chunks_per_rank": 0}, "pipeline.chunks_per_rank: must be >= 1 or null, got 0"),
-    ({"label_smoothing": 1.0}, "pipeline.label_smoothing: must be in [0, 1), got 1.0"),
-    ({"layers_per_stage": [2, 0, 2]}, "pipeline.layers_per_stage: every chunk but the first and the last needs at "
-                                      "least one layer (the end chunks may hold none), got [2, 0, 2]"),
-    ({"layers_per_stage": "2,2"}, "pipeline.layers_per_stage: expected list of int, got str '2,2'"),
-    ({"watchdog_dead_after_s": 0}, "pipeline.watchdog_dead_after_s: must be > 0 or null, got 0.0"),
-    ({"schedule": "1f1c"}, "pipeline.schedule: expected one of"),
-])
+@pytest.mark.parametrize(
+    "pipeline, message",
+    [
+        ({"microbatches": 0}, "pipeline.microbatches: must be >= 1, got 0"),
+        ({"chunks_per_rank": 0}, "pipeline.chunks_per_rank: must be >= 1 or null, got 0"),
+        ({"label_smoothing": 1.0}, "pipeline.label_smoothing: must be in [0, 1), got 1.0"),
+        (
+            {"layers_per_stage": [2, 0, 2]},
+            "pipeline.layers_per_stage: every chunk but the first and the last needs at "
+            "least one layer (the end chunks may hold none), got [2, 0, 2]",
+        ),
+        ({"layers_per_stage": "2,2"}, "pipeline.layers_per_stage: expected list of int, got str '2,2'"),
+        ({"watchdog_dead_after_s": 0}, "pipeline.watchdog_dead_after_s: must be > 0 or null, got 0.0"),
+        ({"schedule": "1f1c"}, "pipeline.schedule: expected one of"),
+    ],
+)
 def test_pipeline_errors_name_the_key(corpus, pipeline, message):
     with pytest.raises(RecipeError) as e:
         recipe_from_dict(base(corpus, pipeline=pipeline))

@@ -35,8 +35,10 @@ def test_resume_names_latest_a_step_or_a_path(tmp_path):
     assert ckpt.resume_path(str(root), "2") == str(root / "step_00000002")
     assert ckpt.resume_path(str(tmp_path / "elsewhere"), str(root / "step_00000002")) == str(root / "step_00000002")
     assert ckpt.resume_path(None, str(root)) == str(root / "step_00000004")
-    with pytest.raises(ckpt.CheckpointError, match="--resume 3: no complete checkpoint .*checkpoints there: "
-                                                   "step_00000002, step_00000004"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match="--resume 3: no complete checkpoint .*checkpoints there: step_00000002, step_00000004",
+    ):
         ckpt.resume_path(str(root), "3")
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint at"):
         ckpt.resume_path(str(root), str(tmp_path / "nope"))

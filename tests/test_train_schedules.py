@@ -44,8 +44,11 @@ def test_floor_and_stable_phase():
     values, _ = lrs(LRSection(warmup_steps=10, decay="cosine_with_min_lr", min_lr_ratio=0.25))
     assert values[10] == pytest.approx(1.0) and min(values[10:]) >= 0.25 - 1e-9
     assert values[-1] == pytest.approx(0.25, abs=0.01)
-    wsd, _ = lrs(LRSection(warmup_steps=10, decay="warmup_stable_decay", min_lr_ratio=0.0,
-                           scheduler_kwargs={"num_decay_steps": 20}))
+    wsd, _ = lrs(
+        LRSection(
+            warmup_steps=10, decay="warmup_stable_decay", min_lr_ratio=0.0, scheduler_kwargs={"num_decay_steps": 20}
+        )
+    )
     assert wsd[10:80] == pytest.approx([1.0] * 70) and wsd[-1] < 0.05 and wsd[85] < wsd[80]
 
 
@@ -65,13 +68,21 @@ def test_state_round_trips_through_a_weights_only_load():
     assert resumed == pytest.approx(full[60:])
 
 
-@pytest.mark.parametrize("cfg,message", [
-    (LRSection(decay="cosine_with_min_lrr"), "lr.decay: unknown schedule 'cosine_with_min_lrr'; did you mean "
-                                             "'cosine_with_min_lr'?"),
-    (LRSection(decay="warmup_stable_decay"), "lr.scheduler_kwargs: 'warmup_stable_decay' with {}: .*num_decay_steps"),
-    (LRSection(decay="cosine", scheduler_kwargs={"num_cycles": 2}), "lr.scheduler_kwargs: 'cosine' takes none"),
-    (LRSection(decay="cosine_with_restarts", scheduler_kwargs={"cycles": 2}), "lr.scheduler_kwargs: .*cycles"),
-])
+@pytest.mark.parametrize(
+    "cfg,message",
+    [
+        (
+            LRSection(decay="cosine_with_min_lrr"),
+            "lr.decay: unknown schedule 'cosine_with_min_lrr'; did you mean 'cosine_with_min_lr'?",
+        ),
+        (
+            LRSection(decay="warmup_stable_decay"),
+            "lr.scheduler_kwargs: 'warmup_stable_decay' with {}: .*num_decay_steps",
+        ),
+        (LRSection(decay="cosine", scheduler_kwargs={"num_cycles": 2}), "lr.scheduler_kwargs: 'cosine' takes none"),
+        (LRSection(decay="cosine_with_restarts", scheduler_kwargs={"cycles": 2}), "lr.scheduler_kwargs: .*cycles"),
+    ],
+)
 def test_bad_schedules_name_the_key(cfg, message):
     with pytest.raises(RecipeError, match=message):
         check_schedule(cfg, 100)

@@ -16,11 +16,15 @@ WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello
 
 # A Llama-3-like template (BOS + headers), and one that is not prefix-stable (the last turn renders
 # differently) but marks assistant turns with {% generation %} for HF's assistant mask.
-HEADER_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}<|sep|>{{ m['content'] }}<|end|>"
-                   "{% endfor %}{% if add_generation_prompt %}<|start|>assistant<|sep|>{% endif %}")
-GENERATION_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}A: {% generation %}{{ m['content'] }}"
-                       "{% if loop.last %} END{% endif %}{% endgeneration %}\n{% else %}U: {{ m['content'] }}\n"
-                       "{% endif %}{% endfor %}{% if add_generation_prompt %}A: {% endif %}")
+HEADER_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}<|sep|>{{ m['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant<|sep|>{% endif %}"
+)
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}A: {% generation %}{{ m['content'] }}"
+    "{% if loop.last %} END{% endif %}{% endgeneration %}\n{% else %}U: {{ m['content'] }}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}A: {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +84,13 @@ def test_prompt_completion_loss_on_completion_and_eos(tok):
 
 
 def test_format_detected_from_columns():
-    kw = dict(declared="auto", text_field="text", messages_field="messages", prompt_field="prompt",
-              completion_field="completion")
+    kw = dict(
+        declared="auto",
+        text_field="text",
+        messages_field="messages",
+        prompt_field="prompt",
+        completion_field="completion",
+    )
     assert sft.detect_format(["messages", "id"], **kw)[0] == "chat"
     assert sft.detect_format(["prompt", "completion"], **kw)[0] == "prompt_completion"
     assert sft.detect_format(["text"], **kw)[0] == "text"
@@ -122,8 +131,7 @@ def test_text_keeps_classic_packing_unless_boundaries_are_asked(tok, tmp_path):
 
 
 def test_pack_documents_places_whole_documents_and_pads():
-    ids, labels, pos, dropped = pack_documents([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11]], None, 5, 0,
-                                               split_long=True)
+    ids, labels, pos, dropped = pack_documents([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11]], None, 5, 0, split_long=True)
     assert ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 0, 0, 0, 0]]
     assert pos.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4], [0, 0, 1, 2, 3]]
     assert labels.tolist() == [[-100, 2, 3, -100, 5], [-100, 7, 8, 9, 10], [-100] * 5] and dropped == 0
@@ -132,12 +140,15 @@ def test_pack_documents_places_whole_documents_and_pads():
     assert ids.tolist() == [[1, 2, 3, 0, 0]] and labels.tolist() == [[-100, 2, 3, -100, -100]] and dropped == 1
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"prompt": "a", "completion": "b"}, r"has no 'messages'"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}, r"unknown role 'bot'"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, r"no assistant turn"),
-    ({"messages": "hello"}, r"non-empty list of turns"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "a", "completion": "b"}, r"has no 'messages'"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}, r"unknown role 'bot'"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, r"no assistant turn"),
+        ({"messages": "hello"}, r"non-empty list of turns"),
+    ],
+)
 def test_bad_chat_rows_name_file_and_row(tok, tmp_path, row, message):
     rng = np.random.default_rng(4)
     good = [{"messages": _chat(rng)} for _ in range(40)]
@@ -147,8 +158,9 @@ def test_bad_chat_rows_name_file_and_row(tok, tmp_path, row, message):
         build_data(cfg, tok, len(tok), 0, 4)
     cfg.skip_invalid = True
     train, _ = build_data(cfg, tok, len(tok), 0, 4)
-    clean, _ = build_data(DataSection(files=[_write(tmp_path / "clean.jsonl", good)], seq_len=192, eval_holdout=0.0),
-                          tok, len(tok), 0, 4)
+    clean, _ = build_data(
+        DataSection(files=[_write(tmp_path / "clean.jsonl", good)], seq_len=192, eval_holdout=0.0), tok, len(tok), 0, 4
+    )
     assert np.array_equal(train.seqs.ids, clean.seqs.ids)  # the bad row is gone, nothing else
 
 
@@ -179,15 +191,31 @@ def test_check_states_the_format_and_the_template(tok, tmp_path, capsys):
     rng = np.random.default_rng(6)
     chat = _write(tmp_path / "chat.jsonl", [{"messages": _chat(rng)} for _ in range(12)])
     pc = _write(tmp_path / "pc.jsonl", [{"prompt": "a ", "completion": "b"}] * 64)
-    for files, expected in (([chat], "data format chat (detected from column 'messages'); chat template: ChatML "
-                                     "default (the tokenizer has none); loss on assistant turns only; packed "
-                                     "keeping document boundaries"),
-                            ([pc], "data format prompt_completion (detected from columns 'prompt' and "
-                                   "'completion'); loss on completions only")):
+    for files, expected in (
+        (
+            [chat],
+            "data format chat (detected from column 'messages'); chat template: ChatML "
+            "default (the tokenizer has none); loss on assistant turns only; packed "
+            "keeping document boundaries",
+        ),
+        (
+            [pc],
+            "data format prompt_completion (detected from columns 'prompt' and 'completion'); loss on completions only",
+        ),
+    ):
         path = tmp_path / "r.yaml"
-        path.write_text(yaml.safe_dump({"model": {"source": "llama-tiny"}, "tokenizer": {"source": str(tok_dir)},
-                                        "data": {"files": files, "seq_len": 64}, "pipeline": {"microbatches": 2},
-                                        "train": {"global_batch": 2}, "eval": {"batches": 0}}))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "model": {"source": "llama-tiny"},
+                    "tokenizer": {"source": str(tok_dir)},
+                    "data": {"files": files, "seq_len": 64},
+                    "pipeline": {"microbatches": 2},
+                    "train": {"global_batch": 2},
+                    "eval": {"batches": 0},
+                }
+            )
+        )
         assert train_main([str(path), "--check", "--world-size", "2"]) == 0
         assert expected in capsys.readouterr().err
 

@@ -8,8 +8,13 @@ import pytest
 from vp_accelerate.train.optim import lr_factor
 from vp_accelerate.train.tokenizer import convert_qwen, load_tokenizer, train_bpe
 
-TEXT = ["Hello world, this is a tiny corpus.", "Привет, мир! Это маленький корпус.", "你好，世界。这是一个小语料库。",
-        "مرحبا بالعالم", "Γειά σου κόσμε"] * 40
+TEXT = [
+    "Hello world, this is a tiny corpus.",
+    "Привет, мир! Это маленький корпус.",
+    "你好，世界。这是一个小语料库。",
+    "مرحبا بالعالم",
+    "Γειά σου κόσμε",
+] * 40
 
 
 def test_train_bpe_tiny(tmp_path):

@@ -17,19 +17,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.tiny import tiny_config
 from vp_accelerate.models import StageLayout, assemble_state_dict, build_rank, save_hf
 from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
 from vp_accelerate.models.row_map import COMPOSED, COPY, MEAN, RowMap
-from helpers.tiny import tiny_config
 from vp_accelerate.train.recipe import ModelSection, Recipe, RecipeError, TokenizerSection
 from vp_accelerate.train.token_map import token_bytes
 from vp_accelerate.train.tokenizer import EOS, PAD, train_bpe
 from vp_accelerate.train.vocab_plan import plan_vocab, tokenizer_source
 from vp_accelerate.vocab.partition import VocabPartition
 
-WORDS = {"en": "the cat sat on a mat and then it ran far away from home".split(),
-         "ru": "кот сидел на коврике потом убежал далеко от дома".split(),
-         "el": "η γάτα κάθισε στο χαλί και μετά έφυγε μακριά".split()}
+WORDS = {
+    "en": "the cat sat on a mat and then it ran far away from home".split(),
+    "ru": "кот сидел на коврике потом убежал далеко от дома".split(),
+    "el": "η γάτα κάθισε στο χαλί και μετά έφυγε μακριά".split(),
+}
 
 
 def sentences(rng: random.Random, n: int) -> list[str]:
@@ -38,7 +40,7 @@ def sentences(rng: random.Random, n: int) -> list[str]:
     for _ in range(n):
         words = WORDS[rng.choice(sorted(WORDS))]
         start = rng.randrange(len(words) - 4)
-        out.append(" ".join(words[start:start + rng.randint(4, len(words) - start)]) + ".")
+        out.append(" ".join(words[start : start + rng.randint(4, len(words) - start)]) + ".")
     return out
 
 
@@ -58,14 +60,19 @@ def corpora(tmp_path_factory):
 
 
 def recipe(model_source, tok_source=None, **tok):
-    return Recipe(model=ModelSection(source=str(model_source)),
-                  tokenizer=TokenizerSection(source=None if tok_source is None else str(tok_source), **tok))
+    return Recipe(
+        model=ModelSection(source=str(model_source)),
+        tokenizer=TokenizerSection(source=None if tok_source is None else str(tok_source), **tok),
+    )
 
 
 def save_model(path, tokenizer, tie=False, seed=0, **cfg):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=cfg.pop("vocab_size", len(tokenizer)),
-                                                         hidden_size=64, num_layers=2, tie=tie, **cfg))
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(
+            "llama", vocab_size=cfg.pop("vocab_size", len(tokenizer)), hidden_size=64, num_layers=2, tie=tie, **cfg
+        )
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model
@@ -77,19 +84,19 @@ def build_and_export(source, out_dir, ranks=2):
     part = VocabPartition(source.config.vocab_size, ranks)
     rms = [build_rank(source, layout, r, "vocab", part) for r in range(ranks)]
     sds = [{n: t for n, t in rm.state_dict().items() if not rm.is_duplicate(n)} for rm in rms]
-    return AutoModelForCausalLM.from_pretrained(save_hf(assemble_state_dict(sds, rms[0].vocab_size,
-                                                                            rms[0].sharded_names), rms[0].config,
-                                                        out_dir))
+    return AutoModelForCausalLM.from_pretrained(
+        save_hf(assemble_state_dict(sds, rms[0].vocab_size, rms[0].sharded_names), rms[0].config, out_dir)
+    )
 
 
 def swap_source(model_dir, old_tok, new_tok, by_token=True, **tok):
     r = recipe(model_dir, "other", **tok)
     if not by_token:
         r.tokenizer.remap = "by_id"
-    plan = plan_vocab(r, len(old_tok), new_tok, True,
-                      old_tok if by_token else None)
-    src = CheckpointSource.from_dir(model_dir, vocab_size=plan.rows_after,
-                                    row_map=plan.row_map or RowMap.identity(plan.rows_after, len(old_tok)))
+    plan = plan_vocab(r, len(old_tok), new_tok, True, old_tok if by_token else None)
+    src = CheckpointSource.from_dir(
+        model_dir, vocab_size=plan.rows_after, row_map=plan.row_map or RowMap.identity(plan.rows_after, len(old_tok))
+    )
     share_vocab_means(src, 0, 1)
     return plan, src
 
@@ -133,15 +140,28 @@ def test_check_prints_the_vocabulary_decision(tmp_path, corpora, capsys):
     save_model(tmp_path / "m", tok_a, vocab_size=len(tok_a) + 4)
     texts = sentences(random.Random(1), 50)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    (tmp_path / "r.yaml").write_text(json.dumps({"model": {"source": str(tmp_path / "m")},
-                                                 "data": {"files": [str(tmp_path / "data.jsonl")], "seq_len": 32},
-                                                 "train": {"global_batch": 8}, "eval": {"batches": 0}}))
+    (tmp_path / "r.yaml").write_text(
+        json.dumps(
+            {
+                "model": {"source": str(tmp_path / "m")},
+                "data": {"files": [str(tmp_path / "data.jsonl")], "seq_len": 32},
+                "train": {"global_batch": 8},
+                "eval": {"batches": 0},
+            }
+        )
+    )
     assert train_main([str(tmp_path / "r.yaml"), "--check", "--world-size", "2"]) == 0
     err = capsys.readouterr().err
-    assert f"vocabulary: tokenizer {len(tok_a):,} tokens, rows {len(tok_a) + 4:,} -> {len(tok_a) + 4:,} " \
-           f"(4 rows past the tokenizer) [keep]" in err
-    assert train_main([str(tmp_path / "r.yaml"), "--check", "--world-size", "2",
-                       "--set", f"tokenizer.source=bpe:{d / 'tok_b'}"]) == 0
+    assert (
+        f"vocabulary: tokenizer {len(tok_a):,} tokens, rows {len(tok_a) + 4:,} -> {len(tok_a) + 4:,} "
+        f"(4 rows past the tokenizer) [keep]" in err
+    )
+    assert (
+        train_main(
+            [str(tmp_path / "r.yaml"), "--check", "--world-size", "2", "--set", f"tokenizer.source=bpe:{d / 'tok_b'}"]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert f"rows {len(tok_a) + 4:,} -> {len(tok_b):,} (0 rows past the tokenizer) [swap]" in err
     counts = plan_vocab(recipe(tmp_path / "m", "b"), len(tok_a) + 4, tok_b, True, tok_a).counts()
@@ -159,8 +179,10 @@ def test_swap_copies_shared_tokens_exactly_and_composes_new_ones(tmp_path, corpo
     old_b, _ = token_bytes(tok_a)
     new_b, new_special = token_bytes(tok_b)
     by_bytes = {b: i for i, b in reversed(list(enumerate(old_b)))}
-    mats = [(back.get_input_embeddings().weight, ref.get_input_embeddings().weight),
-            (back.get_output_embeddings().weight, ref.get_output_embeddings().weight)]
+    mats = [
+        (back.get_input_embeddings().weight, ref.get_input_embeddings().weight),
+        (back.get_output_embeddings().weight, ref.get_output_embeddings().weight),
+    ]
     assert back.config.tie_word_embeddings == tie
     m = plan.row_map
     copied = composed = 0
@@ -171,7 +193,7 @@ def test_swap_copies_shared_tokens_exactly_and_composes_new_ones(tmp_path, corpo
                 assert torch.equal(got[i], old[by_bytes[b]]), (i, b)
             copied += 1
         elif m.kind[i] == COMPOSED:  # its text, split by the OLD tokenizer: the mean of those rows
-            pieces = m.idx[m.ptr[i]:m.ptr[i + 1]].tolist()
+            pieces = m.idx[m.ptr[i] : m.ptr[i + 1]].tolist()
             assert b"".join(old_b[p] for p in pieces) == b
             if b.decode("utf-8", "ignore").encode() == b:
                 assert pieces == tok_a(b.decode(), add_special_tokens=False)["input_ids"]
@@ -189,7 +211,7 @@ def lm_loss(model, tok, texts) -> float:
     ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
     flat = torch.tensor([i for row in ids for i in row])
     n = len(flat) // 32
-    batch = flat[:n * 32].view(n, 32)
+    batch = flat[: n * 32].view(n, 32)
     with torch.no_grad():
         return model(input_ids=batch, labels=batch).loss.item()
 
@@ -197,7 +219,7 @@ def lm_loss(model, tok, texts) -> float:
 def without_composition(row_map: RowMap) -> RowMap:
     """The same map with every composed row replaced by the overall mean (what a plain resize gives)."""
     m = row_map
-    sources = [[] if m.kind[i] == COMPOSED else m.idx[m.ptr[i]:m.ptr[i + 1]].tolist() for i in range(m.num_rows)]
+    sources = [[] if m.kind[i] == COMPOSED else m.idx[m.ptr[i] : m.ptr[i + 1]].tolist() for i in range(m.num_rows)]
     return RowMap.from_lists(sources, m.source_rows, [MEAN if k == COMPOSED else int(k) for k in m.kind])
 
 
@@ -225,8 +247,9 @@ def test_swap_keeps_what_a_trained_model_learned(tmp_path, corpora):
     def loss_after(tok, by_token=True, compose=True):
         plan, src = swap_source(tmp_path / "m", tok_a, tok, by_token)
         if not compose:
-            src = CheckpointSource.from_dir(tmp_path / "m", vocab_size=plan.rows_after,
-                                            row_map=without_composition(plan.row_map))
+            src = CheckpointSource.from_dir(
+                tmp_path / "m", vocab_size=plan.rows_after, row_map=without_composition(plan.row_map)
+            )
         return lm_loss(build_and_export(src, tmp_path / "out"), tok, fresh)
 
     # B: as large as A, other data, other special tokens (ids shifted): most tokens are shared
@@ -250,8 +273,11 @@ def test_a_hub_model_is_snapshotted_once_then_read_per_rank(tmp_path, monkeypatc
     d, tok_a, *_ = corpora
     save_model(tmp_path / "snap", tok_a)
     calls = []
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo, allow_patterns: calls.append((repo, allow_patterns)) or str(tmp_path / "snap"))
+    monkeypatch.setattr(
+        huggingface_hub,
+        "snapshot_download",
+        lambda repo, allow_patterns: calls.append((repo, allow_patterns)) or str(tmp_path / "snap"),
+    )
     assert local_model_dir("org/model") == str(tmp_path / "snap")
     assert calls[0][0] == "org/model" and {"*.json", "*.safetensors"} <= set(calls[0][1])
     assert local_model_dir(str(tmp_path / "snap")) == str(tmp_path / "snap") and len(calls) == 1

@@ -11,8 +11,12 @@ PART = VocabPartition(10, 2)  # shard_size 5
 
 
 def _inputs(n=6, h=4, dtype=torch.float32):
-    return (torch.randn(n, h, dtype=dtype), torch.randint(0, 10, (n,)), torch.full((n,), 1.0 / n),
-            torch.randn(5, h, dtype=dtype))
+    return (
+        torch.randn(n, h, dtype=dtype),
+        torch.randint(0, 10, (n,)),
+        torch.full((n,), 1.0 / n),
+        torch.randn(5, h, dtype=dtype),
+    )
 
 
 def test_label_out_of_range_names_position_and_value():

@@ -26,22 +26,23 @@ def _modules_errors(seed: int) -> list[float]:
             prob = make_problem(VerifyCase(vocab_size=77, hidden=16, tokens=24, tied=tied, opts=opts), seed)
             emb = VocabParallelEmbedding(77, 16, pad_multiple=8)
             emb.load_full_weight(prob["emb"])
-            head = VocabParallelLMHeadLoss(77, 16, options=opts, pad_multiple=8,
-                                           weight=emb.weight if tied else None)
+            head = VocabParallelLMHeadLoss(77, 16, options=opts, pad_multiple=8, weight=emb.weight if tied else None)
             if not tied:
                 head.load_full_weight(prob["weight"])
             x0 = prob["x0"].clone().requires_grad_(True)
             ids, labels = prob["ids"].view(4, 6), prob["labels"].view(4, 6)  # [batch, seq] shapes
             loss = head(x0.view(4, 6, 16) + emb(ids), labels)
             loss.backward()
-            ref = reference(prob["x0"], prob["ids"], prob["labels"], prob["emb"], prob["weight"],
-                            opts.label_smoothing)
+            ref = reference(prob["x0"], prob["ids"], prob["labels"], prob["emb"], prob["weight"], opts.label_smoothing)
             start, _ = emb.partition.shard_range(rank)
             n = emb.partition.valid_rows(rank)
-            errors += [abs(loss.item() - ref.loss.item()) / ref.loss.item(), _rel(x0.grad, ref.grad_x),
-                       _rel(emb.weight.grad[:n], ref.grad_e[start:start + n])]
+            errors += [
+                abs(loss.item() - ref.loss.item()) / ref.loss.item(),
+                _rel(x0.grad, ref.grad_x),
+                _rel(emb.weight.grad[:n], ref.grad_e[start : start + n]),
+            ]
             if not tied:
-                errors.append(_rel(head.weight.grad[:n], ref.grad_w[start:start + n]))
+                errors.append(_rel(head.weight.grad[:n], ref.grad_w[start : start + n]))
             assert torch.count_nonzero(emb.weight.grad[n:]) == 0, "padding rows got a gradient"
     return errors
 

@@ -24,14 +24,29 @@ def cases(p: int) -> list[VerifyCase]:
                 out.append(VerifyCase(vocab_size=V, microbatches=2, opts=Opts(algo, memory, chunk)))
         # label smoothing; softcap + logit scale; everything at once with tied weights and padded shards
         out.append(VerifyCase(vocab_size=V, opts=Opts(algo, "store", 16, label_smoothing=0.1)))
-        out.append(VerifyCase(vocab_size=V, microbatches=2,
-                              opts=Opts(algo, "recompute", None, softcap=4.0, logit_scale=0.6)))
-        out.append(VerifyCase(vocab_size=V, tied=True, pad_multiple=16, microbatches=2,
-                              opts=Opts(algo, "store", 5, label_smoothing=0.2, softcap=6.0, logit_scale=1.3)))
+        out.append(
+            VerifyCase(vocab_size=V, microbatches=2, opts=Opts(algo, "recompute", None, softcap=4.0, logit_scale=0.6))
+        )
+        out.append(
+            VerifyCase(
+                vocab_size=V,
+                tied=True,
+                pad_multiple=16,
+                microbatches=2,
+                opts=Opts(algo, "store", 5, label_smoothing=0.2, softcap=6.0, logit_scale=1.3),
+            )
+        )
         out.append(VerifyCase(vocab_size=V, tied=True, opts=Opts(algo, "recompute", 9)))
         # an output bias sharded with the rows (Phi), with padded shards, chunks and every transform
-        out.append(VerifyCase(vocab_size=V, bias=True, pad_multiple=16, microbatches=2,
-                              opts=Opts(algo, "store", 7, label_smoothing=0.1, softcap=5.0, logit_scale=0.8)))
+        out.append(
+            VerifyCase(
+                vocab_size=V,
+                bias=True,
+                pad_multiple=16,
+                microbatches=2,
+                opts=Opts(algo, "store", 7, label_smoothing=0.1, softcap=5.0, logit_scale=0.8),
+            )
+        )
         out.append(VerifyCase(vocab_size=V, bias=True, tied=True, opts=Opts(algo, "recompute")))
         # shards that are pure padding on 4 ranks (V=9 split 4/4/1/0), and a microbatch with no valid label
         out.append(VerifyCase(vocab_size=9, pad_multiple=4, microbatches=2, opts=Opts(algo, "recompute", 3)))

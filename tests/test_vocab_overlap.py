@@ -18,15 +18,28 @@ import torch.distributed as dist
 
 from vp_accelerate.distributed import spawn
 from vp_accelerate.vocab.embedding import embed_partial, ib_broadcast, if_reduce
-from vp_accelerate.vocab.output_layer import (OutputLayerOptions, broadcast_x, c1, c2, s_pass, t_pass,
-                                              token_mean_grad_scale)
+from vp_accelerate.vocab.output_layer import (
+    OutputLayerOptions,
+    broadcast_x,
+    c1,
+    c2,
+    s_pass,
+    t_pass,
+    token_mean_grad_scale,
+)
 from vp_accelerate.vocab.partition import VocabPartition, shard_tensor
 
 BUSY_S = 1.0
 BOUND_S = 0.1
 ATTEMPTS = 3
-CASES = [("vocab-2", "C1"), ("vocab-1", "C1"), ("vocab-1", "C2"), ("vocab-2", "C0"),
-         ("vocab-2", "IF_REDUCE"), ("vocab-1", "IB_BCAST")]
+CASES = [
+    ("vocab-2", "C1"),
+    ("vocab-1", "C1"),
+    ("vocab-1", "C2"),
+    ("vocab-2", "C0"),
+    ("vocab-2", "IF_REDUCE"),
+    ("vocab-1", "IB_BCAST"),
+]
 N, H, V = 8, 4, 29
 
 
@@ -126,8 +139,10 @@ def test_a_busy_rank_does_not_delay_the_others(world_size):
             assert times[busy][1] - times[busy][0] >= BUSY_S
         best = min(_late(times, busy) for times in tries)
         if best > BOUND_S:
-            late.append(f"{case}: the other ranks' waits ended {[round(_late(t, busy), 3) for t in tries]} s "
-                        f"after the last issue (bound {BOUND_S} s, busy rank {busy} slept {BUSY_S} s)")
+            late.append(
+                f"{case}: the other ranks' waits ended {[round(_late(t, busy), 3) for t in tries]} s "
+                f"after the last issue (bound {BOUND_S} s, busy rank {busy} slept {BUSY_S} s)"
+            )
     assert not late, "\n".join(late)
 
 

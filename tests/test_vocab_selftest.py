@@ -7,8 +7,9 @@ from vp_accelerate.vocab import selftest
 
 def test_selftest_json_and_exit_status(capsys):
     # Tolerance 0 must fail (any float32 rounding exceeds it) while the errors are far under the default.
-    rc = selftest.main(["--nproc", "2", "--json", "--vocab", "61", "--hidden", "16", "--tokens", "24",
-                        "--tolerance", "0"])
+    rc = selftest.main(
+        ["--nproc", "2", "--json", "--vocab", "61", "--hidden", "16", "--tokens", "24", "--tolerance", "0"]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 1 and out["passed"] is False
     assert set(out["max_rel_error"]) == {"naive", "vocab-1", "vocab-2"}

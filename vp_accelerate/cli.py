@@ -13,13 +13,19 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("vp_accelerate.train.commands", "train_main", "train from a recipe (run under accelerate launch)"),
     "export": ("vp_accelerate.train.commands", "export_main", "turn a checkpoint into an HF model directory"),
-    "launch": ("vp_accelerate.train.launch_command", "launch_main",
-               "accelerate launch ... train RECIPE, exiting 2 on a user error (one line, no launcher traceback)"),
+    "launch": (
+        "vp_accelerate.train.launch_command",
+        "launch_main",
+        "accelerate launch ... train RECIPE, exiting 2 on a user error (one line, no launcher traceback)",
+    ),
     "selftest": ("vp_accelerate.vocab.selftest", "main", "check the vocabulary-parallel math on N ranks"),
     "simulate": ("vp_accelerate.sim.commands", "simulate_main", "simulate a schedule: step time, MFU, memory"),
     "plot-schedule": ("vp_accelerate.sim.commands", "plot_schedule_main", "draw a schedule's timeline as PNG"),
-    "plan": ("vp_accelerate.train.plan_command", "plan_main",
-             "the fastest layouts of a model on N GPUs (schedule, method, pp x dp, microbatches, memory)"),
+    "plan": (
+        "vp_accelerate.train.plan_command",
+        "plan_main",
+        "the fastest layouts of a model on N GPUs (schedule, method, pp x dp, microbatches, memory)",
+    ),
     "bench": ("vp_accelerate.bench.run", "bench_main", "benchmark methods side by side on local ranks"),
 }
 

@@ -49,9 +49,11 @@ def local_device(strict: bool | None = None) -> torch.device:
             torch.cuda.set_device(index)
             return torch.device("cuda", index)
         if strict:
-            raise RuntimeError(f"LOCAL_RANK={index} but this machine shows {count} CUDA device(s): start at most "
-                               f"{count} processes per machine (--nproc_per_node / --num_processes), or make more "
-                               f"GPUs visible (CUDA_VISIBLE_DEVICES)")
+            raise RuntimeError(
+                f"LOCAL_RANK={index} but this machine shows {count} CUDA device(s): start at most "
+                f"{count} processes per machine (--nproc_per_node / --num_processes), or make more "
+                f"GPUs visible (CUDA_VISIBLE_DEVICES)"
+            )
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -59,8 +61,19 @@ class RankFailed(RuntimeError):
     """Raised in the parent when one or more spawned ranks raised; names each failing rank."""
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
-            backend: str, timeout_s: float, threads: int, results, env: dict) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    backend: str,
+    timeout_s: float,
+    threads: int,
+    results,
+    env: dict,
+) -> None:
     os.environ.clear()  # the caller's environment now, not the fork server's of when it started
     os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -72,8 +85,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     try:
         if backend == "nccl":  # this rank's GPU, before the group (NCCL builds on the current device)
             local_device(strict=True)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         out = fn(*args, **kwargs)
         # plain pickle copies tensor data in-band; torch's queue would share file descriptors, which
         # die with this process before the parent reads them
@@ -93,8 +105,13 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
 # What a fork server imports once, so that each spawned rank starts in a fraction of a second instead of
 # importing torch and transformers anew (seconds per rank). Nothing here creates threads or touches a
 # device, so forking from it is safe.
-_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
-            "vp_accelerate.runtime"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "vp_accelerate.runtime",
+]
 
 
 def _context():
@@ -110,8 +127,15 @@ def _context():
     return ctx
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0,
-          threads: int = 1, **kwargs: Any) -> list[Any]:
+def spawn(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    threads: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` fresh processes joined in one process group.
 
     `fn` must be a module-level function (it is pickled). Returns the list of per-rank return values
@@ -121,10 +145,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", time
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, fn, args, kwargs, backend, timeout_s, threads, results,
-                               dict(os.environ)))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            daemon=True,
+            args=(r, world_size, port, fn, args, kwargs, backend, timeout_s, threads, results, dict(os.environ)),
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outs: dict[int, Any] = {}
@@ -138,8 +166,11 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", time
         try:
             rank, status, value = results.get(timeout=1.0)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
-                    and r not in outs and r not in errors]
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if not p.is_alive() and p.exitcode not in (0, None) and r not in outs and r not in errors
+            ]
             for r in dead:
                 errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
             if errors:

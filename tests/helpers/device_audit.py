@@ -74,7 +74,9 @@ class HostTagMode(TorchFunctionMode):
         if func is torch.Tensor.cpu:
             src = args[0]
             return _tag(out.clone() if out is src else out, True)  # a real .cpu() copies a GPU tensor
-        if func in (torch.Tensor.to, torch.Tensor.cuda) and (func is torch.Tensor.cuda or _has_device_arg(args, kwargs)):
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and (
+            func is torch.Tensor.cuda or _has_device_arg(args, kwargs)
+        ):
             src = args[0]
             if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], torch.Tensor):
                 moved_host = is_host(args[1])
@@ -90,8 +92,21 @@ class HostTagMode(TorchFunctionMode):
         return out
 
 
-_TENSOR_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv")
+_TENSOR_OPS = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+)
 _P2P = ("isend", "irecv")  # patched in c10d too: P2POp checks `op in [isend, irecv]` against c10d's names
 _OBJECT_OPS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
 
@@ -112,8 +127,16 @@ class CollectiveAudit:
         kind = self._kind(group)
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self.records.append({"op": op, "group": kind, "device": str(t.device), "host_tag": is_host(t),
-                                     "shape": tuple(t.shape), "at": _caller()})
+                self.records.append(
+                    {
+                        "op": op,
+                        "group": kind,
+                        "device": str(t.device),
+                        "host_tag": is_host(t),
+                        "shape": tuple(t.shape),
+                        "at": _caller(),
+                    }
+                )
 
     @staticmethod
     def _group(args, kwargs, position: int):
@@ -123,17 +146,41 @@ class CollectiveAudit:
 
     def _wrap(self, name: str, orig):
         audit = self
-        group_pos = {"all_reduce": 2, "broadcast": 2, "reduce": 3, "all_gather": 2, "all_gather_into_tensor": 2,
-                     "reduce_scatter": 3, "reduce_scatter_tensor": 3, "all_to_all": 2, "all_to_all_single": 4,
-                     "gather": 3, "scatter": 3, "send": 2, "recv": 2, "isend": 2, "irecv": 2,
-                     "all_gather_object": 2, "gather_object": 3, "broadcast_object_list": 2,
-                     "scatter_object_list": 3}[name]
+        group_pos = {
+            "all_reduce": 2,
+            "broadcast": 2,
+            "reduce": 3,
+            "all_gather": 2,
+            "all_gather_into_tensor": 2,
+            "reduce_scatter": 3,
+            "reduce_scatter_tensor": 3,
+            "all_to_all": 2,
+            "all_to_all_single": 4,
+            "gather": 3,
+            "scatter": 3,
+            "send": 2,
+            "recv": 2,
+            "isend": 2,
+            "irecv": 2,
+            "all_gather_object": 2,
+            "gather_object": 3,
+            "broadcast_object_list": 2,
+            "scatter_object_list": 3,
+        }[name]
 
         def wrapper(*args, **kwargs):
             group = audit._group(args, kwargs, group_pos)
             if name in _OBJECT_OPS:
-                audit.records.append({"op": name, "group": audit._kind(group), "device": "object",
-                                      "host_tag": False, "shape": (), "at": _caller()})
+                audit.records.append(
+                    {
+                        "op": name,
+                        "group": audit._kind(group),
+                        "device": "object",
+                        "host_tag": False,
+                        "shape": (),
+                        "at": _caller(),
+                    }
+                )
             else:
                 tensors = [a for a in tree_flatten((args[:2], kwargs.get("tensor"), kwargs.get("tensor_list")))[0]]
                 audit._note(name, tensors, group)
@@ -189,8 +236,9 @@ class CollectiveAudit:
                     out.append(f"{r['at']}: {r['op']}, an object collective on a device group (use a host group)")
                 elif r["device"] != str(self.device) or r["host_tag"]:
                     where = "a host tensor" if r["host_tag"] else f"a tensor on {r['device']}"
-                    out.append(f"{r['at']}: {r['op']}, {where} of shape {r['shape']} on a device group "
-                               f"(device {self.device})")
+                    out.append(
+                        f"{r['at']}: {r['op']}, {where} of shape {r['shape']} on a device group (device {self.device})"
+                    )
             elif r["device"] not in ("object", "cpu"):
                 out.append(f"{r['at']}: {r['op']}, a tensor on {r['device']} on a host (gloo) group")
         return out

@@ -10,19 +10,26 @@ from __future__ import annotations
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox", "cohere", "granite")
 
 
-def tiny_config(family: str, *, vocab_size: int = 257, hidden_size: int = 32, num_layers: int = 4,
-                tie: bool | None = None, **overrides):
+def tiny_config(
+    family: str,
+    *,
+    vocab_size: int = 257,
+    hidden_size: int = 32,
+    num_layers: int = 4,
+    tie: bool | None = None,
+    **overrides,
+):
     """A small `PretrainedConfig` of `family` (vocabulary not divisible by 2 or 3 by default).
 
     `tie` sets tie_word_embeddings (None keeps the family default); `overrides` go to the config.
     """
     from transformers import AutoConfig
 
-    kw: dict = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                    num_attention_heads=4)
+    kw: dict = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4)
     if family not in ("gpt2", "gpt_neox"):
-        kw.update(intermediate_size=2 * hidden_size, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2)
+        kw.update(
+            intermediate_size=2 * hidden_size, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        )
     if family == "gpt2":
         kw.update(n_positions=64, bos_token_id=1, eos_token_id=2)
     if family == "gpt_neox":
@@ -50,6 +57,14 @@ def tiny_llama(vocab_size: int, *, tied: bool = False, num_layers: int = 8, hidd
     `num_layers` layers (8 split into 2 or 4 stages, or 2 chunks on each of 4 ranks)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=64, tie_word_embeddings=tied, **overrides)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        **overrides,
+    )

@@ -65,9 +65,14 @@ def llama_config(cfg: BenchConfig, vocab: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate or 4 * cfg.hidden,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
-        max_position_embeddings=max(cfg.seq, 128), tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate or 4 * cfg.hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads,
+        max_position_embeddings=max(cfg.seq, 128),
+        tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
 

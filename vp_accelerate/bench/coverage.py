@@ -28,14 +28,38 @@ import torch
 from vp_accelerate.models.families import check_supported, decoder_families
 
 #: Shape every tiny config gets, where the family's config has the field.
-TINY = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            # mixture of experts: 4 experts, 2 per token, small expert MLPs, one shared expert
-            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_topk=2,
-            moe_intermediate_size=32, shared_expert_intermediate_size=32, n_shared_experts=1, n_group=1,
-            topk_group=1, first_k_dense_replace=1, decoder_sparse_step=1, mlp_only_layers=[],
-            # multi-head latent attention (DeepSeek-V2/V3 style)
-            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+TINY = dict(
+    vocab_size=101,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    # mixture of experts: 4 experts, 2 per token, small expert MLPs, one shared expert
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_topk=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    # multi-head latent attention (DeepSeek-V2/V3 style)
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+)
 
 #: Per-family corrections of TINY (fields the family names differently, or shapes it constrains).
 OVERRIDES: dict[str, dict] = {
@@ -46,14 +70,29 @@ OVERRIDES: dict[str, dict] = {
     "gemma2": dict(head_dim=16, sliding_window=5, final_logit_softcapping=0.5, attn_logit_softcapping=2.0),
     "gemma3_text": dict(head_dim=16, sliding_window=5, sliding_window_pattern=2),
     # sliding layers with their own rotary frequencies (the rotary embedding takes the layer type)
-    "olmo3": dict(sliding_window=5, rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1e4),
-                                                     "full_attention": dict(rope_type="default", rope_theta=5e5)}),
-    "beam": dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
-                 rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1e4),
-                                  "full_attention": dict(rope_type="default", rope_theta=5e5)}),
-    "cohere_compass_text": dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
-                                rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1e4),
-                                                 "full_attention": dict(rope_type="default", rope_theta=5e5)}),
+    "olmo3": dict(
+        sliding_window=5,
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            "full_attention": dict(rope_type="default", rope_theta=5e5),
+        },
+    ),
+    "beam": dict(
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            "full_attention": dict(rope_type="default", rope_theta=5e5),
+        },
+    ),
+    "cohere_compass_text": dict(
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            "full_attention": dict(rope_type="default", rope_theta=5e5),
+        },
+    ),
     "mistral": dict(sliding_window=5),
     "granite": dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3),
     "cohere": dict(logit_scale=0.5),
@@ -61,9 +100,22 @@ OVERRIDES: dict[str, dict] = {
 }
 
 #: Config fields that are dropout probabilities (zeroed: an exact comparison needs dropout off).
-DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout",
-                  "residual_dropout", "embedding_dropout", "summary_first_dropout", "classifier_dropout",
-                  "mlp_dropout", "dropout", "ffn_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob")
+DROPOUT_FIELDS = (
+    "attention_dropout",
+    "attn_pdrop",
+    "resid_pdrop",
+    "embd_pdrop",
+    "hidden_dropout",
+    "residual_dropout",
+    "embedding_dropout",
+    "summary_first_dropout",
+    "classifier_dropout",
+    "mlp_dropout",
+    "dropout",
+    "ffn_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+)
 
 SEQ = (4, 10)  # (batch, sequence) of the compared step; 2 microbatches of 2 rows
 METHODS = ("vocab-2", "baseline")
@@ -143,18 +195,23 @@ def _batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _screen(ckpt: str) -> None:
     """Build both ranks of both placements from the checkpoint and run one forward in this process: a family
     that crashes fails here, alone, instead of stopping the 2-rank run of every family with it."""
-    from vp_accelerate.vocab.partition import VocabPartition
-
     from vp_accelerate.models.build import build_rank, resolve_config
     from vp_accelerate.models.layout import StageLayout
+    from vp_accelerate.vocab.partition import VocabPartition
 
     cfg = resolve_config(ckpt)
     layout = StageLayout.one_per_rank(cfg.num_hidden_layers, 2)
     for r in range(2):
-        build_rank(ckpt, layout, r, "vocab", VocabPartition(cfg.vocab_size, 2), dtype=torch.float64,
-                   attn_implementation="eager")
-    rms = [build_rank(ckpt, layout, r, "baseline", dtype=torch.float64, attn_implementation="eager")
-           for r in range(2)]
+        build_rank(
+            ckpt,
+            layout,
+            r,
+            "vocab",
+            VocabPartition(cfg.vocab_size, 2),
+            dtype=torch.float64,
+            attn_implementation="eager",
+        )
+    rms = [build_rank(ckpt, layout, r, "baseline", dtype=torch.float64, attn_implementation="eager") for r in range(2)]
     ids, _ = _batch(cfg.vocab_size, 0)
     h = rms[0].embed_tokens(ids)
     for c, owner in enumerate(layout.chunk_rank):
@@ -176,14 +233,26 @@ def _rank_worker(cases: list[tuple[str, str, int]]):
         for source_kind in SOURCES:
             for method in METHODS:
                 source = ckpt if source_kind == "checkpoint" else copy.deepcopy(cfg)
-                pipe = PipelineModel(source, PipelineConfig(schedule="1f1b", method=method, microbatches=2,
-                                                            attn_implementation="eager", watchdog_dead_after_s=None),
-                                     dtype=torch.float64, seed=seed)
+                pipe = PipelineModel(
+                    source,
+                    PipelineConfig(
+                        schedule="1f1b",
+                        method=method,
+                        microbatches=2,
+                        attn_implementation="eager",
+                        watchdog_dead_after_s=None,
+                    ),
+                    dtype=torch.float64,
+                    seed=seed,
+                )
                 res = pipe.train_step(ids, labels)
                 if source_kind == "checkpoint" and method == "vocab-2":  # no optimizer step: the same weights
                     pipe.export_hf(ckpt + EXPORT_SUFFIX)
-                grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
-                         for n, p in pipe.named_parameters() if p.requires_grad and not pipe.mods.is_duplicate(n)}
+                grads = {
+                    n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
+                    for n, p in pipe.named_parameters()
+                    if p.requires_grad and not pipe.mods.is_duplicate(n)
+                }
                 weights = pipe.gather_hf_state_dict() if source_kind == "config" else None
                 if weights is not None:
                     weights = {n: t.numpy().copy() for n, t in weights.items()}
@@ -191,9 +260,11 @@ def _rank_worker(cases: list[tuple[str, str, int]]):
                 pipe.close()
                 dist.barrier()
         if Path(ckpt + DROPOUT_SUFFIX).is_dir():  # eval_step runs without the model's dropout
-            pipe = PipelineModel(ckpt + DROPOUT_SUFFIX, PipelineConfig(microbatches=2, attn_implementation="eager",
-                                                                       watchdog_dead_after_s=None),
-                                 dtype=torch.float64)
+            pipe = PipelineModel(
+                ckpt + DROPOUT_SUFFIX,
+                PipelineConfig(microbatches=2, attn_implementation="eager", watchdog_dead_after_s=None),
+                dtype=torch.float64,
+            )
             out[(model_type, "eval")] = pipe.eval_step(ids, labels)
             pipe.close()
     return out
@@ -213,20 +284,23 @@ def _reference(model_type: str, ckpt: str, weights, ids, labels):
         params = dict(model.named_parameters(remove_duplicate=False))
         tied = {n for n in missing if params.get(n) is model.get_output_embeddings().weight}
         if set(missing) - tied or unexpected:
-            raise AssertionError(f"gathered weights do not match the HF model: missing {missing}, unexpected "
-                                 f"{unexpected}")
+            raise AssertionError(
+                f"gathered weights do not match the HF model: missing {missing}, unexpected {unexpected}"
+            )
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")  # grouped matmul has no float64 kernel
     model.train()  # dropout is 0 in tiny configs: train mode only matters to families that branch on it
     logits = model(input_ids=ids, use_cache=False).logits
     # HF's own loss casts the logits to float32; the same token-mean cross-entropy in float64 keeps the
     # comparison at float64 rounding
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                             labels[:, 1:].reshape(-1), ignore_index=-100)
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
     loss.backward()
     # parameters with requires_grad=False (e.g. a router's load-balancing bias updated outside autograd) are not trained
-    return loss.item(), {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()
-                         if p.requires_grad}
+    return loss.item(), {
+        n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad
+    }
 
 
 def _checkpoint_keys(path: str) -> set[str]:
@@ -243,7 +317,7 @@ def _checkpoint_keys(path: str) -> set[str]:
 
 @torch.no_grad()
 def _compare_export(ckpt: str, exported: str) -> str:
-    """"" when export_hf wrote the checkpoint's own tensor names and from_pretrained loads the same weights."""
+    """ "" when export_hf wrote the checkpoint's own tensor names and from_pretrained loads the same weights."""
     from transformers import AutoModelForCausalLM
 
     want_keys, got_keys = _checkpoint_keys(ckpt), _checkpoint_keys(exported)
@@ -260,12 +334,14 @@ def _compare_eval(ckpt: str, got: float, ids, labels) -> float:
     """Relative error of eval_step's loss against HF's model.eval() (from_pretrained's mode) on a dropout model."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="eager",
-                                                 experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    )
     assert not model.training
     logits = model(input_ids=ids, use_cache=False).logits
-    want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                             ignore_index=-100).item()
+    want = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    ).item()
     return abs(got - want) / abs(want)
 
 
@@ -312,11 +388,11 @@ def _compare(model_type, key, per_rank, ckpt, ids, labels) -> tuple[float, str]:
     return worst, what
 
 
-def check_families(model_types: list[str], workdir: str | Path | None = None, timeout_s: float = 1200.0,
-                   seed: int = 0) -> list[FamilyResult]:
+def check_families(
+    model_types: list[str], workdir: str | Path | None = None, timeout_s: float = 1200.0, seed: int = 0
+) -> list[FamilyResult]:
     """Refuse or run every family in `model_types` (one 2-rank spawn for all that are accepted)."""
     from vp_accelerate.distributed import spawn
-
     from vp_accelerate.models.adapter import UnsupportedModelError
 
     _quiet()
@@ -362,7 +438,9 @@ def check_families(model_types: list[str], workdir: str | Path | None = None, ti
                     except Exception as e:
                         where = traceback.extract_tb(e.__traceback__)[-1]
                         res.status = "crash"
-                        res.reason = f"{type(e).__name__}: {e} (comparing {source_kind}/{method}, {where.name}:{where.lineno})"
+                        res.reason = (
+                            f"{type(e).__name__}: {e} (comparing {source_kind}/{method}, {where.name}:{where.lineno})"
+                        )
                         break
                     res.worst[f"{source_kind}/{method}"] = worst
                     if not worst <= RTOL and res.status == "pass":

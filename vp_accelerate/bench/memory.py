@@ -25,8 +25,9 @@ def peak_allocated_during(fn: Callable[[], object]) -> tuple[int, object]:
     """Run fn() and return (max live bytes above the level at its start, fn's return value)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         out = fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-              and e.device_type().name == "CPU"]
+    events = [
+        e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"
+    ]
     events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:

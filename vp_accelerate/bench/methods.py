@@ -50,8 +50,7 @@ class Method:
 class OursRunner:
     """Our runtime's PipelineModel as a Runner."""
 
-    def __init__(self, model_config, schedule: str, method: str, microbatches: int, seed: int,
-                 runtime=None):
+    def __init__(self, model_config, schedule: str, method: str, microbatches: int, seed: int, runtime=None):
         """`runtime` is the module providing PipelineModel and PipelineConfig (default vp_accelerate.runtime;
         any module with the same API will do)."""
         from vp_accelerate.bench.peer import build_peer_model
@@ -69,8 +68,10 @@ class OursRunner:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[Pass]]:
         res = self.pipe.train_step(input_ids, labels)
         records = self.pipe.stats().get("timeline", [])
-        passes = [Pass(int(r.rank), str(getattr(r.op, "value", r.op)), int(r.mb), int(r.chunk),
-                       float(r.start), float(r.end)) for r in records]
+        passes = [
+            Pass(int(r.rank), str(getattr(r.op, "value", r.op)), int(r.mb), int(r.chunk), float(r.start), float(r.end))
+            for r in records
+        ]
         return float(res.loss), [p for p in passes if p.op in COMPUTE_OPS]
 
     def zero_grad(self) -> None:

@@ -14,7 +14,6 @@ the per-microbatch losses is then exactly the step's token-mean cross entropy, a
 from __future__ import annotations
 
 import dataclasses
-
 import time
 
 import torch
@@ -74,8 +73,9 @@ class TokenMeanLoss:
         self.n_valid = 1
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(),
-                                   ignore_index=self.ignore_index, reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, -2).float(), target.flatten(), ignore_index=self.ignore_index, reduction="sum"
+        )
         return loss_sum / self.n_valid
 
 

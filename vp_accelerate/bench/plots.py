@@ -19,8 +19,13 @@ def plot_throughput(rows: list[Row], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for method in dict.fromkeys(r.method for r in rows):
         pts = sorted((r.vocab, r.tokens_per_s) for r in rows if r.method == method)
-        ax.plot([v for v, _ in pts], [t for _, t in pts], marker="o", label=method,
-                linestyle="--" if method == "peer" else "-")
+        ax.plot(
+            [v for v, _ in pts],
+            [t for _, t in pts],
+            marker="o",
+            label=method,
+            linestyle="--" if method == "peer" else "-",
+        )
     ax.set_xscale("log", base=2)
     vocabs = sorted({r.vocab for r in rows})
     ax.set_xticks(vocabs, [vocab_label(v) for v in vocabs])
@@ -43,10 +48,19 @@ def plot_memory(rows: list[Row], path: str) -> None:
         nranks = max(len(r.peak_memory_bytes) for r in vrows)
         width = 0.8 / nranks
         for k in range(nranks):
-            ax.bar([i + k * width for i in range(len(vrows))],
-                   [r.peak_memory_bytes[k] / 2**20 for r in vrows], width, label=f"rank {k}")
-        ax.set_xticks([i + width * (nranks - 1) / 2 for i in range(len(vrows))],
-                      [r.method for r in vrows], rotation=45, ha="right", fontsize=7)
+            ax.bar(
+                [i + k * width for i in range(len(vrows))],
+                [r.peak_memory_bytes[k] / 2**20 for r in vrows],
+                width,
+                label=f"rank {k}",
+            )
+        ax.set_xticks(
+            [i + width * (nranks - 1) / 2 for i in range(len(vrows))],
+            [r.method for r in vrows],
+            rotation=45,
+            ha="right",
+            fontsize=7,
+        )
         ax.set_title(f"V = {vocab_label(vocab)}")
         ax.set_ylabel("peak memory (MiB)")
         ax.grid(axis="y", alpha=0.3)
@@ -63,8 +77,11 @@ def plot_timelines(rows: list[Row], path: str, methods: tuple[str, ...], vocab: 
         return False
     fig, axes = plt.subplots(len(chosen), 1, figsize=(12, 0.4 + 1.9 * len(chosen)), sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], chosen):
-        plot_timeline([Pass(*p) for p in r.timeline], ax=ax,
-                      title=f"{r.method}, V={vocab_label(vocab)}: step {r.step_s:.2f} s, bubble {r.bubble_rate:.0%}")
+        plot_timeline(
+            [Pass(*p) for p in r.timeline],
+            ax=ax,
+            title=f"{r.method}, V={vocab_label(vocab)}: step {r.step_s:.2f} s, bubble {r.bubble_rate:.0%}",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

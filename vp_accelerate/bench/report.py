@@ -71,15 +71,26 @@ def build_rows(cfg: BenchConfig, methods: list[str], mem: list[MemoryRecord], st
             tps = cfg.tokens_per_step / statistics.median(step_all)
             if name == "peer":
                 peer_tps = tps
-            rows.append(Row(
-                vocab=vocab, method=name, tokens_per_s=tps, step_s=statistics.median(step_all), step_s_all=step_all,
-                ratio_to_peer=None, bubble_rate=bubble_rate(passes, p, med_step), balanced_bound_s=bound,
-                efficiency=bound / med_step if med_step > 0 else 0.0,
-                pass_time_s=[sum(x.end - x.start for x in passes if x.rank == r) for r in range(p)],
-                peak_memory_bytes=peaks, peak_activation_bytes=[m.peak_activation_bytes for m in ms],
-                param_bytes=[m.param_bytes for m in ms],
-                memory_imbalance=max(peaks) / max(1, min(peaks)), loss=reps[med][0].loss,
-                timeline=[list(astuple(x)) for x in passes]))
+            rows.append(
+                Row(
+                    vocab=vocab,
+                    method=name,
+                    tokens_per_s=tps,
+                    step_s=statistics.median(step_all),
+                    step_s_all=step_all,
+                    ratio_to_peer=None,
+                    bubble_rate=bubble_rate(passes, p, med_step),
+                    balanced_bound_s=bound,
+                    efficiency=bound / med_step if med_step > 0 else 0.0,
+                    pass_time_s=[sum(x.end - x.start for x in passes if x.rank == r) for r in range(p)],
+                    peak_memory_bytes=peaks,
+                    peak_activation_bytes=[m.peak_activation_bytes for m in ms],
+                    param_bytes=[m.param_bytes for m in ms],
+                    memory_imbalance=max(peaks) / max(1, min(peaks)),
+                    loss=reps[med][0].loss,
+                    timeline=[list(astuple(x)) for x in passes],
+                )
+            )
         for row in rows:
             if row.vocab == vocab and peer_tps:
                 row.ratio_to_peer = row.tokens_per_s / peer_tps
@@ -97,8 +108,10 @@ def _mib(b: float) -> str:
 
 def markdown_table(rows: list[Row]) -> str:
     """One line per (vocab, method); memory in MiB per rank."""
-    head = ("| V | method | tokens/s | vs peer | bubble | efficiency | peak mem MiB (per rank) | "
-            "act MiB (per rank) | params MiB (per rank) | mem max/min | loss |")
+    head = (
+        "| V | method | tokens/s | vs peer | bubble | efficiency | peak mem MiB (per rank) | "
+        "act MiB (per rank) | params MiB (per rank) | mem max/min | loss |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ratio = f"{r.ratio_to_peer:.2f}x" if r.ratio_to_peer is not None else "-"
@@ -106,7 +119,8 @@ def markdown_table(rows: list[Row]) -> str:
             f"| {vocab_label(r.vocab)} | {r.method} | {r.tokens_per_s:,.0f} | {ratio} | {r.bubble_rate:.1%} | "
             f"{r.efficiency:.0%} | {' / '.join(map(_mib, r.peak_memory_bytes))} | "
             f"{' / '.join(map(_mib, r.peak_activation_bytes))} | {' / '.join(map(_mib, r.param_bytes))} | "
-            f"{r.memory_imbalance:.2f} | {r.loss:.4f} |")
+            f"{r.memory_imbalance:.2f} | {r.loss:.4f} |"
+        )
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """`vp-accelerate bench` / scripts/benchmark.py: spawn the ranks, sweep, and write table, JSON, plots.
 
-    python scripts/benchmark.py --quick                       # peer vs 1f1b-vocab-2, one V, < 2 min
-    python scripts/benchmark.py --json out.json --plots docs/img --markdown out.md
+python scripts/benchmark.py --quick                       # peer vs 1f1b-vocab-2, one V, < 2 min
+python scripts/benchmark.py --json out.json --plots docs/img --markdown out.md
 """
 
 from __future__ import annotations
@@ -55,13 +55,18 @@ def run_benchmark(cfg: BenchConfig, on_vocab=None) -> tuple[list[Row], dict[str,
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="vp-accelerate bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="one vocab size (32k), the peer and 1f1b-vocab-2 only, 2 timed steps")
+    ap = argparse.ArgumentParser(
+        prog="vp-accelerate bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="one vocab size (32k), the peer and 1f1b-vocab-2 only, 2 timed steps"
+    )
     ap.add_argument("--vocabs", type=int, nargs="+", help=f"vocabulary sizes (default {DEFAULT_VOCABS})")
-    ap.add_argument("--methods", nargs="+", help=f"methods (default all: {' '.join(ALL_METHODS)}); "
-                    "'module:attr' names a Method object of your own")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        help=f"methods (default all: {' '.join(ALL_METHODS)}); 'module:attr' names a Method object of your own",
+    )
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=4)
@@ -71,8 +76,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, help="timed steps per method (default 3, quick 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=3600.0,
-                    help="seconds one vocabulary size may take before its ranks are stopped")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds one vocabulary size may take before its ranks are stopped",
+    )
     ap.add_argument("--strict", action="store_true", help="fail instead of skipping methods that cannot run")
     ap.add_argument("--json", help="write the result rows to this JSON file")
     ap.add_argument("--markdown", help="write the markdown table to this file (it is printed either way)")
@@ -83,11 +92,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     quick = a.quick
     return BenchConfig(
-        hidden=a.hidden, layers=a.layers, heads=a.heads, seq=a.seq, microbatches=a.microbatches,
+        hidden=a.hidden,
+        layers=a.layers,
+        heads=a.heads,
+        seq=a.seq,
+        microbatches=a.microbatches,
         vocabs=tuple(a.vocabs or ((32768,) if quick else DEFAULT_VOCABS)),
         methods=tuple(a.methods or (QUICK_METHODS if quick else ALL_METHODS)),
-        world_size=a.ranks, warmup=a.warmup, steps=a.steps or (2 if quick else 3), seed=a.seed,
-        timeout_s=a.timeout, skip_unavailable=not a.strict)
+        world_size=a.ranks,
+        warmup=a.warmup,
+        steps=a.steps or (2 if quick else 3),
+        seed=a.seed,
+        timeout_s=a.timeout,
+        skip_unavailable=not a.strict,
+    )
 
 
 def bench_main(argv: list[str] | None = None) -> int:
@@ -112,9 +130,11 @@ def bench_main(argv: list[str] | None = None) -> int:
             print(f"WARNING: losses disagree at V={vocab}: {losses}", file=sys.stderr)
     table = markdown_table(rows)
     print(table)
-    print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f} s "
-          f"(h={cfg.hidden}, {cfg.layers} layers, seq {cfg.seq}, {cfg.microbatches} microbatches, "
-          f"{cfg.world_size} ranks x 1 thread, median of {cfg.steps} steps)")
+    print(
+        f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f} s "
+        f"(h={cfg.hidden}, {cfg.layers} layers, seq {cfg.seq}, {cfg.microbatches} microbatches, "
+        f"{cfg.world_size} ranks x 1 thread, median of {cfg.steps} steps)"
+    )
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(table + "\n")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vp_accelerate.schedule.ir import Op
-from vp_accelerate.schedule.registry import Method, method as method_entry
+from vp_accelerate.schedule.registry import Method
+from vp_accelerate.schedule.registry import method as method_entry
 
 from . import efficiency as eff
 from .efficiency import GemmModel
@@ -45,8 +46,9 @@ class Hardware:
     """Streaming multiprocessors, for the GEMM efficiency model's wave quantisation (A100: 108, H100: 132)."""
 
 
-CPU_HARDWARE = Hardware(peak_flops=100e9, efficiency=0.5, mem_bandwidth=3e9, p2p_bandwidth=1e9,
-                        collective_bandwidth=1e9, latency=200e-6)
+CPU_HARDWARE = Hardware(
+    peak_flops=100e9, efficiency=0.5, mem_bandwidth=3e9, p2p_bandwidth=1e9, collective_bandwidth=1e9, latency=200e-6
+)
 """One CPU core per rank with gloo between processes, for ordering a CPU run's passes (only the ratios
 matter; used with the plain FLOP model, `CostModel(gemm=None)`: a core runs every GEMM at about one
 rate, whatever its shape). Against the passes the benchmark measures (h = 256, seq 256, V = 32k, fp32)
@@ -57,12 +59,18 @@ the A100 model gives 1 : 1.9 : 0.5 : 4.0 : 0.3 (its T is cheap because the GPU's
 # direction (A100 NVLink 3: 600 GB/s both ways; H100 / H200 NVLink 4: 900 GB/s), SMs; and memory per GPU
 # in GB. The sustained GEMM fraction stays the A100-fitted default (an assumption the planner states).
 GPU_PRESETS: dict[str, tuple[Hardware, float]] = {
-    "a100": (Hardware(peak_flops=312e12, mem_bandwidth=2.039e12, p2p_bandwidth=300e9, collective_bandwidth=300e9,
-                      sms=108), 80.0),
-    "h100": (Hardware(peak_flops=989e12, mem_bandwidth=3.35e12, p2p_bandwidth=450e9, collective_bandwidth=450e9,
-                      sms=132), 80.0),
-    "h200": (Hardware(peak_flops=989e12, mem_bandwidth=4.8e12, p2p_bandwidth=450e9, collective_bandwidth=450e9,
-                      sms=132), 141.0),
+    "a100": (
+        Hardware(peak_flops=312e12, mem_bandwidth=2.039e12, p2p_bandwidth=300e9, collective_bandwidth=300e9, sms=108),
+        80.0,
+    ),
+    "h100": (
+        Hardware(peak_flops=989e12, mem_bandwidth=3.35e12, p2p_bandwidth=450e9, collective_bandwidth=450e9, sms=132),
+        80.0,
+    ),
+    "h200": (
+        Hardware(peak_flops=989e12, mem_bandwidth=4.8e12, p2p_bandwidth=450e9, collective_bandwidth=450e9, sms=132),
+        141.0,
+    ),
 }
 
 
@@ -104,8 +112,9 @@ class CostModel:
         n = self.chunk_layers[chunk]
         counts = {"none": 0, "full": n, "selective": (n + 1) // 2}
         if self.activation_checkpointing not in counts:
-            raise ValueError(f"activation_checkpointing must be one of {sorted(counts)}, got "
-                             f"{self.activation_checkpointing!r}")
+            raise ValueError(
+                f"activation_checkpointing must be one of {sorted(counts)}, got {self.activation_checkpointing!r}"
+            )
         return counts[self.activation_checkpointing]
 
     @property
@@ -178,8 +187,11 @@ class CostModel:
         if op is Op.S:  # logits (+ a_i = softmax_i W_i for vocab-2) and the local softmax statistics
             return self._out_time(rows, "logits", *(() if one else ("input_grad",))) + self._logit_time(rows)
         if op is Op.T:  # weight gradient (+ local input gradient for vocab-1; + the logits again in recompute)
-            parts = ("weight_grad",) + (("input_grad",) if one else ()) + \
-                (("logits",) if self.output_memory == "recompute" else ())
+            parts = (
+                ("weight_grad",)
+                + (("input_grad",) if one else ())
+                + (("logits",) if self.output_memory == "recompute" else ())
+            )
             return self._out_time(rows, *parts) + self._logit_time(rows)
         if op in (Op.IF, Op.IB):
             return self._gather_time()
@@ -190,8 +202,15 @@ class CostModel:
 
     def chain_steps(self, op: Op) -> list[tuple[str, float]]:
         """(step, seconds) of collective `op`'s chain (C1: max all-reduce, rescale, sums all-reduce)."""
-        return eff.chain_steps(self.shape, self.num_ranks, op.value, self.spec.barriers,
-                               self.hw.collective_bandwidth, self.hw.latency, self.hw.mem_bandwidth)
+        return eff.chain_steps(
+            self.shape,
+            self.num_ranks,
+            op.value,
+            self.spec.barriers,
+            self.hw.collective_bandwidth,
+            self.hw.latency,
+            self.hw.mem_bandwidth,
+        )
 
     def collective_time(self, op: Op) -> float:
         return sum(seconds for _, seconds in self.chain_steps(op))
@@ -280,8 +299,13 @@ class MeasuredCosts:
     @staticmethod
     def from_json(path, model: CostModel | None = None) -> "MeasuredCosts":
         d = json.loads(Path(path).read_text())
-        return MeasuredCosts(tuple(d["passes"]), float(d.get("p2p", 0.0)), dict(d.get("collectives", {})),
-                             issue=dict(d.get("issue", {})), model=model)
+        return MeasuredCosts(
+            tuple(d["passes"]),
+            float(d.get("p2p", 0.0)),
+            dict(d.get("collectives", {})),
+            issue=dict(d.get("issue", {})),
+            model=model,
+        )
 
     def pass_time(self, rank: int, op: Op, chunk: int) -> float:
         times = self.passes[rank]

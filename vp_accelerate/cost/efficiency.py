@@ -91,8 +91,9 @@ def output_gemm_time(shape, rows: int, part: str, rate: float, gemm: GemmModel) 
     return gemm.time(m, nn, k, rate)
 
 
-def chain_steps(shape, p: int, op: str, method_barriers: int, bandwidth: float, latency: float,
-                mem_bandwidth: float) -> list[tuple[str, float]]:
+def chain_steps(
+    shape, p: int, op: str, method_barriers: int, bandwidth: float, latency: float, mem_bandwidth: float
+) -> list[tuple[str, float]]:
     """(step, seconds) of one collective chain over p ranks, as the runtime runs it (fp32 statistics)."""
     n, h = shape.tokens, shape.hidden
     ring = 2 * (p - 1) / p
@@ -104,10 +105,18 @@ def chain_steps(shape, p: int, op: str, method_barriers: int, bandwidth: float, 
     if op == "C1":
         if method_barriers == 1:  # vocab-2: max with [Σc_i, Σt_i] riding along, rescale, [s_i, a_i]
             rows = n * (h + 1) * 4
-            return [("all_reduce max m_i", allreduce(n * 4)), ("all_reduce sum [c_i, t_i]", allreduce(rows)),
-                    ("rescale", 3 * rows / mem_bandwidth), ("all_reduce sum [s_i, a_i] rescaled", allreduce(rows))]
-        return [("all_reduce max m_i", allreduce(n * 4)), ("all_reduce sum t_i", allreduce(n * 4)),
-                ("rescale", 3 * n * 4 / mem_bandwidth), ("all_reduce sum s_i rescaled", allreduce(n * 4))]
+            return [
+                ("all_reduce max m_i", allreduce(n * 4)),
+                ("all_reduce sum [c_i, t_i]", allreduce(rows)),
+                ("rescale", 3 * rows / mem_bandwidth),
+                ("all_reduce sum [s_i, a_i] rescaled", allreduce(rows)),
+            ]
+        return [
+            ("all_reduce max m_i", allreduce(n * 4)),
+            ("all_reduce sum t_i", allreduce(n * 4)),
+            ("rescale", 3 * n * 4 / mem_bandwidth),
+            ("all_reduce sum s_i rescaled", allreduce(n * 4)),
+        ]
     if op == "C2":
         return [("all_reduce sum grad_x_i", allreduce(n * h * 4))]
     name = {"C0": "broadcast X", "IF_REDUCE": "reduce embedding", "IB_BCAST": "broadcast grad_emb"}[op]

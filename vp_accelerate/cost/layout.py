@@ -39,8 +39,10 @@ def plan_layout(config, schedule: Schedule, layers_per_stage=None, *, seq: int |
     if layers_per_stage is not None:
         counts = [int(n) for n in layers_per_stage]
         if len(counts) != chunks or sum(counts) != layers:
-            raise LayoutError(f"layers_per_stage {counts} must have {chunks} entries (one per chunk) summing to "
-                              f"the model's {layers} decoder layers")
+            raise LayoutError(
+                f"layers_per_stage {counts} must have {chunks} entries (one per chunk) summing to "
+                f"the model's {layers} decoder layers"
+            )
     elif schedule.method_spec.balanced_layers:
         if seq is None:
             seq = min(BALANCE_SEQ, getattr(config, "max_position_embeddings", BALANCE_SEQ) or BALANCE_SEQ)
@@ -50,8 +52,13 @@ def plan_layout(config, schedule: Schedule, layers_per_stage=None, *, seq: int |
     return StageLayout.from_counts(tuple(counts), schedule.chunk_rank)
 
 
-def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = None,
-                 chunk_layers: tuple[int, ...] | None = None, activation_checkpointing: str = "none") -> CostModel:
+def for_schedule(
+    shape: ModelShape,
+    schedule: Schedule,
+    hw: Hardware | None = None,
+    chunk_layers: tuple[int, ...] | None = None,
+    activation_checkpointing: str = "none",
+) -> CostModel:
     """The CostModel of `schedule`: `chunk_layers` when given, else the balanced split (redis_layer_split)
     for a method with `balanced_layers`, else an even split; `activation_checkpointing` as PipelineConfig's."""
     hw = hw or Hardware()
@@ -62,15 +69,32 @@ def for_schedule(shape: ModelShape, schedule: Schedule, hw: Hardware | None = No
             chunk_layers = redis_layer_split(shape, schedule.num_ranks, hw=hw)
         else:
             chunk_layers = even_layer_split(shape.layers, schedule.num_chunks)
-    return CostModel(shape, schedule.method, schedule.chunk_rank, tuple(chunk_layers), hw,
-                     split_backward=schedule.split_backward, activation_checkpointing=activation_checkpointing,
-                     gemm=GemmModel(sms=hw.sms))
+    return CostModel(
+        shape,
+        schedule.method,
+        schedule.chunk_rank,
+        tuple(chunk_layers),
+        hw,
+        split_backward=schedule.split_backward,
+        activation_checkpointing=activation_checkpointing,
+        gemm=GemmModel(sms=hw.sms),
+    )
 
 
-def cost_aware_schedule(shape: ModelShape, kind: str, method: str, num_ranks: int, num_microbatches: int, *,
-                        chunks_per_rank: int | None = None, forward_only: bool = False, hw: Hardware | None = None,
-                        chunk_layers: tuple[int, ...] | None = None, activation_checkpointing: str = "none",
-                        costs=None) -> tuple[Schedule, CostModel]:
+def cost_aware_schedule(
+    shape: ModelShape,
+    kind: str,
+    method: str,
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    chunks_per_rank: int | None = None,
+    forward_only: bool = False,
+    hw: Hardware | None = None,
+    chunk_layers: tuple[int, ...] | None = None,
+    activation_checkpointing: str = "none",
+    costs=None,
+) -> tuple[Schedule, CostModel]:
     """(schedule, cost model): the schedule built from this layout's pass costs (build_schedule's
     `costs`) and the CostModel that times it (`for_schedule`'s arguments). `costs`: a function of the
     CostModel giving other pass costs to order by (e.g. measured ones), else the CostModel itself."""
@@ -80,12 +104,19 @@ def cost_aware_schedule(shape: ModelShape, kind: str, method: str, num_ranks: in
     layout = build_schedule(kind, method, num_ranks, num_ranks, chunks_per_rank, forward_only)
     model = for_schedule(shape, layout, hw, chunk_layers, activation_checkpointing)
     order_by = costs(model) if costs is not None else model
-    return build_schedule(kind, method, num_ranks, num_microbatches, chunks_per_rank, forward_only,
-                          costs=order_by), model
+    return build_schedule(
+        kind, method, num_ranks, num_microbatches, chunks_per_rank, forward_only, costs=order_by
+    ), model
 
 
-def layout_costs(config, schedule: Schedule, layout, activation_checkpointing: str = "none",
-                 seq: int | None = None, device: str = "cuda") -> CostModel:
+def layout_costs(
+    config,
+    schedule: Schedule,
+    layout,
+    activation_checkpointing: str = "none",
+    seq: int | None = None,
+    device: str = "cuda",
+) -> CostModel:
     """The CostModel of an HF `config` run as `schedule` with `layout` (a models.StageLayout) on a
     `device` type ("cuda": the GPU model; "cpu": CPU_HARDWARE with the plain FLOP model): what the
     runtime orders its schedule by. `seq` defaults to the balanced split's (min(2048, max positions));
@@ -95,8 +126,13 @@ def layout_costs(config, schedule: Schedule, layout, activation_checkpointing: s
     shape = shape_from_hf_config(config, seq=seq)
     counts = tuple(end - start for start, end in layout.chunk_layers)
     cpu = device == "cpu"
-    model = for_schedule(shape, schedule, CPU_HARDWARE if cpu else None, chunk_layers=counts,
-                         activation_checkpointing=activation_checkpointing)
+    model = for_schedule(
+        shape,
+        schedule,
+        CPU_HARDWARE if cpu else None,
+        chunk_layers=counts,
+        activation_checkpointing=activation_checkpointing,
+    )
     return dataclasses.replace(model, gemm=None) if cpu else model
 
 
@@ -116,9 +152,17 @@ class StageCosts:
     """Output layer and loss."""
 
 
-def redis_layer_split(model, num_stages: int, costs: StageCosts | None = None, *, seq: int = 2048,
-                      vocab: int | None = None, hw: Hardware | None = None, min_layers: int = 1,
-                      min_end_layers: int = 0) -> tuple[int, ...]:
+def redis_layer_split(
+    model,
+    num_stages: int,
+    costs: StageCosts | None = None,
+    *,
+    seq: int = 2048,
+    vocab: int | None = None,
+    hw: Hardware | None = None,
+    min_layers: int = 1,
+    min_end_layers: int = 0,
+) -> tuple[int, ...]:
     """Layers per stage that minimise the slowest stage's time (the "redis" baseline): the last stage,
     which also runs the output layer, and the first, which runs the embedding, get fewer layers —
     none when the output layer alone costs a stage's share (as the paper's split does at 256k).
@@ -164,7 +208,9 @@ def redis_layer_split(model, num_stages: int, costs: StageCosts | None = None, *
             lo = mid + 1
     counts = capacity(candidates[lo])
     while sum(counts) > num_layers:  # give back the surplus from the currently slowest stages
-        i = max((i for i in range(num_stages) if counts[i] > least[i]),
-                key=lambda i: (extra[i] + counts[i] * costs.layer, counts[i]))
+        i = max(
+            (i for i in range(num_stages) if counts[i] > least[i]),
+            key=lambda i: (extra[i] + counts[i] * costs.layer, counts[i]),
+        )
         counts[i] -= 1
     return tuple(counts)

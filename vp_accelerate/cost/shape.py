@@ -10,9 +10,29 @@ from pathlib import Path
 # gated MLP (gate, up, down: SwiGLU / GeGLU), as nearly every decoder since Llama; a list of the gated
 # ones went stale as families were added (Cohere and Granite were counted with two matrices).
 # tests/test_cost_shape.py checks this against the modules of every family models/ supports.
-UNGATED_MLP_TYPES = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "opt", "bloom",
-                               "falcon", "phi", "starcoder2", "mpt", "biogpt", "xglm", "apertus", "apertus1p5_text",
-                               "arcee", "jais2", "nemotron"})
+UNGATED_MLP_TYPES = frozenset(
+    {
+        "gpt2",
+        "gpt_neox",
+        "gptj",
+        "gpt_neo",
+        "gpt_bigcode",
+        "codegen",
+        "opt",
+        "bloom",
+        "falcon",
+        "phi",
+        "starcoder2",
+        "mpt",
+        "biogpt",
+        "xglm",
+        "apertus",
+        "apertus1p5_text",
+        "arcee",
+        "jais2",
+        "nemotron",
+    }
+)
 
 
 def mlp_matrices(model_type: str) -> int:
@@ -88,7 +108,9 @@ class ModelShape:
     def model_flops(self) -> float:
         """Training FLOPs of one microbatch as the paper counts them for MFU (docs/design.md §8):
         3*(2*b*s*h*V + L*(8*b*s*h^2 + 4*b*s^2*h + 2k*b*s*h*FFN))."""
-        return 3 * (self.output_matmul_flops() + self.layers * (self.layer_linear_flops() + self.layer_attention_flops()))
+        return 3 * (
+            self.output_matmul_flops() + self.layers * (self.layer_linear_flops() + self.layer_attention_flops())
+        )
 
     # ---- bytes -----------------------------------------------------------------------------
     def layer_params(self) -> int:
@@ -144,21 +166,35 @@ class ModelShape:
         return self.tokens * self.hidden * self.dtype_bytes
 
 
-def shape_from_hf_config(config, seq: int, vocab: int | None = None, microbatch_size: int = 1,
-                         dtype_bytes: int = 2, attention: str = "flash") -> ModelShape:
+def shape_from_hf_config(
+    config, seq: int, vocab: int | None = None, microbatch_size: int = 1, dtype_bytes: int = 2, attention: str = "flash"
+) -> ModelShape:
     """A ModelShape from an HF config (object, dict, or path to config.json). `vocab` overrides;
     `attention` says how activations are counted (see `ModelShape.attention`)."""
     if isinstance(config, (str, Path)):
         config = json.loads(Path(config).read_text())
-    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    get = (
+        (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    )
     h = get("hidden_size") or get("n_embd") or get("d_model")
     layers = get("num_hidden_layers") or get("n_layer")
     heads = get("num_attention_heads") or get("n_head")
     if not (h and layers and heads):
-        raise ValueError("config lacks hidden_size / num_hidden_layers / num_attention_heads (or GPT-2's n_embd/n_layer/n_head)")
+        raise ValueError(
+            "config lacks hidden_size / num_hidden_layers / num_attention_heads (or GPT-2's n_embd/n_layer/n_head)"
+        )
     ffn = get("intermediate_size") or get("n_inner") or 4 * h
-    return ModelShape(hidden=h, layers=layers, heads=heads, ffn=ffn, vocab=vocab or get("vocab_size"), seq=seq,
-                      microbatch_size=microbatch_size, dtype_bytes=dtype_bytes,
-                      mlp_matrices=mlp_matrices(get("model_type", "") or ""),
-                      tied=bool(get("tie_word_embeddings", False)),
-                      kv_heads=get("num_key_value_heads") or heads, attention=attention)
+    return ModelShape(
+        hidden=h,
+        layers=layers,
+        heads=heads,
+        ffn=ffn,
+        vocab=vocab or get("vocab_size"),
+        seq=seq,
+        microbatch_size=microbatch_size,
+        dtype_bytes=dtype_bytes,
+        mlp_matrices=mlp_matrices(get("model_type", "") or ""),
+        tied=bool(get("tie_word_embeddings", False)),
+        kv_heads=get("num_key_value_heads") or heads,
+        attention=attention,
+    )

@@ -13,15 +13,35 @@ coverage tiny config of every decoder family and the 2-rank exactness walk (docs
 
 from .adapter import ADAPTERS, ModelParts, PartNames, UnsupportedModelError, find_parts
 from .build import build_rank, meta_model, resolve_config
-from .families import VERIFIED, check_supported, decoder_families, unsupported_reason
 from .export import assemble_state_dict, export_hf, gather_state_dict, save_hf
+from .families import VERIFIED, check_supported, decoder_families, unsupported_reason
 from .layout import LayoutError, StageLayout, split_counts
 from .rank import RankModules
 from .stage import FullEmbedding, FullHead, StageChunk, apply_logit_transforms
 
 __all__ = [
-    "ADAPTERS", "FullEmbedding", "FullHead", "LayoutError", "ModelParts", "PartNames", "RankModules", "StageChunk",
-    "StageLayout", "UnsupportedModelError", "VERIFIED", "apply_logit_transforms", "assemble_state_dict", "build_rank",
-    "check_supported", "decoder_families", "unsupported_reason",
-    "export_hf", "find_parts", "gather_state_dict", "meta_model", "resolve_config", "save_hf", "split_counts",
+    "ADAPTERS",
+    "FullEmbedding",
+    "FullHead",
+    "LayoutError",
+    "ModelParts",
+    "PartNames",
+    "RankModules",
+    "StageChunk",
+    "StageLayout",
+    "UnsupportedModelError",
+    "VERIFIED",
+    "apply_logit_transforms",
+    "assemble_state_dict",
+    "build_rank",
+    "check_supported",
+    "decoder_families",
+    "unsupported_reason",
+    "export_hf",
+    "find_parts",
+    "gather_state_dict",
+    "meta_model",
+    "resolve_config",
+    "save_hf",
+    "split_counts",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -99,14 +100,21 @@ class ModelParts:
 
 # Families that declare no base_model_pp_plan.
 ADAPTERS: dict[str, PartNames] = {
-    "gpt2": PartNames(embed="transformer.wte", layers="transformer.h", norm="transformer.ln_f",
-                      pos_embed="transformer.wpe", embed_dropout="transformer.drop"),
+    "gpt2": PartNames(
+        embed="transformer.wte",
+        layers="transformer.h",
+        norm="transformer.ln_f",
+        pos_embed="transformer.wpe",
+        embed_dropout="transformer.drop",
+    ),
 }
 
-_HOW_TO_ADD = ("To support it, register an adapter: `vp_accelerate.models.adapter.ADAPTERS[\"{mt}\"] = "
-               "PartNames(embed=..., layers=..., norm=..., lm_head=..., pos_embed=..., embed_dropout=..., "
-               "rotary_emb=...)` with the module paths of {cls}, then check the split against the HF forward "
-               "with tests/test_models_equivalence.py.")
+_HOW_TO_ADD = (
+    'To support it, register an adapter: `vp_accelerate.models.adapter.ADAPTERS["{mt}"] = '
+    "PartNames(embed=..., layers=..., norm=..., lm_head=..., pos_embed=..., embed_dropout=..., "
+    "rotary_emb=...)` with the module paths of {cls}, then check the split against the HF forward "
+    "with tests/test_models_equivalence.py."
+)
 
 
 def _unsupported(model: nn.Module, what: str, how_to: bool = True) -> UnsupportedModelError:
@@ -130,7 +138,7 @@ def _names_from_pp_plan(model: nn.Module) -> PartNames | None:
     if len(list_keys) != 1:
         raise _unsupported(model, f"its base_model_pp_plan {keys} does not name exactly one decoder layer list")
     li = keys.index(list_keys[0])
-    before, after = keys[:li], keys[li + 1:]
+    before, after = keys[:li], keys[li + 1 :]
     if not before or not isinstance(getattr(model.base_model, before[0]), nn.Embedding):
         raise _unsupported(model, f"no input embedding found first in base_model_pp_plan {keys}")
     extras = before[1:]
@@ -141,15 +149,22 @@ def _names_from_pp_plan(model: nn.Module) -> PartNames | None:
         else:
             raise _unsupported(model, f"input piece {k!r} of base_model_pp_plan is not a dropout and has no adapter")
     if len(after) != 1:
-        raise _unsupported(model, f"expected exactly one final norm after the layers in base_model_pp_plan, "
-                                  f"got {after}")
+        raise _unsupported(
+            model, f"expected exactly one final norm after the layers in base_model_pp_plan, got {after}"
+        )
     head_plan = getattr(type(model), "_pp_plan", None) or {}
     head = next(iter(head_plan), None) or ("lm_head" if hasattr(model, "lm_head") else None)
     if head is None:
         raise _unsupported(model, "no output layer (lm_head) declared in _pp_plan")
     rotary = f"{prefix}.rotary_emb" if hasattr(model.base_model, "rotary_emb") else None
-    return PartNames(embed=f"{prefix}.{before[0]}", layers=f"{prefix}.{list_keys[0]}", norm=f"{prefix}.{after[0]}",
-                     lm_head=head, embed_dropout=dropout, rotary_emb=rotary)
+    return PartNames(
+        embed=f"{prefix}.{before[0]}",
+        layers=f"{prefix}.{list_keys[0]}",
+        norm=f"{prefix}.{after[0]}",
+        lm_head=head,
+        embed_dropout=dropout,
+        rotary_emb=rotary,
+    )
 
 
 def _layer_types(config, n: int) -> tuple[str, ...]:
@@ -164,8 +179,10 @@ def _layer_types(config, n: int) -> tuple[str, ...]:
         types = ("full_attention",) * n
     bad = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
     if bad:
-        raise UnsupportedModelError(f"layer types {bad} of model_type={config.model_type!r} are not supported "
-                                    f"(supported: {SUPPORTED_LAYER_TYPES}); add the mask builder in models/stage.py")
+        raise UnsupportedModelError(
+            f"layer types {bad} of model_type={config.model_type!r} are not supported "
+            f"(supported: {SUPPORTED_LAYER_TYPES}); add the mask builder in models/stage.py"
+        )
     return types
 
 
@@ -201,8 +218,11 @@ def find_parts(model: nn.Module) -> ModelParts:
     mt = config.model_type
     names = ADAPTERS.get(mt) or _names_from_pp_plan(model)
     if names is None:
-        raise _unsupported(model, "it declares no base_model_pp_plan and has no adapter, so the input embedding, "
-                                  "decoder layers and final norm cannot be located")
+        raise _unsupported(
+            model,
+            "it declares no base_model_pp_plan and has no adapter, so the input embedding, "
+            "decoder layers and final norm cannot be located",
+        )
     try:
         embed, layers, norm, head = (_get(model, n) for n in (names.embed, names.layers, names.norm, names.lm_head))
     except AttributeError as e:
@@ -214,19 +234,31 @@ def find_parts(model: nn.Module) -> ModelParts:
     from .families import VERIFIED
 
     if mt not in VERIFIED:
-        log.warning("model_type %r is split from its pp plan but not verified against the HF forward; any extra "
-                    "logic in its forward outside the layers (scales, masks) would be missed", mt)
+        log.warning(
+            "model_type %r is split from its pp plan but not verified against the HF forward; any extra "
+            "logic in its forward outside the layers (scales, masks) would be missed",
+            mt,
+        )
     rotary = _get(model, names.rotary_emb) if names.rotary_emb else None
     scale, in_dtype = _embed_scale(model, embed)
     cap = getattr(config, "final_logit_softcapping", None)
     in_w, out_w = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     return ModelParts(
-        model_type=mt, names=names, embed=embed, layers=layers, norm=norm, lm_head=head, rotary_emb=rotary,
+        model_type=mt,
+        names=names,
+        embed=embed,
+        layers=layers,
+        norm=norm,
+        lm_head=head,
+        rotary_emb=rotary,
         rotary_per_layer_type=rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters,
         pos_embed=_get(model, names.pos_embed) if names.pos_embed else None,
         embed_dropout=_get(model, names.embed_dropout) if names.embed_dropout else None,
-        embed_scale=scale, embed_scale_in_dtype=in_dtype,
-        final_softcap=float(cap) if cap else None, logit_scale=_logit_scale(config),
-        tied=in_w is out_w, layer_types=_layer_types(config, len(layers)), padding_idx=embed.padding_idx,
+        embed_scale=scale,
+        embed_scale_in_dtype=in_dtype,
+        final_softcap=float(cap) if cap else None,
+        logit_scale=_logit_scale(config),
+        tied=in_w is out_w,
+        layer_types=_layer_types(config, len(layers)),
+        padding_idx=embed.padding_idx,
     )
-

@@ -30,8 +30,15 @@ from .layout import LayoutError, StageLayout
 from .rank import PLACEMENTS, RankModules
 from .row_map import RowMap
 from .stage import FullEmbedding, FullHead, StageChunk
-from .weights import (ConvertedSource, SafetensorsSource, StateDictSource, WeightSource, mean_rows, seeded_init,
-                      seeded_vocab_rows)
+from .weights import (
+    ConvertedSource,
+    SafetensorsSource,
+    StateDictSource,
+    WeightSource,
+    mean_rows,
+    seeded_init,
+    seeded_vocab_rows,
+)
 
 
 def resolve_config(source):
@@ -46,8 +53,9 @@ def resolve_config(source):
         return source.config
     if isinstance(source, (str, Path)) and Path(source).is_dir():
         return AutoConfig.from_pretrained(source)
-    raise TypeError(f"source must be a PretrainedConfig, a PreTrainedModel or a local checkpoint directory, "
-                    f"got {source!r}")
+    raise TypeError(
+        f"source must be a PretrainedConfig, a PreTrainedModel or a local checkpoint directory, got {source!r}"
+    )
 
 
 def meta_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
@@ -76,8 +84,15 @@ def _weight_source(source, model: nn.Module) -> WeightSource | None:
 
 
 @torch.no_grad()
-def _materialize(module: nn.Module, hf_name, source: WeightSource | None, model: nn.Module, seed: int,
-                 init_name: str, dtype: torch.dtype) -> nn.Module:
+def _materialize(
+    module: nn.Module,
+    hf_name,
+    source: WeightSource | None,
+    model: nn.Module,
+    seed: int,
+    init_name: str,
+    dtype: torch.dtype,
+) -> nn.Module:
     """Allocate `module` on CPU and fill it: from the source by HF name, or by seeded init."""
     module.to_empty(device="cpu")
     persistent = module.state_dict(keep_vars=True)
@@ -97,8 +112,18 @@ def _materialize(module: nn.Module, hf_name, source: WeightSource | None, model:
 
 
 @torch.no_grad()
-def vocab_rows(parts: ModelParts, which: str, start: int, end: int, row_map: RowMap, source: WeightSource | None,
-               model: nn.Module, seed: int, dtype: torch.dtype, means: dict | None = None) -> torch.Tensor:
+def vocab_rows(
+    parts: ModelParts,
+    which: str,
+    start: int,
+    end: int,
+    row_map: RowMap,
+    source: WeightSource | None,
+    model: nn.Module,
+    seed: int,
+    dtype: torch.dtype,
+    means: dict | None = None,
+) -> torch.Tensor:
     """Rows [start, end) of the embedding ("embed") or lm_head ("head") matrix, made by `row_map`.
 
     Each row is copied from a source row, the mean of several (a re-tokenized vocabulary's composed
@@ -126,8 +151,16 @@ def vocab_rows(parts: ModelParts, which: str, start: int, end: int, row_map: Row
 
 
 @torch.no_grad()
-def bias_rows(parts: ModelParts, start: int, end: int, row_map: RowMap, source: WeightSource | None,
-              model: nn.Module, seed: int, dtype: torch.dtype) -> torch.Tensor:
+def bias_rows(
+    parts: ModelParts,
+    start: int,
+    end: int,
+    row_map: RowMap,
+    source: WeightSource | None,
+    model: nn.Module,
+    seed: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Entries [start, end) of the lm_head bias, made by `row_map` like the weight's rows (padding: 0)."""
     name = f"{parts.names.lm_head}.bias"
     old_v = row_map.source_rows
@@ -144,9 +177,19 @@ def _new_param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=True)
 
 
-def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab", partition=None, *,
-               dtype: torch.dtype = torch.float32, seed: int = 0, vocab_size: int | None = None,
-               attn_implementation: str | None = None, device: torch.device | str = "cpu") -> RankModules:
+def build_rank(
+    source,
+    layout: StageLayout,
+    rank: int,
+    placement: str = "vocab",
+    partition=None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    attn_implementation: str | None = None,
+    device: torch.device | str = "cpu",
+) -> RankModules:
     """Build the modules `layout` puts on `rank`.
 
     source: a `PretrainedConfig` (fresh seeded init), a `PreTrainedModel` (copy its weights), a
@@ -171,14 +214,17 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
     config = model.config
     parts = find_parts(model)
     if layout.num_layers != parts.num_layers:
-        raise LayoutError(f"layout covers {layout.num_layers} decoder layers but {type(model).__name__} has "
-                          f"{parts.num_layers}")
+        raise LayoutError(
+            f"layout covers {layout.num_layers} decoder layers but {type(model).__name__} has {parts.num_layers}"
+        )
     if placement == "vocab":
         if partition is None:
             raise ValueError('placement "vocab" needs partition=VocabPartition(vocab_size, num_ranks)')
         if partition.vocab_size != V or partition.world_size != layout.num_ranks:
-            raise ValueError(f"partition is for V={partition.vocab_size} over {partition.world_size} ranks, but the "
-                             f"model has V={V} and the layout {layout.num_ranks} ranks")
+            raise ValueError(
+                f"partition is for V={partition.vocab_size} over {partition.world_size} ranks, but the "
+                f"model has V={V} and the layout {layout.num_ranks} ranks"
+            )
     src = _weight_source(source, model)
     if isinstance(source, CheckpointSource) and vocab_size in (None, source.config.vocab_size):
         row_map, means = source.rows_map(), source.means
@@ -195,15 +241,26 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
             return None
         return _new_param(bias_rows(parts, start, end, row_map, src, model, seed, dtype))
 
-    kw = dict(rank=rank, layout=layout, placement=placement, config=config, names=parts.names, chunks=chunks,
-              tied=parts.tied, vocab_size=V, final_softcap=parts.final_softcap, logit_scale=parts.logit_scale,
-              padding_idx=parts.padding_idx)
+    kw = dict(
+        rank=rank,
+        layout=layout,
+        placement=placement,
+        config=config,
+        names=parts.names,
+        chunks=chunks,
+        tied=parts.tied,
+        vocab_size=V,
+        final_softcap=parts.final_softcap,
+        logit_scale=parts.logit_scale,
+        padding_idx=parts.padding_idx,
+    )
     if placement == "vocab":
         start, end = partition.shard_range(rank)
         embed_w = _new_param(rows("embed", start, end))
         head_w = embed_w if parts.tied else _new_param(rows("head", start, end))
-        rm = RankModules(partition=partition, embed_weight=embed_w, head_weight=head_w, head_bias=bias(start, end),
-                         **kw)
+        rm = RankModules(
+            partition=partition, embed_weight=embed_w, head_weight=head_w, head_bias=bias(start, end), **kw
+        )
     else:
         embed = head = None
         if rank == layout.first_rank:
@@ -216,8 +273,15 @@ def build_rank(source, layout: StageLayout, rank: int, placement: str = "vocab",
     return rm.to(device)
 
 
-def _build_chunk(parts: ModelParts, layout: StageLayout, c: int, src: WeightSource | None, model: nn.Module,
-                 seed: int, dtype: torch.dtype) -> StageChunk:
+def _build_chunk(
+    parts: ModelParts,
+    layout: StageLayout,
+    c: int,
+    src: WeightSource | None,
+    model: nn.Module,
+    seed: int,
+    dtype: torch.dtype,
+) -> StageChunk:
     start, end = layout.chunk_layers[c]
     names = parts.names
     first, last = c == 0, c == layout.num_chunks - 1  # chunk 0 may hold no layer: chunk 1 then starts at 0 too
@@ -230,15 +294,26 @@ def _build_chunk(parts: ModelParts, layout: StageLayout, c: int, src: WeightSour
     if last:
         norm = _materialize(parts.norm, lambda k: f"{names.norm}.{k}", src, model, seed, names.norm, dtype)
     if first and parts.pos_embed is not None:
-        pos = _materialize(parts.pos_embed, lambda k: f"{names.pos_embed}.{k}", src, model, seed, names.pos_embed,
-                           dtype)
+        pos = _materialize(
+            parts.pos_embed, lambda k: f"{names.pos_embed}.{k}", src, model, seed, names.pos_embed, dtype
+        )
     rotary = None
     if parts.rotary_emb is not None:
         # Rebuilt on CPU from the config: its buffers (inv_freq) are not in checkpoints.
         rotary = type(parts.rotary_emb)(config=model.config)
-    chunk = StageChunk(model.config, names, c, (start, end), layers, parts.layer_types, rotary, norm=norm,
-                       pos_embed=pos, embed_dropout=parts.embed_dropout if first else None,
-                       embed_scale=parts.embed_scale if first else None,
-                       embed_scale_in_dtype=parts.embed_scale_in_dtype,
-                       rotary_per_layer_type=parts.rotary_per_layer_type)
+    chunk = StageChunk(
+        model.config,
+        names,
+        c,
+        (start, end),
+        layers,
+        parts.layer_types,
+        rotary,
+        norm=norm,
+        pos_embed=pos,
+        embed_dropout=parts.embed_dropout if first else None,
+        embed_scale=parts.embed_scale if first else None,
+        embed_scale_in_dtype=parts.embed_scale_in_dtype,
+        rotary_per_layer_type=parts.rotary_per_layer_type,
+    )
     return chunk

@@ -35,17 +35,26 @@ class CheckpointSource:
     """fp32 means of the checkpoint's vocabulary matrices by HF name (see `share_vocab_means`)."""
 
     def __post_init__(self) -> None:
-        if self.row_map is not None and (self.row_map.num_rows != self.config.vocab_size
-                                         or self.row_map.source_rows != self.source_vocab):
-            raise ValueError(f"row map is {self.row_map.source_rows} -> {self.row_map.num_rows} rows, but the "
-                             f"checkpoint has {self.source_vocab} and the config {self.config.vocab_size}")
+        if self.row_map is not None and (
+            self.row_map.num_rows != self.config.vocab_size or self.row_map.source_rows != self.source_vocab
+        ):
+            raise ValueError(
+                f"row map is {self.row_map.source_rows} -> {self.row_map.num_rows} rows, but the "
+                f"checkpoint has {self.source_vocab} and the config {self.config.vocab_size}"
+            )
 
     def rows_map(self) -> RowMap:
         return self.row_map or RowMap.identity(self.config.vocab_size, self.source_vocab)
 
     @classmethod
-    def from_dir(cls, path: str | Path, overrides: dict | None = None, vocab_size: int | None = None,
-                 row_map: RowMap | None = None, trust_remote_code: bool = False) -> "CheckpointSource":
+    def from_dir(
+        cls,
+        path: str | Path,
+        overrides: dict | None = None,
+        vocab_size: int | None = None,
+        row_map: RowMap | None = None,
+        trust_remote_code: bool = False,
+    ) -> "CheckpointSource":
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)

@@ -18,8 +18,11 @@ from .build import meta_model
 from .generation import generation_config_for, with_tokenizer_ids
 
 
-def assemble_state_dict(rank_state_dicts: Sequence[dict[str, torch.Tensor]], vocab_size: int,
-                        sharded_names: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
+def assemble_state_dict(
+    rank_state_dicts: Sequence[dict[str, torch.Tensor]],
+    vocab_size: int,
+    sharded_names: frozenset[str] | set[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
     """One full HF state dict from per-rank state dicts given in pipeline-rank order.
 
     `sharded_names` (a RankModules' `sharded_names`) are row shards to concatenate and cut to
@@ -42,8 +45,14 @@ def assemble_state_dict(rank_state_dicts: Sequence[dict[str, torch.Tensor]], voc
     return out
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], config, out_dir: str | Path, *, tokenizer=None,
-            max_shard_size: int | str = "5GB") -> Path:
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    config,
+    out_dir: str | Path,
+    *,
+    tokenizer=None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
     """`save_pretrained` a full state dict with its config, without allocating a second copy of the model.
 
     With a `tokenizer`, it is saved beside the weights, and its bos/eos/pad ids go into config.json and
@@ -57,12 +66,17 @@ def save_hf(state_dict: dict[str, torch.Tensor], config, out_dir: str | Path, *,
     model = meta_model(config, dtype)
     expected = set(model.state_dict())
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    missing = sorted(k for k in expected - set(state_dict)
-                     if not (tied and model.get_output_embeddings().weight is model.get_parameter(k)))
+    missing = sorted(
+        k
+        for k in expected - set(state_dict)
+        if not (tied and model.get_output_embeddings().weight is model.get_parameter(k))
+    )
     unexpected = sorted(set(state_dict) - expected)
     if missing or unexpected:
-        raise ValueError(f"assembled state dict does not match {type(model).__name__}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"assembled state dict does not match {type(model).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     model.load_state_dict(state_dict, strict=False, assign=True)
     if tied:
         model.tie_weights()
@@ -90,9 +104,19 @@ def gather_state_dict(mods, group: dist.ProcessGroup | None = None, dst: int = 0
     return assemble_state_dict(gathered, mods.vocab_size, mods.sharded_names)
 
 
-def export_hf(mods, layout, partition, config, out_dir: str | Path, *, tokenizer=None,
-              group: dist.ProcessGroup | None = None, ranks: Sequence[int] | None = None, write: bool = True,
-              max_shard_size: int | str = "5GB") -> Path | None:
+def export_hf(
+    mods,
+    layout,
+    partition,
+    config,
+    out_dir: str | Path,
+    *,
+    tokenizer=None,
+    group: dist.ProcessGroup | None = None,
+    ranks: Sequence[int] | None = None,
+    write: bool = True,
+    max_shard_size: int | str = "5GB",
+) -> Path | None:
     """Gather every pipeline rank's part and `save_pretrained` it on pipeline rank 0 (a collective).
 
     `layout` / `partition` must be those `mods` was built with (checked); `config` is what gets saved
@@ -114,6 +138,8 @@ def export_hf(mods, layout, partition, config, out_dir: str | Path, *, tokenizer
         return None
     cfg = config if config is not None else mods.config
     if cfg.vocab_size != mods.vocab_size:
-        raise ValueError(f"config has vocab_size={cfg.vocab_size} but the model was built with {mods.vocab_size} "
-                         "(pass mods.config to save a resized vocabulary)")
+        raise ValueError(
+            f"config has vocab_size={cfg.vocab_size} but the model was built with {mods.vocab_size} "
+            "(pass mods.config to save a resized vocabulary)"
+        )
     return save_hf(sd, cfg, out_dir, tokenizer=tokenizer, max_shard_size=max_shard_size)

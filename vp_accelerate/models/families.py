@@ -13,25 +13,91 @@ from __future__ import annotations
 from .adapter import ADAPTERS, UnsupportedModelError, find_parts
 
 #: Families checked exactly (loss and every gradient vs HF, checkpoint and config, vocab-2 and baseline).
-VERIFIED = frozenset({
-    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "codegen", "cohere", "cohere2",
-    "cohere2_moe", "cohere_compass_text", "cwm", "deepseek_v2", "deepseek_v3", "doge", "dots1", "ernie4_5",
-    "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "glm",
-    "glm4", "glm4_moe", "glm4_moe_lite", "gpt2", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa", "helium",
-    "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama", "mellum",
-    "mimo_v2_flash", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral",
-    "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe",
-    "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
-})
+VERIFIED = frozenset(
+    {
+        "afmoe",
+        "apertus",
+        "apertus1p5_text",
+        "arcee",
+        "aria_text",
+        "axk1",
+        "beam",
+        "codegen",
+        "cohere",
+        "cohere2",
+        "cohere2_moe",
+        "cohere_compass_text",
+        "cwm",
+        "deepseek_v2",
+        "deepseek_v3",
+        "doge",
+        "dots1",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "exaone",
+        "exaone4",
+        "exaone_moe",
+        "flex_olmo",
+        "flint",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "glm",
+        "glm4",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "gpt2",
+        "gpt_neox",
+        "gpt_oss",
+        "gptj",
+        "granite",
+        "granite_swa",
+        "helium",
+        "hy_v3",
+        "hyperclovax",
+        "internlm3",
+        "iquestcoder",
+        "jais2",
+        "kolibri1",
+        "laguna",
+        "llama",
+        "mellum",
+        "mimo_v2_flash",
+        "minicpm3",
+        "minimax_m2",
+        "minimax_m3_vl_text",
+        "ministral",
+        "ministral3",
+        "mistral",
+        "mixtral",
+        "olmo",
+        "olmo2",
+        "olmo3",
+        "phi",
+        "phi3",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "sarvam_mla",
+        "sarvam_moe",
+        "seed_oss",
+        "smollm3",
+        "solar_open",
+        "starcoder2",
+        "vaultgemma",
+        "youtu",
+    }
+)
 
 #: Families refused, with the feature the stage split lacks.
 REFUSED: dict[str, str] = {
     "gemma3n_text": "per-layer inputs and AltUp predictions computed from the token ids outside the decoder layers, "
-                    "and key/value states shared across layers (they would cross pipeline stages)",
+    "and key/value states shared across layers (they would cross pipeline stages)",
     "gemma4_text": "per-layer inputs computed from the token ids outside the decoder layers and key/value states "
-                   "shared across layers (they would cross pipeline stages)",
+    "shared across layers (they would cross pipeline stages)",
     "gemma4_unified_text": "per-layer inputs computed from the token ids outside the decoder layers and key/value "
-                           "states shared across layers (they would cross pipeline stages)",
+    "states shared across layers (they would cross pipeline stages)",
     "hrm_text": "a recurrent reasoning loop over several layer stacks instead of one decoder layer list",
 }
 
@@ -66,29 +132,35 @@ def check_supported(config) -> None:
             f"model_type {mt!r} has output_router_logits=True (router_aux_loss_coef={coef}): HF adds a load-balancing "
             "loss computed over the router logits of all layers of the whole batch, which pipeline stages and "
             "microbatches cannot reproduce exactly; set output_router_logits to false (the default of the released "
-            "configs) to train without it")
+            "configs) to train without it"
+        )
     if getattr(config, "is_heterogeneous", False):
-        raise UnsupportedModelError(f"model_type {mt!r} is heterogeneous (per-layer attributes "
-                                    f"{sorted(config.per_layer_attributes or ())}: layer shapes vary along the stack), "
-                                    "which the stage split and its cost model do not handle")
+        raise UnsupportedModelError(
+            f"model_type {mt!r} is heterogeneous (per-layer attributes "
+            f"{sorted(config.per_layer_attributes or ())}: layer shapes vary along the stack), "
+            "which the stage split and its cost model do not handle"
+        )
     from .build import meta_model
 
     model = meta_model(config)
     parts = find_parts(model)
     names = parts.names
-    covered = tuple(f"{n}." for n in (names.embed, names.layers, names.norm, names.lm_head, names.pos_embed,
-                                      names.rotary_emb) if n)
+    covered = tuple(
+        f"{n}." for n in (names.embed, names.layers, names.norm, names.lm_head, names.pos_embed, names.rotary_emb) if n
+    )
     outside = sorted({k.rsplit(".", 1)[0] for k in model.state_dict() if not k.startswith(covered)})
     if outside:
         raise UnsupportedModelError(
             f"model_type {mt!r} has weights outside the input embedding, decoder layers, final norm and output "
             f"layer ({outside[:4]}{' ...' if len(outside) > 4 else ''}): its forward uses modules the stage split "
-            "does not place")
+            "does not place"
+        )
     if parts.num_layers != config.num_hidden_layers:
         raise UnsupportedModelError(
             f"model_type {mt!r} has {parts.num_layers} decoder layer modules but num_hidden_layers="
             f"{config.num_hidden_layers} (each module holds several sub-layers); pipeline layouts count "
-            "num_hidden_layers, so they would not cover the model")
+            "num_hidden_layers, so they would not cover the model"
+        )
 
 
 def unsupported_reason(config) -> str | None:

@@ -26,8 +26,9 @@ def chat_template_text(tokenizer) -> str | None:
 
 def _special_ids(tokenizer) -> set[int]:
     ids = {i for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None}
-    ids |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
-            if getattr(t, "special", False)}
+    ids |= {
+        i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if getattr(t, "special", False)
+    }
     return ids
 
 
@@ -49,15 +50,18 @@ def end_of_turn_id(tokenizer, template: str | None = None) -> int | None:
     at = text.rfind(_PROBE)
     if at < 0:
         return None
-    tail = text[at + len(_PROBE):]
+    tail = text[at + len(_PROBE) :]
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail.strip() else []
     return ids[0] if ids and ids[0] in _special_ids(tokenizer) else None
 
 
 def special_token_ids(tokenizer) -> dict:
     """{"bos_token_id", "eos_token_id", "pad_token_id"} of `tokenizer` for the model config (eos: one id)."""
-    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
 def generation_eos(tokenizer) -> int | list[int] | None:
@@ -83,5 +87,8 @@ def generation_config_for(tokenizer):
     eos = generation_eos(tokenizer)
     first = eos[0] if isinstance(eos, list) else eos
     # built from the ids, not `from_model_config`: generate() would re-derive a config-made one from config.json
-    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
-                            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first)
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first,
+    )

@@ -35,11 +35,15 @@ class StageLayout:
         expect = 0
         for c, (start, end) in enumerate(self.chunk_layers):
             if start != expect:
-                raise LayoutError(f"chunk {c} starts at layer {start} but the previous chunk ended at {expect}: "
-                                  "chunks must cover the layers contiguously in model order")
+                raise LayoutError(
+                    f"chunk {c} starts at layer {start} but the previous chunk ended at {expect}: "
+                    "chunks must cover the layers contiguously in model order"
+                )
             if end < start or (end == start and 0 < c < len(self.chunk_layers) - 1):
-                raise LayoutError(f"chunk {c} has no layers ({start}..{end}); only the first and the last chunk may "
-                                  "hold none (they also run the vocabulary layers), every other chunk needs one")
+                raise LayoutError(
+                    f"chunk {c} has no layers ({start}..{end}); only the first and the last chunk may "
+                    "hold none (they also run the vocabulary layers), every other chunk needs one"
+                )
             expect = end
         if expect == 0:
             raise LayoutError("the chunks hold no decoder layer at all")
@@ -92,8 +96,9 @@ class StageLayout:
         return StageLayout.from_counts(_counts(num_layers, 2 * p, layer_counts), owners)
 
     @staticmethod
-    def interleaved(num_layers: int, num_ranks: int, chunks_per_rank: int,
-                    layer_counts: Sequence[int] | None = None) -> "StageLayout":
+    def interleaved(
+        num_layers: int, num_ranks: int, chunks_per_rank: int, layer_counts: Sequence[int] | None = None
+    ) -> "StageLayout":
         """Interleaved 1F1B: v*p chunks assigned round-robin, chunk c on rank c mod p."""
         if chunks_per_rank < 1:
             raise LayoutError(f"chunks_per_rank must be >= 1, got {chunks_per_rank}")
@@ -108,9 +113,11 @@ class StageLayout:
         ends = (0, len(layer_counts) - 1)
         bad = [(c, n) for c, n in enumerate(layer_counts) if n < 0 or (n == 0 and c not in ends)]
         if bad:
-            raise LayoutError(f"every chunk but the first and the last needs at least one decoder layer (the end "
-                              f"chunks may hold none: they also run the vocabulary layers); chunk(s) {bad} "
-                              "(chunk, count) do not")
+            raise LayoutError(
+                f"every chunk but the first and the last needs at least one decoder layer (the end "
+                f"chunks may hold none: they also run the vocabulary layers); chunk(s) {bad} "
+                "(chunk, count) do not"
+            )
         ranges, start = [], 0
         for n in layer_counts:
             ranges.append((start, start + int(n)))
@@ -123,8 +130,10 @@ def split_counts(num_layers: int, num_chunks: int) -> list[int]:
     if num_chunks < 1:
         raise LayoutError(f"need at least one chunk, got {num_chunks} (is num_ranks >= 1?)")
     if num_chunks > num_layers:
-        raise LayoutError(f"cannot split {num_layers} decoder layers into {num_chunks} chunks: "
-                          "each chunk needs at least one layer (use fewer ranks or chunks per rank)")
+        raise LayoutError(
+            f"cannot split {num_layers} decoder layers into {num_chunks} chunks: "
+            "each chunk needs at least one layer (use fewer ranks or chunks per rank)"
+        )
     base, extra = divmod(num_layers, num_chunks)
     return [base + (1 if c < extra else 0) for c in range(num_chunks)]
 

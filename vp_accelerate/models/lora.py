@@ -31,8 +31,10 @@ def target_modules_for(config, target_modules) -> list[str]:
 
     found = DEFAULTS.get(config.model_type)
     if not found:
-        raise ValueError(f"adapter.target_modules: peft has no default LoRA targets for model type "
-                         f"{config.model_type!r}; list the linear layers to adapt (e.g. [q_proj, v_proj])")
+        raise ValueError(
+            f"adapter.target_modules: peft has no default LoRA targets for model type "
+            f"{config.model_type!r}; list the linear layers to adapt (e.g. [q_proj, v_proj])"
+        )
     return list(found)
 
 
@@ -40,9 +42,14 @@ def lora_config(config, adapter, transposed: bool = False):
     """The `peft.LoraConfig` of an `AdapterConfig` (what the adapter folder records)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
-                      target_modules=target_modules_for(config, adapter.target_modules),
-                      fan_in_fan_out=transposed, task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=adapter.r,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=target_modules_for(config, adapter.target_modules),
+        fan_in_fan_out=transposed,
+        task_type="CAUSAL_LM",
+    )
 
 
 def lora_modules(module: nn.Module, prefix_of=lambda name: name):
@@ -88,8 +95,12 @@ def apply_lora(mods, adapter, seed: int, dtype: torch.dtype) -> list[str]:
         transposed += [n for n, layer in named if isinstance(layer.get_base_layer(), Conv1D)]
         for name, p in chunk.named_parameters():
             p.requires_grad_(".lora_" in name)
-    for p in (mods.embed_weight, mods.head_weight, mods.embed.weight if mods.embed else None,
-              mods.head.weight if mods.head else None):
+    for p in (
+        mods.embed_weight,
+        mods.head_weight,
+        mods.embed.weight if mods.embed else None,
+        mods.head.weight if mods.head else None,
+    ):
         if p is not None:
             p.requires_grad_(adapter.train_vocab)
     return transposed
@@ -122,12 +133,22 @@ def merge_lora(state: dict[str, torch.Tensor], scaling: float, transposed=()) ->
 
 def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter tensors under the names peft saves (`base_model.model.<module>.lora_A.weight`)."""
-    return {"base_model.model." + n.replace(f".{ADAPTER_NAME}.", "."): t.contiguous()
-            for n, t in state.items() if is_lora_name(n)}
+    return {
+        "base_model.model." + n.replace(f".{ADAPTER_NAME}.", "."): t.contiguous()
+        for n, t in state.items()
+        if is_lora_name(n)
+    }
 
 
-def save_adapter(state: dict[str, torch.Tensor], config, adapter, transposed, out_dir,
-                 base_model_name_or_path: str | None = None, tokenizer=None) -> Path:
+def save_adapter(
+    state: dict[str, torch.Tensor],
+    config,
+    adapter,
+    transposed,
+    out_dir,
+    base_model_name_or_path: str | None = None,
+    tokenizer=None,
+) -> Path:
     """Write a peft adapter folder (adapter_config.json + adapter_model.safetensors, and the tokenizer when
     given: `AutoPeftModelForCausalLM` reads it from the folder instead of asking the hub).
 
@@ -157,5 +178,7 @@ def describe_adapter(adapter, config, trainable: int, total: int) -> str:
     vocab = "trains (adapter.train_vocab)" if adapter.train_vocab else "is frozen"
     targets = ", ".join(target_modules_for(config, adapter.target_modules))
     share = 100 * trainable / max(total, 1)
-    return (f"LoRA r={adapter.r} alpha={adapter.alpha:g} on {targets}: {trainable:,} trainable of {total:,} "
-            f"parameters ({share:.2f}%); the vocabulary {vocab}")
+    return (
+        f"LoRA r={adapter.r} alpha={adapter.alpha:g} on {targets}: {trainable:,} trainable of {total:,} "
+        f"parameters ({share:.2f}%); the vocabulary {vocab}"
+    )

@@ -57,13 +57,18 @@ class RankModules:
     """Owns every module and parameter above, for .to() / .train() / state handling."""
 
     def __repr__(self) -> str:
-        chunks = ", ".join(f"{c}: layers {s}-{e - 1}" for c in sorted(self.chunks)
-                           for s, e in [self.layout.chunk_layers[c]])
-        vocab = (f"shard rows {self.partition.shard_range(self.rank)} of {self.partition.padded_size} padded"
-                 if self.placement == "vocab" else
-                 f"embedding {'yes' if self.embed else 'no'}, head {'yes' if self.head else 'no'}")
-        return (f"RankModules(rank={self.rank}, {self.config.model_type}, placement={self.placement!r}, "
-                f"chunks {{{chunks}}}, {vocab}, tied={self.tied}, {self.param_bytes()} parameter bytes)")
+        chunks = ", ".join(
+            f"{c}: layers {s}-{e - 1}" for c in sorted(self.chunks) for s, e in [self.layout.chunk_layers[c]]
+        )
+        vocab = (
+            f"shard rows {self.partition.shard_range(self.rank)} of {self.partition.padded_size} padded"
+            if self.placement == "vocab"
+            else f"embedding {'yes' if self.embed else 'no'}, head {'yes' if self.head else 'no'}"
+        )
+        return (
+            f"RankModules(rank={self.rank}, {self.config.model_type}, placement={self.placement!r}, "
+            f"chunks {{{chunks}}}, {vocab}, tied={self.tied}, {self.param_bytes()} parameter bytes)"
+        )
 
     def __post_init__(self) -> None:
         self.container = nn.ModuleDict({f"chunk{c}": m for c, m in self.chunks.items()})
@@ -124,10 +129,13 @@ class RankModules:
             for name, p in self.chunks[c].hf_named_parameters():
                 seen.add(id(p))
                 yield name, p
-        for name, p in ((self.embed_name, self.embed_weight), (self.head_name, self.head_weight),
-                        (self.embed_name, self.embed.weight if self.embed else None),
-                        (self.head_name, self.head.weight if self.head else None),
-                        (self.head_bias_name, self.output_bias)):
+        for name, p in (
+            (self.embed_name, self.embed_weight),
+            (self.head_name, self.head_weight),
+            (self.embed_name, self.embed.weight if self.embed else None),
+            (self.head_name, self.head.weight if self.head else None),
+            (self.head_bias_name, self.output_bias),
+        ):
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 yield name, p
@@ -138,8 +146,12 @@ class RankModules:
         Only the baseline placement of a tied model duplicates anything: the last chunk's owner holds a
         copy of the embedding for its head (its gradient must be summed with the first rank's).
         """
-        return (self.placement == "baseline" and self.tied and name == self.embed_name
-                and self.rank != self.layout.first_rank)
+        return (
+            self.placement == "baseline"
+            and self.tied
+            and name == self.embed_name
+            and self.rank != self.layout.first_rank
+        )
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Baseline: E[ids] on chunk 0's owner (chunk 0 applies the scale / position pieces)."""

@@ -63,22 +63,32 @@ class RowMap:
         return {name: int((kind == k).sum()) for k, name in KIND_NAMES.items()}
 
     def is_identity(self) -> bool:
-        return (self.num_rows == self.source_rows and bool((self.kind == COPY).all())
-                and np.array_equal(self.idx, np.arange(self.num_rows)))
+        return (
+            self.num_rows == self.source_rows
+            and bool((self.kind == COPY).all())
+            and np.array_equal(self.idx, np.arange(self.num_rows))
+        )
 
     def sources_of(self, start: int, end: int) -> np.ndarray:
         """Sorted unique source rows that new rows [start, end) need (without the overall mean)."""
         end = min(end, self.num_rows)
         if start >= end:
             return np.zeros(0, dtype=np.int64)
-        return np.unique(self.idx[self.ptr[start]:self.ptr[end]])
+        return np.unique(self.idx[self.ptr[start] : self.ptr[end]])
 
     def needs_mean(self, start: int, end: int) -> bool:
-        return bool((self.kind[start:min(end, self.num_rows)] == MEAN).any())
+        return bool((self.kind[start : min(end, self.num_rows)] == MEAN).any())
 
     @torch.no_grad()
-    def rows(self, read: Callable[[int, int], torch.Tensor], start: int, end: int, hidden: int,
-             dtype: torch.dtype, mean: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def rows(
+        self,
+        read: Callable[[int, int], torch.Tensor],
+        start: int,
+        end: int,
+        hidden: int,
+        dtype: torch.dtype,
+        mean: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
         """New rows [start, end) (rows >= num_rows are zero padding) in `dtype`.
 
         `read(s, e)` returns source rows [s, e); `mean()` the fp32 mean of all source rows (called
@@ -96,14 +106,14 @@ class RowMap:
             breaks = np.flatnonzero(np.diff(need) != 1) + 1
             for run in np.split(np.arange(len(need)), breaks):
                 s, e = int(need[run[0]]), int(need[run[-1]]) + 1
-                got[run[0]:run[-1] + 1] = read(s, e).to(work)
+                got[run[0] : run[-1] + 1] = read(s, e).to(work)
         kind, ptr, idx = self.kind[start:hi], self.ptr, self.idx
         copy_rows = np.flatnonzero(kind == COPY)
         if len(copy_rows):  # exact copies of the source's values (the work dtype holds them exactly)
             pos = np.searchsorted(need, idx[ptr[start + copy_rows]])
             out[torch.from_numpy(copy_rows)] = got[torch.from_numpy(pos)].to(dtype)
         for i in np.flatnonzero(kind == COMPOSED):
-            pos = np.searchsorted(need, idx[ptr[start + i]:ptr[start + i + 1]])
+            pos = np.searchsorted(need, idx[ptr[start + i] : ptr[start + i + 1]])
             out[i] = got[torch.from_numpy(pos)].mean(0).to(dtype)
         mean_rows = np.flatnonzero(kind == MEAN)
         if len(mean_rows):

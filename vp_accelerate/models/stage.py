@@ -34,11 +34,22 @@ class StageChunk(nn.Module):
     `layers[str(i)]`, with i the global layer index.
     """
 
-    def __init__(self, config, names: PartNames, chunk: int, layer_range: tuple[int, int],
-                 layers: list[nn.Module], layer_types: tuple[str, ...], rotary_emb: nn.Module | None,
-                 norm: nn.Module | None = None, pos_embed: nn.Module | None = None,
-                 embed_dropout: nn.Module | None = None, embed_scale: float | None = None,
-                 embed_scale_in_dtype: bool = False, rotary_per_layer_type: bool = False):
+    def __init__(
+        self,
+        config,
+        names: PartNames,
+        chunk: int,
+        layer_range: tuple[int, int],
+        layers: list[nn.Module],
+        layer_types: tuple[str, ...],
+        rotary_emb: nn.Module | None,
+        norm: nn.Module | None = None,
+        pos_embed: nn.Module | None = None,
+        embed_dropout: nn.Module | None = None,
+        embed_scale: float | None = None,
+        embed_scale_in_dtype: bool = False,
+        rotary_per_layer_type: bool = False,
+    ):
         super().__init__()
         start, end = layer_range
         if len(layers) != end - start:
@@ -86,11 +97,17 @@ class StageChunk(nn.Module):
             h = self.embed_dropout(h)
         return h
 
-    def build_masks(self, hidden: torch.Tensor, position_ids: torch.Tensor,
-                    attention_mask: torch.Tensor | None) -> dict[str, object]:
+    def build_masks(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> dict[str, object]:
         """The masks of the layer types in this chunk, as the HF forward builds them (None = plain causal)."""
-        kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
-                      position_ids=position_ids)
+        kwargs = dict(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=position_ids,
+        )
         return {t: _MASK_BUILDERS[t](**kwargs) for t in sorted(set(self.layer_types))}
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
@@ -102,8 +119,9 @@ class StageChunk(nn.Module):
             return {t: self.rotary_emb(hidden, position_ids, t) for t in sorted(set(self.layer_types))}
         return self.rotary_emb(hidden, position_ids)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden [b, s, h] -> hidden [b, s, h].
 
         For chunk 0, `hidden` is the raw embedding lookup E[ids] (summed over vocabulary shards under
@@ -154,8 +172,9 @@ class StageChunk(nn.Module):
                 yield self.hf_name(name), t
 
 
-def apply_logit_transforms(logits: torch.Tensor, logit_scale: float = 1.0,
-                           softcap: float | None = None) -> torch.Tensor:
+def apply_logit_transforms(
+    logits: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None
+) -> torch.Tensor:
     """Cohere/Granite scaling then Gemma-2 softcapping, in the order HF applies them."""
     if logit_scale != 1.0:
         logits = logits * logit_scale
@@ -183,8 +202,13 @@ class FullEmbedding(nn.Module):
 class FullHead(nn.Module):
     """Baseline placement: the whole lm_head (and its bias, if any) on the rank holding the last chunk; X -> logits."""
 
-    def __init__(self, weight: nn.Parameter, logit_scale: float = 1.0, softcap: float | None = None,
-                 bias: nn.Parameter | None = None):
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        logit_scale: float = 1.0,
+        softcap: float | None = None,
+        bias: nn.Parameter | None = None,
+    ):
         super().__init__()
         self.weight = weight
         self.bias = bias

@@ -60,8 +60,18 @@ def seeded_init(model: nn.Module, module: nn.Module, seed: int, name: str) -> No
 
 
 @torch.no_grad()
-def seeded_vocab_rows(model: nn.Module, kind: str, name: str, start: int, end: int, num_rows: int, hidden: int,
-                      dtype: torch.dtype, seed: int, padding_idx: int | None = None) -> torch.Tensor:
+def seeded_vocab_rows(
+    model: nn.Module,
+    kind: str,
+    name: str,
+    start: int,
+    end: int,
+    num_rows: int,
+    hidden: int,
+    dtype: torch.dtype,
+    seed: int,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
     """Rows [start, end) of a fresh [num_rows, hidden] embedding ("embed") or lm_head ("head") init, or
     entries [start, end) of the lm_head's [num_rows] bias ("bias")."""
     out = torch.empty((end - start, hidden) if kind != "bias" else (end - start,), dtype=dtype)
@@ -77,7 +87,7 @@ def seeded_vocab_rows(model: nn.Module, kind: str, name: str, start: int, end: i
             torch.manual_seed(derived_seed(seed, name, b))
             model._init_weights(tmp)
         lo, hi = max(start, b0), min(end, b1)
-        out[lo - start:hi - start] = (tmp.bias if kind == "bias" else tmp.weight)[lo - b0:hi - b0]
+        out[lo - start : hi - start] = (tmp.bias if kind == "bias" else tmp.weight)[lo - b0 : hi - b0]
     return out
 
 
@@ -122,8 +132,10 @@ class SafetensorsSource:
             with safe_open(self.path / "model.safetensors", framework="pt") as f:
                 weight_map = {k: "model.safetensors" for k in f.keys()}
         else:
-            raise FileNotFoundError(f"{self.path} has neither model.safetensors nor model.safetensors.index.json "
-                                    "(only safetensors checkpoints are read)")
+            raise FileNotFoundError(
+                f"{self.path} has neither model.safetensors nor model.safetensors.index.json "
+                "(only safetensors checkpoints are read)"
+            )
         self.weight_map: dict[str, str] = weight_map
         self._open = safe_open
         self._handles: dict[str, object] = {}
@@ -145,8 +157,9 @@ class SafetensorsSource:
 
 
 @torch.no_grad()
-def mean_rows(source: WeightSource | None, name: str, num_rows: int, hidden: int, block: int = INIT_BLOCK_ROWS,
-              init=None) -> torch.Tensor:
+def mean_rows(
+    source: WeightSource | None, name: str, num_rows: int, hidden: int, block: int = INIT_BLOCK_ROWS, init=None
+) -> torch.Tensor:
     """fp32 mean over rows [0, num_rows) of a vocabulary matrix, read block by block.
 
     `init(start, end)` produces rows when there is no source (fresh init).

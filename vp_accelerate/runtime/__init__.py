@@ -9,8 +9,15 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, PipelineLayout, RankLayout
 
-__all__ = ["AdapterConfig", "ChunkLayers", "PipelineConfig", "PipelineLayout", "PipelineModel", "RankLayout",
-           "StepResult"]
+__all__ = [
+    "AdapterConfig",
+    "ChunkLayers",
+    "PipelineConfig",
+    "PipelineLayout",
+    "PipelineModel",
+    "RankLayout",
+    "StepResult",
+]
 
 
 def __getattr__(name):

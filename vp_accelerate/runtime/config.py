@@ -113,12 +113,15 @@ class PipelineConfig:
             raise ValueError(f"label_smoothing: must be in [0, 1), got {self.label_smoothing}")
         split = self.layers_per_stage
         if split is not None and (any(n < 0 for n in split) or any(n < 1 for n in split[1:-1])):
-            raise ValueError(f"layers_per_stage: every chunk but the first and the last needs at least one layer "
-                             f"(the end chunks may hold none), got {list(split)}")
+            raise ValueError(
+                f"layers_per_stage: every chunk but the first and the last needs at least one layer "
+                f"(the end chunks may hold none), got {list(split)}"
+            )
         if self.mixed_precision is not None and str(self.mixed_precision).lower() not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision: must be no, bf16, fp16 or null, got {self.mixed_precision!r}")
         if self.activation_checkpointing not in ("none", "full", "selective"):
-            raise ValueError(f"activation_checkpointing: must be none, full or selective, got "
-                             f"{self.activation_checkpointing!r}")
+            raise ValueError(
+                f"activation_checkpointing: must be none, full or selective, got {self.activation_checkpointing!r}"
+            )
         if self.watchdog_dead_after_s is not None and self.watchdog_dead_after_s <= 0:
             raise ValueError(f"watchdog_dead_after_s: must be > 0 or null, got {self.watchdog_dead_after_s}")

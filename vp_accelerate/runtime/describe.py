@@ -72,17 +72,22 @@ class RankLayout:
     def _vocab_text(self) -> str:
         if self.vocab_rows is not None:
             start, end = self.vocab_rows
-            return (f"vocab rows {start}-{end - 1} of {self.vocab_size}"
-                    f" (embedding{' + tied' if self.tied else ' + lm_head'})")
+            return (
+                f"vocab rows {start}-{end - 1} of {self.vocab_size}"
+                f" (embedding{' + tied' if self.tied else ' + lm_head'})"
+            )
         parts = (["full embedding"] if self.full_embedding else []) + (
-            ["norm + full lm_head + loss"] if self.full_head else [])
+            ["norm + full lm_head + loss"] if self.full_head else []
+        )
         return ", ".join(parts) or "no vocabulary layers"
 
     def text(self, params: bool = True) -> str:
         """The line a person reads; `params=False` leaves out the size (it depends on the dtype)."""
         chunks = ", ".join(f"chunk {c.chunk}: layers {c.start}-{c.end - 1}" for c in self.chunks)
-        line = (f"rank {self.rank} (pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}): "
-                f"{chunks}; {self._vocab_text()}")
+        line = (
+            f"rank {self.rank} (pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}): "
+            f"{chunks}; {self._vocab_text()}"
+        )
         return f"{line}; {self.param_bytes / 2**20:.1f} MiB of parameters" if params else line
 
     def __str__(self) -> str:

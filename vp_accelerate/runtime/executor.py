@@ -24,16 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vp_accelerate.runtime import precision
+from vp_accelerate.runtime import p2p, precision
 from vp_accelerate.runtime.groups import Groups
 from vp_accelerate.runtime.memory import ActivationMeter
 from vp_accelerate.runtime.weight_grad import WeightGradStore
-from vp_accelerate.runtime import p2p
 from vp_accelerate.schedule.deps import consumed
 from vp_accelerate.schedule.ir import Action, Op, Schedule, TimedAction, p2p_batches
 from vp_accelerate.vocab import embedding as vemb
 from vp_accelerate.vocab import output_layer as vout
-
 
 
 @dataclass
@@ -73,10 +71,21 @@ class StepOutput:
 class Executor:
     """Executes a schedule's actions for one rank over its stage chunks and vocabulary shards."""
 
-    def __init__(self, schedule: Schedule, rank_modules, groups: Groups, partition, out_opts,
-                 act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
-                 weight_grads: WeightGradStore | None, chunk_weight: dict[int, float] | None = None,
-                 compute_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank_modules,
+        groups: Groups,
+        partition,
+        out_opts,
+        act_shape: tuple[int, ...],
+        act_dtype: torch.dtype,
+        device: torch.device,
+        weight_grads: WeightGradStore | None,
+        chunk_weight: dict[int, float] | None = None,
+        compute_dtype: torch.dtype | None = None,
+        param_dtype: torch.dtype | None = None,
+    ):
         self.schedule = schedule
         self.mods = rank_modules
         self.g = groups
@@ -113,24 +122,24 @@ class Executor:
     # ---- the step --------------------------------------------------------------------------------
     def run(self, mbs: list[Microbatch]) -> StepOutput:
         self.mbs = mbs
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> chunk input (leaf)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> chunk output (graph)
-        self.grads: dict[tuple[int, int], torch.Tensor] = {}     # (mb, chunk) -> ∂L/∂output
-        self.recvs: dict[tuple[Op, int, int], tuple] = {}        # pending receive buffers + their batch
-        self.sends: list = []                                    # batches with sends, waited at the end
-        self.partials: dict[int, torch.Tensor] = {}              # IF partial / reduced embedding out
-        self.x: dict[int, torch.Tensor] = {}                     # C0 result
-        self.states: dict[int, object] = {}                      # S -> T output-layer state
-        self.pending: dict[tuple[Op, int], object] = {}          # async C1/C2 handles
-        self.emb_grads: dict[int, torch.Tensor] = {}             # IB gradient of the embedding output
-        self.losses: dict[int, torch.Tensor] = {}                # baseline: last chunk's scaled loss
-        self.inflight: list = []                                 # async collectives nobody here consumes
-        self.grad_x: dict[int, torch.Tensor] = {}                # ∂L/∂X for the last chunk's B
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (mb, chunk) -> chunk input (leaf)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (mb, chunk) -> chunk output (graph)
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}  # (mb, chunk) -> ∂L/∂output
+        self.recvs: dict[tuple[Op, int, int], tuple] = {}  # pending receive buffers + their batch
+        self.sends: list = []  # batches with sends, waited at the end
+        self.partials: dict[int, torch.Tensor] = {}  # IF partial / reduced embedding out
+        self.x: dict[int, torch.Tensor] = {}  # C0 result
+        self.states: dict[int, object] = {}  # S -> T output-layer state
+        self.pending: dict[tuple[Op, int], object] = {}  # async C1/C2 handles
+        self.emb_grads: dict[int, torch.Tensor] = {}  # IB gradient of the embedding output
+        self.losses: dict[int, torch.Tensor] = {}  # baseline: last chunk's scaled loss
+        self.inflight: list = []  # async collectives nobody here consumes
+        self.grad_x: dict[int, torch.Tensor] = {}  # ∂L/∂X for the last chunk's B
         # parameters are not activations: autograd saves views of them (F.linear keeps weight.t()), so
         # their storages are excluded by address rather than by type
         self.meter = ActivationMeter(exclude={p.untyped_storage().data_ptr() for _, p in self.mods.named_parameters()})
-        self.issued: list[tuple[str, int, object]] = []          # every chain: (op, mb, its timer)
-        self.live_mb, self.peak_mb = 0.0, 0.0    # weighted (mb, chunk) activations in flight
+        self.issued: list[tuple[str, int, object]] = []  # every chain: (op, mb, its timer)
+        self.live_mb, self.peak_mb = 0.0, 0.0  # weighted (mb, chunk) activations in flight
         self.live_stash, self.peak_stash = 0, 0  # S->T states held
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # a sum of m small terms
         records: list[TimedAction] = []
@@ -163,9 +172,14 @@ class Executor:
         losses.update({mb: loss.detach() for mb, loss in self.losses.items()})
         for loss in losses.values():
             loss_sum += loss
-        return StepOutput(loss_sum=loss_sum, records=records, peak_activation_bytes=self.meter.peak,
-                          peak_activation_microbatches=self.peak_mb, peak_stash_microbatches=self.peak_stash,
-                          microbatch_losses=losses)
+        return StepOutput(
+            loss_sum=loss_sum,
+            records=records,
+            peak_activation_bytes=self.meter.peak,
+            peak_activation_microbatches=self.peak_mb,
+            peak_stash_microbatches=self.peak_stash,
+            microbatch_losses=losses,
+        )
 
     def _issue(self, op: str, mb: int, pending):
         if pending.timer is not None:
@@ -289,8 +303,11 @@ class Executor:
             mods = [self.mods.chunks[chunk]]
             if chunk == self.last_chunk and self.mods.head is not None:
                 mods.append(self.mods.head)
-            self._frozen[chunk] = [(owner, name, self._low_weight(w)) for m in mods
-                                   for owner, name, w in precision.frozen_matmul_weights(m)]
+            self._frozen[chunk] = [
+                (owner, name, self._low_weight(w))
+                for m in mods
+                for owner, name, w in precision.frozen_matmul_weights(m)
+            ]
         return self._frozen[chunk]
 
     def _output_for_consumer(self, mb: int, chunk: int) -> torch.Tensor:
@@ -302,9 +319,13 @@ class Executor:
         """Full lm_head + cross-entropy on the last stage, scaled by g so that Σ_mb is the step's mean."""
         logits = self.mods.head_logits(hidden)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # softmax in >= fp32
-        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb.labels.reshape(-1),
-                                    ignore_index=-100, reduction="none",
-                                    label_smoothing=self.out_opts.label_smoothing)
+        per_token = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            mb.labels.reshape(-1),
+            ignore_index=-100,
+            reduction="none",
+            label_smoothing=self.out_opts.label_smoothing,
+        )
         return (per_token * mb.grad_scale.to(per_token.dtype)).sum()
 
     def _do_B(self, a: Action) -> None:
@@ -352,14 +373,18 @@ class Executor:
     def _do_IF(self, a: Action) -> None:
         mb = self.mbs[a.mb]
         with torch.no_grad():
-            self.partials[a.mb] = vemb.embed_partial(mb.input_ids, self.mods.embed_weight, self.partition,
-                                                     self.g.pp_rank, check_inputs=False)  # checked on the host
+            self.partials[a.mb] = vemb.embed_partial(
+                mb.input_ids, self.mods.embed_weight, self.partition, self.g.pp_rank, check_inputs=False
+            )  # checked on the host
 
     def _do_IF_REDUCE(self, a: Action) -> None:
         # vocabulary collectives name their root by its rank in the group, i.e. its pipeline rank
         # asynchronous: F of chunk 0 waits for it, other ranks only at the end of the step
-        pending = self._issue("IF_REDUCE", a.mb, vemb.if_reduce(
-            self.partials.pop(a.mb), self.schedule.chunk_rank[0], self.g.vocab_group, async_op=True))
+        pending = self._issue(
+            "IF_REDUCE",
+            a.mb,
+            vemb.if_reduce(self.partials.pop(a.mb), self.schedule.chunk_rank[0], self.g.vocab_group, async_op=True),
+        )
         if self.g.rank == self._owner(0):
             self.partials[a.mb] = pending
         else:
@@ -369,8 +394,13 @@ class Executor:
         src = self.schedule.chunk_rank[0]
         # in the exchange dtype (half the bytes under mixed precision); IB accumulates it into the fp32 grad
         grad = self.emb_grads.pop(a.mb).to(self.act_dtype).contiguous() if self.g.pp_rank == src else self._empty_act()
-        self.emb_grads[a.mb] = self._issue("IB_BCAST", a.mb, vemb.ib_broadcast(  # IB waits
-            grad, src, self.g.vocab_group, async_op=True))
+        self.emb_grads[a.mb] = self._issue(
+            "IB_BCAST",
+            a.mb,
+            vemb.ib_broadcast(  # IB waits
+                grad, src, self.g.vocab_group, async_op=True
+            ),
+        )
 
     def _do_IB(self, a: Action) -> None:
         mb = self.mbs[a.mb]
@@ -379,8 +409,9 @@ class Executor:
             return
         if self.mods.padding_idx is not None:  # as HF's lookup: the padding row gets no gradient
             grad = grad * (mb.input_ids != self.mods.padding_idx).unsqueeze(-1).to(grad.dtype)
-        vemb.embed_backward(mb.input_ids, grad, self._grad_buffer(self.mods.embed_weight),
-                            self.partition, self.g.pp_rank)
+        vemb.embed_backward(
+            mb.input_ids, grad, self._grad_buffer(self.mods.embed_weight), self.partition, self.g.pp_rank
+        )
 
     # ---- output layer passes (vocabulary parallel) --------------------------------------------
     def _do_C0(self, a: Action) -> None:
@@ -399,12 +430,22 @@ class Executor:
             x, weight = x.to(self.compute_dtype), self._low_weight(weight)
             bias = None if bias is None else self._low_weight(bias)
         with torch.no_grad():
-            st = vout.s_pass(x.reshape(-1, x.shape[-1]), mb.labels.reshape(-1), mb.grad_scale,
-                             weight, self.partition, self.g.pp_rank, self.out_opts, bias=bias)
+            st = vout.s_pass(
+                x.reshape(-1, x.shape[-1]),
+                mb.labels.reshape(-1),
+                mb.grad_scale,
+                weight,
+                self.partition,
+                self.g.pp_rank,
+                self.out_opts,
+                bias=bias,
+            )
         self.states[a.mb] = st
         # the shard (a Parameter, or its per-step low-precision copy shared by every microbatch) is not stash
-        self.meter.add(("S", a.mb), _tensor_bytes((v for k, v in vars(st).items() if k not in ("weight", "bias")),
-                                                  self.meter.exclude))
+        self.meter.add(
+            ("S", a.mb),
+            _tensor_bytes((v for k, v in vars(st).items() if k not in ("weight", "bias")), self.meter.exclude),
+        )
         self.live_stash += 1
         self.peak_stash = max(self.peak_stash, self.live_stash)
 
@@ -418,8 +459,9 @@ class Executor:
         return self._low_weights[key]
 
     def _do_C1(self, a: Action) -> None:
-        self.pending[(Op.C1, a.mb)] = self._issue("C1", a.mb, vout.c1(self.states[a.mb], self.g.vocab_group,
-                                                                     async_op=True))
+        self.pending[(Op.C1, a.mb)] = self._issue(
+            "C1", a.mb, vout.c1(self.states[a.mb], self.g.vocab_group, async_op=True)
+        )
 
     def _wait(self, kind: Op, mb: int) -> None:
         """Complete an async C1/C2; keep ∂L/∂X where the last chunk's B will need it."""
@@ -437,16 +479,20 @@ class Executor:
         self._wait(Op.C1, a.mb)
         with torch.no_grad():
             head, bias = self.mods.head_weight, self.mods.head_bias
-            vout.t_pass(self.states[a.mb], self._grad_buffer(head) if head.requires_grad else None,
-                        self._grad_buffer(bias) if bias is not None and bias.requires_grad else None)
+            vout.t_pass(
+                self.states[a.mb],
+                self._grad_buffer(head) if head.requires_grad else None,
+                self._grad_buffer(bias) if bias is not None and bias.requires_grad else None,
+            )
         self.meter.release(("S", a.mb))
         self.live_stash -= 1
         if not self.method.input_grad_in_t:  # otherwise C2 still all-reduces ∂X
             self._drop_state(a.mb)
 
     def _do_C2(self, a: Action) -> None:
-        self.pending[(Op.C2, a.mb)] = self._issue("C2", a.mb, vout.c2(self.states[a.mb], self.g.vocab_group,
-                                                                     async_op=True))
+        self.pending[(Op.C2, a.mb)] = self._issue(
+            "C2", a.mb, vout.c2(self.states[a.mb], self.g.vocab_group, async_op=True)
+        )
 
     def _vocab_grad_x(self, mb: int) -> torch.Tensor:
         self._wait(Op.C1, mb)

@@ -59,7 +59,7 @@ def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = B
         offset = 0
         for t in members:
             n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
+            t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
 
     calls = 0

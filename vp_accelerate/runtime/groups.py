@@ -61,12 +61,16 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
     world, rank = dist.get_world_size(), dist.get_rank()
     if pp_size is None:
         if world % dp_size:
-            raise ValueError(f"world size {world} is not divisible by dp_size={dp_size}; "
-                             f"launch a multiple of {dp_size} processes or change pipeline.dp_size")
+            raise ValueError(
+                f"world size {world} is not divisible by dp_size={dp_size}; "
+                f"launch a multiple of {dp_size} processes or change pipeline.dp_size"
+            )
         pp_size = world // dp_size
     if pp_size * dp_size != world:
-        raise ValueError(f"pp_size={pp_size} x dp_size={dp_size} = {pp_size * dp_size} but {world} processes "
-                         f"were launched; make pp_size x dp_size equal the number of processes")
+        raise ValueError(
+            f"pp_size={pp_size} x dp_size={dp_size} = {pp_size * dp_size} but {world} processes "
+            f"were launched; make pp_size x dp_size equal the number of processes"
+        )
     pp_rank, dp_rank = rank % pp_size, rank // pp_size
     mine = {"host_group": host_group()}
     for d in range(dp_size):
@@ -75,16 +79,23 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
         vocab_group = dist.new_group(ranks)
         pp_host_group = dist.new_group(ranks, backend="gloo")
         if d == dp_rank:
-            mine.update(pp_ranks=tuple(ranks), pp_group=pp_group, vocab_group=vocab_group,
-                        pp_host_group=pp_host_group)
+            mine.update(pp_ranks=tuple(ranks), pp_group=pp_group, vocab_group=vocab_group, pp_host_group=pp_host_group)
     dp_group = None
     for s in range(pp_size):
         ranks = [d * pp_size + s for d in range(dp_size)]
         group = dist.new_group(ranks) if dp_size > 1 else None
         if s == pp_rank:
             dp_group = group
-    return Groups(rank=rank, world_size=world, pp_size=pp_size, dp_size=dp_size, pp_rank=pp_rank,
-                  dp_rank=dp_rank, dp_group=dp_group, **mine)
+    return Groups(
+        rank=rank,
+        world_size=world,
+        pp_size=pp_size,
+        dp_size=dp_size,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        dp_group=dp_group,
+        **mine,
+    )
 
 
 def host_group():

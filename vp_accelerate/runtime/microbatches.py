@@ -18,42 +18,63 @@ from vp_accelerate.vocab.labels import shift_labels
 def check_batch(input_ids: torch.Tensor, labels: torch.Tensor, position_ids, microbatches: int, hf_config) -> None:
     """Raise ValueError naming the cause and the fix for a batch the step cannot take."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-        raise ValueError(f"input_ids and labels must both be [batch, seq]; got {tuple(input_ids.shape)} and "
-                         f"{tuple(labels.shape)}")
+        raise ValueError(
+            f"input_ids and labels must both be [batch, seq]; got {tuple(input_ids.shape)} and {tuple(labels.shape)}"
+        )
     b, s = input_ids.shape
     if position_ids is not None and tuple(position_ids.shape) != (b, s):
-        raise ValueError(f"position_ids must be [batch, seq] like input_ids {tuple(input_ids.shape)}; got "
-                         f"{tuple(position_ids.shape)}")
+        raise ValueError(
+            f"position_ids must be [batch, seq] like input_ids {tuple(input_ids.shape)}; got "
+            f"{tuple(position_ids.shape)}"
+        )
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_pos and s > max_pos:  # GPT-2 would index past its position table; RoPE models were never trained there
-        raise ValueError(f"sequence length {s} exceeds the model's max_position_embeddings={max_pos}; use "
-                         f"sequences of at most {max_pos} tokens (data.seq_len)")
+        raise ValueError(
+            f"sequence length {s} exceeds the model's max_position_embeddings={max_pos}; use "
+            f"sequences of at most {max_pos} tokens (data.seq_len)"
+        )
     if b % microbatches:
-        raise ValueError(f"batch size {b} is not divisible by microbatches={microbatches}; use a batch that is a "
-                         f"multiple of {microbatches} or change pipeline.microbatches")
+        raise ValueError(
+            f"batch size {b} is not divisible by microbatches={microbatches}; use a batch that is a "
+            f"multiple of {microbatches} or change pipeline.microbatches"
+        )
     V = hf_config.vocab_size
     bad = (input_ids < 0) | (input_ids >= V)
     if bad.any():
         row, col = bad.nonzero()[0].tolist()
-        raise ValueError(f"token id {int(input_ids[row, col])} at sample {row}, position {col} is outside the "
-                         f"vocabulary [0, {V}); the tokenizer and the model disagree (resize the model's vocabulary)")
+        raise ValueError(
+            f"token id {int(input_ids[row, col])} at sample {row}, position {col} is outside the "
+            f"vocabulary [0, {V}); the tokenizer and the model disagree (resize the model's vocabulary)"
+        )
     bad = ((labels < 0) & (labels != -100)) | (labels >= V)
     if bad.any():
         row, col = bad.nonzero()[0].tolist()
-        raise ValueError(f"label {int(labels[row, col])} at sample {row}, position {col} is outside [0, {V}) and "
-                         f"is not the ignore index -100")
+        raise ValueError(
+            f"label {int(labels[row, col])} at sample {row}, position {col} is outside [0, {V}) and "
+            f"is not the ignore index -100"
+        )
 
 
-def make_microbatches(input_ids, labels, attention_mask, position_ids, *, microbatches: int, hf_config,
-                      dtype: torch.dtype, device: torch.device, dp_group, loss_scale: float = 1.0
-                      ) -> tuple[list[Microbatch], int]:
+def make_microbatches(
+    input_ids,
+    labels,
+    attention_mask,
+    position_ids,
+    *,
+    microbatches: int,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    dp_group,
+    loss_scale: float = 1.0,
+) -> tuple[list[Microbatch], int]:
     """The step's microbatches and its valid-token count over every data-parallel replica (a collective
     over `dp_group` when there is one). Labels follow HF's convention and are shifted here."""
     check_batch(input_ids, labels, position_ids, microbatches, hf_config)
     b, s = input_ids.shape
     m = microbatches
     shifted = shift_labels(labels, attention_mask)  # the token at t predicts labels[t + 1]
-    valid = (shifted != -100)
+    valid = shifted != -100
     n_valid = torch.tensor([valid.sum().item()], dtype=torch.float64, device=device)
     if dp_group is not None:  # a device group: the count travels on the device
         dist.all_reduce(n_valid, group=dp_group)
@@ -67,7 +88,13 @@ def make_microbatches(input_ids, labels, attention_mask, position_ids, *, microb
         sl = slice(k * b // m, (k + 1) * b // m)
         mask = None if attention_mask is None else attention_mask[sl].to(device)
         pos = default_pos if position_ids is None else position_ids[sl].long()
-        mbs.append(Microbatch(input_ids=input_ids[sl].to(device), labels=shifted[sl].to(device),
-                              grad_scale=scale[sl].reshape(-1).to(device), position_ids=pos.to(device),
-                              attention_mask=mask))
+        mbs.append(
+            Microbatch(
+                input_ids=input_ids[sl].to(device),
+                labels=shifted[sl].to(device),
+                grad_scale=scale[sl].reshape(-1).to(device),
+                position_ids=pos.to(device),
+                attention_mask=mask,
+            )
+        )
     return mbs, n_total

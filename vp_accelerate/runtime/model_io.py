@@ -27,12 +27,16 @@ def load_rank_state_dict(pipe, sd: dict[str, torch.Tensor]) -> None:
     own = dict(pipe.named_parameters())
     missing, unexpected = set(own) - set(sd), set(sd) - set(own)
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match this rank's layout: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}; it was saved with another pipeline layout or model")
+        raise ValueError(
+            f"checkpoint does not match this rank's layout: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}; it was saved with another pipeline layout or model"
+        )
     for n, p in own.items():
         if sd[n].shape != p.shape:
-            raise ValueError(f"checkpoint tensor {n} has shape {tuple(sd[n].shape)}, this rank expects "
-                             f"{tuple(p.shape)}: it was saved with another layout or vocabulary size")
+            raise ValueError(
+                f"checkpoint tensor {n} has shape {tuple(sd[n].shape)}, this rank expects "
+                f"{tuple(p.shape)}: it was saved with another layout or vocabulary size"
+            )
         p.copy_(sd[n])
 
 
@@ -47,8 +51,17 @@ def export_hf(pipe, out_dir, tokenizer=None) -> None:
     adapters are merged into the weights (see `export_adapter` for a peft adapter folder)."""
     g = pipe.groups
     if not pipe.adapter.enabled:
-        write_hf_model(pipe.mods, pipe.layout, pipe.partition, pipe.hf_config, out_dir, tokenizer=tokenizer,
-                       group=g.pp_host_group, ranks=g.pp_ranks, write=g.dp_rank == 0)
+        write_hf_model(
+            pipe.mods,
+            pipe.layout,
+            pipe.partition,
+            pipe.hf_config,
+            out_dir,
+            tokenizer=tokenizer,
+            group=g.pp_host_group,
+            ranks=g.pp_ranks,
+            write=g.dp_rank == 0,
+        )
         return
     sd = gather_hf_state_dict(pipe)
     transposed = _all_lora_transposed(pipe)
@@ -71,8 +84,10 @@ def export_adapter(pipe, out_dir, base_model_name_or_path: str | None = None, to
     if not pipe.adapter.enabled:
         raise ValueError("export_adapter: this model has no adapter (adapter.type is null); use export_hf")
     if pipe.adapter.train_vocab:
-        raise ValueError("export_adapter: the vocabulary layers were trained too (adapter.train_vocab), which "
-                         "an adapter folder does not hold; export the merged model with export_hf")
+        raise ValueError(
+            "export_adapter: the vocabulary layers were trained too (adapter.train_vocab), which "
+            "an adapter folder does not hold; export the merged model with export_hf"
+        )
     g = pipe.groups
     local = {n: p.detach().cpu() for n, p in pipe.named_parameters() if is_lora_name(n)}
     gathered = [None] * dist.get_world_size(g.pp_host_group) if g.pp_rank == 0 else None
@@ -80,5 +95,6 @@ def export_adapter(pipe, out_dir, base_model_name_or_path: str | None = None, to
     if g.pp_rank == 0 and g.dp_rank == 0:
         state = {n: t for part, _ in gathered for n, t in part.items()}
         transposed = [n for _, names in gathered for n in names]
-        save_adapter(state, pipe.mods.config, pipe.adapter, transposed, out_dir, base_model_name_or_path,
-                     tokenizer=tokenizer)
+        save_adapter(
+            state, pipe.mods.config, pipe.adapter, transposed, out_dir, base_model_name_or_path, tokenizer=tokenizer
+        )

@@ -82,8 +82,9 @@ def _strict_batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list:
     rank = dist.get_rank()
     counts = _COUNTS.setdefault(group, [0])
     counts[0] += 1
-    what = _POSTING[0] or ", ".join(f"{'send to' if op.op is dist.isend else 'receive from'} rank {op.peer}"
-                                    for op in p2p_op_list)
+    what = _POSTING[0] or ", ".join(
+        f"{'send to' if op.op is dist.isend else 'receive from'} rank {op.peer}" for op in p2p_op_list
+    )
     label = f"rank {rank}: p2p batch #{counts[0]} [{what}]"
     timeout_s = strict_timeout_s()
     job = comm.worker(group).submit(lambda: _run_batch(p2p_op_list, label, timeout_s))
@@ -122,7 +123,8 @@ def _wait(work, deadline: float, label: str, what: str) -> None:
             f"{label} did not complete in {strict_timeout_s():.0f} s under NCCL semantics: {what}. On NCCL this "
             "order would hang (a send completes only once the peer has posted the matching receive, and a "
             "rank's p2p batches complete in issue order); schedule.validate replays an order under these "
-            "rules") from e
+            "rules"
+        ) from e
 
 
 def _run_batch(ops: list[dist.P2POp], label: str, timeout_s: float) -> None:
@@ -147,12 +149,18 @@ def _post_and_wait(ops: list[dist.P2POp], label: str, deadline: float) -> None:
     for op in ops:
         if op.op is dist.irecv:
             notes.append(dist.isend(torch.ones(1, dtype=torch.uint8), op.peer, group=op.group, tag=HANDSHAKE_TAG))
-            data.append((dist.irecv(op.tensor, op.peer, group=op.group, tag=op.tag), f"its receive from rank {op.peer}"))
+            data.append(
+                (dist.irecv(op.tensor, op.peer, group=op.group, tag=op.tag), f"its receive from rank {op.peer}")
+            )
     for op in ops:
         if op.op is dist.isend:
             note = torch.empty(1, dtype=torch.uint8)
-            _wait(dist.irecv(note, op.peer, group=op.group, tag=HANDSHAKE_TAG), deadline, label,
-                  f"its send to rank {op.peer} waits for that rank to post the matching receive")
+            _wait(
+                dist.irecv(note, op.peer, group=op.group, tag=HANDSHAKE_TAG),
+                deadline,
+                label,
+                f"its send to rank {op.peer} waits for that rank to post the matching receive",
+            )
             data.append((dist.isend(op.tensor, op.peer, group=op.group, tag=op.tag), f"its send to rank {op.peer}"))
     for work, what in data:
         _wait(work, deadline, label, f"{what} did not finish")

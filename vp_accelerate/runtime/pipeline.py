@@ -23,20 +23,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vp_accelerate.distributed import init_from_env, local_device
 from vp_accelerate.cost import layout_costs, plan_layout, shape_from_hf_config
+from vp_accelerate.distributed import init_from_env, local_device
 from vp_accelerate.models import StageLayout, build_rank, check_supported, resolve_config
+from vp_accelerate.runtime import grad_sync, model_io, p2p, precision, shutdown, watchdog
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
-from vp_accelerate.runtime import grad_sync, model_io
-from vp_accelerate.runtime.microbatches import make_microbatches
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Executor, Microbatch
-from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
 from vp_accelerate.runtime.groups import build_groups
-from vp_accelerate.runtime import p2p, precision, shutdown, watchdog
+from vp_accelerate.runtime.microbatches import make_microbatches
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule import build_schedule
+from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
 from vp_accelerate.vocab import comm
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
 from vp_accelerate.vocab.partition import VocabPartition
@@ -66,13 +65,22 @@ class StepResult:
 class PipelineModel:
     """One rank's part of a pipeline-parallel HF causal LM with vocabulary-parallel ends."""
 
-    def __init__(self, source, config: PipelineConfig | None = None, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, device: torch.device | str | None = None, adapter: AdapterConfig | None = None):
+    def __init__(
+        self,
+        source,
+        config: PipelineConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        adapter: AdapterConfig | None = None,
+    ):
         cfg = config or PipelineConfig()
         cfg.check()  # a bad value fails here, before any process group or weights
         if cfg.schedule == "auto":
-            raise ValueError("schedule: 'auto' is resolved by the trainer from a recipe; PipelineModel needs a "
-                             "concrete schedule (see `vp-accelerate plan` for the best one)")
+            raise ValueError(
+                "schedule: 'auto' is resolved by the trainer from a recipe; PipelineModel needs a "
+                "concrete schedule (see `vp-accelerate plan` for the best one)"
+            )
         self.adapter = (adapter or AdapterConfig()).check()
         self.cfg = cfg
         check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
@@ -86,44 +94,77 @@ class PipelineModel:
         self.precision = precision.resolve(cfg.mixed_precision)
         self.compute_dtype = precision.low_dtype(self.precision)
         if self.compute_dtype is not None and dtype != torch.float32:
-            raise ValueError(f"mixed_precision={self.precision} keeps fp32 master weights: build the model with "
-                             f"dtype=torch.float32 (got {dtype}), or set mixed_precision: no to train in {dtype}")
+            raise ValueError(
+                f"mixed_precision={self.precision} keeps fp32 master weights: build the model with "
+                f"dtype=torch.float32 (got {dtype}), or set mixed_precision: no to train in {dtype}"
+            )
         self.loss_scaler = precision.LossScaler() if self.precision == "fp16" else None
         self._skip_next_optimizer_step = False  # set by each train_step (fp16 overflow); read by step()
         self.hf_config = resolve_config(source)
-        self.schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
-                                       chunks_per_rank=cfg.chunks_per_rank)
-        self.eval_schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
-                                            chunks_per_rank=cfg.chunks_per_rank, forward_only=True)
+        self.schedule = build_schedule(
+            cfg.schedule, cfg.method, g.pp_size, cfg.microbatches, chunks_per_rank=cfg.chunks_per_rank
+        )
+        self.eval_schedule = build_schedule(
+            cfg.schedule,
+            cfg.method,
+            g.pp_size,
+            cfg.microbatches,
+            chunks_per_rank=cfg.chunks_per_rank,
+            forward_only=True,
+        )
         self.method = self.schedule.method_spec
         self.vocab = self.method.vocab_parallel
         self.layout = self._layout()
         # each rank's order from the cost model's pass times (schedule/list_schedule.py); the unit-grid
         # schedule above only gave the layout. Every rank computes the same order from the same inputs.
-        costs = layout_costs(self.hf_config, self.schedule, self.layout, cfg.activation_checkpointing,
-                             device=self.device.type)
-        self.schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
-                                       chunks_per_rank=cfg.chunks_per_rank, costs=costs)
-        self.eval_schedule = build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches,
-                                            chunks_per_rank=cfg.chunks_per_rank, forward_only=True, costs=costs)
-        self.partition = (VocabPartition(self.hf_config.vocab_size, g.pp_size, cfg.pad_multiple)
-                          if self.vocab else None)
-        self.mods = build_rank(source, self.layout, g.pp_rank, "vocab" if self.vocab else "baseline",
-                               self.partition, dtype=dtype, seed=seed, device=self.device,
-                               attn_implementation=cfg.attn_implementation)
+        costs = layout_costs(
+            self.hf_config, self.schedule, self.layout, cfg.activation_checkpointing, device=self.device.type
+        )
+        self.schedule = build_schedule(
+            cfg.schedule, cfg.method, g.pp_size, cfg.microbatches, chunks_per_rank=cfg.chunks_per_rank, costs=costs
+        )
+        self.eval_schedule = build_schedule(
+            cfg.schedule,
+            cfg.method,
+            g.pp_size,
+            cfg.microbatches,
+            chunks_per_rank=cfg.chunks_per_rank,
+            forward_only=True,
+            costs=costs,
+        )
+        self.partition = VocabPartition(self.hf_config.vocab_size, g.pp_size, cfg.pad_multiple) if self.vocab else None
+        self.mods = build_rank(
+            source,
+            self.layout,
+            g.pp_rank,
+            "vocab" if self.vocab else "baseline",
+            self.partition,
+            dtype=dtype,
+            seed=seed,
+            device=self.device,
+            attn_implementation=cfg.attn_implementation,
+        )
         self.lora_transposed: list[str] = []
         if self.adapter.enabled:  # before the B/W split patches the linear layers (LoRA's included)
             from vp_accelerate.models.lora import apply_lora
 
             self.lora_transposed = apply_lora(self.mods, self.adapter, seed, dtype)
         self._tied_group = self._make_tied_group()
-        self.watchdog = (watchdog.start(cfg.watchdog_dead_after_s)
-                         if cfg.watchdog_dead_after_s is not None and g.world_size > 1 else None)
+        self.watchdog = (
+            watchdog.start(cfg.watchdog_dead_after_s)
+            if cfg.watchdog_dead_after_s is not None and g.world_size > 1
+            else None
+        )
         # without VP the algorithm is unused (the last stage runs the whole output layer): keep the default
         algorithm = self.method.output_algorithm or OutputLayerOptions.algorithm
         self.out_opts = OutputLayerOptions(
-            algorithm=algorithm, memory=cfg.memory, chunk_size=cfg.chunk_size,
-            label_smoothing=cfg.label_smoothing, softcap=self.mods.final_softcap, logit_scale=self.mods.logit_scale)
+            algorithm=algorithm,
+            memory=cfg.memory,
+            chunk_size=cfg.chunk_size,
+            label_smoothing=cfg.label_smoothing,
+            softcap=self.mods.final_softcap,
+            logit_scale=self.mods.logit_scale,
+        )
         for chunk in self.mods.chunks.values():
             chunk.set_activation_checkpointing(cfg.activation_checkpointing)
         self.weight_grads = None
@@ -180,11 +221,21 @@ class PipelineModel:
             start, end = self.partition.shard_range(self.pp_rank)
             rows = (start, min(end, self.partition.vocab_size))
         first, last = self.pp_rank == self.layout.first_rank, self.pp_rank == self.layout.last_rank
-        return RankLayout(rank=self.rank, pp_rank=self.pp_rank, pp_size=self.groups.pp_size, dp_rank=self.dp_rank,
-                          dp_size=self.dp_size, chunks=chunks, vocab_size=self.hf_config.vocab_size, vocab_rows=rows,
-                          tied=bool(self.mods.tied), full_embedding=not self.vocab and first,
-                          full_head=not self.vocab and last, param_count=sum(p.numel() for p in self.parameters()),
-                          param_bytes=self.param_bytes())
+        return RankLayout(
+            rank=self.rank,
+            pp_rank=self.pp_rank,
+            pp_size=self.groups.pp_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            chunks=chunks,
+            vocab_size=self.hf_config.vocab_size,
+            vocab_rows=rows,
+            tied=bool(self.mods.tied),
+            full_embedding=not self.vocab and first,
+            full_head=not self.vocab and last,
+            param_count=sum(p.numel() for p in self.parameters()),
+            param_bytes=self.param_bytes(),
+        )
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]
@@ -196,23 +247,42 @@ class PipelineModel:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     # ---- the step --------------------------------------------------------------------------------
-    def _microbatches(self, input_ids, labels, attention_mask, position_ids=None, loss_scale: float = 1.0
-                      ) -> tuple[list[Microbatch], int]:
-        return make_microbatches(input_ids, labels, attention_mask, position_ids, microbatches=self.cfg.microbatches,
-                                 hf_config=self.hf_config, dtype=self.dtype, device=self.device,
-                                 dp_group=self.groups.dp_group, loss_scale=loss_scale)
+    def _microbatches(
+        self, input_ids, labels, attention_mask, position_ids=None, loss_scale: float = 1.0
+    ) -> tuple[list[Microbatch], int]:
+        return make_microbatches(
+            input_ids,
+            labels,
+            attention_mask,
+            position_ids,
+            microbatches=self.cfg.microbatches,
+            hf_config=self.hf_config,
+            dtype=self.dtype,
+            device=self.device,
+            dp_group=self.groups.dp_group,
+            loss_scale=loss_scale,
+        )
 
     def _executor(self, schedule, mb_rows: int, seq: int) -> Executor:
         mine = self.layout.chunks_of(self.pp_rank)
         layers = {c: self.layout.chunk_layers[c][1] - self.layout.chunk_layers[c][0] for c in mine}
         total = sum(layers.values())  # 0 on a stage the balanced split emptied (its chunk runs only the norm)
         weight = {c: n / total if total else 0.0 for c, n in layers.items()}
-        return Executor(schedule, self.mods, self.groups, self.partition, self.out_opts,
-                        act_shape=(mb_rows, seq, self.hf_config.hidden_size),
-                        # stages exchange activations / gradients in the compute dtype under mixed precision
-                        act_dtype=self.compute_dtype or self.dtype, param_dtype=self.dtype,
-                        device=self.device, weight_grads=self.weight_grads, chunk_weight=weight,
-                        compute_dtype=self.compute_dtype)
+        return Executor(
+            schedule,
+            self.mods,
+            self.groups,
+            self.partition,
+            self.out_opts,
+            act_shape=(mb_rows, seq, self.hf_config.hidden_size),
+            # stages exchange activations / gradients in the compute dtype under mixed precision
+            act_dtype=self.compute_dtype or self.dtype,
+            param_dtype=self.dtype,
+            device=self.device,
+            weight_grads=self.weight_grads,
+            chunk_weight=weight,
+            compute_dtype=self.compute_dtype,
+        )
 
     def _finish_loss(self, loss_sum: torch.Tensor) -> float:
         """Make the step's loss known on every rank of every replica."""
@@ -231,8 +301,13 @@ class PipelineModel:
         dist.all_reduce(rate, group=self.groups.pp_host_group)  # a host number: the gloo side group
         return float(rate.item()) / self.groups.pp_size
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                   attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> StepResult:
+    def train_step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> StepResult:
         """Forward and backward of every microbatch; gradients accumulate into the parameters' .grad.
 
         `position_ids` [batch, seq] (default 0..s-1 per row): packed documents restart at 0, and as in HF
@@ -255,16 +330,27 @@ class PipelineModel:
         loss = self._finish_loss(out.loss_sum) / scale
         bad = self._nonfinite_microbatches(out.microbatch_losses) if not math.isfinite(loss) else ()
         peak = out.peak_activation_bytes
-        self.last_stats = {"timeline": out.records, "peak_activation_bytes": peak, "step_time_s": step_time,
-                           "peak_activation_microbatches": out.peak_activation_microbatches,
-                           "peak_stash_microbatches": out.peak_stash_microbatches,
-                           "weight_copy_bytes": out.weight_copy_bytes,
-                           "pass_time_s": sum(r.end - r.start for r in out.records if r.op in COMPUTE_OPS)}
+        self.last_stats = {
+            "timeline": out.records,
+            "peak_activation_bytes": peak,
+            "step_time_s": step_time,
+            "peak_activation_microbatches": out.peak_activation_microbatches,
+            "peak_stash_microbatches": out.peak_stash_microbatches,
+            "weight_copy_bytes": out.weight_copy_bytes,
+            "pass_time_s": sum(r.end - r.start for r in out.records if r.op in COMPUTE_OPS),
+        }
         if self.device.type == "cuda":
             self.last_stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
-        return StepResult(loss=loss, num_tokens=n_tokens, step_time_s=step_time,
-                          bubble_rate=self._bubble_rate(out.records, step_time), peak_activation_bytes=peak,
-                          nonfinite_microbatches=bad, skipped=skipped, loss_scale=scale)
+        return StepResult(
+            loss=loss,
+            num_tokens=n_tokens,
+            step_time_s=step_time,
+            bubble_rate=self._bubble_rate(out.records, step_time),
+            peak_activation_bytes=peak,
+            nonfinite_microbatches=bad,
+            skipped=skipped,
+            loss_scale=scale,
+        )
 
     def step(self, optimizer) -> bool:
         """`optimizer.step()` unless the last train_step was skipped by the fp16 loss scaler (gradient
@@ -283,8 +369,13 @@ class PipelineModel:
             self.loss_scaler.load_state_dict(state)
 
     @torch.no_grad()
-    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> float:
+    def eval_step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> float:
         """Token-mean loss of a batch with the forward-only schedule (no gradients, no T/B/W passes).
 
         Runs the modules in eval mode (no dropout), as HF's model.eval(); train_step applies the model's dropout.
@@ -332,8 +423,11 @@ class PipelineModel:
 
     def _sync_grads(self) -> None:
         """Tied baseline weights on two ranks add their gradients; DP replicas add theirs."""
-        tied = None if self._tied_group is None else (
-            self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight)
+        tied = (
+            None
+            if self._tied_group is None
+            else (self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight)
+        )
         grad_sync.sync_grads(tied, self._tied_group, self.trainable_parameters(), self.groups.dp_group)
 
     # ---- optimizer-side helpers ----------------------------------------------------------------------
@@ -343,8 +437,9 @@ class PipelineModel:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global L2 norm over the whole pipeline (each parameter counted once)."""
-        return grad_sync.clip_grad_norm(self.named_parameters(), self.mods.is_duplicate, max_norm, self.device,
-                                        self.groups.pp_group)
+        return grad_sync.clip_grad_norm(
+            self.named_parameters(), self.mods.is_duplicate, max_norm, self.device, self.groups.pp_group
+        )
 
     def stats(self) -> dict:
         """Measurements of the last train step on this rank."""

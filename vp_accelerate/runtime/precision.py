@@ -128,7 +128,7 @@ def swapped(copies: list[tuple[torch.nn.Module, str, torch.Tensor]]):
 class LossScaler:
     """Dynamic loss scale for fp16 (the state is saved with checkpoints)."""
 
-    scale: float = 2.0 ** 16
+    scale: float = 2.0**16
     """Current S: the backward runs on S x loss."""
     growth_factor: float = 2.0
     """S is multiplied by this after `growth_interval` clean steps in a row."""

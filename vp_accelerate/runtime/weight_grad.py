@@ -36,8 +36,11 @@ class WeightGradStore:
                 weight.grad.add_(gw)
 
     def pending_bytes(self) -> int:
-        return sum(x.numel() * x.element_size() + gy.numel() * gy.element_size()
-                   for q in self.queues.values() for x, gy, _ in q)
+        return sum(
+            x.numel() * x.element_size() + gy.numel() * gy.element_size()
+            for q in self.queues.values()
+            for x, gy, _ in q
+        )
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -71,13 +74,17 @@ class _DeferredLinear(torch.autograd.Function):
         weight = ctx.weight
         gy = gy.to(x.dtype)
         gx = gy.matmul(weight.to(gy.dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        gb = (gy.reshape(-1, gy.shape[-1]).sum(0).to(ctx.bias_dtype)
-              if ctx.has_bias and ctx.needs_input_grad[2] else None)
+        gb = (
+            gy.reshape(-1, gy.shape[-1]).sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        )
         if ctx.store.key is not None and ctx.needs_input_grad[1]:
             ctx.store.defer((x, gy, weight))
             return gx, None, gb, None
-        gw = (gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)
-              if ctx.needs_input_grad[1] else None)
+        gw = (
+            gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         return gx, gw, gb, None
 
 

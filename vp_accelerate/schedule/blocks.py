@@ -100,7 +100,8 @@ def _checked(block: Block) -> Block:
         for k in range(block.durations[op]):
             key = (block.chunk_rank[c], (t + k) % block.period)
             if key in seen:
-                raise ScheduleError(f"internal: block passes {seen[key]} and {(op, u, c)} collide on rank "
-                                    f"{key[0]} at residue {key[1]}")
+                raise ScheduleError(
+                    f"internal: block passes {seen[key]} and {(op, u, c)} collide on rank {key[0]} at residue {key[1]}"
+                )
             seen[key] = (op, u, c)
     return block

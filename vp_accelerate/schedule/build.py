@@ -9,9 +9,15 @@ from .registry import SCHEDULES, ScheduleKind, check_pair
 from .timing import place
 
 
-
-def build_schedule(kind: str, method: str, num_ranks: int, num_microbatches: int,
-                   chunks_per_rank: int | None = None, forward_only: bool = False, costs=None) -> Schedule:
+def build_schedule(
+    kind: str,
+    method: str,
+    num_ranks: int,
+    num_microbatches: int,
+    chunks_per_rank: int | None = None,
+    forward_only: bool = False,
+    costs=None,
+) -> Schedule:
     """The schedule of one optimizer step (or one evaluation step when `forward_only`).
 
     kind and method: names in schedule.registry's SCHEDULES and METHODS (any case): "1f1b" (1 chunk
@@ -38,9 +44,16 @@ def build_schedule(kind: str, method: str, num_ranks: int, num_microbatches: int
     if costed:
         passes, colls, costed = _cost_aware(block, p, meth, split, forward_only, passes, colls, costs)
     actions = lower(p, block.chunk_rank, passes, colls)
-    schedule = Schedule(kind=sk.name, method=meth.name, num_ranks=p, num_microbatches=m,
-                        chunk_rank=block.chunk_rank, split_backward=split, forward_only=forward_only,
-                        actions=actions)
+    schedule = Schedule(
+        kind=sk.name,
+        method=meth.name,
+        num_ranks=p,
+        num_microbatches=m,
+        chunk_rank=block.chunk_rank,
+        split_backward=split,
+        forward_only=forward_only,
+        actions=actions,
+    )
     if costed:  # the grid orders are checked by the tests; a cost-aware one is new for every input
         from .validate import validate
 
@@ -56,8 +69,9 @@ def _cost_aware(block, p: int, meth, split: bool, forward_only: bool, passes, co
     best = (passes, colls, False)
     for policy in POLICIES:
         try:
-            new_passes, new_colls, span = list_schedule(passes, colls, block.chunk_rank, p, meth, split,
-                                                        forward_only, ticks, policy=policy)
+            new_passes, new_colls, span = list_schedule(
+                passes, colls, block.chunk_rank, p, meth, split, forward_only, ticks, policy=policy
+            )
         except Stuck:  # this greedy order painted itself into a corner: another may not
             continue
         if span < best_span:
@@ -71,16 +85,20 @@ def _check_inputs(kind: ScheduleKind, p, m, chunks_per_rank, forward_only: bool)
     if not isinstance(p, int) or p < 1:
         raise ScheduleError(f"num_ranks must be an integer >= 1 (got {p!r})")
     if not isinstance(m, int) or m < p:
-        raise ScheduleError(f"num_microbatches ({m!r}) must be >= num_ranks ({p}): with fewer microbatches "
-                            f"than stages the pipeline never fills; raise the microbatch count or use fewer ranks")
+        raise ScheduleError(
+            f"num_microbatches ({m!r}) must be >= num_ranks ({p}): with fewer microbatches "
+            f"than stages the pipeline never fills; raise the microbatch count or use fewer ranks"
+        )
     if forward_only and not kind.forward_only:
         raise ScheduleError(f"schedule {kind.name!r} has no forward-only (evaluation) variant")
     if kind.chunks_per_rank is not None:
         if chunks_per_rank not in (None, kind.chunks_per_rank):
             flexible = [k for k, s in SCHEDULES.items() if s.chunks_per_rank is None]
-            raise ScheduleError(f"{kind.name} holds exactly {kind.chunks_per_rank} chunk(s) per rank (got "
-                                f"chunks_per_rank={chunks_per_rank}); use kind={' or '.join(map(repr, flexible))} "
-                                f"for another count")
+            raise ScheduleError(
+                f"{kind.name} holds exactly {kind.chunks_per_rank} chunk(s) per rank (got "
+                f"chunks_per_rank={chunks_per_rank}); use kind={' or '.join(map(repr, flexible))} "
+                f"for another count"
+            )
         return kind.chunks_per_rank
     v = kind.default_chunks_per_rank if chunks_per_rank is None else chunks_per_rank
     if not isinstance(v, int) or v < 1:

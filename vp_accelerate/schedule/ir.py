@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+
 class ScheduleError(ValueError):
     """A schedule (or the request for one) is invalid; the message names the rank/action or input."""
 
@@ -62,8 +63,12 @@ def chain_collectives(op: Op, method: str) -> tuple[str, ...]:
         if method_entry(method).grad_barrier is Op.C1:  # C1 also all-reduces the input gradient a_i
             return ("all_reduce max m_i", "all_reduce sum [c_i, t_i]", "all_reduce sum [s_i, a_i] rescaled")
         return ("all_reduce max m_i", "all_reduce sum t_i", "all_reduce sum s_i rescaled")
-    return {Op.C0: ("broadcast X",), Op.C2: ("all_reduce sum grad_x_i",), Op.IF_REDUCE: ("reduce embedding",),
-            Op.IB_BCAST: ("broadcast grad_emb",)}.get(op, ())
+    return {
+        Op.C0: ("broadcast X",),
+        Op.C2: ("all_reduce sum grad_x_i",),
+        Op.IF_REDUCE: ("reduce embedding",),
+        Op.IB_BCAST: ("broadcast grad_emb",),
+    }.get(op, ())
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,10 @@ class Schedule:
         return tuple(c for c, r in enumerate(self.chunk_rank) if r == rank)
 
     def describe(self) -> str:
-        return (f"{self.kind}/{self.method} p={self.num_ranks} m={self.num_microbatches} "
-                f"chunks={self.num_chunks}{' forward-only' if self.forward_only else ''}")
+        return (
+            f"{self.kind}/{self.method} p={self.num_ranks} m={self.num_microbatches} "
+            f"chunks={self.num_chunks}{' forward-only' if self.forward_only else ''}"
+        )
 
 
 @dataclass(frozen=True)

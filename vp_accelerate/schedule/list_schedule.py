@@ -100,8 +100,12 @@ def tick_costs(costs, chunk_rank: tuple[int, ...], ops, collective_ops) -> TickC
         raise ValueError("pass costs must be positive to build a cost-aware schedule")
     tick = longest / TICKS
     colls = {op: max(0, round(float(costs.collective_time(op)) / tick)) for op in collective_ops}
-    return TickCosts({k: max(1, round(v / tick)) for k, v in seconds.items()},
-                     max(0, round(float(costs.p2p_time()) / tick)), colls, tick)
+    return TickCosts(
+        {k: max(1, round(v / tick)) for k, v in seconds.items()},
+        max(0, round(float(costs.p2p_time()) / tick)),
+        colls,
+        tick,
+    )
 
 
 @dataclass
@@ -112,8 +116,8 @@ class _Pass:
     chunk: int
     dur: int
     prio: tuple
-    waiting: int = 0          # inputs not yet known
-    ready: int = 0            # earliest start once every input is known
+    waiting: int = 0  # inputs not yet known
+    ready: int = 0  # earliest start once every input is known
     start: int | None = None
 
 
@@ -163,9 +167,18 @@ def block_memory(passes: list[TimedPass], split_backward: bool, num_ranks: int):
     return out
 
 
-def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chunk_rank: tuple[int, ...],
-                  num_ranks: int, method, split_backward: bool, forward_only: bool, costs: TickCosts,
-                  strict: bool = False, policy: Policy = Policy()):
+def list_schedule(
+    grid: list[TimedPass],
+    grid_colls: list[TimedCollective],
+    chunk_rank: tuple[int, ...],
+    num_ranks: int,
+    method,
+    split_backward: bool,
+    forward_only: bool,
+    costs: TickCosts,
+    strict: bool = False,
+    policy: Policy = Policy(),
+):
     """The passes of the block placement `grid` rescheduled with `costs`: (timed passes, timed
     collectives, makespan in ticks). `grid`'s slots are the priorities, its memory peaks the limits.
     `strict` keeps each rank's grid order and only times it (what the block alone would take); `policy`
@@ -181,15 +194,16 @@ def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chun
 
     passes: dict = {}
     for tp in grid:
-        passes[(tp.rank, tp.op, tp.mb, tp.chunk)] = _Pass(tp.rank, tp.op, tp.mb, tp.chunk,
-                                                          costs.passes[(tp.rank, tp.op, tp.chunk)], prio(tp))
+        passes[(tp.rank, tp.op, tp.mb, tp.chunk)] = _Pass(
+            tp.rank, tp.op, tp.mb, tp.chunk, costs.passes[(tp.rank, tp.op, tp.chunk)], prio(tp)
+        )
     num_mb = 1 + max(tp.mb for tp in grid)
     limits = None
     if not forward_only and not strict:
         limits = [_Limits(*m) for m in block_memory(grid, split_backward, p)]
 
     # what each pass waits for: its inputs (passes whose end it needs) and collectives
-    consumers: dict = {}   # producer key -> [(consumer key, latency)]
+    consumers: dict = {}  # producer key -> [(consumer key, latency)]
     coll_readers: dict = {}  # (collective op, mb) -> [consumer key]
 
     def needs(key, producer, latency: int = 0):
@@ -227,13 +241,16 @@ def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chun
             needs(key, (chunk_rank[0], Op.F, mb - IF_AHEAD, 0), None)  # released at that F's start
 
     # collective triggers: the passes each one is issued after
-    triggers: dict = {}    # (op, mb) -> passes still to end
+    triggers: dict = {}  # (op, mb) -> passes still to end
     trigger_of: dict = {}  # producer key -> [(op, mb)]
     roots = {Op.C0: chunk_rank[last], Op.IF_REDUCE: chunk_rank[0], Op.IB_BCAST: chunk_rank[0], Op.C1: -1, Op.C2: -1}
     if vocab:
         for mb in range(num_mb):
-            plan = {Op.C0: [(chunk_rank[last], Op.F, mb, last)], Op.C1: [(r, Op.S, mb, 0) for r in range(p)],
-                    Op.IF_REDUCE: [(r, Op.IF, mb, 0) for r in range(p)]}
+            plan = {
+                Op.C0: [(chunk_rank[last], Op.F, mb, last)],
+                Op.C1: [(r, Op.S, mb, 0) for r in range(p)],
+                Op.IF_REDUCE: [(r, Op.IF, mb, 0) for r in range(p)],
+            }
             if not forward_only:
                 plan[Op.IB_BCAST] = [(chunk_rank[0], Op.B, mb, 0)]
                 if barrier is Op.C2:
@@ -243,12 +260,12 @@ def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chun
                 for k in prods:
                     trigger_of.setdefault(k, []).append((op, mb))
 
-    ready_heap: list = [[] for _ in range(p)]   # per rank: (prio, key) of passes whose inputs are known
+    ready_heap: list = [[] for _ in range(p)]  # per rank: (prio, key) of passes whose inputs are known
     free = [0] * p
     for key, ps in passes.items():
         if ps.waiting == 0:
             heapq.heappush(ready_heap[ps.rank], (ps.prio, key))
-    issued: list = []      # (trigger time, order, mb, op): collectives awaiting their start
+    issued: list = []  # (trigger time, order, mb, op): collectives awaiting their start
     stream = 0
     colls: list[TimedCollective] = []
     out: list[TimedPass] = []
@@ -271,8 +288,11 @@ def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chun
             for key in coll_readers.get((op, mb), ()):
                 known(key, stream)
 
-    order = [sorted((k for k, ps in passes.items() if ps.rank == r), key=lambda k: passes[k].prio)
-             for r in range(p)] if strict else None
+    order = (
+        [sorted((k for k, ps in passes.items() if ps.rank == r), key=lambda k: passes[k].prio) for r in range(p)]
+        if strict
+        else None
+    )
     nxt = [0] * p
 
     def choose(r: int):
@@ -293,8 +313,11 @@ def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chun
             if not lim.pressure(W_MARGIN):  # W has no consumer: it fills what the others leave
                 cands = [ps for ps in cands if ps.op is not Op.W] + [ps for ps in cands if ps.op is Op.W]
             elif policy.w_behind_backward:
-                cands = ([ps for ps in cands if ps.op not in (Op.W, Op.F)] + [ps for ps in cands if ps.op is Op.W]
-                         + [ps for ps in cands if ps.op is Op.F])
+                cands = (
+                    [ps for ps in cands if ps.op not in (Op.W, Op.F)]
+                    + [ps for ps in cands if ps.op is Op.W]
+                    + [ps for ps in cands if ps.op is Op.F]
+                )
         if policy.s_first:
             cands = [ps for ps in cands if ps.op is Op.S] + [ps for ps in cands if ps.op is not Op.S]
         if not cands:
@@ -308,7 +331,7 @@ def list_schedule(grid: list[TimedPass], grid_colls: list[TimedCollective], chun
                 return t, (ps.rank, ps.op, ps.mb, ps.chunk)
         return best.ready, (best.rank, best.op, best.mb, best.chunk)
 
-    decisions: list = []   # (time, rank, key): each rank's next planned start
+    decisions: list = []  # (time, rank, key): each rank's next planned start
     plan_of: dict = {}
 
     def replan(r: int) -> None:

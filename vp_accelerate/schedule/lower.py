@@ -25,8 +25,9 @@ from .ir import Action, Op
 from .timing import COLLECTIVE_ORDER, SLOT_ORDER, TimedCollective, TimedPass
 
 
-def lower(num_ranks: int, chunk_rank: tuple[int, ...], passes: list[TimedPass],
-          collectives: list[TimedCollective]) -> tuple[tuple[Action, ...], ...]:
+def lower(
+    num_ranks: int, chunk_rank: tuple[int, ...], passes: list[TimedPass], collectives: list[TimedCollective]
+) -> tuple[tuple[Action, ...], ...]:
     keyed: list[list] = [[] for _ in range(num_ranks)]
     pass_key: dict = {}
     for p in passes:

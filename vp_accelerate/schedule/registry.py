@@ -78,31 +78,79 @@ class ScheduleKind:
     """One line for help texts."""
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("baseline", vocab_parallel=False, barriers=0, output_algorithm=None, balanced_layers=False,
-           description="embedding on the first stage, output layer + loss on the last"),
-    Method("redis", vocab_parallel=False, barriers=0, output_algorithm=None, balanced_layers=True,
-           description="baseline with the layers redistributed by the cost model"),
-    Method("vocab-1", vocab_parallel=True, barriers=2, output_algorithm="vocab-1", balanced_layers=False,
-           description="vocabulary parallel, two barriers (input gradient in T, reduced in C2)"),
-    Method("vocab-2", vocab_parallel=True, barriers=1, output_algorithm="vocab-2", balanced_layers=False,
-           description="vocabulary parallel, one barrier (input gradient in S, reduced in C1)"),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "baseline",
+            vocab_parallel=False,
+            barriers=0,
+            output_algorithm=None,
+            balanced_layers=False,
+            description="embedding on the first stage, output layer + loss on the last",
+        ),
+        Method(
+            "redis",
+            vocab_parallel=False,
+            barriers=0,
+            output_algorithm=None,
+            balanced_layers=True,
+            description="baseline with the layers redistributed by the cost model",
+        ),
+        Method(
+            "vocab-1",
+            vocab_parallel=True,
+            barriers=2,
+            output_algorithm="vocab-1",
+            balanced_layers=False,
+            description="vocabulary parallel, two barriers (input gradient in T, reduced in C2)",
+        ),
+        Method(
+            "vocab-2",
+            vocab_parallel=True,
+            barriers=1,
+            output_algorithm="vocab-2",
+            balanced_layers=False,
+            description="vocabulary parallel, one barrier (input gradient in S, reduced in C1)",
+        ),
+    )
+}
 
-SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
-    ScheduleKind("1f1b", lambda p, v, shift: blocks.one_f_one_b(p, shift),
-                 methods=("baseline", "redis", "vocab-1", "vocab-2"), chunks_per_rank=1,
-                 default_chunks_per_rank=1, split_backward=False, forward_only=True,
-                 description="one chunk per rank, one forward one backward"),
-    ScheduleKind("vhalf", lambda p, v, shift: blocks.v_half(p, shift),
-                 methods=("baseline", "vocab-1", "vocab-2"), chunks_per_rank=2, default_chunks_per_rank=2,
-                 split_backward=True, forward_only=True,
-                 description="zero-bubble V shape, two chunks per rank, B/W split"),
-    ScheduleKind("interleaved", lambda p, v, shift: blocks.interleaved(p, v, shift),
-                 methods=("baseline", "vocab-2"), chunks_per_rank=None, default_chunks_per_rank=2,
-                 split_backward=False, forward_only=True,
-                 description="interleaved 1F1B, chunks round-robin over the ranks"),
-)}
+SCHEDULES: dict[str, ScheduleKind] = {
+    k.name: k
+    for k in (
+        ScheduleKind(
+            "1f1b",
+            lambda p, v, shift: blocks.one_f_one_b(p, shift),
+            methods=("baseline", "redis", "vocab-1", "vocab-2"),
+            chunks_per_rank=1,
+            default_chunks_per_rank=1,
+            split_backward=False,
+            forward_only=True,
+            description="one chunk per rank, one forward one backward",
+        ),
+        ScheduleKind(
+            "vhalf",
+            lambda p, v, shift: blocks.v_half(p, shift),
+            methods=("baseline", "vocab-1", "vocab-2"),
+            chunks_per_rank=2,
+            default_chunks_per_rank=2,
+            split_backward=True,
+            forward_only=True,
+            description="zero-bubble V shape, two chunks per rank, B/W split",
+        ),
+        ScheduleKind(
+            "interleaved",
+            lambda p, v, shift: blocks.interleaved(p, v, shift),
+            methods=("baseline", "vocab-2"),
+            chunks_per_rank=None,
+            default_chunks_per_rank=2,
+            split_backward=False,
+            forward_only=True,
+            description="interleaved 1F1B, chunks round-robin over the ranks",
+        ),
+    )
+}
 
 
 def _lookup(table: dict, name, what: str):
@@ -145,8 +193,10 @@ def check_pair(kind: str, method_name: str) -> tuple[ScheduleKind, Method]:
     k, m = schedule_kind(kind), method(method_name)
     if m.name not in k.methods:
         others = [s for s, sk in SCHEDULES.items() if m.name in sk.methods]
-        raise ScheduleError(f"schedule {k.name!r} does not support method {m.name!r}; it supports "
-                            f"{', '.join(k.methods)} (use {' or '.join(others)} for {m.name})")
+        raise ScheduleError(
+            f"schedule {k.name!r} does not support method {m.name!r}; it supports "
+            f"{', '.join(k.methods)} (use {' or '.join(others)} for {m.name})"
+        )
     return k, m
 
 

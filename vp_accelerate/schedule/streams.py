@@ -58,7 +58,7 @@ class _Rank:
 
     def __init__(self, s: Schedule, r: int, serialized: bool):
         self.r = r
-        self.compute: list[tuple[Action, list[_Comm]]] = []   # passes with the operations they read
+        self.compute: list[tuple[Action, list[_Comm]]] = []  # passes with the operations they read
         self.comms: list[_Comm] = []
         by_key: dict[tuple, _Comm] = {}
         pending = []
@@ -78,7 +78,7 @@ class _Rank:
                 by_key[(a.op, a.mb, a.chunk)] = op
         for i, (a, keys) in enumerate(pending):
             self.compute[i] = (a, [by_key[k] for k in keys if k in by_key])
-        self.pc = 0                     # next compute pass
+        self.pc = 0  # next compute pass
         self.heads: dict[str, int] = {}  # queue -> index into self.comms of its first unfinished op
         self.queues: dict[str, list[_Comm]] = {}
         for op in self.comms:
@@ -113,16 +113,19 @@ def _match_p2p(ranks: list[_Rank]) -> dict:
         for k in range(max(len(out), len(into))):
             if k >= len(into):
                 op, mb, c, _ = out[k][2]
-                raise ScheduleError(f"rank {src} sends to rank {dst} a message for {Action(op, mb, c, src)} "
-                                    "that is never received")
+                raise ScheduleError(
+                    f"rank {src} sends to rank {dst} a message for {Action(op, mb, c, src)} that is never received"
+                )
             if k >= len(out):
                 a = into[k][3]
                 raise ScheduleError(f"rank {dst} waits for {a} but rank {src} never sends it")
             if out[k][2] != into[k][2]:
                 a = into[k][3]
                 op, mb, c, _ = out[k][2]
-                raise ScheduleError(f"rank {dst}: {a} is its receive #{k} from rank {src}, whose send #{k} is "
-                                    f"for {Action(op, mb, c, src)}: p2p between two ranks is matched in issue order")
+                raise ScheduleError(
+                    f"rank {dst}: {a} is its receive #{k} from rank {src}, whose send #{k} is "
+                    f"for {Action(op, mb, c, src)}: p2p between two ranks is matched in issue order"
+                )
             peers[(src, out[k][0], out[k][1])] = (dst, into[k][0], into[k][1])
             peers[(dst, into[k][0], into[k][1])] = (src, out[k][0], out[k][1])
     return peers
@@ -159,8 +162,11 @@ def replay_streams(s: Schedule, serialized: bool = False) -> None:
                         other.matched.add(pj)
         for R in ranks:
             for q in R.queues:
-                while (op := R.head(q)) is not None and op.started and (
-                        op.done or (op.ops[0].op in P2P and len(op.matched) == len(op.ops))):
+                while (
+                    (op := R.head(q)) is not None
+                    and op.started
+                    and (op.done or (op.ops[0].op in P2P and len(op.matched) == len(op.ops)))
+                ):
                     op.done = True
                     R.heads[q] += 1
                     progress = True
@@ -213,10 +219,16 @@ def _deadlock(s: Schedule, ranks: list[_Rank], peers: dict, serialized: bool) ->
                 pr, pi, _ = peers[(R.r, op.index, j)]
                 peer_head = ranks[pr].comms[pi]
                 verb = "post the matching receive" if op.ops[j].op in _SENDS else "send"
-                parts.append(f"p2p batch {_describe(op)} waits for rank {pr} to {verb} (its batch "
-                             f"{_describe(peer_head)} has not started)")
+                parts.append(
+                    f"p2p batch {_describe(op)} waits for rank {pr} to {verb} (its batch "
+                    f"{_describe(peer_head)} has not started)"
+                )
         if parts:
             lines.append(f"rank {R.r}: " + "; ".join(parts))
-    rule = "all communicators serialised (CUDA_DEVICE_MAX_CONNECTIONS=1)" if serialized else "one stream per communicator"
-    return (f"{s.describe()} deadlocks under NCCL semantics (sends complete when the peer's receive is posted, "
-            f"p2p batches complete in issue order, {rule}): " + " | ".join(lines))
+    rule = (
+        "all communicators serialised (CUDA_DEVICE_MAX_CONNECTIONS=1)" if serialized else "one stream per communicator"
+    )
+    return (
+        f"{s.describe()} deadlocks under NCCL semantics (sends complete when the peer's receive is posted, "
+        f"p2p batches complete in issue order, {rule}): " + " | ".join(lines)
+    )

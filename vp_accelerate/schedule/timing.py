@@ -78,11 +78,13 @@ def place(block: Block, num_ranks: int, num_mb: int, method: Method, forward_onl
     base: dict = {}  # (op, mb, chunk) -> base start
     for mb in range(num_mb):
         u = mb % block.group
-        for (op, bu, c) in block.offsets:
+        for op, bu, c in block.offsets:
             if bu == u and op in ops:
                 base[(op, mb, c)] = block.time(op, mb, c)
     if not method.vocab_parallel:
-        return [TimedPass(block.chunk_rank[c], op, mb, c, t, block.durations[op]) for (op, mb, c), t in base.items()], []
+        return [
+            TimedPass(block.chunk_rank[c], op, mb, c, t, block.durations[op]) for (op, mb, c), t in base.items()
+        ], []
     return _place_vocab(block, num_ranks, num_mb, method, forward_only, base)
 
 
@@ -136,8 +138,10 @@ def _place_vocab(block: Block, p: int, num_mb: int, method: Method, forward_only
                 colls.append(TimedCollective(Op.C2, mb, barrier, -1))
             b_last = stretch(base[(Op.B, mb, last)])
             if b_last < barrier:
-                raise ScheduleError(f"internal: B(mb={mb}, chunk={last}) at {b_last} before its barrier at "
-                                    f"{barrier}; the block's backward shift is too small")
+                raise ScheduleError(
+                    f"internal: B(mb={mb}, chunk={last}) at {b_last} before its barrier at "
+                    f"{barrier}; the block's backward shift is too small"
+                )
         # IF(j): the latest S gap whose slowest slot ends before F(j, 0) starts
         f0 = base[(Op.F, mb, 0)]
         in_gap = (f0 // q) * q

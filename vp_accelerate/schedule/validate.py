@@ -14,8 +14,8 @@ Checks, in order:
 
 from __future__ import annotations
 
-from .ir import COLLECTIVES, Action, Op, Schedule, ScheduleError, chain_collectives
 from .deps import prerequisites
+from .ir import COLLECTIVES, Action, Op, Schedule, ScheduleError, chain_collectives
 from .streams import replay_streams
 
 
@@ -78,8 +78,13 @@ def _check_rank(s: Schedule, r: int) -> None:
         if key in done:
             raise _err(r, i, a, "runs twice")
         if key not in expected:
-            raise _err(r, i, a, "does not belong on this rank for this schedule "
-                                f"({s.describe()}, rank holds chunks {list(s.chunks_of(r))})")
+            raise _err(
+                r,
+                i,
+                a,
+                "does not belong on this rank for this schedule "
+                f"({s.describe()}, rank holds chunks {list(s.chunks_of(r))})",
+            )
         need = prerequisites(s, r, a)
         missing = [n for n in need if n not in done]
         if missing:
@@ -100,8 +105,12 @@ def _check_rank(s: Schedule, r: int) -> None:
 
 def _collectives(s: Schedule, r: int) -> list:
     """(action index, action, collective of its chain) for every collective rank r runs, in order."""
-    return [(i, a, sub) for i, a in enumerate(s.actions[r]) if a.op in COLLECTIVES
-            for sub in chain_collectives(a.op, s.method)]
+    return [
+        (i, a, sub)
+        for i, a in enumerate(s.actions[r])
+        if a.op in COLLECTIVES
+        for sub in chain_collectives(a.op, s.method)
+    ]
 
 
 def _check_collective_order(s: Schedule) -> None:
@@ -111,8 +120,13 @@ def _check_collective_order(s: Schedule) -> None:
         for k, (i, a, sub) in enumerate(mine):
             if k >= len(ref) or (a.op, a.mb, sub) != ref[k]:
                 other = f"{Action(ref[k][0], ref[k][1])} ({ref[k][2]})" if k < len(ref) else "nothing"
-                raise _err(r, i, a, f"is this rank's collective #{k} ({sub}) but rank 0's is {other}: "
-                                    "all ranks must issue the vocabulary collectives in one order")
+                raise _err(
+                    r,
+                    i,
+                    a,
+                    f"is this rank's collective #{k} ({sub}) but rank 0's is {other}: "
+                    "all ranks must issue the vocabulary collectives in one order",
+                )
         if len(mine) < len(ref):
             raise ScheduleError(f"rank {r} issues {len(mine)} collectives, rank 0 issues {len(ref)}")
 

@@ -6,7 +6,14 @@ import argparse
 import json
 import sys
 
-from vp_accelerate.cost import Hardware, MeasuredCosts, ModelShape, cost_aware_schedule, for_schedule, shape_from_hf_config
+from vp_accelerate.cost import (
+    Hardware,
+    MeasuredCosts,
+    ModelShape,
+    cost_aware_schedule,
+    for_schedule,
+    shape_from_hf_config,
+)
 from vp_accelerate.schedule import ScheduleError, build_schedule, validate
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, argparse_type, normalise_method, normalise_schedule
 
@@ -32,20 +39,35 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
     ap.add_argument("--method", type=argparse_type(normalise_method), choices=tuple(METHODS), default="vocab-2")
     ap.add_argument("--chunks-per-rank", type=int, help="interleaved only (default 2)")
     ap.add_argument("--forward-only", action="store_true", help="evaluation step")
-    ap.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
-                    help="decoder layers recomputed in backward, as pipeline.activation_checkpointing")
+    ap.add_argument(
+        "--activation-checkpointing",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="decoder layers recomputed in backward, as pipeline.activation_checkpointing",
+    )
     ap.add_argument("--peak-tflops", type=float, default=312.0, help="per device, for MFU (A100 bf16: 312)")
-    ap.add_argument("--efficiency", type=float, default=Hardware.efficiency,
-                    help="fraction of peak the matmuls sustain")
+    ap.add_argument(
+        "--efficiency", type=float, default=Hardware.efficiency, help="fraction of peak the matmuls sustain"
+    )
     ap.add_argument("--bandwidth-gbs", type=float, default=100.0, help="p2p and collective bandwidth, GB/s")
-    ap.add_argument("--blocking-collectives", action="store_true",
-                    help="every rank waits for each collective chain; default: chains overlap compute, as the "
-                         "runtime's communication worker (gloo) / stream (NCCL) runs them")
-    ap.add_argument("--measured", help="JSON of measured per-pass times (cost.MeasuredCosts; "
-                                       "scripts/measure_costs.py writes them): the step is ordered and timed by them")
-    ap.add_argument("--order", choices=("cost", "grid"), default="cost",
-                    help="cost (default): each rank's order built from the pass costs, as the runtime builds it; "
-                         "grid: the schedule block's unit-grid order")
+    ap.add_argument(
+        "--blocking-collectives",
+        action="store_true",
+        help="every rank waits for each collective chain; default: chains overlap compute, as the "
+        "runtime's communication worker (gloo) / stream (NCCL) runs them",
+    )
+    ap.add_argument(
+        "--measured",
+        help="JSON of measured per-pass times (cost.MeasuredCosts; "
+        "scripts/measure_costs.py writes them): the step is ordered and timed by them",
+    )
+    ap.add_argument(
+        "--order",
+        choices=("cost", "grid"),
+        default="cost",
+        help="cost (default): each rank's order built from the pass costs, as the runtime builds it; "
+        "grid: the schedule block's unit-grid order",
+    )
     if with_out:
         ap.add_argument("--out", required=True, help="PNG path")
     else:
@@ -55,31 +77,54 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
 
 def _shape(args) -> ModelShape:
     if args.config:
-        return shape_from_hf_config(args.config, seq=args.seq, vocab=args.vocab,
-                                    microbatch_size=args.microbatch_size, dtype_bytes=args.dtype_bytes)
+        return shape_from_hf_config(
+            args.config,
+            seq=args.seq,
+            vocab=args.vocab,
+            microbatch_size=args.microbatch_size,
+            dtype_bytes=args.dtype_bytes,
+        )
     missing = [f"--{k}" for k in ("hidden", "layers", "heads", "vocab") if getattr(args, k) is None]
     if missing:
         raise SystemExit(f"give --config, or {' '.join(missing)}")
-    return ModelShape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn or 4 * args.hidden,
-                      vocab=args.vocab, seq=args.seq, microbatch_size=args.microbatch_size,
-                      dtype_bytes=args.dtype_bytes, mlp_matrices=3 if args.gated_mlp else 2)
+    return ModelShape(
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        ffn=args.ffn or 4 * args.hidden,
+        vocab=args.vocab,
+        seq=args.seq,
+        microbatch_size=args.microbatch_size,
+        dtype_bytes=args.dtype_bytes,
+        mlp_matrices=3 if args.gated_mlp else 2,
+    )
 
 
 def _run(args):
     shape = _shape(args)
     bw = args.bandwidth_gbs * 1e9
-    hw = Hardware(peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency, p2p_bandwidth=bw,
-                  collective_bandwidth=bw)
+    hw = Hardware(
+        peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency, p2p_bandwidth=bw, collective_bandwidth=bw
+    )
     measured = (lambda model: MeasuredCosts.from_json(args.measured, model)) if args.measured else None
     if args.order == "grid":
-        sched = build_schedule(args.schedule, args.method, args.pp, args.microbatches, args.chunks_per_rank,
-                               forward_only=args.forward_only)
+        sched = build_schedule(
+            args.schedule, args.method, args.pp, args.microbatches, args.chunks_per_rank, forward_only=args.forward_only
+        )
         model = for_schedule(shape, sched, hw, activation_checkpointing=args.activation_checkpointing)
     else:
-        sched, model = cost_aware_schedule(shape, args.schedule, args.method, args.pp, args.microbatches,
-                                           chunks_per_rank=args.chunks_per_rank, forward_only=args.forward_only,
-                                           hw=hw, activation_checkpointing=args.activation_checkpointing,
-                                           costs=measured)
+        sched, model = cost_aware_schedule(
+            shape,
+            args.schedule,
+            args.method,
+            args.pp,
+            args.microbatches,
+            chunks_per_rank=args.chunks_per_rank,
+            forward_only=args.forward_only,
+            hw=hw,
+            activation_checkpointing=args.activation_checkpointing,
+            costs=measured,
+        )
     validate(sched)
     costs = measured(model) if measured else model
     return sched, model, simulate(sched, costs, blocking_collectives=args.blocking_collectives)
@@ -102,15 +147,28 @@ def simulate_main(argv=None) -> int:
         return 2
     args, sched, model, res = ran
     out = {
-        "schedule": args.schedule, "method": args.method, "pp": args.pp, "microbatches": args.microbatches,
-        "vocab": model.shape.vocab, "seq": model.shape.seq, "chunk_layers": list(model.chunk_layers),
-        "step_time": res.step_time, "mfu": res.mfu, "bubble_rate": res.bubble_rate,
-        "ranks": [{"rank": r, "busy": res.busy[r],
-                   "peak_activation_microbatches": res.peak_activation_microbatches[r],
-                   "peak_stash_microbatches": res.peak_stash_microbatches[r],
-                   "peak_activation_bytes": res.peak_activation_bytes[r],
-                   "static_bytes": res.static_bytes[r], "peak_memory_bytes": res.peak_memory_bytes[r]}
-                  for r in range(sched.num_ranks)],
+        "schedule": args.schedule,
+        "method": args.method,
+        "pp": args.pp,
+        "microbatches": args.microbatches,
+        "vocab": model.shape.vocab,
+        "seq": model.shape.seq,
+        "chunk_layers": list(model.chunk_layers),
+        "step_time": res.step_time,
+        "mfu": res.mfu,
+        "bubble_rate": res.bubble_rate,
+        "ranks": [
+            {
+                "rank": r,
+                "busy": res.busy[r],
+                "peak_activation_microbatches": res.peak_activation_microbatches[r],
+                "peak_stash_microbatches": res.peak_stash_microbatches[r],
+                "peak_activation_bytes": res.peak_activation_bytes[r],
+                "static_bytes": res.static_bytes[r],
+                "peak_memory_bytes": res.peak_memory_bytes[r],
+            }
+            for r in range(sched.num_ranks)
+        ],
     }
     if args.json:
         print(json.dumps(out))
@@ -119,8 +177,10 @@ def simulate_main(argv=None) -> int:
     print(f"step time {res.step_time * 1e3:.1f} ms   MFU {res.mfu * 100:.2f}%   bubble {res.bubble_rate * 100:.1f}%")
     print("rank  busy(ms)  act(mb)  stash(mb)  peak mem (GB)")
     for r in out["ranks"]:
-        print(f"{r['rank']:4d}  {r['busy'] * 1e3:8.1f}  {r['peak_activation_microbatches']:7.2f}  "
-              f"{r['peak_stash_microbatches']:9d}  {r['peak_memory_bytes'] / 1e9:13.2f}")
+        print(
+            f"{r['rank']:4d}  {r['busy'] * 1e3:8.1f}  {r['peak_activation_microbatches']:7.2f}  "
+            f"{r['peak_stash_microbatches']:9d}  {r['peak_memory_bytes'] / 1e9:13.2f}"
+        )
     return 0
 
 
@@ -131,8 +191,10 @@ def plot_schedule_main(argv=None) -> int:
     args, sched, _, res = ran
     from .plot import plot_timeline
 
-    title = (f"{sched.describe()}  V={_shape(args).vocab}  step {res.step_time * 1e3:.0f} ms  "
-             f"MFU {res.mfu * 100:.1f}%  bubble {res.bubble_rate * 100:.1f}%")
+    title = (
+        f"{sched.describe()}  V={_shape(args).vocab}  step {res.step_time * 1e3:.0f} ms  "
+        f"MFU {res.mfu * 100:.1f}%  bubble {res.bubble_rate * 100:.1f}%"
+    )
     plot_timeline(res.timeline, args.out, title=title, label_microbatches=args.microbatches <= 48)
     print(args.out)
     return 0

@@ -1,6 +1,6 @@
 """Reproduce docs/simulation.md: the paper's 8-GPU setup simulated, next to its measured MFU.
 
-    python -m vp_accelerate.sim.paper docs   # prints the markdown tables, writes docs/img/*.png
+python -m vp_accelerate.sim.paper docs   # prints the markdown tables, writes docs/img/*.png
 """
 
 from __future__ import annotations
@@ -19,13 +19,24 @@ from .simulate import simulate
 VOCABS = (32000, 64000, 128000, 256000)
 # The paper's MFU % measured on 8 x A100, 1F1B, 128 microbatches
 PAPER_MFU = {
-    2048: {"baseline": (46.16, 40.48, 33.11, 25.23), "redis": (46.01, 46.37, 44.22, 38.91),
-           "vocab-1": (50.42, 50.28, 49.93, 50.12), "vocab-2": (50.23, 50.18, 49.82, 49.69)},
-    4096: {"baseline": (47.05, 41.87, 35.00, 26.75), "redis": (46.93, 46.78, 47.44, 43.01),
-           "vocab-1": (50.98, 50.98, 50.83, 50.66), "vocab-2": (50.93, 50.75, 50.56, 50.40)},
+    2048: {
+        "baseline": (46.16, 40.48, 33.11, 25.23),
+        "redis": (46.01, 46.37, 44.22, 38.91),
+        "vocab-1": (50.42, 50.28, 49.93, 50.12),
+        "vocab-2": (50.23, 50.18, 49.82, 49.69),
+    },
+    4096: {
+        "baseline": (47.05, 41.87, 35.00, 26.75),
+        "redis": (46.93, 46.78, 47.44, 43.01),
+        "vocab-1": (50.98, 50.98, 50.83, 50.66),
+        "vocab-2": (50.93, 50.75, 50.56, 50.40),
+    },
 }
-PAPER_MEM_2048 = {"baseline": (14.86, 16.32, 19.25, 25.64), "vocab-1": (15.63, 16.02, 16.84, 18.59),
-                  "vocab-2": (14.83, 15.23, 16.04, 17.78)}
+PAPER_MEM_2048 = {
+    "baseline": (14.86, 16.32, 19.25, 25.64),
+    "vocab-1": (15.63, 16.02, 16.84, 18.59),
+    "vocab-2": (14.83, 15.23, 16.04, 17.78),
+}
 
 
 def shape(vocab: int, seq: int) -> ModelShape:
@@ -47,8 +58,7 @@ def paper_redis_split(vocab: int, p: int = 8, layers: int = 32) -> tuple[int, ..
     return tuple([base + (1 if i >= p - 1 - extra else 0) for i in range(p - 1)] + [k])
 
 
-def run(kind: str, method: str, p: int, m: int, vocab: int, seq: int, paper_redis: bool = False,
-        order: str = "cost"):
+def run(kind: str, method: str, p: int, m: int, vocab: int, seq: int, paper_redis: bool = False, order: str = "cost"):
     """One simulated step of the paper's model; `order` "cost": the schedule built from the pass costs
     (as the runtime builds it), "grid": the block's unit-grid order."""
     layers = paper_redis_split(vocab, p) if paper_redis and method_entry(method).balanced_layers else None
@@ -68,19 +78,32 @@ def ratio_cells(p: int = 8, m: int = 128) -> list[dict]:
             for meth in METHODS[1:]:
                 sim = mfu[meth] / mfu["baseline"]
                 paper = PAPER_MFU[seq][meth][i] / PAPER_MFU[seq]["baseline"][i]
-                cells.append({"seq": seq, "vocab": v, "method": meth, "sim_mfu": mfu[meth],
-                              "sim_baseline_mfu": mfu["baseline"], "sim_ratio": sim, "paper_ratio": paper,
-                              "error": sim / paper - 1})
+                cells.append(
+                    {
+                        "seq": seq,
+                        "vocab": v,
+                        "method": meth,
+                        "sim_mfu": mfu[meth],
+                        "sim_baseline_mfu": mfu["baseline"],
+                        "sim_ratio": sim,
+                        "paper_ratio": paper,
+                        "error": sim / paper - 1,
+                    }
+                )
     return cells
 
 
 def ratio_table(p: int = 8, m: int = 128) -> str:
-    lines = ["| seq | V | method | sim MFU % (baseline) | sim / baseline | paper / baseline | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| seq | V | method | sim MFU % (baseline) | sim / baseline | paper / baseline | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in ratio_cells(p, m):
-        lines.append(f"| {c['seq']} | {c['vocab'] // 1000}k | {c['method']} | {c['sim_mfu']:.1f} "
-                     f"({c['sim_baseline_mfu']:.1f}) | {c['sim_ratio']:.3f} | {c['paper_ratio']:.3f} | "
-                     f"{c['error'] * 100:+.1f}% |")
+        lines.append(
+            f"| {c['seq']} | {c['vocab'] // 1000}k | {c['method']} | {c['sim_mfu']:.1f} "
+            f"({c['sim_baseline_mfu']:.1f}) | {c['sim_ratio']:.3f} | {c['paper_ratio']:.3f} | "
+            f"{c['error'] * 100:+.1f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -113,16 +136,28 @@ def memory_table(p: int = 8, m: int = 128) -> str:
     lines = ["| method | sim peak GB (max over ranks) 32k/64k/128k/256k | paper GB |", "|---|---|---|"]
     for meth in ("baseline", "vocab-1", "vocab-2"):
         sim = [max(run("1f1b", meth, p, m, v, 2048).peak_memory_bytes) / 1e9 for v in VOCABS]
-        lines.append(f"| {meth} | {' / '.join(f'{x:.1f}' for x in sim)} | "
-                     f"{' / '.join(f'{x:.2f}' for x in PAPER_MEM_2048[meth])} |")
+        lines.append(
+            f"| {meth} | {' / '.join(f'{x:.1f}' for x in sim)} | "
+            f"{' / '.join(f'{x:.2f}' for x in PAPER_MEM_2048[meth])} |"
+        )
     return "\n".join(lines)
 
 
 def scaling_table(m: int = 128, seq: int = 2048) -> str:
-    combos = [("1f1b", "baseline"), ("1f1b", "redis"), ("1f1b", "vocab-1"), ("1f1b", "vocab-2"),
-              ("vhalf", "baseline"), ("vhalf", "vocab-2"), ("interleaved", "baseline"), ("interleaved", "vocab-2")]
-    lines = ["| p | layers | V | " + " | ".join(f"{k} {m_}" for k, m_ in combos) + " |",
-             "|---|---|---|" + "---|" * len(combos)]
+    combos = [
+        ("1f1b", "baseline"),
+        ("1f1b", "redis"),
+        ("1f1b", "vocab-1"),
+        ("1f1b", "vocab-2"),
+        ("vhalf", "baseline"),
+        ("vhalf", "vocab-2"),
+        ("interleaved", "baseline"),
+        ("interleaved", "vocab-2"),
+    ]
+    lines = [
+        "| p | layers | V | " + " | ".join(f"{k} {m_}" for k, m_ in combos) + " |",
+        "|---|---|---|" + "---|" * len(combos),
+    ]
     for p, layers in ((16, 64), (32, 128)):
         for v in (64000, 256000):
             cells = []
@@ -142,8 +177,12 @@ def images(out_dir: Path) -> list[str]:
         p, m, v = 4, 12, 256000
         r = run(kind, meth, p, m, v, 2048)
         path = img / f"timeline_{kind}_{meth}.png"
-        plot_timeline(r.timeline, path, title=f"{kind} / {meth}, p={p}, m={m}, V=256k, seq 2048: "
-                                              f"MFU {r.mfu * 100:.1f}%, bubble {r.bubble_rate * 100:.1f}%")
+        plot_timeline(
+            r.timeline,
+            path,
+            title=f"{kind} / {meth}, p={p}, m={m}, V=256k, seq 2048: "
+            f"MFU {r.mfu * 100:.1f}%, bubble {r.bubble_rate * 100:.1f}%",
+        )
         made.append(str(path))
     rows = []
     for meth in ("baseline", "redis", "vocab-1", "vocab-2"):

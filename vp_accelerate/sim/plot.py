@@ -10,11 +10,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 COLORS = {
-    "F": "#4c72b0", "B": "#55a868", "W": "#8fd19e", "S": "#c44e52", "T": "#dd8452",
-    "IF": "#8172b3", "IB": "#b39ddb",
+    "F": "#4c72b0",
+    "B": "#55a868",
+    "W": "#8fd19e",
+    "S": "#c44e52",
+    "T": "#dd8452",
+    "IF": "#8172b3",
+    "IB": "#b39ddb",
 }
-LABELS = {"F": "forward", "B": "backward" , "W": "weight grad", "S": "S (output fwd)", "T": "T (output wgrad)",
-          "IF": "input emb fwd", "IB": "input emb bwd"}
+LABELS = {
+    "F": "forward",
+    "B": "backward",
+    "W": "weight grad",
+    "S": "S (output fwd)",
+    "T": "T (output wgrad)",
+    "IF": "input emb fwd",
+    "IB": "input emb bwd",
+}
 _FIELDS = ("rank", "op", "mb", "chunk", "start", "end")
 COMM_COLOR = "#555555"
 
@@ -85,8 +97,14 @@ def plot_timeline(records, path=None, *, ax=None, title: str | None = None, labe
         # a rank's second (fourth, ...) chunk is drawn lighter so V shapes and interleaving stay readable
         odd = op in ("F", "B", "W") and order[rank].index(chunk) % 2 == 1
         alpha = 0.6 if odd else 1.0
-        ax.broken_barh([(start, end - start)], (rank - 0.42, 0.84), facecolors=COLORS[op], alpha=alpha,
-                       edgecolor="white", linewidth=0.2)
+        ax.broken_barh(
+            [(start, end - start)],
+            (rank - 0.42, 0.84),
+            facecolors=COLORS[op],
+            alpha=alpha,
+            edgecolor="white",
+            linewidth=0.2,
+        )
         if label_microbatches and end - start > 0.012 * span:
             ax.text((start + end) / 2, rank, str(mb), ha="center", va="center", fontsize=5, color="white")
     for rank, start, end in comm:  # collective chains: a thin strip under the rank's passes
@@ -99,8 +117,14 @@ def plot_timeline(records, path=None, *, ax=None, title: str | None = None, labe
     handles = [Patch(color=COLORS[o], label=LABELS[o]) for o in present]
     if comm:
         handles.append(Patch(color=COMM_COLOR, label="collective chains"))
-    ax.legend(handles=handles, loc="upper center",
-              bbox_to_anchor=(0.5, -0.28 if own else -0.35), ncol=len(handles), fontsize=7, frameon=False)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.28 if own else -0.35),
+        ncol=len(handles),
+        fontsize=7,
+        frameon=False,
+    )
     if title:
         ax.set_title(title, fontsize=9)
     if own:

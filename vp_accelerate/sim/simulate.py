@@ -47,8 +47,9 @@ class SimResult:
     """Every compute pass (and collective, op C0/C1/...) with its start and end."""
 
 
-def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
-             blocking_collectives: bool = False) -> SimResult:
+def simulate(
+    schedule: Schedule, costs, peak_flops: float | None = None, blocking_collectives: bool = False
+) -> SimResult:
     """Time `schedule` with `costs` (CostModel or MeasuredCosts). MFU uses peak_flops, or the cost
     model's hardware peak. Collectives are asynchronous (issued in order, waited for by the pass that
     needs their result: S, T, IB, F of chunk 0, B of the last chunk), as on GPUs where they run on a
@@ -58,15 +59,15 @@ def simulate(schedule: Schedule, costs, peak_flops: float | None = None,
     acts = schedule.actions
     pc = [0] * p
     clock = [0.0] * p
-    arrival: dict = {}   # (recv op, mb, chunk) -> time the data is there
-    done_at: dict = {}   # (collective op, mb) -> completion time
-    stream = 0.0         # the collectives' stream is busy until then
+    arrival: dict = {}  # (recv op, mb, chunk) -> time the data is there
+    done_at: dict = {}  # (collective op, mb) -> completion time
+    stream = 0.0  # the collectives' stream is busy until then
     timeline: list[TimedAction] = []
     grad_barrier = schedule.method_spec.grad_barrier
     # host time a rank spends posting a transfer or handing a chain over (measured costs may give it)
     issue = getattr(costs, "issue_time", lambda op: 0.0)
     pass_times: dict = {}  # (rank, op, chunk) -> seconds
-    chains: dict = {}      # collective op -> its chain's steps
+    chains: dict = {}  # collective op -> its chain's steps
 
     def ready(r: int, a) -> float | None:
         """Earliest start of compute pass `a` on rank r, or None while an input has not been sent."""
@@ -160,10 +161,18 @@ def _summarise(schedule: Schedule, costs, timeline: list[TimedAction], peak_flop
     if model is not None:
         peak = peak_flops or model.hw.peak_flops
         mfu = schedule.num_microbatches * model.model_flops() / (step * p * peak)
-    return SimResult(step_time=step, bubble_rate=1 - sum(busy) / (p * step), busy=busy,
-                     peak_activation_microbatches=act_mb, peak_stash_microbatches=stash_mb,
-                     peak_activation_bytes=act_bytes, static_bytes=static,
-                     peak_memory_bytes=[s + a for s, a in zip(static, act_bytes)], mfu=mfu, timeline=timeline)
+    return SimResult(
+        step_time=step,
+        bubble_rate=1 - sum(busy) / (p * step),
+        busy=busy,
+        peak_activation_microbatches=act_mb,
+        peak_stash_microbatches=stash_mb,
+        peak_activation_bytes=act_bytes,
+        static_bytes=static,
+        peak_memory_bytes=[s + a for s, a in zip(static, act_bytes)],
+        mfu=mfu,
+        timeline=timeline,
+    )
 
 
 def _memory(schedule: Schedule, timeline: list[TimedAction], model):

@@ -77,8 +77,10 @@ class BatchIterator:
 
     def __init__(self, seqs: Sequences, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1):
         if len(seqs) < global_batch:
-            raise DataError(f"the training data has {len(seqs)} sequences, fewer than train.global_batch="
-                            f"{global_batch}; add data or lower data.seq_len / train.global_batch")
+            raise DataError(
+                f"the training data has {len(seqs)} sequences, fewer than train.global_batch="
+                f"{global_batch}; add data or lower data.seq_len / train.global_batch"
+            )
         self.seqs, self.seed, self.global_batch = seqs, seed, global_batch
         self.per_replica = global_batch // dp_size
         self.dp_rank = dp_rank
@@ -105,9 +107,9 @@ class BatchIterator:
         first = self.step * self.global_batch
         start = first + self.dp_rank * self.per_replica
         self.step += 1
-        self.last_rows = self._order[start: start + self.per_replica]  # to name a bad sample in errors
+        self.last_rows = self._order[start : start + self.per_replica]  # to name a bad sample in errors
         # every replica's rows are known here: the step's global count of real (non-padding) tokens
-        self.last_tokens = self.seqs.real_tokens(self._order[first: first + self.global_batch])
+        self.last_tokens = self.seqs.real_tokens(self._order[first : first + self.global_batch])
         return self.seqs.batch(self.last_rows)
 
     def describe_rows(self, first: int, end: int) -> str:
@@ -144,8 +146,16 @@ class StreamingBatchIterator:
     position) instead replays the stream up to the saved step: exact, at the cost of re-reading.
     """
 
-    def __init__(self, make_stream, seq_len: int, seed: int, global_batch: int, dp_rank: int = 0,
-                 dp_size: int = 1, replay: bool = False):
+    def __init__(
+        self,
+        make_stream,
+        seq_len: int,
+        seed: int,
+        global_batch: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        replay: bool = False,
+    ):
         self.make_stream, self.seq_len, self.seed = make_stream, seq_len, seed
         self.global_batch, self.per_replica, self.dp_rank = global_batch, global_batch // dp_size, dp_rank
         self.replay = replay
@@ -186,13 +196,15 @@ class StreamingBatchIterator:
         rows = next(self._batches, None)
         if rows is None:
             if self.step == 0:
-                raise DataError(f"the streamed training data has fewer than train.global_batch="
-                                f"{self.global_batch} sequences of {self.seq_len} tokens")
+                raise DataError(
+                    f"the streamed training data has fewer than train.global_batch="
+                    f"{self.global_batch} sequences of {self.seq_len} tokens"
+                )
             self.epoch, self.step = self.epoch + 1, 0
             self._start(self.epoch)
             rows = next(self._batches)
         self.step += 1
-        mine = rows[self.dp_rank * self.per_replica: (self.dp_rank + 1) * self.per_replica]
+        mine = rows[self.dp_rank * self.per_replica : (self.dp_rank + 1) * self.per_replica]
         ids = torch.tensor(mine, dtype=torch.long)
         self.last_position = (self.epoch, self.step)
         return {"input_ids": ids, "labels": ids.clone()}
@@ -231,14 +243,15 @@ class EvalBatches:
     losses the token mean over the whole evaluation set.
     """
 
-    def __init__(self, seqs: Sequences, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
-                 limit: int | None = None):
+    def __init__(
+        self, seqs: Sequences, global_batch: int, dp_rank: int = 0, dp_size: int = 1, limit: int | None = None
+    ):
         self.seqs, self.global_batch, self.per_replica = seqs, global_batch, global_batch // dp_size
         self.dp_rank = dp_rank
         n = -(-len(seqs) // global_batch)
         self.count = n if limit is None else min(n, limit)
         targets = seqs.target_counts() if len(seqs) else np.zeros(0, dtype=np.int64)
-        self.loss_tokens = [int(targets[i * global_batch:(i + 1) * global_batch].sum()) for i in range(self.count)]
+        self.loss_tokens = [int(targets[i * global_batch : (i + 1) * global_batch].sum()) for i in range(self.count)]
         self.sequences = min(len(seqs), self.count * global_batch)
 
     def __len__(self) -> int:

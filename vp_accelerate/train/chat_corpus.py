@@ -16,15 +16,96 @@ import json
 import os
 import random
 
-LOCALES = ["en", "de", "fr", "es", "it", "nl", "pl", "ru", "uk", "el", "tr", "ar", "he", "hi", "ja", "zh", "ko",
-           "pt", "sv", "fi", "vi", "th", "id", "cs"]
-TERRITORIES = ["FR", "DE", "JP", "CN", "US", "GB", "RU", "BR", "IN", "EG", "IT", "ES", "GR", "TR", "KR", "MX", "CA",
-               "AU", "AR", "SE", "NG", "KE", "VN", "TH", "PL", "UA", "NL", "PT", "IR", "IL"]
-FAKER_LOCALES = {"en": "en_US", "de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT", "ru": "ru_RU",
-                 "ja": "ja_JP", "zh": "zh_CN", "pl": "pl_PL", "el": "el_GR", "ar": "ar_AA", "hi": "hi_IN"}
-PY_NAMES = ["json.dumps", "json.loads", "os.path.join", "math.gcd", "itertools.chain", "functools.partial",
-            "collections.Counter", "re.sub", "shutil.copy2", "textwrap.dedent", "statistics.median",
-            "random.shuffle", "bisect.insort", "heapq.heappush", "zlib.crc32", "base64.b64encode"]
+LOCALES = [
+    "en",
+    "de",
+    "fr",
+    "es",
+    "it",
+    "nl",
+    "pl",
+    "ru",
+    "uk",
+    "el",
+    "tr",
+    "ar",
+    "he",
+    "hi",
+    "ja",
+    "zh",
+    "ko",
+    "pt",
+    "sv",
+    "fi",
+    "vi",
+    "th",
+    "id",
+    "cs",
+]
+TERRITORIES = [
+    "FR",
+    "DE",
+    "JP",
+    "CN",
+    "US",
+    "GB",
+    "RU",
+    "BR",
+    "IN",
+    "EG",
+    "IT",
+    "ES",
+    "GR",
+    "TR",
+    "KR",
+    "MX",
+    "CA",
+    "AU",
+    "AR",
+    "SE",
+    "NG",
+    "KE",
+    "VN",
+    "TH",
+    "PL",
+    "UA",
+    "NL",
+    "PT",
+    "IR",
+    "IL",
+]
+FAKER_LOCALES = {
+    "en": "en_US",
+    "de": "de_DE",
+    "fr": "fr_FR",
+    "es": "es_ES",
+    "it": "it_IT",
+    "ru": "ru_RU",
+    "ja": "ja_JP",
+    "zh": "zh_CN",
+    "pl": "pl_PL",
+    "el": "el_GR",
+    "ar": "ar_AA",
+    "hi": "hi_IN",
+}
+PY_NAMES = [
+    "json.dumps",
+    "json.loads",
+    "os.path.join",
+    "math.gcd",
+    "itertools.chain",
+    "functools.partial",
+    "collections.Counter",
+    "re.sub",
+    "shutil.copy2",
+    "textwrap.dedent",
+    "statistics.median",
+    "random.shuffle",
+    "bisect.insort",
+    "heapq.heappush",
+    "zlib.crc32",
+    "base64.b64encode",
+]
 SYSTEM = "You answer short questions about languages, places, dates and Python."
 
 
@@ -64,15 +145,19 @@ def _question_makers(rng: random.Random):
     def date():
         name, loc = lang()
         day = some_day()
-        return (f"How do {name} speakers write the date {day.isoformat()}?",
-                dates.format_date(day, format="long", locale=loc))
+        return (
+            f"How do {name} speakers write the date {day.isoformat()}?",
+            dates.format_date(day, format="long", locale=loc),
+        )
 
     def money():
         name, loc = lang()
         amount = rng.randrange(100, 10_000_000) / 100
         currency = rng.choice(["EUR", "USD", "JPY", "INR", "GBP", "BRL"])
-        return (f"Write {amount:.2f} {currency} the way {name} speakers do.",
-                numbers.format_currency(amount, currency, locale=loc))
+        return (
+            f"Write {amount:.2f} {currency} the way {name} speakers do.",
+            numbers.format_currency(amount, currency, locale=loc),
+        )
 
     def person():
         code = rng.choice(sorted(FAKER_LOCALES))

@@ -40,8 +40,11 @@ def template_keys(template: str) -> frozenset[str]:
     except jinja2.TemplateError:
         return frozenset(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", template))
     names = {n.attr for n in ast.find_all(nodes.Getattr)}
-    names |= {n.arg.value for n in ast.find_all(nodes.Getitem)
-              if isinstance(n.arg, nodes.Const) and isinstance(n.arg.value, str)}
+    names |= {
+        n.arg.value
+        for n in ast.find_all(nodes.Getitem)
+        if isinstance(n.arg, nodes.Const) and isinstance(n.arg.value, str)
+    }
     return frozenset(names)
 
 
@@ -58,8 +61,10 @@ def _content_text(content, k: int) -> str:
                 texts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ChatRowError(f"turn {k} has a content part of type {kind!r}; only text parts "
-                                   f"({{'type': 'text', 'text': ...}}) can be trained on")
+                raise ChatRowError(
+                    f"turn {k} has a content part of type {kind!r}; only text parts "
+                    f"({{'type': 'text', 'text': ...}}) can be trained on"
+                )
         return "\n".join(texts)
     raise ChatRowError(f"turn {k} content must be a string or a list of text parts, got {_short(content)}")
 
@@ -82,8 +87,10 @@ def normalize(messages, keys: frozenset[str], template_name: str = "the chat tem
         calls = m.get("tool_calls")
         if calls:
             if "tool_calls" not in keys:
-                raise ChatRowError(f"turn {k} has tool_calls, which {template_name} does not render; use a "
-                                   f"tokenizer whose chat template renders tool calls, or leave such rows out")
+                raise ChatRowError(
+                    f"turn {k} has tool_calls, which {template_name} does not render; use a "
+                    f"tokenizer whose chat template renders tool calls, or leave such rows out"
+                )
             if not isinstance(calls, list):
                 raise ChatRowError(f"turn {k} tool_calls must be a list, got {_short(calls)}")
         if m.get("content") is None and not calls:

@@ -45,8 +45,11 @@ class ChatSetup:
     def line(self) -> str | None:
         if self.kind == "none":
             return f"chat template: none ({self.why})" if self.why else None
-        what = {"own": "the tokenizer's own", "model": "the model's own, kept across the tokenizer swap",
-                "chatml": "ChatML"}[self.kind]
+        what = {
+            "own": "the tokenizer's own",
+            "model": "the model's own, kept across the tokenizer swap",
+            "chatml": "ChatML",
+        }[self.kind]
         out = f"chat template: {what}" + (f" ({self.why})" if self.why else "")
         if self.added:
             out += f"; {', '.join(self.added)} added as special tokens ({len(self.added)} new vocabulary rows"
@@ -68,8 +71,14 @@ def data_format(d) -> str:
     try:
         if d.hub_id:
             try:
-                first = next(iter(load_documents(None, d.hub_id, d.hub_split, streaming=True, name=d.hub_name,
-                                                 revision=d.hub_revision)), None)
+                first = next(
+                    iter(
+                        load_documents(
+                            None, d.hub_id, d.hub_split, streaming=True, name=d.hub_name, revision=d.hub_revision
+                        )
+                    ),
+                    None,
+                )
             except Exception:  # the hub out of reach (--check offline): set data.format to decide without it
                 return "text"
             columns = sorted(first) if first else []
@@ -107,8 +116,11 @@ def _markers_of(model_tokenizer, template: str) -> list:
 def _renders(tokenizer, template: str) -> str | None:
     """None when `template` renders a conversation with `tokenizer`, else the error."""
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-                                      chat_template=template, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+            chat_template=template,
+            tokenize=False,
+        )
         return None
     except Exception as e:  # jinja errors, raise_exception() of the template
         return f"{type(e).__name__}: {e}"
@@ -130,8 +142,12 @@ def prepare_chat(tokenizer, model_tokenizer=None, chat_data: bool = False, swap:
     from tokenizers import AddedToken
 
     if chat_template_text(tokenizer):
-        replaced = swap and model_tokenizer is not None and chat_template_text(model_tokenizer) and \
-            chat_template_text(model_tokenizer) != chat_template_text(tokenizer)
+        replaced = (
+            swap
+            and model_tokenizer is not None
+            and chat_template_text(model_tokenizer)
+            and chat_template_text(model_tokenizer) != chat_template_text(tokenizer)
+        )
         why = "the new tokenizer's template replaces the model's" if replaced else ""
         return _finish(tokenizer, ChatSetup("own", why=why)) if chat_data or swap else ChatSetup("none")
     why_not = ""
@@ -146,11 +162,12 @@ def prepare_chat(tokenizer, model_tokenizer=None, chat_data: bool = False, swap:
             _add_tokens(tokenizer, missing)
             tokenizer.chat_template = theirs
             if (error := _renders(tokenizer, theirs)) is not None:
-                raise ValueError(f"tokenizer.source: the model's chat template, kept across the swap, does not "
-                                 f"render with the new tokenizer ({error}); give the new tokenizer a chat "
-                                 f"template of its own")
-            return _finish(tokenizer, ChatSetup("model", [t.content for t in missing],
-                                                "the new tokenizer has none"))
+                raise ValueError(
+                    f"tokenizer.source: the model's chat template, kept across the swap, does not "
+                    f"render with the new tokenizer ({error}); give the new tokenizer a chat "
+                    f"template of its own"
+                )
+            return _finish(tokenizer, ChatSetup("model", [t.content for t in missing], "the new tokenizer has none"))
     if not chat_data:
         return ChatSetup("none", why=f"{why_not}; the data is not chat" if why_not else "")
     markers = [AddedToken(m, special=True, normalized=False) for m in CHATML_MARKERS]

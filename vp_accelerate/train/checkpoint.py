@@ -78,8 +78,13 @@ def config_fingerprint(config) -> str:
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     np_state = np.random.get_state()
-    state["numpy"] = {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                      "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4])}
+    state["numpy"] = {
+        "name": np_state[0],
+        "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "pos": int(np_state[2]),
+        "has_gauss": int(np_state[3]),
+        "cached": float(np_state[4]),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -96,10 +101,22 @@ def set_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------- saving
-def save_checkpoint(ckpt_dir: str, step: int, *, rank: int, model_state: dict, optimizer_state: dict,
-                    trainer_state: dict, meta: dict, barrier: Callable[[], None],
-                    write_model_files: Callable[[str], None] | None = None, keep: int = 2,
-                    best: bool = False, keep_best: bool = False, _crash_after: str | None = None) -> str:
+def save_checkpoint(
+    ckpt_dir: str,
+    step: int,
+    *,
+    rank: int,
+    model_state: dict,
+    optimizer_state: dict,
+    trainer_state: dict,
+    meta: dict,
+    barrier: Callable[[], None],
+    write_model_files: Callable[[str], None] | None = None,
+    keep: int = 2,
+    best: bool = False,
+    keep_best: bool = False,
+    _crash_after: str | None = None,
+) -> str:
     """Collective: every rank calls it with its own state. Returns the final checkpoint path.
 
     `meta` (rank 0's is written) must hold the layout fingerprint; `write_model_files(dir)` (rank 0)
@@ -224,10 +241,14 @@ def resume_path(ckpt_dir: str | None, which: str = "latest") -> str | None:
     if which.isdigit():
         path = os.path.join(ckpt_dir or "", step_dir_name(int(which)))
         if not os.path.isfile(os.path.join(path, META)):
-            have = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp")) \
-                if ckpt_dir and os.path.isdir(ckpt_dir) else []
-            raise CheckpointError(f"--resume {which}: no complete checkpoint {path} (checkpoints there: "
-                                  f"{', '.join(have) or 'none'})")
+            have = (
+                sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))
+                if ckpt_dir and os.path.isdir(ckpt_dir)
+                else []
+            )
+            raise CheckpointError(
+                f"--resume {which}: no complete checkpoint {path} (checkpoints there: {', '.join(have) or 'none'})"
+            )
         return path
     return resolve(os.path.expanduser(which))
 
@@ -239,8 +260,11 @@ def read_meta(path: str) -> dict:
 
 def check_fingerprint(saved: dict, current: dict, path: str) -> None:
     """Error listing every layout/model key that differs between a checkpoint and this run."""
-    diffs = [f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
-             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    diffs = [
+        f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k) != current.get(k)
+    ]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(diffs))
 
@@ -262,8 +286,13 @@ def check_shapes(saved: dict, current: dict, path: str, rank: int) -> None:
     """The saved shards must have exactly this rank's parameter names and shapes."""
     missing = sorted(set(current) - set(saved))
     extra = sorted(set(saved) - set(current))
-    wrong = [f"{k}: saved {tuple(saved[k].shape)}, expected {tuple(current[k].shape)}"
-             for k in sorted(set(saved) & set(current)) if saved[k].shape != current[k].shape]
+    wrong = [
+        f"{k}: saved {tuple(saved[k].shape)}, expected {tuple(current[k].shape)}"
+        for k in sorted(set(saved) & set(current))
+        if saved[k].shape != current[k].shape
+    ]
     if missing or extra or wrong:
-        raise CheckpointError(f"checkpoint {path}, rank {rank}: parameters differ from this run's — "
-                              f"missing {missing[:5]}, unexpected {extra[:5]}, shapes {wrong[:5]}")
+        raise CheckpointError(
+            f"checkpoint {path}, rank {rank}: parameters differ from this run's — "
+            f"missing {missing[:5]}, unexpected {extra[:5]}, shapes {wrong[:5]}"
+        )

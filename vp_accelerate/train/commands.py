@@ -14,8 +14,8 @@ steps stop every rank together with exit code 3.
 from __future__ import annotations
 
 import argparse
-import os
 import logging
+import os
 import sys
 
 
@@ -31,22 +31,50 @@ def _setup_logging() -> None:
 def train_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vp-accelerate train", description="Train from a recipe (YAML).")
     ap.add_argument("recipe", help="recipe YAML file (see recipes/ and docs/training.md)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                    help="override a recipe field, typed by the field (repeatable)")
-    ap.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|STEP|PATH",
-                    help="continue a run from a checkpoint: the latest in the checkpoint dir (no value or `latest`), "
-                         "step STEP there, or the checkpoint at PATH")
-    ap.add_argument("--stop-at", type=int, default=None, metavar="STEP",
-                    help="stop after this step (checkpointing it) as if interrupted; the LR schedule still "
-                         "spans train.steps, so `--resume` later continues the same run")
-    ap.add_argument("--check", action="store_true",
-                    help="validate the recipe, the plan and every data row (tokenized as the run will), print what "
-                         "was found, and exit (2 on anything that would stop the run)")
-    ap.add_argument("--show-example", action="store_true",
-                    help="with --check: print one packed training row with the tokens that carry loss marked")
-    ap.add_argument("--world-size", type=int, default=None, metavar="N",
-                    help="with --check: the number of processes the run will have, so the schedule and layout are "
-                         "checked too (under a launcher, WORLD_SIZE is used)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a recipe field, typed by the field (repeatable)",
+    )
+    ap.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="latest|STEP|PATH",
+        help="continue a run from a checkpoint: the latest in the checkpoint dir (no value or `latest`), "
+        "step STEP there, or the checkpoint at PATH",
+    )
+    ap.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="stop after this step (checkpointing it) as if interrupted; the LR schedule still "
+        "spans train.steps, so `--resume` later continues the same run",
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the recipe, the plan and every data row (tokenized as the run will), print what "
+        "was found, and exit (2 on anything that would stop the run)",
+    )
+    ap.add_argument(
+        "--show-example",
+        action="store_true",
+        help="with --check: print one packed training row with the tokens that carry loss marked",
+    )
+    ap.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --check: the number of processes the run will have, so the schedule and layout are "
+        "checked too (under a launcher, WORLD_SIZE is used)",
+    )
     args = ap.parse_args(argv)
 
     from .plan_command import resolve_auto
@@ -58,9 +86,13 @@ def train_main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         recipe, plan = resolve_auto(recipe, args.world_size or world_size_from_env())
         if plan is not None and os.environ.get("RANK", "0") == "0":
-            print(f"pipeline.schedule auto: {plan.describe()} (predicted {plan.tokens_per_s:.0f} tokens/s, "
-                  f"MFU {plan.mfu * 100:.1f}%, bubble {plan.bubble * 100:.1f}%, peak "
-                  f"{max(plan.peak_memory_gb):.1f} GB per rank)", file=sys.stderr, flush=True)
+            print(
+                f"pipeline.schedule auto: {plan.describe()} (predicted {plan.tokens_per_s:.0f} tokens/s, "
+                f"MFU {plan.mfu * 100:.1f}%, bubble {plan.bubble * 100:.1f}%, peak "
+                f"{max(plan.peak_memory_gb):.1f} GB per rank)",
+                file=sys.stderr,
+                flush=True,
+            )
         # model/tokenizer/schedule checks, before accelerate starts a process group (every rank runs them)
         world = world_size_from_env()
         # one process (or --check): also convert tokenizers and count a swap's rows; launched ranks skip that
@@ -99,29 +131,52 @@ def train_main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("vp_accelerate.train")
     best = summary.get("best") or {}
     if summary.get("stopped_early"):
-        log.info("stopped early after step %d of %d (eval.patience): best eval loss %.4f at step %d%s",
-                 summary["end_step"], recipe.train.steps, best.get("loss", float("nan")), best.get("step", 0),
-                 f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else "")
+        log.info(
+            "stopped early after step %d of %d (eval.patience): best eval loss %.4f at step %d%s",
+            summary["end_step"],
+            recipe.train.steps,
+            best.get("loss", float("nan")),
+            best.get("step", 0),
+            f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else "",
+        )
     elif summary["end_step"] < recipe.train.steps:
-        saved = (f"checkpoint {recipe.checkpoint.dir}; continue with --resume" if recipe.checkpoint.dir else
-                 "no checkpoint (checkpoint.enabled: false), so it cannot be resumed")
-        log.info("stopped after step %d of %d (--stop-at %s): eval loss %.4f; %s; no final export", summary["end_step"],
-                 recipe.train.steps, args.stop_at, summary["final_eval_loss"], saved)
+        saved = (
+            f"checkpoint {recipe.checkpoint.dir}; continue with --resume"
+            if recipe.checkpoint.dir
+            else "no checkpoint (checkpoint.enabled: false), so it cannot be resumed"
+        )
+        log.info(
+            "stopped after step %d of %d (--stop-at %s): eval loss %.4f; %s; no final export",
+            summary["end_step"],
+            recipe.train.steps,
+            args.stop_at,
+            summary["final_eval_loss"],
+            saved,
+        )
     else:
-        log.info("done: final eval loss %.4f after step %d%s", summary["final_eval_loss"], summary["end_step"],
-                 f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else "")
+        log.info(
+            "done: final eval loss %.4f after step %d%s",
+            summary["final_eval_loss"],
+            summary["end_step"],
+            f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else "",
+        )
     return 0
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="vp-accelerate export",
-                                 description="Write an HF model dir (safetensors + config + tokenizer) "
-                                             "from a training checkpoint's per-rank shards.")
+    ap = argparse.ArgumentParser(
+        prog="vp-accelerate export",
+        description="Write an HF model dir (safetensors + config + tokenizer) "
+        "from a training checkpoint's per-rank shards.",
+    )
     ap.add_argument("checkpoint", help="a checkpoint step dir, or checkpoint.dir (its `latest` is used)")
     ap.add_argument("out", help="output directory")
     ap.add_argument("--max-shard-size", default="5GB")
-    ap.add_argument("--adapter-only", action="store_true",
-                    help="a LoRA run: write its peft adapter folder instead of the merged model")
+    ap.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run: write its peft adapter folder instead of the merged model",
+    )
     args = ap.parse_args(argv)
     from .checkpoint import CheckpointError
     from .export import export_checkpoint

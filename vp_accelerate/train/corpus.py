@@ -23,23 +23,141 @@ import random
 import sys
 
 # Faker locales whose lorem provider is real text in that language (others fall back to Latin).
-FAKER_LOCALES = ["en_US", "de_DE", "fr_FR", "es_ES", "it_IT", "nl_NL", "pl_PL", "cs_CZ", "da_DK",
-                 "ru_RU", "uk_UA", "el_GR", "he_IL", "ar_AA", "fa_IR", "hy_AM", "az_AZ", "bn_BD",
-                 "th_TH", "vi_VN", "ja_JP", "zh_CN", "zh_TW", "tl_PH", "la"]
+FAKER_LOCALES = [
+    "en_US",
+    "de_DE",
+    "fr_FR",
+    "es_ES",
+    "it_IT",
+    "nl_NL",
+    "pl_PL",
+    "cs_CZ",
+    "da_DK",
+    "ru_RU",
+    "uk_UA",
+    "el_GR",
+    "he_IL",
+    "ar_AA",
+    "fa_IR",
+    "hy_AM",
+    "az_AZ",
+    "bn_BD",
+    "th_TH",
+    "vi_VN",
+    "ja_JP",
+    "zh_CN",
+    "zh_TW",
+    "tl_PH",
+    "la",
+]
 
-BABEL_LOCALES = ["en", "de", "fr", "es", "it", "nl", "pl", "cs", "da", "sv", "fi", "pt", "ro", "hu",
-                 "tr", "ru", "uk", "el", "he", "ar", "fa", "hy", "az", "hi", "bn", "ta", "th", "vi",
-                 "id", "ja", "zh", "ko", "sw", "am", "ka"]
+BABEL_LOCALES = [
+    "en",
+    "de",
+    "fr",
+    "es",
+    "it",
+    "nl",
+    "pl",
+    "cs",
+    "da",
+    "sv",
+    "fi",
+    "pt",
+    "ro",
+    "hu",
+    "tr",
+    "ru",
+    "uk",
+    "el",
+    "he",
+    "ar",
+    "fa",
+    "hy",
+    "az",
+    "hi",
+    "bn",
+    "ta",
+    "th",
+    "vi",
+    "id",
+    "ja",
+    "zh",
+    "ko",
+    "sw",
+    "am",
+    "ka",
+]
 
-STDLIB_MODULES = ["abc", "argparse", "array", "ast", "asyncio", "base64", "bisect", "calendar",
-                  "collections", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal",
-                  "difflib", "email", "enum", "fractions", "functools", "glob", "gzip", "hashlib",
-                  "heapq", "hmac", "html", "http.client", "inspect", "io", "ipaddress", "itertools",
-                  "json", "logging", "math", "operator", "os", "pathlib", "pickle", "pprint", "queue",
-                  "random", "re", "sched", "secrets", "shlex", "shutil", "socket", "sqlite3",
-                  "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap",
-                  "threading", "time", "timeit", "tokenize", "unittest", "urllib.parse",
-                  "uuid", "warnings", "weakref", "xml.etree.ElementTree", "zipfile", "zlib"]
+STDLIB_MODULES = [
+    "abc",
+    "argparse",
+    "array",
+    "ast",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http.client",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "math",
+    "operator",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shlex",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "time",
+    "timeit",
+    "tokenize",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "weakref",
+    "xml.etree.ElementTree",
+    "zipfile",
+    "zlib",
+]
 
 
 def _faker_docs(locale: str, seed: int, n: int):
@@ -67,7 +185,7 @@ def _babel_docs(locale_name: str, seed: int):
         items = [name for _, name in table]
         rng.shuffle(items)
         for i in range(0, len(items), 40):
-            yield "\n".join(items[i:i + 40])
+            yield "\n".join(items[i : i + 40])
     months = [loc.months["format"]["wide"][m] for m in range(1, 13)]
     days = [loc.days["format"]["wide"][d] for d in range(7)]
     yield " ".join(months) + "\n" + " ".join(days)
@@ -77,8 +195,10 @@ def _babel_docs(locale_name: str, seed: int):
         fmt = rng.choice(["full", "long", "medium"])
         amount = rng.randrange(1, 10_000_000) / 100
         currency = rng.choice(["EUR", "USD", "JPY", "CNY", "INR", "RUB", "BRL", "GBP"])
-        lines.append(f"{dates.format_date(day, format=fmt, locale=loc)} — "
-                     f"{numbers.format_currency(amount, currency, locale=loc)}")
+        lines.append(
+            f"{dates.format_date(day, format=fmt, locale=loc)} — "
+            f"{numbers.format_currency(amount, currency, locale=loc)}"
+        )
         if len(lines) == 20:
             yield "\n".join(lines)
             lines = []
@@ -113,8 +233,10 @@ def iter_documents(size_mb: float = 4.0, seed: int = 0):
     """Yield (lang, source, text) documents, about `size_mb` MB of UTF-8 text, in a deterministic order."""
     budget = int(size_mb * 1e6)
     rng = random.Random(seed)
-    pools = {"python-docs": [("en", t) for t in _python_docs()],
-             "cldr": [(loc, t) for loc in BABEL_LOCALES for t in _babel_docs(loc, seed)]}
+    pools = {
+        "python-docs": [("en", t) for t in _python_docs()],
+        "cldr": [(loc, t) for loc in BABEL_LOCALES for t in _babel_docs(loc, seed)],
+    }
     docs: list[tuple[str, str, str]] = []
     total = 0
     for source, share in SHARES.items():
@@ -182,8 +304,15 @@ def make_demo_corpus(out_dir: str, size_mb: float = 4.0, seed: int = 0, eval_eve
             f.close()
     for split, path in paths.items():
         os.replace(path + ".tmp", path)
-    manifest = {"seed": seed, "size_mb": size_mb, "documents": counts, "text_bytes": nbytes,
-                "languages": dict(sorted(langs.items())), "sha256": digest.hexdigest(), "versions": _versions()}
+    manifest = {
+        "seed": seed,
+        "size_mb": size_mb,
+        "documents": counts,
+        "text_bytes": nbytes,
+        "languages": dict(sorted(langs.items())),
+        "sha256": digest.hexdigest(),
+        "versions": _versions(),
+    }
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest

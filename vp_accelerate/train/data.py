@@ -37,11 +37,24 @@ from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterat
 from .data_read import RAW, WHERE, DataError, RowLocator, extension_format, first_record_columns, load_rows
 from .tokenizer import expand_files
 
-__all__ = ["BatchIterator", "DataError", "EvalBatches", "PreparedData", "Sequences", "SplitStats",
-           "StreamingBatchIterator", "build_data", "pack", "pack_documents", "pack_stream", "pad_rows",
-           "prepare_data"]
+__all__ = [
+    "BatchIterator",
+    "DataError",
+    "EvalBatches",
+    "PreparedData",
+    "Sequences",
+    "SplitStats",
+    "StreamingBatchIterator",
+    "build_data",
+    "pack",
+    "pack_documents",
+    "pack_stream",
+    "pad_rows",
+    "prepare_data",
+]
 
 log = logging.getLogger("vp_accelerate.train")
+
 
 def _warn(message: str, *args) -> None:
     """A warning about the data, from the first process only (every rank prepares the same data)."""
@@ -60,8 +73,10 @@ class BadRowsError(DataError):
     def __init__(self, key: str, examples: list[str], count: int):
         self.key, self.examples, self.count = key, examples, count
         more = f"{count} invalid rows; the first: " if count > 1 else ""
-        super().__init__(f"{key}: {more}{examples[0]}. Fix the rows, or set data.skip_invalid: true to skip such "
-                         f"rows (they are counted){'; --check lists them' if count > 1 else ''}")
+        super().__init__(
+            f"{key}: {more}{examples[0]}. Fix the rows, or set data.skip_invalid: true to skip such "
+            f"rows (they are counted){'; --check lists them' if count > 1 else ''}"
+        )
 
 
 def _format_of(files: list[str], fmt: str) -> str:
@@ -71,8 +86,9 @@ def _format_of(files: list[str], fmt: str) -> str:
     kinds = {extension_format(f) for f in files}
     if None in kinds:
         bad = [f for f in files if extension_format(f) is None]
-        raise DataError(f"data.file_format: cannot tell the format of {bad[0]!r}; set data.file_format to "
-                        f"text, json or parquet")
+        raise DataError(
+            f"data.file_format: cannot tell the format of {bad[0]!r}; set data.file_format to text, json or parquet"
+        )
     if len(kinds) > 1:
         raise DataError(f"data.files: mixes formats {sorted(kinds)}; use one format per list")
     return kinds.pop()
@@ -97,8 +113,10 @@ def check_columns(cfg) -> None:
             except DataError:  # no format's columns: then it is text without its field
                 fmt = "text"
             if fmt == "text" and cfg.text_field not in columns:
-                raise DataError(f"data.text_field: {cfg.text_field!r} is not a column of {path} (columns found: "
-                                f"{columns}); set data.text_field to the column holding the text")
+                raise DataError(
+                    f"data.text_field: {cfg.text_field!r} is not a column of {path} (columns found: "
+                    f"{columns}); set data.text_field to the column holding the text"
+                )
 
 
 def _nonempty_paths(files: list[str] | None, key: str = "data.files") -> list[str]:
@@ -111,8 +129,15 @@ def _nonempty_paths(files: list[str] | None, key: str = "data.files") -> list[st
     return nonempty
 
 
-def load_documents(files: list[str] | None, hub_id: str | None = None, split: str = "train", fmt: str = "auto",
-                   streaming: bool = False, name: str | None = None, revision: str | None = None):
+def load_documents(
+    files: list[str] | None,
+    hub_id: str | None = None,
+    split: str = "train",
+    fmt: str = "auto",
+    streaming: bool = False,
+    name: str | None = None,
+    revision: str | None = None,
+):
     """A `datasets` Dataset (or IterableDataset when streaming) of raw rows (JSON as written: `data_read.py`).
 
     A hub dataset takes its configuration `name` and a `revision` (branch, tag or commit) for a pinned corpus.
@@ -155,8 +180,17 @@ def _json_record(line: str):
     return record, ""
 
 
-def make_tokenize_fn(tokenizer, text_field: str, add_eos: bool, vocab_size: int, source: str, holdout_every: int,
-                     fmt: str = "text", cfg=None, locate=None):
+def make_tokenize_fn(
+    tokenizer,
+    text_field: str,
+    add_eos: bool,
+    vocab_size: int,
+    source: str,
+    holdout_every: int,
+    fmt: str = "text",
+    cfg=None,
+    locate=None,
+):
     """A batched `datasets.map` function: row -> token ids (+ loss mask for SFT formats), held-out flag, the
     reason a row is invalid ("" when valid, else "FILE, line N: why") and the message keys the chat template
     does not read (comma-separated; dropped from the row).
@@ -183,11 +217,18 @@ def make_tokenize_fn(tokenizer, text_field: str, add_eos: bool, vocab_size: int,
         if fmt == "chat":
             messages, dropped = chat_rows.normalize(row[fields["messages"]], keys, template_name)
             return (*sft.encode_chat(tokenizer, template, messages, train_on_inputs), dropped)
-        return (*sft.encode_prompt_completion(tokenizer, row[fields["prompt"]], row[fields["completion"]], add_eos,
-                                              train_on_inputs), [])
+        return (
+            *sft.encode_prompt_completion(
+                tokenizer, row[fields["prompt"]], row[fields["completion"]], add_eos, train_on_inputs
+            ),
+            [],
+        )
 
-    needed = {"text": [fields["text"]], "chat": [fields["messages"]],
-              "prompt_completion": [fields["prompt"], fields["completion"]]}[fmt]
+    needed = {
+        "text": [fields["text"]],
+        "chat": [fields["messages"]],
+        "prompt_completion": [fields["prompt"], fields["completion"]],
+    }[fmt]
 
     def fn(batch, indices):
         raw, places = batch.get(RAW), batch.get(WHERE)
@@ -217,14 +258,18 @@ def make_tokenize_fn(tokenizer, text_field: str, add_eos: bool, vocab_size: int,
                     reason = str(e)
             place = (lambda: places[k]) if places is not None else (lambda: where(index))
             if ids and max(ids) >= vocab_size:
-                raise DataError(f"tokenizer.resize_vocab: {place()} ({text[:40]!r}...) has token id {max(ids)} >= the "
-                                f"model's vocab size {vocab_size}; set tokenizer.resize_vocab: true or use the "
-                                f"model's own tokenizer")
+                raise DataError(
+                    f"tokenizer.resize_vocab: {place()} ({text[:40]!r}...) has token id {max(ids)} >= the "
+                    f"model's vocab size {vocab_size}; set tokenizer.resize_vocab: true or use the "
+                    f"model's own tokenizer"
+                )
             out["input_ids"].append(ids)
             if fmt != "text":
                 out["loss_mask"].append(mask if not reason else [])
-            out["heldout"].append(not reason and is_heldout(text if fmt == "text" else
-                                                            sft.row_text_for_hash(fmt, row, fields), holdout_every))
+            out["heldout"].append(
+                not reason
+                and is_heldout(text if fmt == "text" else sft.row_text_for_hash(fmt, row, fields), holdout_every)
+            )
             out["invalid"].append(f"{place()}: {reason}" if reason else "")
             out["keys"].append(",".join(dropped))
         return out
@@ -233,8 +278,12 @@ def make_tokenize_fn(tokenizer, text_field: str, add_eos: bool, vocab_size: int,
 
 
 def _fields(cfg, text_field: str) -> dict:
-    return {"text": text_field, "messages": getattr(cfg, "messages_field", "messages"),
-            "prompt": getattr(cfg, "prompt_field", "prompt"), "completion": getattr(cfg, "completion_field", "completion")}
+    return {
+        "text": text_field,
+        "messages": getattr(cfg, "messages_field", "messages"),
+        "prompt": getattr(cfg, "prompt_field", "prompt"),
+        "completion": getattr(cfg, "completion_field", "completion"),
+    }
 
 
 def tokenize_fingerprint(docs, tokenizer, *parts) -> str:
@@ -244,15 +293,22 @@ def tokenize_fingerprint(docs, tokenizer, *parts) -> str:
     processes; a key of our own lets every rank reuse the main process's cached result.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    tok_id = backend.to_str() if backend is not None else f"{type(tokenizer).__name__}:{tokenizer.name_or_path}:{len(tokenizer)}"
+    tok_id = (
+        backend.to_str()
+        if backend is not None
+        else f"{type(tokenizer).__name__}:{tokenizer.name_or_path}:{len(tokenizer)}"
+    )
     h = hashlib.sha256(f"{getattr(docs, '_fingerprint', '')}|{tok_id}|{parts}".encode())
     return h.hexdigest()[:32]
 
 
 def pack(token_rows, seq_len: int) -> np.ndarray:
     """Concatenate token rows and cut [N, seq_len] sequences (the tail shorter than seq_len is dropped)."""
-    flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in token_rows]) if len(token_rows) else \
-        np.zeros(0, dtype=np.int64)
+    flat = (
+        np.concatenate([np.asarray(r, dtype=np.int64) for r in token_rows])
+        if len(token_rows)
+        else np.zeros(0, dtype=np.int64)
+    )
     n = len(flat) // seq_len
     return flat[: n * seq_len].reshape(n, seq_len)
 
@@ -268,8 +324,9 @@ def pad_rows(token_rows, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndar
     return ids, mask
 
 
-def pack_documents(token_rows, loss_masks, seq_len: int, pad_id: int, split_long: bool,
-                   stats: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def pack_documents(
+    token_rows, loss_masks, seq_len: int, pad_id: int, split_long: bool, stats: dict | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Pack whole documents into rows of seq_len, keeping their boundaries.
 
     Returns (ids, labels, position_ids, dropped): documents are placed in order, a new row starts when the
@@ -301,8 +358,8 @@ def pack_documents(token_rows, loss_masks, seq_len: int, pad_id: int, split_long
                 need, min_need = max(need, first), first if min_need is None else min(min_need, first)
             continue
         for start in range(0, len(row), seq_len):
-            if len(row[start:start + seq_len]):
-                pieces.append((row[start:start + seq_len], mask[start:start + seq_len]))
+            if len(row[start : start + seq_len]):
+                pieces.append((row[start : start + seq_len], mask[start : start + seq_len]))
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
     used = seq_len
     for piece in pieces:
@@ -318,15 +375,19 @@ def pack_documents(token_rows, loss_masks, seq_len: int, pad_id: int, split_long
         at = 0
         for doc, mask in row:
             n = len(doc)
-            ids[i, at:at + n] = doc
-            labels[i, at:at + n] = np.where(mask, doc, -100)
+            ids[i, at : at + n] = doc
+            labels[i, at : at + n] = np.where(mask, doc, -100)
             labels[i, at] = -100
-            pos[i, at:at + n] = np.arange(n)
+            pos[i, at : at + n] = np.arange(n)
             at += n
         pos[i, at:] = np.arange(seq_len - at)
     if stats is not None:
-        stats.update(truncated=truncated, dropped_need=need, min_need=min_need or 0,
-                     lengths=np.array([sum(len(doc) for doc, _ in row) for row in rows], dtype=np.int64))
+        stats.update(
+            truncated=truncated,
+            dropped_need=need,
+            min_need=min_need or 0,
+            lengths=np.array([sum(len(doc) for doc, _ in row) for row in rows], dtype=np.int64),
+        )
     return ids, labels, pos, dropped
 
 
@@ -453,8 +514,18 @@ def _without(tokenized, rows: np.ndarray):
     return tokenized.select(np.setdiff1d(np.arange(len(tokenized)), rows)) if len(rows) else tokenized
 
 
-def tokenize_rows(docs, cfg, tokenizer, vocab_size: int, fmt: str, source: str, paths: list[str], builder: str,
-                  every: int, cache: bool = True):
+def tokenize_rows(
+    docs,
+    cfg,
+    tokenizer,
+    vocab_size: int,
+    fmt: str,
+    source: str,
+    paths: list[str],
+    builder: str,
+    every: int,
+    cache: bool = True,
+):
     """(tokenized dataset, SplitStats with the rows' problems, invalid row indices) of one split; `every`: hold
     out 1 row in this many (0: none)."""
     locate = _row_locator(paths, builder, source) if paths else None
@@ -462,11 +533,29 @@ def tokenize_rows(docs, cfg, tokenizer, vocab_size: int, fmt: str, source: str, 
     if len(docs) == 0:
         raise DataError(f"{source}: the dataset is empty")
     # "rows-v2": the rows' columns (invalid reasons, dropped keys) differ from older cached results
-    key = tokenize_fingerprint(docs, tokenizer, "rows-v2", cfg.text_field, cfg.add_eos, vocab_size, every, fmt,
-                               sorted(_fields(cfg, cfg.text_field).items()), getattr(cfg, "train_on_inputs", False),
-                               sft.chat_template_of(tokenizer)[0] if fmt == "chat" else None)
-    tokenized = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=docs.column_names,
-                         num_proc=cfg.num_proc, desc="tokenizing", new_fingerprint=key, keep_in_memory=not cache)
+    key = tokenize_fingerprint(
+        docs,
+        tokenizer,
+        "rows-v2",
+        cfg.text_field,
+        cfg.add_eos,
+        vocab_size,
+        every,
+        fmt,
+        sorted(_fields(cfg, cfg.text_field).items()),
+        getattr(cfg, "train_on_inputs", False),
+        sft.chat_template_of(tokenizer)[0] if fmt == "chat" else None,
+    )
+    tokenized = docs.map(
+        tok_fn,
+        batched=True,
+        with_indices=True,
+        remove_columns=docs.column_names,
+        num_proc=cfg.num_proc,
+        desc="tokenizing",
+        new_fingerprint=key,
+        keep_in_memory=not cache,
+    )
     stats = SplitStats(source)
     bad = _row_problems(tokenized, stats)
     return tokenized, stats, bad
@@ -475,8 +564,9 @@ def tokenize_rows(docs, cfg, tokenizer, vocab_size: int, fmt: str, source: str, 
 def _lengths(ds) -> np.ndarray:
     import pyarrow.compute as pc
 
-    return np.asarray(pc.list_value_length(_arrow_column(ds, "input_ids")).to_numpy(zero_copy_only=False),
-                      dtype=np.int64)
+    return np.asarray(
+        pc.list_value_length(_arrow_column(ds, "input_ids")).to_numpy(zero_copy_only=False), dtype=np.int64
+    )
 
 
 def _split_stats(stats: SplitStats, ds) -> None:
@@ -514,27 +604,31 @@ class PreparedData:
         """The errors `iterators` would raise, before anything else is built: fewer sequences than one global
         batch, no evaluation sequence while evaluation is on."""
         if self.train is not None and len(self.train) < global_batch:
-            raise DataError(f"train.global_batch: the training data has {len(self.train)} sequences, fewer than "
-                            f"train.global_batch={global_batch}; add data or lower data.seq_len / train.global_batch")
+            raise DataError(
+                f"train.global_batch: the training data has {len(self.train)} sequences, fewer than "
+                f"train.global_batch={global_batch}; add data or lower data.seq_len / train.global_batch"
+            )
         if eval_batches != 0 and self.eval is not None and len(self.eval) == 0:
             raise DataError(no_eval_message(self.cfg))
 
-    def iterators(self, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
-                  eval_batches: int | None = 0):
+    def iterators(self, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1, eval_batches: int | None = 0):
         """(training iterator, EvalBatches of this replica). `eval_batches`: None = every evaluation sequence,
         0 = none, N = at most N batches."""
         cfg = self.cfg
         if self.train is not None:
             train = BatchIterator(self.train, seed, global_batch, dp_rank, dp_size)
         else:
+
             def stream(epoch: int, heldout: bool = False):
                 return self.make_stream(seed, epoch, heldout)
 
-            train = StreamingBatchIterator(stream, cfg.seq_len, seed, global_batch, dp_rank, dp_size,
-                                           replay=cfg.stream_resume == "replay")
+            train = StreamingBatchIterator(
+                stream, cfg.seq_len, seed, global_batch, dp_rank, dp_size, replay=cfg.stream_resume == "replay"
+            )
         if eval_batches == 0:
-            return train, EvalBatches(Sequences(np.zeros((0, cfg.seq_len), dtype=np.int64)), global_batch,
-                                      dp_rank, dp_size, limit=0)
+            return train, EvalBatches(
+                Sequences(np.zeros((0, cfg.seq_len), dtype=np.int64)), global_batch, dp_rank, dp_size, limit=0
+            )
         seqs = self.eval
         if seqs is None:  # held-out documents of the stream: the first few batches' worth
             n_eval = (eval_batches or STREAM_EVAL_BATCHES) * global_batch
@@ -556,10 +650,14 @@ to evaluate up to)."""
 
 def no_eval_message(cfg) -> str:
     if cfg.eval_files:
-        return (f"data.eval_files: {cfg.eval_files} gave no evaluation sequence (no valid row, or every one "
-                f"dropped); fix those files, or set eval.batches: 0 for no evaluation")
-    return (f"data.eval_holdout: {cfg.eval_holdout} of the training rows held out no sequence for evaluation; set "
-            f"data.eval_files, raise data.eval_holdout, or set eval.batches: 0 for no evaluation")
+        return (
+            f"data.eval_files: {cfg.eval_files} gave no evaluation sequence (no valid row, or every one "
+            f"dropped); fix those files, or set eval.batches: 0 for no evaluation"
+        )
+    return (
+        f"data.eval_holdout: {cfg.eval_holdout} of the training rows held out no sequence for evaluation; set "
+        f"data.eval_files, raise data.eval_holdout, or set eval.batches: 0 for no evaluation"
+    )
 
 
 def holdout_every(cfg) -> int:
@@ -578,17 +676,29 @@ def prepare_data(cfg, tokenizer, vocab_size: int, cache: bool = True) -> Prepare
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     paths = _nonempty_paths(cfg.files) if not cfg.hub_id else []
     builder = _format_of(paths, _builder_of(paths, cfg)) if paths else "auto"
-    docs = load_documents(paths or None, cfg.hub_id, cfg.hub_split, builder, cfg.streaming, cfg.hub_name,
-                          cfg.hub_revision)
+    docs = load_documents(
+        paths or None, cfg.hub_id, cfg.hub_split, builder, cfg.streaming, cfg.hub_name, cfg.hub_revision
+    )
     fmt, how = sample_format(cfg, data_columns(docs, paths, builder))
     boundaries = document_boundaries(cfg, fmt)
 
     if cfg.streaming:
         if fmt != "text" or boundaries:
-            raise DataError(f"data.streaming: streams are packed without document boundaries and support "
-                            f"data.format: text only (this data is {fmt}); set data.streaming: false")
-        tok_fn = make_tokenize_fn(tokenizer, cfg.text_field, cfg.add_eos, vocab_size, source, every, fmt, cfg,
-                                  _row_locator(paths, builder, source) if paths else None)
+            raise DataError(
+                f"data.streaming: streams are packed without document boundaries and support "
+                f"data.format: text only (this data is {fmt}); set data.streaming: false"
+            )
+        tok_fn = make_tokenize_fn(
+            tokenizer,
+            cfg.text_field,
+            cfg.add_eos,
+            vocab_size,
+            source,
+            every,
+            fmt,
+            cfg,
+            _row_locator(paths, builder, source) if paths else None,
+        )
         skip = cfg.skip_invalid
 
         def make_stream(seed: int, epoch: int, heldout: bool = False):
@@ -605,8 +715,9 @@ def prepare_data(cfg, tokenizer, vocab_size: int, cache: bool = True) -> Prepare
             eval_seqs, stats["eval"] = _eval_split(cfg, tokenizer, vocab_size, pad_id, fmt, cache)
         return PreparedData(cfg, fmt, how, None, eval_seqs, stats, make_stream, pad_id)
 
-    tokenized, train_stats, bad = tokenize_rows(docs, cfg, tokenizer, vocab_size, fmt, source, paths, builder, every,
-                                                cache)
+    tokenized, train_stats, bad = tokenize_rows(
+        docs, cfg, tokenizer, vocab_size, fmt, source, paths, builder, every, cache
+    )
     eval_tok = eval_stats = None
     eval_bad = np.zeros(0, dtype=np.int64)
     if cfg.eval_files:
@@ -622,15 +733,21 @@ def prepare_data(cfg, tokenizer, vocab_size: int, cache: bool = True) -> Prepare
     if eval_tok is not None:
         eval_part = _without(eval_tok, eval_bad)
     else:
-        eval_part, eval_stats = tokenized.select(np.flatnonzero(flags)), SplitStats(
-            f"{source} (held out: 1 row in {every})" if every else source)
+        eval_part, eval_stats = (
+            tokenized.select(np.flatnonzero(flags)),
+            SplitStats(f"{source} (held out: 1 row in {every})" if every else source),
+        )
     _split_stats(eval_stats, eval_part)
-    eval_seqs = _to_sequences(_encoded(eval_part), cfg, pad_id, eval_stats.source, fmt, allow_empty=True,
-                              stats=eval_stats)
+    eval_seqs = _to_sequences(
+        _encoded(eval_part), cfg, pad_id, eval_stats.source, fmt, allow_empty=True, stats=eval_stats
+    )
     for stats in (train_stats, eval_stats):
         if stats.dropped_keys:  # said once, at the start (and listed by --check)
-            _warn("%s: message keys the chat template does not read were dropped: %s", stats.source,
-                  ", ".join(f"{k} ({n} rows)" for k, n in sorted(stats.dropped_keys.items())))
+            _warn(
+                "%s: message keys the chat template does not read were dropped: %s",
+                stats.source,
+                ", ".join(f"{k} ({n} rows)" for k, n in sorted(stats.dropped_keys.items())),
+            )
     return PreparedData(cfg, fmt, how, train, eval_seqs, {"train": train_stats, "eval": eval_stats}, None, pad_id)
 
 
@@ -652,8 +769,12 @@ def _stop_or_skip(cfg, splits) -> None:
         examples += stats.bad_examples
         count += stats.bad
         if cfg.skip_invalid:
-            _warn("%s: skipped %d invalid row(s) (data.skip_invalid); the first: %s", source, stats.bad,
-                  stats.bad_examples[0])
+            _warn(
+                "%s: skipped %d invalid row(s) (data.skip_invalid); the first: %s",
+                source,
+                stats.bad,
+                stats.bad_examples[0],
+            )
     if count and not cfg.skip_invalid:
         raise BadRowsError(key, examples[:BAD_ROWS_LISTED], count)
 
@@ -662,8 +783,9 @@ def _eval_rows(cfg, tokenizer, vocab_size: int, fmt: str, cache: bool):
     paths = _nonempty_paths(cfg.eval_files, "data.eval_files")
     builder = _format_of(paths, _builder_of(paths, cfg))
     docs = load_rows(paths, builder)
-    return tokenize_rows(docs, cfg, tokenizer, vocab_size, fmt, f"data.eval_files {cfg.eval_files}", paths, builder,
-                         0, cache)
+    return tokenize_rows(
+        docs, cfg, tokenizer, vocab_size, fmt, f"data.eval_files {cfg.eval_files}", paths, builder, 0, cache
+    )
 
 
 def _eval_split(cfg, tokenizer, vocab_size: int, pad_id: int, fmt: str, cache: bool):
@@ -674,15 +796,30 @@ def _eval_split(cfg, tokenizer, vocab_size: int, pad_id: int, fmt: str, cache: b
     return _to_sequences(_encoded(part), cfg, pad_id, stats.source, fmt, allow_empty=True, stats=stats), stats
 
 
-def build_data(cfg, tokenizer, vocab_size: int, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
-               eval_batches: int | None = 0):
+def build_data(
+    cfg,
+    tokenizer,
+    vocab_size: int,
+    seed: int,
+    global_batch: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    eval_batches: int | None = 0,
+):
     """(train iterator, eval batches for this replica) from a recipe's `data` section: `prepare_data` then
     `PreparedData.iterators` (eval_batches: None = the whole evaluation set, 0 = none, N = at most N)."""
     return prepare_data(cfg, tokenizer, vocab_size).iterators(seed, global_batch, dp_rank, dp_size, eval_batches)
 
 
-def _to_sequences(enc: Encoded, cfg, pad_id: int, source: str, fmt: str = "text",
-                  allow_empty: bool = False, stats: SplitStats | None = None) -> Sequences:
+def _to_sequences(
+    enc: Encoded,
+    cfg,
+    pad_id: int,
+    source: str,
+    fmt: str = "text",
+    allow_empty: bool = False,
+    stats: SplitStats | None = None,
+) -> Sequences:
     rows, masks = enc.rows, enc.masks
     stats = stats if stats is not None else SplitStats(source)
     S = cfg.seq_len
@@ -693,13 +830,23 @@ def _to_sequences(enc: Encoded, cfg, pad_id: int, source: str, fmt: str = "text"
         lengths = info["lengths"]
         seqs = Sequences(ids, labels=labels, positions=pos, lengths=lengths, pad_id=pad_id)
         if dropped and dropped == len(rows):
-            raise DataError(f"data.seq_len: all {dropped} {_what(fmt)} of {source} were dropped: the tokens that carry "
-                            f"loss lie past data.seq_len={S} in every one (keeping one needs data.seq_len >= "
-                            f"{info['min_need']}, the longest has {stats.longest or max(map(len, rows))} tokens); "
-                            f"raise data.seq_len")
+            raise DataError(
+                f"data.seq_len: all {dropped} {_what(fmt)} of {source} were dropped: the tokens that carry "
+                f"loss lie past data.seq_len={S} in every one (keeping one needs data.seq_len >= "
+                f"{info['min_need']}, the longest has {stats.longest or max(map(len, rows))} tokens); "
+                f"raise data.seq_len"
+            )
         if dropped:
-            _warn("%s: %d of %d %s dropped: their loss tokens lie beyond data.seq_len=%d (keeping them all "
-                  "needs data.seq_len >= %d)", source, dropped, len(rows), _what(fmt), S, info["dropped_need"])
+            _warn(
+                "%s: %d of %d %s dropped: their loss tokens lie beyond data.seq_len=%d (keeping them all "
+                "needs data.seq_len >= %d)",
+                source,
+                dropped,
+                len(rows),
+                _what(fmt),
+                S,
+                info["dropped_need"],
+            )
         stats.cut_tokens = sum(max(0, len(r) - S) for r in rows) if fmt != "text" else 0
     elif cfg.packing:
         ids = pack(rows, S)
@@ -717,6 +864,7 @@ def _to_sequences(enc: Encoded, cfg, pad_id: int, source: str, fmt: str = "text"
     stats.loss_tokens = int(seqs.target_counts().sum()) if len(seqs) else 0
     if len(seqs) == 0 and not allow_empty:
         total = sum(len(r) for r in rows)
-        raise DataError(f"{source}: only {total} tokens, not one sequence of data.seq_len={S}; add data or lower "
-                        f"data.seq_len")
+        raise DataError(
+            f"{source}: only {total} tokens, not one sequence of data.seq_len={S}; add data or lower data.seq_len"
+        )
     return seqs

@@ -19,8 +19,10 @@ from .data import DataError, PreparedData, SplitStats, no_eval_message, prepare_
 def _rows_line(s: SplitStats, held_out: int) -> str:
     skipped = f" ({s.bad:,} invalid, skipped: data.skip_invalid)" if s.bad else ""
     held = f", {held_out:,} held out for evaluation" if held_out else ""
-    return (f"{s.source}: {s.rows:,} rows{skipped}, {s.documents:,} for training{held}; {s.tokens:,} tokens, the "
-            f"longest row {s.longest:,}")
+    return (
+        f"{s.source}: {s.rows:,} rows{skipped}, {s.documents:,} for training{held}; {s.tokens:,} tokens, the "
+        f"longest row {s.longest:,}"
+    )
 
 
 def _rows(n: int) -> str:
@@ -34,10 +36,13 @@ def _packing_line(s: SplitStats, seq_len: int) -> str:
     elif s.cut_tokens:
         parts.append(f"{s.cut_tokens:,} tokens of the incomplete last sequence left out")
     if s.dropped:
-        parts.append(f"{s.dropped:,} dropped (every loss token past data.seq_len; keeping them needs data.seq_len >= "
-                     f"{s.dropped_need:,})")
-    parts.append(f"{s.sequences:,} packed sequences, {s.padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry "
-                 f"loss")
+        parts.append(
+            f"{s.dropped:,} dropped (every loss token past data.seq_len; keeping them needs data.seq_len >= "
+            f"{s.dropped_need:,})"
+        )
+    parts.append(
+        f"{s.sequences:,} packed sequences, {s.padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry loss"
+    )
     return f"data.seq_len {seq_len}: " + "; ".join(parts)
 
 
@@ -45,8 +50,10 @@ def _keys_line(s: SplitStats) -> str | None:
     if not s.dropped_keys:
         return None
     keys = ", ".join(f"{k} ({_rows(n)})" for k, n in sorted(s.dropped_keys.items()))
-    return (f"{s.source}: message keys the chat template does not read, dropped from those rows: {keys}; a template "
-            f"that renders them (tokenizer.chat_template) would keep them")
+    return (
+        f"{s.source}: message keys the chat template does not read, dropped from those rows: {keys}; a template "
+        f"that renders them (tokenizer.chat_template) would keep them"
+    )
 
 
 def steps_per_epoch(prepared: PreparedData, global_batch: int) -> int:
@@ -64,8 +71,9 @@ def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], Prepared
     prepared.check_sizes(t.global_batch, e.batches)
     lines = []
     if prepared.train is None:
-        lines.append(f"data.streaming: the training stream is read as the run goes ({prepared.fmt}); its rows are "
-                     f"checked then")
+        lines.append(
+            f"data.streaming: the training stream is read as the run goes ({prepared.fmt}); its rows are checked then"
+        )
     else:
         s = prepared.stats["train"]
         held = prepared.stats["eval"].documents if not d.eval_files else 0
@@ -77,13 +85,20 @@ def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], Prepared
             from .recipe import finish_steps
 
             finish_steps(recipe, per_epoch)
-            lines.append(f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.epochs "
-                         f"{t.epochs:g} = {t.steps:,} steps" + (f", lr.warmup_ratio {recipe.lr.warmup_ratio:g} = "
-                                                               f"{recipe.lr.warmup_steps:,} warm-up steps"
-                                                               if recipe.lr.warmup_ratio is not None else ""))
+            lines.append(
+                f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.epochs "
+                f"{t.epochs:g} = {t.steps:,} steps"
+                + (
+                    f", lr.warmup_ratio {recipe.lr.warmup_ratio:g} = {recipe.lr.warmup_steps:,} warm-up steps"
+                    if recipe.lr.warmup_ratio is not None
+                    else ""
+                )
+            )
         else:
-            lines.append(f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.steps {t.steps:,} "
-                         f"= {t.steps / per_epoch:.2f} epochs")
+            lines.append(
+                f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.steps {t.steps:,} "
+                f"= {t.steps / per_epoch:.2f} epochs"
+            )
     if e.batches == 0:
         lines.append("evaluation off (eval.batches: 0)")
         return lines, prepared
@@ -97,8 +112,10 @@ def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], Prepared
     batches = -(-len(ev) // t.global_batch)
     used = batches if e.batches is None else min(batches, e.batches)
     which = "eval.batches: all" if e.batches is None else f"eval.batches: {e.batches}"
-    lines.append(f"evaluation: {s.source}: {s.documents:,} rows, {len(ev):,} sequences ({s.loss_tokens:,} tokens carry "
-                 f"loss), {used:,} batches of train.global_batch per evaluation ({which})")
+    lines.append(
+        f"evaluation: {s.source}: {s.documents:,} rows, {len(ev):,} sequences ({s.loss_tokens:,} tokens carry "
+        f"loss), {used:,} batches of train.global_batch per evaluation ({which})"
+    )
     if s.dropped or s.truncated:
         lines.append("evaluation " + _packing_line(s, d.seq_len))
     return lines, prepared
@@ -127,10 +144,11 @@ def show_example(prepared: PreparedData, tokenizer, color: bool = False, row: in
     first = set(starts)
     real = int(seqs.lengths[row]) if seqs.lengths is not None else len(ids)
     on, off = ("\x1b[42m", "\x1b[0m") if color else ("[[", "]]")
-    targets = [int(lab != -100 and t not in first and (mask is None or mask[t]))
-               for t, lab in enumerate(labels)]
-    out = [f"example: packed training sequence {row} of {len(seqs):,} ({len(ids)} tokens, {sum(targets)} carry loss, "
-           f"{len(ids) - real} padding); {on}...{off} = the tokens that carry loss"]
+    targets = [int(lab != -100 and t not in first and (mask is None or mask[t])) for t, lab in enumerate(labels)]
+    out = [
+        f"example: packed training sequence {row} of {len(seqs):,} ({len(ids)} tokens, {sum(targets)} carry loss, "
+        f"{len(ids) - real} padding); {on}...{off} = the tokens that carry loss"
+    ]
     bounds = [s for s in starts if s < real] + [real]
     what = {"chat": "conversation", "prompt_completion": "row"}.get(prepared.fmt, "document")
     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -154,10 +172,18 @@ def data_metrics(prepared: PreparedData, global_batch: int) -> dict:
     """What the run trains and evaluates on, as the data/ metrics logged once at its start."""
     out = {}
     for split, s in prepared.stats.items():
-        out.update({f"data/{split}_rows": s.rows or s.documents, f"data/{split}_invalid_rows": s.bad,
-                    f"data/{split}_tokens": s.tokens, f"data/{split}_sequences": s.sequences,
-                    f"data/{split}_padding_fraction": s.padding, f"data/{split}_loss_tokens": s.loss_tokens,
-                    f"data/{split}_truncated_rows": s.truncated, f"data/{split}_dropped_rows": s.dropped})
+        out.update(
+            {
+                f"data/{split}_rows": s.rows or s.documents,
+                f"data/{split}_invalid_rows": s.bad,
+                f"data/{split}_tokens": s.tokens,
+                f"data/{split}_sequences": s.sequences,
+                f"data/{split}_padding_fraction": s.padding,
+                f"data/{split}_loss_tokens": s.loss_tokens,
+                f"data/{split}_truncated_rows": s.truncated,
+                f"data/{split}_dropped_rows": s.dropped,
+            }
+        )
     if prepared.train is not None:
         out["data/steps_per_epoch"] = len(prepared.train) // global_batch
     return out

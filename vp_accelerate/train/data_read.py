@@ -28,7 +28,7 @@ class DataError(ValueError):
 
 
 def json_layout(path: str) -> str:
-    """"lines" (one record per line, JSON Lines) or "array" (the file is one JSON list of records)."""
+    """ "lines" (one record per line, JSON Lines) or "array" (the file is one JSON list of records)."""
     if path.lower().endswith(".jsonl"):
         return "lines"
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -40,8 +40,10 @@ def json_layout(path: str) -> str:
     if first.startswith("["):
         return "array"
     if first == "{":  # a pretty-printed object: one record, not a data set
-        raise DataError(f"data.files: {path} holds one JSON object; a data file holds one record per line (JSON "
-                        f"Lines) or a list of records")
+        raise DataError(
+            f"data.files: {path} holds one JSON object; a data file holds one record per line (JSON "
+            f"Lines) or a list of records"
+        )
     return "lines"
 
 
@@ -51,8 +53,10 @@ def _array_of(path: str) -> list:
         try:
             records = json.load(f)
         except json.JSONDecodeError as e:
-            raise DataError(f"data.files: {path} is not valid JSON ({e.msg} at line {e.lineno}, column "
-                            f"{e.colno}); a .json data file is one array of records or one record per line") from None
+            raise DataError(
+                f"data.files: {path} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                f"{e.colno}); a .json data file is one array of records or one record per line"
+            ) from None
     if not isinstance(records, list):
         raise DataError(f"data.files: {path} holds a JSON {type(records).__name__}, not an array of records")
     return records
@@ -79,20 +83,24 @@ def load_rows(paths: list[str], builder: str, streaming: bool = False):
         return load_dataset("parquet", data_files=paths, split="train", streaming=streaming)
     layouts = {p: json_layout(p) for p in paths}
     if all(kind == "lines" for kind in layouts.values()):
-        return load_dataset("text", data_files=paths, split="train", streaming=streaming,
-                            features=Features({RAW: Value("string")}))
+        return load_dataset(
+            "text", data_files=paths, split="train", streaming=streaming, features=Features({RAW: Value("string")})
+        )
     arrays = [p for p, kind in layouts.items() if kind == "array"]
     if streaming:
-        raise DataError(f"data.streaming: {arrays[0]} is one JSON array, which cannot be streamed; write it as JSON "
-                        f"Lines (one record per line, .jsonl) or set data.streaming: false")
+        raise DataError(
+            f"data.streaming: {arrays[0]} is one JSON array, which cannot be streamed; write it as JSON "
+            f"Lines (one record per line, .jsonl) or set data.streaming: false"
+        )
     lines = [p for p, kind in layouts.items() if kind == "lines"]
     if lines:
         raise DataError(f"data.files: mixes JSON Lines ({lines[0]}) and JSON arrays ({arrays[0]}); use one layout")
     for path in paths:  # an error inside the builder would reach the user as datasets' DatasetGenerationError
         _array_of(path)
     stamp = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
-    return Dataset.from_generator(_array_records, gen_kwargs={"files": stamp},
-                                  features=Features({RAW: Value("string"), WHERE: Value("string")}))
+    return Dataset.from_generator(
+        _array_records, gen_kwargs={"files": stamp}, features=Features({RAW: Value("string"), WHERE: Value("string")})
+    )
 
 
 def _line_count(path: str) -> int:

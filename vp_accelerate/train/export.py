@@ -101,8 +101,16 @@ def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, 
     return where, f"the frozen base is {where}"
 
 
-def write_exports(state, config, tokenizer, recipe: dict, transposed, out_dir: str | None,
-                  adapter_dir: str | None = None, max_shard_size: str = "5GB") -> None:
+def write_exports(
+    state,
+    config,
+    tokenizer,
+    recipe: dict,
+    transposed,
+    out_dir: str | None,
+    adapter_dir: str | None = None,
+    max_shard_size: str = "5GB",
+) -> None:
     """Write the model directory `out_dir` (merged for a LoRA run) and, for a LoRA run, the adapter folder
     `adapter_dir`, from a full HF state dict; either may be None."""
     from vp_accelerate.models.export import save_hf
@@ -110,15 +118,18 @@ def write_exports(state, config, tokenizer, recipe: dict, transposed, out_dir: s
     adapter = _adapter_of(recipe)
     if adapter_dir is not None:
         if adapter is None or adapter.train_vocab:
-            raise ckpt.CheckpointError("no LoRA adapter to export alone (adapter.type is null, or adapter.train_vocab "
-                                       "trained the vocabulary too); export the full model")
+            raise ckpt.CheckpointError(
+                "no LoRA adapter to export alone (adapter.type is null, or adapter.train_vocab "
+                "trained the vocabulary too); export the full model"
+            )
         from vp_accelerate.models.lora import merge_lora, save_adapter
 
         base, why = adapter_base(recipe, config.vocab_size, tokenizer)
         if base is None:
             base = os.path.abspath(os.path.join(adapter_dir, "base"))
-            save_hf(merge_lora(state, 0.0, transposed), config, base, tokenizer=tokenizer,
-                    max_shard_size=max_shard_size)
+            save_hf(
+                merge_lora(state, 0.0, transposed), config, base, tokenizer=tokenizer, max_shard_size=max_shard_size
+            )
             why = f"the frozen base is written to {base}: {why}"
         save_adapter(state, config, adapter, transposed, adapter_dir, base, tokenizer=tokenizer)
         log.info("LoRA adapter folder %s (AutoPeftModelForCausalLM.from_pretrained); %s", adapter_dir, why)
@@ -130,8 +141,13 @@ def write_exports(state, config, tokenizer, recipe: dict, transposed, out_dir: s
         save_hf(state, config, out_dir, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
 
-def export_checkpoint(path: str, out_dir: str | None, max_shard_size: str = "5GB", adapter_only: bool = False,
-                      adapter_dir: str | None = None) -> str | None:
+def export_checkpoint(
+    path: str,
+    out_dir: str | None,
+    max_shard_size: str = "5GB",
+    adapter_only: bool = False,
+    adapter_dir: str | None = None,
+) -> str | None:
     """Write the HF model dir for checkpoint `path` (a step dir, or a checkpoint root with `latest`) to
     `out_dir`, and a LoRA run's adapter folder to `adapter_dir`; `adapter_only`: the adapter folder alone, in
     `out_dir`."""
@@ -139,8 +155,16 @@ def export_checkpoint(path: str, out_dir: str | None, max_shard_size: str = "5GB
     if adapter_only:
         out_dir, adapter_dir = None, out_dir
     try:
-        write_exports(state, config, tokenizer, meta.get("recipe") or {}, meta.get("lora_transposed", []), out_dir,
-                      adapter_dir, max_shard_size)
+        write_exports(
+            state,
+            config,
+            tokenizer,
+            meta.get("recipe") or {},
+            meta.get("lora_transposed", []),
+            out_dir,
+            adapter_dir,
+            max_shard_size,
+        )
     except ckpt.CheckpointError as e:
         raise ckpt.CheckpointError(f"{ckpt.resolve(path)}: {e}") from None
     return out_dir or adapter_dir
@@ -174,8 +198,17 @@ def export_final(run) -> str | None:
         if pipe.rank == 0:
             write_exports(state, pipe.hf_config, run.tokenizer, run.recipe_dict, transposed, out, adapter_dir)
     if pipe.rank == 0:
-        merged = " (LoRA merged into the weights; the adapter alone is in " + adapter_dir + ")" if adapter_dir else \
-            " (LoRA merged into the weights)" if adapter else ""
-        log.info("exported the final model to %s%s: AutoModelForCausalLM.from_pretrained / AutoTokenizer, ready "
-                 "for generate()", out, merged)
+        merged = (
+            " (LoRA merged into the weights; the adapter alone is in " + adapter_dir + ")"
+            if adapter_dir
+            else " (LoRA merged into the weights)"
+            if adapter
+            else ""
+        )
+        log.info(
+            "exported the final model to %s%s: AutoModelForCausalLM.from_pretrained / AutoTokenizer, ready "
+            "for generate()",
+            out,
+            merged,
+        )
     return out

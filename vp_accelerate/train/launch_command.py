@@ -15,10 +15,12 @@ import logging
 import subprocess
 import sys
 
-USAGE = ("usage: vp-accelerate launch [accelerate launch options] train RECIPE [train options]\n"
-         "  e.g. vp-accelerate launch --config_file configs/accelerate_cpu_2proc.yaml train recipes/quickstart.yaml\n"
-         "  runs `accelerate launch ... -m vp_accelerate train ...`; exit code 2 for a user error (recipe, data, "
-         "model source: said in one line), 3 when training stopped, the launcher's report for anything else")
+USAGE = (
+    "usage: vp-accelerate launch [accelerate launch options] train RECIPE [train options]\n"
+    "  e.g. vp-accelerate launch --config_file configs/accelerate_cpu_2proc.yaml train recipes/quickstart.yaml\n"
+    "  runs `accelerate launch ... -m vp_accelerate train ...`; exit code 2 for a user error (recipe, data, "
+    "model source: said in one line), 3 when training stopped, the launcher's report for anything else"
+)
 
 RUN_CODES = (2, 3)
 """Exit codes a rank chooses (user error, training stopped): passed on without the launcher's report."""

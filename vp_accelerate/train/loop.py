@@ -127,8 +127,9 @@ def _rows_of(train_it, batch_rows: int, microbatches: int) -> Callable[[int], st
 def _forward_backward(run: Run, batch: dict, step: int):
     pipe = run.pipe
     try:
-        return pipe.train_step(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
-                               batch.get("position_ids"))
+        return pipe.train_step(
+            batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids")
+        )
     except ValueError as e:  # bad ids/labels/shape: checked before any communication, on every rank
         rows = run.train_it.describe_rows(0, len(batch["input_ids"])) if hasattr(run.train_it, "describe_rows") else ""
         if pipe.watchdog is not None:  # data-parallel peers with other rows may already be waiting on us
@@ -142,10 +143,15 @@ def _skip_or_stop(run: Run, state: LoopState, problem: str) -> None:
     state.skipped_in_a_row += 1
     state.skipped_total += 1
     if t.on_nonfinite == "stop" or state.skipped_in_a_row > t.max_skipped_steps:
-        why = ("train.on_nonfinite: stop" if t.on_nonfinite == "stop" else
-               f"more than train.max_skipped_steps={t.max_skipped_steps} skipped steps in a row")
-        raise NonFiniteError(f"{problem}. Stopping ({why}); the latest checkpoint is untouched. Lower "
-                             f"optimizer.lr, check that data, or set train.on_nonfinite: skip.")
+        why = (
+            "train.on_nonfinite: stop"
+            if t.on_nonfinite == "stop"
+            else f"more than train.max_skipped_steps={t.max_skipped_steps} skipped steps in a row"
+        )
+        raise NonFiniteError(
+            f"{problem}. Stopping ({why}); the latest checkpoint is untouched. Lower "
+            f"optimizer.lr, check that data, or set train.on_nonfinite: skip."
+        )
     if run.accelerator.is_main_process:
         log.warning("%s; skipping the update (train.on_nonfinite: skip)", problem)
 
@@ -163,8 +169,13 @@ def train_step_once(run: Run, state: LoopState, step: int) -> StepOutcome:
     grad_norm = pipe.clip_grad_norm_(clip if clip is not None else float("inf"))
     lr = run.scheduler.get_last_lr()[0]
     # an fp16 loss-scale overflow is routine: the scaler already lowered the scale, only the update is dropped
-    problem = None if res.skipped else step_problem(step, res, grad_norm, pipe, _rows_of(
-        run.train_it, len(batch["input_ids"]), pipe.cfg.microbatches))
+    problem = (
+        None
+        if res.skipped
+        else step_problem(
+            step, res, grad_norm, pipe, _rows_of(run.train_it, len(batch["input_ids"]), pipe.cfg.microbatches)
+        )
+    )
     if res.skipped:
         state.scaler_skips += 1
     elif problem is not None:
@@ -182,8 +193,14 @@ def train_step_once(run: Run, state: LoopState, step: int) -> StepOutcome:
     c["loss_tokens"] += int(res.num_tokens)  # the global batch's targets
     if math.isfinite(res.loss):  # a skipped NaN/inf step is not part of the logged mean
         c["loss_sum"], c["loss_steps"] = c["loss_sum"] + res.loss, c["loss_steps"] + 1
-    return StepOutcome(step=step, result=res, grad_norm=grad_norm, lr=lr, step_time_s=step_time,
-                       tokens_per_s=run.tokens_per_step / step_time)
+    return StepOutcome(
+        step=step,
+        result=res,
+        grad_norm=grad_norm,
+        lr=lr,
+        step_time_s=step_time,
+        tokens_per_s=run.tokens_per_step / step_time,
+    )
 
 
 def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
@@ -194,12 +211,20 @@ def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
     # the mean of the steps' losses since the last log (HF Trainer's convention), not only this step's
     loss = c["loss_sum"] / c["loss_steps"] if c["loss_steps"] else res.loss
     c["loss_sum"], c["loss_steps"] = 0.0, 0
-    metrics = {"train/loss": loss, "train/lr": out.lr, "train/grad_norm": out.grad_norm,
-               "train/epoch": run.train_it.epoch_progress, "train/tokens": c["tokens"],
-               "train/loss_tokens": c["loss_tokens"], "train/step_loss_tokens": res.num_tokens,
-               "perf/tokens_per_s": out.tokens_per_s, "perf/step_time_s": out.step_time_s,
-               "perf/pipeline_step_time_s": res.step_time_s, "perf/bubble_rate": res.bubble_rate,
-               "train/skipped_steps": state.skipped_total}
+    metrics = {
+        "train/loss": loss,
+        "train/lr": out.lr,
+        "train/grad_norm": out.grad_norm,
+        "train/epoch": run.train_it.epoch_progress,
+        "train/tokens": c["tokens"],
+        "train/loss_tokens": c["loss_tokens"],
+        "train/step_loss_tokens": res.num_tokens,
+        "perf/tokens_per_s": out.tokens_per_s,
+        "perf/step_time_s": out.step_time_s,
+        "perf/pipeline_step_time_s": res.step_time_s,
+        "perf/bubble_rate": res.bubble_rate,
+        "train/skipped_steps": state.skipped_total,
+    }
     if run.pipe.loss_scaler is not None:
         metrics.update({"train/loss_scale": res.loss_scale, "train/loss_scale_skips": state.scaler_skips})
     peak = run.recipe.logging.peak_tflops * 1e12 * run.pipe.world_size
@@ -246,14 +271,18 @@ def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None]
         best["stale"] += 1
     run.tracker.log({"eval/loss": loss, "eval/ppl": ppl, "eval/best_loss": best["loss"]}, step)
     if run.accelerator.is_main_process:
-        say(f"step {step}: eval loss {loss:.4f}, ppl {ppl:.2f}" + ("" if best["step"] == step else
-                                                                 f" (best {best['loss']:.4f} at step {best['step']})"))
+        say(
+            f"step {step}: eval loss {loss:.4f}, ppl {ppl:.2f}"
+            + ("" if best["step"] == step else f" (best {best['loss']:.4f} at step {best['step']})")
+        )
     if e.patience is not None and best["stale"] >= e.patience and step < run.end_step:
         # the same values on every rank (the eval loss is all-reduced): all stop at this step together
         run.stopped_early, run.end_step = True, step
         if run.accelerator.is_main_process:
-            say(f"step {step}: stopping early: no eval loss below {best['loss']:.4f} (step {best['step']}) in "
-                f"{e.patience} evaluations (eval.patience)")
+            say(
+                f"step {step}: stopping early: no eval loss below {best['loss']:.4f} (step {best['step']}) in "
+                f"{e.patience} evaluations (eval.patience)"
+            )
 
 
 def maybe_save(run: Run, step: int) -> None:

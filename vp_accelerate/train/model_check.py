@@ -38,9 +38,11 @@ def hub_snapshot(source: str) -> str | None:
 
 def missing_hub_source(key: str, source: str) -> RecipeError:
     """The error for a hub id that is neither cached nor reachable."""
-    return RecipeError(f"{key}: {source!r} is not a preset, a local directory, nor a model in the local HF cache, "
-                       f"and the hub is offline (HF_HUB_OFFLINE=1); fix the name, point {key} at a local checkpoint "
-                       f"directory, or download it once with the hub reachable (huggingface-cli download {source})")
+    return RecipeError(
+        f"{key}: {source!r} is not a preset, a local directory, nor a model in the local HF cache, "
+        f"and the hub is offline (HF_HUB_OFFLINE=1); fix the name, point {key} at a local checkpoint "
+        f"directory, or download it once with the hub reachable (huggingface-cli download {source})"
+    )
 
 
 def valid_repo_id(source: str) -> bool:
@@ -104,7 +106,9 @@ def check_adapter_targets(recipe, config) -> str | None:
         if not any(_matches(target, n) for n in names):
             hint = difflib.get_close_matches(target.rsplit(".", 1)[-1], leaves, n=1)
             more = f"did you mean {hint[0]}? " if hint else ""
-            raise RecipeError(f"adapter.target_modules: {target!r} matches no module of the model's decoder layers; "
-                              f"{more}(linear modules of a {config.model_type} decoder layer: {', '.join(names)})")
+            raise RecipeError(
+                f"adapter.target_modules: {target!r} matches no module of the model's decoder layers; "
+                f"{more}(linear modules of a {config.model_type} decoder layer: {', '.join(names)})"
+            )
     adapted = sorted(n for n in names if any(_matches(t, n) for t in targets))
     return f"LoRA adapters on {', '.join(adapted)} of every decoder layer"

@@ -61,10 +61,13 @@ def step_problem(step: int, res, grad_norm: float, pipe, rows_of_microbatch=None
     if not math.isfinite(grad_norm):
         names = [n for n, p in pipe.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
         per_rank = gather(names)
-        listed = "; ".join(f"rank {r}: {', '.join(n[:4])}{' ...' if len(n) > 4 else ''}"
-                           for r, n in enumerate(per_rank) if n)
-        return (f"step {step}: non-finite gradient (global norm {grad_norm}) although the loss of every "
-                f"microbatch was finite ({res.loss:.4f}); parameters with NaN/inf gradients — {listed}")
+        listed = "; ".join(
+            f"rank {r}: {', '.join(n[:4])}{' ...' if len(n) > 4 else ''}" for r, n in enumerate(per_rank) if n
+        )
+        return (
+            f"step {step}: non-finite gradient (global norm {grad_norm}) although the loss of every "
+            f"microbatch was finite ({res.loss:.4f}); parameters with NaN/inf gradients — {listed}"
+        )
     return None
 
 
@@ -75,5 +78,7 @@ def check_weights_before_save(step: int, model_state: dict, optimizer_state: dic
     if _world_any(bool(bad)):
         per_rank = gather(bad[:4])
         listed = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(per_rank) if n)
-        raise NonFiniteError(f"refusing to write the checkpoint of step {step}: non-finite values in {listed}; "
-                             f"the previous checkpoint stays the latest")
+        raise NonFiniteError(
+            f"refusing to write the checkpoint of step {step}: non-finite values in {listed}; "
+            f"the previous checkpoint stays the latest"
+        )

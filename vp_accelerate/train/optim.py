@@ -39,10 +39,10 @@ def build_optimizer(named_parameters, opt_cfg) -> torch.optim.AdamW:
     for _, p in named_parameters:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
-                             eps=opt_cfg.eps)
+    groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps
+    )
 
 
 OWN = ("cosine", "linear", "constant")
@@ -73,11 +73,17 @@ def build_scheduler(optimizer, lr_cfg, total_steps: int) -> torch.optim.lr_sched
     """The recipe's schedule; its state_dict is plain numbers (safe to load with weights_only)."""
     if lr_cfg.decay in OWN:
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, total_steps, lr_cfg.warmup_steps, lr_cfg.decay, lr_cfg.min_lr_ratio))
+            optimizer, lambda step: lr_factor(step, total_steps, lr_cfg.warmup_steps, lr_cfg.decay, lr_cfg.min_lr_ratio)
+        )
     from transformers import get_scheduler
 
-    return get_scheduler(HF_ALIASES.get(lr_cfg.decay, lr_cfg.decay), optimizer, num_warmup_steps=lr_cfg.warmup_steps,
-                         num_training_steps=total_steps, scheduler_specific_kwargs=_hf_kwargs(lr_cfg))
+    return get_scheduler(
+        HF_ALIASES.get(lr_cfg.decay, lr_cfg.decay),
+        optimizer,
+        num_warmup_steps=lr_cfg.warmup_steps,
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=_hf_kwargs(lr_cfg),
+    )
 
 
 def check_schedule(lr_cfg, total_steps: int) -> None:
@@ -91,8 +97,9 @@ def check_schedule(lr_cfg, total_steps: int) -> None:
         if lr_cfg.decay not in names:
             hint = difflib.get_close_matches(lr_cfg.decay, list(OWN) + names, n=1)
             more = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise RecipeError(f"lr.decay: unknown schedule {lr_cfg.decay!r}{more} (known: "
-                              f"{', '.join(list(OWN) + names)})")
+            raise RecipeError(
+                f"lr.decay: unknown schedule {lr_cfg.decay!r}{more} (known: {', '.join(list(OWN) + names)})"
+            )
     elif lr_cfg.scheduler_kwargs:
         raise RecipeError(f"lr.scheduler_kwargs: {lr_cfg.decay!r} takes none (they are for transformers' schedules)")
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

@@ -41,9 +41,11 @@ def _check_remote_code(recipe) -> None:
         with open(os.path.join(src, "config.json")) as f:
             cfg = json.load(f)
         if "auto_map" in cfg and cfg.get("model_type") not in CONFIG_MAPPING:
-            raise RecipeError(f"model.trust_remote_code: {src} needs its own modelling code (model_type "
-                              f"{cfg.get('model_type')!r}, auto_map {sorted(cfg['auto_map'])}), which is not run "
-                              f"unless the recipe sets model.trust_remote_code: true — only for a source you trust")
+            raise RecipeError(
+                f"model.trust_remote_code: {src} needs its own modelling code (model_type "
+                f"{cfg.get('model_type')!r}, auto_map {sorted(cfg['auto_map'])}), which is not run "
+                f"unless the recipe sets model.trust_remote_code: true — only for a source you trust"
+            )
     from .vocab_plan import tokenizer_source
 
     tok = tokenizer_source(recipe)
@@ -52,9 +54,11 @@ def _check_remote_code(recipe) -> None:
         with open(os.path.join(tdir, "tokenizer_config.json")) as f:
             tcfg = json.load(f)
         if "auto_map" in tcfg and not os.path.isfile(os.path.join(tdir, "tokenizer.json")):
-            raise RecipeError(f"model.trust_remote_code: the tokenizer in {tdir} needs its own code (auto_map "
-                              f"{tcfg['auto_map']}) and has no tokenizer.json; set model.trust_remote_code: true "
-                              f"only for a source you trust")
+            raise RecipeError(
+                f"model.trust_remote_code: the tokenizer in {tdir} needs its own code (auto_map "
+                f"{tcfg['auto_map']}) and has no tokenizer.json; set model.trust_remote_code: true "
+                f"only for a source you trust"
+            )
 
 
 def _model_config(recipe, full: bool = True):
@@ -72,13 +76,16 @@ def _model_config(recipe, full: bool = True):
 
         hint = difflib.get_close_matches(m.source, list(PRESETS), n=1, cutoff=0.8)
         if hint and "/" not in m.source:  # a typo of a preset would otherwise become a hub download attempt
-            raise RecipeError(f"model.source: {m.source!r} is not a preset (did you mean {hint[0]}?) nor a local "
-                              f"directory")
+            raise RecipeError(
+                f"model.source: {m.source!r} is not a preset (did you mean {hint[0]}?) nor a local directory"
+            )
         from .model_check import hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
 
         if not valid_repo_id(m.source):
-            raise RecipeError(f"model.source: {m.source!r} is not a preset, a local directory nor a hub id (presets: "
-                              f"{', '.join(PRESETS)})")
+            raise RecipeError(
+                f"model.source: {m.source!r} is not a preset, a local directory nor a hub id (presets: "
+                f"{', '.join(PRESETS)})"
+            )
         src = hub_snapshot(m.source)  # what an offline run can use
         if src is None and hub_offline():
             raise missing_hub_source("model.source", m.source)
@@ -92,8 +99,10 @@ def _model_config(recipe, full: bool = True):
     except (OSError, ValueError) as e:
         raise RecipeError(f"model.source: cannot read the config of {src}: {str(e).splitlines()[0]}") from None
     if "vocab_size" in m.config and m.pretrained_weights:
-        raise RecipeError("model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
-                          "resize_vocab / allow_shrink / pad_to_multiple_of), not a config override")
+        raise RecipeError(
+            "model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
+            "resize_vocab / allow_shrink / pad_to_multiple_of), not a config override"
+        )
     for key, value in m.config.items():
         setattr(config, key, value)
     return config
@@ -185,14 +194,21 @@ def _data_note(recipe) -> str:
         if tok is None:
             note += "; chat template: decided when the tokenizer is loaded (the tokenizer's own, else ChatML)"
         else:
-            note += ("; chat template: ChatML default (the tokenizer has none)" if chat_template_of(tok)[1] else
-                     "; chat template: the tokenizer's own")
+            note += (
+                "; chat template: ChatML default (the tokenizer has none)"
+                if chat_template_of(tok)[1]
+                else "; chat template: the tokenizer's own"
+            )
     if fmt != "text":
-        note += ("; loss on every token (data.train_on_inputs)" if d.train_on_inputs else
-                 "; loss on " + ("assistant turns" if fmt == "chat" else "completions") + " only")
+        note += (
+            "; loss on every token (data.train_on_inputs)"
+            if d.train_on_inputs
+            else "; loss on " + ("assistant turns" if fmt == "chat" else "completions") + " only"
+        )
     if d.packing:
-        note += "; packed " + ("keeping document boundaries" if document_boundaries(d, fmt) else
-                               "across documents (EOS-separated)")
+        note += "; packed " + (
+            "keeping document boundaries" if document_boundaries(d, fmt) else "across documents (EOS-separated)"
+        )
     return note
 
 
@@ -222,17 +238,25 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
     if c.dir is None:
         if resume is not None:
             raise RecipeError("checkpoint.enabled: --resume needs checkpoints; set checkpoint.enabled: true")
-        export = (f"the final model is still exported to {os.path.join(out, 'hf')}" if c.export_hf else
-                  "no final export (checkpoint.export_hf: false)")
+        export = (
+            f"the final model is still exported to {os.path.join(out, 'hf')}"
+            if c.export_hf
+            else "no final export (checkpoint.export_hf: false)"
+        )
         return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"]
     if resume is None:
         latest = ckpt.read_latest(c.dir) if os.path.isdir(c.dir) else None
         if latest is not None:
-            other = ("another checkpoint.dir (it is set in the recipe)" if explicit else
-                     "another logging.output_dir (--set logging.output_dir=DIR; checkpoints go to DIR/checkpoints)")
-            raise RecipeError(f"checkpoint.dir: {c.dir} holds checkpoints of an earlier run (latest "
-                              f"{os.path.basename(latest)}); continue that run with --resume, or start a new one in "
-                              f"{other}")
+            other = (
+                "another checkpoint.dir (it is set in the recipe)"
+                if explicit
+                else "another logging.output_dir (--set logging.output_dir=DIR; checkpoints go to DIR/checkpoints)"
+            )
+            raise RecipeError(
+                f"checkpoint.dir: {c.dir} holds checkpoints of an earlier run (latest "
+                f"{os.path.basename(latest)}); continue that run with --resume, or start a new one in "
+                f"{other}"
+            )
     elif resume != "latest":
         try:
             ckpt.resume_path(c.dir, resume)
@@ -248,8 +272,10 @@ def pipeline_size(recipe, world_size: int | None) -> int | None:
     p = recipe.pipeline
     if world_size is not None:
         if p.pp_size is not None and p.pp_size * p.dp_size != world_size:
-            raise RecipeError(f"pipeline.pp_size: pp_size={p.pp_size} x dp_size={p.dp_size} = "
-                              f"{p.pp_size * p.dp_size}, but {world_size} processes are launched")
+            raise RecipeError(
+                f"pipeline.pp_size: pp_size={p.pp_size} x dp_size={p.dp_size} = "
+                f"{p.pp_size * p.dp_size}, but {world_size} processes are launched"
+            )
         if world_size % p.dp_size:
             raise RecipeError(f"pipeline.dp_size: {world_size} processes cannot form {p.dp_size} equal replicas")
         return world_size // p.dp_size
@@ -266,8 +292,13 @@ def _check_schedule(recipe, config, pp: int) -> str:
     try:
         schedule = build_schedule(p.schedule, p.method, pp, p.microbatches, chunks_per_rank=p.chunks_per_rank)
     except ScheduleError as e:
-        key = "pipeline.microbatches" if "num_microbatches" in str(e) else \
-            "pipeline.chunks_per_rank" if "chunks_per_rank" in str(e) else "pipeline.schedule"
+        key = (
+            "pipeline.microbatches"
+            if "num_microbatches" in str(e)
+            else "pipeline.chunks_per_rank"
+            if "chunks_per_rank" in str(e)
+            else "pipeline.schedule"
+        )
         raise RecipeError(f"{key}: {e} (pipeline of {pp} ranks)") from None
     chunks = len(schedule.chunk_rank)
     layers = config.num_hidden_layers
@@ -275,8 +306,9 @@ def _check_schedule(recipe, config, pp: int) -> str:
         layout = plan_layout(config, schedule, p.layers_per_stage)  # as PipelineModel will
     except LayoutError as e:
         key = "pipeline.layers_per_stage" if p.layers_per_stage is not None else "pipeline"
-        raise RecipeError(f"{key}: {e} [{p.schedule} on {pp} ranks: {chunks} chunks; model: {layers} decoder "
-                          f"layers]") from None
+        raise RecipeError(
+            f"{key}: {e} [{p.schedule} on {pp} ranks: {chunks} chunks; model: {layers} decoder layers]"
+        ) from None
     counts = [end - start for start, end in layout.chunk_layers]
     return f"{p.schedule} x {p.method} on {pp} ranks, {p.microbatches} microbatches, layers per chunk {counts}"
 
@@ -296,12 +328,15 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
     if config is None:
         return notes + [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
     from vp_accelerate.models import unsupported_reason
+
     if (why := unsupported_reason(config)) is not None:  # a family the pipeline cannot run exactly
         raise RecipeError(f"model.source: {why}")
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and recipe.data.seq_len > max_pos:
-        raise RecipeError(f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's max_position_embeddings="
-                          f"{max_pos}; lower data.seq_len to at most {max_pos}")
+        raise RecipeError(
+            f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's max_position_embeddings="
+            f"{max_pos}; lower data.seq_len to at most {max_pos}"
+        )
     from .model_check import check_adapter_targets
 
     if (lora := check_adapter_targets(recipe, config)) is not None:
@@ -318,8 +353,10 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
         notes.append("world size unknown (not launched; pass --world-size to --check): schedule not checked")
         return notes
     if METHODS[recipe.pipeline.method].vocab_parallel and vocab < pp:
-        raise RecipeError(f"tokenizer: a vocabulary of {vocab} tokens cannot be sharded over {pp} pipeline ranks "
-                          f"(every rank needs at least one row); use a larger vocabulary or fewer ranks")
+        raise RecipeError(
+            f"tokenizer: a vocabulary of {vocab} tokens cannot be sharded over {pp} pipeline ranks "
+            f"(every rank needs at least one row); use a larger vocabulary or fewer ranks"
+        )
     notes.append(_check_schedule(recipe, config, pp))
     notes.append(f"vocabulary {vocab} rows, seq_len {recipe.data.seq_len} <= max positions {max_pos}")
     return notes

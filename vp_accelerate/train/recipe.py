@@ -21,8 +21,7 @@ from vp_accelerate.runtime.config import PipelineConfig
 
 from .recipe_io import RecipeError, from_dict, set_override, to_dict
 
-__all__ = ["PipelineConfig", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict",
-           "recipe_to_dict"]
+__all__ = ["PipelineConfig", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict", "recipe_to_dict"]
 
 
 @dataclass
@@ -365,32 +364,46 @@ def check(recipe: Recipe) -> Recipe:
         if importlib.util.find_spec("peft") is None:
             raise RecipeError("adapter.type: lora needs the peft package; pip install 'vp-accelerate[lora]' (or peft)")
     _check_length(recipe)
-    positive = {"train.steps": 1 if t.steps is None else t.steps, "train.global_batch": t.global_batch,
-                "data.seq_len": d.seq_len,
-                "logging.log_every": recipe.logging.log_every,
-                "data.shuffle_buffer": d.shuffle_buffer, "tokenizer.pad_to_multiple_of":
-                recipe.tokenizer.pad_to_multiple_of, "checkpoint.keep": recipe.checkpoint.keep,
-                "train.max_skipped_steps": t.max_skipped_steps, "eval.max_new_tokens": recipe.eval.max_new_tokens}
+    positive = {
+        "train.steps": 1 if t.steps is None else t.steps,
+        "train.global_batch": t.global_batch,
+        "data.seq_len": d.seq_len,
+        "logging.log_every": recipe.logging.log_every,
+        "data.shuffle_buffer": d.shuffle_buffer,
+        "tokenizer.pad_to_multiple_of": recipe.tokenizer.pad_to_multiple_of,
+        "checkpoint.keep": recipe.checkpoint.keep,
+        "train.max_skipped_steps": t.max_skipped_steps,
+        "eval.max_new_tokens": recipe.eval.max_new_tokens,
+    }
     for key, value in positive.items():
         if value < 1:
             raise RecipeError(f"{key}: must be >= 1, got {value}")
-    for key, value in {"eval.every": recipe.eval.every, "checkpoint.every": recipe.checkpoint.every,
-                       "eval.batches": recipe.eval.batches or 0,
-                       "lr.warmup_steps": recipe.lr.warmup_steps}.items():
+    for key, value in {
+        "eval.every": recipe.eval.every,
+        "checkpoint.every": recipe.checkpoint.every,
+        "eval.batches": recipe.eval.batches or 0,
+        "lr.warmup_steps": recipe.lr.warmup_steps,
+    }.items():
         if value < 0:
             raise RecipeError(f"{key}: must be >= 0, got {value}")
     if p.mixed_precision not in (None, "no") and t.precision != "fp32":
-        raise RecipeError(f"pipeline.mixed_precision: {p.mixed_precision} keeps fp32 master weights and needs "
-                          f"train.precision: fp32 (got {t.precision}); set one of the two, not both")
+        raise RecipeError(
+            f"pipeline.mixed_precision: {p.mixed_precision} keeps fp32 master weights and needs "
+            f"train.precision: fp32 (got {t.precision}); set one of the two, not both"
+        )
     if p.schedule == "auto":  # the planner chooses dp_size and microbatches; checked again once it has
         if p.layers_per_stage is not None:
-            raise RecipeError("pipeline.layers_per_stage: cannot be set with schedule auto (the plan splits the "
-                              "layers); drop it or name a schedule")
+            raise RecipeError(
+                "pipeline.layers_per_stage: cannot be set with schedule auto (the plan splits the "
+                "layers); drop it or name a schedule"
+            )
     elif t.global_batch % p.dp_size:
         raise RecipeError(f"train.global_batch: {t.global_batch} is not divisible by pipeline.dp_size={p.dp_size}")
     elif (t.global_batch // p.dp_size) % p.microbatches:
-        raise RecipeError(f"train.global_batch: the per-replica batch {t.global_batch // p.dp_size} (global_batch / "
-                          f"dp_size) is not divisible by pipeline.microbatches={p.microbatches}")
+        raise RecipeError(
+            f"train.global_batch: the per-replica batch {t.global_batch // p.dp_size} (global_batch / "
+            f"dp_size) is not divisible by pipeline.microbatches={p.microbatches}"
+        )
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise RecipeError(f"optimizer.betas: expected two values in [0, 1), got {o.betas}")
     if o.lr <= 0 or o.eps <= 0 or o.weight_decay < 0:
@@ -415,8 +428,10 @@ def check(recipe: Recipe) -> Recipe:
 
 
 # the demo data sets the shipped recipes read, and the script that makes each (offline, seconds)
-_DEMO_DATA = {"demo_corpus": "python scripts/make_demo_corpus.py --out {dir}",
-              "demo_chat": "python scripts/make_demo_chat.py --out {dir}"}
+_DEMO_DATA = {
+    "demo_corpus": "python scripts/make_demo_corpus.py --out {dir}",
+    "demo_chat": "python scripts/make_demo_chat.py --out {dir}",
+}
 
 
 def _make_hint(pattern: str) -> str:
@@ -437,8 +452,10 @@ def _check_paths(recipe: Recipe) -> None:
     if tok.startswith("bpe:"):
         path = tok[4:]
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise RecipeError(f"tokenizer.source: {path!r} has no tokenizer.json; train one with "
-                              f"`python scripts/train_tokenizer.py --out {path} FILES...`")
+            raise RecipeError(
+                f"tokenizer.source: {path!r} has no tokenizer.json; train one with "
+                f"`python scripts/train_tokenizer.py --out {path} FILES...`"
+            )
     elif tok.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(tok)):
         raise RecipeError(f"tokenizer.source: directory {tok!r} does not exist")
     if recipe.model.init_from is not None:
@@ -466,16 +483,20 @@ def _check_length(recipe: Recipe) -> None:
         if t.epochs <= 0:
             raise RecipeError(f"train.epochs: must be > 0, got {t.epochs:g}")
         if recipe.data.streaming:
-            raise RecipeError("train.epochs: a stream's length is not known before it is read (data.streaming); "
-                              "set train.steps instead")
+            raise RecipeError(
+                "train.epochs: a stream's length is not known before it is read (data.streaming); "
+                "set train.steps instead"
+            )
     elif t.steps is None:
         t.steps = DEFAULT_STEPS
     if lr.warmup_ratio is not None:
         if not 0.0 <= lr.warmup_ratio < 1.0:
             raise RecipeError(f"lr.warmup_ratio: must be in [0, 1), got {lr.warmup_ratio:g}")
         if lr.warmup_steps:
-            raise RecipeError(f"lr.warmup_ratio: set lr.warmup_steps ({lr.warmup_steps}) or lr.warmup_ratio "
-                              f"({lr.warmup_ratio:g}), not both")
+            raise RecipeError(
+                f"lr.warmup_ratio: set lr.warmup_steps ({lr.warmup_steps}) or lr.warmup_ratio "
+                f"({lr.warmup_ratio:g}), not both"
+            )
 
 
 def finish_steps(recipe: Recipe, steps_per_epoch: int | None = None) -> Recipe:
@@ -501,8 +522,10 @@ def _check_eval(recipe: Recipe) -> None:
         if e.patience < 1:
             raise RecipeError(f"eval.patience: must be >= 1 or null, got {e.patience}")
         if e.batches == 0 or e.every == 0:
-            raise RecipeError("eval.patience: early stopping needs evaluations during the run; set eval.every > 0 "
-                              "and eval.batches other than 0")
+            raise RecipeError(
+                "eval.patience: early stopping needs evaluations during the run; set eval.every > 0 "
+                "and eval.batches other than 0"
+            )
     if e.min_delta < 0:
         raise RecipeError(f"eval.min_delta: must be >= 0, got {e.min_delta:g}")
     if e.prompts and e.batches == 0:
@@ -511,9 +534,11 @@ def _check_eval(recipe: Recipe) -> None:
         if not c.enabled:
             raise RecipeError("checkpoint.keep_best: needs checkpoints (checkpoint.enabled: true)")
         if e.batches == 0 or e.every == 0 or c.every == 0 or c.every % e.every:
-            raise RecipeError(f"checkpoint.keep_best: every checkpoint needs an eval loss: set eval.every > 0 and "
-                              f"checkpoint.every a multiple of it (now eval.every={e.every}, checkpoint.every="
-                              f"{c.every}, eval.batches={e.batches})")
+            raise RecipeError(
+                f"checkpoint.keep_best: every checkpoint needs an eval loss: set eval.every > 0 and "
+                f"checkpoint.every a multiple of it (now eval.every={e.every}, checkpoint.every="
+                f"{c.every}, eval.batches={e.batches})"
+            )
 
 
 def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:

@@ -191,7 +191,7 @@ def set_override(recipe, item: str) -> None:
         if tp is dict:
             # model.config.hidden_size=256: set one entry of a free-form dict
             sub = child
-            for sub_name in parts[i + 1:-1]:
+            for sub_name in parts[i + 1 : -1]:
                 sub = sub.setdefault(sub_name, {})
             sub[parts[-1]] = yaml.safe_load(text)
             return

@@ -21,12 +21,21 @@ def fingerprint(recipe, pipe, layout) -> dict:
     layers, vocabulary rows) is recorded, not its sizes (bf16 vs fp32 is `precision`).
     """
     p = recipe.pipeline
-    return {"model": ckpt.config_fingerprint(pipe.hf_config), "world_size": pipe.world_size,
-            "dp_size": pipe.dp_size, "schedule": p.schedule, "method": p.method,
-            "chunks_per_rank": p.chunks_per_rank, "pad_multiple": p.pad_multiple, "layout": layout.placement(),
-            "precision": recipe.train.precision, "global_batch": recipe.train.global_batch,
-            "seq_len": recipe.data.seq_len, "seed": recipe.train.seed,
-            **({"adapter": recipe_to_dict(recipe)["adapter"]} if recipe.adapter.enabled else {})}
+    return {
+        "model": ckpt.config_fingerprint(pipe.hf_config),
+        "world_size": pipe.world_size,
+        "dp_size": pipe.dp_size,
+        "schedule": p.schedule,
+        "method": p.method,
+        "chunks_per_rank": p.chunks_per_rank,
+        "pad_multiple": p.pad_multiple,
+        "layout": layout.placement(),
+        "precision": recipe.train.precision,
+        "global_batch": recipe.train.global_batch,
+        "seq_len": recipe.data.seq_len,
+        "seed": recipe.train.seed,
+        **({"adapter": recipe_to_dict(recipe)["adapter"]} if recipe.adapter.enabled else {}),
+    }
 
 
 def as_saved(saved: dict, current: dict, layout) -> dict:
@@ -46,13 +55,22 @@ def save_run(run, step: int) -> None:
 
     pipe = run.pipe
     mods = getattr(pipe, "mods", None)
-    rank_info = gather({"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank,
-                        "duplicates": sorted(n for n, _ in pipe.named_parameters()
-                                             if mods is not None and mods.is_duplicate(n))})
-    meta = {"fingerprint": run.fingerprint, "recipe": run.recipe_dict, "ranks": rank_info,
-            "vocab_size": pipe.hf_config.vocab_size,
-            "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
-            "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names)}
+    rank_info = gather(
+        {
+            "rank": pipe.rank,
+            "pp_rank": pipe.pp_rank,
+            "dp_rank": pipe.dp_rank,
+            "duplicates": sorted(n for n, _ in pipe.named_parameters() if mods is not None and mods.is_duplicate(n)),
+        }
+    )
+    meta = {
+        "fingerprint": run.fingerprint,
+        "recipe": run.recipe_dict,
+        "ranks": rank_info,
+        "vocab_size": pipe.hf_config.vocab_size,
+        "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
+        "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names),
+    }
 
     def write_model_files(out_dir: str) -> None:
         pipe.hf_config.save_pretrained(out_dir)
@@ -60,18 +78,34 @@ def save_run(run, step: int) -> None:
 
     model_state, optimizer_state = pipe.state_dict(), run.optimizer.state_dict()
     check_weights_before_save(step, model_state, optimizer_state)
-    trainer_state = {"scheduler": run.scheduler.state_dict(), "rng": ckpt.rng_state(),
-                     "data": run.train_it.state_dict(), "precision": pipe.precision_state_dict(), "step": step,
-                     "counters": dict(getattr(run, "counters", {})), "best": dict(getattr(run, "best", {}))}
+    trainer_state = {
+        "scheduler": run.scheduler.state_dict(),
+        "rng": ckpt.rng_state(),
+        "data": run.train_it.state_dict(),
+        "precision": pipe.precision_state_dict(),
+        "step": step,
+        "counters": dict(getattr(run, "counters", {})),
+        "best": dict(getattr(run, "best", {})),
+    }
     best = getattr(run, "best", {})
     if best.get("step") == step:  # this step's evaluation is the best so far
         meta["eval_loss"] = best["loss"]
     barrier = (lambda: dist.barrier(group=host_group())) if dist.is_initialized() else (lambda: None)
     c = run.recipe.checkpoint
-    path = ckpt.save_checkpoint(c.dir, step, rank=pipe.rank, model_state=model_state,
-                                optimizer_state=optimizer_state, trainer_state=trainer_state, meta=meta,
-                                barrier=barrier, write_model_files=write_model_files, keep=c.keep,
-                                best=c.keep_best and best.get("step") == step, keep_best=c.keep_best)
+    path = ckpt.save_checkpoint(
+        c.dir,
+        step,
+        rank=pipe.rank,
+        model_state=model_state,
+        optimizer_state=optimizer_state,
+        trainer_state=trainer_state,
+        meta=meta,
+        barrier=barrier,
+        write_model_files=write_model_files,
+        keep=c.keep,
+        best=c.keep_best and best.get("step") == step,
+        keep_best=c.keep_best,
+    )
     if pipe.rank == 0:
         log.info("saved checkpoint %s", path)
 
@@ -88,8 +122,10 @@ def resume_run(run, which: str = "latest") -> int:
     meta = ckpt.read_meta(path)
     steps = gather(int(meta["step"]))
     if len(set(steps)) > 1:  # `latest` moved between ranks' reads: another run is writing into this dir
-        raise ckpt.CheckpointError(f"ranks found different latest checkpoints in {cdir} (steps {steps}); is another "
-                                   f"run still writing there? Stop it and resume again")
+        raise ckpt.CheckpointError(
+            f"ranks found different latest checkpoints in {cdir} (steps {steps}); is another "
+            f"run still writing there? Stop it and resume again"
+        )
     ckpt.check_fingerprint(meta["fingerprint"], as_saved(meta["fingerprint"], run.fingerprint, run.layout), path)
     model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
     ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
@@ -108,8 +144,17 @@ def resume_run(run, which: str = "latest") -> int:
 
 
 #: fingerprint keys that must match for weights-only initialisation (data order, batch, seed may differ)
-_WEIGHT_KEYS = ("model", "world_size", "dp_size", "schedule", "method", "chunks_per_rank", "pad_multiple", "layout",
-                "adapter")
+_WEIGHT_KEYS = (
+    "model",
+    "world_size",
+    "dp_size",
+    "schedule",
+    "method",
+    "chunks_per_rank",
+    "pad_multiple",
+    "layout",
+    "adapter",
+)
 
 
 def init_weights_from(run, source: str) -> None:
@@ -125,8 +170,10 @@ def init_weights_from(run, source: str) -> None:
     try:
         ckpt.check_fingerprint({k: saved.get(k) for k in _WEIGHT_KEYS}, {k: current.get(k) for k in _WEIGHT_KEYS}, path)
     except ckpt.CheckpointError as e:
-        raise ckpt.CheckpointError(f"model.init_from: {e}\nFor a checkpoint of another model or layout, export it "
-                                   f"(vp-accelerate export {source} DIR) and set model.source: DIR") from None
+        raise ckpt.CheckpointError(
+            f"model.init_from: {e}\nFor a checkpoint of another model or layout, export it "
+            f"(vp-accelerate export {source} DIR) and set model.source: DIR"
+        ) from None
     rdir = os.path.join(path, ckpt.rank_dir_name(pipe.rank))
     if not os.path.isdir(rdir):
         raise ckpt.CheckpointError(f"model.init_from: checkpoint {path} has no shards for rank {pipe.rank}")
@@ -134,8 +181,9 @@ def init_weights_from(run, source: str) -> None:
     ckpt.check_shapes(state, pipe.state_dict(), path, pipe.rank)
     pipe.load_state_dict(state)
     if pipe.rank == 0:
-        log.info("initialised the weights from %s (step %d); optimizer, schedule and data start afresh", path,
-                 meta["step"])
+        log.info(
+            "initialised the weights from %s (step %d); optimizer, schedule and data start afresh", path, meta["step"]
+        )
 
 
 def final_checkpoint(run) -> str | None:

@@ -26,8 +26,12 @@ def prompt_ids(tokenizer, prompt: str, fmt: str) -> list[int]:
     if fmt == "chat":
         from .sft import chat_template_of
 
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             chat_template=chat_template_of(tokenizer)[0], add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            tokenize=False,
+            chat_template=chat_template_of(tokenizer)[0],
+            add_generation_prompt=True,
+        )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
@@ -39,12 +43,16 @@ def hf_model(config, state: dict, dtype: torch.dtype = torch.float32):
 
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = model.get_output_embeddings() is not None and \
-        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    tied = (
+        model.get_output_embeddings() is not None
+        and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    )
     missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]
     if missing or unexpected:
-        raise ValueError(f"the gathered state dict does not match {type(model).__name__}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"the gathered state dict does not match {type(model).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     if tied:
         model.tie_weights()
     return model.eval()
@@ -66,9 +74,15 @@ def greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> list[int]:
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=generation_eos(tokenizer), pad_token_id=pad)
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=generation_eos(tokenizer),
+        pad_token_id=pad,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def complete(pipe, tokenizer, prompts: list[str], fmt: str, max_new_tokens: int) -> list[str] | None:

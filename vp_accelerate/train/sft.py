@@ -40,8 +40,9 @@ class FormatError(ValueError):
     """One row does not fit its format; the caller adds the file and row."""
 
 
-def detect_format(columns, declared: str, text_field: str, messages_field: str, prompt_field: str,
-                  completion_field: str) -> tuple[str, str]:
+def detect_format(
+    columns, declared: str, text_field: str, messages_field: str, prompt_field: str, completion_field: str
+) -> tuple[str, str]:
     """(format, how it was decided) from the declared `data.format` and the data's columns."""
     cols = set(columns or ())
     if declared in SAMPLE_FORMATS:
@@ -52,9 +53,11 @@ def detect_format(columns, declared: str, text_field: str, messages_field: str, 
         return "prompt_completion", f"detected from columns {prompt_field!r} and {completion_field!r}"
     if text_field in cols:
         return "text", f"detected from column {text_field!r}"
-    raise FormatError(f"data.format: column {text_field!r} not in the data (columns: {sorted(cols)}), nor "
-                      f"{messages_field!r} (chat) or {prompt_field!r} + {completion_field!r} (prompt_completion); "
-                      f"set data.text_field, data.format or the data.*_field names")
+    raise FormatError(
+        f"data.format: column {text_field!r} not in the data (columns: {sorted(cols)}), nor "
+        f"{messages_field!r} (chat) or {prompt_field!r} + {completion_field!r} (prompt_completion); "
+        f"set data.text_field, data.format or the data.*_field names"
+    )
 
 
 def chat_template_of(tokenizer) -> tuple[str, bool]:
@@ -92,8 +95,9 @@ def _clean(messages: list) -> list:
 
 
 def _render(tokenizer, template: str, messages: list, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
 def assistant_spans(tokenizer, template: str, messages: list) -> tuple[str, list[tuple[int, int]]] | None:
@@ -104,8 +108,7 @@ def assistant_spans(tokenizer, template: str, messages: list) -> tuple[str, list
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, template, messages[:i], True) if i else _generation_prompt_only(
-            tokenizer, template)
+        before = _render(tokenizer, template, messages[:i], True) if i else _generation_prompt_only(tokenizer, template)
         upto = _render(tokenizer, template, messages[: i + 1], False)
         if not (upto.startswith(before) and full.startswith(upto)):
             return None
@@ -124,8 +127,10 @@ def _mask_from_spans(tokenizer, text: str, spans) -> tuple[list[int], list[int]]
     if getattr(tokenizer, "is_fast", False):
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = enc["input_ids"]
-        mask = [int(any(s < e_span and e > s_span for s_span, e_span in spans)) if e > s else 0
-                for s, e in enc["offset_mapping"]]
+        mask = [
+            int(any(s < e_span and e > s_span for s_span, e_span in spans)) if e > s else 0
+            for s, e in enc["offset_mapping"]
+        ]
         return ids, mask
     # slow tokenizers have no offsets: encode the pieces between span edges separately
     ids, mask, pos = [], [], 0
@@ -152,14 +157,17 @@ def encode_chat(tokenizer, template: str, messages, train_on_inputs: bool = Fals
         text, spans = found
         ids, mask = _mask_from_spans(tokenizer, text, spans)
     elif "{% generation %}" in template or "{%- generation %}" in template:
-        enc = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        enc = tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         text = _render(tokenizer, template, messages, False)
         ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
     else:
-        raise FormatError("the chat template renders earlier turns differently once later turns are added, so "
-                          "assistant tokens cannot be located by prefix rendering; use a template with "
-                          "{% generation %} blocks (tokenizer.chat_template) or data.format: prompt_completion")
+        raise FormatError(
+            "the chat template renders earlier turns differently once later turns are added, so "
+            "assistant tokens cannot be located by prefix rendering; use a template with "
+            "{% generation %} blocks (tokenizer.chat_template) or data.format: prompt_completion"
+        )
     if train_on_inputs:
         mask = [1] * len(ids)
     if not any(mask):
@@ -167,8 +175,9 @@ def encode_chat(tokenizer, template: str, messages, train_on_inputs: bool = Fals
     return text, ids, mask
 
 
-def encode_prompt_completion(tokenizer, prompt, completion, add_eos: bool,
-                             train_on_inputs: bool = False) -> tuple[str, list[int], list[int]]:
+def encode_prompt_completion(
+    tokenizer, prompt, completion, add_eos: bool, train_on_inputs: bool = False
+) -> tuple[str, list[int], list[int]]:
     """(text, ids, loss mask): prompt and completion tokenized separately (a clean boundary), EOS after."""
     for name, value in (("prompt", prompt), ("completion", completion)):
         if not isinstance(value, str):

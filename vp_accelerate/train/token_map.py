@@ -161,8 +161,11 @@ def build_row_map(old_tok, new_tok, num_rows: int, source_rows: int) -> RowMap:
     for i in to_compose:
         pieces = split.get(i)
         # the old tokenizer's split, if it spells exactly this token's bytes (normalizers may change text)
-        if pieces is None or any(p >= source_rows or old_bytes[p] is None for p in pieces) or \
-                b"".join(old_bytes[p] for p in pieces) != new_bytes[i]:
+        if (
+            pieces is None
+            or any(p >= source_rows or old_bytes[p] is None for p in pieces)
+            or b"".join(old_bytes[p] for p in pieces) != new_bytes[i]
+        ):
             pieces = _greedy_pieces(new_bytes[i], table, longest)
         if pieces:
             sources[i], kinds[i] = list(pieces), COMPOSED if len(pieces) > 1 else COPY

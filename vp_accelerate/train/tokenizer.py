@@ -43,8 +43,14 @@ def _iter_texts(files: list[str], text_field: str = "text"):
                 yield from f
 
 
-def train_bpe(files: list[str], vocab_size: int, out_dir: str, min_frequency: int = 2,
-              text_field: str = "text", special_tokens: tuple[str, ...] = (EOS, PAD)):
+def train_bpe(
+    files: list[str],
+    vocab_size: int,
+    out_dir: str,
+    min_frequency: int = 2,
+    text_field: str = "text",
+    special_tokens: tuple[str, ...] = (EOS, PAD),
+):
     """Train a byte-level BPE with `vocab_size` entries on local files; save an HF fast tokenizer.
 
     Byte-level means every string is encodable (no unknown token), as in GPT-2/Llama-3/Qwen.
@@ -59,12 +65,20 @@ def train_bpe(files: list[str], vocab_size: int, out_dir: str, min_frequency: in
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=list(special_tokens), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(special_tokens),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_iter_texts(expand_files(files), text_field), trainer=trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special_tokens[0], bos_token=special_tokens[0],
-                                 pad_token=special_tokens[1] if len(special_tokens) > 1 else special_tokens[0])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=special_tokens[0],
+        bos_token=special_tokens[0],
+        pad_token=special_tokens[1] if len(special_tokens) > 1 else special_tokens[0],
+    )
     os.makedirs(out_dir, exist_ok=True)
     hf.save_pretrained(out_dir)
     return hf
@@ -93,8 +107,9 @@ def convert_qwen(out_dir: str, variant: str = "qwen"):
     resource, pat_attr, special_attr = QWEN_VARIANTS[variant]
     vocab_file = os.path.join(os.path.dirname(qt.__file__), "resources", resource)
     specials = sorted(getattr(qt, special_attr))
-    tok = TikTokenConverter(vocab_file=vocab_file, pattern=getattr(qt, pat_attr),
-                            extra_special_tokens=[t for _, t in specials]).converted()
+    tok = TikTokenConverter(
+        vocab_file=vocab_file, pattern=getattr(qt, pat_attr), extra_special_tokens=[t for _, t in specials]
+    ).converted()
     for token_id, token in specials:
         if tok.token_to_id(token) != token_id:
             raise RuntimeError(f"Qwen special token {token} got id {tok.token_to_id(token)}, expected {token_id}")

@@ -53,8 +53,10 @@ def cuda_window_memory(device: torch.device) -> dict:
     global _CUDA_RUN_PEAK
     if device.type != "cuda":
         return {}
-    out = {"cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
-           "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+    out = {
+        "cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+    }
     _CUDA_RUN_PEAK = max(_CUDA_RUN_PEAK, out["cuda_max_allocated_bytes"])
     torch.cuda.reset_peak_memory_stats(device)
     return out
@@ -78,9 +80,12 @@ def resident_bytes() -> int:
 def rank_stats(pipe, device: torch.device, step_time_s: float | None = None) -> dict:
     """This rank's memory numbers (and its mean step time since the last log), to gather."""
     stats = pipe.stats()
-    out = {"peak_activation_bytes": int(stats.get("peak_activation_bytes", 0)),
-           "param_bytes": int(stats.get("param_bytes", 0)), "peak_memory_bytes": peak_memory_bytes(device),
-           "rss_bytes": resident_bytes()}
+    out = {
+        "peak_activation_bytes": int(stats.get("peak_activation_bytes", 0)),
+        "param_bytes": int(stats.get("param_bytes", 0)),
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "rss_bytes": resident_bytes(),
+    }
     out.update(cuda_window_memory(device))  # after the run peak above has read the allocator's counter
     if step_time_s is not None:
         out["step_time_s"] = float(step_time_s)
@@ -166,9 +171,12 @@ class Tracker:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, key: rows}, ensure_ascii=False) + "\n")
         if self.enabled:
-            self.accelerator.get_tracker("wandb").log_table(key, columns=["step", "prompt", "completion"],
-                                                           data=[[step, r["prompt"], r["completion"]] for r in rows],
-                                                           step=step)
+            self.accelerator.get_tracker("wandb").log_table(
+                key,
+                columns=["step", "prompt", "completion"],
+                data=[[step, r["prompt"], r["completion"]] for r in rows],
+                step=step,
+            )
 
     def log_image(self, key: str, path: str, step: int) -> None:
         if self.is_main and self.enabled:

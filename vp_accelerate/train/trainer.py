@@ -15,11 +15,11 @@ import os
 import torch
 
 from .data import prepare_data
+from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer, build_scheduler
 from .presets import model_source, recipe_model_config
 from .recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
-from .export import export_final
 from .run_state import fingerprint, init_weights_from, resume_run
 from .tokenizer import load_tokenizer
 from .tracking import Tracker, gather, plot_measured_timeline
@@ -43,8 +43,7 @@ def make_accelerator(recipe: Recipe):
     log_with = None if recipe.logging.wandb_mode == "disabled" else "wandb"
     if log_with and recipe.logging.wandb_mode == "offline":
         os.environ.setdefault("WANDB_MODE", "offline")
-    return Accelerator(cpu=not torch.cuda.is_available(), log_with=log_with,
-                       project_dir=recipe.logging.output_dir)
+    return Accelerator(cpu=not torch.cuda.is_available(), log_with=log_with, project_dir=recipe.logging.output_dir)
 
 
 def mixed_precision_for(recipe: Recipe, accelerate_mode: str | None) -> str:
@@ -56,12 +55,18 @@ def mixed_precision_for(recipe: Recipe, accelerate_mode: str | None) -> str:
         return resolve(recipe.pipeline.mixed_precision)
     mode = str(accelerate_mode or "no").lower()
     if mode not in ("no", "bf16", "fp16"):
-        raise ValueError(f"accelerate's --mixed_precision {mode} is not supported by the pipeline engine; launch "
-                         f"with --mixed_precision bf16 (or fp16, no), or set pipeline.mixed_precision in the recipe")
+        raise ValueError(
+            f"accelerate's --mixed_precision {mode} is not supported by the pipeline engine; launch "
+            f"with --mixed_precision bf16 (or fp16, no), or set pipeline.mixed_precision in the recipe"
+        )
     if mode != "no" and recipe.train.precision != "fp32":
-        log.info("accelerate's --mixed_precision %s is not used: train.precision is %s (parameters already in the "
-                 "low precision); set train.precision: fp32 for %s compute with fp32 master weights",
-                 mode, recipe.train.precision, mode)
+        log.info(
+            "accelerate's --mixed_precision %s is not used: train.precision is %s (parameters already in the "
+            "low precision); set train.precision: fp32 for %s compute with fp32 master weights",
+            mode,
+            recipe.train.precision,
+            mode,
+        )
         return "no"
     return mode
 
@@ -82,8 +87,10 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
         try:
             model_dir = local_model_dir(m.source) if m.source not in PRESETS else None
         except (OSError, ValueError) as e:  # huggingface_hub: not found, offline, gated
-            raise RecipeError(f"model.source: cannot get {m.source!r}: {str(e).splitlines()[0]}; fix model.source "
-                              f"or point it at a local checkpoint directory") from None
+            raise RecipeError(
+                f"model.source: cannot get {m.source!r}: {str(e).splitlines()[0]}; fix model.source "
+                f"or point it at a local checkpoint directory"
+            ) from None
         source = tokenizer_source(recipe)
         if source == m.source and model_dir is not None:
             source = model_dir
@@ -94,8 +101,11 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
         model_tokenizer = None
         own = model_tokenizer_source(model_dir) if model_dir is not None and m.pretrained_weights else None
         if own is not None:
-            model_tokenizer = tokenizer if os.path.abspath(own) == os.path.abspath(source) else \
-                load_tokenizer(own, recipe.tokenizer.cache_dir, m.trust_remote_code)
+            model_tokenizer = (
+                tokenizer
+                if os.path.abspath(own) == os.path.abspath(source)
+                else load_tokenizer(own, recipe.tokenizer.cache_dir, m.trust_remote_code)
+            )
     chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, m.pretrained_weights and m.source not in PRESETS)
     return model_dir, tokenizer, model_tokenizer, chat
 
@@ -116,8 +126,16 @@ def plan_model(recipe: Recipe, tokenizer, model_dir: str | None = None, model_to
     return config, plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, chat=chat)
 
 
-def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = None, model_tokenizer=None,
-                   accelerate_mixed_precision: str | None = None, chat=None, planned=None):
+def build_pipeline(
+    recipe: Recipe,
+    tokenizer,
+    device,
+    model_dir: str | None = None,
+    model_tokenizer=None,
+    accelerate_mixed_precision: str | None = None,
+    chat=None,
+    planned=None,
+):
     """(PipelineModel of the recipe's model, the vocabulary decision `VocabPlan`); `planned`: `plan_model`'s
     result when the caller has it.
 
@@ -134,6 +152,7 @@ def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = No
     source = model_source(m, config, plan, model_dir)
     if isinstance(source, CheckpointSource):
         if dist.is_available() and dist.is_initialized():
+
             def all_reduce(t):
                 on = t.to(device)
                 dist.all_reduce(on)
@@ -145,8 +164,14 @@ def build_pipeline(recipe: Recipe, tokenizer, device, model_dir: str | None = No
     # the recipe's pipeline section is a runtime.PipelineConfig: passed whole, nothing copied by hand
     # an unset mixed_precision becomes the launcher's, written into the section so the logged recipe says what ran
     recipe.pipeline.mixed_precision = mixed_precision_for(recipe, accelerate_mixed_precision)
-    pipe = PipelineModel(source, recipe.pipeline, dtype=DTYPES[recipe.train.precision], seed=recipe.train.seed,
-                         device=device, adapter=recipe.adapter)
+    pipe = PipelineModel(
+        source,
+        recipe.pipeline,
+        dtype=DTYPES[recipe.train.precision],
+        seed=recipe.train.seed,
+        device=device,
+        adapter=recipe.adapter,
+    )
     return pipe, plan
 
 
@@ -157,8 +182,12 @@ def _adapter_line(recipe: Recipe, pipe) -> str | None:
     from vp_accelerate.models.lora import describe_adapter, parameter_counts
 
     mods = getattr(pipe, "mods", None)
-    counts = gather((pipe.dp_rank, *parameter_counts(pipe.named_parameters(),
-                                                     mods.is_duplicate if mods is not None else lambda n: False)))
+    counts = gather(
+        (
+            pipe.dp_rank,
+            *parameter_counts(pipe.named_parameters(), mods.is_duplicate if mods is not None else lambda n: False),
+        )
+    )
     trainable, total = (sum(c[k] for c in counts if c[0] == 0) for k in (1, 2))
     return describe_adapter(recipe.adapter, pipe.hf_config, trainable, total)
 
@@ -182,23 +211,40 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         data.check_sizes(t.global_batch, recipe.eval.batches)
     if t.steps is None:  # train.epochs: the run's length is known now
         finish_steps(recipe, len(data.train) // t.global_batch)
-    pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer,
-                                 accelerator.mixed_precision, chat, planned)
+    pipe, vocab = build_pipeline(
+        recipe, tokenizer, accelerator.device, model_dir, model_tokenizer, accelerator.mixed_precision, chat, planned
+    )
     layout = PipelineLayout(tuple(gather(pipe.describe())))
     adapter_line = _adapter_line(recipe, pipe)  # a collective
     if accelerator.is_main_process:
         for line in vocab.lines() + ([adapter_line] if adapter_line else []):
             log.info("%s", line)
-        log.info("distributed: %s, world size %d (pp %d x dp %d)", accelerator.distributed_type,
-                 pipe.world_size, pipe.world_size // pipe.dp_size, pipe.dp_size)
+        log.info(
+            "distributed: %s, world size %d (pp %d x dp %d)",
+            accelerator.distributed_type,
+            pipe.world_size,
+            pipe.world_size // pipe.dp_size,
+            pipe.dp_size,
+        )
         for rank in layout.ranks:
             log.info("%s", rank)
     train_it, eval_batches = data.iterators(t.seed, t.global_batch, pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
     optimizer = build_optimizer(pipe.named_parameters(), recipe.optimizer)
-    run = Run(recipe=recipe, accelerator=accelerator, pipe=pipe, tokenizer=tokenizer, train_it=train_it,
-              eval_batches=eval_batches, optimizer=optimizer, scheduler=build_scheduler(optimizer, recipe.lr, t.steps),
-              layout=layout, vocab=vocab, fingerprint=fingerprint(recipe, pipe, layout),
-              recipe_dict=recipe_to_dict(recipe), data=data)
+    run = Run(
+        recipe=recipe,
+        accelerator=accelerator,
+        pipe=pipe,
+        tokenizer=tokenizer,
+        train_it=train_it,
+        eval_batches=eval_batches,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, recipe.lr, t.steps),
+        layout=layout,
+        vocab=vocab,
+        fingerprint=fingerprint(recipe, pipe, layout),
+        recipe_dict=recipe_to_dict(recipe),
+        data=data,
+    )
     run.start_step = resume_run(run, which) if which else 0
     if not which and recipe.model.init_from:
         init_weights_from(run, recipe.model.init_from)
@@ -224,8 +270,13 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
 
         run.tracker.log(data_metrics(run.data, recipe.train.global_batch), 0)
     losses = {}
-    bar = tqdm(total=recipe.train.steps, initial=run.start_step, disable=not run.accelerator.is_main_process,
-               desc="train", dynamic_ncols=True)
+    bar = tqdm(
+        total=recipe.train.steps,
+        initial=run.start_step,
+        disable=not run.accelerator.is_main_process,
+        desc="train",
+        dynamic_ncols=True,
+    )
     for step in range(run.start_step + 1, run.end_step + 1):
         out = train_step_once(run, state, step)
         losses[step] = out.loss
@@ -240,14 +291,30 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     finish(run)
     hf_dir = export_final(run)
     if hf_dir and recipe.checkpoint.keep_best and run.pipe.rank == 0:
-        log.info("checkpoint.keep_best: %s holds the checkpoint of step %d, the best eval loss (%.4f)", hf_dir,
-                 run.best["step"], run.best["loss"])
+        log.info(
+            "checkpoint.keep_best: %s holds the checkpoint of step %d, the best eval loss (%.4f)",
+            hf_dir,
+            run.best["step"],
+            run.best["loss"],
+        )
     v = run.vocab
-    return {"start_step": run.start_step, "losses": losses, "eval": state.evals,
-            "vocab": {"tokenizer": v.tokenizer_size, "rows_before": v.rows_before, "rows_after": v.rows_after,
-                      "mode": v.mode, "rows": v.counts()},
-            "final_eval_loss": state.eval_loss, "end_step": run.end_step, "hf_dir": hf_dir,
-            "stopped_early": run.stopped_early, "best": dict(run.best)}
+    return {
+        "start_step": run.start_step,
+        "losses": losses,
+        "eval": state.evals,
+        "vocab": {
+            "tokenizer": v.tokenizer_size,
+            "rows_before": v.rows_before,
+            "rows_after": v.rows_after,
+            "mode": v.mode,
+            "rows": v.counts(),
+        },
+        "final_eval_loss": state.eval_loss,
+        "end_step": run.end_step,
+        "hf_dir": hf_dir,
+        "stopped_early": run.stopped_early,
+        "best": dict(run.best),
+    }
 
 
 def finish(run: Run) -> None:

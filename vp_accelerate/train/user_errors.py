@@ -65,8 +65,13 @@ def main_process_first(what: str = "starting"):
     try:
         yield
     except BaseException as e:
-        kind = ("RecipeError" if isinstance(e, RecipeError) else "DataError" if isinstance(e, DataError) else
-                type(e).__qualname__)
+        kind = (
+            "RecipeError"
+            if isinstance(e, RecipeError)
+            else "DataError"
+            if isinstance(e, DataError)
+            else type(e).__qualname__
+        )
         if isinstance(e, USER_ERRORS):  # said before the others learn it: the launcher stops us when they exit
             report(e)
             e.quiet = True

@@ -43,10 +43,15 @@ def tokenizer_source(recipe) -> str:
         return recipe.tokenizer.source
     own = model_tokenizer_source(recipe.model.source)
     if own is None:
-        where = ("is a preset (a config, no tokenizer)" if recipe.model.source in PRESETS
-                 else "has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        raise RecipeError(f"tokenizer.source: not set, and model.source {recipe.model.source!r} {where}; name a "
-                          f"tokenizer, e.g. tokenizer.source: bpe:outputs/demo_tokenizer")
+        where = (
+            "is a preset (a config, no tokenizer)"
+            if recipe.model.source in PRESETS
+            else "has no tokenizer files (tokenizer.json / tokenizer_config.json)"
+        )
+        raise RecipeError(
+            f"tokenizer.source: not set, and model.source {recipe.model.source!r} {where}; name a "
+            f"tokenizer, e.g. tokenizer.source: bpe:outputs/demo_tokenizer"
+        )
     return own
 
 
@@ -78,12 +83,16 @@ class VocabPlan:
         return self.row_map.counts() if self.row_map is not None else None
 
     def lines(self) -> list[str]:
-        out = [f"vocabulary: tokenizer {self.tokenizer_size:,} tokens, rows {self.rows_before:,} -> "
-               f"{self.rows_after:,} ({self.padding:,} rows past the tokenizer) [{self.mode}]: {self.reason}"]
+        out = [
+            f"vocabulary: tokenizer {self.tokenizer_size:,} tokens, rows {self.rows_before:,} -> "
+            f"{self.rows_after:,} ({self.padding:,} rows past the tokenizer) [{self.mode}]: {self.reason}"
+        ]
         counts = self.counts()
         if counts is not None and self.mode in ("swap", "remap", "grow", "shrink"):
-            out.append("vocabulary rows: {copied:,} copied, {composed:,} composed of old pieces, {mean:,} from the "
-                       "mean of the old rows".format(**counts))
+            out.append(
+                "vocabulary rows: {copied:,} copied, {composed:,} composed of old pieces, {mean:,} from the "
+                "mean of the old rows".format(**counts)
+            )
         chat = self.chat.line() if self.chat is not None else None
         return out + ([chat] if chat else [])
 
@@ -97,9 +106,11 @@ def is_swap(recipe, tokenizer, model_tokenizer, pretrained: bool = True) -> bool
         return False
     if t.remap == "by_token":
         if model_tokenizer is None:
-            raise RecipeError(f"tokenizer.remap: by_token needs the model's own tokenizer, and model.source "
-                              f"{recipe.model.source!r} has none; use tokenizer.remap: by_id if the ids mean the "
-                              f"same tokens")
+            raise RecipeError(
+                f"tokenizer.remap: by_token needs the model's own tokenizer, and model.source "
+                f"{recipe.model.source!r} has none; use tokenizer.remap: by_id if the ids mean the "
+                f"same tokens"
+            )
         return True
     return t.remap == "auto" and model_tokenizer is not None and not same_vocabulary(model_tokenizer, tokenizer)
 
@@ -116,8 +127,9 @@ def prepare_tokenizers(recipe, tokenizer, model_tokenizer, pretrained: bool):
         raise RecipeError(str(e)) from None
 
 
-def plan_vocab(recipe, rows_before: int, tokenizer, pretrained: bool, model_tokenizer=None,
-               build_map: bool = True, chat=None) -> VocabPlan:
+def plan_vocab(
+    recipe, rows_before: int, tokenizer, pretrained: bool, model_tokenizer=None, build_map: bool = True, chat=None
+) -> VocabPlan:
     """Decide the run's vocabulary. `model_tokenizer`: the model's own tokenizer when known (for swaps);
     `chat`: the chat template decision (`prepare_tokenizers`), reported with it.
 
@@ -134,21 +146,29 @@ def _plan(recipe, rows_before: int, tokenizer, pretrained: bool, model_tokenizer
     padded = padded_vocab(n, t.pad_to_multiple_of)
     if not pretrained:
         if t.resize_vocab:
-            return VocabPlan(n, rows_before, padded, "fresh", "random init: rows sized to the tokenizer "
-                             f"(tokenizer.pad_to_multiple_of={t.pad_to_multiple_of})")
+            return VocabPlan(
+                n,
+                rows_before,
+                padded,
+                "fresh",
+                f"random init: rows sized to the tokenizer (tokenizer.pad_to_multiple_of={t.pad_to_multiple_of})",
+            )
         if n > rows_before:
             raise _too_small(n, rows_before)
-        return VocabPlan(n, rows_before, rows_before, "fresh", "random init, tokenizer.resize_vocab: false keeps "
-                         "the config's rows")
-    from .token_map import build_row_map
-
+        return VocabPlan(
+            n, rows_before, rows_before, "fresh", "random init, tokenizer.resize_vocab: false keeps the config's rows"
+        )
     from vp_accelerate.models.row_map import RowMap
+
+    from .token_map import build_row_map
 
     if is_swap(recipe, tokenizer, model_tokenizer):
         if t.resize_vocab:
             rows, mode = padded, "swap"
-            why = (f"a different tokenizer than the model's: rows rebuilt by token string "
-                   f"(tokenizer.pad_to_multiple_of={t.pad_to_multiple_of})")
+            why = (
+                f"a different tokenizer than the model's: rows rebuilt by token string "
+                f"(tokenizer.pad_to_multiple_of={t.pad_to_multiple_of})"
+            )
         else:
             if n > rows_before:
                 raise _too_small(n, rows_before)
@@ -165,17 +185,32 @@ def _plan(recipe, rows_before: int, tokenizer, pretrained: bool, model_tokenizer
     if padded > rows_before:
         if not t.resize_vocab:
             raise _too_small(n, rows_before)
-        return VocabPlan(n, rows_before, padded, "grow", f"{by}: the tokenizer has more tokens than the model has "
-                         f"rows; new rows start from the mean", RowMap.identity(padded, rows_before))
+        return VocabPlan(
+            n,
+            rows_before,
+            padded,
+            "grow",
+            f"{by}: the tokenizer has more tokens than the model has rows; new rows start from the mean",
+            RowMap.identity(padded, rows_before),
+        )
     if padded < rows_before and t.allow_shrink:
-        return VocabPlan(n, rows_before, padded, "shrink", f"{by}; tokenizer.allow_shrink: true drops the rows "
-                         f"past the tokenizer", RowMap.identity(padded, rows_before))
-    why = f"{by}; every row is kept" + (" (rows past the tokenizer stay; tokenizer.allow_shrink: true drops them)"
-                                        if padded < rows_before else "")
+        return VocabPlan(
+            n,
+            rows_before,
+            padded,
+            "shrink",
+            f"{by}; tokenizer.allow_shrink: true drops the rows past the tokenizer",
+            RowMap.identity(padded, rows_before),
+        )
+    why = f"{by}; every row is kept" + (
+        " (rows past the tokenizer stay; tokenizer.allow_shrink: true drops them)" if padded < rows_before else ""
+    )
     return VocabPlan(n, rows_before, rows_before, "keep", why, None)
 
 
 def _too_small(n: int, rows: int) -> RecipeError:
-    return RecipeError(f"tokenizer.resize_vocab: the tokenizer has {n} tokens but the model's vocabulary has {rows} "
-                       f"rows, so ids >= {rows} have no embedding; set tokenizer.resize_vocab: true or use the "
-                       f"model's own tokenizer")
+    return RecipeError(
+        f"tokenizer.resize_vocab: the tokenizer has {n} tokens but the model's vocabulary has {rows} "
+        f"rows, so ids >= {rows} have no embedding; set tokenizer.resize_vocab: true or use the "
+        f"model's own tokenizer"
+    )

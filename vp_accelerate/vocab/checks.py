@@ -17,14 +17,18 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def check_float(t: torch.Tensor, name: str) -> None:
     if t.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; the vocabulary layers need a floating tensor "
-                         f"(float32, bfloat16, float16 or float64): cast it, e.g. {name}.float()")
+        raise ValueError(
+            f"{name} has dtype {t.dtype}; the vocabulary layers need a floating tensor "
+            f"(float32, bfloat16, float16 or float64): cast it, e.g. {name}.float()"
+        )
 
 
 def check_same_dtype(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
     if a.dtype != b.dtype:
-        raise ValueError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; cast one so both match "
-                         f"(statistics are kept in float32 whatever the dtype)")
+        raise ValueError(
+            f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; cast one so both match "
+            f"(statistics are kept in float32 whatever the dtype)"
+        )
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index: int | None = None) -> None:
@@ -38,6 +42,8 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str, ignore_index:
         pos = torch.nonzero(bad)[0].tolist()
         value = int(ids[tuple(pos)])
         allowed = f"[0, {vocab_size})" + (f" or {ignore_index} (ignored)" if ignore_index is not None else "")
-        raise ValueError(f"{name} at position {tuple(pos)} is {value}, outside {allowed} "
-                         f"({int(bad.sum())} such entries); check the tokenizer's vocabulary size against "
-                         f"the model's (vocab_size={vocab_size})")
+        raise ValueError(
+            f"{name} at position {tuple(pos)} is {value}, outside {allowed} "
+            f"({int(bad.sum())} such entries); check the tokenizer's vocabulary size against "
+            f"the model's (vocab_size={vocab_size})"
+        )

@@ -36,8 +36,9 @@ import torch.distributed as dist
 class Pending:
     """Handle of one collective chain in flight; `wait()` completes it and returns the chain's result."""
 
-    def __init__(self, works: Sequence[Any] = (), finalize: Callable[[], Any] | None = None, *,
-                 job: Any = None, label: str = ""):
+    def __init__(
+        self, works: Sequence[Any] = (), finalize: Callable[[], Any] | None = None, *, job: Any = None, label: str = ""
+    ):
         # works + finalize: collectives already issued on the caller's thread (kept for callers that
         # issue their own); job: a chain handed to a communication engine.
         self._works = [w for w in works if w is not None]
@@ -91,8 +92,15 @@ def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
 
 # ---- the engines ---------------------------------------------------------------------------------
 
-def submit(chain: Callable[[], Any], group: dist.ProcessGroup | None, device: torch.device,
-           inputs: Iterable[torch.Tensor] = (), label: str = "", async_op: bool = True) -> Pending:
+
+def submit(
+    chain: Callable[[], Any],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    inputs: Iterable[torch.Tensor] = (),
+    label: str = "",
+    async_op: bool = True,
+) -> Pending:
     """Run `chain` (collectives on `group` and the compute between them) off the caller's critical path.
 
     `device` is where the chain's tensors live (CUDA: stream engine; else the group's worker thread).
@@ -133,8 +141,7 @@ class _ThreadJob:
             if _FATAL:  # a communication failure elsewhere in this process means this chain cannot end
                 raise RuntimeError(_FATAL[0])
         if self.error is not None:
-            raise RuntimeError(f"a collective chain failed on the communication worker: {self.error}"
-                               ) from self.error
+            raise RuntimeError(f"a collective chain failed on the communication worker: {self.error}") from self.error
         value, self.value = self.value, None
         return value
 
@@ -199,8 +206,10 @@ def strict_mode() -> str | None:
         return "strict"
     if value == "serial":
         return "serial"
-    raise ValueError(f"VP_STRICT_P2P={value!r}: use 1 (NCCL's p2p semantics on gloo), serial (also one issue "
-                     "order for all communicators of a rank), or 0")
+    raise ValueError(
+        f"VP_STRICT_P2P={value!r}: use 1 (NCCL's p2p semantics on gloo), serial (also one issue "
+        "order for all communicators of a rank), or 0"
+    )
 
 
 def worker(group: dist.ProcessGroup | None) -> CommWorker:

@@ -30,11 +30,14 @@ def _local_ids(ids: torch.Tensor, partition: VocabPartition, rank: int) -> tuple
 def _check_weight(weight: torch.Tensor, partition: VocabPartition, name: str) -> None:
     check_float(weight, name)
     if weight.dim() != 2 or weight.shape[0] != partition.shard_size:
-        raise ValueError(f"{name} {tuple(weight.shape)} must be this rank's shard [shard_size={partition.shard_size}, h]")
+        raise ValueError(
+            f"{name} {tuple(weight.shape)} must be this rank's shard [shard_size={partition.shard_size}, h]"
+        )
 
 
-def embed_partial(ids: torch.Tensor, weight: torch.Tensor, partition: VocabPartition, rank: int,
-                  check_inputs: bool = True) -> torch.Tensor:
+def embed_partial(
+    ids: torch.Tensor, weight: torch.Tensor, partition: VocabPartition, rank: int, check_inputs: bool = True
+) -> torch.Tensor:
     """IF (local part): `[*ids.shape, h]` rows of this shard for its ids, zeros for the others."""
     _check_weight(weight, partition, "weight")
     if check_inputs:
@@ -43,8 +46,9 @@ def embed_partial(ids: torch.Tensor, weight: torch.Tensor, partition: VocabParti
     return torch.nn.functional.embedding(local, weight) * mask.unsqueeze(-1).to(weight.dtype)
 
 
-def if_reduce(partial: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
-              async_op: bool = False) -> Pending:
+def if_reduce(
+    partial: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Pending:
     """IF (collective): sum the partials in place into group rank `dst`; its `wait()` returns the tensor
     (the full embedding output on `dst`, unspecified elsewhere). Runs on the communication engine."""
 
@@ -55,8 +59,9 @@ def if_reduce(partial: torch.Tensor, dst: int, group: dist.ProcessGroup | None =
     return submit(chain, group, partial.device, [partial], "IF_REDUCE", async_op)
 
 
-def ib_broadcast(grad: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
-                 async_op: bool = False) -> Pending:
+def ib_broadcast(
+    grad: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Pending:
     """IB (collective): broadcast ∂L/∂emb in place from group rank `src` (grad is the buffer elsewhere)."""
     if not grad.is_contiguous():
         raise ValueError("grad must be contiguous to be broadcast; pass grad.contiguous()")
@@ -68,13 +73,16 @@ def ib_broadcast(grad: torch.Tensor, src: int, group: dist.ProcessGroup | None =
     return submit(chain, group, grad.device, [grad], "IB_BCAST", async_op)
 
 
-def embed_backward(ids: torch.Tensor, grad: torch.Tensor, weight_grad: torch.Tensor,
-                   partition: VocabPartition, rank: int) -> None:
+def embed_backward(
+    ids: torch.Tensor, grad: torch.Tensor, weight_grad: torch.Tensor, partition: VocabPartition, rank: int
+) -> None:
     """IB (local part): scatter-add the rows of `grad` ([*ids.shape, h]) whose ids live here into `weight_grad`."""
     _check_weight(weight_grad, partition, "weight_grad")
     if grad.shape[:-1] != ids.shape or grad.shape[-1] != weight_grad.shape[1]:
-        raise ValueError(f"grad {tuple(grad.shape)} must be [*ids.shape, h] = [{', '.join(map(str, ids.shape))}, "
-                         f"{weight_grad.shape[1]}]")
+        raise ValueError(
+            f"grad {tuple(grad.shape)} must be [*ids.shape, h] = [{', '.join(map(str, ids.shape))}, "
+            f"{weight_grad.shape[1]}]"
+        )
     local, mask = _local_ids(ids.reshape(-1), partition, rank)
     g = grad.reshape(-1, grad.shape[-1]).to(weight_grad.dtype) * mask[:, None].to(weight_grad.dtype)
     # Masked rows add zeros to a clamped (valid) row: no boolean indexing, so no host sync on GPU.

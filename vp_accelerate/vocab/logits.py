@@ -24,8 +24,16 @@ def chunk_ranges(rows: int, chunk_size: int | None) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
-def chunk_logits(x: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, softcap: float | None,
-                 logit_scale: float, stat_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_logits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lo: int,
+    hi: int,
+    softcap: float | None,
+    logit_scale: float,
+    stat_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Transformed logits z = f(x W[lo:hi]ᵀ + b[lo:hi]) of one chunk, `[N, hi − lo]` in `stat_dtype`.
 
     The matmul runs in the inputs' dtype (bf16 stays bf16 for speed); everything after it in fp32,
@@ -50,8 +58,9 @@ def chunk_logit_derivative(z: torch.Tensor, softcap: float | None, logit_scale: 
     return (1.0 - (z / softcap).square()) * logit_scale
 
 
-def target_columns(local_labels: torch.Tensor, in_shard: torch.Tensor, lo: int, hi: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def target_columns(
+    local_labels: torch.Tensor, in_shard: torch.Tensor, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(hit, col) for chunk [lo, hi): hit[n] is 1.0 where token n's label falls in the chunk, col[n] its column.
 
     Mask arithmetic with clamped columns instead of nonzero(): no host sync on GPU. Where hit is 0,

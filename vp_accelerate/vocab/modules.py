@@ -16,15 +16,16 @@ from .output_layer import OutputLayerOptions, c1, c2, s_pass, t_pass, token_mean
 from .partition import VocabPartition, shard_tensor
 
 
-def _new_shard(partition: VocabPartition, rank: int, hidden: int, weight: nn.Parameter | None,
-               device, dtype) -> nn.Parameter:
+def _new_shard(
+    partition: VocabPartition, rank: int, hidden: int, weight: nn.Parameter | None, device, dtype
+) -> nn.Parameter:
     if weight is not None:  # tying: reuse the other module's Parameter, one tensor, two gradient paths
         if tuple(weight.shape) != (partition.shard_size, hidden):
             raise ValueError(f"shared weight {tuple(weight.shape)} must be [{partition.shard_size}, {hidden}]")
         return weight
     w = torch.empty(partition.shard_size, hidden, device=device, dtype=dtype)
     nn.init.normal_(w, std=0.02)
-    w[partition.valid_rows(rank):] = 0.0  # padding rows hold no token
+    w[partition.valid_rows(rank) :] = 0.0  # padding rows hold no token
     return nn.Parameter(w)
 
 
@@ -51,8 +52,16 @@ class _Embed(torch.autograd.Function):
 class VocabParallelEmbedding(nn.Module):
     """Input embedding whose rows are sharded over `group`; forward returns the full output on every rank."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: dist.ProcessGroup | None = None,
-                 pad_multiple: int = 1, device=None, dtype=None, weight: nn.Parameter | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: dist.ProcessGroup | None = None,
+        pad_multiple: int = 1,
+        device=None,
+        dtype=None,
+        weight: nn.Parameter | None = None,
+    ):
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -96,9 +105,17 @@ class VocabParallelLMHeadLoss(nn.Module):
     (default: the valid labels of this call — pass the step's count when accumulating microbatches).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, group: dist.ProcessGroup | None = None,
-                 options: OutputLayerOptions | None = None, pad_multiple: int = 1, device=None, dtype=None,
-                 weight: nn.Parameter | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        group: dist.ProcessGroup | None = None,
+        options: OutputLayerOptions | None = None,
+        pad_multiple: int = 1,
+        device=None,
+        dtype=None,
+        weight: nn.Parameter | None = None,
+    ):
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)

@@ -157,8 +157,9 @@ class OutputState:
         return grad
 
 
-def token_mean_grad_scale(labels: torch.Tensor, num_valid: int | torch.Tensor, ignore_index: int = -100
-                          ) -> torch.Tensor:
+def token_mean_grad_scale(
+    labels: torch.Tensor, num_valid: int | torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
     """g for a token-mean loss over a step with `num_valid` valid tokens: 1/num_valid, 0 at ignored tokens."""
     valid = (labels != ignore_index).to(torch.float32)
     return valid / max(float(num_valid), 1.0)
@@ -174,19 +175,24 @@ def _check_s_inputs(x, labels, grad_scale, weight, partition, rank, opts) -> Non
     check_float(weight, "weight")
     check_same_dtype(x, "x", weight, "weight")
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} must be [..., h] and weight {tuple(weight.shape)} [shard_size, h] "
-                         f"with the same h")
+        raise ValueError(
+            f"x {tuple(x.shape)} must be [..., h] and weight {tuple(weight.shape)} [shard_size, h] with the same h"
+        )
     if weight.shape[0] != partition.shard_size:
-        raise ValueError(f"weight has {weight.shape[0]} rows but the partition's shard_size is "
-                         f"{partition.shard_size} (vocab_size={partition.vocab_size}, world_size="
-                         f"{partition.world_size}, pad_multiple={partition.pad_multiple}); pass this rank's "
-                         f"padded shard, e.g. from partition.shard_tensor")
+        raise ValueError(
+            f"weight has {weight.shape[0]} rows but the partition's shard_size is "
+            f"{partition.shard_size} (vocab_size={partition.vocab_size}, world_size="
+            f"{partition.world_size}, pad_multiple={partition.pad_multiple}); pass this rank's "
+            f"padded shard, e.g. from partition.shard_tensor"
+        )
     if not 0 <= rank < partition.world_size:
         raise ValueError(f"rank {rank} outside [0, {partition.world_size})")
     n = x.numel() // x.shape[-1]
     if labels.numel() != n or grad_scale.numel() != n:
-        raise ValueError(f"x has {n} tokens but labels has {labels.numel()} and grad_scale {grad_scale.numel()}; "
-                         f"they must match token for token")
+        raise ValueError(
+            f"x has {n} tokens but labels has {labels.numel()} and grad_scale {grad_scale.numel()}; "
+            f"they must match token for token"
+        )
     if grad_scale.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"grad_scale must be float32 (or float64), got {grad_scale.dtype}")
     if opts.check_inputs:
@@ -195,8 +201,7 @@ def _check_s_inputs(x, labels, grad_scale, weight, partition, rank, opts) -> Non
         raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
 
 
-def broadcast_x(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
-                async_op: bool = False) -> Pending:
+def broadcast_x(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Pending:
     """C0: broadcast X in place from group rank `src` (x is the receive buffer on the other ranks)."""
     if not x.is_contiguous():
         raise ValueError("x must be contiguous to be broadcast; pass x.contiguous()")
@@ -208,17 +213,26 @@ def broadcast_x(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = Non
     return submit(chain, group, x.device, [x], "C0", async_op)
 
 
-def s_pass(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weight: torch.Tensor,
-           partition: VocabPartition, rank: int, opts: OutputLayerOptions,
-           bias: torch.Tensor | None = None) -> OutputState:
+def s_pass(
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    grad_scale: torch.Tensor,
+    weight: torch.Tensor,
+    partition: VocabPartition,
+    rank: int,
+    opts: OutputLayerOptions,
+    bias: torch.Tensor | None = None,
+) -> OutputState:
     """S: this shard's logits and row statistics for one microbatch (local, no communication).
 
     `bias`: the shard [shard_size] of an output bias (z = X Wᵢᵀ + bᵢ), or None.
     """
     _check_s_inputs(x, labels, grad_scale, weight, partition, rank, opts)
     if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype):
-        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} must be the shard's [{weight.shape[0]}] entries in "
-                         f"the weight's dtype {weight.dtype}")
+        raise ValueError(
+            f"bias {tuple(bias.shape)} {bias.dtype} must be the shard's [{weight.shape[0]}] entries in "
+            f"the weight's dtype {weight.dtype}"
+        )
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     n = x2.shape[0]
@@ -270,9 +284,25 @@ def s_pass(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weig
                     c += (eps / V) * fprime * w_chunk.to(sd).sum(dim=0)
         m = m_new
 
-    return OutputState(opts=opts, partition=partition, rank=rank, x=x2, x_shape=x.shape, weight=weight, bias=bias,
-                       labels=labels1, grad_scale=g, local_labels=local_labels, in_shard=in_shard,
-                       local_max=m, local_sum=s, local_target=t, logits=stored, local_a=a, local_c=c)
+    return OutputState(
+        opts=opts,
+        partition=partition,
+        rank=rank,
+        x=x2,
+        x_shape=x.shape,
+        weight=weight,
+        bias=bias,
+        labels=labels1,
+        grad_scale=g,
+        local_labels=local_labels,
+        in_shard=in_shard,
+        local_max=m,
+        local_sum=s,
+        local_target=t,
+        logits=stored,
+        local_a=a,
+        local_c=c,
+    )
 
 
 def _finish_loss(state: OutputState, row_max: torch.Tensor, row_sum: torch.Tensor, target: torch.Tensor) -> None:
@@ -361,8 +391,9 @@ def t_pass(state: OutputState, weight_grad: torch.Tensor | None, bias_grad: torc
     if state.t_done:
         raise RuntimeError("t_pass already ran for this microbatch state")
     if weight_grad is not None and tuple(weight_grad.shape) != tuple(state.weight.shape):
-        raise ValueError(f"weight_grad {tuple(weight_grad.shape)} must have the shard's shape "
-                         f"{tuple(state.weight.shape)}")
+        raise ValueError(
+            f"weight_grad {tuple(weight_grad.shape)} must have the shard's shape {tuple(state.weight.shape)}"
+        )
     one = state.opts.algorithm == "vocab-1"
     gx = torch.zeros(state.x.shape, dtype=state.stat_dtype, device=state.x.device) if one else None
     for i, (lo, hi) in enumerate(state.chunks() if one or weight_grad is not None or bias_grad is not None else ()):
@@ -395,10 +426,19 @@ def c2(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
     return submit(chain, group, gx.device, [gx], "C2", async_op)
 
 
-def run_output_layer(x: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor, weight: torch.Tensor,
-                     weight_grad: torch.Tensor, partition: VocabPartition, rank: int,
-                     opts: OutputLayerOptions, group: dist.ProcessGroup | None = None,
-                     bias: torch.Tensor | None = None, bias_grad: torch.Tensor | None = None) -> OutputState:
+def run_output_layer(
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    grad_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_grad: torch.Tensor,
+    partition: VocabPartition,
+    rank: int,
+    opts: OutputLayerOptions,
+    group: dist.ProcessGroup | None = None,
+    bias: torch.Tensor | None = None,
+    bias_grad: torch.Tensor | None = None,
+) -> OutputState:
     """S, C1, T (, C2) back to back for one microbatch whose X every rank already holds."""
     state = s_pass(x, labels, grad_scale, weight, partition, rank, opts, bias)
     c1(state, group, async_op=False)

@@ -32,7 +32,8 @@ class VocabPartition:
         if self.vocab_size < self.world_size:
             raise ValueError(
                 f"vocab_size ({self.vocab_size}) < world_size ({self.world_size}): every rank needs at "
-                f"least one vocabulary row; use fewer ranks in the vocabulary group or a larger vocabulary")
+                f"least one vocabulary row; use fewer ranks in the vocabulary group or a larger vocabulary"
+            )
 
     @property
     def shard_size(self) -> int:
@@ -66,10 +67,12 @@ def shard_tensor(full: torch.Tensor, partition: VocabPartition, rank: int) -> to
     Padded rows are zero, so a sharded weight can be unsharded with `torch.cat(shards)[:vocab_size]`.
     """
     if full.shape[0] not in (partition.vocab_size, partition.padded_size):
-        raise ValueError(f"expected {partition.vocab_size} (or padded {partition.padded_size}) rows, "
-                         f"got a tensor of shape {tuple(full.shape)}")
+        raise ValueError(
+            f"expected {partition.vocab_size} (or padded {partition.padded_size}) rows, "
+            f"got a tensor of shape {tuple(full.shape)}"
+        )
     start, _ = partition.shard_range(rank)
     n = partition.valid_rows(rank)
     out = full.new_zeros((partition.shard_size, *full.shape[1:]))
-    out[:n] = full[start:start + n]
+    out[:n] = full[start : start + n]
     return out

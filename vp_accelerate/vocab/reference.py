@@ -30,10 +30,18 @@ class ReferenceResult:
     """[V] ∂L/∂b when the output layer has a bias, else None."""
 
 
-def reference(x0: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, emb: torch.Tensor,
-              weight: torch.Tensor | None, label_smoothing: float = 0.0, softcap: float | None = None,
-              logit_scale: float = 1.0, ignore_index: int = -100, bias: torch.Tensor | None = None
-              ) -> ReferenceResult:
+def reference(
+    x0: torch.Tensor,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    emb: torch.Tensor,
+    weight: torch.Tensor | None,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    bias: torch.Tensor | None = None,
+) -> ReferenceResult:
     """Loss and gradients in float64; `weight=None` ties the output weight to `emb`; `bias` [V] or None."""
     e = emb.detach().to(torch.float64).requires_grad_(True)
     b = None if bias is None else bias.detach().to(torch.float64).requires_grad_(True)
@@ -47,8 +55,10 @@ def reference(x0: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, emb: to
     if softcap is not None:
         z = torch.tanh(z / softcap) * softcap
     n_valid = max(int((labels != ignore_index).sum()), 1)
-    loss = F.cross_entropy(z, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                           reduction="sum") / n_valid
+    loss = (
+        F.cross_entropy(z, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="sum")
+        / n_valid
+    )
     gx, gw, *gb = torch.autograd.grad(loss, [x, w] + ([b] if b is not None else []))
     grad_e = torch.zeros_like(e).index_add_(0, ids, gx)
     if weight is None:

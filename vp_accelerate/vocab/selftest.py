@@ -29,16 +29,16 @@ HEADERS = {"loss": "loss", "grad_x": "∂X", "grad_w": "∂W", "grad_e": "∂E"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vp-accelerate selftest",
-                                description="Check the vocabulary-parallel layers against a float64 reference.")
+    p = argparse.ArgumentParser(
+        prog="vp-accelerate selftest", description="Check the vocabulary-parallel layers against a float64 reference."
+    )
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn (ignored under a launcher)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--vocab", type=int, default=1000, help="vocabulary size V")
     p.add_argument("--hidden", type=int, default=64, help="hidden size h")
     p.add_argument("--tokens", type=int, default=128, help="tokens N (split into 2 microbatches)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
-    p.add_argument("--tolerance", type=float, default=1e-4,
-                   help="max relative error allowed (fp32 compute vs float64)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max relative error allowed (fp32 compute vs float64)")
     return p
 
 
@@ -55,8 +55,15 @@ def run_checks(vocab: int, hidden: int, tokens: int, seed: int, group=None) -> d
     out: dict = {}
     for algo in ALGORITHMS:
         for mode in MODES:
-            case = VerifyCase(vocab_size=vocab, hidden=hidden, tokens=tokens, microbatches=2,
-                              opts=_options(algo, mode, shard), ignored_fraction=0.1, root=p - 1)
+            case = VerifyCase(
+                vocab_size=vocab,
+                hidden=hidden,
+                tokens=tokens,
+                microbatches=2,
+                opts=_options(algo, mode, shard),
+                ignored_fraction=0.1,
+                root=p - 1,
+            )
             errs = verify_case(case, seed, group)
             t = torch.tensor([errs[q] for q in QUANTITIES], dtype=torch.float64)
             if dist.get_backend(group) == "nccl":
@@ -75,14 +82,26 @@ def report(errors: dict, tolerance: float, world_size: int, args, seed: int) -> 
     max_rel = {a: {m: max(e.values()) for m, e in modes.items()} for a, modes in errors.items()}
     passed = all(v <= tolerance for modes in max_rel.values() for v in modes.values())
     if args.json:
-        return passed, json.dumps({
-            "passed": passed, "max_rel_error": max_rel, "errors": errors, "tolerance": tolerance,
-            "world_size": world_size, "vocab": args.vocab, "hidden": args.hidden, "tokens": args.tokens,
-            "seed": seed})
-    lines = [f"vp-accelerate selftest: {world_size} rank(s), V={args.vocab} h={args.hidden} N={args.tokens} "
-             f"(2 microbatches, 10% ignored labels), seed {seed}, tolerance {tolerance:g}",
-             "", "| algorithm | memory | " + " | ".join(HEADERS[q] for q in QUANTITIES) + " | ok |",
-             "|---|---|" + "---|" * (len(QUANTITIES) + 1)]
+        return passed, json.dumps(
+            {
+                "passed": passed,
+                "max_rel_error": max_rel,
+                "errors": errors,
+                "tolerance": tolerance,
+                "world_size": world_size,
+                "vocab": args.vocab,
+                "hidden": args.hidden,
+                "tokens": args.tokens,
+                "seed": seed,
+            }
+        )
+    lines = [
+        f"vp-accelerate selftest: {world_size} rank(s), V={args.vocab} h={args.hidden} N={args.tokens} "
+        f"(2 microbatches, 10% ignored labels), seed {seed}, tolerance {tolerance:g}",
+        "",
+        "| algorithm | memory | " + " | ".join(HEADERS[q] for q in QUANTITIES) + " | ok |",
+        "|---|---|" + "---|" * (len(QUANTITIES) + 1),
+    ]
     for algo, modes in errors.items():
         for mode, e in modes.items():
             ok = "yes" if max_rel[algo][mode] <= tolerance else "NO"
@@ -110,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--nproc must be >= 1, got {world}", file=sys.stderr)
             return 2
         if args.vocab < world:
-            print(f"--vocab {args.vocab} must be >= --nproc {world}: every rank needs a vocabulary row",
-                  file=sys.stderr)
+            print(
+                f"--vocab {args.vocab} must be >= --nproc {world}: every rank needs a vocabulary row", file=sys.stderr
+            )
             return 2
         seed = args.seed if args.seed is not None else random.randrange(2**31)
         errors = spawn(_spawned, world, args.vocab, args.hidden, args.tokens, seed, timeout_s=300)[0]

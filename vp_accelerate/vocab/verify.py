@@ -62,9 +62,9 @@ def make_problem(case: VerifyCase, seed: int) -> dict:
     dtype = getattr(torch, case.dtype)
     x0 = torch.randn(N, h, generator=gen)
     emb = torch.randn(V, h, generator=gen) * 0.5
-    weight = None if case.tied else torch.randn(V, h, generator=gen) * (3.0 / h ** 0.5)
+    weight = None if case.tied else torch.randn(V, h, generator=gen) * (3.0 / h**0.5)
     if case.tied:
-        emb = emb * (3.0 / h ** 0.5) / 0.5  # the tied weight doubles as the output layer: keep logits O(3)
+        emb = emb * (3.0 / h**0.5) / 0.5  # the tied weight doubles as the output layer: keep logits O(3)
     ids = torch.randint(0, V, (N,), generator=gen)
     labels = torch.randint(0, V, (N,), generator=gen)
     labels[torch.rand(N, generator=gen) < case.ignored_fraction] = case.opts.ignore_index
@@ -80,11 +80,23 @@ def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = N
     part = VocabPartition(case.vocab_size, p, case.pad_multiple)
     prob = make_problem(case, seed)
     o = case.opts
-    ref = reference(prob["x0"], prob["ids"], prob["labels"], prob["emb"], prob["weight"], o.label_smoothing,
-                    o.softcap, o.logit_scale, o.ignore_index, prob["bias"])
+    ref = reference(
+        prob["x0"],
+        prob["ids"],
+        prob["labels"],
+        prob["emb"],
+        prob["weight"],
+        o.label_smoothing,
+        o.softcap,
+        o.logit_scale,
+        o.ignore_index,
+        prob["bias"],
+    )
 
     # NCCL needs the tensors on this rank's GPU; the reference stays on the CPU.
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    dev = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
     e_shard = shard_tensor(prob["emb"], part, rank).to(dev)
     w_shard = e_shard if case.tied else shard_tensor(prob["weight"], part, rank).to(dev)
     e_grad = torch.zeros(e_shard.shape, dtype=torch.float32, device=dev)
@@ -132,11 +144,14 @@ def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = N
     errors = {}
     if case.bias:
         b_grad = b_grad.cpu()
-        errors["grad_b"] = (_relative_error(b_grad[:n], ref.grad_b[start:start + n], ref.grad_b)
-                            if bool((b_grad[n:] == 0).all()) else float("inf"))
+        errors["grad_b"] = (
+            _relative_error(b_grad[:n], ref.grad_b[start : start + n], ref.grad_b)
+            if bool((b_grad[n:] == 0).all())
+            else float("inf")
+        )
     return errors | {
         "loss": _relative_error(loss.reshape(1), ref.loss.reshape(1)),
         "grad_x": _relative_error(grad_x, ref.grad_x),
-        "grad_w": _relative_error(w_grad[:n], ref.grad_w[start:start + n], ref.grad_w) if padded_ok else float("inf"),
-        "grad_e": _relative_error(e_grad[:n], ref.grad_e[start:start + n], ref.grad_e) if padded_ok else float("inf"),
+        "grad_w": _relative_error(w_grad[:n], ref.grad_w[start : start + n], ref.grad_w) if padded_ok else float("inf"),
+        "grad_e": _relative_error(e_grad[:n], ref.grad_e[start : start + n], ref.grad_e) if padded_ok else float("inf"),
     }
