@@ -86,3 +86,30 @@ def test_a_recipe_with_schedule_auto_takes_the_best_plan(tmp_path, capsys):
         (expected.schedule, expected.method, expected.microbatches)
     assert train_main([str(path), "--check"]) == 2  # no world size: says what auto needs
     assert "auto needs the number of processes" in capsys.readouterr().err
+
+
+def test_plain_data_parallelism_is_a_plan_with_the_whole_model_and_its_optimizer_state():
+    plans = plan(CONFIG, PlanRequest(gpus=4, memory_gb=1000.0, seq=2048, global_batch=16))
+    dp_only = [p for p in plans if p.pp == 1]
+    assert dp_only and all(p.dp == 4 and p.label == "data parallel" and p.chunk_layers == (16,) for p in dp_only)
+    params = 16 * (4 * 2048**2 + 3 * 2048 * 8192) + 128256 * 2048  # layers + the tied vocabulary matrix
+    assert min(p.peak_memory_gb[0] for p in dp_only) > params * 18 / 1e9  # bf16 + fp32 grad + fp32 master/Adam
+
+
+def test_plan_header_states_its_assumptions_and_gpu_presets_set_them(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert plan_main([str(path), "--gpus", "4", "--gpu", "h200", "--seq", "1024", "--global-batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "989 TFLOP/s" in out and "141 GB per GPU" in out and "450 GB/s point-to-point" in out and "62%" in out
+    assert plan_main([str(path), "--gpus", "4", "--gpu", "a100", "--memory-gb", "40", "--bandwidth-gbs", "50",
+                      "--seq", "1024", "--global-batch", "16", "--json"]) == 0
+    header = " ".join(json.loads(capsys.readouterr().out)["assumptions"])
+    assert "312 TFLOP/s" in header and "40 GB per GPU" in header and "50 GB/s point-to-point" in header
+    assert plan_main([str(path), "--gpus", "4", "--seq", "1024", "--global-batch", "16"]) == 2
+    assert "give --memory-gb" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+    help_text = capsys.readouterr().out
+    for column in ("tokens/s", "MFU", "bubble", "peak GB per rank", "data parallel"):
+        assert column in help_text

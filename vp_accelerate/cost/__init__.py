@@ -6,10 +6,10 @@ The simulator (sim/) times schedules with it; the runtime uses it for the balanc
 split and for MFU's FLOP count. Nothing here imports torch.
 """
 
-from .costs import CostModel, Hardware, MeasuredCosts, even_layer_split
+from .costs import GPU_PRESETS, CostModel, Hardware, MeasuredCosts, even_layer_split
 from .layout import StageCosts, cost_aware_schedule, for_schedule, layout_costs, plan_layout, redis_layer_split
 from .shape import ModelShape, shape_from_hf_config
 
-__all__ = ["CostModel", "Hardware", "MeasuredCosts", "ModelShape", "StageCosts", "cost_aware_schedule",
+__all__ = ["GPU_PRESETS", "CostModel", "Hardware", "MeasuredCosts", "ModelShape", "StageCosts", "cost_aware_schedule",
            "even_layer_split", "for_schedule", "layout_costs", "plan_layout", "redis_layer_split",
            "shape_from_hf_config"]

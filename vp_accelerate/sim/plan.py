@@ -5,10 +5,19 @@ schedule x method x (pp, dp) x microbatch size (hence microbatches per replica) 
 mode, simulates one training step of each with the cost model, drops what does not fit in memory, and
 ranks the rest by predicted tokens/s.
 
-Speed (a plan takes seconds): schedules are built once per (kind, method, pp, microbatches) and cached;
-a step with many microbatches is simulated at a smaller count and extrapolated (past the warm-up every
-extra microbatch adds the busiest rank's work for one microbatch, and the memory peak no longer grows), and pp x dp combinations are limited to pp >= 2 with pp dividing the GPU count. Data
-parallelism adds a ring all-reduce of the gradients after the pipeline drains (not overlapped).
+pp = 1 is plain data parallelism: every GPU holds the whole model with its gradients and optimizer
+state and runs its microbatches one after the other (gradient accumulation), so a user sees when
+pipelining is not worth it (the model fits and the all-reduce is cheap) or when it is the only way to fit.
+
+Each schedule is ordered by its pass costs as the runtime orders it (cost.cost_aware_schedule; the
+order is taken at the output layer's "store" memory mode, the one it hardly depends on).
+
+Speed (a plan takes seconds to a minute): schedules are built once per (kind, method, pp, microbatches,
+shape, hardware) and cached; a step with many microbatches is simulated at a smaller count and
+extrapolated (past the warm-up every extra microbatch adds the busiest rank's work for one microbatch,
+and the memory peak no longer grows), and pp divides the GPU count. Data parallelism adds a ring
+all-reduce of the gradients after the pipeline drains (not overlapped with the backward: for pp = 1 this
+is pessimistic next to DDP's bucketed overlap).
 """
 
 from __future__ import annotations
@@ -16,11 +25,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
-from vp_accelerate.cost import CostModel, Hardware, ModelShape, for_schedule, shape_from_hf_config
+from vp_accelerate.cost import CostModel, Hardware, ModelShape, cost_aware_schedule, for_schedule, shape_from_hf_config
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES
 
 from .simulate import simulate
+
+DATA_PARALLEL = ("1f1b", "baseline")
+"""The (schedule, method) a pp = 1 plan runs: one rank, the whole model, nothing to pipeline."""
 
 MEMORY_MODES = ("store", "recompute")
 MAX_SIMULATED_MICROBATCHES = 32
@@ -88,20 +100,29 @@ class Plan:
         return {"schedule": self.schedule, "method": self.method, "microbatches": self.microbatches,
                 "memory": self.memory, "dp_size": self.dp, "pp_size": self.pp}
 
+    @property
+    def label(self) -> str:
+        """"schedule/method", or "data parallel" for pp = 1 (no pipeline)."""
+        return "data parallel" if self.pp == 1 else f"{self.schedule}/{self.method}"
+
     def describe(self) -> str:
-        return (f"{self.schedule}/{self.method} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
+        return (f"{self.label} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
                 f"m={self.microbatches} memory={self.memory}")
 
 
 @lru_cache(maxsize=512)
-def _schedule(kind: str, method: str, pp: int, m: int):
-    return build_schedule(kind, method, pp, m)
+def _schedule(kind: str, method: str, pp: int, m: int, shape: ModelShape | None = None, hw: Hardware | None = None):
+    """The schedule the runtime would run (ordered by this shape's pass costs); the unit-grid order
+    without a shape."""
+    if shape is None:
+        return build_schedule(kind, method, pp, m)
+    return cost_aware_schedule(shape, kind, method, pp, m, hw=hw)[0]
 
 
 def _simulate_step(kind: str, method: str, pp: int, m: int, shape: ModelShape, hw: Hardware, memory: str):
     """(step time, bubble, peak bytes per rank, layers per chunk) of one step, extrapolated when m is large."""
     def run(k: int):
-        sched = _schedule(kind, method, pp, k)
+        sched = _schedule(kind, method, pp, k, shape, hw)
         model = _with_memory(for_schedule(shape, sched, hw), memory)
         return simulate(sched, model), model
 
@@ -121,7 +142,7 @@ def _simulate_step(kind: str, method: str, pp: int, m: int, shape: ModelShape, h
 
 def _dp_sync_time(kind, method, pp, shape, hw, dp, layers) -> float:
     """Ring all-reduce of the slowest rank's gradients (grad_bytes per parameter) over dp replicas."""
-    sched = _schedule(kind, method, pp, pp)
+    sched = _schedule(kind, method, pp, pp)  # only its layout
     model = CostModel(shape, method, sched.chunk_rank, tuple(layers), hw, split_backward=sched.split_backward)
     params = max(model.rank_params(r) for r in range(pp))
     return 2 * (dp - 1) / dp * params * model.grad_bytes / hw.collective_bandwidth + hw.latency
@@ -136,7 +157,7 @@ def _with_memory(model: CostModel, memory: str) -> CostModel:
 
 
 def _layouts(req: PlanRequest, layers: int):
-    for pp in range(2, req.gpus + 1):
+    for pp in range(1, req.gpus + 1):
         if req.gpus % pp:
             continue
         dp = req.gpus // pp
@@ -149,6 +170,8 @@ def _layouts(req: PlanRequest, layers: int):
                 continue
             for method in req.methods:
                 if method not in sk.methods:
+                    continue
+                if pp == 1 and (kind, method) != DATA_PARALLEL:  # one rank: every schedule is the same
                     continue
                 if METHODS[method].balanced_layers and chunks != pp:
                     continue
@@ -183,6 +206,23 @@ def plan(config, req: PlanRequest) -> list[Plan]:
                           peak_memory_gb=peak_gb, fits=max(peak_gb) <= req.memory_gb))
     plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s))
     return plans
+
+
+def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
+    """What every number of a plan rests on, one line each (the planner's table header)."""
+    hw = req.hardware
+    probe = CostModel(ModelShape(hidden=8, layers=1, heads=1, ffn=8, vocab=8, seq=8), "baseline", (0,), (1,), hw)
+    per_param = probe.shape.dtype_bytes + probe.grad_bytes + probe.optimizer_bytes
+    return [
+        f"device: {gpu or 'custom'}, {hw.peak_flops / 1e12:g} TFLOP/s dense bf16 peak (MFU's denominator), "
+        f"{req.memory_gb:g} GB per GPU, HBM {hw.mem_bandwidth / 1e12:g} TB/s, {hw.sms} SMs",
+        f"compute: large GEMMs sustain {hw.efficiency:.0%} of peak; smaller and oddly shaped ones less (wave "
+        f"quantisation, short reductions); softmax and norms memory-bound",
+        f"links: {hw.p2p_bandwidth / 1e9:g} GB/s point-to-point, {hw.collective_bandwidth / 1e9:g} GB/s collective bus "
+        f"bandwidth, {hw.latency * 1e6:g} us per call; data-parallel gradient all-reduce after the step, not overlapped",
+        f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter, no "
+        f"sharding over data parallelism) + activations (flash-attention layer count, Korthikanti et al.)",
+    ]
 
 
 def best(config, req: PlanRequest) -> Plan:

@@ -8,7 +8,21 @@ import os
 import sys
 from pathlib import Path
 
-from vp_accelerate.cost import Hardware
+from vp_accelerate.cost import GPU_PRESETS, Hardware
+
+COLUMNS = """columns:
+  schedule/method   pipeline schedule and where the vocabulary layers live (vocab-1/-2: sharded over the
+                    pipeline ranks; baseline: embedding on the first stage, output layer on the last;
+                    redis: baseline with fewer decoder layers on the end stages); "data parallel" is pp=1
+  pp, dp            pipeline ranks x data-parallel replicas (= --gpus)
+  mbs, m            sequences per microbatch, microbatches per replica per step
+  memory            VP output layer's S->T state: store (logits shard) or recompute (redo X W^T in T)
+  tokens/s          global batch x seq / predicted step time (the ranking)
+  MFU               model FLOPs (the paper's count, 3 x (2bshV + L(8bsh^2 + 4bs^2h + 2k bsh FFN))) / (step
+                    time x GPUs x peak)
+  bubble            idle fraction of rank time in the simulated step (pipeline fill/drain, waits)
+  peak GB per rank  weights + gradients + optimizer state + peak activations of each pipeline rank
+"""
 
 
 def model_config(source: str):
@@ -29,29 +43,45 @@ def model_config(source: str):
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vp-accelerate plan",
                                  description="Simulate every schedule x method x pp x dp x microbatch x memory mode "
-                                             "for a model on a cluster; print the fastest that fit.")
+                                             "(pp = 1: plain data parallelism) for a model on a cluster; print the "
+                                             "fastest that fit, under the assumptions the header states.",
+                                 epilog=COLUMNS, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a preset name, a local model directory, or an HF config.json")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (pp x dp)")
-    ap.add_argument("--memory-gb", type=float, required=True, help="memory per GPU, GB")
+    ap.add_argument("--gpu", choices=tuple(GPU_PRESETS),
+                    help="device preset (SXM): dense bf16 peak 312 / 989 / 989 TFLOP/s, 80 / 80 / 141 GB, NVLink "
+                         "300 / 450 / 450 GB/s per direction; the flags below override it. Without it: the "
+                         "paper's A100 as the simulator is calibrated (312 TFLOP/s, 100 GB/s links)")
+    ap.add_argument("--memory-gb", type=float, help="memory per GPU, GB (required without --gpu)")
     ap.add_argument("--seq", type=int, required=True, help="sequence length")
     ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     ap.add_argument("--top", type=int, default=5, help="how many plans to print")
-    ap.add_argument("--peak-tflops", type=float, default=312.0, help="per device, for MFU (A100 bf16: 312)")
+    ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak per device, for MFU (default 312, A100)")
     ap.add_argument("--efficiency", type=float, default=Hardware.efficiency,
-                    help="fraction of peak the matmuls sustain")
-    ap.add_argument("--bandwidth-gbs", type=float, default=100.0, help="p2p and collective bandwidth, GB/s")
+                    help="fraction of peak large matmuls sustain (default %(default)s)")
+    ap.add_argument("--bandwidth-gbs", type=float, help="p2p and collective bandwidth, GB/s (default 100)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
 
 def request_from_args(args):
+    """The PlanRequest of the command line: the --gpu preset (or the calibrated A100 default), with the
+    explicit flags on top. ValueError when no memory size is known."""
+    import dataclasses
+
     from vp_accelerate.sim.plan import PlanRequest
 
-    bw = args.bandwidth_gbs * 1e9
-    hw = Hardware(peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency, p2p_bandwidth=bw,
-                  collective_bandwidth=bw)
-    return PlanRequest(gpus=args.gpus, memory_gb=args.memory_gb, seq=args.seq, global_batch=args.global_batch,
-                       hardware=hw)
+    hw, memory = GPU_PRESETS[args.gpu] if args.gpu else (Hardware(), None)
+    changes = {"efficiency": args.efficiency}
+    if args.peak_tflops is not None:
+        changes["peak_flops"] = args.peak_tflops * 1e12
+    if args.bandwidth_gbs is not None:
+        changes["p2p_bandwidth"] = changes["collective_bandwidth"] = args.bandwidth_gbs * 1e9
+    memory = args.memory_gb if args.memory_gb is not None else memory
+    if memory is None:
+        raise ValueError("give --memory-gb (memory per GPU) or a --gpu preset")
+    return PlanRequest(gpus=args.gpus, memory_gb=memory, seq=args.seq, global_batch=args.global_batch,
+                       hardware=dataclasses.replace(hw, **changes))
 
 
 def table(plans, top: int) -> str:
@@ -59,14 +89,14 @@ def table(plans, top: int) -> str:
              f"{'tokens/s':>10} {'MFU':>6} {'bubble':>7} {'peak GB per rank'}"]
     for i, p in enumerate(plans[:top], 1):
         mem = " ".join(f"{x:.1f}" for x in p.peak_memory_gb)
-        lines.append(f"{i:>2}  {p.schedule + '/' + p.method:<22} {p.pp:>3} {p.dp:>3} {p.microbatch_size:>4} "
+        lines.append(f"{i:>2}  {p.label:<22} {p.pp:>3} {p.dp:>3} {p.microbatch_size:>4} "
                      f"{p.microbatches:>4} {p.memory:<9} {p.tokens_per_s:>10.0f} {p.mfu * 100:>5.1f}% "
                      f"{p.bubble * 100:>6.1f}% {mem}")
     return "\n".join(lines)
 
 
 def plan_main(argv: list[str] | None = None) -> int:
-    from vp_accelerate.sim.plan import as_dict, plan
+    from vp_accelerate.sim.plan import as_dict, assumptions, plan
 
     args = _parser().parse_args(argv)
     try:
@@ -77,18 +107,20 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     fitting = [p for p in plans if p.fits]
+    header = assumptions(req, args.gpu)
     if args.json:
-        print(json.dumps({"model": args.model, "gpus": args.gpus, "memory_gb": args.memory_gb, "seq": args.seq,
-                          "global_batch": args.global_batch, "considered": len(plans), "fitting": len(fitting),
-                          "plans": [as_dict(p) for p in fitting[:args.top]]}))
+        print(json.dumps({"model": args.model, "gpus": args.gpus, "memory_gb": req.memory_gb, "seq": args.seq,
+                          "global_batch": args.global_batch, "assumptions": header, "considered": len(plans),
+                          "fitting": len(fitting), "plans": [as_dict(p) for p in fitting[:args.top]]}))
         return 0 if fitting else 1
     if not fitting:
         need = min((max(p.peak_memory_gb) for p in plans), default=None)
         why = f"the smallest needs {need:.1f} GB per GPU" if need is not None else "no layout exists"
-        print(f"no layout fits in {args.memory_gb:g} GB per GPU ({len(plans)} considered; {why})", file=sys.stderr)
+        print(f"no layout fits in {req.memory_gb:g} GB per GPU ({len(plans)} considered; {why})", file=sys.stderr)
         return 1
-    print(f"{args.model}: {args.gpus} GPUs x {args.memory_gb:g} GB, seq {args.seq}, global batch {args.global_batch}: "
+    print(f"{args.model}: {args.gpus} GPUs x {req.memory_gb:g} GB, seq {args.seq}, global batch {args.global_batch}: "
           f"{len(fitting)} of {len(plans)} layouts fit")
+    print("\n".join(f"  {line}" for line in header))
     print(table(fitting, args.top))
     return 0
 
