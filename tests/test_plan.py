@@ -11,8 +11,15 @@ from vp_accelerate.sim.plan import PlanRequest, best, plan
 from vp_accelerate.train.plan_command import model_config, plan_main
 
 # a 1B-class shape (llama-3.2-1b's): vocabulary a quarter of the per-layer work at seq 2048
-CONFIG = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-          "num_attention_heads": 32, "vocab_size": 128256, "tie_word_embeddings": True}
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "vocab_size": 128256,
+    "tie_word_embeddings": True,
+}
 
 
 def test_every_plan_uses_every_gpu_and_the_whole_batch_and_the_fastest_fitting_comes_first():
@@ -24,12 +31,15 @@ def test_every_plan_uses_every_gpu_and_the_whole_batch_and_the_fastest_fitting_c
         assert p.microbatches >= p.pp and sum(p.chunk_layers) == 16
         assert p.fits == (max(p.peak_memory_gb) <= 40.0)
     fitting = [p for p in plans if p.fits]
-    assert fitting and plans[:len(fitting)] == fitting  # fitting plans first
+    assert fitting and plans[: len(fitting)] == fitting  # fitting plans first
     assert [p.tokens_per_s for p in fitting] == sorted((p.tokens_per_s for p in fitting), reverse=True)
     assert best(CONFIG, req) == fitting[0]
     # vocabulary parallelism beats the baseline on a 128k vocabulary at equal pp x dp
-    top = {(p.method, p.pp): p.tokens_per_s for p in plans if p.schedule == "1f1b" and p.memory == "store"
-           and p.microbatch_size == 1}
+    top = {
+        (p.method, p.pp): p.tokens_per_s
+        for p in plans
+        if p.schedule == "1f1b" and p.memory == "store" and p.microbatch_size == 1
+    }
     assert top[("vocab-2", 8)] > top[("baseline", 8)]
 
 
@@ -38,8 +48,11 @@ def test_less_memory_drops_plans_and_too_little_names_what_is_needed():
     need = min(max(p.peak_memory_gb) for p in full)
     tight = plan(CONFIG, PlanRequest(gpus=4, memory_gb=need * 1.2, seq=2048, global_batch=16))
     assert 0 < sum(p.fits for p in tight) < len(full)
-    with pytest.raises(ValueError, match=rf"no layout fits in {need * 0.5:g} GB per GPU; the smallest needs "
-                                         rf"{need:.1f} GB"):
+    with pytest.raises(
+        ValueError,
+        match=rf"no layout fits in {need * 0.5:g} GB per GPU; the smallest needs "
+        rf"{need:.1f} GB",
+    ):
         best(CONFIG, PlanRequest(gpus=4, memory_gb=need * 0.5, seq=2048, global_batch=16))
 
 
@@ -47,12 +60,21 @@ def test_plan_command_prints_the_top_plans_as_json(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
     assert model_config(str(tmp_path)) == CONFIG  # a model directory reads its config.json
-    code = plan_main([str(path), "--gpus", "4", "--memory-gb", "80", "--seq", "1024", "--global-batch", "16",
-                      "--json"])
+    code = plan_main([str(path), "--gpus", "4", "--memory-gb", "80", "--seq", "1024", "--global-batch", "16", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and 1 <= len(out["plans"]) <= 5 and out["fitting"] <= out["considered"]
-    for key in ("tokens_per_s", "mfu", "bubble", "peak_memory_gb", "schedule", "method", "pp", "dp", "microbatches",
-                "memory"):
+    for key in (
+        "tokens_per_s",
+        "mfu",
+        "bubble",
+        "peak_memory_gb",
+        "schedule",
+        "method",
+        "pp",
+        "dp",
+        "microbatches",
+        "memory",
+    ):
         assert key in out["plans"][0]
     assert len(out["plans"][0]["peak_memory_gb"]) == out["plans"][0]["pp"]
     assert plan_main(["llama-tiny", "--gpus", "2", "--memory-gb", "8", "--seq", "64", "--global-batch", "4"]) == 0
@@ -70,10 +92,14 @@ def test_a_recipe_with_schedule_auto_takes_the_best_plan(tmp_path, capsys):
         for _ in range(100):
             f.write(json.dumps({"text": " ".join(rng.choices(["alpha", "beta", "gamma", "delta"], k=20))}) + "\n")
     train_bpe([str(tmp_path / "train.jsonl")], 300, str(tmp_path / "tok"), min_frequency=1)
-    recipe = {"model": {"source": "llama-tiny"}, "tokenizer": {"source": f"bpe:{tmp_path / 'tok'}"},
-              "data": {"files": [str(tmp_path / "train.jsonl")], "seq_len": 64},
-              "pipeline": {"schedule": "auto", "plan_memory_gb": 4}, "train": {"global_batch": 8},
-              "eval": {"batches": 0}}  # 100 random rows may hold none out; evaluation is not what this tests
+    recipe = {
+        "model": {"source": "llama-tiny"},
+        "tokenizer": {"source": f"bpe:{tmp_path / 'tok'}"},
+        "data": {"files": [str(tmp_path / "train.jsonl")], "seq_len": 64},
+        "pipeline": {"schedule": "auto", "plan_memory_gb": 4},
+        "train": {"global_batch": 8},
+        "eval": {"batches": 0},
+    }  # 100 random rows may hold none out; evaluation is not what this tests
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
     code = train_main([str(path), "--check", "--world-size", "2"])
@@ -82,8 +108,11 @@ def test_a_recipe_with_schedule_auto_takes_the_best_plan(tmp_path, capsys):
     expected = best(model_config("llama-tiny").to_dict(), PlanRequest(gpus=2, memory_gb=4, seq=64, global_batch=8))
     assert f"pipeline.schedule auto: {expected.describe()}" in captured.err
     chosen = json.loads(captured.out)["pipeline"]
-    assert (chosen["schedule"], chosen["method"], chosen["microbatches"]) == \
-        (expected.schedule, expected.method, expected.microbatches)
+    assert (chosen["schedule"], chosen["method"], chosen["microbatches"]) == (
+        expected.schedule,
+        expected.method,
+        expected.microbatches,
+    )
     assert train_main([str(path), "--check"]) == 2  # no world size: says what auto needs
     assert "auto needs the number of processes" in capsys.readouterr().err
 
@@ -102,8 +131,27 @@ def test_plan_header_states_its_assumptions_and_gpu_presets_set_them(tmp_path, c
     assert plan_main([str(path), "--gpus", "4", "--gpu", "h200", "--seq", "1024", "--global-batch", "16"]) == 0
     out = capsys.readouterr().out
     assert "989 TFLOP/s" in out and "141 GB per GPU" in out and "450 GB/s point-to-point" in out and "62%" in out
-    assert plan_main([str(path), "--gpus", "4", "--gpu", "a100", "--memory-gb", "40", "--bandwidth-gbs", "50",
-                      "--seq", "1024", "--global-batch", "16", "--json"]) == 0
+    assert (
+        plan_main(
+            [
+                str(path),
+                "--gpus",
+                "4",
+                "--gpu",
+                "a100",
+                "--memory-gb",
+                "40",
+                "--bandwidth-gbs",
+                "50",
+                "--seq",
+                "1024",
+                "--global-batch",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     header = " ".join(json.loads(capsys.readouterr().out)["assumptions"])
     assert "312 TFLOP/s" in header and "40 GB per GPU" in header and "50 GB/s point-to-point" in header
     assert plan_main([str(path), "--gpus", "4", "--seq", "1024", "--global-batch", "16"]) == 2

@@ -10,6 +10,18 @@ from .costs import GPU_PRESETS, CostModel, Hardware, MeasuredCosts, even_layer_s
 from .layout import StageCosts, cost_aware_schedule, for_schedule, layout_costs, plan_layout, redis_layer_split
 from .shape import ModelShape, shape_from_hf_config
 
-__all__ = ["GPU_PRESETS", "CostModel", "Hardware", "MeasuredCosts", "ModelShape", "StageCosts", "cost_aware_schedule",
-           "even_layer_split", "for_schedule", "layout_costs", "plan_layout", "redis_layer_split",
-           "shape_from_hf_config"]
+__all__ = [
+    "GPU_PRESETS",
+    "CostModel",
+    "Hardware",
+    "MeasuredCosts",
+    "ModelShape",
+    "StageCosts",
+    "cost_aware_schedule",
+    "even_layer_split",
+    "for_schedule",
+    "layout_costs",
+    "plan_layout",
+    "redis_layer_split",
+    "shape_from_hf_config",
+]

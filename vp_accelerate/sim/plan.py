@@ -97,17 +97,25 @@ class Plan:
 
     def pipeline_section(self) -> dict:
         """The recipe `pipeline:` keys (runtime.PipelineConfig fields) this plan sets."""
-        return {"schedule": self.schedule, "method": self.method, "microbatches": self.microbatches,
-                "memory": self.memory, "dp_size": self.dp, "pp_size": self.pp}
+        return {
+            "schedule": self.schedule,
+            "method": self.method,
+            "microbatches": self.microbatches,
+            "memory": self.memory,
+            "dp_size": self.dp,
+            "pp_size": self.pp,
+        }
 
     @property
     def label(self) -> str:
-        """"schedule/method", or "data parallel" for pp = 1 (no pipeline)."""
+        """ "schedule/method", or "data parallel" for pp = 1 (no pipeline)."""
         return "data parallel" if self.pp == 1 else f"{self.schedule}/{self.method}"
 
     def describe(self) -> str:
-        return (f"{self.label} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
-                f"m={self.microbatches} memory={self.memory}")
+        return (
+            f"{self.label} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
+            f"m={self.microbatches} memory={self.memory}"
+        )
 
 
 @lru_cache(maxsize=512)
@@ -121,6 +129,7 @@ def _schedule(kind: str, method: str, pp: int, m: int, shape: ModelShape | None 
 
 def _simulate_step(kind: str, method: str, pp: int, m: int, shape: ModelShape, hw: Hardware, memory: str):
     """(step time, bubble, peak bytes per rank, layers per chunk) of one step, extrapolated when m is large."""
+
     def run(k: int):
         sched = _schedule(kind, method, pp, k, shape, hw)
         model = _with_memory(for_schedule(shape, sched, hw), memory)
@@ -199,11 +208,24 @@ def plan(config, req: PlanRequest) -> list[Plan]:
             step += _dp_sync_time(kind, method, pp, shape, req.hardware, dp, layers)
         flops = m * shape.model_flops() * dp
         peak_gb = tuple(x / 1e9 for x in peak)
-        plans.append(Plan(schedule=kind, method=method, pp=pp, dp=dp, microbatch_size=b, microbatches=m,
-                          memory=memory, chunk_layers=tuple(layers), step_time_s=step,
-                          tokens_per_s=req.global_batch * req.seq / step,
-                          mfu=flops / (step * req.gpus * req.hardware.peak_flops), bubble=bubble,
-                          peak_memory_gb=peak_gb, fits=max(peak_gb) <= req.memory_gb))
+        plans.append(
+            Plan(
+                schedule=kind,
+                method=method,
+                pp=pp,
+                dp=dp,
+                microbatch_size=b,
+                microbatches=m,
+                memory=memory,
+                chunk_layers=tuple(layers),
+                step_time_s=step,
+                tokens_per_s=req.global_batch * req.seq / step,
+                mfu=flops / (step * req.gpus * req.hardware.peak_flops),
+                bubble=bubble,
+                peak_memory_gb=peak_gb,
+                fits=max(peak_gb) <= req.memory_gb,
+            )
+        )
     plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s))
     return plans
 
@@ -231,12 +253,16 @@ def best(config, req: PlanRequest) -> Plan:
     fitting = [p for p in plans if p.fits]
     if not fitting:
         if not plans:
-            raise ValueError(f"no layout exists for {req.gpus} GPUs and a global batch of {req.global_batch}: "
-                             f"the batch must divide by the data-parallel size and give each replica at least "
-                             f"pp microbatches")
+            raise ValueError(
+                f"no layout exists for {req.gpus} GPUs and a global batch of {req.global_batch}: "
+                f"the batch must divide by the data-parallel size and give each replica at least "
+                f"pp microbatches"
+            )
         need = min(max(p.peak_memory_gb) for p in plans)
-        raise ValueError(f"no layout fits in {req.memory_gb:g} GB per GPU; the smallest needs {need:.1f} GB "
-                         f"(use more GPUs, a shorter sequence or a smaller model)")
+        raise ValueError(
+            f"no layout fits in {req.memory_gb:g} GB per GPU; the smallest needs {need:.1f} GB "
+            f"(use more GPUs, a shorter sequence or a smaller model)"
+        )
     return fitting[0]
 
 

@@ -41,24 +41,34 @@ def model_config(source: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vp-accelerate plan",
-                                 description="Simulate every schedule x method x pp x dp x microbatch x memory mode "
-                                             "(pp = 1: plain data parallelism) for a model on a cluster; print the "
-                                             "fastest that fit, under the assumptions the header states.",
-                                 epilog=COLUMNS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="vp-accelerate plan",
+        description="Simulate every schedule x method x pp x dp x microbatch x memory mode "
+        "(pp = 1: plain data parallelism) for a model on a cluster; print the "
+        "fastest that fit, under the assumptions the header states.",
+        epilog=COLUMNS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("model", help="a preset name, a local model directory, or an HF config.json")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (pp x dp)")
-    ap.add_argument("--gpu", choices=tuple(GPU_PRESETS),
-                    help="device preset (SXM): dense bf16 peak 312 / 989 / 989 TFLOP/s, 80 / 80 / 141 GB, NVLink "
-                         "300 / 450 / 450 GB/s per direction; the flags below override it. Without it: the "
-                         "paper's A100 as the simulator is calibrated (312 TFLOP/s, 100 GB/s links)")
+    ap.add_argument(
+        "--gpu",
+        choices=tuple(GPU_PRESETS),
+        help="device preset (SXM): dense bf16 peak 312 / 989 / 989 TFLOP/s, 80 / 80 / 141 GB, NVLink "
+        "300 / 450 / 450 GB/s per direction; the flags below override it. Without it: the "
+        "paper's A100 as the simulator is calibrated (312 TFLOP/s, 100 GB/s links)",
+    )
     ap.add_argument("--memory-gb", type=float, help="memory per GPU, GB (required without --gpu)")
     ap.add_argument("--seq", type=int, required=True, help="sequence length")
     ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     ap.add_argument("--top", type=int, default=5, help="how many plans to print")
     ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak per device, for MFU (default 312, A100)")
-    ap.add_argument("--efficiency", type=float, default=Hardware.efficiency,
-                    help="fraction of peak large matmuls sustain (default %(default)s)")
+    ap.add_argument(
+        "--efficiency",
+        type=float,
+        default=Hardware.efficiency,
+        help="fraction of peak large matmuls sustain (default %(default)s)",
+    )
     ap.add_argument("--bandwidth-gbs", type=float, help="p2p and collective bandwidth, GB/s (default 100)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
@@ -80,18 +90,27 @@ def request_from_args(args):
     memory = args.memory_gb if args.memory_gb is not None else memory
     if memory is None:
         raise ValueError("give --memory-gb (memory per GPU) or a --gpu preset")
-    return PlanRequest(gpus=args.gpus, memory_gb=memory, seq=args.seq, global_batch=args.global_batch,
-                       hardware=dataclasses.replace(hw, **changes))
+    return PlanRequest(
+        gpus=args.gpus,
+        memory_gb=memory,
+        seq=args.seq,
+        global_batch=args.global_batch,
+        hardware=dataclasses.replace(hw, **changes),
+    )
 
 
 def table(plans, top: int) -> str:
-    lines = [f"{'#':>2}  {'schedule/method':<22} {'pp':>3} {'dp':>3} {'mbs':>4} {'m':>4} {'memory':<9} "
-             f"{'tokens/s':>10} {'MFU':>6} {'bubble':>7} {'peak GB per rank'}"]
+    lines = [
+        f"{'#':>2}  {'schedule/method':<22} {'pp':>3} {'dp':>3} {'mbs':>4} {'m':>4} {'memory':<9} "
+        f"{'tokens/s':>10} {'MFU':>6} {'bubble':>7} {'peak GB per rank'}"
+    ]
     for i, p in enumerate(plans[:top], 1):
         mem = " ".join(f"{x:.1f}" for x in p.peak_memory_gb)
-        lines.append(f"{i:>2}  {p.label:<22} {p.pp:>3} {p.dp:>3} {p.microbatch_size:>4} "
-                     f"{p.microbatches:>4} {p.memory:<9} {p.tokens_per_s:>10.0f} {p.mfu * 100:>5.1f}% "
-                     f"{p.bubble * 100:>6.1f}% {mem}")
+        lines.append(
+            f"{i:>2}  {p.label:<22} {p.pp:>3} {p.dp:>3} {p.microbatch_size:>4} "
+            f"{p.microbatches:>4} {p.memory:<9} {p.tokens_per_s:>10.0f} {p.mfu * 100:>5.1f}% "
+            f"{p.bubble * 100:>6.1f}% {mem}"
+        )
     return "\n".join(lines)
 
 
@@ -109,17 +128,31 @@ def plan_main(argv: list[str] | None = None) -> int:
     fitting = [p for p in plans if p.fits]
     header = assumptions(req, args.gpu)
     if args.json:
-        print(json.dumps({"model": args.model, "gpus": args.gpus, "memory_gb": req.memory_gb, "seq": args.seq,
-                          "global_batch": args.global_batch, "assumptions": header, "considered": len(plans),
-                          "fitting": len(fitting), "plans": [as_dict(p) for p in fitting[:args.top]]}))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "gpus": args.gpus,
+                    "memory_gb": req.memory_gb,
+                    "seq": args.seq,
+                    "global_batch": args.global_batch,
+                    "assumptions": header,
+                    "considered": len(plans),
+                    "fitting": len(fitting),
+                    "plans": [as_dict(p) for p in fitting[: args.top]],
+                }
+            )
+        )
         return 0 if fitting else 1
     if not fitting:
         need = min((max(p.peak_memory_gb) for p in plans), default=None)
         why = f"the smallest needs {need:.1f} GB per GPU" if need is not None else "no layout exists"
         print(f"no layout fits in {req.memory_gb:g} GB per GPU ({len(plans)} considered; {why})", file=sys.stderr)
         return 1
-    print(f"{args.model}: {args.gpus} GPUs x {req.memory_gb:g} GB, seq {args.seq}, global batch {args.global_batch}: "
-          f"{len(fitting)} of {len(plans)} layouts fit")
+    print(
+        f"{args.model}: {args.gpus} GPUs x {req.memory_gb:g} GB, seq {args.seq}, global batch {args.global_batch}: "
+        f"{len(fitting)} of {len(plans)} layouts fit"
+    )
     print("\n".join(f"  {line}" for line in header))
     print(table(fitting, args.top))
     return 0
@@ -148,14 +181,21 @@ def resolve_auto(recipe, world_size: int | None):
     if p.schedule != "auto":
         return recipe, None
     if world_size is None:
-        raise RecipeError("pipeline.schedule: auto needs the number of processes (run under a launcher, or pass "
-                          "--world-size N with --check)")
+        raise RecipeError(
+            "pipeline.schedule: auto needs the number of processes (run under a launcher, or pass "
+            "--world-size N with --check)"
+        )
     m = recipe.model
     config = recipe_model_config(m.source, m.config, m.trust_remote_code)
     memory = p.plan_memory_gb or _memory_gb(world_size)
     peak = recipe.logging.peak_tflops * 1e12 or Hardware.peak_flops  # only MFU's scale; the ranking is the same
-    req = PlanRequest(gpus=world_size, memory_gb=memory, seq=recipe.data.seq_len,
-                      global_batch=recipe.train.global_batch, hardware=Hardware(peak_flops=peak))
+    req = PlanRequest(
+        gpus=world_size,
+        memory_gb=memory,
+        seq=recipe.data.seq_len,
+        global_batch=recipe.train.global_batch,
+        hardware=Hardware(peak_flops=peak),
+    )
     try:
         plan = best(config.to_dict() if hasattr(config, "to_dict") else config, req)
     except ValueError as e:
