@@ -121,3 +121,18 @@ def test_measured_costs(tmp_path):
     ideal = 16 * 3.2 + 3 * 3
     assert ideal <= r.step_time < 1.1 * ideal
     assert r.mfu == 0 and r.peak_activation_microbatches[0] == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [16, 32])
+def test_vhalf_vp_beats_1f1b_vp_at_scale(p):
+    """The paper's strongest configuration: at 16 and 32 ranks (m = 128, 2 layers per rank) V-Half + VP,
+    ordered by its pass costs, runs above 1F1B + VP with a lower bubble and about half its activations."""
+    from vp_accelerate.cost import cost_aware_schedule
+
+    sh = ModelShape(hidden=4096, layers=2 * p, heads=32, ffn=4 * 4096, vocab=32000, seq=4096)
+    for method in ("vocab-1", "vocab-2"):
+        v = simulate(*cost_aware_schedule(sh, "vhalf", method, p, 128))
+        one = simulate(*cost_aware_schedule(sh, "1f1b", method, p, 128))
+        assert v.mfu > one.mfu and v.bubble_rate < one.bubble_rate, (method, v.mfu, one.mfu)
+        assert max(v.peak_activation_microbatches) < 0.7 * max(one.peak_activation_microbatches)

@@ -320,6 +320,8 @@ def list_schedule(
                 )
         if policy.s_first:
             cands = [ps for ps in cands if ps.op is Op.S] + [ps for ps in cands if ps.op is not Op.S]
+        # IF is tiny, and F(j) of chunk 0 waits for every rank's IF(j) (through the reduce): never behind
+        cands = [ps for ps in cands if ps.op is Op.IF] + [ps for ps in cands if ps.op is not Op.IF]
         if not cands:
             return None
         t = max(t0, min(ps.ready for ps in cands))

@@ -173,14 +173,17 @@ def images(out_dir: Path) -> list[str]:
     img = out_dir / "img"
     img.mkdir(parents=True, exist_ok=True)
     made = []
-    for kind, meth in (("1f1b", "baseline"), ("1f1b", "vocab-2"), ("vhalf", "baseline"), ("vhalf", "vocab-2")):
+    timelines = (("1f1b", "baseline", "cost"), ("1f1b", "vocab-2", "cost"), ("vhalf", "baseline", "cost"),
+                 ("vhalf", "vocab-2", "cost"), ("vhalf", "vocab-2", "grid"))
+    for kind, meth, order in timelines:
         p, m, v = 4, 12, 256000
-        r = run(kind, meth, p, m, v, 2048)
-        path = img / f"timeline_{kind}_{meth}.png"
+        r = run(kind, meth, p, m, v, 2048, order=order)
+        path = img / f"timeline_{kind}_{meth}{'_grid' if order == 'grid' else ''}.png"
+        how = "unit-grid order" if order == "grid" else "cost-aware order"
         plot_timeline(
             r.timeline,
             path,
-            title=f"{kind} / {meth}, p={p}, m={m}, V=256k, seq 2048: "
+            title=f"{kind} / {meth} ({how}), p={p}, m={m}, V=256k, seq 2048: "
             f"MFU {r.mfu * 100:.1f}%, bubble {r.bubble_rate * 100:.1f}%",
         )
         made.append(str(path))
