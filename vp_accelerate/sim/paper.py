@@ -173,8 +173,13 @@ def images(out_dir: Path) -> list[str]:
     img = out_dir / "img"
     img.mkdir(parents=True, exist_ok=True)
     made = []
-    timelines = (("1f1b", "baseline", "cost"), ("1f1b", "vocab-2", "cost"), ("vhalf", "baseline", "cost"),
-                 ("vhalf", "vocab-2", "cost"), ("vhalf", "vocab-2", "grid"))
+    timelines = (
+        ("1f1b", "baseline", "cost"),
+        ("1f1b", "vocab-2", "cost"),
+        ("vhalf", "baseline", "cost"),
+        ("vhalf", "vocab-2", "cost"),
+        ("vhalf", "vocab-2", "grid"),
+    )
     for kind, meth, order in timelines:
         p, m, v = 4, 12, 256000
         r = run(kind, meth, p, m, v, 2048, order=order)
