@@ -93,11 +93,12 @@ def test_every_bad_row_is_listed_by_file_and_line(tmp_path, tok_dir, capsys):
     files = []
     for name in ("a.jsonl", "b.jsonl"):
         lines = [json.dumps({"messages": chat(rng)}) for _ in range(30)]
+        # anywhere after the first row, which data.format: auto reads to tell the format
         for row, what in rng.sample(BAD_ROWS, 3):
-            lines.insert(rng.randrange(len(lines)), json.dumps(row))
-        lines.insert(rng.randrange(len(lines)), '{"messages": [{"role": "user", "content": "x"}')  # cut short
+            lines.insert(rng.randrange(1, len(lines) + 1), json.dumps(row))
+        lines.insert(rng.randrange(1, len(lines) + 1), '{"messages": [{"role": "user", "content": "x"}')  # cut short
         for _ in range(3):
-            lines.insert(rng.randrange(len(lines)), "")
+            lines.insert(rng.randrange(1, len(lines) + 1), "")
         path = write_lines(tmp_path / name, lines)
         files.append(path)
         for n, line in enumerate(lines, 1):
