@@ -9,17 +9,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.old_order import receives_at_consumers
 from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import RankFailed, spawn
-from vp_accelerate.schedule import Op, build_schedule
-from vp_accelerate.schedule.deps import consumed
-from vp_accelerate.schedule.ir import COMPUTE_PASSES
+from vp_accelerate.schedule import build_schedule
 
 
 def _batch_works(_unused=None):
@@ -45,22 +42,6 @@ def test_one_work_per_batch(monkeypatch):
     assert res[0][1] == [2.0] * 4 and res[1][1] == [0.0] * 4
 
 
-def _receives_at_consumers(s):
-    """The lowering's previous order: each receive posted right before the pass that consumes it."""
-    lists = []
-    for r, acts in enumerate(s.actions):
-        recvs = {(a.op, a.mb, a.chunk): a for a in acts if a.op in (Op.RECV_ACT, Op.RECV_GRAD)}
-        out = []
-        for a in acts:
-            if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                continue
-            if a.op in COMPUTE_PASSES:
-                out += [recvs[k] for k in consumed(s, r, a) if k in recvs]
-            out.append(a)
-        lists.append(tuple(out))
-    return dataclasses.replace(s, actions=tuple(lists))
-
-
 def _train(ckpt, schedule, method, old_order: bool):
     """One training step; its loss and every gradient's sum (to compare runs bit for bit)."""
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
@@ -72,7 +53,7 @@ def _train(ckpt, schedule, method, old_order: bool):
         ),
     )
     if old_order:  # the unit-grid order with its receives moved to their consumers, as the lowering once did
-        pipe.schedule = _receives_at_consumers(build_schedule(schedule, method, 2, 4))
+        pipe.schedule = receives_at_consumers(build_schedule(schedule, method, 2, 4))
     ids = torch.randint(0, pipe.hf_config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     loss = pipe.train_step(ids, labels=ids).loss
     grads = [float(p.grad.double().sum()) for _, p in sorted(pipe.named_parameters()) if p.grad is not None]

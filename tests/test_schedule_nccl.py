@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
+from helpers.old_order import receives_at_consumers
 from vp_accelerate.schedule import Op, ScheduleError, build_schedule, validate
-from vp_accelerate.schedule.deps import consumed
-from vp_accelerate.schedule.ir import COMPUTE_PASSES, p2p_batches
+from vp_accelerate.schedule.ir import p2p_batches
 from vp_accelerate.schedule.registry import supported_pairs
 from vp_accelerate.schedule.streams import replay_streams
 
@@ -39,27 +39,11 @@ def _with_lists(s, lists):
     return dataclasses.replace(s, actions=tuple(tuple(a) for a in lists))
 
 
-def _receives_at_consumers(s):
-    """The previous lowering: each receive posted right before the pass that consumes it."""
-    lists = []
-    for r, acts in enumerate(s.actions):
-        recvs = {(a.op, a.mb, a.chunk): a for a in acts if a.op in (Op.RECV_ACT, Op.RECV_GRAD)}
-        out = []
-        for a in acts:
-            if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                continue
-            if a.op in COMPUTE_PASSES:
-                out += [recvs[k] for k in consumed(s, r, a) if k in recvs]
-            out.append(a)
-        lists.append(out)
-    return _with_lists(s, lists)
-
-
 def test_the_issue_example_hangs_with_receives_at_their_consumers():
     # 1F1B + vocab-2, p=2, m=4: rank 0 posts SEND_ACT(mb 2) then RECV_GRAD(mb 0), rank 1 SEND_GRAD(mb 0)
     # then RECV_ACT(mb 2), in separate batches: each send waits for a receive the peer posts only after
     # its own send completed. gloo (sends never block) runs it; NCCL would hang.
-    old = _receives_at_consumers(build_schedule("1f1b", "vocab-2", 2, 4))
+    old = receives_at_consumers(build_schedule("1f1b", "vocab-2", 2, 4))
     with pytest.raises(ScheduleError, match="deadlocks under NCCL semantics"):
         replay_streams(old, serialized=False)
     with pytest.raises(ScheduleError, match=r"p2p batch .*SEND_.*waits for rank \d to post the matching receive"):
