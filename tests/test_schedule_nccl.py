@@ -30,7 +30,7 @@ def test_every_schedule_is_deadlock_free_under_nccl_rules(kind, method):
             validate(s)  # includes the serialised-communicator replay, which implies the per-communicator one
             if p <= 4:
                 replay_streams(s, serialized=False)
-                ev = build_schedule(kind, method, p, m, forward_only=True) if s.kind_spec.forward_only else None
+                ev = build_schedule(kind, method, p, m, forward_only=True) if s.kind.forward_only else None
                 if ev is not None:
                     validate(ev)
 

@@ -27,7 +27,7 @@ def test_every_registered_pair_builds_and_follows_its_entries(kind, meth):
     for forward_only in (False, True):
         s = build_schedule(kind, meth, 3, 6, forward_only=forward_only)
         validate(s)
-        assert (s.kind, s.method) == (kind, meth) and s.method_spec is m and s.kind_spec is sk
+        assert s.method is m and s.kind is sk and (str(s.kind), str(s.method)) == (kind, meth)
         assert s.num_chunks == 3 * (sk.chunks_per_rank or sk.default_chunks_per_rank)
         assert s.split_backward == (sk.split_backward and not forward_only)
         ops = {a.op for rank in s.actions for a in rank}
@@ -56,7 +56,7 @@ def test_names_are_case_insensitive():
     assert schedule_kind("1F1B") is SCHEDULES["1f1b"] and method(" Vocab-2 ") is METHODS["vocab-2"]
     assert normalise_schedule("VHalf") == "vhalf" and normalise_method("BASELINE") == "baseline"
     a, b = build_schedule("Interleaved", "VOCAB-2", 2, 4), build_schedule("interleaved", "vocab-2", 2, 4)
-    assert a == b and a.kind == "interleaved" and a.method == "vocab-2"
+    assert a == b and a.kind.name == "interleaved" and a.method.name == "vocab-2"
     cfg = PipelineConfig(schedule="1F1B", method="Vocab-1")
     assert (cfg.schedule, cfg.method) == ("1f1b", "vocab-1")
 

@@ -87,8 +87,10 @@ def test_the_validator_sees_each_collective_of_a_chain():
     """C1 is one IR action but three collectives (max, then the sums after the rescale); the order check
     compares them one by one and names the one where two ranks part."""
     from vp_accelerate.schedule.ir import chain_collectives
+    from vp_accelerate.schedule.registry import METHODS
 
-    assert len(chain_collectives(Op.C1, "vocab-2")) == 3 and len(chain_collectives(Op.C2, "vocab-1")) == 1
+    assert len(chain_collectives(Op.C1, METHODS["vocab-2"])) == 3
+    assert len(chain_collectives(Op.C2, METHODS["vocab-1"])) == 1
     s = build_schedule("1f1b", "vocab-2", 4, 8)
     acts = list(s.actions[1])
     i = next(k for k in range(len(acts) - 1) if acts[k].op is Op.IF_REDUCE and acts[k + 1].op is Op.C1)

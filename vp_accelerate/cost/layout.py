@@ -43,7 +43,7 @@ def plan_layout(config, schedule: Schedule, layers_per_stage=None, *, seq: int |
                 f"layers_per_stage {counts} must have {chunks} entries (one per chunk) summing to "
                 f"the model's {layers} decoder layers"
             )
-    elif schedule.method_spec.balanced_layers:
+    elif schedule.method.balanced_layers:
         if seq is None:
             seq = min(BALANCE_SEQ, getattr(config, "max_position_embeddings", BALANCE_SEQ) or BALANCE_SEQ)
         counts = redis_layer_split(config, chunks, seq=seq)
@@ -63,7 +63,7 @@ def for_schedule(
     for a method with `balanced_layers`, else an even split; `activation_checkpointing` as PipelineConfig's."""
     hw = hw or Hardware()
     if chunk_layers is None:
-        if schedule.method_spec.balanced_layers:
+        if schedule.method.balanced_layers:
             if schedule.num_chunks != schedule.num_ranks:
                 raise ValueError("redis balances one chunk per rank (schedule kind 1f1b)")
             chunk_layers = redis_layer_split(shape, schedule.num_ranks, hw=hw)
@@ -71,7 +71,7 @@ def for_schedule(
             chunk_layers = even_layer_split(shape.layers, schedule.num_chunks)
     return CostModel(
         shape,
-        schedule.method,
+        schedule.method.name,
         schedule.chunk_rank,
         tuple(chunk_layers),
         hw,

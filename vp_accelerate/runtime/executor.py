@@ -103,7 +103,7 @@ class Executor:
         self._low_weights: dict[int, torch.Tensor] = {}  # per step: weights cast once for all microbatches
         self._frozen: dict[int, list] = {}  # chunk -> its frozen matmul weights' per-step copies (swapped in for F)
         self.last_chunk = len(schedule.chunk_rank) - 1
-        self.method = schedule.method_spec
+        self.method = schedule.method
         self.vocab = self.method.vocab_parallel
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -181,7 +181,8 @@ class Executor:
             microbatch_losses=losses,
         )
 
-    def _issue(self, op: str, mb: int, pending):
+    def _issue(self, op: Op, mb: int, pending):
+        """Record collective `op`'s chain for the timeline (host-timed on the communication worker)."""
         if pending.timer is not None:
             self.issued.append((op, mb, pending.timer))
         return pending
@@ -191,7 +192,7 @@ class Executor:
         out = []
         for op, mb, timer in self.issued:
             start, end = timer.span()
-            out.append(TimedAction(self.g.rank, op, mb, 0, start - t0, end - t0, lane="comm"))
+            out.append(TimedAction(self.g.rank, op.value, mb, 0, start - t0, end - t0, lane="comm"))
         return out
 
     # ---- point to point ----------------------------------------------------------------------
@@ -381,7 +382,7 @@ class Executor:
         # vocabulary collectives name their root by its rank in the group, i.e. its pipeline rank
         # asynchronous: F of chunk 0 waits for it, other ranks only at the end of the step
         pending = self._issue(
-            "IF_REDUCE",
+            a.op,
             a.mb,
             vemb.if_reduce(self.partials.pop(a.mb), self.schedule.chunk_rank[0], self.g.vocab_group, async_op=True),
         )
@@ -395,7 +396,7 @@ class Executor:
         # in the exchange dtype (half the bytes under mixed precision); IB accumulates it into the fp32 grad
         grad = self.emb_grads.pop(a.mb).to(self.act_dtype).contiguous() if self.g.pp_rank == src else self._empty_act()
         self.emb_grads[a.mb] = self._issue(
-            "IB_BCAST",
+            a.op,
             a.mb,
             vemb.ib_broadcast(  # IB waits
                 grad, src, self.g.vocab_group, async_op=True
@@ -420,7 +421,7 @@ class Executor:
             x = self._output_for_consumer(a.mb, self.last_chunk).to(self.act_dtype)
         else:
             x = self._empty_act()
-        self.x[a.mb] = self._issue("C0", a.mb, vout.broadcast_x(x, src, self.g.vocab_group, async_op=True))  # S waits
+        self.x[a.mb] = self._issue(a.op, a.mb, vout.broadcast_x(x, src, self.g.vocab_group, async_op=True))  # S waits
 
     def _do_S(self, a: Action) -> None:
         mb = self.mbs[a.mb]
@@ -460,7 +461,7 @@ class Executor:
 
     def _do_C1(self, a: Action) -> None:
         self.pending[(Op.C1, a.mb)] = self._issue(
-            "C1", a.mb, vout.c1(self.states[a.mb], self.g.vocab_group, async_op=True)
+            a.op, a.mb, vout.c1(self.states[a.mb], self.g.vocab_group, async_op=True)
         )
 
     def _wait(self, kind: Op, mb: int) -> None:
@@ -491,7 +492,7 @@ class Executor:
 
     def _do_C2(self, a: Action) -> None:
         self.pending[(Op.C2, a.mb)] = self._issue(
-            "C2", a.mb, vout.c2(self.states[a.mb], self.g.vocab_group, async_op=True)
+            a.op, a.mb, vout.c2(self.states[a.mb], self.g.vocab_group, async_op=True)
         )
 
     def _vocab_grad_x(self, mb: int) -> torch.Tensor:

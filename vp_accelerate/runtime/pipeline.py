@@ -112,7 +112,7 @@ class PipelineModel:
             chunks_per_rank=cfg.chunks_per_rank,
             forward_only=True,
         )
-        self.method = self.schedule.method_spec
+        self.method = self.schedule.method
         self.vocab = self.method.vocab_parallel
         self.layout = self._layout()
         # each rank's order from the cost model's pass times (schedule/list_schedule.py); the unit-grid

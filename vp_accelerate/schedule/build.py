@@ -45,8 +45,8 @@ def build_schedule(
         passes, colls, costed = _cost_aware(block, p, meth, split, forward_only, passes, colls, costs)
     actions = lower(p, block.chunk_rank, passes, colls)
     schedule = Schedule(
-        kind=sk.name,
-        method=meth.name,
+        kind=sk,
+        method=meth,
         num_ranks=p,
         num_microbatches=m,
         chunk_rank=block.chunk_rank,

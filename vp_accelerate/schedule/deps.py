@@ -26,8 +26,8 @@ def prerequisites(s: Schedule, r: int, a: Action) -> list[tuple]:
     if op is Op.B:
         need = [(Op.F, mb, c)]
         if c == last:
-            if s.method_spec.grad_barrier is not None:  # the output layer's input gradient is complete
-                need.append((s.method_spec.grad_barrier, mb, 0))
+            if s.method.grad_barrier is not None:  # the output layer's input gradient is complete
+                need.append((s.method.grad_barrier, mb, 0))
         else:
             need.append((Op.B, mb, c + 1) if s.owner(c + 1) == r else (Op.RECV_GRAD, mb, c))
         return need
@@ -57,7 +57,7 @@ def consumed(s: Schedule, rank: int, a: Action) -> list[tuple]:
         return [(Op.RECV_ACT, mb, c)] if c > 0 and s.owner(c - 1) != rank else []
     if a.op is Op.B:
         if c == last:
-            barrier = s.method_spec.grad_barrier
+            barrier = s.method.grad_barrier
             return [(barrier, mb, 0)] if barrier is not None else []
         return [(Op.RECV_GRAD, mb, c)] if s.owner(c + 1) != rank else []
     return {Op.S: [(Op.C0, mb, 0)], Op.T: [(Op.C1, mb, 0)], Op.IB: [(Op.IB_BCAST, mb, 0)]}.get(a.op, [])

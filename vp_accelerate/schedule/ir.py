@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the registry imports this module (Op); a Schedule is handed its entries
+    from .registry import Method, ScheduleKind
 
 
 class ScheduleError(ValueError):
@@ -39,6 +43,10 @@ class Op(str, enum.Enum):
     IF_REDUCE = "IF_REDUCE"
     IB_BCAST = "IB_BCAST"
 
+    # the str's hash (what Enum's Python-level __hash__ returns anyway, name == value): ops key the
+    # replay's and the executor's dicts, and a C-level hash makes those lookups several times cheaper
+    __hash__ = str.__hash__
+
     def __str__(self) -> str:
         return self.value
 
@@ -53,14 +61,12 @@ P2P = frozenset({Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD})
 COLLECTIVES = frozenset({Op.C0, Op.C1, Op.C2, Op.IF_REDUCE, Op.IB_BCAST})
 
 
-def chain_collectives(op: Op, method: str) -> tuple[str, ...]:
+def chain_collectives(op: Op, method: Method) -> tuple[str, ...]:
     """The collectives one collective action runs on every rank, in order (its chain; vocab/comm.py runs
     the whole chain off the compute thread). C1 is one action of the IR but three collectives with the
     rescale exp(m_i − m) between the first and the last: the validator and the simulator see each."""
     if op is Op.C1:
-        from .registry import method as method_entry  # the registry imports this module
-
-        if method_entry(method).grad_barrier is Op.C1:  # C1 also all-reduces the input gradient a_i
+        if method.grad_barrier is Op.C1:  # C1 also all-reduces the input gradient a_i
             return ("all_reduce max m_i", "all_reduce sum [c_i, t_i]", "all_reduce sum [s_i, a_i] rescaled")
         return ("all_reduce max m_i", "all_reduce sum t_i", "all_reduce sum s_i rescaled")
     return {
@@ -96,10 +102,10 @@ class Action:
 class Schedule:
     """A whole pipeline step as data: every rank's ordered actions plus what they run on."""
 
-    kind: str
-    """Schedule kind, a key of registry.SCHEDULES ("1f1b", "vhalf", "interleaved")."""
-    method: str
-    """Method, a key of registry.METHODS ("baseline", "redis", "vocab-1", "vocab-2")."""
+    kind: ScheduleKind
+    """Schedule kind, an entry of registry.SCHEDULES ("1f1b", "vhalf", "interleaved")."""
+    method: Method
+    """Method, an entry of registry.METHODS ("baseline", "redis", "vocab-1", "vocab-2")."""
     num_ranks: int
     """Pipeline ranks p (the vocabulary is sharded over all of them in VP)."""
     num_microbatches: int
@@ -122,23 +128,9 @@ class Schedule:
         return len(self.chunk_rank) - 1
 
     @property
-    def method_spec(self):
-        """The registry's `Method` entry of this schedule's method."""
-        from .registry import method  # the registry imports this module
-
-        return method(self.method)
-
-    @property
-    def kind_spec(self):
-        """The registry's `ScheduleKind` entry of this schedule's kind."""
-        from .registry import schedule_kind
-
-        return schedule_kind(self.kind)
-
-    @property
     def vocab_parallel(self) -> bool:
         """True for the VP methods (vocabulary passes on every rank)."""
-        return self.method_spec.vocab_parallel
+        return self.method.vocab_parallel
 
     def owner(self, chunk: int) -> int:
         """Rank holding `chunk`."""
@@ -150,7 +142,7 @@ class Schedule:
 
     def describe(self) -> str:
         return (
-            f"{self.kind}/{self.method} p={self.num_ranks} m={self.num_microbatches} "
+            f"{self.kind.name}/{self.method.name} p={self.num_ranks} m={self.num_microbatches} "
             f"chunks={self.num_chunks}{' forward-only' if self.forward_only else ''}"
         )
 

@@ -45,6 +45,12 @@ class Method:
     description: str
     """One line for help texts."""
 
+    def __str__(self) -> str:
+        return self.name
+
+    def __reduce__(self):  # pickles as its name: the unpickled entry is the registry's own object
+        return method, (self.name,)
+
     @property
     def grad_barrier(self) -> Op | None:
         """The collective after which the last chunk's input gradient is complete (its B waits for it)."""
@@ -76,6 +82,12 @@ class ScheduleKind:
     """Has an evaluation (forward-only) variant."""
     description: str
     """One line for help texts."""
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __reduce__(self):  # pickles as its name (its block is a lambda); unpickles to the registry's entry
+        return schedule_kind, (self.name,)
 
 
 METHODS: dict[str, Method] = {

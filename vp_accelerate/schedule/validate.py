@@ -63,7 +63,7 @@ def _expected(s: Schedule, r: int) -> set:
         if s.vocab_parallel:
             ops = [Op.IF, Op.IF_REDUCE, Op.C0, Op.S, Op.C1]
             if not s.forward_only:
-                ops += [Op.T, Op.IB_BCAST, Op.IB] + ([Op.C2] if s.method_spec.grad_barrier is Op.C2 else [])
+                ops += [Op.T, Op.IB_BCAST, Op.IB] + ([Op.C2] if s.method.grad_barrier is Op.C2 else [])
             out.update((op, mb, 0) for op in ops)
     return out
 

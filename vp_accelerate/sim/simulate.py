@@ -1,6 +1,8 @@
 """Replay a schedule's action lists with pass costs: step time, bubbles, memory, MFU, timeline.
 
-Execution model: each rank runs its actions in order. A send is non-blocking; the data lands
+The replay is schedule/replay.py's driver with a cost clock; what each pass waits for is
+schedule/deps.py's `consumed`, as in the validator and the executor. Execution model (`SIMULATOR`):
+each rank runs its actions in order. A send is non-blocking; the data lands
 p2p_time later. A receive is posted where it stands and waited for by the pass that consumes it.
 Collectives run as the runtime runs them (vocab/comm.py): each is a chain of dependent steps (C1: the
 max all-reduce, the rescale by exp(m_i - m), the sums all-reduce) on a communication resource of its
@@ -12,12 +14,11 @@ records of lane "comm".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from vp_accelerate.schedule.ir import COLLECTIVES, COMPUTE_OPS, COMPUTE_PASSES, Op, Schedule, TimedAction
-
-# the pass that waits for each collective (besides B of the last chunk, handled apart)
-WAITS_FOR = {Op.S: Op.C0, Op.T: Op.C1, Op.IB: Op.IB_BCAST}
+from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule, TimedAction
+from vp_accelerate.schedule.replay import Rules, replay
 
 
 @dataclass
@@ -47,96 +48,66 @@ class SimResult:
     """Every compute pass (and collective, op C0/C1/...) with its start and end."""
 
 
+SIMULATOR = Rules(
+    "the simulator's rules (buffered sends, every operation independent)",
+    rendezvous=False,
+    queues="none",
+    batches=False,
+)
+"""Sends never wait for the peer; a receive is posted where it stands and waited for by its consumer;
+collectives start once every rank issued them, one chain at a time."""
+
+
+class _CostClock:
+    """A cost model (or measured costs) as the replay's clock."""
+
+    def __init__(self, costs):
+        self.costs = costs
+        self.passes: dict = {}  # (rank, op, chunk) -> seconds: the same pass costs the same for every microbatch
+        self.chains: dict = {}  # collective op -> its chain's steps
+        # host time a rank spends posting a transfer or handing a chain over (measured costs may give it)
+        issue = getattr(costs, "issue_time", lambda op: 0.0)
+        self.issue = {op: issue(op) for op in Op}
+        self.p2p = costs.p2p_time()
+
+    def pass_time(self, rank: int, a) -> float:
+        key = (rank, a.op, a.chunk)
+        if key not in self.passes:
+            self.passes[key] = self.costs.pass_time(rank, a.op, a.chunk)
+        return self.passes[key]
+
+    def issue_time(self, op: Op) -> float:
+        return self.issue[op]
+
+    def p2p_time(self) -> float:
+        return self.p2p
+
+    def chain_steps(self, op: Op) -> list[tuple[str, float]]:
+        if op not in self.chains:
+            self.chains[op] = chain_steps(self.costs, op)
+        return self.chains[op]
+
+
 def simulate(
-    schedule: Schedule, costs, peak_flops: float | None = None, blocking_collectives: bool = False
+    schedule: Schedule,
+    costs,
+    peak_flops: float | None = None,
+    blocking_collectives: bool = False,
+    rules: Rules = SIMULATOR,
 ) -> SimResult:
     """Time `schedule` with `costs` (CostModel or MeasuredCosts). MFU uses peak_flops, or the cost
     model's hardware peak. Collectives are asynchronous (issued in order, waited for by the pass that
     needs their result: S, T, IB, F of chunk 0, B of the last chunk), as on GPUs where they run on a
-    stream of their own; `blocking_collectives` makes every rank wait for each one instead (gloo)."""
+    stream of their own; `blocking_collectives` makes every rank wait for each one instead (gloo).
+    `rules`: the communication rules of the replay (schedule/replay.py); `streams.NCCL` times the lists
+    as NCCL runs them (rendezvous sends, in-order batches per communicator)."""
+    if blocking_collectives:
+        rules = dataclasses.replace(rules, blocking_collectives=True)
+    out = replay(schedule, rules, _CostClock(costs))
+    timeline = [TimedAction(r, a.op.value, a.mb, a.chunk, start, end) for r, a, start, end in out.passes]
     p = schedule.num_ranks
-    last = schedule.last_chunk
-    acts = schedule.actions
-    pc = [0] * p
-    clock = [0.0] * p
-    arrival: dict = {}  # (recv op, mb, chunk) -> time the data is there
-    done_at: dict = {}  # (collective op, mb) -> completion time
-    stream = 0.0  # the collectives' stream is busy until then
-    timeline: list[TimedAction] = []
-    grad_barrier = schedule.method_spec.grad_barrier
-    # host time a rank spends posting a transfer or handing a chain over (measured costs may give it)
-    issue = getattr(costs, "issue_time", lambda op: 0.0)
-    pass_times: dict = {}  # (rank, op, chunk) -> seconds
-    chains: dict = {}  # collective op -> its chain's steps
-
-    def ready(r: int, a) -> float | None:
-        """Earliest start of compute pass `a` on rank r, or None while an input has not been sent."""
-        t = clock[r]
-        key = None
-        if a.op is Op.F and a.chunk > 0 and schedule.owner(a.chunk - 1) != r:
-            key = (Op.RECV_ACT, a.mb, a.chunk)
-        elif a.op is Op.B and a.chunk < last and schedule.owner(a.chunk + 1) != r:
-            key = (Op.RECV_GRAD, a.mb, a.chunk)
-        if key is not None:
-            if key not in arrival:
-                return None
-            t = max(t, arrival[key])
-        if a.op is Op.B and a.chunk == last and grad_barrier is not None:
-            t = max(t, done_at[(grad_barrier, a.mb)])
-        if a.op in WAITS_FOR:
-            t = max(t, done_at[(WAITS_FOR[a.op], a.mb)])
-        if a.op is Op.F and a.chunk == 0 and (Op.IF_REDUCE, a.mb) in done_at:
-            t = max(t, done_at[(Op.IF_REDUCE, a.mb)])
-        return t
-
-    while True:
-        progress = False
-        for r in range(p):
-            while pc[r] < len(acts[r]):
-                a = acts[r][pc[r]]
-                if a.op in COMPUTE_PASSES:
-                    t = ready(r, a)
-                    if t is None:
-                        break
-                    key_t = (r, a.op, a.chunk)
-                    if key_t not in pass_times:  # the same pass costs the same for every microbatch
-                        pass_times[key_t] = costs.pass_time(r, a.op, a.chunk)
-                    end = t + pass_times[key_t]
-                    timeline.append(TimedAction(r, a.op.value, a.mb, a.chunk, t, end))
-                    clock[r] = end
-                elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
-                    clock[r] += issue(a.op)
-                    key = (Op.RECV_ACT, a.mb, a.chunk + 1) if a.op is Op.SEND_ACT else (Op.RECV_GRAD, a.mb, a.chunk - 1)
-                    arrival[key] = clock[r] + costs.p2p_time()
-                elif a.op in COLLECTIVES:
-                    break
-                else:  # a receive is posted here and waited for by its consumer
-                    clock[r] += issue(a.op)
-                pc[r] += 1
-                progress = True
-        at = [acts[r][pc[r]] if pc[r] < len(acts[r]) else None for r in range(p)]
-        if all(a is None for a in at):
-            break
-        if all(a is not None and a.op in COLLECTIVES for a in at):
-            a = at[0]
-            for r in range(p):
-                clock[r] += issue(a.op)
-            # the chain starts once the last rank has issued it and the communication resource is free;
-            # its steps (C1: max all-reduce, rescale, sums all-reduce) run back to back on that resource
-            end = max(max(clock), stream)
-            if a.op not in chains:
-                chains[a.op] = chain_steps(costs, a.op)
-            for _, seconds in chains[a.op]:
-                start, end = end, end + seconds
-                timeline += [TimedAction(r, a.op.value, a.mb, 0, start, end, lane="comm") for r in range(p)]
-            stream = done_at[(a.op, a.mb)] = end
-            for r in range(p):
-                if blocking_collectives:
-                    clock[r] = end
-                pc[r] += 1
-            continue
-        if not progress:
-            raise RuntimeError(f"simulation stuck (validate the schedule): {[str(a) for a in at]}")
+    for a, _, start, end in out.chains:
+        timeline += [TimedAction(r, a.op.value, a.mb, 0, start, end, lane="comm") for r in range(p)]
     return _summarise(schedule, costs, timeline, peak_flops)
 
 
