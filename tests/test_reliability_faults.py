@@ -1,4 +1,6 @@
-"""Faults under a real 2-process `accelerate launch` (gloo, CPU), injected by scripts/fault_worker.py.
+"""Faults in 2-process training runs (gloo, CPU), injected by scripts/fault_worker.py: the trainer's own
+decisions on 2 ranks forked as `accelerate launch` would start them (tests/helpers/launch.py), a rank that
+fails mid-step under a real `accelerate launch`.
 
 - a NaN in one microbatch's input embedding: with `train.on_nonfinite: skip` the step is skipped, the
   message names the microbatch and its data rows, training goes on, every checkpoint is finite;
@@ -20,6 +22,8 @@ import sys
 
 import pytest
 import torch
+
+from helpers.launch import run_env, train_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
@@ -83,6 +87,21 @@ def launch(d, name, fault: dict | None, *sets, extra=()):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(d))
 
 
+def train_forked(d, name, fault: dict | None, *sets, extra=()):
+    """`launch`'s run on 2 ranks forked from the preloaded fork server, for the faults whose subject is the
+    trainer (every rank reaches the same decision and exits by itself), not the launcher."""
+    args = [
+        str(d / "recipe.yaml"),
+        "--set",
+        f"logging.output_dir={d / name}",
+        "--set",
+        f"checkpoint.dir={d / name / 'ckpt'}",
+        *[a for s in sets for a in ("--set", s)],
+        *extra,
+    ]
+    return train_ranks(args, d, run_env(d / "ds_cache"), fault=fault or {})
+
+
 def finite_checkpoints(ckpt_dir):
     from safetensors.torch import load_file
 
@@ -97,7 +116,9 @@ def finite_checkpoints(ckpt_dir):
 @pytest.fixture(scope="module")
 def skipped_run(setup):
     step, mb = RNG.randrange(2, 4), RNG.randrange(4)
-    out = launch(setup, "skip", {"poison": {"step": step, "microbatch": mb, "value": "nan"}}, "train.on_nonfinite=skip")
+    out = train_forked(
+        setup, "skip", {"poison": {"step": step, "microbatch": mb, "value": "nan"}}, "train.on_nonfinite=skip"
+    )
     return out, step, mb
 
 
@@ -117,9 +138,9 @@ def test_nan_in_one_microbatch_is_skipped_and_named(setup, skipped_run):
 
 
 def test_resume_with_another_model_is_refused(setup, skipped_run):
-    out = launch(setup, "skip", None, "model.config.intermediate_size=96", extra=["--resume"])
+    out = train_forked(setup, "skip", None, "model.config.intermediate_size=96", extra=["--resume"])
     log = out.stdout + out.stderr
-    assert out.returncode != 0
+    assert out.returncode != 0 and out.codes == [3, 3]
     assert "does not match this run" in log and "model: checkpoint has" in log, log[-3000:]
     assert log.count("training stopped: CheckpointError") == 2  # both ranks say it
 
@@ -128,11 +149,11 @@ def test_inf_gradient_stops_every_rank_and_keeps_the_last_checkpoint(setup):
     from vp_accelerate.train import checkpoint as ckpt
 
     step = RNG.randrange(2, 4)
-    out = launch(
+    out = train_forked(
         setup, "stop", {"poison_grad": {"step": step, "rank": 1, "param": 0, "value": "inf"}}, "train.on_nonfinite=stop"
     )
     log = out.stdout + out.stderr
-    assert out.returncode != 0
+    assert out.returncode != 0 and out.codes == [3, 3]
     assert log.count("training stopped: NonFiniteError") == 2, log[-3000:]  # every rank, the same decision
     assert (
         f"step {step}: non-finite gradient (global norm inf) although the loss of every microbatch was finite" in log

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from helpers.launch import run_env, train_ranks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 STEPS = 6
@@ -90,6 +92,14 @@ def launch(setup, name, *extra, check=True):
     return out
 
 
+def train_forked(setup, name, *extra):
+    """The same run on 2 ranks forked from the preloaded fork server (the launcher is `launch`'s subject)."""
+    d, recipe = setup
+    out = train_ranks([recipe, "--set", f"logging.output_dir={d / name}", *extra], d, run_env(d / "ds_cache"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return out
+
+
 def metrics(path):
     rows = [json.loads(line) for line in open(path)]
     train = {r["step"]: r for r in rows if "train/loss" in r}
@@ -167,7 +177,7 @@ def test_resume_equals_uninterrupted(setup, full_run):
     """Resume from the step-3 checkpoint the full run wrote (what a crash after step 3 leaves behind), named by
     its path, into a new output dir."""
     run_dir, _ = full_run
-    launch(
+    train_forked(
         setup,
         "resumed",
         "--resume",
@@ -236,7 +246,7 @@ def test_init_from_takes_the_weights_only(setup, full_run):
     """model.init_from: the full run's last weights, a fresh optimizer and schedule (at a negligible LR, the
     first evaluation equals the full run's last one; a fresh model's is far above)."""
     run_dir, _ = full_run
-    launch(
+    train_forked(
         setup,
         "init",
         "--set",

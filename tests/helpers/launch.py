@@ -1,0 +1,172 @@
+"""Launched training runs for tests, at two costs.
+
+`train_ranks` runs `vp-accelerate train ARGS` (or scripts/fault_worker.py, with a fault) on N local ranks
+forked from the fork server of `vp_accelerate.distributed.spawn`, which has torch, transformers, accelerate
+and the trainer imported already: a run starts in well under a second instead of the ~8 s a launcher and
+two fresh interpreters take. Each rank sees what `accelerate launch --config_file
+configs/accelerate_cpu_2proc.yaml` gives its processes (torchrun-style RANK / WORLD_SIZE / LOCAL_RANK /
+LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT and accelerate's ACCELERATE_* settings), runs in `cwd`, and
+writes its stdout and stderr to files that come back as one text per stream, rank 0 first. Use it where the
+subject is the trainer, not the launcher.
+
+`launch` runs a real command (`accelerate launch ...`, `vp-accelerate launch ...`) as a subprocess, with
+the environment every launched test run gets; tests whose subject is the launcher itself, exit codes as
+the launcher reports them, or a killed rank use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from vp_accelerate.distributed import RankFailed, spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = os.path.dirname(sys.executable)
+ACCELERATE = os.path.join(BIN, "accelerate")
+CPU_2PROC = str(ROOT / "configs" / "accelerate_cpu_2proc.yaml")
+FAULT_WORKER = str(ROOT / "scripts" / "fault_worker.py")
+
+
+@dataclass
+class Launched:
+    """What a finished run left: its exit status and its output, as `subprocess.run` reports them."""
+
+    returncode: int
+    """0 when every rank exited 0; else the first non-zero rank's exit code (1 for a rank that raised)."""
+    stdout: str
+    """Every rank's stdout, rank 0 first."""
+    stderr: str
+    """Every rank's stderr, rank 0 first (and, for a rank that raised, its traceback)."""
+    codes: list[int | None]
+    """Each rank's exit code; None for a rank stopped because a peer failed."""
+
+
+def run_env(cache_dir: str | os.PathLike, **extra: str) -> dict[str, str]:
+    """The environment of a launched test run: offline, one thread, quiet tokenizers, a datasets cache of
+    the test's own (so runs of different tests never share one)."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_SILENT": "true",
+        "HF_DATASETS_CACHE": str(cache_dir),
+        **extra,
+    }
+
+
+def launch(cmd: list[str], cwd: str | os.PathLike, env: dict[str, str], timeout_s: float = 600.0):
+    """A real launcher command as a subprocess (`subprocess.run`, output captured as text)."""
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env}, cwd=str(cwd)
+    )
+
+
+def accelerate_train(args: list[str], config: str = CPU_2PROC) -> list[str]:
+    """`accelerate launch --config_file CONFIG -m vp_accelerate train ARGS`."""
+    return [ACCELERATE, "launch", "--config_file", config, "-m", "vp_accelerate", "train", *args]
+
+
+def _rank_main(argv: list[str], cwd: str, env: dict, logs: str, fault: dict | None, mixed_precision: str) -> int:
+    """One rank of `train_ranks`: the environment accelerate's launcher would give it, output into files,
+    then the command's own main, its return value (or SystemExit's code) the rank's exit code."""
+    rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+    os.environ.update(env)
+    os.environ.update(
+        LOCAL_WORLD_SIZE=world,
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        ROLE_RANK=rank,
+        ROLE_WORLD_SIZE=world,
+        ACCELERATE_MIXED_PRECISION=mixed_precision,
+        ACCELERATE_DYNAMO_BACKEND="NO",
+        PYTHONUNBUFFERED="1",
+    )
+    os.chdir(cwd)
+    out = open(os.path.join(logs, f"rank{rank}.out"), "w")
+    err = open(os.path.join(logs, f"rank{rank}.err"), "w")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    try:
+        if fault is not None:
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("fault_worker", FAULT_WORKER)
+            worker = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(worker)
+            worker.install(fault)
+            from vp_accelerate.train.commands import train_main
+
+            code = train_main(argv)
+        else:
+            from vp_accelerate.cli import main
+
+            code = main(["train", *argv])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()  # into this rank's stderr file, as an interpreter would before exiting 1
+        raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return int(code or 0)
+
+
+def train_ranks(
+    args: list[str],
+    cwd: str | os.PathLike,
+    env: dict[str, str] | None = None,
+    nprocs: int = 2,
+    fault: dict | None = None,
+    mixed_precision: str = "no",
+    timeout_s: float = 300.0,
+) -> Launched:
+    """`vp-accelerate train ARGS` on `nprocs` ranks forked from the preloaded fork server, as
+    `accelerate launch --config_file configs/accelerate_cpu_2proc.yaml --num_processes NPROCS` would run it
+    (`mixed_precision`: its --mixed_precision). With `fault`, scripts/fault_worker.py's injection (its
+    VP_FAULT, as a dict) is installed first. `env` is added to this process's environment for the ranks."""
+    with tempfile.TemporaryDirectory(prefix="vp_ranks_") as logs:
+        try:
+            codes: list[int | None] = list(
+                spawn(
+                    _rank_main,
+                    nprocs,
+                    list(args),
+                    str(cwd),
+                    dict(env or {}),
+                    logs,
+                    fault,
+                    mixed_precision,
+                    timeout_s=timeout_s,
+                )
+            )
+            failure = ""
+        except RankFailed as e:  # a rank raised or died: report it as a launcher would, exit code 1
+            failure = str(e)
+            codes = [None] * nprocs
+            for line in failure.splitlines():
+                if line.startswith("rank ") and " failed: " in line:
+                    codes[int(line.split()[1])] = 1
+        texts = {
+            stream: "".join(
+                (Path(logs) / f"rank{r}.{stream}").read_text() if (Path(logs) / f"rank{r}.{stream}").exists() else ""
+                for r in range(nprocs)
+            )
+            for stream in ("out", "err")
+        }
+    code = next((c for c in codes if c), 0)
+    return Launched(code, texts["out"], texts["err"] + failure, codes)
+
+
+def fault_json(fault: dict | None) -> str:
+    """scripts/fault_worker.py's VP_FAULT for a real launch."""
+    return json.dumps(fault or {})
