@@ -1,6 +1,6 @@
 """The multi-node launch path. On one machine: `accelerate launch` as two machines of 2 processes each on
 127.0.0.1 (PP2 x DP2, one pipeline per machine, data parallelism across them) trains to the same losses as
-one machine of 4 processes. For the 2-node x 8-GPU cluster: the accelerate config names a recipe that
+one machine of 4 processes (forked as one launcher would start them, tests/helpers/launch.py). For the 2-node x 8-GPU cluster: the accelerate config names a recipe that
 exists, `train --check --world-size 16` accepts its layout (pp 8 inside a node x dp 2 across nodes) and
 refuses a wrong one, and the SLURM script starts one launcher per node with that node's machine rank."""
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.launch import run_env, train_ranks
 from vp_accelerate.train.preflight import check_plan
 from vp_accelerate.train.recipe import load_recipe
 from vp_accelerate.train.recipe_io import RecipeError
@@ -162,11 +163,17 @@ def test_two_machines_on_loopback_train_like_one_machine(tiny_recipe):
     ranks 0-1 (pipeline replica 0), machine 1 ranks 2-3 (replica 1), so the data-parallel all-reduce is the
     traffic between machines; the train and eval losses are those of 4 processes on one machine."""
     d = tiny_recipe
-    one_cfg = str(ROOT / "configs" / "accelerate_cpu_2proc.yaml")
     two_cfg = str(ROOT / "configs" / "accelerate_cpu_2machines.yaml")
-    single_dir, (single_log,) = _launch_all(
-        d, "single", [["--config_file", one_cfg, "--num_processes", "4", "--main_process_port", "{port}"]]
+    # the one-machine reference: 4 ranks forked as one launcher would start them (the launcher under test
+    # is the two-machine one below)
+    single_dir = d / "single"
+    single = train_ranks(
+        [str(d / "recipe.yaml"), "--set", f"logging.output_dir={single_dir}"],
+        d,
+        run_env(d / "ds_cache", WANDB_MODE="disabled"),
+        nprocs=4,
     )
+    assert single.returncode == 0, single.stderr[-4000:]
     multi_dir, logs = _launch_all(
         d,
         "multi",
