@@ -1,4 +1,4 @@
-"""A fine-tune checked the way a user checks one, under real 2-process `accelerate launch` runs: SFT a tiny
+"""A fine-tune checked the way a user checks one, in 2-process training runs: SFT a tiny
 model on a chat set whose assistant always gives one fixed reply, load the export with AutoModelForCausalLM +
 AutoTokenizer, `apply_chat_template(..., add_generation_prompt=True)`, `generate(max_new_tokens=20)`: the
 reply comes back and generation stops at the end-of-turn token. The same through peft
@@ -13,14 +13,12 @@ after the swap (measured); the test asks for 2.
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+from helpers.launch import run_env, train_ranks
+
 REPLY = "The answer is always forty-two."
 LORA_REPLY = "The answer is forty-two always."  # tokens the base model already predicts, in another order
 WORDS = (
@@ -78,22 +76,8 @@ def launch(d, name, recipe):
     }
     path = d / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "HF_DATASETS_CACHE": str(d / "ds_cache"),
-    }
-    config = os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml")
-    out = subprocess.run(
-        [ACCELERATE, "launch", "--config_file", config, "-m", "vp_accelerate", "train", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=str(d),
-    )
+    # 2 ranks forked as `accelerate launch` starts them (tests/helpers/launch.py): the launcher is not the subject
+    out = train_ranks([str(path)], d, run_env(d / "ds_cache"), timeout_s=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return d / name, out.stdout + out.stderr
 
