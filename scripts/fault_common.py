@@ -76,7 +76,7 @@ def prepare(spec: RunSpec) -> str:
         "pipeline": {"microbatches": 4},
         "optimizer": {"lr": 3e-3},
         "lr": {"warmup_steps": 2},
-        "train": {"steps": spec.steps, "global_batch": 8, "seed": spec.seed, "precision": "fp32"},
+        "train": {"steps": spec.steps, "global_batch": 8, "seed": spec.seed},
         "eval": {"every": 0, "batches": 1},
         "checkpoint": {"every": spec.every, "keep": 100},
         "logging": {"wandb_mode": "disabled", "log_every": 1, "timeline_image": False},

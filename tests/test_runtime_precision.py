@@ -198,12 +198,13 @@ def test_trainer_takes_accelerates_mixed_precision_unless_the_recipe_sets_one():
     from vp_accelerate.runtime import PipelineConfig
     from vp_accelerate.train.trainer import mixed_precision_for
 
-    def recipe(mode, params="fp32"):
-        return SimpleNamespace(pipeline=PipelineConfig(mixed_precision=mode), train=SimpleNamespace(precision=params))
+    def recipe(mode):
+        return SimpleNamespace(pipeline=PipelineConfig(mixed_precision=mode))
 
     assert mixed_precision_for(recipe(None), "bf16") == "bf16"
     assert mixed_precision_for(recipe(None), None) == "no"
     assert mixed_precision_for(recipe("fp16"), "bf16") == "fp16"  # the recipe wins
-    assert mixed_precision_for(recipe(None, "bf16"), "bf16") == "no"  # bf16 parameters: no master copy to keep
-    with pytest.raises(ValueError, match="fp8"):
-        mixed_precision_for(recipe(None), "fp8")
+    assert mixed_precision_for(recipe("pure-bf16"), "bf16") == "pure-bf16"
+    for flag in ("fp8", "pure-bf16"):  # accelerate has no pure-bf16: only the recipe can ask for it
+        with pytest.raises(ValueError, match=f"--mixed_precision {flag} is not supported.*pure-bf16"):
+            mixed_precision_for(recipe(None), flag)

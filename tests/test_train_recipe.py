@@ -44,7 +44,11 @@ def test_defaults_and_roundtrip(corpus):
         ({"pipeline": {"microbatches": "8"}}, "pipeline.microbatches: expected int, got str '8'"),
         ({"pipeline": {"microbatches": 2.5}}, "pipeline.microbatches: expected int"),
         ({"pipeline": {"method": "vocab2"}}, "pipeline.method: expected one of"),
-        ({"train": {"precision": "fp16"}}, "train.precision: expected one of 'fp32', 'bf16', got 'fp16'"),
+        (
+            {"pipeline": {"mixed_precision": "fp8"}},
+            "pipeline.mixed_precision: expected one of 'no', 'bf16', 'fp16', 'pure-bf16', got 'fp8'",
+        ),
+        ({"train": {"precision": "bf16"}}, "train.precision was removed: set pipeline.mixed_precision: bf16"),
         ({"data": {"packing": "yes"}}, "data.packing: expected bool"),
         ({"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]: expected float"),
         ({"optimizer": {"lr": "fast"}}, "optimizer.lr: expected float, got str 'fast'"),

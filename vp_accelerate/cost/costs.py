@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vp_accelerate import modes
 from vp_accelerate.schedule.ir import Op
 from vp_accelerate.schedule.registry import Method
 from vp_accelerate.schedule.registry import method as method_entry
@@ -109,13 +110,7 @@ class CostModel:
 
     def checkpointed_layers(self, chunk: int) -> int:
         """Layers of `chunk` whose activations are recomputed."""
-        n = self.chunk_layers[chunk]
-        counts = {"none": 0, "full": n, "selective": (n + 1) // 2}
-        if self.activation_checkpointing not in counts:
-            raise ValueError(
-                f"activation_checkpointing must be one of {sorted(counts)}, got {self.activation_checkpointing!r}"
-            )
-        return counts[self.activation_checkpointing]
+        return len(modes.checkpointing(self.activation_checkpointing).layers(self.chunk_layers[chunk]))
 
     @property
     def num_ranks(self) -> int:

@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from vp_accelerate import modes
+
 from .adapter import PartNames
 
 _MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
@@ -76,12 +78,9 @@ class StageChunk(nn.Module):
         runtime's activation meter counts it there: inside the checkpoint nothing else is saved)."""
 
     def set_activation_checkpointing(self, mode: str) -> None:
-        """ "none", "full" (every layer) or "selective" (every other layer: local indices 0, 2, 4, ...)."""
-        n = len(self.layers)
-        chosen = {"none": (), "full": range(n), "selective": range(0, n, 2)}
-        if mode not in chosen:
-            raise ValueError(f"activation_checkpointing must be none, full or selective, got {mode!r}")
-        self.checkpointed = frozenset(chosen[mode])
+        """A key of modes.CHECKPOINTING: "none", "full" (every layer) or "selective" (every other layer:
+        local indices 0, 2, 4, ...); ModeError names the valid ones."""
+        self.checkpointed = frozenset(modes.checkpointing(mode).layers(len(self.layers)))
 
     def apply_input_pieces(self, embedded: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Turn the raw token-embedding lookup E[ids] into the first layer's input."""

@@ -10,13 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from vp_accelerate import modes
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, normalise_method, normalise_schedule
 
-# The recipe loader checks these (case-insensitively, with a "did you mean"); the names are the registry's.
+# The recipe loader checks these (case-insensitively, with a "did you mean"); the names are the tables' keys
+# (schedule.registry for schedules and methods, vp_accelerate/modes.py for the modes).
 ScheduleName = Literal[tuple(SCHEDULES) + ("auto",)]
 AUTO = "auto"  # schedule "auto": the trainer asks the planner (sim/plan.py) for the whole layout
 MethodName = Literal[tuple(METHODS)]
-MemoryMode = Literal["store", "recompute"]
+MemoryName = Literal[tuple(modes.MEMORY_MODES)]
+PrecisionName = Literal[tuple(modes.PRECISIONS)]
+CheckpointingName = Literal[tuple(modes.CHECKPOINTING)]
 
 
 @dataclass
@@ -39,8 +43,9 @@ class PipelineConfig:
     """Microbatches per optimizer step per data-parallel replica; the replica's batch (the first dimension
     given to `train_step`) must divide by it."""
 
-    memory: MemoryMode = "store"
-    """Output-layer S->T state: "store" keeps the local softmax, "recompute" recomputes the logits in T."""
+    memory: MemoryName = "store"
+    """Output-layer S->T state, a key of modes.MEMORY_MODES: "store" keeps the shard's logits, "recompute"
+    keeps X and the softmax statistics and recomputes the logits in T."""
 
     chunk_size: Optional[int] = None
     """Vocabulary rows per chunk inside the S and T passes (bounds the transient memory); None = whole shard."""
@@ -67,19 +72,21 @@ class PipelineConfig:
     attn_implementation: Optional[str] = None
     """HF attention kernel ("eager", "sdpa", ...); None = the model's default."""
 
-    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = None
-    """Compute precision with fp32 master weights (build the model in float32): "bf16" or "fp16" run the
-    decoder chunks under torch.autocast and the vocabulary matmuls in that dtype, while parameters,
-    gradients (accumulated over microbatches) and optimizer state stay fp32 and the softmax statistics
-    stay fp32. fp16 adds a dynamic loss scale: a step whose gradients overflow is reported as skipped
-    (`StepResult.skipped`; step the optimizer with `pipe.step(optimizer)`). None = "no" for
-    PipelineModel; in training, accelerate's `--mixed_precision`."""
+    mixed_precision: Optional[PrecisionName] = None
+    """The run's precision, a key of modes.PRECISIONS (any case). "bf16" or "fp16": compute in that dtype
+    with fp32 master weights (the decoder chunks under torch.autocast, the vocabulary matmuls in that
+    dtype), while parameters, gradients (accumulated over microbatches), optimizer state and the softmax
+    statistics stay fp32; fp16 adds a dynamic loss scale: a step whose gradients overflow is reported as
+    skipped (`StepResult.skipped`; step the optimizer with `pipe.step(optimizer)`). "pure-bf16": the
+    parameters, their gradients and the AdamW state are bf16 themselves (no fp32 master copy, half the
+    static memory; updates below bf16's resolution are lost). "no": everything in the dtype the model is
+    built in. None = "no" for PipelineModel; in training, accelerate's `--mixed_precision` (no, bf16, fp16)."""
 
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing: CheckpointingName = "none"
     """Recompute decoder-layer activations in backward instead of keeping them (torch.utils.checkpoint,
-    non-reentrant): "full" checkpoints every decoder layer (each keeps only its input until backward),
-    "selective" every other layer of each chunk (the 1st, 3rd, ...), halving the saving and the extra
-    forward compute."""
+    non-reentrant), a key of modes.CHECKPOINTING: "full" checkpoints every decoder layer (each keeps only
+    its input until backward), "selective" every other layer of each chunk (the 1st, 3rd, ...), halving the
+    saving and the extra forward compute."""
 
     plan_memory_gb: Optional[float] = None
     """With schedule "auto": memory per rank the plan may fill, GB; None = the GPU's total memory (on CPU
@@ -95,6 +102,10 @@ class PipelineConfig:
         else:
             self.schedule = AUTO
         self.method = normalise_method(self.method)
+        self.memory = modes.memory_mode(self.memory).name
+        self.activation_checkpointing = modes.checkpointing(self.activation_checkpointing).name
+        if self.mixed_precision is not None:
+            self.mixed_precision = modes.precision(self.mixed_precision).name
         if self.layers_per_stage is not None:  # a list from the API or YAML; the layout wants a tuple
             self.layers_per_stage = tuple(self.layers_per_stage)
 
@@ -117,11 +128,13 @@ class PipelineConfig:
                 f"layers_per_stage: every chunk but the first and the last needs at least one layer "
                 f"(the end chunks may hold none), got {list(split)}"
             )
-        if self.mixed_precision is not None and str(self.mixed_precision).lower() not in ("no", "bf16", "fp16"):
-            raise ValueError(f"mixed_precision: must be no, bf16, fp16 or null, got {self.mixed_precision!r}")
-        if self.activation_checkpointing not in ("none", "full", "selective"):
-            raise ValueError(
-                f"activation_checkpointing: must be none, full or selective, got {self.activation_checkpointing!r}"
-            )
+        # again here: a field set after construction (`cfg.memory = ...`) is checked before it runs
+        for name, lookup in (
+            ("memory", modes.memory_mode),
+            ("activation_checkpointing", modes.checkpointing),
+            ("mixed_precision", modes.precision),
+        ):
+            if getattr(self, name) is not None:
+                lookup(getattr(self, name))  # ModeError (a ValueError) "<name>: unknown value ..."
         if self.watchdog_dead_after_s is not None and self.watchdog_dead_after_s <= 0:
             raise ValueError(f"watchdog_dead_after_s: must be > 0 or null, got {self.watchdog_dead_after_s}")

@@ -7,7 +7,9 @@
     pipe.clip_grad_norm_(1.0); pipe.step(opt); pipe.zero_grad()
 
 `pipe.step(opt)` is `opt.step()` except after a step the fp16 loss scaler skipped (gradient overflow,
-`res.skipped`); with `mixed_precision` "no" or "bf16" calling `opt.step()` directly is the same.
+`res.skipped`); with any other `mixed_precision` calling `opt.step()` directly is the same.
+`dtype` (the parameters') follows `mixed_precision` (float32 master weights for bf16/fp16, bfloat16 for
+pure-bf16); with "no" it is the caller's, float32 by default.
 
 Every rank of the pipeline calls the same methods with the same batch (its data-parallel replica's
 batch); each rank holds and updates only its own stage chunks and vocabulary shards.
@@ -69,7 +71,7 @@ class PipelineModel:
         self,
         source,
         config: PipelineConfig | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         seed: int = 0,
         device: torch.device | str | None = None,
         adapter: AdapterConfig | None = None,
@@ -83,6 +85,11 @@ class PipelineModel:
             )
         self.adapter = (adapter or AdapterConfig()).check()
         self.cfg = cfg
+        self.precision = precision.resolve(cfg.mixed_precision)
+        # fp32 master weights, pure-bf16's bf16, or `dtype`; a contradiction fails here, before any group
+        self.dtype = precision.param_dtype(self.precision, dtype)
+        self.compute_dtype = precision.low_dtype(self.precision)
+        self.loss_scaler = precision.loss_scaler_for(self.precision)
         check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)
@@ -90,15 +97,6 @@ class PipelineModel:
         p2p.install()  # VP_STRICT_P2P: NCCL's p2p semantics emulated on gloo
         # cuda:LOCAL_RANK (made current), also when accelerate made the group; the CPU without CUDA
         self.device = torch.device(device) if device is not None else local_device()
-        self.dtype = dtype
-        self.precision = precision.resolve(cfg.mixed_precision)
-        self.compute_dtype = precision.low_dtype(self.precision)
-        if self.compute_dtype is not None and dtype != torch.float32:
-            raise ValueError(
-                f"mixed_precision={self.precision} keeps fp32 master weights: build the model with "
-                f"dtype=torch.float32 (got {dtype}), or set mixed_precision: no to train in {dtype}"
-            )
-        self.loss_scaler = precision.LossScaler() if self.precision == "fp16" else None
         self._skip_next_optimizer_step = False  # set by each train_step (fp16 overflow); read by step()
         self.hf_config = resolve_config(source)
         self.schedule = build_schedule(
@@ -139,7 +137,7 @@ class PipelineModel:
             g.pp_rank,
             "vocab" if self.vocab else "baseline",
             self.partition,
-            dtype=dtype,
+            dtype=self.dtype,
             seed=seed,
             device=self.device,
             attn_implementation=cfg.attn_implementation,
@@ -148,7 +146,7 @@ class PipelineModel:
         if self.adapter.enabled:  # before the B/W split patches the linear layers (LoRA's included)
             from vp_accelerate.models.lora import apply_lora
 
-            self.lora_transposed = apply_lora(self.mods, self.adapter, seed, dtype)
+            self.lora_transposed = apply_lora(self.mods, self.adapter, seed, self.dtype)
         self._tied_group = self._make_tied_group()
         self.watchdog = (
             watchdog.start(cfg.watchdog_dead_after_s)

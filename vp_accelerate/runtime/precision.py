@@ -17,6 +17,10 @@ One low-precision copy of each weight per step (`step_weight_casts`, `frozen_mat
 microbatch in flight shares it, and it is freed at the end of the step. Without that, each forward pass
 would cast for itself and every microbatch between its F and B would hold its own copy of every weight.
 
+The modes themselves (their names, parameter and compute dtypes, loss scaling) are the table
+`vp_accelerate.modes.PRECISIONS`; "pure-bf16" needs nothing of this file: its parameters are bf16 and
+everything runs and travels in their dtype, as "no" does.
+
 fp16's narrow exponent makes small gradients underflow, so its backward runs on the loss times a
 power-of-two scale S (folded into the per-token gradient weights g; exact). After the step the
 gradients are unscaled (×1/S, exact), checked for inf/NaN on every pipeline rank together, and a step
@@ -32,21 +36,36 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
-LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from vp_accelerate import modes
 
 
 def resolve(mode: str | None) -> str:
-    """The canonical mode ("no" when unset); raises for an unknown one, naming the valid ones."""
-    mode = "no" if mode is None else str(mode).lower()
-    if mode not in MIXED_PRECISIONS:
-        raise ValueError(f"mixed_precision: must be one of {MIXED_PRECISIONS}, got {mode!r}")
-    return mode
+    """The canonical mode ("no" when unset); raises ModeError (a ValueError) for an unknown one, naming the
+    valid ones."""
+    return modes.precision("no" if mode is None else mode).name
 
 
 def low_dtype(mode: str) -> torch.dtype | None:
-    """The compute dtype of a mode, None for "no"."""
-    return LOW_DTYPES.get(mode)
+    """The autocast compute dtype of a mode with fp32 master weights, None when compute runs in the
+    parameters' own dtype ("no", "pure-bf16")."""
+    entry = modes.precision(mode)
+    return getattr(torch, entry.compute_dtype) if entry.master_weights else None
+
+
+def param_dtype(mode: str, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype to build the parameters in: the mode's (float32 master weights for bf16/fp16, bfloat16 for
+    pure-bf16), or for "no" the caller's `dtype` (float32 when None). A `dtype` the mode contradicts raises,
+    naming the fix."""
+    entry = modes.precision(mode)
+    if entry.param_dtype is None:
+        return torch.float32 if dtype is None else dtype
+    want = getattr(torch, entry.param_dtype)
+    if dtype is not None and dtype != want:
+        raise ValueError(
+            f"mixed_precision={entry.name} keeps the parameters in {want}: build the model with dtype={want} "
+            f"(or leave dtype unset), got {dtype}; or set mixed_precision: no to train in {dtype}"
+        )
+    return want
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -158,6 +177,11 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+def loss_scaler_for(mode: str) -> LossScaler | None:
+    """A fresh dynamic loss scaler for a mode with loss scaling (fp16), else None."""
+    return LossScaler() if modes.precision(mode).loss_scaling else None
 
 
 @torch.no_grad()

@@ -129,6 +129,7 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 3
     log = logging.getLogger("vp_accelerate.train")
+    recipe = run.recipe  # as it ran: train.steps from epochs, the checkpoint dir filled in
     best = summary.get("best") or {}
     if summary.get("stopped_early"):
         log.info(

@@ -11,13 +11,26 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from .data import DataError
+import torch
+
+from vp_accelerate.runtime import PipelineLayout
+
+from .batches import BatchIterator, EvalBatches, StreamingBatchIterator
+from .data import DataError, PreparedData
 from .nonfinite import NonFiniteError, step_problem
 from .recipe import Recipe
 from .run_state import save_run
 from .tracking import Tracker, gather, rank_metrics, rank_stats
+from .vocab_plan import VocabPlan
+
+if TYPE_CHECKING:  # for the annotations only: importing these loads accelerate, transformers and the engine,
+    # which the recipe check and `--check` (they import this module through trainer.py) do not need
+    from accelerate import Accelerator
+    from transformers import PreTrainedTokenizerBase
+
+    from vp_accelerate.runtime.pipeline import PipelineModel, StepResult
 
 log = logging.getLogger("vp_accelerate.train")
 
@@ -31,23 +44,23 @@ class Run:
 
     recipe: Recipe
     """The validated recipe."""
-    accelerator: Any
+    accelerator: Accelerator
     """accelerate's Accelerator (processes, device, tracker)."""
-    pipe: Any
+    pipe: PipelineModel
     """This rank's PipelineModel."""
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     """The run's tokenizer (saved with every checkpoint)."""
-    train_it: Any
+    train_it: BatchIterator | StreamingBatchIterator
     """Iterator over this replica's training batches, with state_dict() for resume."""
-    eval_batches: list
+    eval_batches: EvalBatches
     """The fixed evaluation batches of this replica."""
-    optimizer: Any
+    optimizer: torch.optim.Optimizer
     """AdamW over this rank's parameters."""
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     """The LR schedule (a function of the step number)."""
-    layout: Any
-    """Every rank's `RankLayout` (a runtime.PipelineLayout)."""
-    vocab: Any
+    layout: PipelineLayout
+    """Every rank's `RankLayout`."""
+    vocab: VocabPlan
     """The vocabulary decision (vocab_plan.VocabPlan: tokenizer size, rows before/after, how rows map)."""
     fingerprint: dict
     """What a checkpoint must match to be resumed by this run."""
@@ -66,7 +79,7 @@ class Run:
     """The best eval loss so far, its step, and `stale`: evaluations since (early stopping, keep_best)."""
     stopped_early: bool = False
     """Early stopping (eval.patience) ended the run at end_step."""
-    data: Any = None
+    data: PreparedData | None = None
     """The prepared data (`data.PreparedData`: sizes for the run's data/ metrics)."""
 
     @property
@@ -100,7 +113,7 @@ class StepOutcome:
 
     step: int
     """Steps done after this one (1-based)."""
-    result: Any
+    result: StepResult
     """The PipelineModel's StepResult (loss, tokens, pipeline step time, bubble rate)."""
     grad_norm: float
     """Global gradient norm before clipping."""

@@ -227,15 +227,15 @@ def _check_data(recipe) -> list[str]:
 
 
 def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
-    """Settle where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
+    """Check where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
     write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
     `--resume STEP|PATH` must name a complete checkpoint. Returns notes for `--check`."""
     from . import checkpoint as ckpt
 
     c, out = recipe.checkpoint, recipe.logging.output_dir
     explicit = c.dir is not None and c.dir != os.path.join(out, "checkpoints")  # else it follows logging.output_dir
-    recipe.checkpoint.dir = c.resolved_dir(out)
-    if c.dir is None:
+    cdir = c.resolved_dir(out)  # the recipe is left as it is: the trainer's resolved recipe carries this dir
+    if cdir is None:
         if resume is not None:
             raise RecipeError("checkpoint.enabled: --resume needs checkpoints; set checkpoint.enabled: true")
         export = (
@@ -245,7 +245,7 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
         )
         return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"]
     if resume is None:
-        latest = ckpt.read_latest(c.dir) if os.path.isdir(c.dir) else None
+        latest = ckpt.read_latest(cdir) if os.path.isdir(cdir) else None
         if latest is not None:
             other = (
                 "another checkpoint.dir (it is set in the recipe)"
@@ -253,18 +253,18 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
                 else "another logging.output_dir (--set logging.output_dir=DIR; checkpoints go to DIR/checkpoints)"
             )
             raise RecipeError(
-                f"checkpoint.dir: {c.dir} holds checkpoints of an earlier run (latest "
+                f"checkpoint.dir: {cdir} holds checkpoints of an earlier run (latest "
                 f"{os.path.basename(latest)}); continue that run with --resume, or start a new one in "
                 f"{other}"
             )
     elif resume != "latest":
         try:
-            ckpt.resume_path(c.dir, resume)
+            ckpt.resume_path(cdir, resume)
         except ckpt.CheckpointError as e:
             raise RecipeError(str(e)) from None
     every = f"every {c.every} steps and " if c.every else ""
     export = f"; the final model is exported to {os.path.join(out, 'hf')}" if c.export_hf else ""
-    return [f"checkpoints in {c.dir}, {every}at the end, keeping the last {c.keep}{export}"]
+    return [f"checkpoints in {cdir}, {every}at the end, keeping the last {c.keep}{export}"]
 
 
 def pipeline_size(recipe, world_size: int | None) -> int | None:

@@ -216,9 +216,6 @@ class TrainSection:
     global_batch: int = 16
     """Sequences per optimizer step over all data-parallel replicas."""
 
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Parameter/compute dtype. bf16 keeps parameters and AdamW state in bf16 (no fp32 master copy)."""
-
     seed: int = 0
     """Seeds model init, data order and every RNG; the same seed gives the same run."""
 
@@ -335,7 +332,7 @@ class Recipe:
     """Learning-rate schedule."""
 
     train: TrainSection = field(default_factory=TrainSection)
-    """Steps, batch, precision, seed."""
+    """Steps, batch, seed (the precision is `pipeline.mixed_precision`)."""
 
     eval: EvalSection = field(default_factory=EvalSection)
     """Evaluation."""
@@ -386,11 +383,6 @@ def check(recipe: Recipe) -> Recipe:
     }.items():
         if value < 0:
             raise RecipeError(f"{key}: must be >= 0, got {value}")
-    if p.mixed_precision not in (None, "no") and t.precision != "fp32":
-        raise RecipeError(
-            f"pipeline.mixed_precision: {p.mixed_precision} keeps fp32 master weights and needs "
-            f"train.precision: fp32 (got {t.precision}); set one of the two, not both"
-        )
     if p.schedule == "auto":  # the planner chooses dp_size and microbatches; checked again once it has
         if p.layers_per_stage is not None:
             raise RecipeError(
@@ -541,8 +533,25 @@ def _check_eval(recipe: Recipe) -> None:
             )
 
 
+REMOVED_KEYS = {
+    "train.precision": "set pipeline.mixed_precision: bf16 (bf16 compute, fp32 master weights), pure-bf16 "
+    "(bf16 parameters and AdamW state) or no (fp32)",
+}
+"""Keys earlier recipes had -> what to set instead (a recipe that sets one fails at load, saying so)."""
+
+
+def _check_removed(data: dict, overrides) -> None:
+    """A removed key, in the recipe or in an override, is a one-line RecipeError naming its replacement."""
+    for key, instead in REMOVED_KEYS.items():
+        section, name = key.split(".")
+        in_data = isinstance(data.get(section), dict) and name in data[section]
+        if in_data or any(str(item).split("=", 1)[0].strip() == key for item in overrides):
+            raise RecipeError(f"{key} was removed: {instead}")
+
+
 def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:
     """Build and validate a Recipe from a plain dict plus `key.path=value` overrides."""
+    _check_removed(data, overrides)
     recipe = from_dict(Recipe, data, path="")
     for item in overrides:
         set_override(recipe, item)

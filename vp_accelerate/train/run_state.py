@@ -18,7 +18,7 @@ def fingerprint(recipe, pipe, layout) -> dict:
     """What must match for a checkpoint to be resumed by this run (layout, model, data order).
 
     `layout` is every rank's `RankLayout` (a runtime.PipelineLayout); its placement (chunks, decoder
-    layers, vocabulary rows) is recorded, not its sizes (bf16 vs fp32 is `precision`).
+    layers, vocabulary rows) is recorded, not its sizes (bf16 vs fp32 parameters is `precision`).
     """
     p = recipe.pipeline
     return {
@@ -30,7 +30,7 @@ def fingerprint(recipe, pipe, layout) -> dict:
         "chunks_per_rank": p.chunks_per_rank,
         "pad_multiple": p.pad_multiple,
         "layout": layout.placement(),
-        "precision": recipe.train.precision,
+        "precision": recipe.pipeline.mixed_precision,  # the resolved one (setup's recipe): no, bf16, fp16, pure-bf16
         "global_batch": recipe.train.global_batch,
         "seq_len": recipe.data.seq_len,
         "seed": recipe.train.seed,

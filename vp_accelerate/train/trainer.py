@@ -9,10 +9,13 @@ shards), and we optimize `pipe.parameters()` with a plain torch AdamW on every r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import torch
+
+from vp_accelerate import modes
 
 from .data import prepare_data
 from .export import export_final
@@ -28,8 +31,6 @@ from .user_errors import main_process_first
 __all__ = ["build_pipeline", "evaluate", "fingerprint", "make_accelerator", "setup", "train"]
 
 log = logging.getLogger("vp_accelerate.train")
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def make_accelerator(recipe: Recipe):
@@ -47,28 +48,29 @@ def make_accelerator(recipe: Recipe):
 
 
 def mixed_precision_for(recipe: Recipe, accelerate_mode: str | None) -> str:
-    """The run's compute precision: `pipeline.mixed_precision` if set, else accelerate's `--mixed_precision`
-    (ignored, with a note, when the parameters themselves are bf16: there is no fp32 master copy to keep)."""
-    from vp_accelerate.runtime.precision import resolve
-
+    """The run's precision (a key of modes.PRECISIONS): `pipeline.mixed_precision` if set, else accelerate's
+    `--mixed_precision` (no when unset), which must be one of the table's values accelerate has."""
     if recipe.pipeline.mixed_precision is not None:
-        return resolve(recipe.pipeline.mixed_precision)
+        return modes.precision(recipe.pipeline.mixed_precision).name
     mode = str(accelerate_mode or "no").lower()
-    if mode not in ("no", "bf16", "fp16"):
+    entry = modes.PRECISIONS.get(mode)
+    if entry is None or not entry.accelerate:
+        launcher = [p.name for p in modes.PRECISIONS.values() if p.accelerate]
         raise ValueError(
-            f"accelerate's --mixed_precision {mode} is not supported by the pipeline engine; launch "
-            f"with --mixed_precision bf16 (or fp16, no), or set pipeline.mixed_precision in the recipe"
+            f"accelerate's --mixed_precision {mode} is not supported by the pipeline engine; launch with "
+            f"--mixed_precision {' / '.join(launcher)}, or set pipeline.mixed_precision in the recipe (one of "
+            f"{', '.join(modes.PRECISIONS)})"
         )
-    if mode != "no" and recipe.train.precision != "fp32":
-        log.info(
-            "accelerate's --mixed_precision %s is not used: train.precision is %s (parameters already in the "
-            "low precision); set train.precision: fp32 for %s compute with fp32 master weights",
-            mode,
-            recipe.train.precision,
-            mode,
-        )
-        return "no"
-    return mode
+    return entry.name
+
+
+def resolved_recipe(recipe: Recipe, accelerate_mode: str | None) -> Recipe:
+    """The recipe as the run runs it, a new object (the caller's is left as it is): `pipeline.mixed_precision`
+    from accelerate's flag where unset, and `checkpoint.dir` where it defaults to `<output_dir>/checkpoints`.
+    The run logs and checkpoints this one, so the logged recipe says what ran."""
+    pipeline = dataclasses.replace(recipe.pipeline, mixed_precision=mixed_precision_for(recipe, accelerate_mode))
+    checkpoint = dataclasses.replace(recipe.checkpoint, dir=recipe.checkpoint.resolved_dir(recipe.logging.output_dir))
+    return dataclasses.replace(recipe, pipeline=pipeline, checkpoint=checkpoint)
 
 
 def load_model_and_tokenizers(recipe: Recipe, accelerator):
@@ -132,12 +134,11 @@ def build_pipeline(
     device,
     model_dir: str | None = None,
     model_tokenizer=None,
-    accelerate_mixed_precision: str | None = None,
     chat=None,
     planned=None,
 ):
     """(PipelineModel of the recipe's model, the vocabulary decision `VocabPlan`); `planned`: `plan_model`'s
-    result when the caller has it.
+    result when the caller has it. `recipe`: `resolved_recipe`'s (an unset mixed_precision runs as "no").
 
     Pretrained weights are read per rank from `model_dir` (each rank its own tensors and vocabulary rows);
     the mean row that resized / swapped vocabularies need is computed collectively (`share_vocab_means`).
@@ -161,13 +162,11 @@ def build_pipeline(
             share_vocab_means(source, dist.get_rank(), dist.get_world_size(), all_reduce)
         else:
             share_vocab_means(source, 0, 1)
-    # the recipe's pipeline section is a runtime.PipelineConfig: passed whole, nothing copied by hand
-    # an unset mixed_precision becomes the launcher's, written into the section so the logged recipe says what ran
-    recipe.pipeline.mixed_precision = mixed_precision_for(recipe, accelerate_mixed_precision)
+    # the recipe's pipeline section is a runtime.PipelineConfig: passed whole, nothing copied by hand; its
+    # mixed_precision also sets the parameters' dtype (fp32 master weights, or bf16 for pure-bf16)
     pipe = PipelineModel(
         source,
         recipe.pipeline,
-        dtype=DTYPES[recipe.train.precision],
         seed=recipe.train.seed,
         device=device,
         adapter=recipe.adapter,
@@ -194,26 +193,26 @@ def _adapter_line(recipe: Recipe, pipe) -> str | None:
 
 def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None) -> Run:
     """Accelerator, tokenizer, pipeline, data, optimizer and tracker of a run (resumed if asked: "latest" or
-    True, a step number, or a checkpoint path; else initialised from model.init_from's weights if set)."""
+    True, a step number, or a checkpoint path; else initialised from model.init_from's weights if set).
+    `recipe` is not changed: `Run.recipe` is the resolved one (`resolved_recipe`, train.steps from epochs)."""
     from accelerate.utils import set_seed
 
     from vp_accelerate.runtime import PipelineLayout
 
     accelerator = make_accelerator(recipe)
     set_seed(recipe.train.seed)
-    t = recipe.train
-    recipe.checkpoint.dir = recipe.checkpoint.resolved_dir(recipe.logging.output_dir)
+    recipe = resolved_recipe(recipe, accelerator.mixed_precision)  # the caller's recipe stays as it was
     which = "latest" if resume is True else (resume or None)
     model_dir, tokenizer, model_tokenizer, chat = load_model_and_tokenizers(recipe, accelerator)
     planned = plan_model(recipe, tokenizer, model_dir, model_tokenizer, chat)
     with main_process_first("preparing the data"):  # tokenized once into the datasets cache (as --check did)
         data = prepare_data(recipe.data, tokenizer, planned[1].rows_after)
-        data.check_sizes(t.global_batch, recipe.eval.batches)
-    if t.steps is None:  # train.epochs: the run's length is known now
-        finish_steps(recipe, len(data.train) // t.global_batch)
-    pipe, vocab = build_pipeline(
-        recipe, tokenizer, accelerator.device, model_dir, model_tokenizer, accelerator.mixed_precision, chat, planned
-    )
+        data.check_sizes(recipe.train.global_batch, recipe.eval.batches)
+    if recipe.train.steps is None:  # train.epochs: the run's length is known now, set on copies of the sections
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train), lr=dataclasses.replace(recipe.lr))
+        finish_steps(recipe, len(data.train) // recipe.train.global_batch)
+    t = recipe.train
+    pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer, chat, planned)
     layout = PipelineLayout(tuple(gather(pipe.describe())))
     adapter_line = _adapter_line(recipe, pipe)  # a collective
     if accelerator.is_main_process:
@@ -265,6 +264,7 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     from tqdm.auto import tqdm
 
     run, state = run or setup(recipe, resume, stop_at), LoopState()
+    recipe = run.recipe  # resolved by setup: the run's length, precision and checkpoint dir
     if run.start_step == 0 and run.data is not None:  # what the run trains on, once: data/ metrics at step 0
         from .data_check import data_metrics
 

@@ -29,13 +29,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vp_accelerate import modes
+
 from .checks import check_float, check_same_dtype, check_token_ids
 from .comm import Pending, global_rank, submit
 from .logits import chunk_logit_derivative, chunk_logits, chunk_ranges, target_columns
 from .partition import VocabPartition
 
 ALGORITHMS = ("naive", "vocab-1", "vocab-2")
-MEMORY_MODES = ("store", "recompute")
+MEMORY_MODES = tuple(modes.MEMORY_MODES)  # the names of vp_accelerate/modes.py's table
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,7 @@ def s_pass(
     two = opts.algorithm == "vocab-2"
     a = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
     c = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
-    stored: list[torch.Tensor] | None = [] if opts.memory == "store" else None
+    stored: list[torch.Tensor] | None = [] if modes.memory_mode(opts.memory).keeps_logits else None
 
     for lo, hi in chunk_ranges(partition.valid_rows(rank), opts.chunk_size):
         z = chunk_logits(x2, weight, lo, hi, opts.softcap, opts.logit_scale, sd, bias)
