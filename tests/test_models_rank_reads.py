@@ -1,7 +1,7 @@
 """Every rank reads only its own tensors from a checkpoint, on every loading path.
 
 Two gloo ranks build their part of a checkpoint (sharded safetensors) with config overrides and a
-vocabulary that grows (mean rows) or is swapped (rows gathered by a RowMap). `safetensors.safe_open` is
+vocabulary that grows (mean rows) or is swapped (rows gathered by a RowMap). `models.weights.safe_open` is
 wrapped to count the bytes each rank reads; the count must equal exactly what the rank holds plus its
 share of the mean: its decoder layers, the source rows of its vocabulary shard, and 1/2 of the vocabulary
 matrices for the collective mean. The whole checkpoint is about twice that.
@@ -53,19 +53,17 @@ class _Counted:
 
 def _rank_reads(path, cases):
     """On each rank: build every case reading through a counting safe_open; return bytes read per case."""
-    import safetensors
-
-    from vp_accelerate.models import StageLayout, build_rank
+    from vp_accelerate.models import StageLayout, build_rank, weights
     from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
     from vp_accelerate.models.row_map import RowMap
     from vp_accelerate.vocab.partition import VocabPartition
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    real_open = safetensors.safe_open
+    real_open = weights.safe_open  # what every SafetensorsSource opens its files with
     out = {}
     for name, overrides, vocab, sources in cases:
         counter: dict[str, int] = {}
-        safetensors.safe_open = lambda *a, **k: _Counted(real_open(*a, **k), counter)
+        weights.safe_open = lambda *a, **k: _Counted(real_open(*a, **k), counter)
         try:
             row_map = None
             if sources is not None:
@@ -78,7 +76,7 @@ def _rank_reads(path, cases):
             part = VocabPartition(src.config.vocab_size, world)
             rm = build_rank(src, layout, rank, "vocab", part)
         finally:
-            safetensors.safe_open = real_open
+            weights.safe_open = real_open
         out[name] = (counter, part.shard_range(rank), {n: t.clone() for n, t in rm.state_dict().items()})
     return out
 

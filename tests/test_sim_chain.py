@@ -81,3 +81,11 @@ def test_every_cell_of_the_papers_8_gpu_table_within_10_percent():
     assert len(cells) == 2 * 4 * 3
     bad = [c for c in cells if abs(c["error"]) > 0.10]
     assert not bad, bad
+
+
+def test_the_scaling_table_has_a_column_for_every_supported_pair():
+    from vp_accelerate.schedule.registry import supported_pairs
+    from vp_accelerate.sim.paper import scaling_table
+
+    header = scaling_table(m=8, sizes=((4, 8),), vocabs=(64000,)).splitlines()[0]
+    assert [c.strip() for c in header.strip("|").split("|")][3:] == [f"{k} {m}" for k, m in supported_pairs()]

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -163,9 +165,6 @@ def spawn(
     outs: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline_s = timeout_s + 60.0
-    import queue
-    import time
-
     start = time.monotonic()
     while len(outs) + len(errors) < world_size:
         try:

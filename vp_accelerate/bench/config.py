@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+from transformers import LlamaConfig
+
 from vp_accelerate.schedule.registry import supported_pairs
 
 # Every method the harness knows, in the order tables and plots list them. "peer" is
@@ -62,8 +65,6 @@ class BenchConfig:
 
 def llama_config(cfg: BenchConfig, vocab: int):
     """The HF LlamaConfig every method builds from (untied embeddings, SDPA attention, fp32)."""
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=cfg.hidden,
@@ -85,8 +86,6 @@ def synthetic_batch(cfg: BenchConfig, vocab: int, ignore_fraction: float = 0.0):
     ignore_fraction makes the valid-token count differ between microbatches, which is what tells a
     token-mean loss from a mean of per-microbatch means.
     """
-    import torch
-
     g = torch.Generator().manual_seed(cfg.seed + vocab)
     input_ids = torch.randint(0, vocab, (cfg.batch_size, cfg.seq), generator=g)
     labels = input_ids.clone()

@@ -18,14 +18,28 @@ applies the model's dropout in `train_step`, as HF does in train mode, and none 
 from __future__ import annotations
 
 import copy
+import json
+import logging
 import tempfile
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils import logging as hf_logging
 
-from vp_accelerate.models.families import check_supported, decoder_families
+from vp_accelerate.distributed import spawn
+from vp_accelerate.models.adapter import UnsupportedModelError
+from vp_accelerate.models.build import build_rank, resolve_config
+from vp_accelerate.models.families import REFUSED, check_supported, decoder_families
+from vp_accelerate.models.layout import StageLayout
+from vp_accelerate.runtime import PipelineConfig, PipelineModel
+from vp_accelerate.vocab.partition import VocabPartition
 
 #: Shape every tiny config gets, where the family's config has the field.
 TINY = dict(
@@ -132,11 +146,6 @@ def dropout_fields(config) -> list[str]:
 
 def tiny_family_config(model_type: str, **overrides):
     """A small config of `model_type`: TINY fields the family has, its OVERRIDES, dropout off."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from vp_accelerate.models.families import REFUSED
-
     default = CONFIG_MAPPING[model_type]()
     if model_type in REFUSED or getattr(default, "is_heterogeneous", False):
         return default  # refused by its type: no tiny shape needed (per-layer configs reject global fields)
@@ -153,11 +162,6 @@ def tiny_family_config(model_type: str, **overrides):
 
 def _quiet() -> None:
     """No progress bars or per-family warnings (a walk over 90 families would print thousands of lines)."""
-    import logging
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     logging.getLogger("vp_accelerate").setLevel(logging.ERROR)
@@ -195,10 +199,6 @@ def _batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _screen(ckpt: str) -> None:
     """Build both ranks of both placements from the checkpoint and run one forward in this process: a family
     that crashes fails here, alone, instead of stopping the 2-rank run of every family with it."""
-    from vp_accelerate.models.build import build_rank, resolve_config
-    from vp_accelerate.models.layout import StageLayout
-    from vp_accelerate.vocab.partition import VocabPartition
-
     cfg = resolve_config(ckpt)
     layout = StageLayout.one_per_rank(cfg.num_hidden_layers, 2)
     for r in range(2):
@@ -221,10 +221,6 @@ def _screen(ckpt: str) -> None:
 
 def _rank_worker(cases: list[tuple[str, str, int]]):
     """On each rank: one train step per (family, source, method); HF-named gradients and the weights."""
-    import torch.distributed as dist
-
-    from vp_accelerate.runtime import PipelineConfig, PipelineModel
-
     _quiet()
     out = {}
     for model_type, ckpt, seed in cases:
@@ -272,8 +268,6 @@ def _rank_worker(cases: list[tuple[str, str, int]]):
 
 def _reference(model_type: str, ckpt: str, weights, ids, labels):
     """HF loss and gradients in one process, float64, eager kernels."""
-    from transformers import AutoModelForCausalLM
-
     kw = dict(dtype=torch.float64, attn_implementation="eager")
     if weights is None:
         model = AutoModelForCausalLM.from_pretrained(ckpt, **kw)
@@ -304,10 +298,6 @@ def _reference(model_type: str, ckpt: str, weights, ids, labels):
 
 
 def _checkpoint_keys(path: str) -> set[str]:
-    import json
-
-    from safetensors import safe_open
-
     index = Path(path) / "model.safetensors.index.json"
     if index.exists():
         return set(json.loads(index.read_text())["weight_map"])
@@ -318,8 +308,6 @@ def _checkpoint_keys(path: str) -> set[str]:
 @torch.no_grad()
 def _compare_export(ckpt: str, exported: str) -> str:
     """ "" when export_hf wrote the checkpoint's own tensor names and from_pretrained loads the same weights."""
-    from transformers import AutoModelForCausalLM
-
     want_keys, got_keys = _checkpoint_keys(ckpt), _checkpoint_keys(exported)
     if want_keys != got_keys:
         return f"tensor names differ from save_pretrained's: {sorted(want_keys ^ got_keys)[:4]}"
@@ -332,8 +320,6 @@ def _compare_export(ckpt: str, exported: str) -> str:
 @torch.no_grad()
 def _compare_eval(ckpt: str, got: float, ids, labels) -> float:
     """Relative error of eval_step's loss against HF's model.eval() (from_pretrained's mode) on a dropout model."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
     )
@@ -392,9 +378,6 @@ def check_families(
     model_types: list[str], workdir: str | Path | None = None, timeout_s: float = 1200.0, seed: int = 0
 ) -> list[FamilyResult]:
     """Refuse or run every family in `model_types` (one 2-rank spawn for all that are accepted)."""
-    from vp_accelerate.distributed import spawn
-    from vp_accelerate.models.adapter import UnsupportedModelError
-
     _quiet()
     results: dict[str, FamilyResult] = {}
     cases = []
@@ -410,8 +393,6 @@ def check_families(
         except Exception as e:  # a config we cannot even build is a crash of the walk, not a refusal
             results[mt] = FamilyResult(mt, "crash", f"{type(e).__name__}: {e}")
             continue
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed + i)
         ckpt = root / mt
         model = AutoModelForCausalLM.from_config(cfg)

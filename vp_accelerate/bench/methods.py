@@ -6,11 +6,13 @@ build a `Runner` on each rank. A Runner does one training step and reports (loss
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
+from vp_accelerate import runtime as vp_runtime
 from vp_accelerate.bench.timeline import Pass
 from vp_accelerate.schedule.ir import COMPUTE_OPS  # the rest (sends, receives, collectives) are waits
 from vp_accelerate.schedule.registry import supported_pairs
@@ -53,10 +55,10 @@ class OursRunner:
     def __init__(self, model_config, schedule: str, method: str, microbatches: int, seed: int, runtime=None):
         """`runtime` is the module providing PipelineModel and PipelineConfig (default vp_accelerate.runtime;
         any module with the same API will do)."""
+        # bench.peer imports torch.distributed.pipelining, which a torch build may lack (`_peer_missing`)
         from vp_accelerate.bench.peer import build_peer_model
 
-        if runtime is None:
-            import vp_accelerate.runtime as runtime
+        runtime = runtime or vp_runtime
         cfg = runtime.PipelineConfig(schedule=schedule, method=method, microbatches=microbatches)
         # Start from the very weights the peer builds (a seeded HF model; PipelineModel copies the
         # parts this rank holds), so every method's loss on the same batch must agree: a built-in
@@ -82,7 +84,7 @@ class OursRunner:
 
 
 def _runtime_missing() -> str | None:
-    try:
+    try:  # an availability probe: the import is the check
         from vp_accelerate.runtime import PipelineModel  # noqa: F401
     except ImportError as e:
         return f"vp_accelerate.runtime cannot be imported yet ({e})"
@@ -90,7 +92,7 @@ def _runtime_missing() -> str | None:
 
 
 def _peer_missing() -> str | None:
-    try:
+    try:  # an availability probe: the import is the check
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: F401
     except ImportError as e:
         return f"torch.distributed.pipelining unavailable ({e})"
@@ -98,7 +100,7 @@ def _peer_missing() -> str | None:
 
 
 def _build_peer(model_config, microbatches: int, seed: int) -> Runner:
-    from vp_accelerate.bench.peer import PeerRunner
+    from vp_accelerate.bench.peer import PeerRunner  # optional: torch.distributed.pipelining (`_peer_missing`)
 
     return PeerRunner(model_config, microbatches, seed=seed)
 
@@ -122,8 +124,6 @@ def get_method(name: str) -> Method:
     The second form lets a caller benchmark a method of its own (the tests plug in a fake runtime).
     """
     if ":" in name:
-        import importlib
-
         module, attr = name.split(":", 1)
         method = getattr(importlib.import_module(module), attr)
         if not isinstance(method, Method):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from transformers import AutoModelForCausalLM
 
 from vp_accelerate.bench.timeline import Pass
 from vp_accelerate.vocab.labels import shift_labels
@@ -81,8 +82,6 @@ class TokenMeanLoss:
 
 def build_peer_model(model_config, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The full HF causal LM from a config, with weights fixed by `seed` (identical on every rank)."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     return model.train()

@@ -141,7 +141,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     if a.json:
         write_json(rows, a.json)
     if a.plots:
-        from vp_accelerate.bench.plots import write_plots
+        from vp_accelerate.bench.plots import write_plots  # matplotlib: only when plots are asked for
 
         for path in write_plots(rows, a.plots):
             print(f"wrote {path}")

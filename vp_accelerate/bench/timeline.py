@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from vp_accelerate.schedule.ir import TimedAction as Pass  # the timeline record shared with sim and runtime
+from vp_accelerate.schedule.registry import schedule_kind
 
 
 def shift(passes: list[Pass], t0: float) -> list[Pass]:
@@ -32,8 +33,6 @@ def ramp_fraction(schedule: str, num_ranks: int, microbatches: int) -> float:
     half-size passes: (p - 1) / (2m). (Zero-bubble schedules fill part of this with W passes; we keep
     the 1F1B-style ramp as the bound so it stays a bound no method could beat by scheduling alone.)
     """
-    from vp_accelerate.schedule.registry import schedule_kind
-
     kind = schedule_kind(schedule)
     if kind.split_backward:  # zero-bubble style: the ramp is counted in the kind's smaller chunks
         return (num_ranks - 1) / (kind.default_chunks_per_rank * microbatches)

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from vp_accelerate.schedule.build import build_schedule
 from vp_accelerate.schedule.ir import Op, Schedule
 
 from .costs import CPU_HARDWARE, CostModel, Hardware, even_layer_split
@@ -98,8 +99,6 @@ def cost_aware_schedule(
     """(schedule, cost model): the schedule built from this layout's pass costs (build_schedule's
     `costs`) and the CostModel that times it (`for_schedule`'s arguments). `costs`: a function of the
     CostModel giving other pass costs to order by (e.g. measured ones), else the CostModel itself."""
-    from vp_accelerate.schedule.build import build_schedule
-
     # the layout (chunk owners, split backward) does not depend on the microbatch count: a short step gives it
     layout = build_schedule(kind, method, num_ranks, num_ranks, chunks_per_rank, forward_only)
     model = for_schedule(shape, layout, hw, chunk_layers, activation_checkpointing)

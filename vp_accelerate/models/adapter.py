@@ -231,7 +231,7 @@ def find_parts(model: nn.Module) -> ModelParts:
         raise _unsupported(model, f"input embedding {names.embed} is {type(embed).__name__}, not an nn.Embedding")
     if not isinstance(head, nn.Linear):
         raise _unsupported(model, f"output layer {names.lm_head} is {type(head).__name__}, not an nn.Linear")
-    from .families import VERIFIED
+    from .families import VERIFIED  # families imports this module (ADAPTERS, find_parts)
 
     if mt not in VERIFIED:
         log.warning(

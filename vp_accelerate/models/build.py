@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .adapter import ModelParts, find_parts
 from .checkpoint_source import CheckpointSource
@@ -43,8 +44,6 @@ from .weights import (
 
 def resolve_config(source):
     """The HF config of a config, a model, or a local checkpoint directory."""
-    from transformers import AutoConfig, PretrainedConfig
-
     if isinstance(source, PretrainedConfig):
         return source
     if isinstance(source, CheckpointSource):
@@ -60,8 +59,6 @@ def resolve_config(source):
 
 def meta_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
     """The whole causal LM on the meta device: structure and config only, no memory."""
-    from transformers import AutoModelForCausalLM
-
     kwargs = {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
+from .adapter import find_parts
 from .row_map import RowMap
+from .weights import SafetensorsSource
 
 
 @dataclass
@@ -55,8 +58,6 @@ class CheckpointSource:
         row_map: RowMap | None = None,
         trust_remote_code: bool = False,
     ) -> "CheckpointSource":
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         source_vocab = config.vocab_size
         for key, value in (overrides or {}).items():
@@ -76,9 +77,7 @@ def share_vocab_means(source: CheckpointSource, rank: int, world_size: int, all_
     row_map = source.rows_map()
     if not row_map.needs_mean(0, row_map.num_rows):
         return
-    from .adapter import find_parts
-    from .build import meta_model
-    from .weights import SafetensorsSource
+    from .build import meta_model  # build imports this module (CheckpointSource)
 
     parts = find_parts(meta_model(source.config))
     names = [f"{parts.names.embed}.weight"] + ([] if parts.tied else [f"{parts.names.lm_head}.weight"])

@@ -10,7 +10,11 @@ ranks by `coverage.check_families` (docs/models.md is its table; scripts/model_c
 
 from __future__ import annotations
 
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 from .adapter import ADAPTERS, UnsupportedModelError, find_parts
+from .build import meta_model
 
 #: Families checked exactly (loss and every gradient vs HF, checkpoint and config, vocab-2 and baseline).
 VERIFIED = frozenset(
@@ -104,9 +108,6 @@ REFUSED: dict[str, str] = {
 
 def decoder_families() -> list[str]:
     """Every decoder-only causal LM of the installed transformers with a `base_model_pp_plan`, plus adapters."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     out = []
     for mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         try:
@@ -140,8 +141,6 @@ def check_supported(config) -> None:
             f"{sorted(config.per_layer_attributes or ())}: layer shapes vary along the stack), "
             "which the stage split and its cost model do not handle"
         )
-    from .build import meta_model
-
     model = meta_model(config)
     parts = find_parts(model)
     names = parts.names

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 
+from transformers import GenerationConfig
+
 #: A conversation rendered to find what a template writes after an assistant turn's content.
 _PROBE = "Probe reply 7"
 
@@ -82,8 +84,6 @@ def with_tokenizer_ids(config, tokenizer):
 def generation_config_for(tokenizer):
     """The `GenerationConfig` an export ships: the tokenizer's ids, stopping at EOS and the end of a chat turn;
     padding with the pad token (EOS when the tokenizer has none, as `generate()` would)."""
-    from transformers import GenerationConfig
-
     eos = generation_eos(tokenizer)
     first = eos[0] if isinstance(eos, list) else eos
     # built from the ids, not `from_model_config`: generate() would re-derive a config-made one from config.json

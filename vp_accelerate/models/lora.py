@@ -18,7 +18,9 @@ import zlib
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 ADAPTER_NAME = "default"
 
@@ -27,6 +29,7 @@ def target_modules_for(config, target_modules) -> list[str]:
     """The module names to adapt: the configured ones, else peft's default for the model type."""
     if target_modules:
         return list(target_modules)
+    # peft is optional (the `lora` extra): imported where LoRA is used, never by a full fine-tune
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
 
     found = DEFAULTS.get(config.model_type)
@@ -40,7 +43,7 @@ def target_modules_for(config, target_modules) -> list[str]:
 
 def lora_config(config, adapter, transposed: bool = False):
     """The `peft.LoraConfig` of an `AdapterConfig` (what the adapter folder records)."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # optional dependency (the `lora` extra)
 
     return LoraConfig(
         r=adapter.r,
@@ -54,7 +57,7 @@ def lora_config(config, adapter, transposed: bool = False):
 
 def lora_modules(module: nn.Module, prefix_of=lambda name: name):
     """(HF module name, peft LoRA layer) for every adapted layer under `module`."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # optional dependency (the `lora` extra)
 
     for name, sub in module.named_modules():
         if isinstance(sub, LoraLayer):
@@ -78,8 +81,7 @@ def apply_lora(mods, adapter, seed: int, dtype: torch.dtype) -> list[str]:
     """Inject LoRA into the rank's stage chunks, freeze the rest (the vocabulary too unless
     `adapter.train_vocab`). Returns the HF names of adapted modules whose base is a transposed
     (GPT-2 Conv1D, fan_in_fan_out) linear layer, which merging must know."""
-    from peft import inject_adapter_in_model
-    from transformers.pytorch_utils import Conv1D
+    from peft import inject_adapter_in_model  # optional dependency (the `lora` extra)
 
     transposed = []
     for chunk in mods.chunks.values():
@@ -154,8 +156,6 @@ def save_adapter(
 
     `base_model_name_or_path` is what `AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads the base from
     (a hub id or a directory; without it, only `PeftModel.from_pretrained(base, out_dir)` works)."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = lora_config(config, adapter, transposed=bool(transposed))

@@ -17,13 +17,17 @@ shard costs at most two partial blocks beyond its own rows.
 
 from __future__ import annotations
 
+import copy
 import json
 import zlib
 from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 #: Rows per independently seeded block of a vocabulary matrix at fresh init (independent of p).
 INIT_BLOCK_ROWS = 4096
@@ -122,8 +126,6 @@ class SafetensorsSource:
     """
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         if index.exists():
@@ -182,11 +184,6 @@ class ConvertedSource:
     """
 
     def __init__(self, base: "SafetensorsSource", model: nn.Module):
-        import copy
-
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
         self.base, self.model, self._copy = base, model, copy.deepcopy
         mapping = get_model_conversion_mapping(model)
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]

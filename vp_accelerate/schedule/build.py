@@ -7,6 +7,7 @@ from .list_schedule import POLICIES, Stuck, list_schedule, tick_costs
 from .lower import lower
 from .registry import SCHEDULES, ScheduleKind, check_pair
 from .timing import place
+from .validate import validate
 
 
 def build_schedule(
@@ -55,8 +56,6 @@ def build_schedule(
         actions=actions,
     )
     if costed:  # the grid orders are checked by the tests; a cost-aware one is new for every input
-        from .validate import validate
-
         validate(schedule)
     return schedule
 

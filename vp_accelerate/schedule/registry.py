@@ -15,6 +15,7 @@ ScheduleError (a ValueError) listing the valid names with a "did you mean".
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from dataclasses import dataclass
 from typing import Callable
@@ -214,7 +215,6 @@ def check_pair(kind: str, method_name: str) -> tuple[ScheduleKind, Method]:
 
 def argparse_type(normalise: Callable[[str], str]) -> Callable[[str], str]:
     """An argparse `type=` that accepts any case and reports an unknown name with the valid ones."""
-    import argparse
 
     def parse(text: str) -> str:
         try:

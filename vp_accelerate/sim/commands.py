@@ -189,7 +189,7 @@ def plot_schedule_main(argv=None) -> int:
     if ran is None:
         return 2
     args, sched, _, res = ran
-    from .plot import plot_timeline
+    from .plot import plot_timeline  # matplotlib: only this command draws
 
     title = (
         f"{sched.describe()}  V={_shape(args).vocab}  step {res.step_time * 1e3:.0f} ms  "
