@@ -16,6 +16,7 @@ import sys
 import pytest
 import yaml
 
+from helpers.launch import run_env, train_ranks
 from vp_accelerate.distributed import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,14 +87,8 @@ def bad_run(tmp_path_factory):
         "OMP_NUM_THREADS": "1",
         "HF_DATASETS_CACHE": str(d / "ds_cache"),
     }
-    check = subprocess.run(
-        [sys.executable, "-m", "vp_accelerate", "train", str(d / "r.yaml"), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=str(d),
-    )
+    # `python -m vp_accelerate train --check` as one plain process forked from the preloaded fork server
+    check = train_ranks([str(d / "r.yaml"), "--check"], d, run_env(d / "ds_cache"), nprocs=1, mixed_precision=None)
     return d, line, env, check
 
 

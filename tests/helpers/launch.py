@@ -73,21 +73,29 @@ def accelerate_train(args: list[str], config: str = CPU_2PROC) -> list[str]:
     return [ACCELERATE, "launch", "--config_file", config, "-m", "vp_accelerate", "train", *args]
 
 
-def _rank_main(argv: list[str], cwd: str, env: dict, logs: str, fault: dict | None, mixed_precision: str) -> int:
-    """One rank of `train_ranks`: the environment accelerate's launcher would give it, output into files,
-    then the command's own main, its return value (or SystemExit's code) the rank's exit code."""
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _rank_main(argv: list[str], cwd: str, env: dict, logs: str, fault: dict | None, mixed_precision: str | None) -> int:
+    """One rank of `train_ranks`: the environment accelerate's launcher would give it (none for a plain
+    process: `mixed_precision` None), output into files, then the command's own main, its return value (or
+    SystemExit's code) the rank's exit code."""
     rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
     os.environ.update(env)
-    os.environ.update(
-        LOCAL_WORLD_SIZE=world,
-        GROUP_RANK="0",
-        GROUP_WORLD_SIZE="1",
-        ROLE_RANK=rank,
-        ROLE_WORLD_SIZE=world,
-        ACCELERATE_MIXED_PRECISION=mixed_precision,
-        ACCELERATE_DYNAMO_BACKEND="NO",
-        PYTHONUNBUFFERED="1",
-    )
+    if mixed_precision is None:
+        for name in LAUNCHER_VARS:
+            del os.environ[name]
+    else:
+        os.environ.update(
+            LOCAL_WORLD_SIZE=world,
+            GROUP_RANK="0",
+            GROUP_WORLD_SIZE="1",
+            ROLE_RANK=rank,
+            ROLE_WORLD_SIZE=world,
+            ACCELERATE_MIXED_PRECISION=mixed_precision,
+            ACCELERATE_DYNAMO_BACKEND="NO",
+            PYTHONUNBUFFERED="1",
+        )
     os.chdir(cwd)
     out = open(os.path.join(logs, f"rank{rank}.out"), "w")
     err = open(os.path.join(logs, f"rank{rank}.err"), "w")
@@ -127,13 +135,16 @@ def train_ranks(
     env: dict[str, str] | None = None,
     nprocs: int = 2,
     fault: dict | None = None,
-    mixed_precision: str = "no",
+    mixed_precision: str | None = "no",
     timeout_s: float = 300.0,
 ) -> Launched:
     """`vp-accelerate train ARGS` on `nprocs` ranks forked from the preloaded fork server, as
     `accelerate launch --config_file configs/accelerate_cpu_2proc.yaml --num_processes NPROCS` would run it
-    (`mixed_precision`: its --mixed_precision). With `fault`, scripts/fault_worker.py's injection (its
-    VP_FAULT, as a dict) is installed first. `env` is added to this process's environment for the ranks."""
+    (`mixed_precision`: its --mixed_precision; None: one plain `python -m vp_accelerate train` process, no
+    launcher variables). With `fault`, scripts/fault_worker.py's injection (its VP_FAULT, as a dict) is
+    installed first. `env` is added to this process's environment for the ranks."""
+    if mixed_precision is None and nprocs != 1:
+        raise ValueError("a plain process (mixed_precision None) is one process")
     with tempfile.TemporaryDirectory(prefix="vp_ranks_") as logs:
         try:
             codes: list[int | None] = list(
