@@ -17,6 +17,15 @@ def test_simulate_json(capsys):
     assert 0.3 < out["mfu"] < 0.6
 
 
+def test_simulate_under_nccl_rules_is_never_faster(capsys):
+    args = SHAPE + ["--vocab", "256000", "--pp", "4", "--microbatches", "16", "--schedule", "vhalf", "--json"]
+    steps = {}
+    for rules in ("buffered", "nccl", "nccl-serialized"):
+        assert simulate_main(args + ["--p2p", rules]) == 0
+        steps[rules] = json.loads(capsys.readouterr().out)["step_time"]
+    assert steps["buffered"] <= steps["nccl"] * (1 + 1e-12) <= steps["nccl-serialized"] * (1 + 1e-12)
+
+
 def test_simulate_reports_bad_input(capsys):
     assert simulate_main(SHAPE + ["--vocab", "1000", "--pp", "8", "--microbatches", "4"]) == 2
     assert "num_microbatches" in capsys.readouterr().err

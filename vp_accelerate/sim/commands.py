@@ -16,8 +16,12 @@ from vp_accelerate.cost import (
 )
 from vp_accelerate.schedule import ScheduleError, build_schedule, validate
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, argparse_type, normalise_method, normalise_schedule
+from vp_accelerate.schedule.streams import NCCL, NCCL_SERIALIZED
 
-from .simulate import simulate
+from .simulate import SIMULATOR, simulate
+
+# --p2p: the replay's communication rules (schedule/replay.py)
+P2P_RULES = {"buffered": SIMULATOR, "nccl": NCCL, "nccl-serialized": NCCL_SERIALIZED}
 
 
 def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
@@ -55,6 +59,14 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
         action="store_true",
         help="every rank waits for each collective chain; default: chains overlap compute, as the "
         "runtime's communication worker (gloo) / stream (NCCL) runs them",
+    )
+    ap.add_argument(
+        "--p2p",
+        choices=tuple(P2P_RULES),
+        default="buffered",
+        help="point-to-point rules of the replay: buffered (a send never waits; default), nccl (a send "
+        "completes once the peer's receive is posted, each communicator's operations in issue order), "
+        "nccl-serialized (also every communicator of a rank in one order, CUDA_DEVICE_MAX_CONNECTIONS=1)",
     )
     ap.add_argument(
         "--measured",
@@ -127,7 +139,11 @@ def _run(args):
         )
     validate(sched)
     costs = measured(model) if measured else model
-    return sched, model, simulate(sched, costs, blocking_collectives=args.blocking_collectives)
+    return (
+        sched,
+        model,
+        simulate(sched, costs, blocking_collectives=args.blocking_collectives, rules=P2P_RULES[args.p2p]),
+    )
 
 
 def _parse_and_run(prog: str, with_out: bool, argv):
