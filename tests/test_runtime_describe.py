@@ -123,3 +123,9 @@ def test_old_checkpoints_fingerprint_still_matches():
     moved = {**old, "layout": [old["layout"][0].replace("layers 0-3", "layers 0-2")]}
     with pytest.raises(CheckpointError, match=re.escape("layout: checkpoint has")):
         check_fingerprint(moved, as_saved(moved, now, layout), "ck")
+
+
+def test_an_empty_chunk_reads_no_layers():
+    from vp_accelerate.models.layout import layer_span
+
+    assert (layer_span(4, 8), layer_span(4, 5), layer_span(4, 4)) == ("layers 4-7", "layers 4-4", "no layers")

@@ -125,6 +125,12 @@ class StageLayout:
         return StageLayout(tuple(ranges), tuple(int(r) for r in chunk_rank))
 
 
+def layer_span(start: int, end: int) -> str:
+    """Decoder layers [start, end) as a person reads them: "layers 4-7" (inclusive), or "no layers" for a
+    chunk the balanced split left empty (not "layers 4-3")."""
+    return f"layers {start}-{end - 1}" if end > start else "no layers"
+
+
 def split_counts(num_layers: int, num_chunks: int) -> list[int]:
     """Even split of layers over chunks; the first `num_layers % num_chunks` chunks get one more."""
     if num_chunks < 1:

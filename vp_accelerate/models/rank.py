@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .adapter import PartNames
-from .layout import StageLayout
+from .layout import StageLayout, layer_span
 from .stage import FullEmbedding, FullHead, StageChunk
 
 PLACEMENTS = ("baseline", "vocab")
@@ -57,9 +57,7 @@ class RankModules:
     """Owns every module and parameter above, for .to() / .train() / state handling."""
 
     def __repr__(self) -> str:
-        chunks = ", ".join(
-            f"{c}: layers {s}-{e - 1}" for c in sorted(self.chunks) for s, e in [self.layout.chunk_layers[c]]
-        )
+        chunks = ", ".join(f"{c}: {layer_span(*self.layout.chunk_layers[c])}" for c in sorted(self.chunks))
         vocab = (
             f"shard rows {self.partition.shard_range(self.rank)} of {self.partition.padded_size} padded"
             if self.placement == "vocab"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from vp_accelerate.models.layout import layer_span
+
 
 @dataclass(frozen=True)
 class ChunkLayers:
@@ -83,7 +85,7 @@ class RankLayout:
 
     def text(self, params: bool = True) -> str:
         """The line a person reads; `params=False` leaves out the size (it depends on the dtype)."""
-        chunks = ", ".join(f"chunk {c.chunk}: layers {c.start}-{c.end - 1}" for c in self.chunks)
+        chunks = ", ".join(f"chunk {c.chunk}: {layer_span(c.start, c.end)}" for c in self.chunks)
         line = (
             f"rank {self.rank} (pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}): "
             f"{chunks}; {self._vocab_text()}"
