@@ -20,6 +20,7 @@ loss is the token mean over the whole step's valid tokens, as `model(input_ids, 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -311,8 +312,6 @@ class PipelineModel:
         `position_ids` [batch, seq] (default 0..s-1 per row): packed documents restart at 0, and as in HF
         (when no attention_mask is given) each token then attends only inside its own document.
         """
-        import time
-
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids, loss_scale=scale)
         self._last_seq = input_ids.shape[1]
