@@ -15,8 +15,9 @@ for and lists the valid names with a "did you mean" (`mixed_precision: unknown v
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
+
+from .lookup import choices, find
 
 
 class ModeError(ValueError):
@@ -127,13 +128,10 @@ CHECKPOINTING: dict[str, Checkpointing] = {
 
 
 def _lookup(table: dict, name, what: str):
-    if isinstance(name, str):
-        key = name.strip().lower()
-        if key in table:
-            return table[key]
-    hint = difflib.get_close_matches(str(name).lower(), list(table), n=1, cutoff=0.5)
-    more = f"; did you mean {hint[0]!r}?" if hint else ""
-    raise ModeError(f"{what}: unknown value {name!r}; choose one of {', '.join(table)}{more}")
+    entry = find(table, name)
+    if entry is None:
+        raise ModeError(f"{what}: unknown value {name!r}; {choices(table, name)}")
+    return entry
 
 
 def precision(name: str) -> Precision:

@@ -185,7 +185,7 @@ class CostModel:
             parts = (
                 ("weight_grad",)
                 + (("input_grad",) if one else ())
-                + (("logits",) if self.output_memory == "recompute" else ())
+                + (("logits",) if not modes.memory_mode(self.output_memory).keeps_logits else ())
             )
             return self._out_time(rows, *parts) + self._logit_time(rows)
         if op in (Op.IF, Op.IB):
@@ -230,7 +230,9 @@ class CostModel:
         if not self.vocab_parallel:
             return 0.0
         s = self.shape
-        if self.output_memory == "recompute":  # X and three statistics per token; T recomputes the logits
+        if not modes.memory_mode(
+            self.output_memory
+        ).keeps_logits:  # X and three statistics per token; T recomputes the logits
             b = 3 * s.tokens * s.stat_bytes + s.hidden_bytes()
         else:
             b = s.tokens * self.shard_rows * s.stat_bytes + s.hidden_bytes()

@@ -16,9 +16,10 @@ ScheduleError (a ValueError) listing the valid names with a "did you mean".
 from __future__ import annotations
 
 import argparse
-import difflib
 from dataclasses import dataclass
 from typing import Callable
+
+from vp_accelerate.lookup import choices, find
 
 from . import blocks
 from .blocks import Block
@@ -167,13 +168,10 @@ SCHEDULES: dict[str, ScheduleKind] = {
 
 
 def _lookup(table: dict, name, what: str):
-    if isinstance(name, str):
-        key = name.strip().lower()
-        if key in table:
-            return table[key]
-    hint = difflib.get_close_matches(str(name).lower(), list(table), n=1, cutoff=0.5)
-    more = f"; did you mean {hint[0]!r}?" if hint else ""
-    raise ScheduleError(f"unknown {what} {name!r}; choose one of {', '.join(table)}{more}")
+    entry = find(table, name)
+    if entry is None:
+        raise ScheduleError(f"unknown {what} {name!r}; {choices(table, name)}")
+    return entry
 
 
 def schedule_kind(name: str) -> ScheduleKind:

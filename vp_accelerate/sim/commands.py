@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from vp_accelerate import modes
 from vp_accelerate.cost import (
     Hardware,
     MeasuredCosts,
@@ -45,7 +46,7 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
     ap.add_argument("--forward-only", action="store_true", help="evaluation step")
     ap.add_argument(
         "--activation-checkpointing",
-        choices=("none", "full", "selective"),
+        choices=tuple(modes.CHECKPOINTING),
         default="none",
         help="decoder layers recomputed in backward, as pipeline.activation_checkpointing",
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
+from vp_accelerate import modes
 from vp_accelerate.cost import CostModel, Hardware, ModelShape, cost_aware_schedule, for_schedule, shape_from_hf_config
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES
@@ -34,7 +35,8 @@ from .simulate import simulate
 DATA_PARALLEL = ("1f1b", "baseline")
 """The (schedule, method) a pp = 1 plan runs: one rank, the whole model, nothing to pipeline."""
 
-MEMORY_MODES = ("store", "recompute")
+MEMORY_MODES = tuple(modes.MEMORY_MODES)
+"""Output-layer memory modes the planner tries (every one of the table)."""
 MAX_SIMULATED_MICROBATCHES = 32
 """Above this many (and 3 x pp) microbatches per replica a step is extrapolated from a shorter simulated
 one at the busiest rank's per-microbatch pace."""
