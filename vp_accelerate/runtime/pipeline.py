@@ -24,24 +24,21 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from vp_accelerate.cost import layout_costs, plan_layout, shape_from_hf_config
+from vp_accelerate.cost import shape_from_hf_config
 from vp_accelerate.distributed import init_from_env, local_device
-from vp_accelerate.models import StageLayout, build_rank, check_supported, resolve_config
+from vp_accelerate.models import check_supported, resolve_config
 from vp_accelerate.runtime import grad_sync, model_io, p2p, precision, shutdown, watchdog
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
-from vp_accelerate.runtime.executor import Executor, Microbatch
+from vp_accelerate.runtime.executor import Microbatch
 from vp_accelerate.runtime.groups import build_groups
 from vp_accelerate.runtime.microbatches import make_microbatches
-from vp_accelerate.runtime.weight_grad import WeightGradStore, install
-from vp_accelerate.schedule import build_schedule
-from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
+from vp_accelerate.runtime.rank_parts import build_rank_parts
+from vp_accelerate.runtime.step_run import bubble_rate, finish_loss, make_executor, nonfinite_microbatches, run_schedule
+from vp_accelerate.schedule.ir import COMPUTE_OPS
 from vp_accelerate.vocab import comm
-from vp_accelerate.vocab.output_layer import OutputLayerOptions
-from vp_accelerate.vocab.partition import VocabPartition
 
 
 @dataclass
@@ -99,97 +96,20 @@ class PipelineModel:
         # cuda:LOCAL_RANK (made current), also when accelerate made the group; the CPU without CUDA
         self.device = torch.device(device) if device is not None else local_device()
         self._skip_next_optimizer_step = False  # set by each train_step (fp16 overflow); read by step()
-        self.hf_config = resolve_config(source)
-        self.schedule = build_schedule(
-            cfg.schedule, cfg.method, g.pp_size, cfg.microbatches, chunks_per_rank=cfg.chunks_per_rank
-        )
-        self.eval_schedule = build_schedule(
-            cfg.schedule,
-            cfg.method,
-            g.pp_size,
-            cfg.microbatches,
-            chunks_per_rank=cfg.chunks_per_rank,
-            forward_only=True,
-        )
+        # schedules, layout, vocabulary shard and modules (runtime/rank_parts.py); the facade names the ones
+        # its callers read
+        self.parts = parts = build_rank_parts(source, cfg, g, self.dtype, seed, self.device, self.adapter)
+        self.hf_config, self.layout, self.partition = parts.hf_config, parts.layout, parts.partition
+        self.mods, self.lora_transposed = parts.mods, parts.lora_transposed
+        self.schedule, self.eval_schedule = parts.schedule, parts.eval_schedule
         self.method = self.schedule.method
         self.vocab = self.method.vocab_parallel
-        self.layout = self._layout()
-        # each rank's order from the cost model's pass times (schedule/list_schedule.py); the unit-grid
-        # schedule above only gave the layout. Every rank computes the same order from the same inputs.
-        costs = layout_costs(
-            self.hf_config, self.schedule, self.layout, cfg.activation_checkpointing, device=self.device.type
-        )
-        self.schedule = build_schedule(
-            cfg.schedule, cfg.method, g.pp_size, cfg.microbatches, chunks_per_rank=cfg.chunks_per_rank, costs=costs
-        )
-        self.eval_schedule = build_schedule(
-            cfg.schedule,
-            cfg.method,
-            g.pp_size,
-            cfg.microbatches,
-            chunks_per_rank=cfg.chunks_per_rank,
-            forward_only=True,
-            costs=costs,
-        )
-        self.partition = VocabPartition(self.hf_config.vocab_size, g.pp_size, cfg.pad_multiple) if self.vocab else None
-        self.mods = build_rank(
-            source,
-            self.layout,
-            g.pp_rank,
-            "vocab" if self.vocab else "baseline",
-            self.partition,
-            dtype=self.dtype,
-            seed=seed,
-            device=self.device,
-            attn_implementation=cfg.attn_implementation,
-        )
-        self.lora_transposed: list[str] = []
-        if self.adapter.enabled:  # before the B/W split patches the linear layers (LoRA's included)
-            from vp_accelerate.models.lora import apply_lora
-
-            self.lora_transposed = apply_lora(self.mods, self.adapter, seed, self.dtype)
-        self._tied_group = self._make_tied_group()
         self.watchdog = (
             watchdog.start(cfg.watchdog_dead_after_s)
             if cfg.watchdog_dead_after_s is not None and g.world_size > 1
             else None
         )
-        # without VP the algorithm is unused (the last stage runs the whole output layer): keep the default
-        algorithm = self.method.output_algorithm or OutputLayerOptions.algorithm
-        self.out_opts = OutputLayerOptions(
-            algorithm=algorithm,
-            memory=cfg.memory,
-            chunk_size=cfg.chunk_size,
-            label_smoothing=cfg.label_smoothing,
-            softcap=self.mods.final_softcap,
-            logit_scale=self.mods.logit_scale,
-        )
-        for chunk in self.mods.chunks.values():
-            chunk.set_activation_checkpointing(cfg.activation_checkpointing)
-        self.weight_grads = None
-        if self.schedule.split_backward:
-            self.weight_grads = WeightGradStore()
-            for chunk in self.mods.chunks.values():
-                install(chunk, self.weight_grads)
         self.last_stats: dict = {}
-
-    # ---- construction helpers --------------------------------------------------------------------
-    def _layout(self) -> StageLayout:
-        return plan_layout(self.hf_config, self.schedule, self.cfg.layers_per_stage)
-
-    def _make_tied_group(self):
-        """Baseline with tied weights: the first and last stage each hold the matrix and must add their
-        gradients. Every rank creates every replica's pair group (new_group is collective)."""
-        first, last = self.layout.first_rank, self.layout.last_rank
-        if self.vocab or not self.mods.tied or first == last:
-            return None
-        mine = None
-        for d in range(self.groups.dp_size):
-            pair = [d * self.groups.pp_size + first, d * self.groups.pp_size + last]
-            group = dist.new_group(pair)
-            if self.rank in pair:
-                mine = group
-        return mine
 
     @property
     def rank(self) -> int:
@@ -262,44 +182,6 @@ class PipelineModel:
             loss_scale=loss_scale,
         )
 
-    def _executor(self, schedule, mb_rows: int, seq: int) -> Executor:
-        mine = self.layout.chunks_of(self.pp_rank)
-        layers = {c: self.layout.chunk_layers[c][1] - self.layout.chunk_layers[c][0] for c in mine}
-        total = sum(layers.values())  # 0 on a stage the balanced split emptied (its chunk runs only the norm)
-        weight = {c: n / total if total else 0.0 for c, n in layers.items()}
-        return Executor(
-            schedule,
-            self.mods,
-            self.groups,
-            self.partition,
-            self.out_opts,
-            act_shape=(mb_rows, seq, self.hf_config.hidden_size),
-            # stages exchange activations / gradients in the compute dtype under mixed precision
-            act_dtype=self.compute_dtype or self.dtype,
-            param_dtype=self.dtype,
-            device=self.device,
-            weight_grads=self.weight_grads,
-            chunk_weight=weight,
-            compute_dtype=self.compute_dtype,
-        )
-
-    def _finish_loss(self, loss_sum: torch.Tensor) -> float:
-        """Make the step's loss known on every rank of every replica."""
-        loss = loss_sum.detach().to(torch.float64).reshape(1).clone()  # on the device: pp/dp groups are NCCL on GPUs
-        if not self.vocab:  # only the last stage computed it
-            if self.pp_rank != self.layout.last_rank:
-                loss.zero_()
-            dist.all_reduce(loss, group=self.groups.pp_group)
-        if self.groups.dp_group is not None:  # g used the global token count: replicas' parts add up
-            dist.all_reduce(loss, group=self.groups.dp_group)
-        return float(loss.item())
-
-    def _bubble_rate(self, records: list[TimedAction], step_time: float) -> float:
-        busy = sum(r.end - r.start for r in records if r.op in COMPUTE_OPS)
-        rate = torch.tensor([1.0 - busy / step_time if step_time > 0 else 0.0], dtype=torch.float64)
-        dist.all_reduce(rate, group=self.groups.pp_host_group)  # a host number: the gloo side group
-        return float(rate.item()) / self.groups.pp_size
-
     def train_step(
         self,
         input_ids: torch.Tensor,
@@ -325,7 +207,11 @@ class PipelineModel:
         self._skip_next_optimizer_step = skipped
         step_time = time.perf_counter() - t0
         loss = self._finish_loss(out.loss_sum) / scale
-        bad = self._nonfinite_microbatches(out.microbatch_losses) if not math.isfinite(loss) else ()
+        bad = (
+            ()
+            if math.isfinite(loss)
+            else nonfinite_microbatches(out.microbatch_losses, self.cfg.microbatches, self.groups)
+        )
         peak = out.peak_activation_bytes
         self.last_stats = {
             "timeline": out.records,
@@ -342,7 +228,7 @@ class PipelineModel:
             loss=loss,
             num_tokens=n_tokens,
             step_time_s=step_time,
-            bubble_rate=self._bubble_rate(out.records, step_time),
+            bubble_rate=bubble_rate(out.records, step_time, self.groups),
             peak_activation_bytes=peak,
             nonfinite_microbatches=bad,
             skipped=skipped,
@@ -386,28 +272,21 @@ class PipelineModel:
             self.mods.train(training)
         return self._finish_loss(out.loss_sum)
 
-    def _nonfinite_microbatches(self, losses: dict[int, torch.Tensor]) -> tuple[tuple[int, int], ...]:
-        """Which (replica, microbatch) had a NaN/inf loss. Called on every rank when the step's loss is not
-        finite (it is the same everywhere); baseline losses live on the last stage only, hence the reduce."""
-        m = self.cfg.microbatches
-        flags = torch.zeros(self.dp_size * m, dtype=torch.float64)
-        for mb, value in losses.items():
-            if not torch.isfinite(value).all():
-                flags[self.dp_rank * m + mb] = 1.0
-        dist.all_reduce(flags, group=self.groups.host_group)  # host flags of the whole world: gloo
-        return tuple((int(i) // m, int(i) % m) for i in flags.nonzero().flatten().tolist())
-
     def _run(self, schedule, mbs: list[Microbatch], seq: int):
-        try:
-            ex = self._executor(schedule, mbs[0].input_ids.shape[0], seq)
-            with precision.step_weight_casts(self.device, self.compute_dtype):  # one cast per weight per step
-                out = ex.run(mbs)
-            out.weight_copy_bytes = ex.meter.weight_copy_bytes
-            return out
-        except BaseException as e:
-            if self.watchdog is not None:
-                self.watchdog.report_failure(e)  # peers blocked on us exit now, naming this rank
-            raise
+        ex = make_executor(
+            self.parts,
+            self.groups,
+            schedule,
+            mbs[0].input_ids.shape[0],
+            seq,
+            self.dtype,
+            self.compute_dtype,
+            self.device,
+        )
+        return run_schedule(ex, mbs, self.device, self.compute_dtype, self.watchdog)
+
+    def _finish_loss(self, loss_sum: torch.Tensor) -> float:
+        return finish_loss(loss_sum, self.vocab, self.pp_rank == self.layout.last_rank, self.groups)
 
     def close(self) -> None:
         """Stop the process's watchdog at a normal end of training (peers may then exit in any order),
@@ -422,10 +301,10 @@ class PipelineModel:
         """Tied baseline weights on two ranks add their gradients; DP replicas add theirs."""
         tied = (
             None
-            if self._tied_group is None
+            if self.parts.tied_group is None
             else (self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight)
         )
-        grad_sync.sync_grads(tied, self._tied_group, self.trainable_parameters(), self.groups.dp_group)
+        grad_sync.sync_grads(tied, self.parts.tied_group, self.trainable_parameters(), self.groups.dp_group)
 
     # ---- optimizer-side helpers ----------------------------------------------------------------------
     def zero_grad(self) -> None:
