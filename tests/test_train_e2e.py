@@ -1,5 +1,8 @@
-"""End to end under a real 2-process `accelerate launch` on CPU: train with wandb offline, read the
-metrics back, resume == uninterrupted, export loads with from_pretrained and reproduces the eval loss."""
+"""End to end under a real 2-process launch on CPU (`vp-accelerate launch`, i.e. accelerate's launcher with
+configs/accelerate_cpu_2proc.yaml): train with wandb offline, read the metrics back, resume == uninterrupted,
+export loads with from_pretrained and reproduces the eval loss. The resumed and init_from runs, whose
+subject is the trainer, run on 2 ranks forked as the launcher starts them (tests/helpers/launch.py); plain
+`accelerate launch -m vp_accelerate train` trains in tests/test_train_multinode.py."""
 
 import json
 import math
@@ -13,7 +16,7 @@ import torch
 from helpers.launch import run_env, train_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+VP_ACCELERATE = os.path.join(os.path.dirname(sys.executable), "vp-accelerate")
 STEPS = 6
 
 
@@ -73,13 +76,11 @@ def launch(setup, name, *extra, check=True):
         "HF_DATASETS_CACHE": str(d / "ds_cache"),
         "OMP_NUM_THREADS": "1",
     }
-    cmd = [
-        ACCELERATE,
+    cmd = [  # accelerate's launcher through `vp-accelerate launch` (its exit-2 path: test_train_launch_errors.py)
+        VP_ACCELERATE,
         "launch",
         "--config_file",
         os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-        "-m",
-        "vp_accelerate",
         "train",
         recipe,
         "--set",

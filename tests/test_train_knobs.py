@@ -2,7 +2,7 @@
 cumulative token counters without padding, the epoch, keep_best and early stopping, sample generations.
 
 The loop's bookkeeping runs on a stand-in pipeline (losses chosen per step) so every logged number is checked
-exactly; keep_best, early stopping and the samples run in one real 2-process launch, the samples compared
+exactly; keep_best, early stopping and the samples run in one 2-process training run, the samples compared
 with HF `generate` on the exported model.
 """
 
@@ -10,18 +10,15 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from helpers.launch import run_env, train_ranks
 from vp_accelerate.train.recipe import RecipeError, finish_steps, recipe_from_dict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
 RNG = random.Random()
 
 
@@ -168,7 +165,7 @@ def test_logged_loss_is_the_window_mean_and_counters_add_up(tmp_path):
     assert tokens < steps * g * 16  # padding is not counted
 
 
-# ----------------------------------------------------------------------------------- one real launch
+# ----------------------------------------------------------------------------------- one 2-rank run
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     import yaml
@@ -203,28 +200,9 @@ def launched(tmp_path_factory):
         "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out"), "log_every": 1},
     }
     (d / "r.yaml").write_text(yaml.safe_dump(recipe))
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "HF_DATASETS_CACHE": str(d / "ds_cache"),
-    }
-    out = subprocess.run(
-        [
-            os.path.join(BIN, "vp-accelerate"),
-            "launch",
-            "--config_file",
-            os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-            "train",
-            str(d / "r.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=str(d),
-    )
+    # 2 ranks forked as the launcher starts them (tests/helpers/launch.py); `vp-accelerate launch` itself
+    # runs in tests/test_train_e2e.py and tests/test_train_launch_errors.py
+    out = train_ranks([str(d / "r.yaml")], d, run_env(d / "ds_cache"), timeout_s=600)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in open(d / "out" / "metrics.jsonl")]
     return d, prompts, out, rows

@@ -192,7 +192,7 @@ def test_two_machines_on_loopback_train_like_one_machine(tiny_recipe):
         ],
     )
     assert _ranks_in(logs[0]) == {0, 1} and _ranks_in(logs[1]) == {2, 3}, logs
-    assert "world size 4 (pp 2 x dp 2)" in logs[0]
+    assert "MULTI_CPU, world size 4 (pp 2 x dp 2)" in logs[0]
     assert "rank 2 (pp 0/2, dp 1/2)" in logs[0] and "rank 3 (pp 1/2, dp 1/2)" in logs[0]
     single, multi = _losses(single_dir), _losses(multi_dir)
     assert len(single[0]) == len(multi[0]) == 4
