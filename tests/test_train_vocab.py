@@ -266,15 +266,14 @@ def test_swap_keeps_what_a_trained_model_learned(tmp_path, corpora):
 
 def test_a_hub_model_is_snapshotted_once_then_read_per_rank(tmp_path, monkeypatch, corpora):
     """A hub id becomes a local snapshot (config, safetensors, tokenizer), which ranks then read per tensor."""
-    import huggingface_hub
-
+    from vp_accelerate.train import presets
     from vp_accelerate.train.presets import local_model_dir
 
     d, tok_a, *_ = corpora
     save_model(tmp_path / "snap", tok_a)
     calls = []
     monkeypatch.setattr(
-        huggingface_hub,
+        presets,
         "snapshot_download",
         lambda repo, allow_patterns: calls.append((repo, allow_patterns)) or str(tmp_path / "snap"),
     )

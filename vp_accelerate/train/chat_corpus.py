@@ -11,6 +11,7 @@ Needs the `demo` extra: `pip install faker babel`.
 from __future__ import annotations
 
 import datetime
+import importlib
 import inspect
 import json
 import os
@@ -110,6 +111,7 @@ SYSTEM = "You answer short questions about languages, places, dates and Python."
 
 
 def _question_makers(rng: random.Random):
+    # optional dependencies (the demo extra)
     from babel import Locale, dates, numbers
     from faker import Faker
 
@@ -167,8 +169,6 @@ def _question_makers(rng: random.Random):
         return f"Give me a typical {en.languages[code]} name.", fakers[code].name()
 
     def python():
-        import importlib
-
         name = rng.choice(PY_NAMES)
         module, _, attr = name.rpartition(".")
         doc = inspect.getdoc(getattr(importlib.import_module(module), attr)) or ""
@@ -192,7 +192,7 @@ def iter_conversations(n: int, seed: int = 0):
 
 def make_demo_chat(out_dir: str, conversations: int = 4000, seed: int = 0, eval_every: int = 20) -> dict:
     """Write `train.jsonl` and `eval.jsonl` (every `eval_every`-th conversation) to `out_dir`; return counts."""
-    try:
+    try:  # an availability probe: the import is the check
         import babel  # noqa: F401
         import faker  # noqa: F401
     except ImportError as e:

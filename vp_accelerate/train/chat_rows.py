@@ -14,6 +14,9 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+import jinja2
+from jinja2 import nodes
+
 from .sft import ROLES, FormatError
 
 
@@ -30,9 +33,6 @@ def _short(x, n: int = 60) -> str:
 def template_keys(template: str) -> frozenset[str]:
     """Every attribute / item name the template reads (`m.tool_calls`, `message['name']`): the message keys it
     may render. A template jinja cannot parse here falls back to the names that appear in its text."""
-    import jinja2
-    from jinja2 import nodes
-
     # HF's `{% generation %}` tag is an extension of transformers' environment; it reads no key
     text = re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template)
     try:

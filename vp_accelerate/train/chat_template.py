@@ -21,9 +21,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from tokenizers import AddedToken
+
 from vp_accelerate.models.generation import chat_template_text, end_of_turn_id
 
+from .data import _builder_of, _format_of, first_record_columns, load_documents, sample_format
 from .sft import CHATML_TEMPLATE, SAMPLE_FORMATS
+from .tokenizer import expand_files
 
 CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
 
@@ -63,9 +67,6 @@ def data_format(d) -> str:
     """The run's sample format (text / chat / prompt_completion): declared, else from the first record's columns
     (a hub dataset's first streamed row; "text" when the hub cannot be reached, so declare `data.format: chat`
     for a hub chat set checked offline)."""
-    from .data import _builder_of, _format_of, first_record_columns, load_documents, sample_format
-    from .tokenizer import expand_files
-
     if d.format in SAMPLE_FORMATS:
         return d.format
     try:
@@ -92,8 +93,6 @@ def data_format(d) -> str:
 
 def _add_tokens(tokenizer, tokens) -> None:
     """Add AddedTokens to `tokenizer`, special ones as special tokens (kept beside the existing ones)."""
-    from tokenizers import AddedToken
-
     special = [AddedToken(t.content, special=True, normalized=False) for t in tokens if t.special]
     plain = [AddedToken(t.content, special=False, normalized=False) for t in tokens if not t.special]
     if special:
@@ -139,8 +138,6 @@ def prepare_chat(tokenizer, model_tokenizer=None, chat_data: bool = False, swap:
     the run swaps it for `tokenizer`. When tokens are added without a swap, the model's tokenizer gets them
     too, so the vocabulary decision keeps rows by id and the new tokens get new rows.
     """
-    from tokenizers import AddedToken
-
     if chat_template_text(tokenizer):
         replaced = (
             swap

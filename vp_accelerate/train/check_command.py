@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import sys
 
+from .data import BadRowsError, DataError
+from .data_check import bad_rows_text, data_report
+from .data_check import show_example as render_example
+from .recipe import RecipeError, recipe_to_dict
+
 
 def run_check(recipe, notes: list[str], found: dict, show_example: bool = False) -> int:
     """Print the recipe (stdout) and what was checked (stderr); 2 on an error that would stop the run."""
-    from .data import BadRowsError, DataError
-    from .data_check import bad_rows_text, data_report
-    from .recipe import RecipeError, recipe_to_dict
-
     tokenizer, prepared = found.get("tokenizer"), None
     if tokenizer is None:
         notes.append("data: the tokenizer is not on disk yet, so the rows were not tokenized before launch")
@@ -40,7 +41,5 @@ def run_check(recipe, notes: list[str], found: dict, show_example: bool = False)
         if prepared is None:
             print("--show-example: no tokenized data to show (the tokenizer is not on disk yet)", file=sys.stderr)
         else:
-            from .data_check import show_example as render
-
-            print(render(prepared, tokenizer, color=sys.stdout.isatty()))
+            print(render_example(prepared, tokenizer, color=sys.stdout.isatty()))
     return 0

@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 LATEST = "latest"
 BEST = "best"
@@ -123,8 +124,6 @@ def save_checkpoint(
     writes config/tokenizer files for export. `best`: this one becomes the `best` pointer's; `keep_best`: the
     checkpoint `best` names is never pruned. `_crash_after` is for tests: raise after that stage.
     """
-    from safetensors.torch import save_file
-
     final = os.path.join(ckpt_dir, step_dir_name(step))
     tmp = final + ".tmp"
     if rank == 0:
@@ -271,8 +270,6 @@ def check_fingerprint(saved: dict, current: dict, path: str) -> None:
 
 def load_rank(path: str, rank: int) -> tuple[dict, dict, dict]:
     """(model_state, optimizer_state, trainer_state) of one rank, loaded without unpickling code."""
-    from safetensors.torch import load_file
-
     rdir = os.path.join(path, rank_dir_name(rank))
     if not os.path.isdir(rdir):
         raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")

@@ -18,10 +18,10 @@ import logging
 import os
 import sys
 
+from .plan_command import resolve_auto
+
 
 def _setup_logging() -> None:
-    import os
-
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
@@ -77,7 +77,7 @@ def train_main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from .plan_command import resolve_auto
+    # imported once the arguments parsed: they load torch and transformers, which `train --help` does without
     from .preflight import check_plan, check_run_dirs, world_size_from_env
     from .recipe import RecipeError, load_recipe
     from .user_errors import say_once
@@ -103,10 +103,11 @@ def train_main(argv: list[str] | None = None) -> int:
         say_once(f"recipe error: {e}")  # every launched rank found the same: said once per machine
         return 2
     if args.check:
-        from .check_command import run_check
+        from .check_command import run_check  # after parse_args, as above
 
         return run_check(recipe, notes, found, args.show_example)
     _setup_logging()
+    # after parse_args, as above
     from .checkpoint import CheckpointError
     from .data import DataError
     from .nonfinite import NonFiniteError
@@ -179,6 +180,7 @@ def export_main(argv: list[str] | None = None) -> int:
         help="a LoRA run: write its peft adapter folder instead of the merged model",
     )
     args = ap.parse_args(argv)
+    # imported once the arguments parsed: they load torch and transformers, which `export --help` does without
     from .checkpoint import CheckpointError
     from .export import export_checkpoint
 

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib
+import inspect
 import json
 import os
 import random
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 # Faker locales whose lorem provider is real text in that language (others fall back to Latin).
 FAKER_LOCALES = [
@@ -161,7 +164,7 @@ STDLIB_MODULES = [
 
 
 def _faker_docs(locale: str, seed: int, n: int):
-    from faker import Faker
+    from faker import Faker  # optional dependency (the demo extra)
 
     fake = Faker(locale)
     fake.seed_instance(seed)
@@ -174,7 +177,7 @@ def _faker_docs(locale: str, seed: int, n: int):
 
 
 def _babel_docs(locale_name: str, seed: int):
-    from babel import Locale, dates, numbers
+    from babel import Locale, dates, numbers  # optional dependency (the demo extra)
 
     loc = Locale.parse(locale_name)
     rng = random.Random(f"{seed}-{locale_name}")
@@ -205,9 +208,6 @@ def _babel_docs(locale_name: str, seed: int):
 
 
 def _python_docs():
-    import importlib
-    import inspect
-
     for name in STDLIB_MODULES:
         try:
             module = importlib.import_module(name)
@@ -261,8 +261,6 @@ def iter_documents(size_mb: float = 4.0, seed: int = 0):
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": sys.version.split()[0]}
     for pkg in ("faker", "babel"):
         try:
@@ -278,7 +276,7 @@ def make_demo_corpus(out_dir: str, size_mb: float = 4.0, seed: int = 0, eval_eve
     Every `eval_every`-th document goes to eval.jsonl. Files are written to temporary names and
     renamed, so a half-written corpus is never mistaken for a finished one.
     """
-    try:
+    try:  # an availability probe: the import is the check
         import babel  # noqa: F401
         import faker  # noqa: F401
     except ImportError as e:

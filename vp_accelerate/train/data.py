@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import chat_rows, sft
 from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterator, pack_stream
@@ -142,7 +144,7 @@ def load_documents(
 
     A hub dataset takes its configuration `name` and a `revision` (branch, tag or commit) for a pinned corpus.
     """
-    from datasets import load_dataset
+    from datasets import load_dataset  # datasets fixes its cache dir when imported: see data_read.load_rows
 
     if hub_id:
         return load_dataset(hub_id, name, split=split, streaming=streaming, revision=revision)
@@ -487,16 +489,12 @@ def _arrow_column(ds, column: str):
 
 def _column_flags(tokenized, column: str) -> np.ndarray:
     """Rows whose string `column` is not empty (arrow compute: no Python string per row)."""
-    import pyarrow.compute as pc
-
     col = _arrow_column(tokenized, column)
     return np.asarray(pc.greater(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False), dtype=bool)
 
 
 def _row_problems(tokenized, stats: SplitStats) -> np.ndarray:
     """Count invalid rows and dropped message keys into `stats`; the invalid rows' indices."""
-    import pyarrow as pa
-
     stats.rows = len(tokenized)
     flags = _column_flags(tokenized, "invalid")
     bad = np.flatnonzero(flags)
@@ -562,8 +560,6 @@ def tokenize_rows(
 
 
 def _lengths(ds) -> np.ndarray:
-    import pyarrow.compute as pc
-
     return np.asarray(
         pc.list_value_length(_arrow_column(ds, "input_ids")).to_numpy(zero_copy_only=False), dtype=np.int64
     )

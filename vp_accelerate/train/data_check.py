@@ -14,6 +14,7 @@ does), its documents apart.
 from __future__ import annotations
 
 from .data import DataError, PreparedData, SplitStats, no_eval_message, prepare_data
+from .recipe import finish_steps
 
 
 def _rows_line(s: SplitStats, held_out: int) -> str:
@@ -82,8 +83,6 @@ def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], Prepared
             lines.append(keys)
         per_epoch = steps_per_epoch(prepared, t.global_batch)
         if t.epochs is not None:
-            from .recipe import finish_steps
-
             finish_steps(recipe, per_epoch)
             lines.append(
                 f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.epochs "

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 
+import pyarrow.parquet as pq
+
 RAW = "_raw"
 """The column holding one JSON record as written."""
 
@@ -75,6 +77,8 @@ def load_rows(paths: list[str], builder: str, streaming: bool = False):
 
     builder: text (a row per line, column `text`), json (column `_raw`, see the module doc) or parquet.
     """
+    # datasets reads HF_DATASETS_CACHE once, when imported: imported when rows are first read, so a process
+    # started before the cache dir was chosen (a preloaded fork server's ranks) still uses the chosen one
     from datasets import Dataset, Features, Value, load_dataset
 
     if builder == "text":
@@ -124,8 +128,6 @@ class RowLocator:
 
     def _count(self, path: str) -> int:
         if self.builder == "parquet":
-            import pyarrow.parquet as pq
-
             return pq.ParquetFile(path).metadata.num_rows
         return _line_count(path)
 
@@ -152,8 +154,6 @@ def first_record_columns(path: str, fmt: str) -> list[str] | None:
     if fmt == "text":
         return ["text"]
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
         return list(pq.read_schema(path).names)
     if json_layout(path) == "array":
         first = next((r for r in _array_of(path) if isinstance(r, dict)), None)

@@ -22,15 +22,25 @@ from __future__ import annotations
 import logging
 import os
 
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from vp_accelerate.models.export import assemble_state_dict, save_hf
+from vp_accelerate.models.generation import generation_eos
+from vp_accelerate.models.lora import merge_lora, save_adapter
+from vp_accelerate.runtime.adapter_config import AdapterConfig
+
 from . import checkpoint as ckpt
+from .presets import PRESETS
+from .run_state import final_checkpoint
+from .token_map import same_vocabulary
+from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")
 
 
 def _adapter_of(recipe: dict):
     """The run's AdapterConfig when it trained LoRA adapters, else None."""
-    from vp_accelerate.runtime.adapter_config import AdapterConfig
-
     section = (recipe or {}).get("adapter") or {}
     adapter = AdapterConfig(**section) if section else AdapterConfig()
     return adapter if adapter.enabled else None
@@ -38,11 +48,6 @@ def _adapter_of(recipe: dict):
 
 def checkpoint_state(path: str):
     """(full HF state dict, config, tokenizer, meta) of checkpoint `path` (a step dir or a checkpoint root)."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
-
-    from vp_accelerate.models.export import assemble_state_dict
-
     path = ckpt.resolve(path)
     meta = ckpt.read_meta(path)
     replica0 = sorted((r for r in meta["ranks"] if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
@@ -68,8 +73,6 @@ def _ids(x) -> list:
 def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, str]:
     """(what the adapter folder names as its base model, why): the model source when the run's frozen base
     is exactly that model with this tokenizer's ids, else None (the base is written beside the adapter)."""
-    from .presets import PRESETS
-
     m = (recipe or {}).get("model") or {}
     source = m.get("source")
     if not source or source in PRESETS or not m.get("pretrained_weights", True):
@@ -83,12 +86,6 @@ def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, 
         return None, f"model.source {source!r} is not a directory here"
     where = os.path.abspath(local) if os.path.isdir(local) else source
     try:
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-        from vp_accelerate.models.generation import generation_eos
-
-        from .token_map import same_vocabulary
-
         if AutoConfig.from_pretrained(where).vocab_size != vocab_size:
             return None, "the run resized the vocabulary"
         if not same_vocabulary(AutoTokenizer.from_pretrained(where), tokenizer):
@@ -113,8 +110,6 @@ def write_exports(
 ) -> None:
     """Write the model directory `out_dir` (merged for a LoRA run) and, for a LoRA run, the adapter folder
     `adapter_dir`, from a full HF state dict; either may be None."""
-    from vp_accelerate.models.export import save_hf
-
     adapter = _adapter_of(recipe)
     if adapter_dir is not None:
         if adapter is None or adapter.train_vocab:
@@ -122,8 +117,6 @@ def write_exports(
                 "no LoRA adapter to export alone (adapter.type is null, or adapter.train_vocab "
                 "trained the vocabulary too); export the full model"
             )
-        from vp_accelerate.models.lora import merge_lora, save_adapter
-
         base, why = adapter_base(recipe, config.vocab_size, tokenizer)
         if base is None:
             base = os.path.abspath(os.path.join(adapter_dir, "base"))
@@ -135,8 +128,6 @@ def write_exports(
         log.info("LoRA adapter folder %s (AutoPeftModelForCausalLM.from_pretrained); %s", adapter_dir, why)
     if out_dir is not None:
         if adapter is not None:
-            from vp_accelerate.models.lora import merge_lora
-
             state = merge_lora(state, adapter.scaling, transposed)
         save_hf(state, config, out_dir, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
@@ -186,13 +177,9 @@ def export_final(run) -> str | None:
     adapter = recipe.adapter if recipe.adapter.enabled else None
     adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter and not adapter.train_vocab else None
     if c.dir:
-        if pipe.rank == 0:
-            from .run_state import final_checkpoint  # the best one with checkpoint.keep_best
-
+        if pipe.rank == 0:  # the final checkpoint is the best one with checkpoint.keep_best
             export_checkpoint(final_checkpoint(run), out, adapter_dir=adapter_dir)
     else:
-        from .tracking import gather
-
         state = pipe.gather_hf_state_dict()  # collectives: every rank takes part
         transposed = sorted({n for names in gather(list(getattr(pipe, "lora_transposed", []))) for n in names})
         if pipe.rank == 0:

@@ -31,6 +31,7 @@ def launch_main(argv: list[str] | None = None) -> int:
     if "train" not in argv:
         print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    # accelerate and torch: only a launch loads them, not the usage answer above
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

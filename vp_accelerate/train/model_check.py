@@ -11,24 +11,31 @@ so `[q_proj, v_prj]` would silently adapt half of what was asked.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
+
+import torch
+from huggingface_hub import constants, try_to_load_from_cache
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
+
+from vp_accelerate.models.adapter import find_parts
+from vp_accelerate.models.lora import target_modules_for
 
 from .recipe_io import RecipeError
 
 
 def hub_offline() -> bool:
     """Whether the hub may not be reached (HF_HUB_OFFLINE, read now: tests and users set it late)."""
-    from huggingface_hub import constants
-
     value = os.environ.get("HF_HUB_OFFLINE")
     return constants.HF_HUB_OFFLINE if value is None else value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def hub_snapshot(source: str) -> str | None:
     """The local HF-cache snapshot dir of hub repo `source` when its config.json is cached, else None."""
-    from huggingface_hub import try_to_load_from_cache
-
     try:
         path = try_to_load_from_cache(source, "config.json")
     except ValueError:  # not a valid repo id (HFValidationError)
@@ -46,8 +53,6 @@ def missing_hub_source(key: str, source: str) -> RecipeError:
 
 
 def valid_repo_id(source: str) -> bool:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     try:
         validate_repo_id(source)
     except HFValidationError:
@@ -56,21 +61,11 @@ def valid_repo_id(source: str) -> bool:
 
 
 def _linear_names(layer) -> list[str]:
-    from torch import nn
-    from transformers.pytorch_utils import Conv1D
-
     return [name for name, m in layer.named_modules() if name and isinstance(m, (nn.Linear, Conv1D))]
 
 
 def decoder_layer_modules(config) -> list[str]:
     """The names of the linear modules of one decoder layer of `config`'s model (built on the meta device)."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from vp_accelerate.models.adapter import find_parts
-
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
     for key in ("layer_types",):  # per-layer lists must match the layer count
@@ -91,8 +86,6 @@ def check_adapter_targets(recipe, config) -> str | None:
     a = recipe.adapter
     if not a.enabled:
         return None
-    from vp_accelerate.models.lora import target_modules_for
-
     try:
         targets = target_modules_for(config, a.target_modules)
     except ValueError as e:

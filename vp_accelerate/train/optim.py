@@ -7,9 +7,13 @@ at the last step; the names recipes have always used), or any `transformers.get_
 
 from __future__ import annotations
 
+import difflib
 import math
 
 import torch
+from transformers import SchedulerType, get_scheduler
+
+from .recipe_io import RecipeError
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:
@@ -53,8 +57,6 @@ _UNSUPPORTED = ("reduce_lr_on_plateau", "greedy")
 
 
 def hf_names() -> list[str]:
-    from transformers import SchedulerType
-
     return [s.value for s in SchedulerType if s.value not in OWN + _UNSUPPORTED] + list(HF_ALIASES)
 
 
@@ -75,8 +77,6 @@ def build_scheduler(optimizer, lr_cfg, total_steps: int) -> torch.optim.lr_sched
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, total_steps, lr_cfg.warmup_steps, lr_cfg.decay, lr_cfg.min_lr_ratio)
         )
-    from transformers import get_scheduler
-
     return get_scheduler(
         HF_ALIASES.get(lr_cfg.decay, lr_cfg.decay),
         optimizer,
@@ -88,11 +88,7 @@ def build_scheduler(optimizer, lr_cfg, total_steps: int) -> torch.optim.lr_sched
 
 def check_schedule(lr_cfg, total_steps: int) -> None:
     """Build the schedule on a dummy optimizer: an unknown name or bad kwargs is a RecipeError naming the key."""
-    from .recipe_io import RecipeError
-
     if lr_cfg.decay not in OWN:
-        import difflib
-
         names = hf_names()
         if lr_cfg.decay not in names:
             hint = difflib.get_close_matches(lr_cfg.decay, list(OWN) + names, n=1)

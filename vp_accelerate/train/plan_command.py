@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
 from vp_accelerate.cost import GPU_PRESETS, Hardware
+from vp_accelerate.sim.plan import PlanRequest, as_dict, assumptions, best, plan
 
 COLUMNS = """columns:
   schedule/method   pipeline schedule and where the vocabulary layers live (vocab-1/-2: sharded over the
@@ -27,7 +29,7 @@ COLUMNS = """columns:
 
 def model_config(source: str):
     """A model's config from a preset name, a local model directory or a config.json path (no download)."""
-    from .presets import PRESETS, preset_config
+    from .presets import PRESETS, preset_config  # transformers: `plan --help` and a config.json plan do without
 
     path = Path(os.path.expanduser(source))
     if path.is_dir():
@@ -77,10 +79,6 @@ def _parser() -> argparse.ArgumentParser:
 def request_from_args(args):
     """The PlanRequest of the command line: the --gpu preset (or the calibrated A100 default), with the
     explicit flags on top. ValueError when no memory size is known."""
-    import dataclasses
-
-    from vp_accelerate.sim.plan import PlanRequest
-
     hw, memory = GPU_PRESETS[args.gpu] if args.gpu else (Hardware(), None)
     changes = {"efficiency": args.efficiency}
     if args.peak_tflops is not None:
@@ -115,8 +113,6 @@ def table(plans, top: int) -> str:
 
 
 def plan_main(argv: list[str] | None = None) -> int:
-    from vp_accelerate.sim.plan import as_dict, assumptions, plan
-
     args = _parser().parse_args(argv)
     try:
         config = model_config(args.model)
@@ -160,7 +156,7 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 def _memory_gb(world_size: int) -> float:
     """Memory one rank may fill: the GPU's, or on CPU the host's shared by the ranks."""
-    import torch
+    import torch  # only the training process asks (resolve_auto); `vp-accelerate plan` runs without torch
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 1e9
@@ -170,10 +166,7 @@ def _memory_gb(world_size: int) -> float:
 def resolve_auto(recipe, world_size: int | None):
     """(recipe, plan): with `pipeline.schedule: auto` the recipe with the best plan's layout filled in,
     else (recipe, None). Every rank computes the same plan from the same inputs. Raises RecipeError."""
-    import dataclasses
-
-    from vp_accelerate.sim.plan import PlanRequest, best
-
+    # presets and recipe load transformers and the models; commands.py imports this module before --help is read
     from .presets import recipe_model_config
     from .recipe import RecipeError, check
 

@@ -7,7 +7,14 @@ randomly. Tiny presets are for CPU tests and the quickstart.
 
 from __future__ import annotations
 
+import difflib
 import os
+
+from huggingface_hub import snapshot_download
+from transformers import AutoConfig
+
+from vp_accelerate.models.checkpoint_source import CheckpointSource
+from vp_accelerate.models.row_map import RowMap
 
 # name -> (model_type, config kwargs). Shapes follow the public model cards.
 PRESETS: dict[str, tuple[str, dict]] = {
@@ -176,11 +183,7 @@ def is_local_dir(source: str) -> bool:
 
 def preset_config(name: str, overrides: dict | None = None):
     """A transformers config for preset `name` with `overrides` applied."""
-    from transformers import AutoConfig
-
     if name not in PRESETS:
-        import difflib
-
         hint = difflib.get_close_matches(name, list(PRESETS), n=1)
         more = f"; did you mean {hint[0]}?" if hint else ""
         raise ValueError(f"unknown model preset {name!r}{more} (known: {', '.join(PRESETS)})")
@@ -190,8 +193,6 @@ def preset_config(name: str, overrides: dict | None = None):
 
 def recipe_model_config(source: str, overrides: dict | None = None, trust_remote_code: bool = False):
     """The model config of a recipe's `model.source` (preset, local dir, or hub id), overrides applied."""
-    from transformers import AutoConfig
-
     if source in PRESETS:
         return preset_config(source, overrides)
     config = AutoConfig.from_pretrained(os.path.expanduser(source), trust_remote_code=trust_remote_code)
@@ -213,8 +214,6 @@ def local_model_dir(source: str) -> str:
     path = os.path.expanduser(source)
     if os.path.isdir(path):
         return path
-    from huggingface_hub import snapshot_download
-
     return snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
 
 
@@ -224,8 +223,6 @@ def model_source(model_section, config, plan=None, path: str | None = None):
     `plan`: the run's `VocabPlan` (rows and where each comes from); `path`: the local dir of the weights
     (`local_model_dir`). Nothing is loaded here: each rank reads only its own tensors and rows.
     """
-    from vp_accelerate.models.checkpoint_source import CheckpointSource
-
     pretrained = model_section.pretrained_weights and model_section.source not in PRESETS
     if not pretrained:
         if plan is not None:
@@ -235,7 +232,5 @@ def model_source(model_section, config, plan=None, path: str | None = None):
     config.vocab_size = plan.rows_after if plan is not None else source_vocab
     row_map = plan.row_map if plan is not None else None
     if row_map is None and config.vocab_size != source_vocab:
-        from vp_accelerate.models.row_map import RowMap
-
         row_map = RowMap.identity(config.vocab_size, source_vocab)
     return CheckpointSource(path or os.path.expanduser(model_section.source), config, source_vocab, row_map)

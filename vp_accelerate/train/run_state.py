@@ -6,6 +6,11 @@ from __future__ import annotations
 import logging
 import os
 
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from vp_accelerate.runtime.groups import host_group
+
 from . import checkpoint as ckpt
 from .nonfinite import check_weights_before_save
 from .recipe import recipe_to_dict
@@ -49,10 +54,6 @@ def as_saved(saved: dict, current: dict, layout) -> dict:
 
 def save_run(run, step: int) -> None:
     """Checkpoint `run` after `step` into recipe.checkpoint.dir (keeping checkpoint.keep of them)."""
-    import torch.distributed as dist
-
-    from vp_accelerate.runtime.groups import host_group
-
     pipe = run.pipe
     mods = getattr(pipe, "mods", None)
     rank_info = gather(
@@ -160,8 +161,6 @@ _WEIGHT_KEYS = (
 def init_weights_from(run, source: str) -> None:
     """model.init_from: this rank's weights from a training checkpoint and nothing else (the optimizer, LR
     schedule, data order and step count start afresh). Each rank reads only its own shard file."""
-    from safetensors.torch import load_file
-
     pipe = run.pipe
     path = ckpt.resolve(os.path.expanduser(source))
     meta = ckpt.read_meta(path)

