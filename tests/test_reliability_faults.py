@@ -17,17 +17,13 @@ scripts/fault_kill_resume.py (minutes; tests/test_reliability_scripts.py, slow).
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers.launch import run_env, train_ranks
+from helpers.launch import ACCELERATE, CPU_2PROC, FAULT_WORKER, fault_json, run_env, train_ranks
+from helpers.launch import launch as run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
-WORKER = os.path.join(ROOT, "scripts", "fault_worker.py")
 RNG = random.Random()  # fresh each run: which microbatch / step gets poisoned varies
 
 
@@ -61,21 +57,8 @@ def setup(tmp_path_factory):
     return d
 
 
-def launch(d, name, fault: dict | None, *sets, extra=()):
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "HF_DATASETS_CACHE": str(d / "ds_cache"),
-        "VP_FAULT": json.dumps(fault or {}),
-    }
-    cmd = [
-        ACCELERATE,
-        "launch",
-        "--config_file",
-        os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-        WORKER,
+def _args(d, name, sets, extra) -> list[str]:
+    return [
         str(d / "recipe.yaml"),
         "--set",
         f"logging.output_dir={d / name}",
@@ -84,22 +67,18 @@ def launch(d, name, fault: dict | None, *sets, extra=()):
         *[a for s in sets for a in ("--set", s)],
         *extra,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(d))
+
+
+def launch(d, name, fault: dict | None, *sets, extra=()):
+    """A real `accelerate launch` of scripts/fault_worker.py (the launcher's part is the subject)."""
+    cmd = [ACCELERATE, "launch", "--config_file", CPU_2PROC, FAULT_WORKER, *_args(d, name, sets, extra)]
+    return run(cmd, d, run_env(d / "ds_cache", VP_FAULT=fault_json(fault)), timeout_s=240)
 
 
 def train_forked(d, name, fault: dict | None, *sets, extra=()):
     """`launch`'s run on 2 ranks forked from the preloaded fork server, for the faults whose subject is the
     trainer (every rank reaches the same decision and exits by itself), not the launcher."""
-    args = [
-        str(d / "recipe.yaml"),
-        "--set",
-        f"logging.output_dir={d / name}",
-        "--set",
-        f"checkpoint.dir={d / name / 'ckpt'}",
-        *[a for s in sets for a in ("--set", s)],
-        *extra,
-    ]
-    return train_ranks(args, d, run_env(d / "ds_cache"), fault=fault or {})
+    return train_ranks(_args(d, name, sets, extra), d, run_env(d / "ds_cache"), fault=fault or {})
 
 
 def finite_checkpoints(ckpt_dir):

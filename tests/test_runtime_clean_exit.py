@@ -9,18 +9,15 @@ times over, each from a saved checkpoint, running one evaluation step and one tr
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.launch import env_ranks
 from helpers.tiny import tiny_llama
-from vp_accelerate.distributed import free_port
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -36,36 +33,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run_once(script: str, ckpt: str, schedule: str, timeout_s: float = 300.0) -> list[tuple[int, str, str]]:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, script, ckpt, schedule],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    start, outs = time.monotonic(), []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank did not exit")
-        outs.append((p.returncode, out, err))
+    outs = env_ranks([sys.executable, script, ckpt, schedule], 2, timeout_s=timeout_s)
+    if outs is None:
+        pytest.fail("a rank did not exit")
     return outs
 
 

@@ -7,52 +7,23 @@ of microbatch 1 at step 2, with its peer blocked on it.
 """
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from vp_accelerate.distributed import free_port
+from helpers.launch import env_ranks
 
 WORKER = Path(__file__).parent.parent / "scripts" / "fault_worker.py"
 
 
 def _launch(mode: str, fail_rank: int, timeout_s: float = 120.0):
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-            VP_FAULT=json.dumps({"fail": {"step": 2, "rank": fail_rank, "how": mode}}),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), "--pipeline"],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
     start = time.monotonic()
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"rank hung for more than {timeout_s} s after rank {fail_rank} failed ({mode})")
-        outs.append((p.returncode, out, err))
+    fault = json.dumps({"fail": {"step": 2, "rank": fail_rank, "how": mode}})
+    outs = env_ranks([sys.executable, str(WORKER), "--pipeline"], 2, {"VP_FAULT": fault}, timeout_s)
+    if outs is None:
+        pytest.fail(f"rank hung for more than {timeout_s} s after rank {fail_rank} failed ({mode})")
     return outs, time.monotonic() - start
 
 

@@ -7,16 +7,14 @@ subject is the trainer, run on 2 ranks forked as the launcher starts them (tests
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers.launch import run_env, train_ranks
+from helpers.launch import BIN, CPU_2PROC, run_env, train_ranks
+from helpers.launch import launch as run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VP_ACCELERATE = os.path.join(os.path.dirname(sys.executable), "vp-accelerate")
+VP_ACCELERATE = os.path.join(BIN, "vp-accelerate")
 STEPS = 6
 
 
@@ -68,26 +66,9 @@ def setup(tmp_path_factory):
 
 def launch(setup, name, *extra, check=True):
     d, recipe = setup
-    env = {
-        **os.environ,
-        "WANDB_SILENT": "true",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_DATASETS_CACHE": str(d / "ds_cache"),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [  # accelerate's launcher through `vp-accelerate launch` (its exit-2 path: test_train_launch_errors.py)
-        VP_ACCELERATE,
-        "launch",
-        "--config_file",
-        os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-        "train",
-        recipe,
-        "--set",
-        f"logging.output_dir={d / name}",
-        *extra,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(d))
+    # accelerate's launcher through `vp-accelerate launch` (its exit-2 path: test_train_launch_errors.py)
+    cmd = [VP_ACCELERATE, "launch", "--config_file", CPU_2PROC, "train", recipe]
+    out = run([*cmd, "--set", f"logging.output_dir={d / name}", *extra], d, run_env(d / "ds_cache"), timeout_s=300)
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return out

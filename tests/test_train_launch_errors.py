@@ -10,17 +10,14 @@ change). The launch reads the rows `--check` tokenized (the same datasets cache 
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import yaml
 
-from helpers.launch import run_env, train_ranks
+from helpers.launch import BIN, CPU_2PROC, accelerate_train, run_env, train_ranks
+from helpers.launch import launch as run
 from vp_accelerate.distributed import spawn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
 RNG = random.Random()
 
 
@@ -80,15 +77,9 @@ def bad_run(tmp_path_factory):
         "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out")},
     }
     (d / "r.yaml").write_text(yaml.safe_dump(recipe))
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "HF_DATASETS_CACHE": str(d / "ds_cache"),
-    }
+    env = run_env(d / "ds_cache")
     # `python -m vp_accelerate train --check` as one plain process forked from the preloaded fork server
-    check = train_ranks([str(d / "r.yaml"), "--check"], d, run_env(d / "ds_cache"), nprocs=1, mixed_precision=None)
+    check = train_ranks([str(d / "r.yaml"), "--check"], d, env, nprocs=1, mixed_precision=None)
     return d, line, env, check
 
 
@@ -105,20 +96,8 @@ def test_check_lists_the_bad_row(bad_run):
 
 def test_vp_accelerate_launch_exits_2_with_one_line(bad_run):
     d, line, env, _ = bad_run
-    out = subprocess.run(
-        [
-            os.path.join(BIN, "vp-accelerate"),
-            "launch",
-            "--config_file",
-            os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-            "train",
-            str(d / "r.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=str(d),
+    out = run(
+        [os.path.join(BIN, "vp-accelerate"), "launch", "--config_file", CPU_2PROC, "train", str(d / "r.yaml")], d, env
     )
     assert out.returncode == 2, out.stderr[-3000:]
     assert _lines(out.stderr) == [
@@ -132,23 +111,7 @@ def test_vp_accelerate_launch_exits_2_with_one_line(bad_run):
 @pytest.mark.slow
 def test_accelerate_launch_ranks_say_one_line_and_no_traceback(bad_run):
     d, line, env, _ = bad_run
-    out = subprocess.run(
-        [
-            os.path.join(BIN, "accelerate"),
-            "launch",
-            "--config_file",
-            os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
-            "-m",
-            "vp_accelerate",
-            "train",
-            str(d / "r.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=str(d),
-    )
+    out = run(accelerate_train([str(d / "r.yaml")]), d, env)
     assert out.returncode == 1  # torch elastic's, for any failed rank
     said = [x for x in _lines(out.stderr) if x.startswith("data error:")]
     assert len(said) == 1 and f"line {line}: turn 1 has unknown role 'bot'" in said[0]

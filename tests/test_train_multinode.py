@@ -11,14 +11,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers.launch import run_env, train_ranks
+from helpers.launch import ACCELERATE, run_env, train_ranks
 from vp_accelerate.train.preflight import check_plan
 from vp_accelerate.train.recipe import load_recipe
 from vp_accelerate.train.recipe_io import RecipeError
@@ -51,7 +50,6 @@ def test_check_world_size_16_accepts_pp8_x_dp2_and_names_the_problem_otherwise(t
 
 
 # ---- two machines on one box --------------------------------------------------------------------------
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 LAUNCH_TIMEOUT_S = 540  # one launch takes ~35 s on an idle 2-core box; this leaves room for a loaded one
 PORT_TAKEN = re.compile(r"utilizing it|already in use|EADDRINUSE", re.I)
 
@@ -97,14 +95,7 @@ def _launch_all(d: Path, name: str, launchers: list[list[str]]) -> tuple[Path, l
     LAUNCH_TIMEOUT_S is killed and fails."""
     from vp_accelerate.distributed import free_port
 
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WANDB_MODE": "disabled",
-        "HF_DATASETS_CACHE": str(d / "ds_cache"),
-    }
+    env = {**os.environ, **run_env(d / "ds_cache", WANDB_MODE="disabled")}
     for attempt in range(3):
         port, out_dir = str(free_port()), d / f"{name}_{attempt}"
         logs = [d / f"{name}_{attempt}_machine{m}.log" for m in range(len(launchers))]

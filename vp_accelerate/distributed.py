@@ -106,9 +106,10 @@ def _worker(
 
 # What a fork server imports once, so that each spawned rank starts in a fraction of a second instead of
 # importing torch and transformers anew (seconds per rank). Nothing here creates threads or touches a
-# device, so forking from it is safe. accelerate and the trainer are there for ranks that run
-# `vp-accelerate train` itself (the tests' launched runs); the fork server skips a module it cannot import.
-# (datasets and wandb stay out: importing datasets starts a native thread, which a fork would not copy.)
+# device, so forking from it is safe. accelerate is there for ranks that run `vp-accelerate train` itself
+# (the tests' training runs). The trainer stays out: it imports pyarrow, which starts a native thread (a
+# fork copies no thread), and datasets, which reads HF_DATASETS_CACHE once at import (a rank must read its
+# caller's). The fork server skips a module it cannot import.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -116,8 +117,6 @@ _PRELOAD = [
     "transformers.models.llama.modeling_llama",
     "vp_accelerate.runtime",
     "accelerate",
-    "vp_accelerate.train.trainer",
-    "vp_accelerate.train.commands",
 ]
 
 

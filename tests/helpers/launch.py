@@ -1,17 +1,18 @@
 """Launched training runs for tests, at two costs.
 
 `train_ranks` runs `vp-accelerate train ARGS` (or scripts/fault_worker.py, with a fault) on N local ranks
-forked from the fork server of `vp_accelerate.distributed.spawn`, which has torch, transformers, accelerate
-and the trainer imported already: a run starts in well under a second instead of the ~8 s a launcher and
-two fresh interpreters take. Each rank sees what `accelerate launch --config_file
+forked from the fork server of `vp_accelerate.distributed.spawn`, which has torch, transformers and
+accelerate imported already: each rank imports only the trainer (about a second) instead of the ~8 s a
+launcher and two fresh interpreters take. Each rank sees what `accelerate launch --config_file
 configs/accelerate_cpu_2proc.yaml` gives its processes (torchrun-style RANK / WORLD_SIZE / LOCAL_RANK /
 LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT and accelerate's ACCELERATE_* settings), runs in `cwd`, and
 writes its stdout and stderr to files that come back as one text per stream, rank 0 first. Use it where the
 subject is the trainer, not the launcher.
 
-`launch` runs a real command (`accelerate launch ...`, `vp-accelerate launch ...`) as a subprocess, with
-the environment every launched test run gets; tests whose subject is the launcher itself, exit codes as
-the launcher reports them, or a killed rank use it.
+`launch` runs a real command (`accelerate launch ...`, `vp-accelerate launch ...`) as a subprocess, and
+`env_ranks` starts one interpreter per rank with torchrun-style variables and no launcher: tests whose
+subject is the launcher itself, exit codes as it reports them, a killed rank, or how an interpreter exits
+use them.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from vp_accelerate.distributed import RankFailed, spawn
+from vp_accelerate.distributed import RankFailed, free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.path.dirname(sys.executable)
@@ -66,6 +68,45 @@ def launch(cmd: list[str], cwd: str | os.PathLike, env: dict[str, str], timeout_
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env}, cwd=str(cwd)
     )
+
+
+def env_ranks(
+    cmd: list[str], nprocs: int, env: dict[str, str] | None = None, timeout_s: float = 300.0
+) -> list[tuple[int, str, str]] | None:
+    """`cmd` started once per rank as torchrun would (separate interpreters, env rendezvous on a free port,
+    no launcher that stops the others when one fails), each rank's (exit code, stdout, stderr); None when
+    some rank had not exited within `timeout_s` (every rank is killed then)."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                **(env or {}),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(nprocs),
+                "LOCAL_RANK": str(rank),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(nprocs)
+    ]
+    start, outs = time.monotonic(), []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+                q.communicate()
+            return None
+        outs.append((p.returncode, out, err))
+    return outs
 
 
 def accelerate_train(args: list[str], config: str = CPU_2PROC) -> list[str]:
