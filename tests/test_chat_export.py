@@ -241,12 +241,26 @@ def test_the_adapter_folder_names_the_model_source_only_when_it_is_the_runs_base
 
 def test_stop_at_says_where_the_run_stopped(toks, tmp_path, monkeypatch, caplog):
     """The closing line of a run cut short by --stop-at: where it stopped and how to go on (not "done")."""
+    import dataclasses
     import logging
+    import types
 
     from vp_accelerate.train import trainer
     from vp_accelerate.train.commands import train_main
 
-    monkeypatch.setattr(trainer, "setup", lambda *a, **k: None)
+    # the run as setup resolves it: the recipe with its checkpoint directory filled in
+    monkeypatch.setattr(
+        trainer,
+        "setup",
+        lambda recipe, **k: types.SimpleNamespace(
+            recipe=dataclasses.replace(
+                recipe,
+                checkpoint=dataclasses.replace(
+                    recipe.checkpoint, dir=recipe.checkpoint.resolved_dir(recipe.logging.output_dir)
+                ),
+            )
+        ),
+    )
     monkeypatch.setattr(trainer, "train", lambda recipe, **k: {"end_step": 4, "final_eval_loss": 1.5, "hf_dir": None})
     (tmp_path / "r.yaml").write_text(
         json.dumps(

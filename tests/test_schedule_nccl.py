@@ -76,3 +76,14 @@ def test_one_rank_has_no_p2p():
         s = build_schedule(kind, method, 1, 2)
         assert not any(isinstance(b, tuple) for b in p2p_batches(s.actions[0]))
         validate(s)
+
+
+@pytest.mark.parametrize("kind,method", supported_pairs())
+def test_each_p2p_batch_talks_to_one_peer(kind, method):
+    # a pass waits for the whole batch holding its receive: a batch with two peers would make it wait for
+    # the other peer's transfer too (V-Half + VP on 8 ranks lost its lead over 1F1B to exactly that)
+    for p in (2, 4, 8):
+        s = build_schedule(kind, method, p, 2 * p)
+        for acts in s.actions:
+            batches = [b for b in p2p_batches(acts) if isinstance(b, tuple)]
+            assert batches and all(len({a.peer for a in b}) == 1 for b in batches)

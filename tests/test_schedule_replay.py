@@ -11,10 +11,10 @@ from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.deps import consumed
 from vp_accelerate.schedule.ir import COMPUTE_PASSES
 from vp_accelerate.schedule.registry import supported_pairs
-from vp_accelerate.schedule.replay import NullClock, replay
+from vp_accelerate.schedule.replay import BUFFERED, NullClock, replay
 from vp_accelerate.schedule.streams import NCCL, NCCL_SERIALIZED
 from vp_accelerate.sim.paper import shape
-from vp_accelerate.sim.simulate import SIMULATOR, simulate
+from vp_accelerate.sim.simulate import simulate
 
 
 @pytest.mark.parametrize("kind,method", supported_pairs())
@@ -24,7 +24,7 @@ def test_nccl_timing_is_never_faster_than_buffered_sends(kind, method):
     for p, m in ((2, 4), (4, 9)):
         s = build_schedule(kind, method, p, m)
         costs = for_schedule(shape(64000, 1024), s)
-        eager, nccl, serial = (simulate(s, costs, rules=r) for r in (SIMULATOR, NCCL, NCCL_SERIALIZED))
+        eager, nccl, serial = (simulate(s, costs, rules=r) for r in (BUFFERED, NCCL, NCCL_SERIALIZED))
         assert eager.step_time <= nccl.step_time * (1 + 1e-12) <= serial.step_time * (1 + 1e-12)
         n = sum(1 for acts in s.actions for a in acts if a.op in COMPUTE_PASSES)
         assert len([t for t in nccl.timeline if t.lane == "compute"]) == n
@@ -51,10 +51,10 @@ def test_every_pass_starts_after_what_it_consumes():
 
 def test_one_driver_two_rules_the_old_order_runs_buffered_and_hangs_on_nccl():
     old = receives_at_consumers(build_schedule("1f1b", "vocab-2", 2, 4))
-    replay(old, SIMULATOR, NullClock())  # buffered sends: the order finishes
-    simulate(old, for_schedule(shape(32000, 1024), old))
+    replay(old, BUFFERED, NullClock())  # buffered sends: the order finishes
+    simulate(old, for_schedule(shape(32000, 1024), old), rules=BUFFERED)
     with pytest.raises(ScheduleError, match="deadlocks under NCCL semantics"):
-        simulate(old, for_schedule(shape(32000, 1024), old), rules=NCCL)
+        simulate(old, for_schedule(shape(32000, 1024), old))  # NCCL's rules: the default
 
 
 def test_a_message_never_received_is_named():
@@ -63,4 +63,4 @@ def test_a_message_never_received_is_named():
     lists[1] = [a for a in lists[1] if a.op.value != "RECV_ACT" or a.mb != 1]
     broken = dataclasses.replace(s, actions=tuple(map(tuple, lists)))
     with pytest.raises(ScheduleError, match="never received"):
-        replay(broken, SIMULATOR)
+        replay(broken, BUFFERED)

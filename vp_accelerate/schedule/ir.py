@@ -170,14 +170,18 @@ class TimedAction:
 
 
 def p2p_batches(actions) -> list:
-    """A rank's actions as the runtime issues them: every maximal run of adjacent p2p actions is one
-    batch (a tuple: one `batch_isend_irecv` call — on NCCL its ops start together and it completes as a
-    whole), every other action stands alone. The executor issues exactly these batches and the validator
+    """A rank's actions as the runtime issues them: every maximal run of adjacent p2p actions with one
+    peer is one batch (a tuple: one `batch_isend_irecv` call — on NCCL its ops start together and it
+    completes as a whole, so a pass waiting for one receive waits for its whole batch: one peer per
+    batch keeps it from waiting for another peer's transfer), every other action stands alone. The executor issues exactly these batches and the validator
     replays exactly these, so what is proven deadlock-free is what runs."""
     out: list = []
     run: list = []
     for a in actions:
         if a.op in P2P:
+            if run and run[-1].peer != a.peer:  # one batch per peer: a pass waits only for its own peer's
+                out.append(tuple(run))
+                run = []
             run.append(a)
             continue
         if run:

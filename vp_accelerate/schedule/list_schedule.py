@@ -176,13 +176,11 @@ def list_schedule(
     split_backward: bool,
     forward_only: bool,
     costs: TickCosts,
-    strict: bool = False,
     policy: Policy = Policy(),
 ):
     """The passes of the block placement `grid` rescheduled with `costs`: (timed passes, timed
     collectives, makespan in ticks). `grid`'s slots are the priorities, its memory peaks the limits.
-    `strict` keeps each rank's grid order and only times it (what the block alone would take); `policy`
-    refines the priorities."""
+    `policy` refines the priorities."""
     p = num_ranks
     last = len(chunk_rank) - 1
     vocab = method.vocab_parallel
@@ -199,7 +197,7 @@ def list_schedule(
         )
     num_mb = 1 + max(tp.mb for tp in grid)
     limits = None
-    if not forward_only and not strict:
+    if not forward_only:
         limits = [_Limits(*m) for m in block_memory(grid, split_backward, p)]
 
     # what each pass waits for: its inputs (passes whose end it needs) and collectives
@@ -288,20 +286,8 @@ def list_schedule(
             for key in coll_readers.get((op, mb), ()):
                 known(key, stream)
 
-    order = (
-        [sorted((k for k, ps in passes.items() if ps.rank == r), key=lambda k: passes[k].prio) for r in range(p)]
-        if strict
-        else None
-    )
-    nxt = [0] * p
-
     def choose(r: int):
         """(start time, key) of rank r's next pass, or None while none of its passes can be known to start."""
-        if strict:  # the grid's own order, timed
-            if nxt[r] == len(order[r]) or passes[order[r][nxt[r]]].waiting:
-                return None
-            key = order[r][nxt[r]]
-            return max(free[r], passes[key].ready), key
         heap = ready_heap[r]
         if not heap:
             return None
@@ -367,7 +353,6 @@ def list_schedule(
         heap.remove((ps.prio, key))
         heapq.heapify(heap)
         ps.start = t
-        nxt[r] += 1
         end = t + ps.dur
         free[r] = end
         done += 1

@@ -56,6 +56,11 @@ class Rules:
     """The line waits for every collective it issues (gloo without a communication worker)."""
 
 
+BUFFERED = Rules("buffered sends (every operation independent)", rendezvous=False, queues="none", batches=False)
+"""Sends never wait for the peer (what gloo does with messages it can buffer); a receive is posted where
+it stands and waited for by its consumer; collectives start once every rank issued them, one at a time."""
+
+
 class Clock(Protocol):
     """The costs a timed replay needs (seconds)."""
 
@@ -82,6 +87,45 @@ class NullClock:
 
     def chain_steps(self, op: Op) -> list[tuple[str, float]]:
         return [(op.value, 0.0)]
+
+
+class CostClock:
+    """Pass costs as the replay's clock: anything with `pass_time(rank, op, chunk)`, `p2p_time()` and
+    `collective_time(op)` (a cost.CostModel, cost.MeasuredCosts), optionally `chain_steps(op)` (a chain
+    step by step) and `issue_time(op)` (the host's time to post an operation)."""
+
+    def __init__(self, costs):
+        self.costs = costs
+        self.passes: dict = {}  # (rank, op, chunk) -> seconds: the same pass costs the same for every microbatch
+        self.chains: dict = {}  # collective op -> its chain's steps
+        issue = getattr(costs, "issue_time", lambda op: 0.0)
+        self.issue = {op: float(issue(op)) for op in Op}
+        self.p2p = float(costs.p2p_time())
+
+    def pass_time(self, rank: int, a: Action) -> float:
+        key = (rank, a.op, a.chunk)
+        if key not in self.passes:
+            self.passes[key] = float(self.costs.pass_time(rank, a.op, a.chunk))
+        return self.passes[key]
+
+    def issue_time(self, op: Op) -> float:
+        return self.issue[op]
+
+    def p2p_time(self) -> float:
+        return self.p2p
+
+    def chain_steps(self, op: Op) -> list[tuple[str, float]]:
+        if op not in self.chains:
+            if hasattr(self.costs, "chain_steps"):
+                self.chains[op] = self.costs.chain_steps(op)
+            else:
+                self.chains[op] = [(op.value, float(self.costs.collective_time(op)))]
+        return self.chains[op]
+
+
+def makespan(out: Replayed) -> float:
+    """When the last pass or chain step of a replay ended."""
+    return max([end for *_, end in out.passes] + [end for *_, end in out.chains] + [0.0])
 
 
 class Comm:

@@ -17,12 +17,13 @@ from vp_accelerate.cost import (
 )
 from vp_accelerate.schedule import ScheduleError, build_schedule, validate
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, argparse_type, normalise_method, normalise_schedule
+from vp_accelerate.schedule.replay import BUFFERED
 from vp_accelerate.schedule.streams import NCCL, NCCL_SERIALIZED
 
-from .simulate import SIMULATOR, simulate
+from .simulate import simulate
 
 # --p2p: the replay's communication rules (schedule/replay.py)
-P2P_RULES = {"buffered": SIMULATOR, "nccl": NCCL, "nccl-serialized": NCCL_SERIALIZED}
+P2P_RULES = {"nccl": NCCL, "nccl-serialized": NCCL_SERIALIZED, "buffered": BUFFERED}
 
 
 def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
@@ -64,10 +65,11 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
     ap.add_argument(
         "--p2p",
         choices=tuple(P2P_RULES),
-        default="buffered",
-        help="point-to-point rules of the replay: buffered (a send never waits; default), nccl (a send "
-        "completes once the peer's receive is posted, each communicator's operations in issue order), "
-        "nccl-serialized (also every communicator of a rank in one order, CUDA_DEVICE_MAX_CONNECTIONS=1)",
+        default="nccl",
+        help="point-to-point rules of the replay: nccl (default: a send completes once the peer's receive "
+        "is posted, each communicator's operations in issue order, as on GPUs), nccl-serialized (also "
+        "every communicator of a rank in one order, CUDA_DEVICE_MAX_CONNECTIONS=1), buffered (a send "
+        "never waits)",
     )
     ap.add_argument(
         "--measured",

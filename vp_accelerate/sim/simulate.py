@@ -1,9 +1,11 @@
 """Replay a schedule's action lists with pass costs: step time, bubbles, memory, MFU, timeline.
 
 The replay is schedule/replay.py's driver with a cost clock; what each pass waits for is
-schedule/deps.py's `consumed`, as in the validator and the executor. Execution model (`SIMULATOR`):
-each rank runs its actions in order. A send is non-blocking; the data lands
-p2p_time later. A receive is posted where it stands and waited for by the pass that consumes it.
+schedule/deps.py's `consumed`, as in the validator and the executor. Execution model: each rank runs
+its actions in order; its p2p batches and collectives are issued where they stand and the pass that
+consumes one waits for it. Under NCCL's rules (the default, `streams.NCCL`) a send and its receive
+complete p2p_time after both sides have posted them and each communicator runs its operations in issue
+order; under `replay.BUFFERED` a send never waits and its data lands p2p_time later.
 Collectives run as the runtime runs them (vocab/comm.py): each is a chain of dependent steps (C1: the
 max all-reduce, the rescale by exp(m_i - m), the sums all-reduce) on a communication resource of its
 own that overlaps compute; a chain starts once every rank has issued it (a rank issues one when it
@@ -17,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule, TimedAction
-from vp_accelerate.schedule.replay import Rules, replay
+from vp_accelerate.schedule.ir import COMPUTE_OPS, Schedule, TimedAction
+from vp_accelerate.schedule.replay import CostClock, Rules, replay
+from vp_accelerate.schedule.streams import NCCL
 
 
 @dataclass
@@ -48,74 +51,28 @@ class SimResult:
     """Every compute pass (and collective, op C0/C1/...) with its start and end."""
 
 
-SIMULATOR = Rules(
-    "the simulator's rules (buffered sends, every operation independent)",
-    rendezvous=False,
-    queues="none",
-    batches=False,
-)
-"""Sends never wait for the peer; a receive is posted where it stands and waited for by its consumer;
-collectives start once every rank issued them, one chain at a time."""
-
-
-class _CostClock:
-    """A cost model (or measured costs) as the replay's clock."""
-
-    def __init__(self, costs):
-        self.costs = costs
-        self.passes: dict = {}  # (rank, op, chunk) -> seconds: the same pass costs the same for every microbatch
-        self.chains: dict = {}  # collective op -> its chain's steps
-        # host time a rank spends posting a transfer or handing a chain over (measured costs may give it)
-        issue = getattr(costs, "issue_time", lambda op: 0.0)
-        self.issue = {op: issue(op) for op in Op}
-        self.p2p = costs.p2p_time()
-
-    def pass_time(self, rank: int, a) -> float:
-        key = (rank, a.op, a.chunk)
-        if key not in self.passes:
-            self.passes[key] = self.costs.pass_time(rank, a.op, a.chunk)
-        return self.passes[key]
-
-    def issue_time(self, op: Op) -> float:
-        return self.issue[op]
-
-    def p2p_time(self) -> float:
-        return self.p2p
-
-    def chain_steps(self, op: Op) -> list[tuple[str, float]]:
-        if op not in self.chains:
-            self.chains[op] = chain_steps(self.costs, op)
-        return self.chains[op]
-
-
 def simulate(
     schedule: Schedule,
     costs,
     peak_flops: float | None = None,
     blocking_collectives: bool = False,
-    rules: Rules = SIMULATOR,
+    rules: Rules = NCCL,
 ) -> SimResult:
     """Time `schedule` with `costs` (CostModel or MeasuredCosts). MFU uses peak_flops, or the cost
     model's hardware peak. Collectives are asynchronous (issued in order, waited for by the pass that
     needs their result: S, T, IB, F of chunk 0, B of the last chunk), as on GPUs where they run on a
     stream of their own; `blocking_collectives` makes every rank wait for each one instead (gloo).
-    `rules`: the communication rules of the replay (schedule/replay.py); `streams.NCCL` times the lists
-    as NCCL runs them (rendezvous sends, in-order batches per communicator)."""
+    `rules`: the communication rules of the replay (schedule/replay.py): by default NCCL's, as a GPU
+    launch runs the lists (a send completes once the peer's receive is posted, each communicator's
+    operations in issue order; `streams.NCCL`); `replay.BUFFERED` lets every send complete at once."""
     if blocking_collectives:
         rules = dataclasses.replace(rules, blocking_collectives=True)
-    out = replay(schedule, rules, _CostClock(costs))
+    out = replay(schedule, rules, CostClock(costs))
     timeline = [TimedAction(r, a.op.value, a.mb, a.chunk, start, end) for r, a, start, end in out.passes]
     p = schedule.num_ranks
     for a, _, start, end in out.chains:
         timeline += [TimedAction(r, a.op.value, a.mb, 0, start, end, lane="comm") for r in range(p)]
     return _summarise(schedule, costs, timeline, peak_flops)
-
-
-def chain_steps(costs, op: Op) -> list[tuple[str, float]]:
-    """(step, seconds) of one collective chain: the cost model's steps when it has them, else one step."""
-    if hasattr(costs, "chain_steps"):
-        return costs.chain_steps(op)
-    return [(op.value, costs.collective_time(op))]
 
 
 def _summarise(schedule: Schedule, costs, timeline: list[TimedAction], peak_flops) -> SimResult:
