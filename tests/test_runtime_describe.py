@@ -3,6 +3,8 @@ line the README shows; the trainer's checkpoint fingerprint is built from those 
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -129,3 +131,13 @@ def test_an_empty_chunk_reads_no_layers():
     from vp_accelerate.models.layout import layer_span
 
     assert (layer_span(4, 8), layer_span(4, 5), layer_span(4, 4)) == ("layers 4-7", "layers 4-4", "no layers")
+
+
+def test_the_recipe_and_the_layout_records_import_without_torch():
+    # the recipe is checked (and a bad one refused) before anything heavy loads
+    code = (
+        "import sys, vp_accelerate.runtime, vp_accelerate.runtime.describe, vp_accelerate.train.recipe; "
+        "print([m for m in ('torch', 'transformers') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

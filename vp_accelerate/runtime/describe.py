@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from vp_accelerate.models.layout import layer_span
+
+def layer_span(start: int, end: int) -> str:
+    """Decoder layers [start, end) as a person reads them: "layers 4-7" (inclusive), or "no layers" for a
+    chunk the balanced split left empty. (models.layout has the same for RankModules' repr; this module
+    imports nothing heavy: the recipe check reads it before torch loads.)"""
+    return f"layers {start}-{end - 1}" if end > start else "no layers"
 
 
 @dataclass(frozen=True)
