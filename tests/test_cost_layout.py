@@ -1,10 +1,8 @@
 """plan_layout: the one stage-layout decision shared by PipelineModel and the launch check."""
 
-import subprocess
-import sys
-
 import pytest
 
+from helpers.fresh import imported_after
 from helpers.tiny import tiny_config
 from vp_accelerate.cost import plan_layout, redis_layer_split
 from vp_accelerate.models.layout import LayoutError
@@ -50,12 +48,7 @@ def test_too_many_chunks():
 
 
 def test_runtime_does_not_import_the_simulator():
-    code = (
-        "import sys, vp_accelerate.runtime, vp_accelerate.train.preflight; "
-        "print([m for m in sys.modules if m.startswith('vp_accelerate.sim')])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert imported_after(["vp_accelerate.runtime", "vp_accelerate.train.preflight"], "vp_accelerate.sim") == []
 
 
 def test_end_chunks_may_be_empty():
