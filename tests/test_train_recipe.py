@@ -231,7 +231,7 @@ def test_runtime_checks_its_config_before_starting():
 
 
 def test_build_pipeline_passes_the_section_whole(corpus, monkeypatch):
-    import vp_accelerate.runtime as runtime
+    from vp_accelerate.train import trainer
     from vp_accelerate.train.trainer import build_pipeline
 
     seen = {}
@@ -239,7 +239,7 @@ def test_build_pipeline_passes_the_section_whole(corpus, monkeypatch):
     def fake_model(source, config, **kwargs):
         seen.update(config=config, **kwargs)
 
-    monkeypatch.setattr(runtime, "PipelineModel", fake_model)
+    monkeypatch.setattr(trainer, "PipelineModel", fake_model)
     r = recipe_from_dict(base(corpus, pipeline={"chunk_size": 64, "memory": "recompute"}))
     build_pipeline(r, tokenizer=list(range(300)), device="cpu")
     assert seen["config"] is r.pipeline and seen["seed"] == r.train.seed

@@ -11,26 +11,23 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
+from accelerate import Accelerator
+from transformers import PreTrainedTokenizerBase
 
 from vp_accelerate.runtime import PipelineLayout
+from vp_accelerate.runtime.pipeline import PipelineModel, StepResult
 
 from .batches import BatchIterator, EvalBatches, StreamingBatchIterator
 from .data import DataError, PreparedData
 from .nonfinite import NonFiniteError, step_problem
 from .recipe import Recipe
 from .run_state import save_run
+from .samples import log_samples
 from .tracking import Tracker, gather, rank_metrics, rank_stats
 from .vocab_plan import VocabPlan
-
-if TYPE_CHECKING:  # for the annotations only: importing these loads accelerate, transformers and the engine,
-    # which the recipe check and `--check` (they import this module through trainer.py) do not need
-    from accelerate import Accelerator
-    from transformers import PreTrainedTokenizerBase
-
-    from vp_accelerate.runtime.pipeline import PipelineModel, StepResult
 
 log = logging.getLogger("vp_accelerate.train")
 
@@ -271,8 +268,6 @@ def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None]
     loss = evaluate(run.pipe, run.eval_batches)
     state.eval_loss = state.evals[step] = loss
     if e.prompts:
-        from .samples import log_samples
-
         log_samples(run, step)  # a collective: every rank takes part in gathering the model
     if math.isnan(loss):
         return

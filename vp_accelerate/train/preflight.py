@@ -10,13 +10,36 @@ with exit code 2 and the key to change. Sources that cannot be read offline (hub
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 
+from huggingface_hub import try_to_load_from_cache
+from transformers import AutoConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from vp_accelerate.cost import plan_layout
+from vp_accelerate.models import unsupported_reason
+from vp_accelerate.models.layout import LayoutError
+from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.registry import METHODS
 
+from . import checkpoint as ckpt
+from .data import (
+    DataError,
+    _builder_of,
+    _format_of,
+    check_columns,
+    document_boundaries,
+    first_record_columns,
+    sample_format,
+)
+from .model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
 from .presets import PRESETS, preset_config
 from .recipe_io import RecipeError
+from .sft import chat_template_of
+from .tokenizer import QWEN_VARIANTS, expand_files, load_tokenizer
+from .vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
 
 
 def world_size_from_env() -> int | None:
@@ -34,8 +57,6 @@ def _check_remote_code(recipe) -> None:
     """Custom modelling/tokenizer code (`auto_map`) runs only where the recipe says so."""
     if recipe.model.trust_remote_code:
         return
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     src = _local_dir(recipe.model.source)
     if src and os.path.isfile(os.path.join(src, "config.json")):
         with open(os.path.join(src, "config.json")) as f:
@@ -46,8 +67,6 @@ def _check_remote_code(recipe) -> None:
                 f"{cfg.get('model_type')!r}, auto_map {sorted(cfg['auto_map'])}), which is not run "
                 f"unless the recipe sets model.trust_remote_code: true — only for a source you trust"
             )
-    from .vocab_plan import tokenizer_source
-
     tok = tokenizer_source(recipe)
     tdir = _local_dir(tok[4:] if tok.startswith("bpe:") else tok)
     if tdir and os.path.isfile(os.path.join(tdir, "tokenizer_config.json")):
@@ -72,15 +91,11 @@ def _model_config(recipe, full: bool = True):
             raise RecipeError(f"model.config: {e}") from None
     src = _local_dir(m.source)
     if src is None:
-        import difflib
-
         hint = difflib.get_close_matches(m.source, list(PRESETS), n=1, cutoff=0.8)
         if hint and "/" not in m.source:  # a typo of a preset would otherwise become a hub download attempt
             raise RecipeError(
                 f"model.source: {m.source!r} is not a preset (did you mean {hint[0]}?) nor a local directory"
             )
-        from .model_check import hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
-
         if not valid_repo_id(m.source):
             raise RecipeError(
                 f"model.source: {m.source!r} is not a preset, a local directory nor a hub id (presets: "
@@ -92,8 +107,6 @@ def _model_config(recipe, full: bool = True):
         if src is None and not full:
             return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
         src = src or m.source
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -110,16 +123,12 @@ def _model_config(recipe, full: bool = True):
 
 def _local_tokenizer(recipe):
     """The run's tokenizer when it is on disk (bpe:<dir>, a local dir, a converted Qwen); None otherwise."""
-    from .vocab_plan import tokenizer_source
-
     return _load_local_tokenizer(recipe, tokenizer_source(recipe), convert=False)
 
 
 def _load_local_tokenizer(recipe, source: str, convert: bool):
     """The tokenizer `source` names when it can be read offline (bpe:<dir>, a local dir, a Qwen variant that is
     converted or may be converted now); None otherwise (a hub id)."""
-    from .tokenizer import QWEN_VARIANTS, load_tokenizer
-
     if source in QWEN_VARIANTS:
         path = os.path.join(recipe.tokenizer.cache_dir, source)
         if not convert and not os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -127,10 +136,6 @@ def _load_local_tokenizer(recipe, source: str, convert: bool):
     elif _local_dir(source[4:] if source.startswith("bpe:") else source) is None:
         if source.startswith("bpe:"):
             return None
-        from huggingface_hub import try_to_load_from_cache
-
-        from .model_check import hub_offline, missing_hub_source, valid_repo_id
-
         key = "tokenizer.source" if recipe.tokenizer.source is not None else "model.source"
         if not valid_repo_id(source):
             raise RecipeError(f"{key}: {source!r} is neither a local directory nor a hub id")
@@ -152,8 +157,6 @@ def vocab_decision(recipe, config, full: bool = True, found: dict | None = None)
     full=False (every rank under a launcher) skips what is slow and cannot fail: converting a Qwen tokenizer
     and building a swap's row map (the trainer builds it); the row counts are still decided.
     """
-    from .vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
-
     source = tokenizer_source(recipe)
     tokenizer = _load_local_tokenizer(recipe, source, convert=full)
     if tokenizer is None:
@@ -173,10 +176,6 @@ def vocab_decision(recipe, config, full: bool = True, found: dict | None = None)
 def _data_note(recipe) -> str:
     """Which sample format the data has (declared or detected from the first file's columns), and for chat
     which template renders it."""
-    from .data import DataError, _builder_of, _format_of, document_boundaries, first_record_columns, sample_format
-    from .sft import chat_template_of
-    from .tokenizer import expand_files
-
     d = recipe.data
     if d.hub_id:
         return "data: a hub dataset; its format is detected from its columns at the start of the run"
@@ -214,8 +213,6 @@ def _data_note(recipe) -> str:
 
 def _check_data(recipe) -> list[str]:
     """Text-format local files must hold `data.text_field` (checked on the first record of every file)."""
-    from .data import DataError, check_columns
-
     d = recipe.data
     if d.hub_id or d.format in ("chat", "prompt_completion"):
         return []  # a hub dataset's columns are known at the start of the run; SFT formats check their fields
@@ -230,8 +227,6 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
     """Check where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
     write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
     `--resume STEP|PATH` must name a complete checkpoint. Returns notes for `--check`."""
-    from . import checkpoint as ckpt
-
     c, out = recipe.checkpoint, recipe.logging.output_dir
     explicit = c.dir is not None and c.dir != os.path.join(out, "checkpoints")  # else it follows logging.output_dir
     cdir = c.resolved_dir(out)  # the recipe is left as it is: the trainer's resolved recipe carries this dir
@@ -284,10 +279,6 @@ def pipeline_size(recipe, world_size: int | None) -> int | None:
 
 def _check_schedule(recipe, config, pp: int) -> str:
     """Build the schedule and layout as the runtime will; their errors become recipe errors."""
-    from vp_accelerate.cost import plan_layout
-    from vp_accelerate.models.layout import LayoutError
-    from vp_accelerate.schedule import ScheduleError, build_schedule
-
     p = recipe.pipeline
     try:
         schedule = build_schedule(p.schedule, p.method, pp, p.microbatches, chunks_per_rank=p.chunks_per_rank)
@@ -327,8 +318,6 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
     config = found["config"] = _model_config(recipe, full)
     if config is None:
         return notes + [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
-    from vp_accelerate.models import unsupported_reason
-
     if (why := unsupported_reason(config)) is not None:  # a family the pipeline cannot run exactly
         raise RecipeError(f"model.source: {why}")
     max_pos = getattr(config, "max_position_embeddings", None)
@@ -337,8 +326,6 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
             f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's max_position_embeddings="
             f"{max_pos}; lower data.seq_len to at most {max_pos}"
         )
-    from .model_check import check_adapter_targets
-
     if (lora := check_adapter_targets(recipe, config)) is not None:
         notes.append(lora)
     plan = found["plan"] = vocab_decision(recipe, config, full=full, found=found)

@@ -11,10 +11,14 @@ recipe contains and which combinations are valid.
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+import yaml
 
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
@@ -356,8 +360,6 @@ def check(recipe: Recipe) -> Recipe:
     except ValueError as e:  # its message starts with adapter.<field>
         raise RecipeError(str(e)) from None
     if recipe.adapter.enabled:
-        import importlib.util
-
         if importlib.util.find_spec("peft") is None:
             raise RecipeError("adapter.type: lora needs the peft package; pip install 'vp-accelerate[lora]' (or peft)")
     _check_length(recipe)
@@ -434,8 +436,6 @@ def _make_hint(pattern: str) -> str:
 
 def _check_paths(recipe: Recipe) -> None:
     """Local inputs must exist before launching ranks, so a typo fails in a second, not after startup."""
-    import glob
-
     for key, patterns in (("data.files", recipe.data.files), ("data.eval_files", recipe.data.eval_files)):
         for pattern in patterns:
             if not glob.glob(os.path.expanduser(pattern)):
@@ -451,7 +451,7 @@ def _check_paths(recipe: Recipe) -> None:
     elif tok.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(tok)):
         raise RecipeError(f"tokenizer.source: directory {tok!r} does not exist")
     if recipe.model.init_from is not None:
-        from .checkpoint import CheckpointError, resolve
+        from .checkpoint import CheckpointError, resolve  # loads torch: the recipe check stays light without it
 
         try:
             resolve(os.path.expanduser(recipe.model.init_from))
@@ -494,7 +494,7 @@ def _check_length(recipe: Recipe) -> None:
 def finish_steps(recipe: Recipe, steps_per_epoch: int | None = None) -> Recipe:
     """Settle the run's length once it is known: train.steps from train.epochs (`steps_per_epoch` optimizer steps
     per pass over the data), lr.warmup_steps from lr.warmup_ratio; then build the LR schedule once to check it."""
-    from .optim import check_schedule
+    from .optim import check_schedule  # loads transformers' schedulers: only once the run's length is settled
 
     t, lr = recipe.train, recipe.lr
     if t.steps is None:
@@ -560,8 +560,6 @@ def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:
 
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     """Read a YAML recipe (yaml.safe_load), apply overrides, validate. Raises RecipeError."""
-    import yaml
-
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}

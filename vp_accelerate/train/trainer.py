@@ -14,19 +14,29 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from vp_accelerate import modes
+from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
+from vp_accelerate.models.lora import describe_adapter, parameter_counts
+from vp_accelerate.runtime import PipelineLayout, PipelineModel
 
 from .data import prepare_data
+from .data_check import data_metrics
 from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer, build_scheduler
-from .presets import model_source, recipe_model_config
+from .presets import PRESETS, local_model_dir, model_source, recipe_model_config
 from .recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
 from .run_state import fingerprint, init_weights_from, resume_run
 from .tokenizer import load_tokenizer
 from .tracking import Tracker, gather, plot_measured_timeline
 from .user_errors import main_process_first
+from .vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
 
 __all__ = ["build_pipeline", "evaluate", "fingerprint", "make_accelerator", "setup", "train"]
 
@@ -39,8 +49,6 @@ def make_accelerator(recipe: Recipe):
     Under `accelerate launch --multi_gpu` on a machine without GPUs, only `cpu=True` makes accelerate
     report MULTI_CPU and create the gloo group; without it it says NO while a group exists.
     """
-    from accelerate import Accelerator
-
     log_with = None if recipe.logging.wandb_mode == "disabled" else "wandb"
     if log_with and recipe.logging.wandb_mode == "offline":
         os.environ.setdefault("WANDB_MODE", "offline")
@@ -81,9 +89,6 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
     its own tensors from files; Qwen tokenizers are converted once. The chat template the run trains with is
     set on the tokenizer, with the special tokens it needs (`chat_template.py`).
     """
-    from .presets import PRESETS, local_model_dir
-    from .vocab_plan import model_tokenizer_source, prepare_tokenizers, tokenizer_source
-
     m = recipe.model
     with main_process_first("loading the model and tokenizer"):  # an error there stops every rank
         try:
@@ -115,15 +120,10 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
 def plan_model(recipe: Recipe, tokenizer, model_dir: str | None = None, model_tokenizer=None, chat=None):
     """(the model config, the vocabulary decision `VocabPlan`): what the pipeline and the data need to know of the
     model before it is built (the data check compares token ids with `plan.rows_after`)."""
-    from .presets import PRESETS
-    from .vocab_plan import plan_vocab
-
     m = recipe.model
     config = recipe_model_config(model_dir or m.source, m.config, m.trust_remote_code)
     pretrained = m.pretrained_weights and m.source not in PRESETS
     if pretrained and model_dir is not None:
-        from transformers import AutoConfig
-
         config.vocab_size = AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code).vocab_size
     return config, plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, chat=chat)
 
@@ -143,11 +143,6 @@ def build_pipeline(
     Pretrained weights are read per rank from `model_dir` (each rank its own tensors and vocabulary rows);
     the mean row that resized / swapped vocabularies need is computed collectively (`share_vocab_means`).
     """
-    import torch.distributed as dist
-
-    from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
-    from vp_accelerate.runtime import PipelineModel
-
     m = recipe.model
     config, plan = planned or plan_model(recipe, tokenizer, model_dir, model_tokenizer, chat)
     source = model_source(m, config, plan, model_dir)
@@ -178,8 +173,6 @@ def _adapter_line(recipe: Recipe, pipe) -> str | None:
     """A LoRA run's trainable / total parameters over the pipeline (replica 0's ranks); a collective."""
     if not recipe.adapter.enabled:
         return None
-    from vp_accelerate.models.lora import describe_adapter, parameter_counts
-
     mods = getattr(pipe, "mods", None)
     counts = gather(
         (
@@ -195,10 +188,6 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     """Accelerator, tokenizer, pipeline, data, optimizer and tracker of a run (resumed if asked: "latest" or
     True, a step number, or a checkpoint path; else initialised from model.init_from's weights if set).
     `recipe` is not changed: `Run.recipe` is the resolved one (`resolved_recipe`, train.steps from epochs)."""
-    from accelerate.utils import set_seed
-
-    from vp_accelerate.runtime import PipelineLayout
-
     accelerator = make_accelerator(recipe)
     set_seed(recipe.train.seed)
     recipe = resolved_recipe(recipe, accelerator.mixed_precision)  # the caller's recipe stays as it was
@@ -261,13 +250,9 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     completed run exports its final model to `<output_dir>/hf` (checkpoint.export_hf). `run`: `setup`'s result
     when the caller built it (the command does, to tell errors at the start from those of training).
     """
-    from tqdm.auto import tqdm
-
     run, state = run or setup(recipe, resume, stop_at), LoopState()
     recipe = run.recipe  # resolved by setup: the run's length, precision and checkpoint dir
     if run.start_step == 0 and run.data is not None:  # what the run trains on, once: data/ metrics at step 0
-        from .data_check import data_metrics
-
         run.tracker.log(data_metrics(run.data, recipe.train.global_batch), 0)
     losses = {}
     bar = tqdm(
