@@ -7,6 +7,7 @@ randomly. Tiny presets are for CPU tests and the quickstart.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 
@@ -16,163 +17,63 @@ from transformers import AutoConfig
 from vp_accelerate.models.checkpoint_source import CheckpointSource
 from vp_accelerate.models.row_map import RowMap
 
+
+def _shape(
+    model_type: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int, **extra
+):
+    """(model_type, config kwargs) of a decoder: the fields every preset sets, plus the family's `extra`."""
+    return model_type, dict(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        **extra,
+    )
+
+
+_LLAMA3_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+_QWEN_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+
 # name -> (model_type, config kwargs). Shapes follow the public model cards.
 PRESETS: dict[str, tuple[str, dict]] = {
     # Tiny models for CPU runs and tests.
-    "llama-tiny": (
-        "llama",
-        dict(
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            vocab_size=4096,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "llama-small": (
-        "llama",
-        dict(
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-            vocab_size=32000,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "qwen3-tiny": (
-        "qwen3",
-        dict(
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=2048,
-            vocab_size=4096,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "gemma2-tiny": (
-        "gemma2",
-        dict(
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=2048,
-            vocab_size=4096,
-            final_logit_softcapping=30.0,
-        ),
-    ),
+    "llama-tiny": _shape("llama", 128, 352, 4, 4, 2, 4096, 2048, tie_word_embeddings=False),
+    "llama-small": _shape("llama", 512, 1408, 8, 8, 4, 32000, 4096, tie_word_embeddings=False),
+    "qwen3-tiny": _shape("qwen3", 128, 352, 4, 4, 2, 4096, 2048, head_dim=32, tie_word_embeddings=True),
+    "gemma2-tiny": _shape("gemma2", 128, 352, 4, 4, 2, 4096, 2048, head_dim=32, final_logit_softcapping=30.0),
     "gpt2-tiny": ("gpt2", dict(n_embd=128, n_layer=4, n_head=4, n_positions=2048, vocab_size=4096)),
     # Real-scale shapes (random init).
-    "llama-3.2-1b": (
-        "llama",
-        dict(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            max_position_embeddings=8192,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        ),
+    "llama-3.2-1b": _shape(
+        "llama", 2048, 8192, 16, 32, 8, 128256, 8192, tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE
     ),
-    "llama-3.2-3b": (
-        "llama",
-        dict(
-            hidden_size=3072,
-            intermediate_size=8192,
-            num_hidden_layers=28,
-            num_attention_heads=24,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            max_position_embeddings=8192,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        ),
+    "llama-3.2-3b": _shape(
+        "llama", 3072, 8192, 28, 24, 8, 128256, 8192, tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE
     ),
-    "llama-3.1-8b": (
-        "llama",
-        dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            max_position_embeddings=8192,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        ),
+    "llama-3.1-8b": _shape(
+        "llama", 4096, 14336, 32, 32, 8, 128256, 8192, tie_word_embeddings=False, rope_parameters=_LLAMA3_ROPE
     ),
-    "qwen2.5-1.5b": (
-        "qwen2",
-        dict(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            max_position_embeddings=8192,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        ),
+    "qwen2.5-1.5b": _shape(
+        "qwen2", 1536, 8960, 28, 12, 2, 151936, 8192, tie_word_embeddings=True, rope_parameters=_QWEN_ROPE
     ),
-    "qwen3-4b": (
-        "qwen3",
-        dict(
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=8192,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        ),
+    "qwen3-4b": _shape(
+        "qwen3", 2560, 9728, 36, 32, 8, 151936, 8192, head_dim=128, tie_word_embeddings=True, rope_parameters=_QWEN_ROPE
     ),
-    "gemma-2b": (
-        "gemma",
-        dict(
-            hidden_size=2048,
-            intermediate_size=16384,
-            num_hidden_layers=18,
-            num_attention_heads=8,
-            num_key_value_heads=1,
-            head_dim=256,
-            vocab_size=256000,
-            max_position_embeddings=8192,
-        ),
-    ),
-    "gemma2-2b": (
+    "gemma-2b": _shape("gemma", 2048, 16384, 18, 8, 1, 256000, 8192, head_dim=256),
+    "gemma2-2b": _shape(
         "gemma2",
-        dict(
-            hidden_size=2304,
-            intermediate_size=9216,
-            num_hidden_layers=26,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=256,
-            vocab_size=256000,
-            max_position_embeddings=8192,
-            final_logit_softcapping=30.0,
-            attn_logit_softcapping=50.0,
-        ),
+        2304,
+        9216,
+        26,
+        8,
+        4,
+        256000,
+        8192,
+        head_dim=256,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
     ),
 }
 
@@ -188,7 +89,8 @@ def preset_config(name: str, overrides: dict | None = None):
         more = f"; did you mean {hint[0]}?" if hint else ""
         raise ValueError(f"unknown model preset {name!r}{more} (known: {', '.join(PRESETS)})")
     model_type, kwargs = PRESETS[name]
-    return AutoConfig.for_model(model_type, **{**kwargs, **(overrides or {})})
+    # a copy: presets share their rope dicts, and a config may change what it is given
+    return AutoConfig.for_model(model_type, **copy.deepcopy({**kwargs, **(overrides or {})}))
 
 
 def recipe_model_config(source: str, overrides: dict | None = None, trust_remote_code: bool = False):
