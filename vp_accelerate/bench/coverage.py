@@ -41,6 +41,12 @@ from vp_accelerate.models.layout import StageLayout
 from vp_accelerate.runtime import PipelineConfig, PipelineModel
 from vp_accelerate.vocab.partition import VocabPartition
 
+#: Rotary parameters per layer type of the families whose sliding layers have their own frequencies.
+SLIDING_ROPE = {
+    "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+    "full_attention": dict(rope_type="default", rope_theta=5e5),
+}
+
 #: Shape every tiny config gets, where the family's config has the field.
 TINY = dict(
     vocab_size=101,
@@ -86,26 +92,17 @@ OVERRIDES: dict[str, dict] = {
     # sliding layers with their own rotary frequencies (the rotary embedding takes the layer type)
     "olmo3": dict(
         sliding_window=5,
-        rope_parameters={
-            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
-            "full_attention": dict(rope_type="default", rope_theta=5e5),
-        },
+        rope_parameters=SLIDING_ROPE,
     ),
     "beam": dict(
         sliding_window=5,
         layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={
-            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
-            "full_attention": dict(rope_type="default", rope_theta=5e5),
-        },
+        rope_parameters=SLIDING_ROPE,
     ),
     "cohere_compass_text": dict(
         sliding_window=5,
         layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={
-            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
-            "full_attention": dict(rope_type="default", rope_theta=5e5),
-        },
+        rope_parameters=SLIDING_ROPE,
     ),
     "mistral": dict(sliding_window=5),
     "granite": dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3),
@@ -154,7 +151,7 @@ def tiny_family_config(model_type: str, **overrides):
         kw["num_key_value_heads"] = TINY["num_attention_heads"]
     elif _has_field(default, "head_dim"):
         kw["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
-    kw.update(OVERRIDES.get(model_type, {}))
+    kw.update(copy.deepcopy(OVERRIDES.get(model_type, {})))  # a config may change the dicts it is given
     kw.update({k: 0.0 for k in dropout_fields(default)})
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)
