@@ -59,35 +59,38 @@ def build_schedule(
     grid = schedule_of(passes, colls)
     if costs is None or p == 1:
         return grid
-    schedule = _cost_aware(grid, schedule_of, block, p, meth, split, forward_only, passes, colls, costs)
+    schedule = _cost_aware(grid, schedule_of, block, passes, colls, costs)
     if schedule is not grid:  # the grid orders are checked by the tests; a cost-aware one is new for every input
         validate(schedule)
     return schedule
 
 
-def _cost_aware(grid, schedule_of, block, p: int, meth, split: bool, forward_only: bool, passes, colls, costs):
-    """The fastest of the block's own order and the list schedules of its placement with `costs` (one per
-    priority policy), each timed as a GPU runs it: the replay under NCCL's rules (`streams.NCCL`) with
-    these costs. The list scheduler's own clock sends without waiting for the receiver; NCCL's
-    rendezvous and in-order batches can undo what it gains (at 32 ranks interleaved + vocab-2's list
-    order loses 8 points of MFU to them, the grid order none), so the choice is made on the replay."""
+def _cost_aware(grid: Schedule, schedule_of, block, passes, colls, costs) -> Schedule:
+    """The fastest of the block's own order (`grid`) and the list schedules of its placement with `costs`
+    (one per priority policy), each timed as a GPU runs it: the replay under NCCL's rules (`streams.NCCL`)
+    with these costs. The list scheduler's own clock sends without waiting for the receiver, and NCCL's
+    rendezvous and in-order batches can undo what it gains, so the choice is made on the replay."""
     ticks = tick_costs(costs, block.chunk_rank, {tp.op for tp in passes}, {c.op for c in colls})
     candidates = [grid]
     for policy in POLICIES:
         try:
             new_passes, new_colls, _ = list_schedule(
-                passes, colls, block.chunk_rank, p, meth, split, forward_only, ticks, policy=policy
+                passes,
+                colls,
+                block.chunk_rank,
+                grid.num_ranks,
+                grid.method,
+                grid.split_backward,
+                grid.forward_only,
+                ticks,
+                policy=policy,
             )
         except Stuck:  # this greedy order painted itself into a corner: another may not
             continue
         candidates.append(schedule_of(new_passes, new_colls))
     clock = CostClock(costs)
-    best, best_time = grid, makespan(replay(grid, NCCL, clock))
-    for s in candidates[1:]:  # a later one must be faster: the grid's own order wins ties
-        t = makespan(replay(s, NCCL, clock))
-        if t < best_time:
-            best, best_time = s, t
-    return best
+    # min keeps the first of equals: the grid's own order when no list schedule is faster
+    return min(candidates, key=lambda s: makespan(replay(s, NCCL, clock)))
 
 
 def _check_inputs(kind: ScheduleKind, p, m, chunks_per_rank, forward_only: bool) -> int:
