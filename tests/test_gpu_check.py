@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from vp_accelerate.distributed import spawn
+from vp_accelerate.schedule.registry import supported_pairs
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu")
 
@@ -36,9 +39,21 @@ def _env(path: str) -> dict:
     }
 
 
+def _other_parts(out: str) -> list[int]:
+    """Every part but the first, as the script runs each (gpu_check.main), then the summary: their exit
+    statuses. One rank forked with torch and transformers imported already, not four fresh interpreters."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as the script's --cpu
+    gc = _module()
+    return [gc.main(["--part", p, "--out", out, "--tiny"]) for p in PARTS[1:]] + [
+        gc.main(["--summarize", "--out", out])
+    ]
+
+
 def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     """A copy of the scripts outside the repository (no .venv next to it) and a PATH whose only Python is
-    `python3`: every part runs at its tiny size, passes, and the summary says what the run was."""
+    `python3`: the script picks it and runs its first part in its own process under its time limit, and
+    its summary names the parts that did not run; the other parts then run at their tiny size as the
+    script runs each, every one passes, and the summary over all of them says what the run was."""
     scripts = tmp_path / "repo" / "scripts"
     scripts.mkdir(parents=True)
     for name in ("gpu_check.sh", "gpu_check.py", "bench_output_layer.py"):
@@ -52,22 +67,23 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
         os.symlink(tool, bin_dir / os.path.basename(tool))
     out = tmp_path / "out"
     run = subprocess.run(
-        [shutil.which("bash"), str(scripts / "gpu_check.sh"), str(out), "--cpu"],
+        [shutil.which("bash"), str(scripts / "gpu_check.sh"), str(out), "--cpu", PARTS[0]],
         capture_output=True,
         text=True,
         env=_env(str(bin_dir)),
         timeout=900,
     )
-    logs = [out / f"{p}.log" for p in PARTS]
-    log = run.stdout + run.stderr + "".join(f.read_text() for f in logs if f.exists())
+    log = run.stdout + run.stderr + (out / f"{PARTS[0]}.log").read_text()
     assert run.stdout.splitlines()[0] == f"gpu_check: {bin_dir}/python3", log
-    assert run.returncode == 0, log
+    assert run.returncode == 1, log  # the summary's status: not every part ran
+    assert json.loads((out / "results.json").read_text())[PARTS[0]]["status"] == "pass", log
+    assert all(f"| {p} | not run |" in (out / "summary.md").read_text() for p in PARTS[1:])
+
+    assert spawn(_other_parts, 1, str(out), timeout_s=600)[0] == [0] * len(PARTS), (out / "summary.md").read_text()
     results = json.loads((out / "results.json").read_text())
     assert set(results) == set(PARTS) and all(r["status"] == "pass" and r["tiny"] for r in results.values()), results
     assert all(r["criterion"] and r["checks"] for r in results.values())
     schedules = results["schedules_ws1"]
-    from vp_accelerate.schedule.registry import supported_pairs
-
     assert schedules["backend"] == "gloo" and schedules["world_size"] == 1
     assert len(schedules["rows"]) == len(supported_pairs()) >= 9
     summary = (out / "summary.md").read_text()

@@ -1,19 +1,19 @@
 """No hang: when one rank raises or is killed mid-step, every rank exits non-zero within bounded time.
 
-Launched like torchrun / accelerate would (separate processes, env rendezvous), not through
-`spawn`, which would tear the peers down itself and hide a hang. The ranks run a bare `PipelineModel`
+Launched like torchrun / accelerate would (separate processes, env rendezvous; forked from the preloaded
+fork server by `forked_ranks`, tests/helpers/launch.py), not through `spawn`, which would tear the peers
+down itself and hide a hang. The ranks run a bare `PipelineModel`
 loop (scripts/fault_worker.py --pipeline); the failing rank raises, or SIGKILLs itself, in its forward
 of microbatch 1 at step 2, with its peer blocked on it.
 """
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers.launch import env_ranks
+from helpers.launch import forked_ranks
 
 WORKER = Path(__file__).parent.parent / "scripts" / "fault_worker.py"
 
@@ -21,7 +21,7 @@ WORKER = Path(__file__).parent.parent / "scripts" / "fault_worker.py"
 def _launch(mode: str, fail_rank: int, timeout_s: float = 120.0):
     start = time.monotonic()
     fault = json.dumps({"fail": {"step": 2, "rank": fail_rank, "how": mode}})
-    outs = env_ranks([sys.executable, str(WORKER), "--pipeline"], 2, {"VP_FAULT": fault}, timeout_s)
+    outs = forked_ranks(str(WORKER), ["--pipeline"], 2, {"VP_FAULT": fault}, timeout_s)
     if outs is None:
         pytest.fail(f"rank hung for more than {timeout_s} s after rank {fail_rank} failed ({mode})")
     return outs, time.monotonic() - start

@@ -129,6 +129,7 @@ def _late(times: list[tuple[float, float]], busy: int) -> float:
     return max(t[1] for r, t in enumerate(times) if r != busy) - last_issue
 
 
+@pytest.mark.serial  # a 0.1 s bound: scripts/test.sh runs it with no other test beside it
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_busy_rank_does_not_delay_the_others(world_size):
     attempts = spawn(_measure, world_size, CASES, timeout_s=120)[0]  # every rank gathered the same times

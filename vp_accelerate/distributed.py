@@ -120,10 +120,10 @@ _PRELOAD = [
 ]
 
 
-def _context():
-    """Fresh processes for `spawn`: forked from a fork server with the heavy imports done (Linux), or
-    spawned (elsewhere, or with VP_SPAWN_METHOD=spawn). Either way no state of the caller is inherited:
-    each rank gets the caller's environment, sys.path and main module, nothing else."""
+def process_context():
+    """Fresh processes for `spawn` (and the tests' rank helpers): forked from a fork server with the heavy
+    imports done (Linux), or spawned (elsewhere, or with VP_SPAWN_METHOD=spawn). Either way no state of
+    the caller is inherited: each rank gets the caller's environment, sys.path and main module, nothing else."""
     method = os.environ.get("VP_SPAWN_METHOD", "forkserver")
     if method not in mp.get_all_start_methods():
         method = "spawn"
@@ -148,7 +148,7 @@ def spawn(
     (each must be picklable). If any rank raises, every rank is stopped and `RankFailed` is raised
     with each failing rank's traceback, so a test never hangs on a peer blocked in a collective.
     """
-    ctx = _context()
+    ctx = process_context()
     results = ctx.Queue()
     port = free_port()
     procs = [

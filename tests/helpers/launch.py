@@ -11,14 +11,17 @@ subject is the trainer, not the launcher.
 
 `launch` runs a real command (`accelerate launch ...`, `vp-accelerate launch ...`) as a subprocess, and
 `env_ranks` starts one interpreter per rank with torchrun-style variables and no launcher: tests whose
-subject is the launcher itself, exit codes as it reports them, a killed rank, or how an interpreter exits
-use them.
+subject is the launcher itself, exit codes as it reports them, or how an interpreter exits use them.
+`forked_ranks` runs a script on ranks as `env_ranks` does, but forked from the fork server: tests whose
+subject is how the ranks stop one another (a rank that raises or is killed) and not how an interpreter
+exits use it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -27,7 +30,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from vp_accelerate.distributed import RankFailed, free_port, spawn
+from vp_accelerate.distributed import RankFailed, free_port, process_context, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.path.dirname(sys.executable)
@@ -107,6 +110,74 @@ def env_ranks(
             return None
         outs.append((p.returncode, out, err))
     return outs
+
+
+def _script_rank(script: str, argv: list[str], env: dict, logs: str) -> None:
+    """One rank of `forked_ranks`: `python SCRIPT ARGV` in this forked process, output into files."""
+    os.environ.clear()  # the caller's environment, not the fork server's of when it started
+    os.environ.update(env)
+    rank = env["RANK"]
+    out = open(os.path.join(logs, f"rank{rank}.out"), "w")
+    err = open(os.path.join(logs, f"rank{rank}.err"), "w")
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback on stderr, exit 1
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def forked_ranks(
+    script: str, argv: list[str], nprocs: int, env: dict[str, str] | None = None, timeout_s: float = 300.0
+) -> list[tuple[int, str, str]] | None:
+    """`python SCRIPT ARGV` on `nprocs` ranks as `env_ranks` runs them (torchrun-style variables, env
+    rendezvous, no launcher, nothing that stops the other ranks when one fails), each rank's (exit code,
+    stdout, stderr), or None when some rank had not exited within `timeout_s` (every rank is killed then).
+
+    The ranks are forked from the preloaded fork server, so each skips the ~8 s of importing torch and
+    transformers. A rank ends as a multiprocessing child does: its non-daemon threads are joined, as at
+    interpreter exit, but then it leaves with os._exit, without atexit hooks or interpreter teardown.
+    Where how an interpreter exits is the subject, use `env_ranks`."""
+    ctx, port = process_context(), free_port()
+    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with tempfile.TemporaryDirectory(prefix="vp_ranks_") as logs:
+        procs = [
+            ctx.Process(
+                target=_script_rank,
+                args=(
+                    script,
+                    list(argv),
+                    {**base, "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r)},
+                    logs,
+                ),
+            )
+            for r in range(nprocs)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p in procs):
+            for p in procs:
+                p.kill()
+                p.join()
+            return None
+        return [(p.exitcode, *(_log(logs, r, s) for s in ("out", "err"))) for r, p in enumerate(procs)]
+
+
+def _log(logs: str, rank: int, stream: str) -> str:
+    """A rank's stdout or stderr file ("" if it died before it opened one)."""
+    path = Path(logs) / f"rank{rank}.{stream}"
+    return path.read_text() if path.exists() else ""
 
 
 def accelerate_train(args: list[str], config: str = CPU_2PROC) -> list[str]:
