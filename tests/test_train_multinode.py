@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from helpers.launch import ACCELERATE, run_env, train_ranks
+from vp_accelerate.train import preflight
 from vp_accelerate.train.preflight import check_plan
 from vp_accelerate.train.recipe import load_recipe
 from vp_accelerate.train.recipe_io import RecipeError
@@ -42,9 +43,14 @@ def test_multinode_config_names_an_existing_recipe_and_16_processes():
     assert named and all((ROOT / r).is_file() for r in named), named
 
 
-def test_check_world_size_16_accepts_pp8_x_dp2_and_names_the_problem_otherwise(tmp_path):
+def test_check_world_size_16_accepts_pp8_x_dp2_and_names_the_problem_otherwise(tmp_path, monkeypatch):
     notes = check_plan(_recipe(tmp_path, "pipeline.dp_size=2"), 16)
     assert any("on 8 ranks" in n for n in notes), notes
+
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the layout was checked")
+
+    monkeypatch.setattr(preflight, "vocab_decision", no_tokenizer)  # a wrong layout fails before it loads
     with pytest.raises(RecipeError, match="pp_size=8 x dp_size=4 = 32, but 16 processes"):
         check_plan(_recipe(tmp_path), 16)  # the recipe's own dp_size 4 is a 32-GPU layout
 

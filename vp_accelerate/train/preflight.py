@@ -315,6 +315,7 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
     found = {} if found is None else found
     _check_remote_code(recipe)
     notes = [_data_note(recipe)] + _check_data(recipe)
+    pp = pipeline_size(recipe, world_size)  # a layout the world size cannot hold fails before anything loads
     config = found["config"] = _model_config(recipe, full)
     if config is None:
         return notes + [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
@@ -335,7 +336,6 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
     else:
         vocab = plan.rows_after
         notes += plan.lines()
-    pp = pipeline_size(recipe, world_size)
     if pp is None:
         notes.append("world size unknown (not launched; pass --world-size to --check): schedule not checked")
         return notes
