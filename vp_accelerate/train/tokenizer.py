@@ -9,6 +9,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
+import tempfile
 
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -116,6 +118,25 @@ def convert_qwen(out_dir: str, variant: str = "qwen"):
     return hf
 
 
+def _convert_into_place(path: str, variant: str) -> None:
+    """Convert a Qwen tokenizer into a private folder next to `path`, then rename it to `path`: a run
+    started at the same time (another job, another test worker) never reads a half-written tokenizer.
+    The first to finish wins; the others' identical conversions are dropped."""
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=parent)
+    try:
+        convert_qwen(tmp, variant)
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            shutil.rmtree(path, ignore_errors=True)  # a folder a crashed conversion left, before this one
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process renamed its conversion into place first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_tokenizer(source: str, cache_dir: str = "outputs/tokenizers", trust_remote_code: bool = False):
     """The tokenizer a recipe names: `bpe:<dir>`, `qwen`/`qwen3.5`, a local dir, or a hub id.
 
@@ -125,7 +146,7 @@ def load_tokenizer(source: str, cache_dir: str = "outputs/tokenizers", trust_rem
     if source in QWEN_VARIANTS:
         path = os.path.join(cache_dir, source)
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            return convert_qwen(path, source)
+            _convert_into_place(path, source)
         source = path
     elif source.startswith("bpe:"):
         source = source[4:]
