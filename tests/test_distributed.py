@@ -1,8 +1,12 @@
+import socket
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from vp_accelerate import distributed
 from vp_accelerate.distributed import RankFailed, spawn
+from vp_accelerate.distributed import free_port as real_free_port
 
 
 def _allreduce_rank():
@@ -45,6 +49,32 @@ def test_spawn_stops_when_a_rank_dies_without_reporting():
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
 
 
+def _count_calls(path: str) -> int:
+    with open(path, "a") as f:
+        f.write("x")
+    if "taken" in path:
+        raise RuntimeError("address already in use")  # fn's own error: not a port to retry
+    return dist.get_world_size()
+
+
+def test_spawn_retries_a_port_taken_before_the_group_formed_and_nothing_else(tmp_path, monkeypatch):
+    """A port another process binds between free_port and rank 0's store is retried on a fresh one; an
+    error that fn raised is never retried, whatever it says."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    monkeypatch.setattr(distributed, "free_port", lambda: ports.pop() if ports else real_free_port())
+    try:
+        assert spawn(_count_calls, 2, str(tmp_path / "calls"), timeout_s=30) == [2, 2]
+    finally:
+        taken.close()
+    assert not ports and (tmp_path / "calls").read_text() == "xx"  # fn ran once per rank, on the fresh port
+    with pytest.raises(RankFailed, match="address already in use"):
+        spawn(_count_calls, 2, str(tmp_path / "taken"), timeout_s=30)
+    assert (tmp_path / "taken").read_text() == "xx"  # once per rank: not retried
+
+
 class _FakeCuda:
     """torch.cuda as a 2-GPU machine would answer; records set_device and what came first."""
 
@@ -79,8 +109,6 @@ def test_the_device_comes_from_local_rank(monkeypatch):
 
 
 def test_init_from_env_sets_the_device_before_the_process_group(monkeypatch):
-    from vp_accelerate import distributed
-
     events: list = []
     _FakeCuda(monkeypatch, events)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

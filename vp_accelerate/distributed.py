@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import re
 import socket
 import time
 import traceback
@@ -63,6 +64,11 @@ class RankFailed(RuntimeError):
     """Raised in the parent when one or more spawned ranks raised; names each failing rank."""
 
 
+_JOINING = "while joining the process group: "  # what a rank's report starts with when fn never ran
+# rank 0's store could not bind the port free_port chose: another process took it in between
+_PORT_TAKEN = re.compile(_JOINING + r".*(EADDRINUSE|address already in use)", re.I | re.S)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -84,16 +90,19 @@ def _worker(
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(threads)
+    joined = False
     try:
         if backend == "nccl":  # this rank's GPU, before the group (NCCL builds on the current device)
             local_device(strict=True)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        joined = True
         out = fn(*args, **kwargs)
         # plain pickle copies tensor data in-band; torch's queue would share file descriptors, which
         # die with this process before the parent reads them
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent, then exit non-zero
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        where = "" if joined else _JOINING
+        results.put((rank, "error", f"{where}{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         results.close()
         results.join_thread()  # flush the report before the hard exit below
         # Leave without the barrier in destroy_process_group: peers may be blocked in a collective,
@@ -147,7 +156,19 @@ def spawn(
     `fn` must be a module-level function (it is pickled). Returns the list of per-rank return values
     (each must be picklable). If any rank raises, every rank is stopped and `RankFailed` is raised
     with each failing rank's traceback, so a test never hangs on a peer blocked in a collective.
+    A port that another process took between choosing it and binding it (several jobs starting ranks
+    at once) is retried on a fresh port, twice at most; `fn` had not run then.
     """
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads)
+        except RankFailed as e:
+            if attempt == 2 or not _PORT_TAKEN.search(str(e)):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> list[Any]:
     ctx = process_context()
     results = ctx.Queue()
     port = free_port()
