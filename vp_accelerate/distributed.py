@@ -159,13 +159,13 @@ def spawn(
     A port that another process took between choosing it and binding it (several jobs starting ranks
     at once) is retried on a fresh port, twice at most; `fn` had not run then.
     """
-    for attempt in range(3):
+    for _ in range(2):
         try:
             return _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads)
         except RankFailed as e:
-            if attempt == 2 or not _PORT_TAKEN.search(str(e)):
+            if not _PORT_TAKEN.search(str(e)):
                 raise
-    raise AssertionError("unreachable")
+    return _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads)
 
 
 def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> list[Any]:

@@ -73,6 +73,40 @@ def launch(cmd: list[str], cwd: str | os.PathLike, env: dict[str, str], timeout_
     )
 
 
+def _torchrun_env(env: dict[str, str] | None, rank: int, nprocs: int, port: int) -> dict[str, str]:
+    """This process's environment, one thread, `env`, and what torchrun gives rank `rank` of `nprocs`."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_RANK": str(rank),
+    }
+
+
+def _output_to_files(logs: str, rank: str) -> None:
+    """This process's stdout and stderr (file descriptors 1 and 2) into `logs`/rank<rank>.out and .err."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, stream in ((1, "out"), (2, "err")):
+        with open(os.path.join(logs, f"rank{rank}.{stream}"), "w") as f:
+            os.dup2(f.fileno(), fd)  # fd keeps the file open after f closes
+
+
+def _log(logs: str, rank: int, stream: str) -> str:
+    """A rank's stdout or stderr file ("" if it died before it opened one)."""
+    path = Path(logs) / f"rank{rank}.{stream}"
+    return path.read_text() if path.exists() else ""
+
+
+def _exit_code(e: SystemExit) -> int:
+    """The exit status an interpreter gives `raise SystemExit(e.code)`."""
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
 def env_ranks(
     cmd: list[str], nprocs: int, env: dict[str, str] | None = None, timeout_s: float = 300.0
 ) -> list[tuple[int, str, str]] | None:
@@ -83,16 +117,7 @@ def env_ranks(
     procs = [
         subprocess.Popen(
             cmd,
-            env={
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                **(env or {}),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "WORLD_SIZE": str(nprocs),
-                "LOCAL_RANK": str(rank),
-            },
+            env=_torchrun_env(env, rank, nprocs, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -116,17 +141,13 @@ def _script_rank(script: str, argv: list[str], env: dict, logs: str) -> None:
     """One rank of `forked_ranks`: `python SCRIPT ARGV` in this forked process, output into files."""
     os.environ.clear()  # the caller's environment, not the fork server's of when it started
     os.environ.update(env)
-    rank = env["RANK"]
-    out = open(os.path.join(logs, f"rank{rank}.out"), "w")
-    err = open(os.path.join(logs, f"rank{rank}.err"), "w")
-    os.dup2(out.fileno(), 1)
-    os.dup2(err.fileno(), 2)
+    _output_to_files(logs, env["RANK"])
     sys.argv = [script, *argv]
     try:
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = _exit_code(e)
     except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback on stderr, exit 1
         traceback.print_exc()
         code = 1
@@ -147,18 +168,9 @@ def forked_ranks(
     interpreter exit, but then it leaves with os._exit, without atexit hooks or interpreter teardown.
     Where how an interpreter exits is the subject, use `env_ranks`."""
     ctx, port = process_context(), free_port()
-    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with tempfile.TemporaryDirectory(prefix="vp_ranks_") as logs:
         procs = [
-            ctx.Process(
-                target=_script_rank,
-                args=(
-                    script,
-                    list(argv),
-                    {**base, "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r)},
-                    logs,
-                ),
-            )
+            ctx.Process(target=_script_rank, args=(script, list(argv), _torchrun_env(env, r, nprocs, port), logs))
             for r in range(nprocs)
         ]
         for p in procs:
@@ -172,12 +184,6 @@ def forked_ranks(
                 p.join()
             return None
         return [(p.exitcode, *(_log(logs, r, s) for s in ("out", "err"))) for r, p in enumerate(procs)]
-
-
-def _log(logs: str, rank: int, stream: str) -> str:
-    """A rank's stdout or stderr file ("" if it died before it opened one)."""
-    path = Path(logs) / f"rank{rank}.{stream}"
-    return path.read_text() if path.exists() else ""
 
 
 def accelerate_train(args: list[str], config: str = CPU_2PROC) -> list[str]:
@@ -209,12 +215,7 @@ def _rank_main(argv: list[str], cwd: str, env: dict, logs: str, fault: dict | No
             PYTHONUNBUFFERED="1",
         )
     os.chdir(cwd)
-    out = open(os.path.join(logs, f"rank{rank}.out"), "w")
-    err = open(os.path.join(logs, f"rank{rank}.err"), "w")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(out.fileno(), 1)
-    os.dup2(err.fileno(), 2)
+    _output_to_files(logs, rank)
     try:
         if fault is not None:
             import importlib.util
@@ -231,7 +232,7 @@ def _rank_main(argv: list[str], cwd: str, env: dict, logs: str, fault: dict | No
 
             code = main(["train", *argv])
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = _exit_code(e)
     except BaseException:
         traceback.print_exc()  # into this rank's stderr file, as an interpreter would before exiting 1
         raise
@@ -279,13 +280,7 @@ def train_ranks(
             for line in failure.splitlines():
                 if line.startswith("rank ") and " failed: " in line:
                     codes[int(line.split()[1])] = 1
-        texts = {
-            stream: "".join(
-                (Path(logs) / f"rank{r}.{stream}").read_text() if (Path(logs) / f"rank{r}.{stream}").exists() else ""
-                for r in range(nprocs)
-            )
-            for stream in ("out", "err")
-        }
+        texts = {stream: "".join(_log(logs, r, stream) for r in range(nprocs)) for stream in ("out", "err")}
     code = next((c for c in codes if c), 0)
     return Launched(code, texts["out"], texts["err"] + failure, codes)
 
