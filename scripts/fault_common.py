@@ -56,7 +56,7 @@ def prepare(spec: RunSpec) -> str:
     """Write a corpus, a 512-token BPE and the recipe into spec.work; returns the recipe path."""
     import yaml
 
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     os.makedirs(spec.work, exist_ok=True)
     corpus = os.path.join(spec.work, "train.jsonl")
@@ -190,7 +190,7 @@ def metrics(spec: RunSpec, name: str) -> dict[int, dict]:
 
 def final_weights(spec: RunSpec, name: str) -> dict[int, dict]:
     """rank -> model state of the latest checkpoint of a run (safetensors)."""
-    from vp_accelerate.train import checkpoint as ckpt
+    from vp_accelerate.train.run import checkpoint as ckpt
 
     path = ckpt.read_latest(os.path.join(spec.work, name, "ckpt"))
     return {rank: ckpt.load_rank(path, rank)[0] for rank in (0, 1)}

@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 def install(fault: dict) -> None:
     from vp_accelerate.runtime import pipeline
     from vp_accelerate.runtime.executor import Executor
-    from vp_accelerate.train import checkpoint
+    from vp_accelerate.train.run import checkpoint
 
     state = {"step": 0}
     original_train_step = pipeline.PipelineModel.train_step
@@ -121,7 +121,7 @@ def main() -> int:
     install(json.loads(os.environ.get("VP_FAULT", "{}")))
     if sys.argv[1:] == ["--pipeline"]:
         return pipeline_main()
-    from vp_accelerate.train.commands import train_main
+    from vp_accelerate.train.cli.commands import train_main
 
     return train_main(sys.argv[1:])
 

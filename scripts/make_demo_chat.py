@@ -4,14 +4,14 @@
     python scripts/make_demo_chat.py --out outputs/demo_chat --conversations 4000 --seed 0
 
 Offline and deterministic for a seed and package versions; needs `pip install faker babel` (the `demo`
-extra). See vp_accelerate/train/chat_corpus.py for what the conversations are.
+extra). See vp_accelerate/demo/chat.py for what the conversations are.
 """
 
 import argparse
 import json
 import sys
 
-from vp_accelerate.train.chat_corpus import make_demo_chat
+from vp_accelerate.demo.chat import make_demo_chat
 
 
 def main(argv=None) -> int:

@@ -4,14 +4,14 @@
     python scripts/make_demo_corpus.py --out outputs/demo_corpus --size-mb 4 --seed 0
 
 Offline and deterministic for a seed and package versions; needs `pip install faker babel` (the
-`demo` extra). See vp_accelerate/train/corpus.py for what the text is.
+`demo` extra). See vp_accelerate/demo/corpus.py for what the text is.
 """
 
 import argparse
 import json
 import sys
 
-from vp_accelerate.train.corpus import make_demo_corpus
+from vp_accelerate.demo.corpus import make_demo_corpus
 
 
 def main(argv=None) -> int:

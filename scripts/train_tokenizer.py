@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from vp_accelerate.train.tokenizer import convert_qwen, train_bpe
+from vp_accelerate.train.tokens.tokenizer import convert_qwen, train_bpe
 
 
 def main(argv=None) -> int:

@@ -22,11 +22,11 @@ from helpers.tiny import tiny_config
 from vp_accelerate.models import save_hf
 from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
 from vp_accelerate.models.generation import end_of_turn_id, generation_eos
-from vp_accelerate.train.chat_template import CHATML_MARKERS, prepare_chat
+from vp_accelerate.train.data.chat_template import CHATML_MARKERS, prepare_chat
+from vp_accelerate.train.data.formats import CHATML_TEMPLATE
 from vp_accelerate.train.recipe import DataSection, ModelSection, Recipe, TokenizerSection
-from vp_accelerate.train.sft import CHATML_TEMPLATE
-from vp_accelerate.train.tokenizer import train_bpe
-from vp_accelerate.train.vocab_plan import plan_vocab, prepare_tokenizers
+from vp_accelerate.train.tokens.tokenizer import train_bpe
+from vp_accelerate.train.tokens.vocab_plan import plan_vocab, prepare_tokenizers
 
 CHAT = [{"role": "user", "content": "where is the cat"}, {"role": "assistant", "content": "on the mat"}]
 
@@ -164,7 +164,7 @@ def test_chatml_fallback_adds_special_tokens_with_rows_built_per_rank(toks, tmp_
 
 
 def test_check_says_the_chatml_tokens_are_added(toks, tmp_path, capsys):
-    from vp_accelerate.train.commands import train_main
+    from vp_accelerate.train.cli.commands import train_main
 
     (tmp_path / "r.yaml").write_text(
         json.dumps(
@@ -219,7 +219,7 @@ def test_a_swap_keeps_the_models_chat_template(toks, tmp_path):
 
 
 def test_the_adapter_folder_names_the_model_source_only_when_it_is_the_runs_base(toks, tmp_path):
-    from vp_accelerate.train.export import adapter_base
+    from vp_accelerate.train.run.export import adapter_base
 
     tok = load(toks, "tok_a")
     save_model(tmp_path / "m", tok)
@@ -245,8 +245,8 @@ def test_stop_at_says_where_the_run_stopped(toks, tmp_path, monkeypatch, caplog)
     import logging
     import types
 
-    from vp_accelerate.train import trainer
-    from vp_accelerate.train.commands import train_main
+    from vp_accelerate.train.cli.commands import train_main
+    from vp_accelerate.train.run import trainer
 
     # the run as setup resolves it: the recipe with its checkpoint directory filled in
     monkeypatch.setattr(

@@ -44,7 +44,7 @@ def write_chat(path, reply, n, rng, system=True):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """The two chat sets and two byte-level BPEs without a chat template (the second for the swap)."""
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("chat_e2e")
     rng = random.Random(0)

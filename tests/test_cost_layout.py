@@ -48,7 +48,7 @@ def test_too_many_chunks():
 
 
 def test_runtime_does_not_import_the_simulator():
-    assert imported_after(["vp_accelerate.runtime", "vp_accelerate.train.preflight"], "vp_accelerate.sim") == []
+    assert imported_after(["vp_accelerate.runtime", "vp_accelerate.train.cli.preflight"], "vp_accelerate.sim") == []
 
 
 def test_end_chunks_may_be_empty():

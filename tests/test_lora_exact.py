@@ -71,8 +71,8 @@ def _reference(ckpt: str, batches, train_vocab: bool):
 def _train_on_ranks(ckpt: str, batches, configs, out_dir: str):
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.runtime.adapter_config import AdapterConfig
-    from vp_accelerate.train.optim import build_optimizer
     from vp_accelerate.train.recipe import OptimizerSection
+    from vp_accelerate.train.run.optim import build_optimizer
 
     results = {}
     for schedule, method, train_vocab in configs:
@@ -155,7 +155,7 @@ def test_lora_matches_single_process_peft(tmp_path):
         # folder, whose fresh base (exists nowhere else) goes to adapter/base; AutoPeftModel loads it as it is
         from peft import AutoPeftModelForCausalLM
 
-        from vp_accelerate.train.export import write_exports
+        from vp_accelerate.train.run.export import write_exports
 
         recipe = {
             "model": {"source": "llama-tiny"},

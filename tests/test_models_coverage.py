@@ -64,7 +64,7 @@ def test_preflight_refuses_an_unsupported_checkpoint(tmp_path, capsys):
     import yaml
     from transformers import AutoModelForCausalLM
 
-    from vp_accelerate.train.commands import train_main
+    from vp_accelerate.train.cli.commands import train_main
 
     model_dir = tmp_path / "moe"
     AutoModelForCausalLM.from_config(tiny_family_config("qwen2_moe", output_router_logits=True)).save_pretrained(

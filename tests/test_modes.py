@@ -100,7 +100,7 @@ def _setup_and_compare(recipe):
     """setup() under accelerate's --mixed_precision bf16; the caller's recipe before and after, and what ran."""
     import os
 
-    from vp_accelerate.train.trainer import setup
+    from vp_accelerate.train.run.trainer import setup
 
     os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"  # what `accelerate launch --mixed_precision bf16` sets
     before = recipe_to_dict(recipe)
@@ -125,7 +125,7 @@ def _setup_and_compare(recipe):
 
 def test_setup_leaves_the_callers_recipe_unchanged(tmp_path, monkeypatch):
     from vp_accelerate.distributed import spawn
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds_cache"))  # the spawned rank inherits it
     words = "alpha beta gamma delta paris france".split()

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from vp_accelerate.sim.plan import PlanRequest, best, plan
-from vp_accelerate.train.plan_command import model_config, plan_main
+from vp_accelerate.train.cli.plan import model_config, plan_main
 
 # a 1B-class shape (llama-3.2-1b's): vocabulary a quarter of the per-layer work at seq 2048
 CONFIG = {
@@ -84,8 +84,8 @@ def test_plan_command_prints_the_top_plans_as_json(tmp_path, capsys):
 
 
 def test_a_recipe_with_schedule_auto_takes_the_best_plan(tmp_path, capsys):
-    from vp_accelerate.train.commands import train_main
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.cli.commands import train_main
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     rng = random.Random()
     with open(tmp_path / "train.jsonl", "w") as f:

@@ -31,7 +31,7 @@ RNG = random.Random()  # fresh each run: which microbatch / step gets poisoned v
 def setup(tmp_path_factory):
     import yaml
 
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("faults")
     words = "alpha beta gamma delta epsilon мир дом 世界 你好 données λόγος".split()
@@ -125,7 +125,7 @@ def test_resume_with_another_model_is_refused(setup, skipped_run):
 
 
 def test_inf_gradient_stops_every_rank_and_keeps_the_last_checkpoint(setup):
-    from vp_accelerate.train import checkpoint as ckpt
+    from vp_accelerate.train.run import checkpoint as ckpt
 
     step = RNG.randrange(2, 4)
     out = train_forked(

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from vp_accelerate.train.commands import train_main
+from vp_accelerate.train.cli.commands import train_main
 
 RNG = random.Random()
 
@@ -24,7 +24,7 @@ RNG = random.Random()
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     """A ~300-token byte-level BPE and a small corpus (2 s)."""
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("tok")
     rng = random.Random(RNG.random())
@@ -288,7 +288,7 @@ def test_vocab_smaller_than_ranks_in_the_runtime():
 
 # ------------------------------------------------------------------------------------------- checkpoints
 def test_checkpoint_of_another_layout_lists_every_difference():
-    from vp_accelerate.train.checkpoint import CheckpointError, check_fingerprint
+    from vp_accelerate.train.run.checkpoint import CheckpointError, check_fingerprint
 
     saved = {"model": "abc", "world_size": 2, "method": "vocab-2", "seed": 0}
     now = {**saved, "world_size": 4, "model": "def"}
@@ -300,7 +300,7 @@ def test_checkpoint_of_another_layout_lists_every_difference():
 
 
 def test_checkpoint_shapes_of_another_vocab_are_refused():
-    from vp_accelerate.train.checkpoint import CheckpointError, check_shapes
+    from vp_accelerate.train.run.checkpoint import CheckpointError, check_shapes
 
     v = RNG.randrange(10, 100)
     with pytest.raises(CheckpointError, match=rf"lm_head.weight: saved \({v}, 8\), expected \({v + 1}, 8\)"):

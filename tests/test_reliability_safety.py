@@ -48,7 +48,7 @@ def test_yaml_is_only_read_with_safe_load():
         for m in re.finditer(r"yaml\.(load|unsafe_load|full_load|load_all)\(", text)
     ]
     assert unsafe == []
-    assert any("yaml.safe_load(" in text for rel, text in _sources() if rel.endswith("recipe.py"))
+    assert any("yaml.safe_load(" in text for rel, text in _sources() if rel.endswith("recipe/load.py"))
 
 
 def test_recipe_with_a_python_object_tag_is_refused(tmp_path):
@@ -76,7 +76,7 @@ class _Evil:
 def test_a_checkpoint_with_a_malicious_pickle_is_refused(tmp_path, victim):
     from safetensors.torch import save_file
 
-    from vp_accelerate.train.checkpoint import load_rank
+    from vp_accelerate.train.run.checkpoint import load_rank
 
     marker = tmp_path / f"pwned{random.randrange(10**6)}"
     rdir = tmp_path / "step_00000001" / "rank_00000"
@@ -91,7 +91,7 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused(tmp_path, victim):
 
 def test_weights_are_read_with_safetensors_not_pickle(tmp_path):
     """A pickle renamed model.safetensors is not executed either: safetensors refuses its header."""
-    from vp_accelerate.train.checkpoint import load_rank
+    from vp_accelerate.train.run.checkpoint import load_rank
 
     marker = tmp_path / "pwned"
     rdir = tmp_path / "ck" / "rank_00000"
@@ -103,7 +103,7 @@ def test_weights_are_read_with_safetensors_not_pickle(tmp_path):
 
 
 def test_nonfinite_tensors_are_found_in_nested_states():
-    from vp_accelerate.train.nonfinite import nonfinite_tensors
+    from vp_accelerate.train.run.nonfinite import nonfinite_tensors
 
     bad = random.choice([float("nan"), float("inf"), -float("inf")])
     w = torch.randn(4, 4)
@@ -120,7 +120,7 @@ def test_nonfinite_tensors_are_found_in_nested_states():
 
 def test_no_checkpoint_is_written_with_nonfinite_weights_or_moments():
     """The guard `_save` runs before any file (single process here: the all-reduce degrades to the local flag)."""
-    from vp_accelerate.train.nonfinite import NonFiniteError, check_weights_before_save
+    from vp_accelerate.train.run.nonfinite import NonFiniteError, check_weights_before_save
 
     step = random.randrange(1, 1000)
     w = torch.randn(3, 3)

@@ -35,8 +35,8 @@ DP_CONFIGS = [("vhalf", "vocab-2", 2)]  # 4 ranks: the token count and gradient 
 def _cycle(ckpt: str, out_dir: str, seed: int, vocab: int, configs):
     from helpers.device_audit import CollectiveAudit, audit
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
-    from vp_accelerate.train.nonfinite import check_weights_before_save
-    from vp_accelerate.train.tracking import gather, world_mean
+    from vp_accelerate.train.run.nonfinite import check_weights_before_save
+    from vp_accelerate.train.run.tracking import gather, world_mean
 
     report = {}
     for schedule, method, dp in configs:

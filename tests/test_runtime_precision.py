@@ -196,7 +196,7 @@ def test_trainer_takes_accelerates_mixed_precision_unless_the_recipe_sets_one():
     from types import SimpleNamespace
 
     from vp_accelerate.runtime import PipelineConfig
-    from vp_accelerate.train.trainer import mixed_precision_for
+    from vp_accelerate.train.run.trainer import mixed_precision_for
 
     def recipe(mode):
         return SimpleNamespace(pipeline=PipelineConfig(mixed_precision=mode))

@@ -23,11 +23,11 @@ def test_chat_lora_run_exports_merged_and_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vp_accelerate.train.chat_corpus import make_demo_chat
-    from vp_accelerate.train.commands import export_main
+    from vp_accelerate.demo.chat import make_demo_chat
+    from vp_accelerate.train.cli.commands import export_main
     from vp_accelerate.train.data import build_data
     from vp_accelerate.train.recipe import load_recipe
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     make_demo_chat(str(tmp_path / "chat"), conversations=400, seed=1)
     text = tmp_path / "tok.txt"
@@ -107,7 +107,7 @@ def test_chat_lora_run_exports_merged_and_adapter(tmp_path):
 
     from vp_accelerate.models.export import assemble_state_dict, save_hf
     from vp_accelerate.models.lora import merge_lora
-    from vp_accelerate.train import checkpoint as ckpt
+    from vp_accelerate.train.run import checkpoint as ckpt
 
     step = ckpt.resolve(str(tmp_path / "ckpt"))
     meta = ckpt.read_meta(step)

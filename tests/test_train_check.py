@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from vp_accelerate.train.commands import train_main
+from vp_accelerate.train.cli.commands import train_main
 
 RNG = random.Random()
 WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello", "world", "seventy", "four"]
@@ -20,7 +20,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("tok")
     rng = np.random.default_rng(0)
@@ -132,8 +132,8 @@ def test_every_bad_row_is_listed_by_file_and_line(tmp_path, tok_dir, capsys):
 
 
 def test_the_report_counts_rows_tokens_truncation_padding_and_steps(tmp_path, tok_dir, capsys):
+    from vp_accelerate.train.cli.preflight import check_plan
     from vp_accelerate.train.data import prepare_data
-    from vp_accelerate.train.preflight import check_plan
     from vp_accelerate.train.recipe import load_recipe
 
     rng = random.Random(RNG.random())
@@ -196,7 +196,7 @@ def test_json_values_stay_as_written_and_content_parts_are_text(tmp_path, tok_di
     the string "74.", not the number 74.0) and the parts are the text they hold."""
     from transformers import AutoTokenizer
 
-    from vp_accelerate.train import sft
+    from vp_accelerate.train.data import formats as sft
     from vp_accelerate.train.data import prepare_data
     from vp_accelerate.train.recipe import DataSection
 
@@ -278,7 +278,7 @@ def test_show_example_marks_exactly_the_tokens_that_carry_loss(tmp_path, tok_dir
     from transformers import AutoTokenizer
 
     from vp_accelerate.train.data import prepare_data
-    from vp_accelerate.train.data_check import show_example
+    from vp_accelerate.train.data.check import show_example
     from vp_accelerate.train.recipe import DataSection
 
     rng = random.Random(RNG.random())

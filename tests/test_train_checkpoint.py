@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vp_accelerate.distributed import spawn
-from vp_accelerate.train import checkpoint as ckpt
+from vp_accelerate.train.run import checkpoint as ckpt
 
 
 def state(seed: int):

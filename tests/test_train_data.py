@@ -8,7 +8,7 @@ import torch
 
 from vp_accelerate.train.data import BatchIterator, DataError, Sequences, build_data, is_heldout, pack, pad_rows
 from vp_accelerate.train.recipe import DataSection
-from vp_accelerate.train.tokenizer import train_bpe
+from vp_accelerate.train.tokens.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def test_streaming_resumes_from_the_streams_own_state(corpus, monkeypatch):
 def test_the_text_field_is_checked_at_check_time(tmp_path, corpus, capsys):
     """Text data without its `text_field` fails `--check` with exit 2, naming data.text_field and the columns
     found, in any of the files (a chat file is detected as chat and passes)."""
-    from vp_accelerate.train.commands import train_main
+    from vp_accelerate.train.cli.commands import train_main
 
     d, _ = corpus
     (tmp_path / "chat.jsonl").write_text(

@@ -20,11 +20,11 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("e2e")
     try:
-        from vp_accelerate.train.corpus import make_demo_corpus
+        from vp_accelerate.demo.corpus import make_demo_corpus
 
         make_demo_corpus(str(d / "corpus"), size_mb=0.25, seed=0)
     except ImportError:  # without the demo extra: a small synthetic multilingual corpus
@@ -141,7 +141,7 @@ def test_checkpoints_and_the_hf_export_are_on_by_default(full_run):
 
 
 def test_a_new_run_does_not_mix_with_an_earlier_ones_checkpoints(setup, full_run, capsys):
-    from vp_accelerate.train.commands import train_main
+    from vp_accelerate.train.cli.commands import train_main
 
     d, recipe = setup
     args = [recipe, "--set", f"logging.output_dir={d / 'full'}", "--check"]
@@ -180,7 +180,7 @@ def test_resume_equals_uninterrupted(setup, full_run):
 
 
 def test_checkpoint_records_the_layout(full_run):
-    from vp_accelerate.train import checkpoint as ckpt
+    from vp_accelerate.train.run import checkpoint as ckpt
 
     run_dir, _ = full_run
     meta = ckpt.read_meta(ckpt.read_latest(str(run_dir / "checkpoints")))
@@ -201,7 +201,7 @@ def test_checkpoint_records_the_layout(full_run):
 def test_export_loads_with_from_pretrained_and_gives_the_eval_loss(setup, full_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vp_accelerate.train.commands import export_main
+    from vp_accelerate.train.cli.commands import export_main
     from vp_accelerate.train.data import build_data
     from vp_accelerate.train.recipe import load_recipe
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vp_accelerate.train import tracking
+from vp_accelerate.train.run import tracking
 
 
 class _Pipe:

@@ -62,7 +62,7 @@ def test_epochs_and_warmup_ratio_become_steps(tmp_path):
     per_epoch, epochs, ratio = RNG.randrange(5, 50), RNG.choice([0.5, 1, 2.5, 3]), RNG.choice([0.03, 0.1, 0.25])
     r = recipe_from_dict(base(tmp_path, train={"epochs": epochs}, lr={"warmup_ratio": ratio}))
     assert r.train.steps is None
-    finish_steps(r, per_epoch)
+    r = finish_steps(r, per_epoch)
     assert r.train.steps == math.ceil(epochs * per_epoch) and r.lr.warmup_steps == round(ratio * r.train.steps)
     r = recipe_from_dict(base(tmp_path, train={"steps": 40}, lr={"warmup_ratio": 0.25}))
     assert r.lr.warmup_steps == 10
@@ -104,9 +104,9 @@ class FakePipe:
 
 
 def test_logged_loss_is_the_window_mean_and_counters_add_up(tmp_path):
-    from vp_accelerate.train.batches import Sequences
     from vp_accelerate.train.data import BatchIterator, pack_documents
-    from vp_accelerate.train.loop import LoopState, Run, log_step, train_step_once
+    from vp_accelerate.train.data.batches import Sequences
+    from vp_accelerate.train.run.loop import LoopState, Run, log_step, train_step_once
 
     rng = np.random.default_rng(RNG.randrange(1000))
     docs = [rng.integers(1, 50, size=rng.integers(3, 12)).tolist() for _ in range(80)]
@@ -170,7 +170,7 @@ def test_logged_loss_is_the_window_mean_and_counters_add_up(tmp_path):
 def launched(tmp_path_factory):
     import yaml
 
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("knobs")
     rng = random.Random(RNG.random())
@@ -211,8 +211,8 @@ def launched(tmp_path_factory):
 def test_early_stopping_keeps_and_exports_the_best(launched):
     from transformers import AutoModelForCausalLM
 
-    from vp_accelerate.train import checkpoint as ckpt
-    from vp_accelerate.train.commands import export_main
+    from vp_accelerate.train.cli.commands import export_main
+    from vp_accelerate.train.run import checkpoint as ckpt
 
     d, _, out, rows = launched
     evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
@@ -258,7 +258,7 @@ def _lora_samples_on_ranks(ckpt: str, tok_dir: str, prompts: list, out_dir: str)
 
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.runtime.adapter_config import AdapterConfig
-    from vp_accelerate.train.samples import complete
+    from vp_accelerate.train.run.samples import complete
 
     pipe = PipelineModel(
         ckpt,
@@ -286,7 +286,7 @@ def test_lora_samples_match_generate_on_the_merged_export(tmp_path):
 
     from helpers.tiny import tiny_llama
     from vp_accelerate.distributed import spawn
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     rng = random.Random(RNG.random())
     words = "alpha beta gamma delta paris france capital hello world".split()

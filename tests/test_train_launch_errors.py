@@ -25,7 +25,7 @@ def _first_rank_fails(kind: str):
     import torch.distributed as dist
 
     from vp_accelerate.train.data import DataError
-    from vp_accelerate.train.user_errors import main_process_first
+    from vp_accelerate.train.run.user_errors import main_process_first
 
     try:
         with main_process_first("testing"):
@@ -48,7 +48,7 @@ def test_an_error_on_the_main_process_stops_every_rank(kind):
 
 @pytest.fixture(scope="module")
 def bad_run(tmp_path_factory):
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("launch")
     rng = random.Random(RNG.random())

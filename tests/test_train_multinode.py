@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from helpers.launch import ACCELERATE, run_env, train_ranks
-from vp_accelerate.train import preflight
-from vp_accelerate.train.preflight import check_plan
+from vp_accelerate.train.cli import preflight
+from vp_accelerate.train.cli.preflight import check_plan
 from vp_accelerate.train.recipe import load_recipe
-from vp_accelerate.train.recipe_io import RecipeError
+from vp_accelerate.train.recipe.convert import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def tiny_recipe(tmp_path_factory):
 
     import yaml
 
-    from vp_accelerate.train.tokenizer import train_bpe
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("multinode")
     rng = random.Random(0)

@@ -167,7 +167,7 @@ def test_bad_recipe_fails_before_any_process_group(tmp_path, corpus):
     bad.write_text(f"data: {{files: [{corpus}]}}\ntokenizer: {{source: qwen}}\npipeline: {{microbatchs: 4}}\n")
     code = (
         "import sys, torch.distributed as dist\n"
-        "from vp_accelerate.train.commands import train_main\n"
+        "from vp_accelerate.train.cli.commands import train_main\n"
         f"rc = train_main([{str(bad)!r}])\n"
         "assert not dist.is_initialized()\n"
         "sys.exit(rc)\n"
@@ -231,8 +231,8 @@ def test_runtime_checks_its_config_before_starting():
 
 
 def test_build_pipeline_passes_the_section_whole(corpus, monkeypatch):
-    from vp_accelerate.train import trainer
-    from vp_accelerate.train.trainer import build_pipeline
+    from vp_accelerate.train.run import trainer
+    from vp_accelerate.train.run.trainer import build_pipeline
 
     seen = {}
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from vp_accelerate.train import checkpoint as ckpt
-from vp_accelerate.train.tracking import start_metrics
+from vp_accelerate.train.run import checkpoint as ckpt
+from vp_accelerate.train.run.tracking import start_metrics
 
 
 def rows(path):

@@ -5,8 +5,8 @@ import io
 import pytest
 import torch
 
-from vp_accelerate.train.optim import build_scheduler, check_schedule, hf_names, lr_factor
 from vp_accelerate.train.recipe import LRSection, RecipeError
+from vp_accelerate.train.recipe.lr_schedule import build_scheduler, check_schedule, hf_names, lr_factor
 
 
 def lrs(cfg, steps=100, start=0, state=None):

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from vp_accelerate.train import sft
 from vp_accelerate.train.data import DataError, build_data, pack_documents
+from vp_accelerate.train.data import formats as sft
 from vp_accelerate.train.recipe import DataSection
-from vp_accelerate.train.tokenizer import train_bpe
+from vp_accelerate.train.tokens.tokenizer import train_bpe
 
 WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello", "world"]
 
@@ -184,7 +184,7 @@ def test_streaming_refuses_sft_formats(tok, tmp_path):
 def test_check_states_the_format_and_the_template(tok, tmp_path, capsys):
     import yaml
 
-    from vp_accelerate.train.commands import train_main
+    from vp_accelerate.train.cli.commands import train_main
 
     tok_dir = tmp_path / "tok"
     tok.save_pretrained(str(tok_dir))
@@ -222,7 +222,7 @@ def test_check_states_the_format_and_the_template(tok, tmp_path, capsys):
 
 def test_demo_chat_set_is_valid_and_deterministic(tmp_path):
     pytest.importorskip("babel")
-    from vp_accelerate.train.chat_corpus import make_demo_chat
+    from vp_accelerate.demo.chat import make_demo_chat
 
     counts = make_demo_chat(str(tmp_path / "a"), conversations=200, seed=3)
     make_demo_chat(str(tmp_path / "b"), conversations=200, seed=3)

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vp_accelerate.train import tokenizer
-from vp_accelerate.train.optim import lr_factor
-from vp_accelerate.train.tokenizer import convert_qwen, load_tokenizer, train_bpe
+from vp_accelerate.train.recipe.lr_schedule import lr_factor
+from vp_accelerate.train.tokens import tokenizer
+from vp_accelerate.train.tokens.tokenizer import convert_qwen, load_tokenizer, train_bpe
 
 TEXT = [
     "Hello world, this is a tiny corpus.",
@@ -76,7 +76,7 @@ def test_a_qwen_conversion_moves_into_its_cache_only_when_whole(tmp_path, monkey
 def test_demo_corpus_is_multilingual_and_deterministic(tmp_path):
     pytest.importorskip("faker")
     pytest.importorskip("babel")
-    from vp_accelerate.train.corpus import make_demo_corpus
+    from vp_accelerate.demo.corpus import make_demo_corpus
 
     a = make_demo_corpus(str(tmp_path / "a"), size_mb=0.3, seed=0)
     b = make_demo_corpus(str(tmp_path / "b"), size_mb=0.3, seed=0)

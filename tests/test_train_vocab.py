@@ -22,9 +22,9 @@ from vp_accelerate.models import StageLayout, assemble_state_dict, build_rank, s
 from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
 from vp_accelerate.models.row_map import COMPOSED, COPY, MEAN, RowMap
 from vp_accelerate.train.recipe import ModelSection, Recipe, RecipeError, TokenizerSection
-from vp_accelerate.train.token_map import token_bytes
-from vp_accelerate.train.tokenizer import EOS, PAD, train_bpe
-from vp_accelerate.train.vocab_plan import plan_vocab, tokenizer_source
+from vp_accelerate.train.tokens.token_map import token_bytes
+from vp_accelerate.train.tokens.tokenizer import EOS, PAD, train_bpe
+from vp_accelerate.train.tokens.vocab_plan import plan_vocab, tokenizer_source
 from vp_accelerate.vocab.partition import VocabPartition
 
 WORDS = {
@@ -134,7 +134,7 @@ def test_rows_past_the_tokenizer_are_kept_unless_allowed(tmp_path, corpora):
 
 
 def test_check_prints_the_vocabulary_decision(tmp_path, corpora, capsys):
-    from vp_accelerate.train.commands import train_main
+    from vp_accelerate.train.cli.commands import train_main
 
     d, tok_a, tok_b, _ = corpora
     save_model(tmp_path / "m", tok_a, vocab_size=len(tok_a) + 4)
@@ -266,8 +266,8 @@ def test_swap_keeps_what_a_trained_model_learned(tmp_path, corpora):
 
 def test_a_hub_model_is_snapshotted_once_then_read_per_rank(tmp_path, monkeypatch, corpora):
     """A hub id becomes a local snapshot (config, safetensors, tokenizer), which ranks then read per tensor."""
-    from vp_accelerate.train import presets
-    from vp_accelerate.train.presets import local_model_dir
+    from vp_accelerate.train.recipe import presets
+    from vp_accelerate.train.recipe.presets import local_model_dir
 
     d, tok_a, *_ = corpora
     save_model(tmp_path / "snap", tok_a)

@@ -11,10 +11,10 @@ import sys
 
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("vp_accelerate.train.commands", "train_main", "train from a recipe (run under accelerate launch)"),
-    "export": ("vp_accelerate.train.commands", "export_main", "turn a checkpoint into an HF model directory"),
+    "train": ("vp_accelerate.train.cli.commands", "train_main", "train from a recipe (run under accelerate launch)"),
+    "export": ("vp_accelerate.train.cli.commands", "export_main", "turn a checkpoint into an HF model directory"),
     "launch": (
-        "vp_accelerate.train.launch_command",
+        "vp_accelerate.train.cli.launch",
         "launch_main",
         "accelerate launch ... train RECIPE, exiting 2 on a user error (one line, no launcher traceback)",
     ),
@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "simulate": ("vp_accelerate.sim.commands", "simulate_main", "simulate a schedule: step time, MFU, memory"),
     "plot-schedule": ("vp_accelerate.sim.commands", "plot_schedule_main", "draw a schedule's timeline as PNG"),
     "plan": (
-        "vp_accelerate.train.plan_command",
+        "vp_accelerate.train.cli.plan",
         "plan_main",
         "the fastest layouts of a model on N GPUs (schedule, method, pp x dp, microbatches, memory)",
     ),

@@ -224,7 +224,7 @@ def _rank_main(argv: list[str], cwd: str, env: dict, logs: str, fault: dict | No
             worker = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(worker)
             worker.install(fault)
-            from vp_accelerate.train.commands import train_main
+            from vp_accelerate.train.cli.commands import train_main
 
             code = train_main(argv)
         else:

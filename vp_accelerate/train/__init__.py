@@ -1,0 +1,10 @@
+"""Training from a recipe on accelerate. Each folder holds one part of a run:
+
+  recipe/   what a recipe contains, which recipes are valid, reading YAML; model presets
+  data/     reading data files, tokenizing rows, packing sequences, batching per replica
+  tokens/   tokenizers (train, convert, load) and the run's vocabulary decision
+  run/      the run itself: setup and the step loop, optimizer, checkpoints, tracking, export
+  cli/      the `train`, `export`, `launch` and `plan` commands and the checks before launch
+
+Dependencies point down this list's reverse: cli -> run -> tokens -> data -> recipe.
+"""

@@ -30,10 +30,10 @@ from vp_accelerate.models.generation import generation_eos
 from vp_accelerate.models.lora import merge_lora, save_adapter
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 
+from ..recipe.presets import PRESETS
+from ..tokens.token_map import same_vocabulary
 from . import checkpoint as ckpt
-from .presets import PRESETS
 from .run_state import final_checkpoint
-from .token_map import same_vocabulary
 from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")

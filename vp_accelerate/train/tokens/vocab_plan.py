@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from vp_accelerate.models.row_map import RowMap
 
-from .chat_template import data_format, prepare_chat
-from .presets import PRESETS, padded_vocab
-from .recipe_io import RecipeError
+from ..data.chat_template import data_format, prepare_chat
+from ..recipe.convert import RecipeError
+from ..recipe.presets import PRESETS, padded_vocab
 from .token_map import build_row_map, same_vocabulary
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from vp_accelerate.models.generation import generation_eos
 from vp_accelerate.models.lora import merge_lora
 
-from .sft import chat_template_of
+from ..data.formats import chat_template_of
 from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")

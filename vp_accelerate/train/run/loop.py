@@ -20,14 +20,14 @@ from transformers import PreTrainedTokenizerBase
 from vp_accelerate.runtime import PipelineLayout
 from vp_accelerate.runtime.pipeline import PipelineModel, StepResult
 
-from .batches import BatchIterator, EvalBatches, StreamingBatchIterator
-from .data import DataError, PreparedData
+from ..data import DataError, PreparedData
+from ..data.batches import BatchIterator, EvalBatches, StreamingBatchIterator
+from ..recipe import Recipe
+from ..tokens.vocab_plan import VocabPlan
 from .nonfinite import NonFiniteError, step_problem
-from .recipe import Recipe
 from .run_state import save_run
 from .samples import log_samples
 from .tracking import Tracker, gather, rank_metrics, rank_stats
-from .vocab_plan import VocabPlan
 
 log = logging.getLogger("vp_accelerate.train")
 

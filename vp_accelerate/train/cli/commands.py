@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from .plan_command import resolve_auto
+from .plan import resolve_auto
 
 
 def _setup_logging() -> None:
@@ -28,7 +28,7 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def train_main(argv: list[str] | None = None) -> int:
+def _train_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vp-accelerate train", description="Train from a recipe (YAML).")
     ap.add_argument("recipe", help="recipe YAML file (see recipes/ and docs/training.md)")
     ap.add_argument(
@@ -75,44 +75,43 @@ def train_main(argv: list[str] | None = None) -> int:
         help="with --check: the number of processes the run will have, so the schedule and layout are "
         "checked too (under a launcher, WORLD_SIZE is used)",
     )
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _checked_recipe(args) -> tuple:
+    """(recipe, notes for --check, what the checks found): the recipe read, `schedule: auto` resolved, and the
+    model, tokenizer, layout and checkpoint dirs checked before accelerate starts a process group (every rank
+    runs them). Raises RecipeError."""
     # imported once the arguments parsed: they load torch and transformers, which `train --help` does without
+    from ..recipe import load_recipe
     from .preflight import check_plan, check_run_dirs, world_size_from_env
-    from .recipe import RecipeError, load_recipe
-    from .user_errors import say_once
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        recipe, plan = resolve_auto(recipe, args.world_size or world_size_from_env())
-        if plan is not None and os.environ.get("RANK", "0") == "0":
-            print(
-                f"pipeline.schedule auto: {plan.describe()} (predicted {plan.tokens_per_s:.0f} tokens/s, "
-                f"MFU {plan.mfu * 100:.1f}%, bubble {plan.bubble * 100:.1f}%, peak "
-                f"{max(plan.peak_memory_gb):.1f} GB per rank)",
-                file=sys.stderr,
-                flush=True,
-            )
-        # model/tokenizer/schedule checks, before accelerate starts a process group (every rank runs them)
-        world = world_size_from_env()
-        # one process (or --check): also convert tokenizers and count a swap's rows; launched ranks skip that
-        found: dict = {}
-        notes = check_plan(recipe, args.world_size or world, full=args.check or (world or 1) == 1, found=found)
-        notes += check_run_dirs(recipe, args.resume)
-    except RecipeError as e:
-        say_once(f"recipe error: {e}")  # every launched rank found the same: said once per machine
-        return 2
-    if args.check:
-        from .check_command import run_check  # after parse_args, as above
+    recipe = load_recipe(args.recipe, args.overrides)
+    recipe, plan = resolve_auto(recipe, args.world_size or world_size_from_env())
+    if plan is not None and os.environ.get("RANK", "0") == "0":
+        print(
+            f"pipeline.schedule auto: {plan.describe()} (predicted {plan.tokens_per_s:.0f} tokens/s, "
+            f"MFU {plan.mfu * 100:.1f}%, bubble {plan.bubble * 100:.1f}%, peak "
+            f"{max(plan.peak_memory_gb):.1f} GB per rank)",
+            file=sys.stderr,
+            flush=True,
+        )
+    world = world_size_from_env()
+    # one process (or --check): also convert tokenizers and count a swap's rows; launched ranks skip that
+    found: dict = {}
+    notes = check_plan(recipe, args.world_size or world, full=args.check or (world or 1) == 1, found=found)
+    notes += check_run_dirs(recipe, args.resume)
+    return recipe, notes, found
 
-        return run_check(recipe, notes, found, args.show_example)
-    _setup_logging()
-    # after parse_args, as above
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .nonfinite import NonFiniteError
-    from .trainer import setup, train
-    from .user_errors import USER_ERRORS, leave, report
+
+def _run(recipe, args) -> tuple | int:
+    """(the run, its summary), or the exit code when it stopped: 2 for a user error at the start, 3 for bad data,
+    a bad checkpoint or NaN/inf (the same decision on every rank: each says why)."""
+    from ..data import DataError  # after parse_args, as above
+    from ..run.checkpoint import CheckpointError
+    from ..run.nonfinite import NonFiniteError
+    from ..run.trainer import setup, train
+    from ..run.user_errors import USER_ERRORS, leave, report
 
     try:
         run = setup(recipe, resume=args.resume, stop_at=args.stop_at)
@@ -126,11 +125,14 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         summary = train(recipe, resume=args.resume, stop_at=args.stop_at, run=run)
     except (CheckpointError, DataError, NonFiniteError) as e:
-        # the same decision on every rank (same data / all-reduced values): each says why and exits 3
         print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 3
+    return run, summary
+
+
+def _log_end(recipe, summary: dict, stop_at: int | None) -> None:
+    """The run's last line: done, stopped early (eval.patience), or stopped at --stop-at."""
     log = logging.getLogger("vp_accelerate.train")
-    recipe = run.recipe  # as it ran: train.steps from epochs, the checkpoint dir filled in
     best = summary.get("best") or {}
     if summary.get("stopped_early"):
         log.info(
@@ -151,7 +153,7 @@ def train_main(argv: list[str] | None = None) -> int:
             "stopped after step %d of %d (--stop-at %s): eval loss %.4f; %s; no final export",
             summary["end_step"],
             recipe.train.steps,
-            args.stop_at,
+            stop_at,
             summary["final_eval_loss"],
             saved,
         )
@@ -162,6 +164,28 @@ def train_main(argv: list[str] | None = None) -> int:
             summary["end_step"],
             f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else "",
         )
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    args = _train_parser().parse_args(argv)
+    from ..recipe import RecipeError  # after parse_args, as above
+    from ..run.user_errors import say_once
+
+    try:
+        recipe, notes, found = _checked_recipe(args)
+    except RecipeError as e:
+        say_once(f"recipe error: {e}")  # every launched rank found the same: said once per machine
+        return 2
+    if args.check:
+        from .check import run_check
+
+        return run_check(recipe, notes, found, args.show_example)
+    _setup_logging()
+    ran = _run(recipe, args)
+    if isinstance(ran, int):
+        return ran
+    run, summary = ran
+    _log_end(run.recipe, summary, args.stop_at)  # the recipe as it ran: train.steps from epochs, the checkpoint dir
     return 0
 
 
@@ -181,8 +205,8 @@ def export_main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     # imported once the arguments parsed: they load torch and transformers, which `export --help` does without
-    from .checkpoint import CheckpointError
-    from .export import export_checkpoint
+    from ..run.checkpoint import CheckpointError
+    from ..run.export import export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size, adapter_only=args.adapter_only)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from vp_accelerate.runtime.groups import host_group
 
-from .data_read import DataError
-from .recipe_io import RecipeError
+from ..data.read import DataError
+from ..recipe.convert import RecipeError
 
 USER_ERRORS = (RecipeError, DataError)
 """What stops a run at its start with one line and exit code 2."""

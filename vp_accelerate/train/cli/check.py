@@ -2,7 +2,7 @@
 before anything is launched.
 
 After the recipe and plan checks (`preflight.check_plan`) it reads every row of every data file with the run's
-tokenizer and template (`data_check.data_report`; the tokenized rows are cached, so the launch reuses them)
+tokenizer and template (`data.check.data_report`; the tokenized rows are cached, so the launch reuses them)
 and prints what it found. Exit code 2 and the key to change for anything that would stop the run.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import sys
 
-from .data import BadRowsError, DataError
-from .data_check import bad_rows_text, data_report
-from .data_check import show_example as render_example
-from .recipe import RecipeError, recipe_to_dict
+from ..data import BadRowsError, DataError
+from ..data.check import bad_rows_text, data_report
+from ..data.check import show_example as render_example
+from ..recipe import RecipeError, recipe_to_dict
 
 
 def run_check(recipe, notes: list[str], found: dict, show_example: bool = False) -> int:
@@ -26,7 +26,7 @@ def run_check(recipe, notes: list[str], found: dict, show_example: bool = False)
         config, plan = found.get("config"), found.get("plan")
         vocab = plan.rows_after if plan is not None else config.vocab_size if config is not None else 2**62
         try:
-            lines, prepared = data_report(recipe, tokenizer, vocab)
+            lines, prepared, recipe = data_report(recipe, tokenizer, vocab)
         except BadRowsError as e:
             print(bad_rows_text(e), file=sys.stderr)
             return 2

@@ -25,9 +25,9 @@ from tokenizers import AddedToken
 
 from vp_accelerate.models.generation import chat_template_text, end_of_turn_id
 
-from .data import _builder_of, _format_of, first_record_columns, load_documents, sample_format
-from .sft import CHATML_TEMPLATE, SAMPLE_FORMATS
-from .tokenizer import expand_files
+from .formats import CHATML_TEMPLATE, SAMPLE_FORMATS, sample_format
+from .read import first_record_columns
+from .sources import builder_for, expand_files, load_documents
 
 CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
 
@@ -85,7 +85,7 @@ def data_format(d) -> str:
             columns = sorted(first) if first else []
         else:
             paths = [p for p in expand_files(d.files or []) if os.path.getsize(p) > 0]
-            columns = first_record_columns(paths[0], _format_of(paths, _builder_of(paths, d))) if paths else []
+            columns = first_record_columns(paths[0], builder_for(paths, d)) if paths else []
         return sample_format(d, columns or [])[0]
     except (OSError, ValueError):  # missing or unreadable data, no format's columns: the data check names it
         return "text"

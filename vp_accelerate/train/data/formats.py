@@ -24,6 +24,9 @@ import json
 
 import numpy as np
 
+from ..recipe.schema import DataSection
+from .read import DataError
+
 SAMPLE_FORMATS = ("text", "chat", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -71,19 +74,19 @@ def chat_template_of(tokenizer) -> tuple[str, bool]:
 def check_messages(messages) -> None:
     """Raise FormatError unless `messages` is a list of {role, content} with a known role and an assistant turn."""
     if not isinstance(messages, list) or not messages:
-        raise FormatError(f"'messages' must be a non-empty list of turns, got {_short(messages)}")
+        raise FormatError(f"'messages' must be a non-empty list of turns, got {short(messages)}")
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise FormatError(f"turn {k} must be a mapping with 'role' and 'content', got {_short(m)}")
+            raise FormatError(f"turn {k} must be a mapping with 'role' and 'content', got {short(m)}")
         if m["role"] not in ROLES:
             raise FormatError(f"turn {k} has unknown role {m['role']!r}; expected one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
-            raise FormatError(f"turn {k} content must be a string, got {_short(m['content'])}")
+            raise FormatError(f"turn {k} content must be a string, got {short(m['content'])}")
     if not any(m["role"] == "assistant" for m in messages):
         raise FormatError("the conversation has no assistant turn, so no token would carry loss")
 
 
-def _short(x, n: int = 60) -> str:
+def short(x, n: int = 60) -> str:
     s = repr(x)
     return s if len(s) <= n else s[:n] + "..."
 
@@ -181,7 +184,7 @@ def encode_prompt_completion(
     """(text, ids, loss mask): prompt and completion tokenized separately (a clean boundary), EOS after."""
     for name, value in (("prompt", prompt), ("completion", completion)):
         if not isinstance(value, str):
-            raise FormatError(f"{name!r} must be a string, got {_short(value)}")
+            raise FormatError(f"{name!r} must be a string, got {short(value)}")
     if not completion:
         raise FormatError("'completion' is empty, so no token would carry loss")
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -204,3 +207,29 @@ def row_text_for_hash(fmt: str, row: dict, fields: dict) -> str:
 def labels_from_mask(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     """HF-convention labels: the id where the token carries loss, -100 elsewhere."""
     return ids.copy() if mask is None else np.where(mask.astype(bool), ids, -100)
+
+
+def fields(cfg: DataSection) -> dict:
+    """The column each part of a row is read from: text, messages, prompt, completion."""
+    return {
+        "text": cfg.text_field,
+        "messages": cfg.messages_field,
+        "prompt": cfg.prompt_field,
+        "completion": cfg.completion_field,
+    }
+
+
+def sample_format(cfg: DataSection, columns) -> tuple[str, str]:
+    """(text | chat | prompt_completion, how it was decided) for a recipe's data section and the data's columns."""
+    declared = cfg.format if cfg.format in SAMPLE_FORMATS else "auto"
+    f = fields(cfg)
+    try:
+        return detect_format(columns, declared, f["text"], f["messages"], f["prompt"], f["completion"])
+    except FormatError as e:
+        raise DataError(str(e)) from None
+
+
+def document_boundaries(cfg: DataSection, fmt: str) -> bool:
+    """Whether packed rows keep documents apart: data.document_boundaries, else on for the SFT formats."""
+    explicit = cfg.document_boundaries
+    return fmt != "text" if explicit is None else bool(explicit)

@@ -17,16 +17,11 @@ from functools import lru_cache
 import jinja2
 from jinja2 import nodes
 
-from .sft import ROLES, FormatError
+from .formats import ROLES, FormatError, short
 
 
 class ChatRowError(FormatError):
     """One conversation cannot be rendered; the caller adds the file and line."""
-
-
-def _short(x, n: int = 60) -> str:
-    s = repr(x)
-    return s if len(s) <= n else s[:n] + "..."
 
 
 @lru_cache(maxsize=8)
@@ -66,7 +61,7 @@ def _content_text(content, k: int) -> str:
                     f"({{'type': 'text', 'text': ...}}) can be trained on"
                 )
         return "\n".join(texts)
-    raise ChatRowError(f"turn {k} content must be a string or a list of text parts, got {_short(content)}")
+    raise ChatRowError(f"turn {k} content must be a string or a list of text parts, got {short(content)}")
 
 
 def normalize(messages, keys: frozenset[str], template_name: str = "the chat template") -> tuple[list[dict], list[str]]:
@@ -77,11 +72,11 @@ def normalize(messages, keys: frozenset[str], template_name: str = "the chat tem
     turn, or tool calls the template would not render.
     """
     if not isinstance(messages, list) or not messages:
-        raise ChatRowError(f"'messages' must be a non-empty list of turns, got {_short(messages)}")
+        raise ChatRowError(f"'messages' must be a non-empty list of turns, got {short(messages)}")
     out, dropped = [], set()
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise ChatRowError(f"turn {k} must be a mapping with 'role' and 'content', got {_short(m)}")
+            raise ChatRowError(f"turn {k} must be a mapping with 'role' and 'content', got {short(m)}")
         if m["role"] not in ROLES:
             raise ChatRowError(f"turn {k} has unknown role {m['role']!r}; expected one of {', '.join(ROLES)}")
         calls = m.get("tool_calls")
@@ -92,9 +87,9 @@ def normalize(messages, keys: frozenset[str], template_name: str = "the chat tem
                     f"tokenizer whose chat template renders tool calls, or leave such rows out"
                 )
             if not isinstance(calls, list):
-                raise ChatRowError(f"turn {k} tool_calls must be a list, got {_short(calls)}")
+                raise ChatRowError(f"turn {k} tool_calls must be a list, got {short(calls)}")
         if m.get("content") is None and not calls:
-            raise ChatRowError(f"turn {k} must be a mapping with 'role' and 'content', got {_short(m)}")
+            raise ChatRowError(f"turn {k} must be a mapping with 'role' and 'content', got {short(m)}")
         turn = {"role": m["role"], "content": "" if m.get("content") is None else _content_text(m["content"], k)}
         for key, value in m.items():
             if key in ("role", "content") or value is None:  # parquet / hub rows fill absent keys with None

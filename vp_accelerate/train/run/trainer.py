@@ -25,18 +25,19 @@ from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab
 from vp_accelerate.models.lora import describe_adapter, parameter_counts
 from vp_accelerate.runtime import PipelineLayout, PipelineModel
 
-from .data import prepare_data
-from .data_check import data_metrics
+from ..data import prepare_data
+from ..data.check import data_metrics
+from ..recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
+from ..recipe.lr_schedule import build_scheduler
+from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config
+from ..tokens.tokenizer import load_tokenizer
+from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
 from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
-from .optim import build_optimizer, build_scheduler
-from .presets import PRESETS, local_model_dir, model_source, recipe_model_config
-from .recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
+from .optim import build_optimizer
 from .run_state import fingerprint, init_weights_from, resume_run
-from .tokenizer import load_tokenizer
 from .tracking import Tracker, gather, plot_measured_timeline
 from .user_errors import main_process_first
-from .vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
 
 __all__ = ["build_pipeline", "evaluate", "fingerprint", "make_accelerator", "setup", "train"]
 
@@ -198,8 +199,7 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         data = prepare_data(recipe.data, tokenizer, planned[1].rows_after)
         data.check_sizes(recipe.train.global_batch, recipe.eval.batches)
     if recipe.train.steps is None:  # train.epochs: the run's length is known now, set on copies of the sections
-        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train), lr=dataclasses.replace(recipe.lr))
-        finish_steps(recipe, len(data.train) // recipe.train.global_batch)
+        recipe = finish_steps(recipe, len(data.train) // recipe.train.global_batch)
     t = recipe.train
     pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer, chat, planned)
     layout = PipelineLayout(tuple(gather(pipe.describe())))

@@ -29,7 +29,7 @@ COLUMNS = """columns:
 
 def model_config(source: str):
     """A model's config from a preset name, a local model directory or a config.json path (no download)."""
-    from .presets import PRESETS, preset_config  # transformers: `plan --help` and a config.json plan do without
+    from ..recipe.presets import PRESETS, preset_config  # transformers: `plan --help` and a config.json plan do without
 
     path = Path(os.path.expanduser(source))
     if path.is_dir():
@@ -167,8 +167,8 @@ def resolve_auto(recipe, world_size: int | None):
     """(recipe, plan): with `pipeline.schedule: auto` the recipe with the best plan's layout filled in,
     else (recipe, None). Every rank computes the same plan from the same inputs. Raises RecipeError."""
     # presets and recipe load transformers and the models; commands.py imports this module before --help is read
-    from .presets import recipe_model_config
-    from .recipe import RecipeError, check
+    from ..recipe import RecipeError, check
+    from ..recipe.presets import recipe_model_config
 
     p = recipe.pipeline
     if p.schedule != "auto":

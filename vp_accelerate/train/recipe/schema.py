@@ -1,31 +1,16 @@
-"""The training recipe: one validated config made of dataclasses, read from YAML.
-
-A recipe is checked completely before any process group starts: unknown keys (with a "did you
-mean" hint), wrong types and inconsistent values are errors that name the key path, e.g.
-`pipeline.microbatchs: unknown key; did you mean microbatches?`. `--set key.path=value`
-overrides are typed by the field they set.
-
-The generic dict -> dataclass conversion lives in `recipe_io.py`; this file only says what a
-recipe contains and which combinations are valid.
-"""
+"""What a training recipe contains: one dataclass per section, a docstring under every field (docs/training.md's
+key table is generated from them). Which combinations are valid is `checks.py`; reading YAML is `load.py`."""
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-import yaml
-
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 
-from .recipe_io import RecipeError, from_dict, set_override, to_dict
-
-__all__ = ["PipelineConfig", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict", "recipe_to_dict"]
+__all__ = ["AdapterConfig", "PipelineConfig", "Recipe"]
 
 
 @dataclass
@@ -159,10 +144,6 @@ class DataSection:
 
     num_proc: Optional[int] = None
     """Worker processes for tokenization (`datasets.map(num_proc=...)`); None = in-process."""
-
-
-# The pipeline section is the runtime's own config, loaded whole (one set of fields and docstrings):
-# see vp_accelerate/runtime/config.py.
 
 
 @dataclass
@@ -346,232 +327,3 @@ class Recipe:
 
     logging: LoggingSection = field(default_factory=LoggingSection)
     """Logging and tracking."""
-
-
-def check(recipe: Recipe) -> Recipe:
-    """Cross-field checks that need no process group. Raises RecipeError naming the key."""
-    p, t, d, o = recipe.pipeline, recipe.train, recipe.data, recipe.optimizer
-    try:
-        p.check()
-    except ValueError as e:  # its message starts with the field name
-        raise RecipeError(f"pipeline.{e}") from None
-    try:
-        recipe.adapter.check()
-    except ValueError as e:  # its message starts with adapter.<field>
-        raise RecipeError(str(e)) from None
-    if recipe.adapter.enabled:
-        if importlib.util.find_spec("peft") is None:
-            raise RecipeError("adapter.type: lora needs the peft package; pip install 'vp-accelerate[lora]' (or peft)")
-    _check_length(recipe)
-    positive = {
-        "train.steps": 1 if t.steps is None else t.steps,
-        "train.global_batch": t.global_batch,
-        "data.seq_len": d.seq_len,
-        "logging.log_every": recipe.logging.log_every,
-        "data.shuffle_buffer": d.shuffle_buffer,
-        "tokenizer.pad_to_multiple_of": recipe.tokenizer.pad_to_multiple_of,
-        "checkpoint.keep": recipe.checkpoint.keep,
-        "train.max_skipped_steps": t.max_skipped_steps,
-        "eval.max_new_tokens": recipe.eval.max_new_tokens,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise RecipeError(f"{key}: must be >= 1, got {value}")
-    for key, value in {
-        "eval.every": recipe.eval.every,
-        "checkpoint.every": recipe.checkpoint.every,
-        "eval.batches": recipe.eval.batches or 0,
-        "lr.warmup_steps": recipe.lr.warmup_steps,
-    }.items():
-        if value < 0:
-            raise RecipeError(f"{key}: must be >= 0, got {value}")
-    if p.schedule == "auto":  # the planner chooses dp_size and microbatches; checked again once it has
-        if p.layers_per_stage is not None:
-            raise RecipeError(
-                "pipeline.layers_per_stage: cannot be set with schedule auto (the plan splits the "
-                "layers); drop it or name a schedule"
-            )
-    elif t.global_batch % p.dp_size:
-        raise RecipeError(f"train.global_batch: {t.global_batch} is not divisible by pipeline.dp_size={p.dp_size}")
-    elif (t.global_batch // p.dp_size) % p.microbatches:
-        raise RecipeError(
-            f"train.global_batch: the per-replica batch {t.global_batch // p.dp_size} (global_batch / "
-            f"dp_size) is not divisible by pipeline.microbatches={p.microbatches}"
-        )
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        raise RecipeError(f"optimizer.betas: expected two values in [0, 1), got {o.betas}")
-    if o.lr <= 0 or o.eps <= 0 or o.weight_decay < 0:
-        raise RecipeError("optimizer: lr and eps must be > 0 and weight_decay >= 0")
-    if o.grad_clip is not None and o.grad_clip <= 0:
-        raise RecipeError(f"optimizer.grad_clip: must be > 0 or null, got {o.grad_clip}")
-    if not 0.0 <= recipe.lr.min_lr_ratio <= 1.0:
-        raise RecipeError(f"lr.min_lr_ratio: must be in [0, 1], got {recipe.lr.min_lr_ratio}")
-    _check_eval(recipe)
-    if t.steps is not None:
-        finish_steps(recipe)
-    if not 0.0 <= d.eval_holdout < 1.0:
-        raise RecipeError(f"data.eval_holdout: must be in [0, 1), got {d.eval_holdout}")
-    if d.streaming and not d.packing:
-        raise RecipeError("data.packing: false is not supported with data.streaming: true (streams are packed)")
-    if bool(d.files) == bool(d.hub_id):
-        raise RecipeError("data: set exactly one of data.files (local files) or data.hub_id")
-    if recipe.logging.peak_tflops < 0:
-        raise RecipeError("logging.peak_tflops: must be >= 0")
-    _check_paths(recipe)
-    return recipe
-
-
-# the demo data sets the shipped recipes read, and the script that makes each (offline, seconds)
-_DEMO_DATA = {
-    "demo_corpus": "python scripts/make_demo_corpus.py --out {dir}",
-    "demo_chat": "python scripts/make_demo_chat.py --out {dir}",
-}
-
-
-def _make_hint(pattern: str) -> str:
-    folder = os.path.dirname(pattern)
-    make = _DEMO_DATA.get(os.path.basename(folder))
-    return f"; make it with `{make.format(dir=folder)}`" if make else ""
-
-
-def _check_paths(recipe: Recipe) -> None:
-    """Local inputs must exist before launching ranks, so a typo fails in a second, not after startup."""
-    for key, patterns in (("data.files", recipe.data.files), ("data.eval_files", recipe.data.eval_files)):
-        for pattern in patterns:
-            if not glob.glob(os.path.expanduser(pattern)):
-                raise RecipeError(f"{key}: no file matches {pattern!r}{_make_hint(pattern)}")
-    tok = recipe.tokenizer.source or ""
-    if tok.startswith("bpe:"):
-        path = tok[4:]
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise RecipeError(
-                f"tokenizer.source: {path!r} has no tokenizer.json; train one with "
-                f"`python scripts/train_tokenizer.py --out {path} FILES...`"
-            )
-    elif tok.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(tok)):
-        raise RecipeError(f"tokenizer.source: directory {tok!r} does not exist")
-    if recipe.model.init_from is not None:
-        from .checkpoint import CheckpointError, resolve  # loads torch: the recipe check stays light without it
-
-        try:
-            resolve(os.path.expanduser(recipe.model.init_from))
-        except CheckpointError as e:
-            raise RecipeError(f"model.init_from: {e}") from None
-    src = recipe.model.source
-    if src.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(src)):
-        raise RecipeError(f"model.source: directory {src!r} does not exist")
-
-
-DEFAULT_STEPS = 100
-"""train.steps when neither it nor train.epochs is set."""
-
-
-def _check_length(recipe: Recipe) -> None:
-    """train.steps or train.epochs (one of them), lr.warmup_steps or lr.warmup_ratio (at most one)."""
-    t, lr = recipe.train, recipe.lr
-    if t.epochs is not None:
-        if t.steps is not None:
-            raise RecipeError(f"train.epochs: set train.steps ({t.steps}) or train.epochs ({t.epochs:g}), not both")
-        if t.epochs <= 0:
-            raise RecipeError(f"train.epochs: must be > 0, got {t.epochs:g}")
-        if recipe.data.streaming:
-            raise RecipeError(
-                "train.epochs: a stream's length is not known before it is read (data.streaming); "
-                "set train.steps instead"
-            )
-    elif t.steps is None:
-        t.steps = DEFAULT_STEPS
-    if lr.warmup_ratio is not None:
-        if not 0.0 <= lr.warmup_ratio < 1.0:
-            raise RecipeError(f"lr.warmup_ratio: must be in [0, 1), got {lr.warmup_ratio:g}")
-        if lr.warmup_steps:
-            raise RecipeError(
-                f"lr.warmup_ratio: set lr.warmup_steps ({lr.warmup_steps}) or lr.warmup_ratio "
-                f"({lr.warmup_ratio:g}), not both"
-            )
-
-
-def finish_steps(recipe: Recipe, steps_per_epoch: int | None = None) -> Recipe:
-    """Settle the run's length once it is known: train.steps from train.epochs (`steps_per_epoch` optimizer steps
-    per pass over the data), lr.warmup_steps from lr.warmup_ratio; then build the LR schedule once to check it."""
-    from .optim import check_schedule  # loads transformers' schedulers: only once the run's length is settled
-
-    t, lr = recipe.train, recipe.lr
-    if t.steps is None:
-        if steps_per_epoch is None:
-            raise ValueError("finish_steps: train.epochs needs the steps per epoch")
-        t.steps = max(1, math.ceil(t.epochs * steps_per_epoch - 1e-9))
-    if lr.warmup_ratio is not None:
-        lr.warmup_steps = int(round(lr.warmup_ratio * t.steps))
-    check_schedule(lr, t.steps)
-    return recipe
-
-
-def _check_eval(recipe: Recipe) -> None:
-    """Early stopping and keep_best need evaluations (and keep_best one at every checkpoint)."""
-    e, c = recipe.eval, recipe.checkpoint
-    if e.patience is not None:
-        if e.patience < 1:
-            raise RecipeError(f"eval.patience: must be >= 1 or null, got {e.patience}")
-        if e.batches == 0 or e.every == 0:
-            raise RecipeError(
-                "eval.patience: early stopping needs evaluations during the run; set eval.every > 0 "
-                "and eval.batches other than 0"
-            )
-    if e.min_delta < 0:
-        raise RecipeError(f"eval.min_delta: must be >= 0, got {e.min_delta:g}")
-    if e.prompts and e.batches == 0:
-        raise RecipeError("eval.prompts: completions are made at evaluations, and eval.batches: 0 turns them off")
-    if c.keep_best:
-        if not c.enabled:
-            raise RecipeError("checkpoint.keep_best: needs checkpoints (checkpoint.enabled: true)")
-        if e.batches == 0 or e.every == 0 or c.every == 0 or c.every % e.every:
-            raise RecipeError(
-                f"checkpoint.keep_best: every checkpoint needs an eval loss: set eval.every > 0 and "
-                f"checkpoint.every a multiple of it (now eval.every={e.every}, checkpoint.every="
-                f"{c.every}, eval.batches={e.batches})"
-            )
-
-
-REMOVED_KEYS = {
-    "train.precision": "set pipeline.mixed_precision: bf16 (bf16 compute, fp32 master weights), pure-bf16 "
-    "(bf16 parameters and AdamW state) or no (fp32)",
-}
-"""Keys earlier recipes had -> what to set instead (a recipe that sets one fails at load, saying so)."""
-
-
-def _check_removed(data: dict, overrides) -> None:
-    """A removed key, in the recipe or in an override, is a one-line RecipeError naming its replacement."""
-    for key, instead in REMOVED_KEYS.items():
-        section, name = key.split(".")
-        in_data = isinstance(data.get(section), dict) and name in data[section]
-        if in_data or any(str(item).split("=", 1)[0].strip() == key for item in overrides):
-            raise RecipeError(f"{key} was removed: {instead}")
-
-
-def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:
-    """Build and validate a Recipe from a plain dict plus `key.path=value` overrides."""
-    _check_removed(data, overrides)
-    recipe = from_dict(Recipe, data, path="")
-    for item in overrides:
-        set_override(recipe, item)
-    return check(recipe)
-
-
-def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
-    """Read a YAML recipe (yaml.safe_load), apply overrides, validate. Raises RecipeError."""
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise RecipeError(f"recipe file {path!r} not found") from None
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: invalid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
-    return recipe_from_dict(data, overrides)
-
-
-def recipe_to_dict(recipe: Recipe) -> dict:
-    """Plain nested dict (for wandb config and checkpoints)."""
-    return to_dict(recipe)

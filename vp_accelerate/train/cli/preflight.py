@@ -24,22 +24,16 @@ from vp_accelerate.models.layout import LayoutError
 from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.registry import METHODS
 
-from . import checkpoint as ckpt
-from .data import (
-    DataError,
-    _builder_of,
-    _format_of,
-    check_columns,
-    document_boundaries,
-    first_record_columns,
-    sample_format,
-)
-from .model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
-from .presets import PRESETS, preset_config
-from .recipe_io import RecipeError
-from .sft import chat_template_of
-from .tokenizer import QWEN_VARIANTS, expand_files, load_tokenizer
-from .vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
+from ..data.check import check_columns
+from ..data.formats import chat_template_of, document_boundaries, sample_format
+from ..data.read import DataError, first_record_columns
+from ..data.sources import builder_for, expand_files
+from ..recipe.convert import RecipeError
+from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
+from ..recipe.presets import PRESETS, preset_config
+from ..run import checkpoint as ckpt
+from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
+from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
 
 
 def world_size_from_env() -> int | None:
@@ -181,7 +175,7 @@ def _data_note(recipe) -> str:
         return "data: a hub dataset; its format is detected from its columns at the start of the run"
     paths = [p for p in expand_files(d.files) if os.path.getsize(p) > 0][:1]
     try:
-        columns = first_record_columns(paths[0], _format_of(paths, _builder_of(paths, d))) if paths else None
+        columns = first_record_columns(paths[0], builder_for(paths, d)) if paths else None
         if columns is None:
             raise DataError(f"data.files: no record in {expand_files(d.files)[:3]}")
         fmt, how = sample_format(d, columns)
@@ -227,6 +221,11 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
     """Check where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
     write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
     `--resume STEP|PATH` must name a complete checkpoint. Returns notes for `--check`."""
+    if recipe.model.init_from is not None:  # a checkpoint of another run: it must be there and complete
+        try:
+            ckpt.resolve(os.path.expanduser(recipe.model.init_from))
+        except ckpt.CheckpointError as e:
+            raise RecipeError(f"model.init_from: {e}") from None
     c, out = recipe.checkpoint, recipe.logging.output_dir
     explicit = c.dir is not None and c.dir != os.path.join(out, "checkpoints")  # else it follows logging.output_dir
     cdir = c.resolved_dir(out)  # the recipe is left as it is: the trainer's resolved recipe carries this dir

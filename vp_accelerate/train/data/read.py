@@ -22,8 +22,6 @@ RAW = "_raw"
 WHERE = "_where"
 """The column naming each record's place, for files read record by record (JSON arrays)."""
 
-_EXT = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-
 
 class DataError(ValueError):
     """A data problem, with the file or row it concerns (`data.DataError`)."""
@@ -142,11 +140,6 @@ class RowLocator:
                 return f"{path}, {unit} {index + 1}"
             index -= n
         return f"{self.source}, {unit} {index + 1}"
-
-
-def extension_format(path: str) -> str | None:
-    """text / json / parquet from a file's extension, None when it says nothing."""
-    return _EXT.get(os.path.splitext(path)[1].lower())
 
 
 def first_record_columns(path: str, fmt: str) -> list[str] | None:

@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .data_read import DataError
+from .read import DataError
 
 
 @dataclass

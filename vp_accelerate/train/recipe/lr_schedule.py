@@ -1,4 +1,4 @@
-"""AdamW over a pipeline rank's own parameters, and the learning-rate schedule.
+"""The learning-rate schedule a recipe's `lr` section names, and its check.
 
 Schedules: this project's `cosine` / `linear` / `constant` (warm-up from 1/(w+1), decay to `min_lr_ratio`
 at the last step; the names recipes have always used), or any `transformers.get_scheduler` name with its
@@ -13,7 +13,7 @@ import math
 import torch
 from transformers import SchedulerType, get_scheduler
 
-from .recipe_io import RecipeError
+from .convert import RecipeError
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:
@@ -37,21 +37,11 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay: str, min_lr
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def build_optimizer(named_parameters, opt_cfg) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (dim >= 2) only; norms and biases are not decayed."""
-    decay, no_decay = [], []
-    for _, p in named_parameters:
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps
-    )
-
-
 OWN = ("cosine", "linear", "constant")
+
 #: transformers' own `linear` / `cosine` (the plain names are this project's, kept as they were)
 HF_ALIASES = {"linear_hf": "linear", "cosine_hf": "cosine"}
+
 #: get_scheduler names left out: they step on a metric (eval loss), not on the step number
 _UNSUPPORTED = ("reduce_lr_on_plateau", "greedy")
 

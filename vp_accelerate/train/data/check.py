@@ -13,8 +13,15 @@ does), its documents apart.
 
 from __future__ import annotations
 
-from .data import DataError, PreparedData, SplitStats, no_eval_message, prepare_data
-from .recipe import finish_steps
+import os
+
+from ..recipe import Recipe, finish_steps
+from ..recipe.schema import DataSection
+from .formats import sample_format
+from .prepare import PreparedData, no_eval_message, prepare_data
+from .read import DataError, first_record_columns
+from .sources import builder_for, expand_files
+from .stats import SplitStats
 
 
 def _rows_line(s: SplitStats, held_out: int) -> str:
@@ -63,8 +70,8 @@ def steps_per_epoch(prepared: PreparedData, global_batch: int) -> int:
     return len(prepared.train) // global_batch
 
 
-def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], PreparedData]:
-    """(report lines, the prepared data) for `--check`. Raises DataError (BadRowsError lists the invalid rows)
+def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], PreparedData, Recipe]:
+    """(report lines, the prepared data, the recipe with the run's length settled) for `--check`. Raises DataError (BadRowsError lists the invalid rows)
     for what would stop the run: invalid rows, every conversation dropped, too few sequences for one step, no
     evaluation sequence when evaluation is on."""
     d, t, e = recipe.data, recipe.train, recipe.eval
@@ -83,7 +90,8 @@ def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], Prepared
             lines.append(keys)
         per_epoch = steps_per_epoch(prepared, t.global_batch)
         if t.epochs is not None:
-            finish_steps(recipe, per_epoch)
+            recipe = finish_steps(recipe, per_epoch)
+            t = recipe.train
             lines.append(
                 f"train.global_batch {t.global_batch}: {per_epoch:,} steps per epoch; train.epochs "
                 f"{t.epochs:g} = {t.steps:,} steps"
@@ -100,11 +108,11 @@ def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], Prepared
             )
     if e.batches == 0:
         lines.append("evaluation off (eval.batches: 0)")
-        return lines, prepared
+        return lines, prepared, recipe
     ev = prepared.eval
     if ev is None:
         lines.append("evaluation: held-out documents of the stream, read at the start of the run")
-        return lines, prepared
+        return lines, prepared, recipe
     if len(ev) == 0:
         raise DataError(no_eval_message(d))
     s = prepared.stats["eval"]
@@ -117,7 +125,7 @@ def data_report(recipe, tokenizer, vocab_size: int) -> tuple[list[str], Prepared
     )
     if s.dropped or s.truncated:
         lines.append("evaluation " + _packing_line(s, d.seq_len))
-    return lines, prepared
+    return lines, prepared, recipe
 
 
 def bad_rows_text(err) -> str:
@@ -186,3 +194,28 @@ def data_metrics(prepared: PreparedData, global_batch: int) -> dict:
     if prepared.train is not None:
         out["data/steps_per_epoch"] = len(prepared.train) // global_batch
     return out
+
+
+def check_columns(cfg: DataSection) -> None:
+    """Every local training / eval file of text format has `text_field` in its first record; else a DataError
+    naming the columns found (checked before launch, not after)."""
+    for key, patterns in (("data.files", cfg.files), ("data.eval_files", cfg.eval_files)):
+        if not patterns:
+            continue
+        paths = [p for p in expand_files(patterns) if os.path.getsize(p) > 0]
+        if not paths:
+            continue
+        builder = builder_for(paths, cfg)
+        for path in paths:
+            columns = first_record_columns(path, builder)
+            if columns is None:
+                continue
+            try:
+                fmt, _ = sample_format(cfg, columns)
+            except DataError:  # no format's columns: then it is text without its field
+                fmt = "text"
+            if fmt == "text" and cfg.text_field not in columns:
+                raise DataError(
+                    f"data.text_field: {cfg.text_field!r} is not a column of {path} (columns found: "
+                    f"{columns}); set data.text_field to the column holding the text"
+                )

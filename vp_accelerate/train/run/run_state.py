@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from vp_accelerate.runtime.groups import host_group
 
+from ..recipe import recipe_to_dict
 from . import checkpoint as ckpt
 from .nonfinite import check_weights_before_save
-from .recipe import recipe_to_dict
 from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")

@@ -6,7 +6,6 @@ exports ship it beside the model and `AutoTokenizer.from_pretrained` reads it ba
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -17,19 +16,10 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from ..data.sources import expand_files
+
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
-
-
-def expand_files(patterns: list[str]) -> list[str]:
-    """Sorted files matching the globs (sorted so the result does not depend on directory order)."""
-    files: list[str] = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        if not matched:
-            raise FileNotFoundError(f"no file matches {pattern!r}")
-        files += [m for m in matched if os.path.isfile(m)]
-    return files
 
 
 def _iter_texts(files: list[str], text_field: str = "text"):

@@ -25,7 +25,7 @@ from transformers.pytorch_utils import Conv1D
 from vp_accelerate.models.adapter import find_parts
 from vp_accelerate.models.lora import target_modules_for
 
-from .recipe_io import RecipeError
+from .convert import RecipeError
 
 
 def hub_offline() -> bool:

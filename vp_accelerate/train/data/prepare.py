@@ -1,0 +1,271 @@
+"""Training data, once per run: read, tokenize and pack the recipe's data (`prepare_data` -> `PreparedData`),
+then slice it per replica (`PreparedData.iterators`).
+
+Label convention (HF): a batch carries `input_ids` and `labels` equal to `input_ids` (with -100 on
+padding). `PipelineModel` shifts them (`vocab.labels.shift_labels`: position t is scored against
+`labels[:, t+1]`, the last position against nothing), exactly as `AutoModelForCausalLM(input_ids,
+labels=input_ids)` does, so exported models reproduce the training/eval loss.
+
+The steps live in their own modules: `sources.py` (files and builders), `read.py` (rows as written),
+`formats.py` (which sample format, a row's ids and loss mask), `tokenize.py` (the `datasets.map` step, cached
+under a key of our own so `--check` and every rank of the launch reuse one result), `pack.py` (sequences),
+`batches.py` (iterators). Every row that does not fit its format is collected with its file and 1-based line:
+the run stops naming the first and how many (`--check` lists the first 20), or skips them all with
+`data.skip_invalid`.
+
+With document boundaries (the default for chat and prompt_completion, `data.document_boundaries`) packed rows
+also carry `position_ids` that restart at 0 for every document: the model builds its attention mask from them
+(HF's packed-sequence convention), so no token attends across documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..recipe.schema import DataSection
+from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterator, pack_stream
+from .formats import document_boundaries, sample_format
+from .pack import encoded, to_sequences, warn
+from .read import DataError, RowLocator, load_rows
+from .sources import builder_for, data_columns, load_documents, nonempty_paths
+from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column, count_split
+from .tokenize import RowTokenizer, tokenize_rows, without
+
+
+class BadRowsError(DataError):
+    """Rows that do not fit their format: `str()` is one line (the first and how many), `examples` the first
+    BAD_ROWS_LISTED reasons, `count` all of them."""
+
+    def __init__(self, key: str, examples: list[str], count: int):
+        self.key, self.examples, self.count = key, examples, count
+        more = f"{count} invalid rows; the first: " if count > 1 else ""
+        super().__init__(
+            f"{key}: {more}{examples[0]}. Fix the rows, or set data.skip_invalid: true to skip such "
+            f"rows (they are counted){'; --check lists them' if count > 1 else ''}"
+        )
+
+
+@dataclass
+class PreparedData:
+    """The data of a run, read, tokenized and packed once (`prepare_data`); `iterators` slices it per replica."""
+
+    cfg: DataSection
+    """The recipe's data section."""
+    fmt: str
+    """Sample format: text, chat or prompt_completion."""
+    how: str
+    """How the format was decided (declared, or detected from which columns)."""
+    train: Sequences | None
+    """Packed training sequences (None when streaming)."""
+    eval: Sequences | None
+    """Packed evaluation sequences (None when streaming without data.eval_files: read from the stream)."""
+    stats: dict
+    """"train" / "eval" -> SplitStats (a streamed split has none)."""
+    make_stream: object = None
+    """Streaming: (seed, epoch, heldout) -> the tokenized stream."""
+    pad_id: int = 0
+    """The padding token id."""
+
+    def check_sizes(self, global_batch: int, eval_batches: int | None) -> None:
+        """The errors `iterators` would raise, before anything else is built: fewer sequences than one global
+        batch, no evaluation sequence while evaluation is on."""
+        if self.train is not None and len(self.train) < global_batch:
+            raise DataError(
+                f"train.global_batch: the training data has {len(self.train)} sequences, fewer than "
+                f"train.global_batch={global_batch}; add data or lower data.seq_len / train.global_batch"
+            )
+        if eval_batches != 0 and self.eval is not None and len(self.eval) == 0:
+            raise DataError(no_eval_message(self.cfg))
+
+    def iterators(self, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1, eval_batches: int | None = 0):
+        """(training iterator, EvalBatches of this replica). `eval_batches`: None = every evaluation sequence,
+        0 = none, N = at most N batches."""
+        cfg = self.cfg
+        if self.train is not None:
+            train = BatchIterator(self.train, seed, global_batch, dp_rank, dp_size)
+        else:
+
+            def stream(epoch: int, heldout: bool = False):
+                return self.make_stream(seed, epoch, heldout)
+
+            train = StreamingBatchIterator(
+                stream, cfg.seq_len, seed, global_batch, dp_rank, dp_size, replay=cfg.stream_resume == "replay"
+            )
+        if eval_batches == 0:
+            return train, EvalBatches(
+                Sequences(np.zeros((0, cfg.seq_len), dtype=np.int64)), global_batch, dp_rank, dp_size, limit=0
+            )
+        seqs = self.eval
+        if seqs is None:  # held-out documents of the stream: the first few batches' worth
+            n_eval = (eval_batches or STREAM_EVAL_BATCHES) * global_batch
+            rows = []
+            for seq in pack_stream(self.make_stream(seed, 0, True), cfg.seq_len, []):
+                rows.append(seq)
+                if len(rows) == n_eval:
+                    break
+            seqs = Sequences(np.asarray(rows, dtype=np.int64).reshape(-1, cfg.seq_len), pad_id=self.pad_id)
+        if len(seqs) == 0:
+            raise DataError(no_eval_message(cfg))
+        return train, EvalBatches(seqs, global_batch, dp_rank, dp_size, limit=eval_batches)
+
+
+STREAM_EVAL_BATCHES = 4
+"""Evaluation batches read from a stream's held-out documents when eval.batches is null (a stream has no end
+to evaluate up to)."""
+
+
+def no_eval_message(cfg: DataSection) -> str:
+    if cfg.eval_files:
+        return (
+            f"data.eval_files: {cfg.eval_files} gave no evaluation sequence (no valid row, or every one "
+            f"dropped); fix those files, or set eval.batches: 0 for no evaluation"
+        )
+    return (
+        f"data.eval_holdout: {cfg.eval_holdout} of the training rows held out no sequence for evaluation; set "
+        f"data.eval_files, raise data.eval_holdout, or set eval.batches: 0 for no evaluation"
+    )
+
+
+def holdout_every(cfg: DataSection) -> int:
+    """Hold out 1 row in this many for evaluation (0: none, data.eval_files or eval_holdout 0)."""
+    return 0 if cfg.eval_files or cfg.eval_holdout == 0 else max(2, round(1 / cfg.eval_holdout))
+
+
+def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = True) -> PreparedData:
+    """Read, tokenize and pack the recipe's data once (every rank the same; the tokenized rows are cached).
+
+    Raises DataError naming the key, file and row and the fix: invalid rows (`BadRowsError`, unless
+    data.skip_invalid), every conversation dropped by data.seq_len, too little data for one sequence.
+    """
+    every = holdout_every(cfg)
+    source = f"data.files {cfg.files}" if cfg.files else f"dataset {cfg.hub_id}"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    paths = nonempty_paths(cfg.files) if not cfg.hub_id else []
+    builder = builder_for(paths, cfg) if paths else "auto"
+    docs = load_documents(
+        paths or None, cfg.hub_id, cfg.hub_split, builder, cfg.streaming, cfg.hub_name, cfg.hub_revision
+    )
+    fmt, how = sample_format(cfg, data_columns(docs, paths, builder))
+    boundaries = document_boundaries(cfg, fmt)
+
+    if cfg.streaming:
+        if fmt != "text" or boundaries:
+            raise DataError(
+                f"data.streaming: streams are packed without document boundaries and support "
+                f"data.format: text only (this data is {fmt}); set data.streaming: false"
+            )
+        tok_fn = RowTokenizer(
+            tokenizer, cfg, vocab_size, source, every, fmt, RowLocator(paths, builder, source) if paths else None
+        )
+        skip = cfg.skip_invalid
+
+        def make_stream(seed: int, epoch: int, heldout: bool = False):
+            stream = docs.map(tok_fn, batched=True, with_indices=True, remove_columns=list(docs.column_names or []))
+            stream = stream.filter(lambda ex: _stream_row_ok(ex, skip) and ex["heldout"] == heldout)
+            if heldout:
+                return stream
+            stream = stream.shuffle(seed=seed, buffer_size=cfg.shuffle_buffer)
+            stream.set_epoch(epoch)
+            return stream
+
+        eval_seqs, stats = None, {}
+        if cfg.eval_files:
+            eval_seqs, stats["eval"] = _eval_split(cfg, tokenizer, vocab_size, pad_id, fmt, cache)
+        return PreparedData(cfg, fmt, how, None, eval_seqs, stats, make_stream, pad_id)
+
+    tokenized, train_stats, bad = tokenize_rows(
+        docs, cfg, tokenizer, vocab_size, fmt, source, paths, builder, every, cache
+    )
+    eval_tok = eval_stats = None
+    eval_bad = np.zeros(0, dtype=np.int64)
+    if cfg.eval_files:
+        eval_tok, eval_stats, eval_bad = _eval_rows(cfg, tokenizer, vocab_size, fmt, cache)
+    _stop_or_skip(cfg, [(source, train_stats, bad), ("data.eval_files", eval_stats, eval_bad)])
+    tokenized = without(tokenized, bad)
+    if train_stats.rows == train_stats.bad:
+        raise DataError(f"{source}: no valid row (all {train_stats.rows} skipped as invalid, data.skip_invalid)")
+    flags = np.asarray(arrow_column(tokenized, "heldout").to_numpy(zero_copy_only=False), dtype=bool)
+    train_part = tokenized.select(np.flatnonzero(~flags))
+    count_split(train_stats, train_part)
+    train = to_sequences(encoded(train_part), cfg, pad_id, source, fmt, stats=train_stats)
+    if eval_tok is not None:
+        eval_part = without(eval_tok, eval_bad)
+    else:
+        eval_part, eval_stats = (
+            tokenized.select(np.flatnonzero(flags)),
+            SplitStats(f"{source} (held out: 1 row in {every})" if every else source),
+        )
+    count_split(eval_stats, eval_part)
+    eval_seqs = to_sequences(
+        encoded(eval_part), cfg, pad_id, eval_stats.source, fmt, allow_empty=True, stats=eval_stats
+    )
+    for stats in (train_stats, eval_stats):
+        if stats.dropped_keys:  # said once, at the start (and listed by --check)
+            warn(
+                "%s: message keys the chat template does not read were dropped: %s",
+                stats.source,
+                ", ".join(f"{k} ({n} rows)" for k, n in sorted(stats.dropped_keys.items())),
+            )
+    return PreparedData(cfg, fmt, how, train, eval_seqs, {"train": train_stats, "eval": eval_stats}, None, pad_id)
+
+
+def _stream_row_ok(example, skip: bool) -> bool:
+    if not example["invalid"]:
+        return True
+    if skip:
+        return False
+    raise DataError(f"data.files: {example['invalid']}. Fix the row, or set data.skip_invalid: true to skip such rows")
+
+
+def _stop_or_skip(cfg: DataSection, splits) -> None:
+    """Invalid rows stop the run (one BadRowsError over every split) unless data.skip_invalid skips them."""
+    examples, count, key = [], 0, None
+    for source, stats, bad in splits:
+        if stats is None or not stats.bad:
+            continue
+        key = key or ("data.files" if source.startswith("data.files") else source.split(" ")[0])
+        examples += stats.bad_examples
+        count += stats.bad
+        if cfg.skip_invalid:
+            warn(
+                "%s: skipped %d invalid row(s) (data.skip_invalid); the first: %s",
+                source,
+                stats.bad,
+                stats.bad_examples[0],
+            )
+    if count and not cfg.skip_invalid:
+        raise BadRowsError(key, examples[:BAD_ROWS_LISTED], count)
+
+
+def _eval_rows(cfg: DataSection, tokenizer, vocab_size: int, fmt: str, cache: bool):
+    paths = nonempty_paths(cfg.eval_files, "data.eval_files")
+    builder = builder_for(paths, cfg)
+    docs = load_rows(paths, builder)
+    return tokenize_rows(
+        docs, cfg, tokenizer, vocab_size, fmt, f"data.eval_files {cfg.eval_files}", paths, builder, 0, cache
+    )
+
+
+def _eval_split(cfg: DataSection, tokenizer, vocab_size: int, pad_id: int, fmt: str, cache: bool):
+    tokenized, stats, bad = _eval_rows(cfg, tokenizer, vocab_size, fmt, cache)
+    _stop_or_skip(cfg, [("data.eval_files", stats, bad)])
+    part = without(tokenized, bad)
+    count_split(stats, part)
+    return to_sequences(encoded(part), cfg, pad_id, stats.source, fmt, allow_empty=True, stats=stats), stats
+
+
+def build_data(
+    cfg: DataSection,
+    tokenizer,
+    vocab_size: int,
+    seed: int,
+    global_batch: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    eval_batches: int | None = 0,
+):
+    """(train iterator, eval batches for this replica) from a recipe's `data` section: `prepare_data` then
+    `PreparedData.iterators` (eval_batches: None = the whole evaluation set, 0 = none, N = at most N)."""
+    return prepare_data(cfg, tokenizer, vocab_size).iterators(seed, global_batch, dp_rank, dp_size, eval_batches)

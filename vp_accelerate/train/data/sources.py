@@ -1,0 +1,104 @@
+"""Which files a recipe's data section names, how `datasets` reads them, and their raw rows.
+
+`expand_files` turns globs into sorted files; `builder_for` picks the `datasets` builder (text / json / parquet)
+from `data.file_format` or the extensions; `load_documents` reads the rows as written (`read.py`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from ..recipe.schema import DataSection
+from .read import RAW, DataError, first_record_columns, load_rows
+
+_EXT = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def expand_files(patterns: list[str]) -> list[str]:
+    """Sorted files matching the globs (sorted so the result does not depend on directory order)."""
+    files: list[str] = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matched:
+            raise FileNotFoundError(f"no file matches {pattern!r}")
+        files += [m for m in matched if os.path.isfile(m)]
+    return files
+
+
+def extension_format(path: str) -> str | None:
+    """text / json / parquet from a file's extension, None when it says nothing."""
+    return _EXT.get(os.path.splitext(path)[1].lower())
+
+
+def format_of(files: list[str], fmt: str) -> str:
+    """The `datasets` builder for `files`: `fmt` (text/json/parquet) or, for "auto", from the extensions."""
+    if fmt != "auto":
+        return fmt
+    kinds = {extension_format(f) for f in files}
+    if None in kinds:
+        bad = [f for f in files if extension_format(f) is None]
+        raise DataError(
+            f"data.file_format: cannot tell the format of {bad[0]!r}; set data.file_format to text, json or parquet"
+        )
+    if len(kinds) > 1:
+        raise DataError(f"data.files: mixes formats {sorted(kinds)}; use one format per list")
+    return kinds.pop()
+
+
+def file_format(cfg: DataSection) -> str:
+    """The `datasets` builder asked for: data.file_format, or the legacy file-format values of data.format."""
+    if cfg.format in ("json", "parquet"):
+        return cfg.format
+    return cfg.file_format
+
+
+def builder_for(paths: list[str], cfg: DataSection) -> str:
+    """The `datasets` builder that reads `paths` (text / json / parquet) under the recipe's data section."""
+    fmt = file_format(cfg)
+    if fmt == "auto" and cfg.format == "text" and any(extension_format(f) is None for f in paths):
+        return "text"  # `format: text` on files of any extension read them as plain text lines (as it always did)
+    return format_of(paths, fmt)
+
+
+def nonempty_paths(files: list[str] | None, key: str = "data.files") -> list[str]:
+    """The files the globs name that hold bytes (0-byte files hold no rows, and some builders fail on them)."""
+    paths = expand_files(files or [])
+    if not paths:
+        raise DataError(f"{key}: no files")
+    nonempty = [p for p in paths if os.path.getsize(p) > 0]
+    if not nonempty:
+        raise DataError(f"{key}: the dataset is empty (every file has 0 bytes: {paths[:3]})")
+    return nonempty
+
+
+def load_documents(
+    files: list[str] | None,
+    hub_id: str | None = None,
+    split: str = "train",
+    fmt: str = "auto",
+    streaming: bool = False,
+    name: str | None = None,
+    revision: str | None = None,
+):
+    """A `datasets` Dataset (or IterableDataset when streaming) of raw rows (JSON as written: `read.py`).
+
+    A hub dataset takes its configuration `name` and a `revision` (branch, tag or commit) for a pinned corpus.
+    """
+    from datasets import load_dataset  # datasets fixes its cache dir when imported: see read.load_rows
+
+    if hub_id:
+        return load_dataset(hub_id, name, split=split, streaming=streaming, revision=revision)
+    paths = nonempty_paths(files)  # 0-byte files hold no rows (and some builders fail on them)
+    return load_rows(paths, format_of(paths, fmt), streaming)
+
+
+def data_columns(docs, paths: list[str], builder: str) -> list[str]:
+    """The columns rows have: the dataset's, or for JSON read as written the first record's keys."""
+    if RAW not in (docs.column_names or []):
+        return list(docs.column_names or [])
+    for path in paths:
+        columns = first_record_columns(path, builder)
+        if columns is not None:
+            return columns
+    return []

@@ -1,0 +1,53 @@
+"""Reading a recipe: YAML (safe_load) plus `--set key.path=value` overrides into a checked `Recipe`, and back to a
+plain dict (wandb config, checkpoints). The generic dict <-> dataclass conversion is `convert.py`."""
+
+from __future__ import annotations
+
+import yaml
+
+from .checks import check
+from .convert import RecipeError, from_dict, set_override, to_dict
+from .schema import Recipe
+
+REMOVED_KEYS = {
+    "train.precision": "set pipeline.mixed_precision: bf16 (bf16 compute, fp32 master weights), pure-bf16 "
+    "(bf16 parameters and AdamW state) or no (fp32)",
+}
+"""Keys earlier recipes had -> what to set instead (a recipe that sets one fails at load, saying so)."""
+
+
+def _check_removed(data: dict, overrides) -> None:
+    """A removed key, in the recipe or in an override, is a one-line RecipeError naming its replacement."""
+    for key, instead in REMOVED_KEYS.items():
+        section, name = key.split(".")
+        in_data = isinstance(data.get(section), dict) and name in data[section]
+        if in_data or any(str(item).split("=", 1)[0].strip() == key for item in overrides):
+            raise RecipeError(f"{key} was removed: {instead}")
+
+
+def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:
+    """Build and validate a Recipe from a plain dict plus `key.path=value` overrides."""
+    _check_removed(data, overrides)
+    recipe = from_dict(Recipe, data, path="")
+    for item in overrides:
+        set_override(recipe, item)
+    return check(recipe)
+
+
+def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe (yaml.safe_load), apply overrides, validate. Raises RecipeError."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise RecipeError(f"recipe file {path!r} not found") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
+    return recipe_from_dict(data, overrides)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """Plain nested dict (for wandb config and checkpoints)."""
+    return to_dict(recipe)
