@@ -82,3 +82,25 @@ def test_paths_named_in_the_docs_exist(doc):
     named = {m.group(1) for m in re.finditer(rf"(?<![\w/])(?:vp_accelerate/)?((?:{PACKAGES})/[\w/]+\.py)", text)}
     missing = sorted(p for p in named if not (ROOT / "vp_accelerate" / p).exists())
     assert not missing, f"{doc} names files that do not exist: {missing}"
+
+
+def _readme_figures():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_figures", ROOT / "scripts" / "readme_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_figures_say_what_the_benchmark_table_says():
+    """README's "What it buys" is rendered from docs/benchmarks.md's table of one harness run; an edited number in
+    either doc makes them differ."""
+    figures = _readme_figures()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert figures.render() == readme, "README.md's figures are stale: python scripts/readme_figures.py render"
+    rows, meta = figures.parse_table((ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8"))
+    assert rows and {r["method"] for r in rows} >= {"peer", "1f1b-vocab-2"}
+    vp = next(r for r in rows if r["method"] == "1f1b-vocab-2")
+    vp["ratio"] += 1
+    assert figures.figures(rows, meta) not in readme
