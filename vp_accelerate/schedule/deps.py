@@ -9,6 +9,9 @@ the chunk passes' rules are stated below. What the builder needs besides is deri
 functions: `vocab_actions` (which actions a step has), `pass_inputs` / `collectives_read` (what a pass
 waits for, as passes and collectives), `triggers` (after which passes a collective is issued) and
 `root`.
+
+Every rule relates actions of one microbatch (each action it names has the microbatch of the action
+asked about), so a reader may ask once per op and chunk and substitute the microbatch (the replay does).
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ def vocab_actions(s: Schedule) -> tuple[Op, ...]:
         for a in VOCAB_ACTIONS.values()
         if s.method.barriers >= a.min_barriers and not (a.training_only and s.forward_only)
     )
+
+
+def activation_passes(split_backward: bool) -> tuple[Op, Op]:
+    """(the pass that leaves a (mb, chunk) activation on its rank, the pass that frees it): F, and the
+    last pass that reads what F saved — W when the backward is split, else B. The builder's activation
+    limits count these."""
+    return Op.F, Op.W if split_backward else Op.B
 
 
 def root(s: Schedule, op: Op) -> int:

@@ -71,7 +71,6 @@ class Policy:
 
 POLICIES = (Policy(), Policy(s_first=True), Policy(w_behind_backward=True))
 """What the builder tries, in this order (the first of equally fast ones wins)."""
-_FREE_AFTER = {True: Op.W, False: Op.B}  # the pass that frees a forward's activations
 
 
 class Stuck(ScheduleError):
@@ -146,10 +145,10 @@ class _Limits:
 def block_memory(passes: list[TimedPass], split_backward: bool, num_ranks: int):
     """Per rank, ({chunk: peak (mb, chunk) activations in flight}, peak in all) of a placement: what the
     cost-aware schedule must not exceed."""
-    free_op = _FREE_AFTER[split_backward]
+    take_op, free_op = deps.activation_passes(split_backward)
     events: list[list] = [[] for _ in range(num_ranks)]
     for tp in passes:
-        if tp.op is Op.F:
+        if tp.op is take_op:
             events[tp.rank].append((tp.slot, 1, tp.chunk, 1))
         elif tp.op is free_op:
             events[tp.rank].append((tp.end, 0, tp.chunk, -1))
@@ -193,7 +192,7 @@ class _ListSchedule:
             )
             for tp in grid
         }
-        self.free_op = _FREE_AFTER[layout.split_backward]
+        self.take_op, self.free_op = deps.activation_passes(layout.split_backward)
         self.limits = (
             None if layout.forward_only else [_Limits(*m) for m in block_memory(grid, layout.split_backward, p)]
         )
@@ -287,7 +286,7 @@ class _ListSchedule:
         self.free[r] = end
         self.out.append(TimedPass(r, ps.op, ps.mb, ps.chunk, t, ps.dur))
         if self.limits is not None:
-            if ps.op is Op.F:
+            if ps.op is self.take_op:
                 self.limits[r].take(ps.chunk, 1)
             elif ps.op is self.free_op:
                 self.limits[r].take(ps.chunk, -1)
@@ -334,14 +333,15 @@ class _ListSchedule:
         cands = [self.passes[k] for _, k in sorted(self.ready_heap[r])]
         lim = self.limits[r] if self.limits is not None else None
         if lim is not None:
-            cands = [ps for ps in cands if ps.op is not Op.F or lim.allows(ps.chunk)]
+            take = self.take_op  # a pass that takes room: only while the limit allows
+            cands = [ps for ps in cands if ps.op is not take or lim.allows(ps.chunk)]
             if not lim.pressure(W_MARGIN):  # W has no consumer: it fills what the others leave
                 cands = [ps for ps in cands if ps.op is not Op.W] + [ps for ps in cands if ps.op is Op.W]
             elif self.policy.w_behind_backward:
                 cands = (
-                    [ps for ps in cands if ps.op not in (Op.W, Op.F)]
+                    [ps for ps in cands if ps.op is not Op.W and ps.op is not take]
                     + [ps for ps in cands if ps.op is Op.W]
-                    + [ps for ps in cands if ps.op is Op.F]
+                    + [ps for ps in cands if ps.op is take]
                 )
         if self.policy.s_first:
             cands = [ps for ps in cands if ps.op is Op.S] + [ps for ps in cands if ps.op is not Op.S]

@@ -45,6 +45,7 @@ def _expected(s: Schedule, r: int) -> set:
     """(op, mb, chunk) of every action rank r must run exactly once."""
     out = set()
     last = s.last_chunk
+    vocab = vocab_actions(s)
     for mb in range(s.num_microbatches):
         for c in s.chunks_of(r):
             out.add((Op.F, mb, c))
@@ -60,7 +61,7 @@ def _expected(s: Schedule, r: int) -> set:
                     out.add((Op.SEND_GRAD, mb, c))
                 if c < last and s.owner(c + 1) != r:
                     out.add((Op.RECV_GRAD, mb, c))
-        out.update((op, mb, 0) for op in vocab_actions(s))
+        out.update((op, mb, 0) for op in vocab)
     return out
 
 
@@ -68,6 +69,7 @@ def _check_rank(s: Schedule, r: int) -> None:
     done: set = set()
     roots = {op: root(s, op) for op in COLLECTIVES}
     expected = _expected(s, r)
+    needs_of: dict = {}
     for i, a in enumerate(s.actions[r]):
         key = (a.op, a.mb, a.chunk)
         if key in done:
@@ -80,8 +82,11 @@ def _check_rank(s: Schedule, r: int) -> None:
                 "does not belong on this rank for this schedule "
                 f"({s.describe()}, rank holds chunks {list(s.chunks_of(r))})",
             )
-        need = prerequisites(s, r, a)
-        missing = [n for n in need if n not in done]
+        kind = (a.op, a.chunk)  # deps' rules relate actions of one microbatch: asked once per op and chunk
+        need = needs_of.get(kind)
+        if need is None:
+            need = needs_of[kind] = [(op, c) for op, _, c in prerequisites(s, r, a)]
+        missing = [(op, a.mb, c) for op, c in need if (op, a.mb, c) not in done]
         if missing:
             op, mb, c = missing[0]
             raise _err(r, i, a, f"runs before {Action(op, mb, c)} on this rank")
