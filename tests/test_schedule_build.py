@@ -176,3 +176,35 @@ def test_cost_aware_from_measured_costs(tmp_path):
     )
     s = build_schedule("vhalf", "vocab-2", 4, 16, costs=MeasuredCosts.from_json(path))
     validate(s)
+
+
+@pytest.mark.parametrize("kind,method", [("1f1b", "vocab-1"), ("vhalf", "vocab-2"), ("interleaved", "vocab-2")])
+def test_the_list_schedulers_times_are_the_replays_under_buffered_sends(kind, method):
+    """One model of time: the step the list scheduler plans lasts what the replay driver computes for its
+    lowered lists under `replay.BUFFERED` with the same clock (to the tick), and no pass starts later
+    there than planned (the replay starts each as soon as its inputs allow; the scheduler may hold back
+    one, as IF until its release)."""
+    import dataclasses
+
+    from vp_accelerate.schedule.list_schedule import POLICIES, Ticks, list_schedule
+    from vp_accelerate.schedule.lower import lower
+    from vp_accelerate.schedule.registry import check_pair
+    from vp_accelerate.schedule.replay import BUFFERED, CostClock, makespan, replay
+    from vp_accelerate.schedule.timing import place
+
+    p, m = 4, 12
+    grid = build_schedule(kind, method, p, m)
+    sk, meth = check_pair(kind, method)
+    block = sk.block(p, 2, meth.barriers * sk.block(p, 2, 0).sub_period)
+    passes, _ = place(block, p, m, meth, False)
+    clock = CostClock(_costs(kind, method, p))
+    ticks = Ticks(clock, passes)
+    for policy in POLICIES:
+        planned, colls, span = list_schedule(grid, passes, ticks, policy)
+        lists = lower(p, grid.chunk_rank, planned, colls)
+        out = replay(dataclasses.replace(grid, actions=lists), BUFFERED, clock)
+        tol = 1e-5 * span * ticks.tick_s
+        assert makespan(out) == pytest.approx(span * ticks.tick_s, abs=tol)
+        starts = {(r, a.op, a.mb, a.chunk): start for r, a, start, _ in out.passes}
+        for tp in planned:
+            assert starts[(tp.rank, tp.op, tp.mb, tp.chunk)] <= tp.slot * ticks.tick_s + tol

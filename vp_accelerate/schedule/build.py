@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .ir import Schedule, ScheduleError
-from .list_schedule import POLICIES, Stuck, list_schedule, tick_costs
+from .list_schedule import POLICIES, Stuck, Ticks, list_schedule
 from .lower import lower
 from .registry import SCHEDULES, ScheduleKind, check_pair
 from .replay import CostClock, makespan, replay
@@ -59,36 +59,27 @@ def build_schedule(
     grid = schedule_of(passes, colls)
     if costs is None or p == 1:
         return grid
-    schedule = _cost_aware(grid, schedule_of, block, passes, colls, costs)
+    schedule = _cost_aware(grid, schedule_of, passes, costs)
     if schedule is not grid:  # the grid orders are checked by the tests; a cost-aware one is new for every input
         validate(schedule)
     return schedule
 
 
-def _cost_aware(grid: Schedule, schedule_of, block, passes, colls, costs) -> Schedule:
+def _cost_aware(grid: Schedule, schedule_of, passes, costs) -> Schedule:
     """The fastest of the block's own order (`grid`) and the list schedules of its placement with `costs`
     (one per priority policy), each timed as a GPU runs it: the replay under NCCL's rules (`streams.NCCL`)
-    with these costs. The list scheduler's own clock sends without waiting for the receiver, and NCCL's
-    rendezvous and in-order batches can undo what it gains, so the choice is made on the replay."""
-    ticks = tick_costs(costs, block.chunk_rank, {tp.op for tp in passes}, {c.op for c in colls})
+    with these costs. The list scheduler builds on the same clock under the replay's buffered rules (sends
+    never wait), and NCCL's rendezvous and in-order batches can undo what it gains, so the choice is made
+    on the replay under NCCL's."""
+    clock = CostClock(costs)
+    ticks = Ticks(clock, passes)
     candidates = [grid]
     for policy in POLICIES:
         try:
-            new_passes, new_colls, _ = list_schedule(
-                passes,
-                colls,
-                block.chunk_rank,
-                grid.num_ranks,
-                grid.method,
-                grid.split_backward,
-                grid.forward_only,
-                ticks,
-                policy=policy,
-            )
+            new_passes, new_colls, _ = list_schedule(grid, passes, ticks, policy=policy)
         except Stuck:  # this greedy order painted itself into a corner: another may not
             continue
         candidates.append(schedule_of(new_passes, new_colls))
-    clock = CostClock(costs)
     # min keeps the first of equals: the grid's own order when no list schedule is faster
     return min(candidates, key=lambda s: makespan(replay(s, NCCL, clock)))
 

@@ -20,11 +20,16 @@ pass times under a memory limit:
   them: W when the backward is split, else B) stay within the block's own peak, per chunk and in all:
   the schedule keeps the block's activation memory (V-Half: about half of 1F1B's, plus one
   microbatch per VP barrier);
-- communication is modelled as the runtime runs it: a transfer lands `p2p` ticks after its producer
-  ends; a vocabulary collective is issued when the last pass it needs ends (C0 after the last chunk's
-  F, C1 after every rank's S, C2 after every T, IF_REDUCE after every IF, IB_BCAST after B of chunk
-  0), collectives run one after the other in that order on a communication resource of their own,
-  and the pass that reads one waits for it.
+- what a pass waits for and after which passes a collective is issued are deps.py's rules
+  (`pass_inputs`, `collectives_read`, `triggers`), the ones the validator, the replay and the executor
+  use;
+- time is the replay driver's under `replay.BUFFERED` (sends that never wait) with the same clock
+  (`replay.CostClock`) the builder then times the candidates with, in integer ticks: a transfer lands
+  `p2p` after its producer ends, a collective is issued when the last pass it follows ends, the chains
+  run one after the other in that order, and the pass that reads one waits for it. (The greedy needs
+  the times while it builds the lists; replaying its output under `BUFFERED` gives the same times,
+  tests/test_schedule_build.py checks it. Which candidate wins is decided by the replay under NCCL's
+  rules.)
 
 The result is timed passes and timed collectives, which `lower()` turns into action lists like any
 block placement; every time is consistent (a pass starts after what it depends on has ended), so the
@@ -36,15 +41,18 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from .ir import Op, ScheduleError
+from . import deps
+from .ir import COLLECTIVES, Action, Op, Schedule, ScheduleError
 from .timing import COLLECTIVE_ORDER, TimedCollective, TimedPass
 
 TICKS = 1_000_000
-"""Ticks the longest pass lasts: pass costs are rounded to integer ticks (every pass lasts >= 1)."""
+"""Ticks the longest pass lasts: pass costs are rounded to integer ticks (every pass lasts >= 1, so a
+pass never ends when the one it follows does)."""
 IF_AHEAD = 4
-"""IF(j) may run once F(j - IF_AHEAD) of chunk 0 has started: the input layer's partial embeddings are
-computed a few microbatches ahead of their first forward (every rank's IF(j) and the reduce must be
-done by then, and a rank may be in the middle of a long pass), not all at the start."""
+"""IF(j) may run once the pass that reads IF_REDUCE(j - IF_AHEAD) (chunk 0's F) has started: the input
+layer's partial embeddings are computed a few microbatches ahead of their first forward (every rank's
+IF(j) and the reduce must be done by then, and a rank may be in the middle of a long pass), not all at
+the start."""
 W_MARGIN = 2
 """W passes wait behind every other ready pass while the rank holds at least this many activations
 below its limit; closer to the limit they take their grid turn (or, with `Policy.w_behind_backward`,
@@ -63,49 +71,40 @@ class Policy:
 
 POLICIES = (Policy(), Policy(s_first=True), Policy(w_behind_backward=True))
 """What the builder tries, in this order (the first of equally fast ones wins)."""
-_FREE_AFTER = {True: Op.W, False: Op.B}
 
 
 class Stuck(ScheduleError):
     """The greedy order left every rank waiting for a forward its activation limit forbids."""
 
 
-@dataclass(frozen=True)
-class TickCosts:
-    """Pass and communication durations in integer ticks."""
+class Ticks:
+    """The replay's clock (`replay.CostClock`: pass, p2p and chain times in seconds) in integer ticks,
+    for the passes of one placement."""
 
-    passes: dict
-    """(rank, op, chunk) -> ticks (chunk 0 for the vocabulary passes)."""
-    p2p: int
-    """Ticks from a producer's end to its data's arrival on the next rank."""
-    collectives: dict
-    """Collective op -> ticks of its whole chain."""
-    tick_s: float
-    """Seconds per tick."""
+    def __init__(self, clock, passes: list[TimedPass]):
+        seconds = {}
+        for tp in passes:
+            key = (tp.rank, tp.op, tp.chunk)
+            if key not in seconds:
+                seconds[key] = float(clock.pass_time(tp.rank, Action(tp.op, tp.mb, tp.chunk)))
+        longest = max(seconds.values())
+        if not longest > 0:
+            raise ValueError("pass costs must be positive to build a cost-aware schedule")
+        self.tick_s = longest / TICKS
+        """Seconds per tick."""
+        self.passes = {k: max(1, round(v / self.tick_s)) for k, v in seconds.items()}
+        """(rank, op, chunk) -> ticks."""
+        self.p2p = max(0, round(clock.p2p_time() / self.tick_s))
+        """Ticks from a producer's end to its data's arrival on the next rank."""
+        self._clock = clock
+        self._chains: dict = {}
 
-
-def tick_costs(costs, chunk_rank: tuple[int, ...], ops, collective_ops) -> TickCosts:
-    """Quantise `costs` (anything with pass_time(rank, op, chunk), p2p_time() and collective_time(op),
-    as cost.CostModel and cost.MeasuredCosts) to ticks."""
-    p = max(chunk_rank) + 1
-    seconds = {}
-    for c, r in enumerate(chunk_rank):
-        for op in ops & {Op.F, Op.B, Op.W}:
-            seconds[(r, op, c)] = float(costs.pass_time(r, op, c))
-    for r in range(p):
-        for op in ops - {Op.F, Op.B, Op.W}:
-            seconds[(r, op, 0)] = float(costs.pass_time(r, op, 0))
-    longest = max(seconds.values())
-    if not longest > 0:
-        raise ValueError("pass costs must be positive to build a cost-aware schedule")
-    tick = longest / TICKS
-    colls = {op: max(0, round(float(costs.collective_time(op)) / tick)) for op in collective_ops}
-    return TickCosts(
-        {k: max(1, round(v / tick)) for k, v in seconds.items()},
-        max(0, round(float(costs.p2p_time()) / tick)),
-        colls,
-        tick,
-    )
+    def chain(self, op: Op) -> int:
+        """Ticks of collective `op`'s whole chain."""
+        if op not in self._chains:
+            seconds = sum(t for _, t in self._clock.chain_steps(op))
+            self._chains[op] = max(0, round(seconds / self.tick_s))
+        return self._chains[op]
 
 
 @dataclass
@@ -146,10 +145,10 @@ class _Limits:
 def block_memory(passes: list[TimedPass], split_backward: bool, num_ranks: int):
     """Per rank, ({chunk: peak (mb, chunk) activations in flight}, peak in all) of a placement: what the
     cost-aware schedule must not exceed."""
-    free_op = _FREE_AFTER[split_backward]
+    take_op, free_op = deps.activation_passes(split_backward)
     events: list[list] = [[] for _ in range(num_ranks)]
     for tp in passes:
-        if tp.op is Op.F:
+        if tp.op is take_op:
             events[tp.rank].append((tp.slot, 1, tp.chunk, 1))
         elif tp.op is free_op:
             events[tp.rank].append((tp.end, 0, tp.chunk, -1))
@@ -167,150 +166,197 @@ def block_memory(passes: list[TimedPass], split_backward: bool, num_ranks: int):
     return out
 
 
-def list_schedule(
-    grid: list[TimedPass],
-    grid_colls: list[TimedCollective],
-    chunk_rank: tuple[int, ...],
-    num_ranks: int,
-    method,
-    split_backward: bool,
-    forward_only: bool,
-    costs: TickCosts,
-    policy: Policy = Policy(),
-):
-    """The passes of the block placement `grid` rescheduled with `costs`: (timed passes, timed
-    collectives, makespan in ticks). `grid`'s slots are the priorities, its memory peaks the limits.
-    `policy` refines the priorities."""
-    p = num_ranks
-    last = len(chunk_rank) - 1
-    vocab = method.vocab_parallel
-    barrier = method.grad_barrier
-    free_op = _FREE_AFTER[split_backward]
+def list_schedule(layout: Schedule, grid: list[TimedPass], ticks: Ticks, policy: Policy = Policy()):
+    """The passes of the block placement `grid` rescheduled with `ticks`: (timed passes, timed
+    collectives, makespan in ticks). `layout` is the schedule whose ranks, chunks and method they are (its
+    actions are not read); `grid`'s slots are the priorities, its memory peaks the limits; `policy`
+    refines the priorities."""
+    return _ListSchedule(layout, grid, ticks, policy).run()
 
-    def prio(tp: TimedPass) -> tuple:
-        return (tp.slot, tp.end, tp.mb, tp.chunk)
 
-    passes: dict = {}
-    for tp in grid:
-        passes[(tp.rank, tp.op, tp.mb, tp.chunk)] = _Pass(
-            tp.rank, tp.op, tp.mb, tp.chunk, costs.passes[(tp.rank, tp.op, tp.chunk)], prio(tp)
+class _ListSchedule:
+    """The list scheduler's state; `run` is the event loop: each rank's next planned start (`decisions`)
+    is taken in time order, replanned whenever what it waits for changes."""
+
+    def __init__(self, layout: Schedule, grid: list[TimedPass], ticks: Ticks, policy: Policy):
+        self.s, self.ticks, self.policy = layout, ticks, policy
+        p = layout.num_ranks
+        self.passes: dict = {
+            (tp.rank, tp.op, tp.mb, tp.chunk): _Pass(
+                tp.rank,
+                tp.op,
+                tp.mb,
+                tp.chunk,
+                ticks.passes[(tp.rank, tp.op, tp.chunk)],
+                (tp.slot, tp.end, tp.mb, tp.chunk),
+            )
+            for tp in grid
+        }
+        self.take_op, self.free_op = deps.activation_passes(layout.split_backward)
+        self.limits = (
+            None if layout.forward_only else [_Limits(*m) for m in block_memory(grid, layout.split_backward, p)]
         )
-    num_mb = 1 + max(tp.mb for tp in grid)
-    limits = None
-    if not forward_only:
-        limits = [_Limits(*m) for m in block_memory(grid, split_backward, p)]
+        self.consumers: dict = {}  # producer key -> [(consumer key, latency; None: at the producer's start)]
+        self.coll_readers: dict = {}  # (collective op, mb) -> [consumer key]
+        self.pending_triggers: dict = {}  # (collective op, mb) -> [passes still to end, last end]
+        self.trigger_of: dict = {}  # producer key -> [(collective op, mb)]
+        self._link_inputs()
+        self._link_triggers()
+        self.ready_heap: list = [[] for _ in range(p)]  # per rank: (prio, key) of passes whose inputs are known
+        for key, ps in self.passes.items():
+            if ps.waiting == 0:
+                heapq.heappush(self.ready_heap[ps.rank], (ps.prio, key))
+        self.free = [0] * p  # each rank is busy until then
+        self.issued: list = []  # heap of (issue time, order, mb, op): collectives not yet started
+        self.chain_free = 0  # the previous collective chain ends then
+        self.decisions: list = []  # heap of (time, rank, key): each rank's next planned start
+        self.plan_of: dict = {}  # rank -> its current plan (time, key), or None
+        self.out: list[TimedPass] = []
+        self.colls: list[TimedCollective] = []
 
-    # what each pass waits for: its inputs (passes whose end it needs) and collectives
-    consumers: dict = {}  # producer key -> [(consumer key, latency)]
-    coll_readers: dict = {}  # (collective op, mb) -> [consumer key]
+    # ---- the dependency graph, from deps.py ----------------------------------------------------------
+    def _needs(self, key, producer, latency) -> None:
+        self.passes[key].waiting += 1
+        self.consumers.setdefault(producer, []).append((key, latency))
 
-    def needs(key, producer, latency: int = 0):
-        passes[key].waiting += 1
-        consumers.setdefault(producer, []).append((key, latency))
+    def _link_inputs(self) -> None:
+        """Each pass waits for the passes deps.py says it needs (a remote one's output `p2p` after its
+        end) and the collectives it reads; IF(j) besides for the start of IF_REDUCE(j - IF_AHEAD)'s reader."""
+        s = self.s
+        for key, ps in self.passes.items():
+            a = Action(ps.op, ps.mb, ps.chunk)
+            for src in deps.pass_inputs(s, ps.rank, a):
+                self._needs(key, src, self.ticks.p2p if src[0] != ps.rank else 0)
+            for coll in deps.collectives_read(s, ps.rank, a):
+                ps.waiting += 1
+                self.coll_readers.setdefault(coll, []).append(key)
+        for key, ps in self.passes.items():
+            if ps.op is Op.IF and ps.mb >= IF_AHEAD:
+                for reader in self.coll_readers.get((Op.IF_REDUCE, ps.mb - IF_AHEAD), ()):
+                    self._needs(key, reader, None)  # released at that pass's start
 
-    def reads(key, coll):
-        passes[key].waiting += 1
-        coll_readers.setdefault(coll, []).append(key)
+    def _link_triggers(self) -> None:
+        """Each collective is issued once the passes it follows (deps.triggers) have ended."""
+        s = self.s
+        for op in deps.vocab_actions(s):
+            if op not in COLLECTIVES:
+                continue
+            for mb in range(s.num_microbatches):
+                producers = deps.triggers(s, op, mb)
+                self.pending_triggers[(op, mb)] = [len(producers), 0]
+                for k in producers:
+                    self.trigger_of.setdefault(k, []).append((op, mb))
 
-    for key, ps in passes.items():
-        r, op, mb, c = key
-        if op is Op.F:
-            if c > 0:
-                src = chunk_rank[c - 1]
-                needs(key, (src, Op.F, mb, c - 1), costs.p2p if src != r else 0)
-            elif vocab:
-                reads(key, (Op.IF_REDUCE, mb))
-        elif op is Op.B:
-            needs(key, (r, Op.F, mb, c))
-            if c < last:
-                src = chunk_rank[c + 1]
-                needs(key, (src, Op.B, mb, c + 1), costs.p2p if src != r else 0)
-            elif barrier is not None:
-                reads(key, (barrier, mb))
-        elif op is Op.W:
-            needs(key, (r, Op.B, mb, c))
-        elif op is Op.S:
-            reads(key, (Op.C0, mb))
-        elif op is Op.T:
-            reads(key, (Op.C1, mb))
-        elif op is Op.IB:
-            reads(key, (Op.IB_BCAST, mb))
-        elif op is Op.IF and mb >= IF_AHEAD:
-            needs(key, (chunk_rank[0], Op.F, mb - IF_AHEAD, 0), None)  # released at that F's start
+    # ---- the event loop ------------------------------------------------------------------------------
+    def run(self):
+        p = self.s.num_ranks
+        for r in range(p):
+            self._replan(r)
+        total, done = len(self.passes), 0
+        while done < total:
+            if not self.decisions:
+                self._start_collectives(float("inf"))
+                for r in range(p):
+                    self._replan(r)
+                if not self.decisions:
+                    raise Stuck("no rank can start a pass under the activation limits")
+                continue
+            t, r, key = heapq.heappop(self.decisions)
+            if self.plan_of.get(r) != (t, key):
+                continue  # stale
+            if self.issued and self.issued[0][0] <= t:  # collectives issued by now change what is ready
+                self._start_collectives(t)
+                for x in range(p):
+                    self._replan(x)
+                continue
+            self._run_pass(t, r, key)
+            done += 1
+        self._start_collectives(float("inf"))
+        makespan = max(max(tp.end for tp in self.out), self.chain_free)
+        return self.out, self.colls, makespan
 
-    # collective triggers: the passes each one is issued after
-    triggers: dict = {}  # (op, mb) -> passes still to end
-    trigger_of: dict = {}  # producer key -> [(op, mb)]
-    roots = {Op.C0: chunk_rank[last], Op.IF_REDUCE: chunk_rank[0], Op.IB_BCAST: chunk_rank[0], Op.C1: -1, Op.C2: -1}
-    if vocab:
-        for mb in range(num_mb):
-            plan = {
-                Op.C0: [(chunk_rank[last], Op.F, mb, last)],
-                Op.C1: [(r, Op.S, mb, 0) for r in range(p)],
-                Op.IF_REDUCE: [(r, Op.IF, mb, 0) for r in range(p)],
-            }
-            if not forward_only:
-                plan[Op.IB_BCAST] = [(chunk_rank[0], Op.B, mb, 0)]
-                if barrier is Op.C2:
-                    plan[Op.C2] = [(r, Op.T, mb, 0) for r in range(p)]
-            for op, prods in plan.items():
-                triggers[(op, mb)] = [len(prods), 0]
-                for k in prods:
-                    trigger_of.setdefault(k, []).append((op, mb))
+    def _run_pass(self, t: int, r: int, key) -> None:
+        """Start pass `key` on rank r at t; what waits for it learns when its input is there."""
+        ps = self.passes[key]
+        heap = self.ready_heap[r]
+        heap.remove((ps.prio, key))
+        heapq.heapify(heap)
+        ps.start = t
+        end = t + ps.dur
+        self.free[r] = end
+        self.out.append(TimedPass(r, ps.op, ps.mb, ps.chunk, t, ps.dur))
+        if self.limits is not None:
+            if ps.op is self.take_op:
+                self.limits[r].take(ps.chunk, 1)
+            elif ps.op is self.free_op:
+                self.limits[r].take(ps.chunk, -1)
+        touched = {r}
+        for ckey, latency in self.consumers.get(key, ()):
+            self._known(ckey, t if latency is None else end + latency)
+            touched.add(ckey[0])
+        for coll in self.trigger_of.get(key, ()):
+            trig = self.pending_triggers[coll]
+            trig[0] -= 1
+            trig[1] = max(trig[1], end)
+            if trig[0] == 0:
+                op, mb = coll
+                heapq.heappush(self.issued, (trig[1], COLLECTIVE_ORDER[op], mb, op))
+        for x in touched:
+            self._replan(x)
 
-    ready_heap: list = [[] for _ in range(p)]  # per rank: (prio, key) of passes whose inputs are known
-    free = [0] * p
-    for key, ps in passes.items():
-        if ps.waiting == 0:
-            heapq.heappush(ready_heap[ps.rank], (ps.prio, key))
-    issued: list = []  # (trigger time, order, mb, op): collectives awaiting their start
-    stream = 0
-    colls: list[TimedCollective] = []
-    out: list[TimedPass] = []
-
-    def known(key, t: int) -> None:
-        ps = passes[key]
+    def _known(self, key, t: int) -> None:
+        """One more input of pass `key` is known to be there at t."""
+        ps = self.passes[key]
         ps.ready = max(ps.ready, t)
         ps.waiting -= 1
         if ps.waiting == 0:
-            heapq.heappush(ready_heap[ps.rank], (ps.prio, key))
+            heapq.heappush(self.ready_heap[ps.rank], (ps.prio, key))
 
-    def start_collectives(upto: int) -> None:
+    def _start_collectives(self, upto) -> None:
         """Start, in issue order, every collective issued at or before `upto` (all earlier issues are
         known by then: a pass that starts at >= upto ends after it)."""
-        nonlocal stream
-        while issued and issued[0][0] <= upto:
-            t, _, mb, op = heapq.heappop(issued)
-            stream = max(stream, t) + costs.collectives[op]
-            colls.append(TimedCollective(op, mb, t, roots[op]))
-            for key in coll_readers.get((op, mb), ()):
-                known(key, stream)
+        while self.issued and self.issued[0][0] <= upto:
+            t, _, mb, op = heapq.heappop(self.issued)
+            self.chain_free = max(self.chain_free, t) + self.ticks.chain(op)
+            self.colls.append(TimedCollective(op, mb, t, deps.root(self.s, op)))
+            for key in self.coll_readers.get((op, mb), ()):
+                self._known(key, self.chain_free)
 
-    def choose(r: int):
-        """(start time, key) of rank r's next pass, or None while none of its passes can be known to start."""
-        heap = ready_heap[r]
-        if not heap:
-            return None
-        t0 = free[r]
-        lim = limits[r] if limits is not None else None
-        cands = [passes[k] for _, k in sorted(heap)]
+    def _replan(self, r: int) -> None:
+        plan = self._choose(r)
+        self.plan_of[r] = plan
+        if plan is not None:
+            heapq.heappush(self.decisions, (plan[0], r, plan[1]))
+
+    def _candidates(self, r: int) -> list[_Pass]:
+        """Rank r's ready passes, best first: the grid order, refined by the activation limit and the policy."""
+        cands = [self.passes[k] for _, k in sorted(self.ready_heap[r])]
+        lim = self.limits[r] if self.limits is not None else None
         if lim is not None:
-            cands = [ps for ps in cands if ps.op is not Op.F or lim.allows(ps.chunk)]
+            take = self.take_op  # a pass that takes room: only while the limit allows
+            cands = [ps for ps in cands if ps.op is not take or lim.allows(ps.chunk)]
             if not lim.pressure(W_MARGIN):  # W has no consumer: it fills what the others leave
                 cands = [ps for ps in cands if ps.op is not Op.W] + [ps for ps in cands if ps.op is Op.W]
-            elif policy.w_behind_backward:
+            elif self.policy.w_behind_backward:
                 cands = (
-                    [ps for ps in cands if ps.op not in (Op.W, Op.F)]
+                    [ps for ps in cands if ps.op is not Op.W and ps.op is not take]
                     + [ps for ps in cands if ps.op is Op.W]
-                    + [ps for ps in cands if ps.op is Op.F]
+                    + [ps for ps in cands if ps.op is take]
                 )
-        if policy.s_first:
+        if self.policy.s_first:
             cands = [ps for ps in cands if ps.op is Op.S] + [ps for ps in cands if ps.op is not Op.S]
         # IF is tiny, and F(j) of chunk 0 waits for every rank's IF(j) (through the reduce): never behind
-        cands = [ps for ps in cands if ps.op is Op.IF] + [ps for ps in cands if ps.op is not Op.IF]
+        return [ps for ps in cands if ps.op is Op.IF] + [ps for ps in cands if ps.op is not Op.IF]
+
+    def _choose(self, r: int):
+        """(start time, key) of rank r's next pass, or None while none of its passes can be known to start.
+        The best candidate, unless it must wait: then one that ends before the best can start, else the best."""
+        if not self.ready_heap[r]:
+            return None
+        cands = self._candidates(r)
         if not cands:
             return None
-        t = max(t0, min(ps.ready for ps in cands))
+        t = max(self.free[r], min(ps.ready for ps in cands))
         best = cands[0]
         if best.ready <= t:
             return t, (best.rank, best.op, best.mb, best.chunk)
@@ -318,63 +364,3 @@ def list_schedule(
             if ps.ready <= t and t + ps.dur <= best.ready:
                 return t, (ps.rank, ps.op, ps.mb, ps.chunk)
         return best.ready, (best.rank, best.op, best.mb, best.chunk)
-
-    decisions: list = []  # (time, rank, key): each rank's next planned start
-    plan_of: dict = {}
-
-    def replan(r: int) -> None:
-        c = choose(r)
-        plan_of[r] = c
-        if c is not None:
-            heapq.heappush(decisions, (c[0], r, c[1]))
-
-    for r in range(p):
-        replan(r)
-    total = len(passes)
-    done = 0
-    while done < total:
-        if not decisions:
-            start_collectives(float("inf"))
-            for r in range(p):
-                replan(r)
-            if not decisions:
-                raise Stuck("no rank can start a pass under the activation limits")
-            continue
-        t, r, key = heapq.heappop(decisions)
-        if plan_of.get(r) is None or plan_of[r][1] != key or plan_of[r][0] != t:
-            continue  # stale
-        if issued and issued[0][0] <= t:  # collectives issued by now change what is ready
-            start_collectives(t)
-            for x in range(p):
-                replan(x)
-            continue
-        ps = passes[key]
-        heap = ready_heap[r]
-        heap.remove((ps.prio, key))
-        heapq.heapify(heap)
-        ps.start = t
-        end = t + ps.dur
-        free[r] = end
-        done += 1
-        out.append(TimedPass(r, ps.op, ps.mb, ps.chunk, t, ps.dur))
-        touched = {r}
-        if limits is not None:
-            if ps.op is Op.F:
-                limits[r].take(ps.chunk, 1)
-            elif ps.op is free_op:
-                limits[r].take(ps.chunk, -1)
-        for ckey, latency in consumers.get(key, ()):
-            known(ckey, t if latency is None else end + latency)
-            touched.add(ckey[0])
-        for coll in trigger_of.get(key, ()):
-            trig = triggers[coll]
-            trig[0] -= 1
-            trig[1] = max(trig[1], end)
-            if trig[0] == 0:
-                op, mb = coll
-                heapq.heappush(issued, (trig[1], COLLECTIVE_ORDER[op], mb, op))
-        for x in touched:
-            replan(x)
-    start_collectives(float("inf"))
-    makespan = max(max(tp.end for tp in out), stream)
-    return out, colls, makespan

@@ -6,7 +6,9 @@ output-layer algorithm it runs, whether its layer split comes from the cost mode
 schedule kind repeats, how many chunks a rank holds, whether it splits B from W, which methods it
 supports. The recipe's allowed values and the command lines' choices are these tables' keys.
 
-Adding a schedule is one block generator in blocks.py plus one `SCHEDULES` entry.
+Adding a schedule is one block generator in blocks.py plus one `SCHEDULES` entry. Adding a
+vocabulary pass or collective is one `VOCAB_ACTIONS` entry (when it runs, what it follows: deps.py
+derives every rule from it) plus the executor's `_do_<op>` (docs/ARCHITECTURE.md, "A new pass").
 
 Names are matched case-insensitively (`1F1B`, `Vocab-2`); `schedule_kind` / `method` return the
 entry, `normalise_schedule` / `normalise_method` the canonical name, and an unknown name raises
@@ -90,6 +92,46 @@ class ScheduleKind:
 
     def __reduce__(self):  # pickles as its name (its block is a lambda); unpickles to the registry's entry
         return schedule_kind, (self.name,)
+
+
+@dataclass(frozen=True)
+class VocabAction:
+    """An action every rank runs once per microbatch in the vocabulary-parallel methods: a pass (S, T,
+    IF, IB) or a collective (C0, C1, C2, IF_REDUCE, IB_BCAST). `schedule/deps.py` derives the rules of
+    each from this entry: what it comes after, what a pass reads, after which passes a collective is
+    issued, its root."""
+
+    op: Op
+    """Its op (an `ir.Op`, or another str enum member: the executor runs it with `_do_<value>`)."""
+    follows: Op | None
+    """The action of the same microbatch it comes after on every rank (a pass following a collective reads
+    that collective's result); None: nothing of its microbatch on every rank."""
+    training_only: bool = False
+    """Only in a training step (it belongs to the backward)."""
+    min_barriers: int = 1
+    """Methods with at least this many collective barriers run it (C2: only vocab-1's two)."""
+    root: str | None = None
+    """Collectives with a root: "first" (the owner of chunk 0) or "last" (the owner of the last chunk)."""
+    after_chunk: Op | None = None
+    """A rooted collective issued after its root's pass of this op on the root's chunk (C0 after the
+    last chunk's F, IB_BCAST after chunk 0's B)."""
+
+
+VOCAB_ACTIONS: dict[Op, VocabAction] = {
+    a.op: a
+    for a in (
+        VocabAction(Op.IF, follows=None),
+        VocabAction(Op.IF_REDUCE, follows=Op.IF, root="first"),
+        VocabAction(Op.C0, follows=None, root="last", after_chunk=Op.F),
+        VocabAction(Op.S, follows=Op.C0),
+        VocabAction(Op.C1, follows=Op.S),
+        VocabAction(Op.T, follows=Op.C1, training_only=True),
+        VocabAction(Op.C2, follows=Op.T, training_only=True, min_barriers=2),
+        VocabAction(Op.IB_BCAST, follows=None, training_only=True, root="first", after_chunk=Op.B),
+        VocabAction(Op.IB, follows=Op.IB_BCAST, training_only=True),
+    )
+}
+"""Every vocabulary action, keyed by op (the order of the table does not matter)."""
 
 
 METHODS: dict[str, Method] = {

@@ -172,9 +172,16 @@ class _Line:
         self.items: list = []  # (Action, [Comm it reads]) for compute, Comm for communication
         self.comms: list[Comm] = []
         by_key: dict[tuple, Comm] = {}
+        # (op, chunk) -> [(op, chunk)] it consumes: deps' rules relate actions of one microbatch, so they
+        # are asked once per pass kind and chunk rather than once per action
+        reads_of: dict = {}
         for item in p2p_batches(s.actions[r]) if rules.batches else s.actions[r]:
             if isinstance(item, Action) and item.op not in P2P and item.op not in COLLECTIVES:
-                self.items.append((item, consumed(s, r, item)))
+                kind = (item.op, item.chunk)
+                reads = reads_of.get(kind)
+                if reads is None:
+                    reads = reads_of[kind] = [(op, c) for op, _, c in consumed(s, r, item)]
+                self.items.append((item, [(op, item.mb, c) for op, c in reads]))
                 continue
             ops = item if isinstance(item, tuple) else (item,)
             if rules.queues == "none":

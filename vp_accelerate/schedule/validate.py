@@ -14,7 +14,7 @@ Checks, in order:
 
 from __future__ import annotations
 
-from .deps import prerequisites
+from .deps import prerequisites, root, vocab_actions
 from .ir import COLLECTIVES, Action, Op, Schedule, ScheduleError, chain_collectives
 from .streams import replay_streams
 
@@ -45,6 +45,7 @@ def _expected(s: Schedule, r: int) -> set:
     """(op, mb, chunk) of every action rank r must run exactly once."""
     out = set()
     last = s.last_chunk
+    vocab = vocab_actions(s)
     for mb in range(s.num_microbatches):
         for c in s.chunks_of(r):
             out.add((Op.F, mb, c))
@@ -60,19 +61,15 @@ def _expected(s: Schedule, r: int) -> set:
                     out.add((Op.SEND_GRAD, mb, c))
                 if c < last and s.owner(c + 1) != r:
                     out.add((Op.RECV_GRAD, mb, c))
-        if s.vocab_parallel:
-            ops = [Op.IF, Op.IF_REDUCE, Op.C0, Op.S, Op.C1]
-            if not s.forward_only:
-                ops += [Op.T, Op.IB_BCAST, Op.IB] + ([Op.C2] if s.method.grad_barrier is Op.C2 else [])
-            out.update((op, mb, 0) for op in ops)
+        out.update((op, mb, 0) for op in vocab)
     return out
 
 
 def _check_rank(s: Schedule, r: int) -> None:
     done: set = set()
-    last = s.last_chunk
-    roots = {Op.C0: s.owner(last), Op.IF_REDUCE: s.owner(0), Op.IB_BCAST: s.owner(0)}
+    roots = {op: root(s, op) for op in COLLECTIVES}
     expected = _expected(s, r)
+    needs_of: dict = {}
     for i, a in enumerate(s.actions[r]):
         key = (a.op, a.mb, a.chunk)
         if key in done:
@@ -85,13 +82,16 @@ def _check_rank(s: Schedule, r: int) -> None:
                 "does not belong on this rank for this schedule "
                 f"({s.describe()}, rank holds chunks {list(s.chunks_of(r))})",
             )
-        need = prerequisites(s, r, a)
-        missing = [n for n in need if n not in done]
+        kind = (a.op, a.chunk)  # deps' rules relate actions of one microbatch: asked once per op and chunk
+        need = needs_of.get(kind)
+        if need is None:
+            need = needs_of[kind] = [(op, c) for op, _, c in prerequisites(s, r, a)]
+        missing = [(op, a.mb, c) for op, c in need if (op, a.mb, c) not in done]
         if missing:
             op, mb, c = missing[0]
             raise _err(r, i, a, f"runs before {Action(op, mb, c)} on this rank")
         if a.op in roots and a.peer != roots[a.op]:
-            raise _err(r, i, a, f"root must be rank {roots[a.op]}")
+            raise _err(r, i, a, f"root must be rank {roots[a.op]}" if roots[a.op] >= 0 else "has no root (peer -1)")
         if a.op in (Op.SEND_ACT, Op.RECV_GRAD) and a.peer != s.owner(a.chunk + 1):
             raise _err(r, i, a, f"peer must be rank {s.owner(a.chunk + 1)} (owner of chunk {a.chunk + 1})")
         if a.op in (Op.RECV_ACT, Op.SEND_GRAD) and a.peer != s.owner(a.chunk - 1):
