@@ -112,6 +112,13 @@ def test_builder_and_simulator_place_and_time_the_new_pass(register):
     assert res.step_time > base.step_time  # 32 x 50 ms more work
 
 
+def test_a_pass_the_grid_cannot_place_is_named(monkeypatch):
+    # after the input reduce only chunk 0's F reads: no vocabulary pass's slot to share
+    monkeypatch.setitem(VOCAB_ACTIONS, Extra.NOOP, VocabAction(Extra.NOOP, follows=Op.IF_REDUCE))
+    with pytest.raises(ScheduleError, match="NOOP follows IF_REDUCE.*add its placement to schedule/timing.py"):
+        build_schedule("1f1b", "vocab-2", 2, 2)
+
+
 def _run_with_noop(ckpt: str, ids, labels):
     """On each rank: register NOOP and `Executor._do_NOOP`, train one step with NOOP in the schedule, and
     return (the step's loss, the loss before it, NOOP's microbatches in run order, its timeline count)."""

@@ -23,15 +23,11 @@ Placement rules (collectives get one global time, identical on every rank):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .blocks import Block
 from .deps import vocab_actions
 from .ir import CHUNK_PASSES, COLLECTIVES, Op, ScheduleError
-from .registry import VOCAB_ACTIONS
-
-if TYPE_CHECKING:
-    from .registry import Method
+from .registry import VOCAB_ACTIONS, Method
 
 # Order of collectives sharing one boundary; any fixed order works since it is global.
 COLLECTIVE_ORDER = {Op.C0: 0, Op.IF_REDUCE: 1, Op.C1: 2, Op.IB_BCAST: 3, Op.C2: 4}
@@ -194,7 +190,8 @@ def _place_extra(passes: list[TimedPass], method: Method, forward_only: bool) ->
             )
         if anchor is None:
             raise ScheduleError(
-                f"{op} follows {follows}: the unit grid places only a pass that follows S, T, IF or IB, or a collective one of them follows"
+                f"{op} follows {follows}: the unit grid places a new pass only after S, T, IF or IB, or after "
+                "a collective one of them follows (add its placement to schedule/timing.py)"
             )
         out += [TimedPass(r, op, mb, 0, t) for (r, a, mb), t in slot_of.items() if a is anchor]
     return out
