@@ -1,6 +1,7 @@
 """A new pass kind is one `registry.VOCAB_ACTIONS` entry (its rules follow from deps.py) plus one executor
-method: a dummy no-op pass NOOP after every C1, registered for the test only, is expected and checked by
-the validator, timed by the simulator and run by the executor (docs/ARCHITECTURE.md, "A new pass")."""
+method: a dummy no-op pass NOOP after every C1, registered for the test only, is placed by the builder,
+expected and checked by the validator, timed by the simulator and run by the executor
+(docs/ARCHITECTURE.md, "A new pass")."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ class Extra(str, enum.Enum):
         return self.value
 
 
-NOOP = VocabAction(Extra.NOOP, follows=Op.C1)  # every rank, every microbatch, after C1 (it reads its result)
+# every rank, every microbatch of a training step, after C1 (it reads its result)
+NOOP = VocabAction(Extra.NOOP, follows=Op.C1, training_only=True)
 
 
 def _with_noop(s):
-    """`s` with NOOP(mb) right after each C1(mb) on every rank (where a builder that knew NOOP puts it)."""
+    """`s` with NOOP(mb) right after each C1(mb) on every rank (by hand, for the runtime's schedule below)."""
     lists = []
     for acts in s.actions:
         out = []
@@ -45,31 +47,25 @@ def _with_noop(s):
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    monkeypatch.setitem(VOCAB_ACTIONS, Extra.NOOP, NOOP)
-    yield
-    # monkeypatch removes the entry after the test; nothing else remembers it
+def register(monkeypatch):
+    """Registers NOOP when called; monkeypatch removes it after the test (nothing else remembers it)."""
+    return lambda: monkeypatch.setitem(VOCAB_ACTIONS, Extra.NOOP, NOOP)
 
 
-def test_validator_expects_and_orders_the_new_pass(registered):
-    s = build_schedule("1f1b", "vocab-2", 4, 8)
+def test_validator_expects_and_orders_the_new_pass(register):
+    s = build_schedule("1f1b", "vocab-2", 4, 8)  # before NOOP exists
+    with pytest.raises(ScheduleError, match="NOOP.*does not belong on this rank"):
+        validate(_with_noop(s))  # unregistered: a foreign action
+    register()
     with pytest.raises(ScheduleError, match="never runs NOOP"):
         validate(s)  # registered: every rank must run it
     validate(_with_noop(s))
-    early = _with_noop(s)
-    acts = list(early.actions[2])
-    i = acts.index(Action(Extra.NOOP, 3))
-    j = acts.index(Action(Op.C1, 3))
+    acts = list(_with_noop(s).actions[2])
+    i, j = acts.index(Action(Extra.NOOP, 3)), acts.index(Action(Op.C1, 3))
     acts[i], acts[j] = acts[j], acts[i]
-    bad = dataclasses.replace(early, actions=early.actions[:2] + (tuple(acts),) + early.actions[3:])
+    bad = dataclasses.replace(s, actions=_with_noop(s).actions[:2] + (tuple(acts),) + _with_noop(s).actions[3:])
     with pytest.raises(ScheduleError, match=r"rank 2, .*NOOP\(mb=3\): runs before C1\(mb=3\)"):
         validate(bad)
-
-
-def test_unregistered_the_pass_is_foreign():
-    s = build_schedule("1f1b", "vocab-2", 4, 8)
-    with pytest.raises(ScheduleError, match="NOOP.*does not belong on this rank"):
-        validate(_with_noop(s))
 
 
 class _Costs:
@@ -85,22 +81,42 @@ class _Costs:
         return getattr(self.model, name)
 
 
-def test_simulator_times_the_new_pass(registered):
+def _model(s):
     from vp_accelerate.cost import for_schedule
     from vp_accelerate.sim.paper import shape
+
+    return for_schedule(shape(64000, 2048), s)
+
+
+def test_builder_and_simulator_place_and_time_the_new_pass(register):
     from vp_accelerate.sim.simulate import simulate
 
-    s = build_schedule("vhalf", "vocab-1", 4, 8)
-    model = for_schedule(shape(64000, 2048), s)
-    plain = simulate(s, model)
-    free = simulate(_with_noop(s), _Costs(model, 0.0))
-    slow = simulate(_with_noop(s), _Costs(model, 0.05))
-    noops = [t for t in slow.timeline if t.op == "NOOP"]
-    assert len(noops) == 4 * 8 and all(t.end - t.start == pytest.approx(0.05) for t in noops)
-    # even a free NOOP holds its rank's line until C1 is done (it reads it); a costly one costs more
-    assert plain.step_time <= free.step_time < slow.step_time
-    c1_end = {t.mb: t.end for t in slow.timeline if t.op == "C1" and t.lane == "comm"}
+    p, m = 4, 8
+    plain = build_schedule("vhalf", "vocab-1", p, m)
+    evaluation = build_schedule("vhalf", "vocab-1", p, m, forward_only=True)
+    register()
+    grid = build_schedule("vhalf", "vocab-1", p, m)  # the unit grid puts NOOP beside T (timing._place_extra)
+    validate(grid)
+    costs = _Costs(_model(grid), 0.05)
+    fast = build_schedule("vhalf", "vocab-1", p, m, costs=costs)  # the list scheduler orders it by deps.py
+    # training only: the evaluation step has none
+    assert build_schedule("vhalf", "vocab-1", p, m, forward_only=True).actions == evaluation.actions
+    for s in (grid, fast):
+        assert sum(a.op is Extra.NOOP for acts in s.actions for a in acts) == p * m
+    base = simulate(plain, _model(plain))
+    res = simulate(fast, costs)
+    noops = [t for t in res.timeline if t.op == "NOOP"]
+    assert len(noops) == p * m and all(t.end - t.start == pytest.approx(0.05) for t in noops)
+    c1_end = {t.mb: t.end for t in res.timeline if t.op == "C1" and t.lane == "comm"}
     assert all(t.start >= c1_end[t.mb] for t in noops)
+    assert res.step_time > base.step_time  # 32 x 50 ms more work
+
+
+def test_a_pass_the_grid_cannot_place_is_named(monkeypatch):
+    # after the input reduce only chunk 0's F reads: no vocabulary pass's slot to share
+    monkeypatch.setitem(VOCAB_ACTIONS, Extra.NOOP, VocabAction(Extra.NOOP, follows=Op.IF_REDUCE))
+    with pytest.raises(ScheduleError, match="NOOP follows IF_REDUCE.*add its placement to schedule/timing.py"):
+        build_schedule("1f1b", "vocab-2", 2, 2)
 
 
 def _run_with_noop(ckpt: str, ids, labels):
@@ -110,7 +126,8 @@ def _run_with_noop(ckpt: str, ids, labels):
     from vp_accelerate.runtime.executor import Executor
 
     ran: list[int] = []
-    # built before NOOP is registered: the block placement does not know it (_with_noop puts it in)
+    # built before NOOP is registered: the runtime builds with the cost model, which has no time for NOOP
+    # (a real pass gets one in cost/costs.py), so NOOP goes in by hand
     pipe = PipelineModel(ckpt, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4))
     before = pipe.eval_step(ids, labels)
     VOCAB_ACTIONS[Extra.NOOP] = NOOP

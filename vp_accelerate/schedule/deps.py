@@ -17,17 +17,17 @@ asked about), so a reader may ask once per op and chunk and substitute the micro
 from __future__ import annotations
 
 from .ir import COLLECTIVES, Action, Op, Schedule
-from .registry import VOCAB_ACTIONS
+from .registry import VOCAB_ACTIONS, Method
 
 
-def vocab_actions(s: Schedule) -> tuple[Op, ...]:
-    """The vocabulary actions every rank runs once per microbatch of `s` (none without VP)."""
-    if not s.vocab_parallel:
+def vocab_actions(method: Method, forward_only: bool) -> tuple[Op, ...]:
+    """The vocabulary actions every rank runs once per microbatch of a step of `method` (none without VP)."""
+    if not method.vocab_parallel:
         return ()
     return tuple(
         a.op
         for a in VOCAB_ACTIONS.values()
-        if s.method.barriers >= a.min_barriers and not (a.training_only and s.forward_only)
+        if method.barriers >= a.min_barriers and not (a.training_only and forward_only)
     )
 
 

@@ -238,7 +238,7 @@ class _ListSchedule:
     def _link_triggers(self) -> None:
         """Each collective is issued once the passes it follows (deps.triggers) have ended."""
         s = self.s
-        for op in deps.vocab_actions(s):
+        for op in deps.vocab_actions(s.method, s.forward_only):
             if op not in COLLECTIVES:
                 continue
             for mb in range(s.num_microbatches):

@@ -25,7 +25,7 @@ every rank and communicator, so the lists cannot deadlock even with all communic
 from __future__ import annotations
 
 from .ir import Action, Op
-from .timing import COLLECTIVE_ORDER, SLOT_ORDER, TimedCollective, TimedPass
+from .timing import COLLECTIVE_ORDER, TimedCollective, TimedPass, slot_order
 
 
 def lower(
@@ -34,7 +34,7 @@ def lower(
     keyed: list[list] = [[] for _ in range(num_ranks)]
     pass_key: dict = {}
     for p in passes:
-        key = (p.end, 0, SLOT_ORDER.get(p.op, 0), p.mb, p.chunk, 1, 0)
+        key = (p.end, 0, slot_order(p.op), p.mb, p.chunk, 1, 0)
         keyed[p.rank].append((key, Action(p.op, p.mb, p.chunk)))
         if p.op in (Op.F, Op.B):
             pass_key[(p.op, p.mb, p.chunk)] = key

@@ -132,7 +132,7 @@ class Comm:
     """One communication operation of a rank: a p2p batch (or action) or a collective. (A plain class
     with slots: a replay makes one per operation, tens of thousands at 32 ranks.)"""
 
-    __slots__ = ("rank", "index", "ops", "queue", "collective", "issued", "start", "done", "op_done")
+    __slots__ = ("rank", "index", "ops", "queue", "collective", "issued", "start", "done", "op_done", "peers")
 
     def __init__(self, rank: int, index: int, ops: tuple[Action, ...], queue):
         self.rank = rank
@@ -151,6 +151,8 @@ class Comm:
         """When it completed (None: not yet)."""
         self.op_done: dict = {}
         """p2p: index into `ops` -> when that op completed."""
+        self.peers: list = [None] * len(ops)
+        """p2p: the peer's operation holding the counterpart of each of `ops` (`match_p2p`)."""
 
 
 @dataclass(frozen=True)
@@ -229,15 +231,7 @@ class _Replay:
     def __init__(self, s: Schedule, rules: Rules, clock: Clock):
         self.s, self.rules, self.clock = s, rules, clock
         self.lines = [_Line(s, r, rules) for r in range(s.num_ranks)]
-        self.peers = match_p2p(self.lines)
-        self.peer_ops = {  # id(p2p op) -> the peer operation of each of its actions
-            id(op): [
-                self.lines[pr].comms[pi] for pr, pi, _ in (self.peers[(L.r, op.index, j)] for j in range(len(op.ops)))
-            ]
-            for L in self.lines
-            for op in L.comms
-            if not op.collective
-        }
+        match_p2p(self.lines)
         self.colls = [[op for op in L.comms if op.collective] for L in self.lines]
         self.next_coll = 0  # index of the next collective chain to run (all ranks share the order)
         self.chain_free = 0.0  # the previous chain ends then
@@ -258,7 +252,7 @@ class _Replay:
                 if not op.collective:
                     self._complete_p2p(op)
         if not all(L.finished() for L in self.lines):
-            raise ScheduleError(_deadlock(self.s, self.lines, self.peers, self.rules))
+            raise ScheduleError(_deadlock(self.s, self.lines, self.rules))
         return Replayed(self.passes, self.chains)
 
     def _run_line(self, L: _Line) -> None:
@@ -294,7 +288,7 @@ class _Replay:
         if op.collective:
             self.colls_started = True
         else:  # its peers may now complete their side, and a buffered send completes at once
-            self.dirty.update(peer.rank for peer in self.peer_ops[id(op)])
+            self.dirty.update(peer.rank for peer in op.peers)
             self.dirty.add(L.r)
 
     def _finish(self, op: Comm, t: float) -> None:
@@ -322,7 +316,7 @@ class _Replay:
 
     def _complete_p2p(self, op: Comm) -> None:
         """Complete the ops of a started batch whose peer has started; the batch once all have."""
-        for j, (a, other) in enumerate(zip(op.ops, self.peer_ops[id(op)])):
+        for j, (a, other) in enumerate(zip(op.ops, op.peers)):
             if j in op.op_done:
                 continue
             if a.op in SENDS and not self.rules.rendezvous:
@@ -344,20 +338,18 @@ def _message(a: Action, sender: int) -> tuple:
     return (Op.RECV_GRAD, a.mb, a.chunk - 1, sender)
 
 
-def match_p2p(lines: list[_Line]) -> dict:
-    """(rank, comm index, op index) -> (peer rank, peer comm index, peer op index) for every p2p op,
-    matching the k-th send and the k-th receive of each channel (messages between two ranks match in
-    issue order); raises ScheduleError when the two sides disagree."""
+def match_p2p(lines: list[_Line]) -> None:
+    """Set every p2p operation's `peers`, matching the k-th send and the k-th receive of each channel
+    (messages between two ranks match in issue order); raises ScheduleError when the two sides disagree."""
     sends: dict = {}
     recvs: dict = {}
     for L in lines:
         for op in L.comms:
             for j, a in enumerate(op.ops):
                 if a.op in SENDS:
-                    sends.setdefault((L.r, a.peer), []).append((op.index, j, _message(a, L.r)))
+                    sends.setdefault((L.r, a.peer), []).append((op, j, _message(a, L.r)))
                 elif a.op in P2P:
-                    recvs.setdefault((a.peer, L.r), []).append((op.index, j, (a.op, a.mb, a.chunk, a.peer), a))
-    peers: dict = {}
+                    recvs.setdefault((a.peer, L.r), []).append((op, j, (a.op, a.mb, a.chunk, a.peer), a))
     for channel in set(sends) | set(recvs):
         src, dst = channel
         out, into = sends.get(channel, []), recvs.get(channel, [])
@@ -377,16 +369,16 @@ def match_p2p(lines: list[_Line]) -> dict:
                     f"rank {dst}: {a} is its receive #{k} from rank {src}, whose send #{k} is "
                     f"for {Action(op, mb, c, src)}: p2p between two ranks is matched in issue order"
                 )
-            peers[(src, out[k][0], out[k][1])] = (dst, into[k][0], into[k][1])
-            peers[(dst, into[k][0], into[k][1])] = (src, out[k][0], out[k][1])
-    return peers
+            (send, i, _), (recv, j, _, _) = out[k], into[k]
+            send.peers[i] = recv
+            recv.peers[j] = send
 
 
 def _describe(op: Comm) -> str:
     return f"#{op.index} [{', '.join(str(a) for a in op.ops)}]"
 
 
-def _deadlock(s: Schedule, lines: list[_Line], peers: dict, rules: Rules) -> str:
+def _deadlock(s: Schedule, lines: list[_Line], rules: Rules) -> str:
     out = []
     for L in lines:
         parts = []
@@ -406,11 +398,11 @@ def _deadlock(s: Schedule, lines: list[_Line], peers: dict, rules: Rules) -> str
                 parts.append(f"collective {_describe(op)} waits for rank(s) {late} to issue it")
                 continue
             j = next(j for j in range(len(op.ops)) if j not in op.op_done)
-            pr, pi, _ = peers[(L.r, op.index, j)]
+            peer = op.peers[j]
             verb = "post the matching receive" if op.ops[j].op in SENDS else "send"
             parts.append(
-                f"p2p batch {_describe(op)} waits for rank {pr} to {verb} (its batch "
-                f"{_describe(lines[pr].comms[pi])} has not started)"
+                f"p2p batch {_describe(op)} waits for rank {peer.rank} to {verb} (its batch "
+                f"{_describe(peer)} has not started)"
             )
         if parts:
             out.append(f"rank {L.r}: " + "; ".join(parts))

@@ -16,23 +16,30 @@ Placement rules (collectives get one global time, identical on every rank):
 - IF(j) in the last S gap that ends, on every rank, before F(j, 0) starts; IF_REDUCE(j) beside that
   gap's C1 (piggybacked on the output layer's collective slot).
 - IB_BCAST(j) at the first C1-type boundary after B(j, 0) ends; IB(j) in the T gap after it.
+- any other vocabulary pass of `registry.VOCAB_ACTIONS` (a new one) in the gap slot of the pass it
+  follows, after it, or else beside the built-in pass that follows the same collective (`_place_extra`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .blocks import Block
-from .ir import Op, ScheduleError
-
-if TYPE_CHECKING:
-    from .registry import Method
+from .deps import vocab_actions
+from .ir import CHUNK_PASSES, COLLECTIVES, Op, ScheduleError
+from .registry import VOCAB_ACTIONS, Method
 
 # Order of collectives sharing one boundary; any fixed order works since it is global.
 COLLECTIVE_ORDER = {Op.C0: 0, Op.IF_REDUCE: 1, Op.C1: 2, Op.IB_BCAST: 3, Op.C2: 4}
 # Order of passes sharing one gap slot on a rank: input passes first, they are cheap.
 SLOT_ORDER = {Op.IF: 0, Op.S: 1, Op.IB: 0, Op.T: 1}
+EXTRA_ORDER = 2
+"""Slot order of a pass placed by `_place_extra`: after the pass whose slot it shares."""
+
+
+def slot_order(op) -> int:
+    """Where `op` goes among the passes of one gap slot (chunk passes never share one)."""
+    return SLOT_ORDER.get(op, 0 if op in CHUNK_PASSES else EXTRA_ORDER)
 
 
 @dataclass(frozen=True)
@@ -161,4 +168,30 @@ def _place_vocab(block: Block, p: int, num_mb: int, method: Method, forward_only
             colls.append(TimedCollective(Op.IB_BCAST, mb, bcast, first_owner))
             t_gap = first_t_gap_from(bcast)
             passes += [TimedPass(r, Op.IB, mb, 0, slot(r, t_gap)) for r in range(p)]
-    return passes, colls
+    return passes + _place_extra(passes, method, forward_only), colls
+
+
+def _place_extra(passes: list[TimedPass], method: Method, forward_only: bool) -> list[TimedPass]:
+    """Every rank's registered vocabulary passes other than S, T, IF and IB, in the gap slot of the pass
+    each follows (after it), or else of the built-in pass that follows the same collective."""
+    ops = vocab_actions(method, forward_only)
+    extra = [op for op in ops if op not in COLLECTIVES and op not in SLOT_ORDER]
+    if not extra:
+        return []
+    slot_of = {(tp.rank, tp.op, tp.mb): tp.slot for tp in passes if tp.op in SLOT_ORDER}
+    out = []
+    for op in extra:
+        follows = VOCAB_ACTIONS[op].follows
+        anchor = follows if follows in SLOT_ORDER else None
+        if anchor is None:
+            anchor = next(
+                (a.op for a in VOCAB_ACTIONS.values() if a.follows == follows and a.op in SLOT_ORDER and a.op in ops),
+                None,
+            )
+        if anchor is None:
+            raise ScheduleError(
+                f"{op} follows {follows}: the unit grid places a new pass only after S, T, IF or IB, or after "
+                "a collective one of them follows (add its placement to schedule/timing.py)"
+            )
+        out += [TimedPass(r, op, mb, 0, t) for (r, a, mb), t in slot_of.items() if a is anchor]
+    return out

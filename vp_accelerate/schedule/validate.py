@@ -45,7 +45,7 @@ def _expected(s: Schedule, r: int) -> set:
     """(op, mb, chunk) of every action rank r must run exactly once."""
     out = set()
     last = s.last_chunk
-    vocab = vocab_actions(s)
+    vocab = vocab_actions(s.method, s.forward_only)
     for mb in range(s.num_microbatches):
         for c in s.chunks_of(r):
             out.add((Op.F, mb, c))
