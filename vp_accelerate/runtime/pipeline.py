@@ -33,7 +33,7 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Microbatch
-from vp_accelerate.runtime.groups import build_groups
+from vp_accelerate.runtime.groups import build_groups, warm_up
 from vp_accelerate.runtime.microbatches import make_microbatches
 from vp_accelerate.runtime.rank_parts import build_rank_parts
 from vp_accelerate.runtime.step_run import bubble_rate, finish_loss, make_executor, nonfinite_microbatches, run_schedule
@@ -99,6 +99,8 @@ class PipelineModel:
         # schedules, layout, vocabulary shard and modules (runtime/rank_parts.py); the facade names the ones
         # its callers read
         self.parts = parts = build_rank_parts(source, cfg, g, self.dtype, seed, self.device, self.adapter)
+        # every communicator connected now, in one order, with nothing else in flight (groups.warm_up)
+        warm_up(g, self.device, parts.tied_group)
         self.hf_config, self.layout, self.partition = parts.hf_config, parts.layout, parts.partition
         self.mods, self.lora_transposed = parts.mods, parts.lora_transposed
         self.schedule, self.eval_schedule = parts.schedule, parts.eval_schedule
