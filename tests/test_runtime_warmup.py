@@ -77,3 +77,18 @@ def test_pipeline_model_connects_every_communicator_in_one_order_before_step_1(m
     for ops, _ in per_rank:
         assert ops == want
     assert len({round(loss, 6) for _, loss in per_rank}) == 1
+
+
+def test_a_host_group_that_does_not_connect_names_the_interface(monkeypatch):
+    from vp_accelerate.runtime import groups
+
+    def refused():
+        raise RuntimeError("Connection refused")
+
+    monkeypatch.setattr(groups, "host_group", refused)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    with pytest.raises(RuntimeError, match=r"gloo host group does not connect \(GLOO_SOCKET_IFNAME=eth9\).*refused"):
+        groups.connect_host_group()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    with pytest.raises(RuntimeError, match="GLOO_SOCKET_IFNAME unset"):
+        groups.connect_host_group()

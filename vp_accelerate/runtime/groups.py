@@ -84,8 +84,7 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
             f"were launched; make pp_size x dp_size equal the number of processes"
         )
     pp_rank, dp_rank = rank % pp_size, rank // pp_size
-    mine = {"host_group": host_group()}
-    check_host_group(mine["host_group"])
+    mine = {"host_group": connect_host_group()}
     for d in range(dp_size):
         ranks = list(range(d * pp_size, (d + 1) * pp_size))
         pp_group = dist.new_group(ranks)
@@ -113,13 +112,15 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
     )
 
 
-def check_host_group(group) -> None:
-    """One tiny sum on the gloo side group, so a host network that does not connect (two nodes, the wrong
-    interface) fails here with the interface named, not in the middle of the first step."""
-    if group is None:
-        return
+def connect_host_group():
+    """The world's gloo side group (`host_group`), created and checked with one tiny sum, so a host network
+    that does not connect (two nodes, the wrong interface) fails here with the interface named, not in the
+    middle of the first step."""
     try:
-        dist.all_reduce(torch.ones(1), group=group)
+        group = host_group()
+        if group is not None:
+            dist.all_reduce(torch.ones(1), group=group)
+        return group
     except RuntimeError as e:
         ifname = os.environ.get("GLOO_SOCKET_IFNAME")
         where = f"GLOO_SOCKET_IFNAME={ifname}" if ifname else "GLOO_SOCKET_IFNAME unset (gloo picked an interface)"

@@ -180,7 +180,7 @@ class PipelineModel:
             hf_config=self.hf_config,
             dtype=self.dtype,
             device=self.device,
-            dp_group=self.groups.dp_group,
+            dp_group=self.groups.dp_host_group,
             loss_scale=loss_scale,
         )
 
@@ -200,8 +200,9 @@ class PipelineModel:
         mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids, loss_scale=scale)
         self._last_seq = input_ids.shape[1]
         t0 = time.perf_counter()
-        out = self._run(self.schedule, mbs, input_ids.shape[1])
-        self._sync_grads()
+        reducer = self._dp_reducer()  # replicas' gradient sums issued during the backward, chunk by chunk
+        out = self._run(self.schedule, mbs, input_ids.shape[1], after_pass=reducer and reducer.after_pass)
+        self._sync_grads(reducer)
         skipped = False
         if self.loss_scaler is not None:  # every rank of the pipeline decides together (replicas agree already)
             skipped = precision.unscale_and_check(self.parameters(), scale, self.device, self.groups.pp_group)
@@ -274,7 +275,7 @@ class PipelineModel:
             self.mods.train(training)
         return self._finish_loss(out.loss_sum)
 
-    def _run(self, schedule, mbs: list[Microbatch], seq: int):
+    def _run(self, schedule, mbs: list[Microbatch], seq: int, after_pass=None):
         ex = make_executor(
             self.parts,
             self.groups,
@@ -285,6 +286,7 @@ class PipelineModel:
             self.compute_dtype,
             self.device,
         )
+        ex.after_pass = after_pass
         return run_schedule(ex, mbs, self.device, self.compute_dtype, self.watchdog)
 
     def _finish_loss(self, loss_sum: torch.Tensor) -> float:
@@ -299,14 +301,22 @@ class PipelineModel:
             self.watchdog.stop()
             self.watchdog = None
 
-    def _sync_grads(self) -> None:
+    def _dp_reducer(self) -> grad_sync.DPReducer | None:
+        """The step's data-parallel reducer (None without replicas): each decoder chunk's gradients are
+        all-reduced right after the rank's last backward pass of that chunk."""
+        if self.groups.dp_group is None:
+            return None
+        final = grad_sync.final_after(self.schedule.actions[self.pp_rank], self.mods.chunks)
+        return grad_sync.DPReducer(self.groups.dp_group, final, precision.reduce_dtype(self.cfg.dp_reduce_dtype))
+
+    def _sync_grads(self, reducer: grad_sync.DPReducer | None = None) -> None:
         """Tied baseline weights on two ranks add their gradients; DP replicas add theirs."""
         tied = (
             None
             if self.parts.tied_group is None
             else (self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight)
         )
-        grad_sync.sync_grads(tied, self.parts.tied_group, self.trainable_parameters(), self.groups.dp_group)
+        grad_sync.sync_grads(tied, self.parts.tied_group, self.trainable_parameters(), self.groups.dp_group, reducer)
 
     # ---- optimizer-side helpers ----------------------------------------------------------------------
     def zero_grad(self) -> None:
