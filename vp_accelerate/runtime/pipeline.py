@@ -208,8 +208,10 @@ class PipelineModel:
             skipped = precision.unscale_and_check(self.parameters(), scale, self.device, self.groups.pp_group)
             self.loss_scaler.update(skipped)
         self._skip_next_optimizer_step = skipped
-        step_time = time.perf_counter() - t0
+        # the loss read is the step's one wait for the device: timed after it, the step time is the device's
+        # too (nothing else in the step syncs, so the host is done issuing long before the device is done)
         loss = self._finish_loss(out.loss_sum) / scale
+        step_time = time.perf_counter() - t0
         bad = (
             ()
             if math.isfinite(loss)
