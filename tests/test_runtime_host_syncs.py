@@ -15,6 +15,7 @@ import sys
 import torch
 
 from vp_accelerate.distributed import spawn
+from vp_accelerate.schedule.registry import supported_pairs
 
 READS = ("__bool__", "item", "tolist", "nonzero", "cpu", "__int__", "__float__")
 ALLOWED = {("finish_loss", "item"): 1}
@@ -81,10 +82,9 @@ def _batches(seed: int, b: int = 4, s: int = 12, vocab: int = 101) -> dict:
 
 
 def _count_reads():
-    from helpers.tiny import tiny_llama
+    from helpers.tiny import tiny_config, tiny_llama
     from vp_accelerate.models import masks
     from vp_accelerate.runtime import PipelineConfig, PipelineModel, pipeline
-    from vp_accelerate.schedule.registry import supported_pairs
 
     counter = _Counter()
     real = (pipeline.make_microbatches, pipeline.bubble_rate, masks.build_on_host)
@@ -92,12 +92,15 @@ def _count_reads():
     pipeline.bubble_rate = counter.host_section(pipeline.bubble_rate)
     masks.build_on_host = counter.host_section(masks.build_on_host)
     out = {}
-    runs = [(kind, method, "no") for kind, method in supported_pairs()] + [("1f1b", "vocab-2", "fp16")]
+    llama = tiny_llama(101, num_layers=4)
+    mistral = tiny_config("mistral", vocab_size=101)  # sliding-window layers: another mask builder
+    runs = [(kind, method, "no", llama) for kind, method in supported_pairs()]
+    runs += [("1f1b", "vocab-2", "fp16", llama), ("vhalf", "vocab-1", "no", mistral)]
     counter.install()
     try:
-        for kind, method, precision in runs:
+        for kind, method, precision, model in runs:
             cfg = PipelineConfig(schedule=kind, method=method, microbatches=2, mixed_precision=precision)
-            pipe = PipelineModel(tiny_llama(101, num_layers=4), cfg)
+            pipe = PipelineModel(model, cfg)
             for name, batch in _batches(seed=len(out)).items():
                 counter.calls = {}
                 counter.active = True
@@ -105,7 +108,7 @@ def _count_reads():
                     pipe.train_step(*batch)
                 finally:
                     counter.active = False
-                out[(kind, method, precision, name)] = dict(counter.calls)
+                out[(kind, method, precision, model.model_type, name)] = dict(counter.calls)
                 pipe.zero_grad()
             pipe.close()
     finally:
@@ -117,6 +120,6 @@ def _count_reads():
 def test_a_training_step_reads_the_device_only_for_the_loss_and_fp16_found_inf():
     per_rank = spawn(_count_reads, 2, timeout_s=300)
     for reads in per_rank:
-        assert len(reads) > 4 * 9
+        assert len(reads) == 4 * (len(supported_pairs()) + 2)
         bad = {k: v for k, v in reads.items() if v != (ALLOWED_FP16 if k[2] == "fp16" else ALLOWED)}
         assert not bad, bad
