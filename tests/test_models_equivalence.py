@@ -90,9 +90,11 @@ def test_padding_mask_and_packed_positions(family, attn):
     with torch.no_grad():
         want = ref(input_ids=ids[:1], position_ids=pos, use_cache=False).logits  # a cache turns packing detection off
         got = run_stages(rms, ids[:1], position_ids=pos)
-        host = run_stages(rms, ids[:1], pos, MicrobatchMasks(pos))
+        masks = MicrobatchMasks(pos, uses=len(layout.chunk_rank))  # one forward per chunk, then let go
+        host = run_stages(rms, ids[:1], pos, masks)
     assert rel_err(got, want) <= 1e-5
     assert torch.equal(host, got)
+    assert masks.packed and not masks._built
 
     plain = torch.arange(12).unsqueeze(0)  # one document per row, an all-ones mask: the plain causal case
     with torch.no_grad():

@@ -22,8 +22,10 @@ from transformers.masking_utils import find_packed_sequence_indices
 class MicrobatchMasks:
     """The attention-mask inputs of one microbatch, with the case decided on the host."""
 
-    def __init__(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        """`position_ids` [b, s] and `attention_mask` [b, s] (1 = real token) or None, both on the host."""
+    def __init__(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, uses: int | None = None):
+        """`position_ids` [b, s] and `attention_mask` [b, s] (1 = real token) or None, both on the host;
+        `uses`: the chunk forwards that will ask for the masks (this rank's chunks), after which the built
+        masks are let go (the layers' autograd graphs keep what their backward needs); None keeps them."""
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # all real tokens: the plain causal mask
         self.attention_mask = attention_mask
@@ -33,6 +35,7 @@ class MicrobatchMasks:
         self.packed = attention_mask is None and find_packed_sequence_indices(position_ids) is not None
         """Positions restart inside a row (several documents per row), without a 2D mask (HF's rule)."""
         self._built: dict = {}  # (layer type, dtype, device) -> the mask every chunk's layers of that type get
+        self._uses_left = uses
 
     @property
     def plain(self) -> bool:
@@ -50,6 +53,10 @@ class MicrobatchMasks:
                 else:
                     self._built[key] = build_on_host(self, chunk, kind, hidden)
             out[kind] = self._built[key]
+        if self._uses_left is not None:
+            self._uses_left -= 1
+            if self._uses_left <= 0:  # the rank's last chunk forward of this microbatch: no device copy held on
+                self._built.clear()
         return out
 
 

@@ -73,10 +73,12 @@ def make_microbatches(
     device: torch.device,
     dp_group,
     loss_scale: float = 1.0,
+    mask_uses: int | None = None,
 ) -> tuple[list[Microbatch], int]:
     """The step's microbatches and its valid-token count over every data-parallel replica (a collective
     over `dp_group`, a gloo group of the replicas, when there is one). Labels follow HF's convention and
-    are shifted here. The microbatch's `attention_mask` is its `MicrobatchMasks`."""
+    are shifted here. The microbatch's `attention_mask` is its `MicrobatchMasks` (`mask_uses`: the chunk
+    forwards of this rank per microbatch, after which its built masks are let go)."""
     check_batch(input_ids, labels, position_ids, microbatches, hf_config)
     b, s = input_ids.shape
     m = microbatches
@@ -94,7 +96,7 @@ def make_microbatches(
     for k in range(m):
         sl = slice(k * b // m, (k + 1) * b // m)
         pos = default_pos if position_ids is None else position_ids[sl].long()
-        masks = MicrobatchMasks(pos.cpu(), None if attention_mask is None else attention_mask[sl].cpu())
+        masks = MicrobatchMasks(pos.cpu(), None if attention_mask is None else attention_mask[sl].cpu(), mask_uses)
         mbs.append(
             Microbatch(
                 input_ids=_to(input_ids[sl], device),

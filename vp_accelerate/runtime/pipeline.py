@@ -182,6 +182,7 @@ class PipelineModel:
             device=self.device,
             dp_group=self.groups.dp_host_group,
             loss_scale=loss_scale,
+            mask_uses=len(self.layout.chunks_of(self.pp_rank)),
         )
 
     def train_step(
