@@ -69,9 +69,9 @@ CRITERIA = {
     f"those without (float64: only a race moves them); (b) no step raises under sync debug mode 'error'; (c) "
     f"reported / event step time within {STEP_TIME_BAND[0]:g}-{STEP_TIME_BAND[1]:g} on each of 3 steps (tiny "
     "CPU run: no CUDA, so (a) runs without delays, (b) is skipped and (c) only checks the times are positive)",
-    "quickstart_bf16": "the launch exits 0, its metrics hold a finite train/loss for every logged step, the last "
-    "loss is below the first, and the run was on cuda in bf16 (tiny CPU run: 3 steps of a tiny corpus on the "
-    "CPU, precision no, losses finite only)",
+    "quickstart_bf16": "the launch (--mixed_precision bf16) exits 0, its metrics hold a finite train/loss for every "
+    "logged step, the last loss is below the first, and they hold the CUDA allocator's figures (the run was on "
+    "the GPU) (tiny CPU run: 3 steps of a tiny corpus on the CPU, precision no, losses finite only)",
 }
 # Paper Table 3: vocabulary-layer scaling efficiency relative to linear scaling, at 8 / 16 / 32 GPUs
 # (communication included). One GPU cannot reproduce these; the summary quotes them for context only.
@@ -466,12 +466,13 @@ def part_streams_1gpu(tiny: bool, out: Path) -> dict:
         pipe = PipelineModel(str(small), cfg, dtype=torch.float64, device=dev)
         for name in ("plain",) if tiny else ("plain", "packed"):  # tiny: the plumbing, on the CPU
             res = pipe.train_step(*batches[name])
-            ref = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+            ref = {n: p.grad.detach().clone() for n, p in pipe.named_parameters()}
             pipe.zero_grad()
             with _stream_delays(SLEEP_CYCLES):
                 res2 = pipe.train_step(*batches[name])
             err = max(
-                float((p.grad - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n, p in pipe.named_parameters()
+                float((p.grad.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+                for n, p in pipe.named_parameters()
             )
             err = max(err, abs(res2.loss - res.loss) / abs(res.loss))
             pipe.zero_grad()
@@ -521,10 +522,9 @@ def part_streams_1gpu(tiny: bool, out: Path) -> dict:
 
     # (c) reported step time beside CUDA events around train_step, on a model big enough to be GPU-bound
     hidden, seq, vocab = (64, 32, 1000) if tiny else (2048, 1024, 32000)
-    big = out / "timing_model"
-    AutoModelForCausalLM.from_config(_llama(vocab, hidden, 4, heads=4 if tiny else 16)).save_pretrained(big)
+    big = _llama(vocab, hidden, 4, heads=4 if tiny else 16)  # seeded init from the config: nothing on disk
     pipe = PipelineModel(
-        str(big), PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4, mixed_precision="bf16"), device=dev
+        big, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4, mixed_precision="bf16"), device=dev
     )
     ids = torch.randint(0, vocab, (8, seq), generator=g)
     timing = []
@@ -570,8 +570,6 @@ def part_quickstart_bf16(tiny: bool, out: Path) -> dict:
     """The quickstart recipe, one process, `accelerate launch --mixed_precision bf16` on the GPU."""
     import shutil
 
-    import torch
-
     work = out / "quickstart"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -615,14 +613,15 @@ def part_quickstart_bf16(tiny: bool, out: Path) -> dict:
         problems.append(f"loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}")
     text = "\n".join(log)
     want_device = "cpu" if tiny else "cuda"
-    if not tiny and not torch.cuda.is_available():
-        problems.append("no CUDA: the GPU run needs a GPU")
+    on_cuda = any("cuda" in key for r in rows for key in r)  # the trainer logs the CUDA allocator's peaks
+    if not tiny and not on_cuda:
+        problems.append("the metrics hold no CUDA memory figures: the run was not on the GPU")
     return {
         "status": "fail" if problems else "pass",
         **({"why": "; ".join(problems)} if problems else {}),
         "steps": steps,
         "mixed_precision": mp,
-        "device": want_device,
+        "device": want_device if (tiny or on_cuda) else "cpu",
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "log_tail": text[-1500:],
