@@ -48,7 +48,8 @@ class StepResult:
     num_tokens: int
     """Valid (label != -100) tokens in the step, over all data-parallel replicas."""
     step_time_s: float
-    """Wall time of the step on this rank."""
+    """Wall time of the step on this rank, from its first pass until its loss is known (on a GPU the host waits
+    for the device only there, so the device's work is inside it)."""
     bubble_rate: float
     """Mean over pipeline ranks of 1 - (time in compute passes) / (step time)."""
     peak_activation_bytes: int
