@@ -51,7 +51,7 @@ def test_bucketed_all_reduce_gives_the_per_tensor_sums():
         assert calls == 3 < n  # fp32 small ones, the big one, the fp64 one
 
 
-def _pp2_dp2_losses(kind: str, overlap: bool, reduce_dtype):
+def _pp2_dp2_run(kind: str, overlap: bool, reduce_dtype):
     from helpers.tiny import tiny_llama
     from vp_accelerate.runtime import PipelineConfig, PipelineModel, grad_sync
 
@@ -85,17 +85,19 @@ def _pp2_dp2_losses(kind: str, overlap: bool, reduce_dtype):
     return losses, params, issued_in_backward
 
 
+def _pp2_dp2_losses(kind: str):
+    """The reduce after the step (the old order), the overlapped one, the overlapped one in bf16."""
+    return [_pp2_dp2_run(kind, *variant) for variant in ((False, None), (True, None), (True, "bf16"))]
+
+
 @pytest.mark.parametrize("kind", ["1f1b", "vhalf"])
 def test_pp2_dp2_overlapped_bucket_reduce_gives_the_same_losses_and_weights(kind):
     # each decoder chunk's buckets go out right after its last B/W pass on the rank; with two replicas each
     # element's sum is the same a + b whatever the bucket, so losses and weights match bit for bit
-    old = spawn(_pp2_dp2_losses, 4, kind, False, None, timeout_s=180)
-    new = spawn(_pp2_dp2_losses, 4, kind, True, None, timeout_s=180)
-    for (l0, p0, _), (l1, p1, issued) in zip(old, new):
+    for old, new, bf16 in spawn(_pp2_dp2_losses, 4, kind, timeout_s=300):
+        (l0, p0, _), (l1, p1, issued), (l2, _, _) = old, new, bf16
         assert l0 == l1
         assert all(torch.equal(a, b) for a, b in zip(p0, p1))
         assert issued and all(n > 0 for n in issued)  # overlapped: issued before the step ended
-    bf16 = spawn(_pp2_dp2_losses, 4, kind, True, "bf16", timeout_s=180)
-    for (l0, _, _), (l2, _, _) in zip(old, bf16):  # bf16 buckets: sums rounded to bf16, losses close
-        assert l2 == pytest.approx(l0, rel=2e-2)
+        assert l2 == pytest.approx(l0, rel=2e-2)  # bf16 buckets: sums rounded to bf16, losses close
         assert l2[1:] != l0[1:]  # the option is in effect: the updated weights differ slightly
