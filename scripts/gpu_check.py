@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu")
+PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu", "streams_1gpu", "quickstart_bf16")
 CHECKS = {
     "vocab_ws1": "the vocabulary layers' CUDA compute (S, T, input-layer IF/IB; naive, vocab-1, vocab-2 x store, "
     "recompute, chunked) against float64, on a 1-rank NCCL group: one shard is the whole vocabulary "
@@ -39,8 +39,20 @@ CHECKS = {
     "h=4096, V=256k, p = 1, 2, 4, 8: whether the shard's kernels keep their throughput and "
     "its memory falls as V/p shrinks. Communication is not in it, so it is not the paper's "
     "multi-GPU scaling figure (Table 3)",
+    "streams_1gpu": "GPU-only bugs of one rank's step, at world size 1: (a) stream races: every schedule x method "
+    "trained one step in float64 twice, the second with torch.cuda._sleep injected on the compute stream before "
+    "every pass (each producer) and on the communication stream at the start of every vocabulary chain, so a "
+    "missing event wait reads stale data and changes the gradients; (b) host syncs: one step of every schedule "
+    "x method on plain, packed and padded batches (bf16, and fp16 once) under "
+    "torch.cuda.set_sync_debug_mode('error'), the loss read and fp16's found-inf flag excepted; (c) the "
+    "reported step time beside CUDA events around train_step (a larger bf16 model). p2p, the data-parallel "
+    "reduce and collectives that move data need two ranks: not here",
+    "quickstart_bf16": "the quickstart recipe end to end on the GPU: demo corpus, BPE tokenizer, then a "
+    "one-process `accelerate launch --mixed_precision bf16` of recipes/quickstart.yaml (a short run)",
 }
-TOLERANCE = {"vocab_ws1": 1e-4, "schedules_ws1": 1e-5, "bf16_gap": 0.02}
+TOLERANCE = {"vocab_ws1": 1e-4, "schedules_ws1": 1e-5, "bf16_gap": 0.02, "race": 1e-10}
+STEP_TIME_BAND = (0.7, 1.02)  # reported step time / CUDA-event time around train_step (the events enclose it)
+SLEEP_CYCLES = 5_000_000  # torch.cuda._sleep per pass and per chain: ~3 ms, far longer than any kernel here
 EFFICIENCY_BAND = (0.6, 1.6)  # full time / (p x shard time); outside it the shard's kernels or the timing are off
 MEMORY_AT_8 = 0.35  # the shard's peak memory at p = 8 over its peak at p = 1 (ideal: 1/8 plus the fixed N x h)
 CRITERIA = {
@@ -53,6 +65,13 @@ CRITERIA = {
     f"{EFFICIENCY_BAND[0]:.0%}-{EFFICIENCY_BAND[1]:.0%} for every row; the shard's peak memory "
     f"at p = 8 <= {MEMORY_AT_8:g} x its peak at p = 1 (tiny CPU run: rows measured and finite "
     "only, CPU timings of a 128-token problem are noise)",
+    "streams_1gpu": f"(a) every pair's gradients and loss with the delays within relative {TOLERANCE['race']:g} of "
+    f"those without (float64: only a race moves them); (b) no step raises under sync debug mode 'error'; (c) "
+    f"reported / event step time within {STEP_TIME_BAND[0]:g}-{STEP_TIME_BAND[1]:g} on each of 3 steps (tiny "
+    "CPU run: no CUDA, so (a) runs without delays, (b) is skipped and (c) only checks the times are positive)",
+    "quickstart_bf16": "the launch (--mixed_precision bf16) exits 0, its metrics hold a finite train/loss for every "
+    "logged step, the last loss is below the first, and they hold the CUDA allocator's figures (the run was on "
+    "the GPU) (tiny CPU run: 3 steps of a tiny corpus on the CPU, precision no, losses finite only)",
 }
 # Paper Table 3: vocabulary-layer scaling efficiency relative to linear scaling, at 8 / 16 / 32 GPUs
 # (communication included). One GPU cannot reproduce these; the summary quotes them for context only.
@@ -358,6 +377,257 @@ def part_output_layer_1gpu(tiny: bool, out: Path) -> dict:
     }
 
 
+def _stream_delays(cycles: int):
+    """A context: torch.cuda._sleep(cycles) on the compute stream before every compute pass of the executor
+    (each producer's kernels start late) and on the communication stream at the start of every vocabulary
+    chain (its result comes late). A consumer that does not wait for its producer's event then reads stale
+    data. On the CPU it changes nothing."""
+    import contextlib
+
+    import torch
+
+    from vp_accelerate.runtime.executor import Executor
+    from vp_accelerate.schedule.ir import COMPUTE_PASSES
+    from vp_accelerate.vocab import comm
+
+    @contextlib.contextmanager
+    def delays():
+        if not torch.cuda.is_available():
+            yield
+            return
+        real = {op: getattr(Executor, f"_do_{op.value}") for op in COMPUTE_PASSES}
+        real_job = comm._StreamJob
+
+        def slow_pass(fn):
+            def run(self, a):
+                torch.cuda._sleep(cycles)
+                return fn(self, a)
+
+            return run
+
+        class SlowJob(real_job):
+            def __init__(self, chain, device, inputs):
+                def slow_chain():  # runs on the communication stream (inside its stream context)
+                    torch.cuda._sleep(cycles)
+                    return chain()
+
+                super().__init__(slow_chain, device, inputs)
+
+        for op, fn in real.items():
+            setattr(Executor, f"_do_{op.value}", slow_pass(fn))
+        comm._StreamJob = SlowJob
+        try:
+            yield
+        finally:
+            for op, fn in real.items():
+                setattr(Executor, f"_do_{op.value}", fn)
+            comm._StreamJob = real_job
+
+    return delays()
+
+
+def _mask_batches(g, batch: int, seq: int, vocab: int) -> dict:
+    """The same ids as plain, packed (documents restart at seq // 3) and padded (every other row) batches."""
+    import torch
+
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    packed = torch.arange(seq).repeat(batch, 1)
+    packed[:, seq // 3 :] -= seq // 3
+    padded = torch.ones(batch, seq, dtype=torch.long)
+    padded[::2, -(seq // 4) :] = 0
+    return {"plain": (ids, ids, None, None), "packed": (ids, ids, None, packed), "padded": (ids, ids, padded, None)}
+
+
+def part_streams_1gpu(tiny: bool, out: Path) -> dict:
+    """(a) stream races by injected delays, (b) host syncs under sync debug mode 'error', (c) step time by
+    CUDA events: CHECKS / CRITERIA["streams_1gpu"]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vp_accelerate.distributed import init_from_env
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel, pipeline, precision
+    from vp_accelerate.schedule.registry import supported_pairs
+
+    _one_rank_env()
+    init_from_env()
+    dev = _device()
+    cuda = dev.type == "cuda"
+    problems: list[str] = []
+    torch.manual_seed(0)
+    small = out / "streams_model"
+    AutoModelForCausalLM.from_config(_llama(1000, 64 if tiny else 128, 4)).save_pretrained(small)
+    g = torch.Generator().manual_seed(5)
+    batches = _mask_batches(g, 4, 32 if tiny else 96, 1000)
+
+    # (a) the same step with and without delays, float64: only a race changes a bit beyond rounding
+    races = []
+    for schedule, method in supported_pairs():
+        cfg = PipelineConfig(schedule=schedule, method=method, microbatches=4)
+        pipe = PipelineModel(str(small), cfg, dtype=torch.float64, device=dev)
+        for name in ("plain",) if tiny else ("plain", "packed"):  # tiny: the plumbing, on the CPU
+            res = pipe.train_step(*batches[name])
+            ref = {n: p.grad.detach().clone() for n, p in pipe.named_parameters()}
+            pipe.zero_grad()
+            with _stream_delays(SLEEP_CYCLES):
+                res2 = pipe.train_step(*batches[name])
+            err = max(
+                float((p.grad.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+                for n, p in pipe.named_parameters()
+            )
+            err = max(err, abs(res2.loss - res.loss) / abs(res.loss))
+            pipe.zero_grad()
+            races.append({"schedule": schedule, "method": method, "batch": name, "rel_error": err})
+            if not err <= TOLERANCE["race"]:
+                problems.append(f"race: {schedule}/{method} {name} moved by {err:.1e} with the delays")
+        pipe.close()
+
+    # (b) one step per pair and batch kind under sync debug mode "error" (after one warm-up step each)
+    syncs = {"checked_steps": 0, "errors": []}
+    if cuda:
+        real_finish, real_unscale = pipeline.finish_loss, precision.unscale_and_check
+
+        def allowed(fn):  # the loss read and fp16's found-inf flag are the step's allowed syncs
+            def run(*a, **k):
+                torch.cuda.set_sync_debug_mode(0)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    torch.cuda.set_sync_debug_mode("error")
+
+            return run
+
+        pipeline.finish_loss, precision.unscale_and_check = allowed(real_finish), allowed(real_unscale)
+        try:
+            runs = [(s_, m_, "bf16") for s_, m_ in supported_pairs()] + [("1f1b", "vocab-2", "fp16")]
+            for schedule, method, mp in runs:
+                cfg = PipelineConfig(schedule=schedule, method=method, microbatches=4, mixed_precision=mp)
+                pipe = PipelineModel(str(small), cfg, device=dev)
+                for name, batch in batches.items():
+                    pipe.train_step(*batch)  # warm-up: first-use allocations and library handles
+                    pipe.zero_grad()
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        pipe.train_step(*batch)
+                        syncs["checked_steps"] += 1
+                    except RuntimeError as e:
+                        syncs["errors"].append(f"{schedule}/{method} {mp} {name}: {str(e).splitlines()[0][:200]}")
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                    pipe.zero_grad()
+                pipe.close()
+        finally:
+            pipeline.finish_loss, precision.unscale_and_check = real_finish, real_unscale
+        problems += [f"host sync: {e}" for e in syncs["errors"]]
+
+    # (c) reported step time beside CUDA events around train_step, on a model big enough to be GPU-bound
+    hidden, seq, vocab = (64, 32, 1000) if tiny else (2048, 1024, 32000)
+    big = _llama(vocab, hidden, 4, heads=4 if tiny else 16)  # seeded init from the config: nothing on disk
+    pipe = PipelineModel(
+        big, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4, mixed_precision="bf16"), device=dev
+    )
+    ids = torch.randint(0, vocab, (8, seq), generator=g)
+    timing = []
+    warm = 1 if tiny else 2  # the first steps allocate and tune
+    for step in range(warm + 3):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        res = pipe.train_step(ids, ids)
+        if cuda:
+            end.record()
+            end.synchronize()
+            measured = start.elapsed_time(end) / 1000
+        else:
+            measured = time.perf_counter() - t0
+        pipe.zero_grad()
+        if step >= warm:
+            timing.append({"reported_s": res.step_time_s, "event_s": measured, "ratio": res.step_time_s / measured})
+    pipe.close()
+    for t in timing:
+        if not (t["reported_s"] > 0 and t["event_s"] > 0):
+            problems.append(f"step time not positive: {t}")
+        elif not tiny and cuda and not STEP_TIME_BAND[0] <= t["ratio"] <= STEP_TIME_BAND[1]:
+            problems.append(
+                f"reported step time {t['reported_s'] * 1e3:.1f} ms vs CUDA events {t['event_s'] * 1e3:.1f} ms "
+                f"(ratio {t['ratio']:.2f} outside {STEP_TIME_BAND[0]:g}-{STEP_TIME_BAND[1]:g})"
+            )
+    return {
+        "status": "fail" if problems else "pass",
+        **({"why": "; ".join(problems)[:1500]} if problems else {}),
+        "device": str(dev),
+        "races": races,
+        "worst_race_error": max(r["rel_error"] for r in races),
+        "delays_injected": cuda,
+        "sync_debug": syncs if cuda else "skipped (no CUDA)",
+        "step_time": timing,
+    }
+
+
+def part_quickstart_bf16(tiny: bool, out: Path) -> dict:
+    """The quickstart recipe, one process, `accelerate launch --mixed_precision bf16` on the GPU."""
+    import shutil
+
+    work = out / "quickstart"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("ACCELERATE_")}
+    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # a launch of its own
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    steps = 3 if tiny else 40
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
+    mp = "no" if tiny else "bf16"
+    commands = [
+        [sys.executable, str(ROOT / "scripts" / "make_demo_corpus.py"), "--out", "outputs/demo_corpus"]
+        + (["--size-mb", "0.1"] if tiny else ["--size-mb", "1"]),
+        [sys.executable, str(ROOT / "scripts" / "train_tokenizer.py"), "--vocab-size", "512" if tiny else "4096"]
+        + ["--out", "outputs/demo_tokenizer", "outputs/demo_corpus/train.jsonl"],
+        accelerate
+        + ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", mp, "--dynamo_backend", "no"]
+        + (["--cpu"] if tiny else [])
+        + ["-m", "vp_accelerate", "train", str(ROOT / "recipes" / "quickstart.yaml")]
+        + ["--set", f"train.steps={steps}", "--set", "logging.log_every=1", "--set", "eval.every=0"]
+        + ["--set", "checkpoint.every=0", "--set", "lr.warmup_steps=2"]
+        + (
+            ["--set", "data.seq_len=32", "--set", "train.global_batch=4", "--set", "pipeline.microbatches=2"]
+            if tiny
+            else []
+        ),
+    ]
+    log = []
+    for cmd in commands:
+        run = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=False)
+        log.append(f"$ {' '.join(cmd)}\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
+        (out / "quickstart_bf16.commands.log").write_text("\n".join(log))
+        if run.returncode != 0:
+            return {"status": "fail", "why": f"`{' '.join(cmd[-8:])}` exited {run.returncode}: {run.stderr[-800:]}"}
+    rows = [json.loads(line) for line in (work / "outputs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    problems = []
+    if len(losses) < steps or not all(math.isfinite(x) for x in losses):
+        problems.append(f"{len(losses)} finite train/loss rows for {steps} steps: {losses[:8]}")
+    elif not tiny and not losses[-1] < losses[0]:  # 3 tiny CPU steps need not lower the loss
+        problems.append(f"loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}")
+    text = "\n".join(log)
+    want_device = "cpu" if tiny else "cuda"
+    on_cuda = any("cuda" in key for r in rows for key in r)  # the trainer logs the CUDA allocator's peaks
+    if not tiny and not on_cuda:
+        problems.append("the metrics hold no CUDA memory figures: the run was not on the GPU")
+    return {
+        "status": "fail" if problems else "pass",
+        **({"why": "; ".join(problems)} if problems else {}),
+        "steps": steps,
+        "mixed_precision": mp,
+        "device": want_device if (tiny or on_cuda) else "cpu",
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "log_tail": text[-1500:],
+    }
+
+
 # ---- summary ----------------------------------------------------------------------------------------
 def paper_table3_markdown() -> str:
     head = " | ".join(f"{g} GPUs" for g in PAPER_GPUS)
@@ -449,6 +719,22 @@ def _one_line(part: str, r: dict) -> str:
             f"{x['algorithm']} p={x['p']} {x['efficiency'] * 100:.0f}%" for x in r["rows"] if x.get("p") is not None
         )
         return f"one shard's compute vs the full layer: {eff}" + (f"; {r['why']}" if r.get("why") else "")
+    if part == "streams_1gpu":
+        ratios = ", ".join(f"{t['ratio']:.2f}" for t in r["step_time"])
+        syncs = r["sync_debug"]
+        checked = f"{syncs['checked_steps']} steps clean" if isinstance(syncs, dict) else syncs
+        return (
+            f"races: {len(r['races'])} steps, worst {r['worst_race_error']:.1e} (delays "
+            f"{'on' if r['delays_injected'] else 'off: no CUDA'}); sync debug: {checked}; reported / event step "
+            f"time {ratios}" + (f"; {r['why']}" if r.get("why") else "")
+        )
+    if part == "quickstart_bf16":
+        if r.get("first_loss") is None:
+            return r.get("why", "")[:160]
+        return (
+            f"{r['steps']} steps {r['mixed_precision']} on {r['device']}, loss {r['first_loss']:.3f} -> "
+            f"{r['last_loss']:.3f}" + (f"; {r['why']}" if r.get("why") else "")
+        )
     return ""
 
 

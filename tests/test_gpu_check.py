@@ -19,7 +19,8 @@ from vp_accelerate.distributed import spawn
 from vp_accelerate.schedule.registry import supported_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu")
+PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu", "streams_1gpu", "quickstart_bf16")
+QUICK = PARTS[:-1]  # the quickstart part starts four interpreters (corpus, tokenizer, launcher, rank): slow
 
 
 def _module():
@@ -39,14 +40,12 @@ def _env(path: str) -> dict:
     }
 
 
-def _other_parts(out: str) -> list[int]:
-    """Every part but the first, as the script runs each (gpu_check.main), then the summary: their exit
-    statuses. One rank forked with torch and transformers imported already, not four fresh interpreters."""
+def _other_parts(out: str, parts=QUICK[1:]) -> list[int]:
+    """These parts, as the script runs each (gpu_check.main), then the summary: their exit statuses. One
+    rank forked with torch and transformers imported already, not a fresh interpreter per part."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as the script's --cpu
     gc = _module()
-    return [gc.main(["--part", p, "--out", out, "--tiny"]) for p in PARTS[1:]] + [
-        gc.main(["--summarize", "--out", out])
-    ]
+    return [gc.main(["--part", p, "--out", out, "--tiny"]) for p in parts] + [gc.main(["--summarize", "--out", out])]
 
 
 def test_cpu_path_of_the_script_with_only_python3(tmp_path):
@@ -79,15 +78,21 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     assert json.loads((out / "results.json").read_text())[PARTS[0]]["status"] == "pass", log
     assert all(f"| {p} | not run |" in (out / "summary.md").read_text() for p in PARTS[1:])
 
-    assert spawn(_other_parts, 1, str(out), timeout_s=600)[0] == [0] * len(PARTS), (out / "summary.md").read_text()
+    statuses = spawn(_other_parts, 1, str(out), timeout_s=600)[0]
+    assert statuses == [0] * (len(QUICK) - 1) + [1], (out / "summary.md").read_text()  # the quickstart: not run
     results = json.loads((out / "results.json").read_text())
-    assert set(results) == set(PARTS) and all(r["status"] == "pass" and r["tiny"] for r in results.values()), results
-    assert all(r["criterion"] and r["checks"] for r in results.values())
+    ran = {p: r for p, r in results.items() if p in QUICK}
+    assert set(results) == set(PARTS) and all(r["status"] == "pass" and r["tiny"] for r in ran.values()), results
+    assert results["quickstart_bf16"]["status"] == "not run"
+    streams = results["streams_1gpu"]
+    assert len(streams["races"]) == len(supported_pairs()) and streams["sync_debug"] == "skipped (no CUDA)"
+    assert len(streams["step_time"]) == 3
+    assert all(r["criterion"] and r["checks"] for r in ran.values())
     schedules = results["schedules_ws1"]
     assert schedules["backend"] == "gloo" and schedules["world_size"] == 1
     assert len(schedules["rows"]) == len(supported_pairs()) >= 9
     summary = (out / "summary.md").read_text()
-    assert "Tiny sizes on the CPU" in summary and "Every part ran and passed." in summary
+    assert "Tiny sizes on the CPU" in summary and "| quickstart_bf16 | not run |" in summary
     assert f"| schedules_ws1 | pass | {len(supported_pairs())} schedule x method on gloo at world size 1" in summary
 
 
@@ -171,3 +176,12 @@ def test_the_script_prefers_the_repository_venv(tmp_path):
     )
     assert run.stdout.splitlines()[0] == f"gpu_check: {ROOT}/scripts/../.venv/bin/python"
     assert run.returncode == 2 and "unknown part 'no_such_part'" in run.stderr
+
+
+@pytest.mark.slow
+def test_the_quickstart_part_on_the_cpu(tmp_path):
+    """The quickstart part's tiny path: demo corpus, tokenizer and a one-process `accelerate launch` on the CPU
+    (3 steps); its metrics hold a finite loss per step."""
+    assert spawn(_other_parts, 1, str(tmp_path), ["quickstart_bf16"], timeout_s=600)[0] == [0, 1]
+    result = json.loads((tmp_path / "quickstart_bf16.json").read_text())
+    assert result["status"] == "pass" and result["steps"] == 3 and result["device"] == "cpu", result

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers.tiny import FAMILIES, tiny_config
 from vp_accelerate.models import StageLayout, build_rank
+from vp_accelerate.models.masks import MicrobatchMasks
 
 LAYOUTS = {
     "1f1b-p3": lambda n: StageLayout.one_per_rank(n, 3),
@@ -79,14 +80,28 @@ def test_padding_mask_and_packed_positions(family, attn):
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask).logits
         got = run_stages(rms, ids, attention_mask=mask)
+        # the runtime's path: the case decided on the host, the mask built there once (models/masks.py)
+        host = run_stages(rms, ids, torch.arange(12).repeat(3, 1), MicrobatchMasks(torch.arange(12).repeat(3, 1), mask))
     valid = mask.bool()
     assert rel_err(got[valid], want[valid]) <= 1e-5
+    assert torch.equal(host, got)
 
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])  # two sequences packed in one row
     with torch.no_grad():
         want = ref(input_ids=ids[:1], position_ids=pos, use_cache=False).logits  # a cache turns packing detection off
         got = run_stages(rms, ids[:1], position_ids=pos)
+        masks = MicrobatchMasks(pos, uses=len(layout.chunk_rank))  # one forward per chunk, then let go
+        host = run_stages(rms, ids[:1], pos, masks)
     assert rel_err(got, want) <= 1e-5
+    assert torch.equal(host, got)
+    assert masks.packed and not masks._built
+
+    plain = torch.arange(12).unsqueeze(0)  # one document per row, an all-ones mask: the plain causal case
+    with torch.no_grad():
+        want = ref(input_ids=ids[:1]).logits
+        host = run_stages(rms, ids[:1], plain, MicrobatchMasks(plain, torch.ones(1, 12, dtype=torch.long)))
+    assert MicrobatchMasks(plain, torch.ones(1, 12)).plain and MicrobatchMasks(pos).packed
+    assert rel_err(host, want) <= 1e-5
 
 
 def test_stage_gradients_match_hf_baseline_placement():

@@ -49,9 +49,9 @@ def _cycle(ckpt: str, out_dir: str, seed: int, vocab: int, configs):
                 ),
             )
         g = pipe.groups
-        backends = [dist.get_backend(g.host_group), dist.get_backend(g.pp_host_group)]
+        backends = [dist.get_backend(h) for h in (g.host_group, g.pp_host_group, g.dp_host_group) if h is not None]
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-        with audit(pipe.device, [g.host_group, g.pp_host_group]) as rec:
+        with audit(pipe.device, [g.host_group, g.pp_host_group, g.dp_host_group]) as rec:  # dp's: None at dp 1
             gen = torch.Generator().manual_seed(seed)
             ids = torch.randint(0, vocab, (4, 8), generator=gen)  # host-born, as a data loader's batch
             labels = ids.clone()
@@ -95,7 +95,7 @@ def _check(tmp_path, world: int, configs):
     for rank, report in enumerate(per_rank):
         for key, r in report.items():
             assert r["problems"] == [], f"rank {rank}, {key}:\n" + "\n".join(r["problems"])
-            assert r["backends"] == ["gloo", "gloo"], (rank, key)
+            assert set(r["backends"]) == {"gloo"}, (rank, key)
             assert r["groups_used"] == ["device", "host"], (rank, key)  # the audit saw both kinds
             assert r["finite"] and r["nonfinite_found"] and r["lines"] == world, (rank, key, r)
 

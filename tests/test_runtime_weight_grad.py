@@ -32,6 +32,8 @@ def test_b_then_w_equals_full_backward():
     store.flush((0, 0))
     for (n, p), (_, q) in zip(split.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+        # a plain tensor, as autograd's own: a graph here would keep the layer's input and ∂y alive
+        assert not p.grad.requires_grad and p.grad.grad_fn is None, n
     assert store.pending_bytes() == 0
 
 

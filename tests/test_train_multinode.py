@@ -209,6 +209,7 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 """
 FAKE_ACCELERATE = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$RECORD/machine$SLURM_NODEID"
+printf '%s %s\\n' "$NCCL_SOCKET_IFNAME" "$GLOO_SOCKET_IFNAME" > "$RECORD/ifname$SLURM_NODEID"
 """
 
 
@@ -257,3 +258,36 @@ def test_slurm_script_starts_one_launcher_per_node_with_its_machine_rank(tmp_pat
         }, args
         assert args[-6:] == ["-m", "vp_accelerate", "train", recipe, "--set", "pipeline.dp_size=2"]
         assert (ROOT / opts["--config_file"]).is_file() and (ROOT / recipe).is_file()
+
+
+def test_slurm_script_sets_the_socket_interfaces_and_names_a_missing_one(tmp_path):
+    """Each node exports NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (SOCKET_IFNAME, here the loopback every
+    machine has); an interface a node lacks stops that node before its launcher, naming it."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accelerate", FAKE_ACCELERATE)):
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(0o755)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")},
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "FAKE_BIN": str(fake_bin),
+        "RECORD": str(tmp_path),
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "gpu-[07-08]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+    }
+    cmd = ["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), "recipes/gpu_llama3_8b_vocab2_1f1b.yaml"]
+    run = subprocess.run(cmd, env={**env, "SOCKET_IFNAME": "lo"}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for m in (0, 1):
+        assert (tmp_path / f"ifname{m}").read_text().split() == ["lo", "lo"]
+    assert "node 0: NCCL_SOCKET_IFNAME=lo GLOO_SOCKET_IFNAME=lo" in run.stdout
+    record = tmp_path / "bad"
+    record.mkdir()
+    bad = {**env, "SOCKET_IFNAME": "nosuch0", "RECORD": str(record)}
+    run = subprocess.run(cmd, env=bad, capture_output=True, text=True, timeout=60)
+    # each node's task exits 2 (the stand-in srun does not pass exit codes on; the real one fails the job)
+    assert "node 0 (" in run.stderr and "has no network interface nosuch0 (SOCKET_IFNAME)" in run.stderr
+    assert not list(record.iterdir())  # no launcher started

@@ -6,7 +6,10 @@
 
 Each process's GPU is `cuda:LOCAL_RANK` (`local_device`), made the current device before any process
 group exists: NCCL builds its communicators on the current device, so a process that never called
-`torch.cuda.set_device` would put every rank of the machine on GPU 0.
+`torch.cuda.set_device` would put every rank of the machine on GPU 0. On NCCL the group is also created
+with `device_id` (`init_kwargs`): torch then binds the group to that GPU and connects its communicator
+at once (and those of later `new_group`s at their creation) instead of at their first operation, when
+another communicator's kernels may be running (a known way to deadlock; runtime/groups.warm_up).
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ def local_device(strict: bool | None = None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def init_kwargs(backend: str, device: torch.device | None = None) -> dict:
+    """Extra `init_process_group` arguments: `device_id` (this process's GPU) on NCCL, nothing on gloo."""
+    if backend != "nccl":
+        return {}
+    return {"device_id": device if device is not None else local_device(strict=True)}
+
+
 class RankFailed(RuntimeError):
     """Raised in the parent when one or more spawned ranks raised; names each failing rank."""
 
@@ -92,9 +102,11 @@ def _worker(
     torch.set_num_threads(threads)
     joined = False
     try:
-        if backend == "nccl":  # this rank's GPU, before the group (NCCL builds on the current device)
-            local_device(strict=True)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        # NCCL: this rank's GPU made current and bound to the group (device_id) before the group exists
+        extra = init_kwargs(backend)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **extra
+        )
         joined = True
         out = fn(*args, **kwargs)
         # plain pickle copies tensor data in-band; torch's queue would share file descriptors, which
@@ -241,8 +253,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> tuple
 
     Returns (rank, world_size). A single process with no launcher env gets a 1-rank group, so the
     same code runs on a laptop. The backend is NCCL when CUDA is available, gloo otherwise. With CUDA,
-    `cuda:LOCAL_RANK` becomes the current device first (also when a launcher such as accelerate made
-    the group already: its NCCL communicators are only built at the first collective).
+    `cuda:LOCAL_RANK` becomes the current device first and the group is bound to it (`device_id`), so
+    its communicator connects now. A group someone else made (accelerate, without `device_id`) connects
+    its communicators at their first operation: `runtime.groups.warm_up` does that before step 1.
     """
     if not dist.is_initialized():
         if backend is None:
@@ -251,8 +264,8 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> tuple
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        local_device(strict=backend == "nccl")
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        device = local_device(strict=backend == "nccl")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **init_kwargs(backend, device))
     else:
         local_device()
     return dist.get_rank(), dist.get_world_size()

@@ -7,6 +7,9 @@ the rotary position embeddings itself, so nothing but the hidden state travels b
 The chunk that starts the model applies the model's input pieces to the raw token-embedding
 lookup it is given (GPT-2 position embedding + dropout, Gemma's √h scale); the chunk that ends it
 applies the final norm, so its output is X, the input of the output layer.
+The runtime hands each chunk a `masks.MicrobatchMasks` instead of a 2D mask: the microbatch's case
+(plain, packed, padded) decided on the host, the masks built once per microbatch and never by reading
+device values.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from vp_accelerate import modes
 
 from .adapter import PartNames
+from .masks import MicrobatchMasks
 
 _MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -97,9 +101,14 @@ class StageChunk(nn.Module):
         return h
 
     def build_masks(
-        self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        kinds: tuple[str, ...] | None = None,
     ) -> dict[str, object]:
-        """The masks of the layer types in this chunk, as the HF forward builds them (None = plain causal)."""
+        """The masks of the layer types in this chunk (or of `kinds`), as the HF forward builds them (None =
+        plain causal)."""
         kwargs = dict(
             config=self.config,
             inputs_embeds=hidden,
@@ -107,7 +116,7 @@ class StageChunk(nn.Module):
             cache=None,
             position_ids=position_ids,
         )
-        return {t: _MASK_BUILDERS[t](**kwargs) for t in sorted(set(self.layer_types))}
+        return {t: _MASK_BUILDERS[t](**kwargs) for t in (kinds or sorted(set(self.layer_types)))}
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         """Rotary (cos, sin) for the layers: one pair, or one per layer type (Gemma-3 / Olmo-3 rotary takes the
@@ -119,19 +128,26 @@ class StageChunk(nn.Module):
         return self.rotary_emb(hidden, position_ids)
 
     def forward(
-        self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | MicrobatchMasks | None = None,
     ) -> torch.Tensor:
         """hidden [b, s, h] -> hidden [b, s, h].
 
         For chunk 0, `hidden` is the raw embedding lookup E[ids] (summed over vocabulary shards under
         VP); for the last chunk the output is X (after the final norm). `position_ids` [b or 1, s]
-        (default 0..s-1); `attention_mask` an optional 2D [b, s] padding mask (1 = real token).
+        (default 0..s-1); `attention_mask` an optional 2D [b, s] padding mask (1 = real token), or the
+        microbatch's `MicrobatchMasks` (the runtime's: no device reads).
         """
         if position_ids is None:
             position_ids = default_position_ids(hidden)
         if self.is_first:
             hidden = self.apply_input_pieces(hidden, position_ids)
-        masks = self.build_masks(hidden, position_ids, attention_mask)
+        if isinstance(attention_mask, MicrobatchMasks):
+            masks = attention_mask.for_chunk(self, hidden)
+        else:
+            masks = self.build_masks(hidden, position_ids, attention_mask)
         rope = self.position_embeddings(hidden, position_ids)
         for k, (layer, kind) in enumerate(zip(self.layers.values(), self.layer_types)):
             extra = {} if rope is None else {"position_embeddings": rope[kind] if self.rotary_per_layer_type else rope}

@@ -92,6 +92,12 @@ class PipelineConfig:
     """With schedule "auto": memory per rank the plan may fill, GB; None = the GPU's total memory (on CPU
     the host's memory divided by the ranks)."""
 
+    dp_reduce_dtype: Optional[str] = None
+    """dtype the data-parallel gradient all-reduce travels in: "bf16" halves its bytes (each bucket is cast
+    to bf16, summed, and cast back into the fp32 gradients; the sum is rounded to bf16); None = the
+    gradients' own dtype. The buckets of each decoder chunk are issued as soon as its last backward pass
+    on the rank ran, overlapped with the rest of the step's backward."""
+
     watchdog_dead_after_s: Optional[float] = 60.0
     """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
 
@@ -136,5 +142,7 @@ class PipelineConfig:
         ):
             if getattr(self, name) is not None:
                 lookup(getattr(self, name))  # ModeError (a ValueError) "<name>: unknown value ..."
+        if self.dp_reduce_dtype is not None and str(self.dp_reduce_dtype).strip().lower() not in ("bf16", "bfloat16"):
+            raise ValueError(f"dp_reduce_dtype: must be bf16 or null, got {self.dp_reduce_dtype!r}")
         if self.watchdog_dead_after_s is not None and self.watchdog_dead_after_s <= 0:
             raise ValueError(f"watchdog_dead_after_s: must be > 0 or null, got {self.watchdog_dead_after_s}")

@@ -105,6 +105,7 @@ class Executor:
         self.last_chunk = len(schedule.chunk_rank) - 1
         self.method = schedule.method
         self.vocab = self.method.vocab_parallel
+        self.after_pass = None  # called with each compute action once it ran (grad_sync.DPReducer.after_pass)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _owner(self, chunk: int) -> int:
@@ -159,6 +160,8 @@ class Executor:
                 records.append(TimedAction(self.g.rank, "WAIT", a.mb, a.chunk, start, now))
                 start = now
             getattr(self, f"_do_{a.op.value}")(a)
+            if self.after_pass is not None:  # e.g. the data-parallel reduce of gradients this pass made final
+                self.after_pass(a)
             records.append(TimedAction(self.g.rank, a.op.value, a.mb, a.chunk, start, time.perf_counter() - t0))
         for batch in self.sends:
             batch.wait()

@@ -9,11 +9,18 @@ all-reduced once; a tensor larger than a bucket is reduced in place on its own. 
 element is the same sum as with one call per tensor, so the result does not change. At most
 `IN_FLIGHT` buckets are on the wire at a time: the next bucket is packed while the previous reduce
 runs, and the extra memory stays at a few buckets rather than a second copy of every gradient.
+
+Overlap (`DPReducer`): a decoder chunk's gradients are final after the rank's last B or W pass of that
+chunk (`final_after`), so its buckets are issued right then, while the rest of the pipeline's backward
+passes still run; the vocabulary / embedding / head gradients (written by T, IB and the tied sum) follow
+after the step. With `reduce_dtype=torch.bfloat16` each bucket travels in bf16 (half the bytes; the sum is
+rounded to bf16, then added back into the fp32 gradients).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -79,15 +86,103 @@ def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = B
     return calls
 
 
-def sync_grads(tied_param, tied_group, trainable: list[torch.Tensor], dp_group) -> None:
+class DPReducer:
+    """One step's data-parallel gradient all-reduce, issued bucket by bucket as parameters' gradients
+    become final (`after_pass`), finished by `finish`. Every replica runs the same action list, so every
+    replica issues the same buckets in the same order."""
+
+    def __init__(
+        self,
+        group,
+        final_after: dict[tuple, list[torch.nn.Parameter]] | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+    ):
+        self.group = group
+        self.final_after = final_after or {}
+        """(op, mb, chunk) of an action -> the parameters whose gradients are final once it ran."""
+        self.reduce_dtype = reduce_dtype
+        """dtype the buckets travel in (None: the gradients' own)."""
+        self.bucket_bytes = bucket_bytes
+        self.done: set[int] = set()  # ids of parameters already issued
+        self.pending: list[tuple] = []  # (work, flat, members) in issue order
+        self.calls = 0
+        """All-reduce calls issued (for tests)."""
+
+    def after_pass(self, a) -> None:
+        """The executor's hook after each compute pass: issue the buckets that pass made final."""
+        params = self.final_after.get((a.op, a.mb, a.chunk))
+        if params:
+            self.reduce(params)
+
+    @torch.no_grad()
+    def reduce(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Issue the all-reduce of these parameters' gradients (zeros where none), in flat buckets."""
+        grads = []
+        for p in params:
+            if id(p) in self.done:
+                continue
+            self.done.add(id(p))
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        for idx in plan_buckets(grads, self.bucket_bytes):
+            members = [grads[i] for i in idx]
+            cast = self.reduce_dtype is not None and self.reduce_dtype != members[0].dtype
+            if len(members) == 1 and members[0].is_contiguous() and not cast:
+                flat, target = None, members[0]  # reduce in place: no copy
+            else:
+                flat = torch.cat([t.reshape(-1) for t in members])
+                target = flat = flat.to(self.reduce_dtype) if cast else flat
+            self.pending.append((dist.all_reduce(target, group=self.group, async_op=True), flat, members))
+            self.calls += 1
+            if len(self.pending) > IN_FLIGHT:  # bounded extra memory: a few buckets, not a copy of everything
+                self._complete(*self.pending.pop(0))
+
+    def finish(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Issue the remaining parameters (those not made final by a pass) and complete every bucket."""
+        self.reduce(params)
+        while self.pending:
+            self._complete(*self.pending.pop(0))
+
+    @staticmethod
+    def _complete(work, flat, members) -> None:
+        work.wait()  # NCCL: the current stream waits for the reduce (no host sync); gloo: the host waits
+        if flat is None:
+            return
+        offset = 0
+        for t in members:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def final_after(actions, chunks: dict[int, torch.nn.Module]) -> dict[tuple, list[torch.nn.Parameter]]:
+    """(op, mb, chunk) of the rank's last B or W pass of each of its decoder chunks -> that chunk's trainable
+    parameters: no later pass of the step writes their gradients."""
+    from vp_accelerate.schedule.ir import Op  # runtime reads schedule; kept local to this helper
+
+    last: dict[int, tuple] = {}
+    for a in actions:
+        if a.op in (Op.B, Op.W) and a.chunk in chunks:
+            last[a.chunk] = (a.op, a.mb, a.chunk)
+    return {key: [p for p in chunks[c].parameters() if p.requires_grad] for c, key in last.items()}
+
+
+def sync_grads(
+    tied_param, tied_group, trainable: list[torch.Tensor], dp_group, reducer: DPReducer | None = None
+) -> None:
     """After the step's backward: the tied baseline matrix held by two ranks adds their gradients (over
     `tied_group`), then data-parallel replicas add theirs in flat buckets. Frozen parameters (LoRA) have
-    no gradient and no optimizer state, so only `trainable` ones are reduced."""
+    no gradient and no optimizer state, so only `trainable` ones are reduced. With `reducer` (the step's
+    `DPReducer`, which issued the decoder chunks' buckets during the backward) the rest is issued there."""
     if tied_param is not None and tied_param.requires_grad:  # a frozen (LoRA) vocabulary has no gradient to add
         if tied_param.grad is None:
             tied_param.grad = torch.zeros_like(tied_param)
         dist.all_reduce(tied_param.grad, group=tied_group)
-    if dp_group is not None:
+    if reducer is not None:
+        reducer.finish(trainable)
+    elif dp_group is not None:
         grads = []
         for p in trainable:
             if p.grad is None:

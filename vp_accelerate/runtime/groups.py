@@ -10,12 +10,21 @@ gathers for logs and export, flags, timings) goes over gloo side groups created 
 (`host_group`, `pp_host_group`), so it never stages host data through the GPU. The rule every caller
 follows: a tensor on a device group lives on the rank's device; a host group gets CPU tensors and
 Python objects.
+
+Communicators up front (`warm_up`): NCCL connects a group's communicator at the group's first operation
+unless the world was created with `device_id` (`distributed.init_kwargs`), and creating one while
+another communicator's kernels run on the device can deadlock (the creation waits for the device, the
+running kernel for a peer that is itself blocked in the creation). `warm_up` runs one tiny operation on
+every device group of the rank, in one fixed order on every rank, with the device synchronised after
+each, before step 1; `schedule.streams` models the lazy creation and shows why it is needed.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 _HOST_GROUP = None  # the world's gloo side group, shared by every Groups of this process
@@ -51,6 +60,9 @@ class Groups:
     pp_host_group: object = None
     """gloo group of this replica's pipeline ranks (group rank = pp_rank): host-side bookkeeping of one
     pipeline, e.g. gathering the model for export without staging it through GPU memory."""
+    dp_host_group: object = None
+    """gloo group of this pipeline rank's replicas (None when dp_size == 1): host-side sums over the
+    replicas, such as the step's valid-token count."""
 
     def global_rank(self, pp_rank: int) -> int:
         return self.pp_ranks[pp_rank]
@@ -72,7 +84,7 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
             f"were launched; make pp_size x dp_size equal the number of processes"
         )
     pp_rank, dp_rank = rank % pp_size, rank // pp_size
-    mine = {"host_group": host_group()}
+    mine = {"host_group": connect_host_group()}
     for d in range(dp_size):
         ranks = list(range(d * pp_size, (d + 1) * pp_size))
         pp_group = dist.new_group(ranks)
@@ -80,12 +92,13 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
         pp_host_group = dist.new_group(ranks, backend="gloo")
         if d == dp_rank:
             mine.update(pp_ranks=tuple(ranks), pp_group=pp_group, vocab_group=vocab_group, pp_host_group=pp_host_group)
-    dp_group = None
+    dp_group = dp_host_group = None
     for s in range(pp_size):
         ranks = [d * pp_size + s for d in range(dp_size)]
         group = dist.new_group(ranks) if dp_size > 1 else None
+        host = dist.new_group(ranks, backend="gloo") if dp_size > 1 else None
         if s == pp_rank:
-            dp_group = group
+            dp_group, dp_host_group = group, host
     return Groups(
         rank=rank,
         world_size=world,
@@ -94,8 +107,56 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
         pp_rank=pp_rank,
         dp_rank=dp_rank,
         dp_group=dp_group,
+        dp_host_group=dp_host_group,
         **mine,
     )
+
+
+def connect_host_group():
+    """The world's gloo side group (`host_group`), created and checked with one tiny sum, so a host network
+    that does not connect (two nodes, the wrong interface) fails here with the interface named, not in the
+    middle of the first step."""
+    try:
+        group = host_group()
+        if group is not None:
+            dist.all_reduce(torch.ones(1), group=group)
+        return group
+    except RuntimeError as e:
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        where = f"GLOO_SOCKET_IFNAME={ifname}" if ifname else "GLOO_SOCKET_IFNAME unset (gloo picked an interface)"
+        raise RuntimeError(
+            f"the gloo host group does not connect ({where}): set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) "
+            f"to an interface every node reaches the others on (`ip -br addr`); gloo said: {e}"
+        ) from e
+
+
+def warm_up(g: Groups, device: torch.device, tied_group=None) -> None:
+    """Connect every communicator this rank will use before the first step, in one fixed order on every
+    rank: a one-element all-reduce on the pipeline, vocabulary, data-parallel and tied groups (each rank
+    on the ones it belongs to), then one p2p round with both pipeline neighbours (send to and receive
+    from rank +-1 around the ring, which covers every stage edge of every layout, as
+    torch.distributed.pipelining's `_init_p2p_neighbors`), synchronising the device after each, so no
+    communicator is created while another one's operation is in flight."""
+    from vp_accelerate.runtime import p2p  # p2p imports vocab.comm; groups stays importable without it
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for group in (g.pp_group, g.vocab_group, g.dp_group, tied_group):
+        if group is not None:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+            sync()
+    if g.pp_size > 1:
+        nxt, prv = g.global_rank((g.pp_rank + 1) % g.pp_size), g.global_rank((g.pp_rank - 1) % g.pp_size)
+        ops = [
+            dist.P2POp(dist.isend, torch.zeros(1, device=device), nxt, g.pp_group),
+            dist.P2POp(dist.isend, torch.zeros(1, device=device), prv, g.pp_group),
+            dist.P2POp(dist.irecv, torch.empty(1, device=device), prv, g.pp_group),
+            dist.P2POp(dist.irecv, torch.empty(1, device=device), nxt, g.pp_group),
+        ]
+        p2p.post(ops, "warm-up: one p2p round with both pipeline neighbours").wait()
+        sync()
 
 
 def host_group():

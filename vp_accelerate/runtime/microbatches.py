@@ -4,6 +4,11 @@ Everything a user can get wrong about a batch (shapes, a sequence longer than th
 a batch not divisible by the microbatch count, token ids or labels outside the vocabulary) fails here,
 before any pass, with a message naming the fix. The ids are checked once on the host, so the IF and S
 passes never sync the device to check them again.
+
+The batch comes on the host (the trainer's does), so every decision about it is made here without
+touching the device: the valid-token count (summed over the replicas on the gloo group), and each
+microbatch's attention case (`models.masks.MicrobatchMasks`: plain, packed or padded). A step then reads
+nothing back from the device but its loss (and fp16's found-inf flag).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.models.masks import MicrobatchMasks
 from vp_accelerate.runtime.executor import Microbatch
 from vp_accelerate.vocab.labels import shift_labels
 
@@ -67,16 +73,19 @@ def make_microbatches(
     device: torch.device,
     dp_group,
     loss_scale: float = 1.0,
+    mask_uses: int | None = None,
 ) -> tuple[list[Microbatch], int]:
     """The step's microbatches and its valid-token count over every data-parallel replica (a collective
-    over `dp_group` when there is one). Labels follow HF's convention and are shifted here."""
+    over `dp_group`, a gloo group of the replicas, when there is one). Labels follow HF's convention and
+    are shifted here. The microbatch's `attention_mask` is its `MicrobatchMasks` (`mask_uses`: the chunk
+    forwards of this rank per microbatch, after which its built masks are let go)."""
     check_batch(input_ids, labels, position_ids, microbatches, hf_config)
     b, s = input_ids.shape
     m = microbatches
     shifted = shift_labels(labels, attention_mask)  # the token at t predicts labels[t + 1]
     valid = shifted != -100
-    n_valid = torch.tensor([valid.sum().item()], dtype=torch.float64, device=device)
-    if dp_group is not None:  # a device group: the count travels on the device
+    n_valid = valid.sum().to(torch.float64).reshape(1).cpu()
+    if dp_group is not None:  # host data: summed on the replicas' gloo group, never through the device
         dist.all_reduce(n_valid, group=dp_group)
     n_total = int(n_valid.item())
     # g in at least float32 (float64 models keep float64: 1/N in float32 would cost 1e-8 relative)
@@ -86,15 +95,22 @@ def make_microbatches(
     mbs = []
     for k in range(m):
         sl = slice(k * b // m, (k + 1) * b // m)
-        mask = None if attention_mask is None else attention_mask[sl].to(device)
         pos = default_pos if position_ids is None else position_ids[sl].long()
+        masks = MicrobatchMasks(pos.cpu(), None if attention_mask is None else attention_mask[sl].cpu(), mask_uses)
         mbs.append(
             Microbatch(
-                input_ids=input_ids[sl].to(device),
-                labels=shifted[sl].to(device),
-                grad_scale=scale[sl].reshape(-1).to(device),
-                position_ids=pos.to(device),
-                attention_mask=mask,
+                input_ids=_to(input_ids[sl], device),
+                labels=_to(shifted[sl], device),
+                grad_scale=_to(scale[sl].reshape(-1), device),
+                position_ids=_to(pos, device),
+                attention_mask=masks,
             )
         )
     return mbs, n_total
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device, queued without waiting for the device (pinned, non-blocking)."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)

@@ -33,7 +33,7 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Microbatch
-from vp_accelerate.runtime.groups import build_groups
+from vp_accelerate.runtime.groups import build_groups, warm_up
 from vp_accelerate.runtime.microbatches import make_microbatches
 from vp_accelerate.runtime.rank_parts import build_rank_parts
 from vp_accelerate.runtime.step_run import bubble_rate, finish_loss, make_executor, nonfinite_microbatches, run_schedule
@@ -48,7 +48,8 @@ class StepResult:
     num_tokens: int
     """Valid (label != -100) tokens in the step, over all data-parallel replicas."""
     step_time_s: float
-    """Wall time of the step on this rank."""
+    """Wall time of the step on this rank, from its first pass until its loss is known (on a GPU the host waits
+    for the device only there, so the device's work is inside it)."""
     bubble_rate: float
     """Mean over pipeline ranks of 1 - (time in compute passes) / (step time)."""
     peak_activation_bytes: int
@@ -99,6 +100,8 @@ class PipelineModel:
         # schedules, layout, vocabulary shard and modules (runtime/rank_parts.py); the facade names the ones
         # its callers read
         self.parts = parts = build_rank_parts(source, cfg, g, self.dtype, seed, self.device, self.adapter)
+        # every communicator connected now, in one order, with nothing else in flight (groups.warm_up)
+        warm_up(g, self.device, parts.tied_group)
         self.hf_config, self.layout, self.partition = parts.hf_config, parts.layout, parts.partition
         self.mods, self.lora_transposed = parts.mods, parts.lora_transposed
         self.schedule, self.eval_schedule = parts.schedule, parts.eval_schedule
@@ -178,8 +181,9 @@ class PipelineModel:
             hf_config=self.hf_config,
             dtype=self.dtype,
             device=self.device,
-            dp_group=self.groups.dp_group,
+            dp_group=self.groups.dp_host_group,
             loss_scale=loss_scale,
+            mask_uses=len(self.layout.chunks_of(self.pp_rank)),
         )
 
     def train_step(
@@ -198,15 +202,18 @@ class PipelineModel:
         mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids, loss_scale=scale)
         self._last_seq = input_ids.shape[1]
         t0 = time.perf_counter()
-        out = self._run(self.schedule, mbs, input_ids.shape[1])
-        self._sync_grads()
+        reducer = self._dp_reducer()  # replicas' gradient sums issued during the backward, chunk by chunk
+        out = self._run(self.schedule, mbs, input_ids.shape[1], after_pass=reducer and reducer.after_pass)
+        self._sync_grads(reducer)
         skipped = False
         if self.loss_scaler is not None:  # every rank of the pipeline decides together (replicas agree already)
             skipped = precision.unscale_and_check(self.parameters(), scale, self.device, self.groups.pp_group)
             self.loss_scaler.update(skipped)
         self._skip_next_optimizer_step = skipped
-        step_time = time.perf_counter() - t0
+        # the loss read is the step's one wait for the device: timed after it, the step time is the device's
+        # too (nothing else in the step syncs, so the host is done issuing long before the device is done)
         loss = self._finish_loss(out.loss_sum) / scale
+        step_time = time.perf_counter() - t0
         bad = (
             ()
             if math.isfinite(loss)
@@ -272,7 +279,7 @@ class PipelineModel:
             self.mods.train(training)
         return self._finish_loss(out.loss_sum)
 
-    def _run(self, schedule, mbs: list[Microbatch], seq: int):
+    def _run(self, schedule, mbs: list[Microbatch], seq: int, after_pass=None):
         ex = make_executor(
             self.parts,
             self.groups,
@@ -283,6 +290,7 @@ class PipelineModel:
             self.compute_dtype,
             self.device,
         )
+        ex.after_pass = after_pass
         return run_schedule(ex, mbs, self.device, self.compute_dtype, self.watchdog)
 
     def _finish_loss(self, loss_sum: torch.Tensor) -> float:
@@ -297,14 +305,22 @@ class PipelineModel:
             self.watchdog.stop()
             self.watchdog = None
 
-    def _sync_grads(self) -> None:
+    def _dp_reducer(self) -> grad_sync.DPReducer | None:
+        """The step's data-parallel reducer (None without replicas): each decoder chunk's gradients are
+        all-reduced right after the rank's last backward pass of that chunk."""
+        if self.groups.dp_group is None:
+            return None
+        final = grad_sync.final_after(self.schedule.actions[self.pp_rank], self.mods.chunks)
+        return grad_sync.DPReducer(self.groups.dp_group, final, precision.reduce_dtype(self.cfg.dp_reduce_dtype))
+
+    def _sync_grads(self, reducer: grad_sync.DPReducer | None = None) -> None:
         """Tied baseline weights on two ranks add their gradients; DP replicas add theirs."""
         tied = (
             None
             if self.parts.tied_group is None
             else (self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight)
         )
-        grad_sync.sync_grads(tied, self.parts.tied_group, self.trainable_parameters(), self.groups.dp_group)
+        grad_sync.sync_grads(tied, self.parts.tied_group, self.trainable_parameters(), self.groups.dp_group, reducer)
 
     # ---- optimizer-side helpers ----------------------------------------------------------------------
     def zero_grad(self) -> None:

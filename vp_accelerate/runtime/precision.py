@@ -197,3 +197,17 @@ def unscale_and_check(params, scale: float, device: torch.device, group) -> bool
     if group is not None and dist.is_initialized():
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     return bool(found.item() > 0)
+
+
+REDUCE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+"""`pipeline.dp_reduce_dtype` values: the dtype data-parallel gradient buckets travel in."""
+
+
+def reduce_dtype(name: str | None) -> torch.dtype | None:
+    """The dtype of `pipeline.dp_reduce_dtype` (None: the gradients' own)."""
+    if name is None:
+        return None
+    key = str(name).strip().lower()
+    if key not in REDUCE_DTYPES:
+        raise ValueError(f"dp_reduce_dtype: unknown value {name!r}; use bf16, or null for the gradients' dtype")
+    return REDUCE_DTYPES[key]

@@ -26,6 +26,7 @@ class WeightGradStore:
     def defer(self, item) -> None:
         self.queues[self.key].append(item)
 
+    @torch.no_grad()  # the queued x needs grad (an activation): with grad mode on, ∂W would carry a graph
     def flush(self, key: tuple[int, int]) -> None:
         """Run the W pass of `key`: accumulate every queued weight gradient."""
         for x, gy, weight in self.queues.pop(key, ()):

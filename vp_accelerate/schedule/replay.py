@@ -16,7 +16,12 @@ and starts once its queue lets it (`Rules.queues`); the line does not wait for i
   starts (a buffered send) and its receive once started and `p2p_time` after the send; a batch
   completes when all its ops have;
 - a collective chain starts once every rank has started it and the previous chain has finished (the
-  vocabulary collectives run one at a time, in one global order), and runs its steps back to back.
+  vocabulary collectives run one at a time, in one global order), and runs its steps back to back;
+- with `Rules.connected` set, a communicator not in it is created at its first operation (NCCL's lazy
+  creation): a collective point of all its members that blocks the line until every member reaches it,
+  and an error if the rank has already issued an operation of another communicator, which may still
+  be running on the device (the host never waits for communication inside a step), since a creation
+  while another communicator's kernels run can deadlock the GPU.
 
 Times are a max-plus function of the costs, so the order in which the driver visits ranks does not
 change them; with the null clock every cost is 0 and only the order matters. A replay that cannot
@@ -54,6 +59,12 @@ class Rules:
     executor issues); False: every p2p action is an operation of its own."""
     blocking_collectives: bool = False
     """The line waits for every collective it issues (gloo without a communication worker)."""
+    connected: frozenset | None = None
+    """None: every communicator exists before the step (creation is not modelled). Otherwise the
+    communicators ("pp": the pipeline's p2p batches; "vocab": the vocabulary collectives) connected
+    before the step; any other one is created lazily at its first operation (module docstring). A p2p
+    batch uses its group's communicator, as torch's batch_isend_irecv does (its first call on a group
+    must involve every rank of the group)."""
 
 
 BUFFERED = Rules("buffered sends (every operation independent)", rendezvous=False, queues="none", batches=False)
@@ -132,7 +143,7 @@ class Comm:
     """One communication operation of a rank: a p2p batch (or action) or a collective. (A plain class
     with slots: a replay makes one per operation, tens of thousands at 32 ranks.)"""
 
-    __slots__ = ("rank", "index", "ops", "queue", "collective", "issued", "start", "done", "op_done", "peers")
+    __slots__ = ("rank", "index", "ops", "queue", "collective", "communicator", "issued", "start", "done", "op_done", "peers")
 
     def __init__(self, rank: int, index: int, ops: tuple[Action, ...], queue):
         self.rank = rank
@@ -143,6 +154,8 @@ class Comm:
         self.queue = queue
         """Key of the in-order queue it runs on (unique when operations are independent)."""
         self.collective = ops[0].op in COLLECTIVES
+        self.communicator = "vocab" if self.collective else "pp"
+        """The communicator it runs on (the vocabulary group's, or the pipeline group's)."""
         self.issued: float | None = None
         """When the line issued it (None: not yet)."""
         self.start: float | None = None
@@ -239,6 +252,8 @@ class _Replay:
         self.chains: list = []
         self.dirty = set(range(s.num_ranks))
         self.colls_started = False  # a collective started since the chains were last run
+        self.connected = set(rules.connected) if rules.connected is not None else None
+        self.arrived: dict = {}  # communicator being created lazily -> ranks blocked in its creation
 
     def run(self) -> Replayed:
         while self.dirty or self.colls_started:
@@ -260,6 +275,8 @@ class _Replay:
         while L.pc < len(L.items):
             item = L.items[L.pc]
             if isinstance(item, Comm):
+                if item.issued is None and not self._connect(L, item):
+                    return
                 if item.issued is None:
                     L.time += sum(self.clock.issue_time(a.op) for a in item.ops)
                     item.issued = L.time
@@ -277,6 +294,31 @@ class _Replay:
                 L.time = start + self.clock.pass_time(L.r, a)
                 self.passes.append((L.r, a, start, L.time))
             L.pc += 1
+
+    def _connect(self, L: _Line, item: Comm) -> bool:
+        """Lazy creation of item's communicator: True once it exists; False while the line is blocked in
+        the creation, waiting for the other members. Raises if the rank issued another communicator's
+        operation before (it may still run while this one is created)."""
+        key = item.communicator
+        if self.connected is None or key in self.connected:
+            return True
+        waiting = self.arrived.setdefault(key, set())
+        if L.r not in waiting:
+            earlier = next((op for op in L.comms if op.issued is not None and op.communicator != key), None)
+            if earlier is not None:
+                raise ScheduleError(
+                    f"{self.s.describe()}: rank {L.r} would create the {key} communicator at its first operation "
+                    f"{_describe(item)} while its {earlier.communicator} operation {_describe(earlier)} may still "
+                    "run on the device (NCCL creates a communicator lazily, and a creation while another "
+                    "communicator's kernels run can deadlock); connect every communicator before the step "
+                    "(runtime.groups.warm_up)"
+                )
+            waiting.add(L.r)
+        if len(waiting) < len(self.lines):
+            return False
+        self.connected.add(key)
+        self.dirty.update(r for r in range(len(self.lines)) if r != L.r)
+        return True
 
     def _start_next(self, L: _Line, q) -> None:
         """Start queue q's next issued operation if the one before it has completed."""
@@ -384,7 +426,9 @@ def _deadlock(s: Schedule, lines: list[_Line], rules: Rules) -> str:
         parts = []
         if L.pc < len(L.items):
             item = L.items[L.pc]
-            if isinstance(item, Comm):
+            if isinstance(item, Comm) and item.issued is None:
+                parts.append(f"the line is blocked creating the {item.communicator} communicator at {_describe(item)}")
+            elif isinstance(item, Comm):
                 parts.append(f"the line waits for collective {_describe(item)}")
             else:
                 waits = [_describe(op) for op in item[1] if op.done is None]

@@ -21,9 +21,11 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from vp_accelerate import modes
+from vp_accelerate.distributed import init_from_env
 from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
 from vp_accelerate.models.lora import describe_adapter, parameter_counts
 from vp_accelerate.runtime import PipelineLayout, PipelineModel
+from vp_accelerate.runtime.groups import host_group
 
 from ..data import prepare_data
 from ..data.check import data_metrics
@@ -53,6 +55,8 @@ def make_accelerator(recipe: Recipe):
     log_with = None if recipe.logging.wandb_mode == "disabled" else "wandb"
     if log_with and recipe.logging.wandb_mode == "offline":
         os.environ.setdefault("WANDB_MODE", "offline")
+    if torch.cuda.is_available() and "RANK" in os.environ:
+        init_from_env()  # NCCL bound to this GPU (device_id): accelerate would make the group without it
     return Accelerator(cpu=not torch.cuda.is_available(), log_with=log_with, project_dir=recipe.logging.output_dir)
 
 
@@ -150,10 +154,8 @@ def build_pipeline(
     if isinstance(source, CheckpointSource):
         if dist.is_available() and dist.is_initialized():
 
-            def all_reduce(t):
-                on = t.to(device)
-                dist.all_reduce(on)
-                t.copy_(on.cpu())
+            def all_reduce(t):  # host rows: summed on the gloo side group, not staged through the GPU
+                dist.all_reduce(t, group=host_group())
 
             share_vocab_means(source, dist.get_rank(), dist.get_world_size(), all_reduce)
         else:
