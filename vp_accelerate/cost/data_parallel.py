@@ -7,6 +7,12 @@ m and v (12 bytes per parameter) of 1/d of the parameters, while the 16-bit weig
 fp32 gradients (4 bytes) stay whole. Static memory per parameter goes from 2 + 4 + 12 = 18 bytes to
 6 + 12/d. (ZeRO-2 would shard the gradients too, ZeRO-3 the weights; neither is planned.)
 
+Why this formula and not torch's ZeroRedundancyOptimizer's: that one shards only what the optimizer
+owns, Adam's m and v (8 bytes), and leaves the fp32 parameters (this runtime's master copy) whole on
+every replica: 2 + 4 + 4 + 8/d = 10 + 8/d. ZeRO-1 as planned here shards the fp32 master copy with the
+optimizer state, as Megatron's distributed optimizer does, since that is what makes a 70B model fit on
+80 GB GPUs at modest dp (at d = 2: 12 bytes per parameter against 14).
+
 Communication: without ZeRO the fp32 gradients are all-reduced (a ring moves 2(d-1)/d of them per
 rank). With ZeRO-1 they are reduce-scattered ((d-1)/d of the fp32 gradients), each replica updates its
 shard, and the updated 16-bit weights are all-gathered ((d-1)/d of 2 bytes per parameter): 6 instead of

@@ -146,6 +146,9 @@ class Plan:
     """Decoder layers recomputed in backward: "none", "selective" (every other one) or "full"."""
     pipeline_crosses_nodes: bool = False
     """The pipeline's ranks span nodes (its transfers priced at the inter-node bandwidth)."""
+    memory_bound: bool = False
+    """`peak_memory_gb` is a lower bound: the layout was dropped on its static memory plus one microbatch's
+    activations before any order was read (it needs at least that)."""
     simulated: bool = False
     """The step was simulated. A fitting plan that was not: its busiest rank's work alone already makes it
     slower than the request's `top` plans, and its step time is that lower bound (tokens/s and MFU upper
@@ -351,8 +354,10 @@ def search(config, req: PlanRequest) -> Search:
                 static = [model.static_bytes(r) + model.activation_bytes(layout.chunk_rank.index(r)) for r in range(pp)]
                 if max(static) > limit:  # dropped before any order is built
                     peak = static
+                    bound = True
                     pruned.append((max(static), len(plans), kind, method, pp, m, model))
                 else:
+                    bound = False
                     grid = grid or _grid(kind, method, pp, min(m, 2 * pp))
                     peak = order_peak_memory(grid.schedule, model, grid.events)
                 fits = max(peak) <= limit
@@ -374,6 +379,7 @@ def search(config, req: PlanRequest) -> Search:
                     zero=zero,
                     activation_checkpointing=ckpt,
                     pipeline_crosses_nodes=crosses,
+                    memory_bound=bound,
                 )
                 if fits:
                     fitting.append((ckpt, memory))
@@ -421,7 +427,7 @@ def _refine_needs(plans: list[Plan], pruned: list) -> None:
             break
         grid = _grid(kind, method, pp, min(m, 2 * pp))
         peak = order_peak_memory(grid.schedule, model, grid.events)
-        plans[i] = replace(plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak))
+        plans[i] = replace(plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak), memory_bound=False)
         least = min(least, max(peak))
 
 
@@ -475,12 +481,12 @@ def why(found: Search, req: PlanRequest) -> str:
     needs = []
     if best_.activation_checkpointing != "none":
         plain = [p for p in found.plans if _same_layout(p, best_) and p.activation_checkpointing == "none"]
-        need = f" (needs {min(max(p.peak_memory_gb) for p in plain):.0f} GB without)" if plain else ""
+        need = f" (needs {_need(plain)} without)" if plain else ""
         needs.append(f"{best_.activation_checkpointing} activation checkpointing{need}")
     if best_.zero:
         plain = [p for p in found.plans if _same_layout(p, best_) and p.zero == 0 and p.memory == best_.memory]
         plain = [p for p in plain if p.activation_checkpointing == best_.activation_checkpointing]
-        need = f" (needs {max(plain[0].peak_memory_gb):.0f} GB without)" if plain and not plain[0].fits else ""
+        need = f" (needs {_need(plain[:1])} without)" if plain and not plain[0].fits else ""
         needs.append(f"ZeRO-1 over dp={best_.dp}{need}")
     if needs:
         parts.append("uses " + " and ".join(needs))
@@ -488,8 +494,7 @@ def why(found: Search, req: PlanRequest) -> str:
         if best_.pipeline_crosses_nodes:
             inside = [p for p in found.plans if not p.pipeline_crosses_nodes and p.pp > 1]
             if not [p for p in inside if p.fits]:
-                least = min((max(p.peak_memory_gb) for p in inside), default=None)
-                reason = f"; the least any in-node pipeline needs is {least:.0f} GB" if least is not None else ""
+                reason = f"; the least any in-node pipeline needs is {_need(inside)}" if inside else ""
                 parts.append(
                     f"its pipeline crosses nodes because no pipeline of <= {req.gpus_per_node} GPUs fits{reason}"
                 )
@@ -505,6 +510,12 @@ def why(found: Search, req: PlanRequest) -> str:
                 f"{NODE_MARGIN:.0%} preference for in-node pipelines"
             )
     return "; ".join(parts)
+
+
+def _need(plans: list[Plan]) -> str:
+    """The least peak memory of `plans`, "at least" when it is a bound."""
+    least = min(plans, key=lambda p: max(p.peak_memory_gb))
+    return f"{'at least ' if least.memory_bound else ''}{max(least.peak_memory_gb):.1f} GB"
 
 
 def _same_layout(a: Plan, b: Plan) -> bool:
