@@ -249,6 +249,20 @@ def test_a_node_aware_plan_keeps_pipelines_inside_a_node():
     crossing = next(p for p in two_nodes if p.pipeline_crosses_nodes)
     assert two_nodes[0].fits and not two_nodes[0].pipeline_crosses_nodes and two_nodes[0].pp == 8
     assert two_nodes[0].tokens_per_s < crossing.tokens_per_s < two_nodes[0].tokens_per_s * (1 + NODE_MARGIN)
+    cut = [
+        "llama-tiny",
+        "--gpus",
+        "12",
+        "--gpus-per-node",
+        "8",
+        "--memory-gb",
+        "8",
+        "--seq",
+        "64",
+        "--global-batch",
+        "12",
+    ]
+    assert plan_main(cut) == 2  # 12 GPUs are not whole nodes of 8: one line, exit 2
 
 
 def test_llama_3_70b_on_4_nodes_of_8_h100_fits_with_checkpointing_and_zero_1(capsys):
