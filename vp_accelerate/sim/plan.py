@@ -420,7 +420,8 @@ def search(config, req: PlanRequest) -> Search:
 def _refine_needs(plans: list[Plan], pruned: list) -> None:
     """Give the layouts dropped on a memory bound their peak from the order, least bound first, until the
     least exact peak is below every remaining bound (so `Search.smallest_need_gb` is exact)."""
-    exact = [max(p.peak_memory_gb) * 1e9 for i, p in enumerate(plans) if i not in {x[1] for x in pruned}]
+    dropped = {x[1] for x in pruned}
+    exact = [max(p.peak_memory_gb) * 1e9 for i, p in enumerate(plans) if i not in dropped]
     least = min(exact, default=math.inf)
     for bound, i, kind, method, pp, m, model in sorted(pruned, key=lambda x: x[0]):
         if bound >= least:
