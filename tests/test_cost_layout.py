@@ -88,3 +88,14 @@ def test_runtime_costs_on_cpu_use_the_plain_flop_model():
         > 0.4
         > gpu.pass_time(0, Op.T, 0) / gpu.pass_time(0, Op.S, 0)
     )
+
+
+def test_the_cost_models_even_split_is_the_runtimes():
+    from vp_accelerate.cost import even_layer_split
+    from vp_accelerate.models.layout import split_counts
+
+    for layers in (1, 5, 16, 80):
+        for chunks in range(1, layers + 1):
+            assert list(even_layer_split(layers, chunks)) == split_counts(layers, chunks)
+    with pytest.raises(ValueError):
+        even_layer_split(4, 5)

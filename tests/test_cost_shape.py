@@ -76,3 +76,22 @@ def test_mlp_matrices_of_every_verified_dense_family():
         if weights != shape.mlp_matrices * shape.hidden * shape.ffn:
             wrong.append((model_type, weights / (shape.hidden * shape.ffn), shape.mlp_matrices))
     assert not wrong, wrong
+
+
+def test_grouped_query_attention_counts_k_and_v_at_their_width():
+    """Llama-3-70B: q and o 8192^2, k and v 8192 x 1024 (8 kv heads of 128), MLP 3 x 8192 x 28672."""
+    config = {
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    }
+    shape = shape_from_hf_config(config, seq=4096)
+    assert shape.layer_params() == 2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 == 855_638_016
+    assert shape.layer_linear_flops() == 2 * 4096 * 855_638_016
+    mha = shape_from_hf_config({**config, "num_key_value_heads": 64}, seq=4096)
+    assert mha.layer_params() == 4 * 8192**2 + 3 * 8192 * 28672  # without GQA: the paper's 4h^2
+    assert shape.model_flops() < mha.model_flops()

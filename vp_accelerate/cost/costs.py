@@ -96,6 +96,11 @@ class CostModel:
     precision (fp32 parameters, bf16/fp16 compute) the fp32 parameters are the master copy and the
     16-bit `shape.dtype_bytes` is the one low-precision copy of the weights each step holds, shared by
     every microbatch (runtime/precision.py): 2 + 4 + 12 = 18 bytes per parameter either way."""
+    optimizer_shards: int = 1
+    """Ranks the `optimizer_bytes` (fp32 master copy + Adam m and v) are sharded over: the data-parallel
+    size under ZeRO-1 (cost/data_parallel.py), 1 without it. The 16-bit weights and the fp32 gradients
+    stay whole on every replica, so a parameter costs 2 + 4 + 12/d bytes (Megatron's distributed
+    optimizer: 6 + 12/d)."""
     split_backward: bool = False
     """The schedule splits B (input grads) from W (weight grads)."""
     output_memory: str = "store"
@@ -257,7 +262,11 @@ class CostModel:
     def static_bytes(self, rank: int) -> float:
         """Parameters + gradients + optimizer state of `rank` in bytes (under mixed precision: the step's
         low-precision weight copy, fp32 gradients, fp32 parameters and Adam's m and v; see optimizer_bytes)."""
-        return self.rank_params(rank) * (self.shape.dtype_bytes + self.grad_bytes + self.optimizer_bytes)
+        return self.rank_params(rank) * self.bytes_per_param()
+
+    def bytes_per_param(self) -> float:
+        """Static bytes per parameter: 16-bit weights + fp32 gradient + the (possibly sharded) optimizer state."""
+        return self.shape.dtype_bytes + self.grad_bytes + self.optimizer_bytes / self.optimizer_shards
 
     def model_flops(self) -> float:
         """Paper-counted training FLOPs of one microbatch (MFU numerator)."""
@@ -265,11 +274,14 @@ class CostModel:
 
 
 def even_layer_split(num_layers: int, num_chunks: int) -> tuple[int, ...]:
-    """Layers per chunk as the runtime splits them (`models.layout.split_counts`, imported here because
-    the models package loads torch, which the cost model does not need otherwise)."""
-    from vp_accelerate.models.layout import split_counts
-
-    return tuple(split_counts(num_layers, num_chunks))
+    """Layers per chunk as the runtime splits them (`models.layout.split_counts`: the first
+    `num_layers % num_chunks` chunks get one more). Written out here because importing the models
+    package loads torch, seconds the planner need not spend; tests/test_cost_layout.py checks the two
+    agree. ValueError when a chunk would get no layer."""
+    if not 1 <= num_chunks <= num_layers:
+        raise ValueError(f"cannot split {num_layers} decoder layers into {num_chunks} chunks of at least one layer")
+    base, extra = divmod(num_layers, num_chunks)
+    return tuple(base + (1 if c < extra else 0) for c in range(num_chunks))
 
 
 @dataclass(frozen=True)

@@ -86,10 +86,15 @@ class ModelShape:
         return self.microbatch_size * self.seq
 
     # ---- FLOPs per microbatch --------------------------------------------------------------
+    def kv_width(self) -> int:
+        """Width of the k and v projections: kv heads x head size (h with plain multi-head attention)."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
     def layer_linear_flops(self) -> float:
-        """Forward FLOPs of one layer's weight matmuls: 8Nh^2 (QKV+O) + 2*k*N*h*ffn (MLP)."""
-        n, h = self.tokens, self.hidden
-        return 8 * n * h * h + 2 * self.mlp_matrices * n * h * self.ffn
+        """Forward FLOPs of one layer's weight matmuls: 2N x its weights (`layer_params`): 4Nh^2 (q, o) +
+        4N*h*kv_width (k, v; 8Nh^2 for attention in all without grouped-query attention, the paper's
+        count) + 2*k*N*h*ffn (MLP)."""
+        return 2 * self.tokens * self.layer_params()
 
     def layer_attention_flops(self) -> float:
         """Forward FLOPs of the attention core (QK^T and AV): 4*b*s^2*h, counted as the paper does."""
@@ -107,15 +112,19 @@ class ModelShape:
 
     def model_flops(self) -> float:
         """Training FLOPs of one microbatch as the paper counts them for MFU (docs/design.md §8):
-        3*(2*b*s*h*V + L*(8*b*s*h^2 + 4*b*s^2*h + 2k*b*s*h*FFN))."""
+        3*(2*b*s*h*V + L*(8*b*s*h^2 + 4*b*s^2*h + 2k*b*s*h*FFN)); with grouped-query attention the k and
+        v products count at their width (4bsh^2 + 4bsh*kv_width instead of 8bsh^2)."""
         return 3 * (
             self.output_matmul_flops() + self.layers * (self.layer_linear_flops() + self.layer_attention_flops())
         )
 
     # ---- bytes -----------------------------------------------------------------------------
     def layer_params(self) -> int:
-        """Parameters of one layer: 4h^2 attention + k*h*ffn MLP (norms and biases ignored)."""
-        return 4 * self.hidden * self.hidden + self.mlp_matrices * self.hidden * self.ffn
+        """Parameters of one layer: attention q and o (h x h each) and k and v (h x kv_width each: 4h^2 in
+        all without grouped-query attention) + k*h*ffn MLP (norms and biases ignored). Llama-3-70B:
+        2 x 8192^2 + 2 x 8192 x 1024 + 3 x 8192 x 28672 = 0.856B."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_width() + self.mlp_matrices * h * self.ffn
 
     def layer_activation_bytes(self) -> float:
         """Activations one layer keeps per microbatch for its backward.

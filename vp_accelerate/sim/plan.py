@@ -1,45 +1,73 @@
-"""The planner: every way to lay a model out on a cluster, simulated, best first.
+"""The planner: every way to lay a model out on a cluster, screened for memory, the fitting ones
+simulated, best first.
 
-For a model shape, a GPU count, memory per GPU, sequence length and global batch it enumerates
-schedule x method x (pp, dp) x microbatch size (hence microbatches per replica) x output-layer memory
-mode, simulates one training step of each with the cost model, drops what does not fit in memory, and
-ranks the rest by predicted tokens/s.
+For a model shape, a GPU count (and GPUs per node), memory per GPU, sequence length and global batch it
+enumerates schedule x method x (pp, dp) x microbatch size (hence microbatches per replica) x ZeRO stage
+(0 or 1, dp > 1) x activation checkpointing (none, selective, full) x output-layer memory mode (VP).
 
-pp = 1 is plain data parallelism: every GPU holds the whole model with its gradients and optimizer
-state and runs its microbatches one after the other (gradient accumulation), so a user sees when
-pipelining is not worth it (the model fits and the all-reduce is cheap) or when it is the only way to fit.
+pp = 1 is plain data parallelism: every GPU holds the whole model with its gradients (and, without
+ZeRO-1, its optimizer state) and runs its microbatches one after the other (gradient accumulation).
 
-Each schedule is ordered by its pass costs as the runtime orders it (cost.cost_aware_schedule; the
-order is taken at the output layer's "store" memory mode, the one it hardly depends on).
+How it stays fast (seconds for a 70B model on 32 GPUs):
+- memory first, without timing anything: a layout whose parameters, gradients and optimizer state alone
+  overflow a GPU is dropped; the others get their activation peak from the order of each rank's passes
+  (`simulate.order_peak_memory`), which needs no clock;
+- dominated layouts are not timed: checkpointing and the "recompute" output memory only ever make a
+  step slower, so of the (checkpointing, memory) variants of one layout only those that fit and that
+  no faster variant that fits dominates are simulated (none before selective before full; store before
+  recompute);
+- each fitting layout is timed by the replay of the order the runtime would run (cost-aware,
+  cost.cost_aware_schedule). That order is built once per (schedule, method, pp, simulated microbatches,
+  checkpointing, links), at one sequence per microbatch and the "store" memory mode, and cached: the pass
+  times' ratios that order it hardly move with the microbatch size. A step of m microbatches is simulated
+  at min(m, pp) and extrapolated: past the warm-up every extra microbatch adds the busiest rank's work
+  for one microbatch. (Measured against whole simulations of a 70B model at 8 ranks x 64 microbatches:
+  1F1B and interleaved within 1.4%, V-Half 5% fast, since its steady state keeps a small bubble.)
 
-Speed (a plan takes seconds to a minute): schedules are built once per (kind, method, pp, microbatches,
-shape, hardware) and cached; a step with many microbatches is simulated at a smaller count and
-extrapolated (past the warm-up every extra microbatch adds the busiest rank's work for one microbatch,
-and the memory peak no longer grows), and pp divides the GPU count. Data parallelism adds a ring
-all-reduce of the gradients after the pipeline drains (not overlapped with the backward: for pp = 1 this
-is pessimistic next to DDP's bucketed overlap).
+Nodes: ranks are numbered as the runtime numbers them (pipelines are blocks of consecutive ranks,
+sim/cluster.py), so a pipeline of at most a node's GPUs stays inside the node; a pipeline or data-parallel
+group that crosses nodes is priced at the inter-node bandwidth. Data parallelism adds the gradient
+synchronisation (all-reduce, or ZeRO-1's reduce-scatter + all-gather) and the optimizer step after the
+pipeline drains (cost/data_parallel.py).
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
 from vp_accelerate import modes
 from vp_accelerate.cost import CostModel, Hardware, ModelShape, cost_aware_schedule, for_schedule, shape_from_hf_config
+from vp_accelerate.cost.data_parallel import (
+    OPTIMIZER_STEP_BYTES,
+    ZERO_LEVELS,
+    check_zero,
+    grad_sync_time,
+    optimizer_shards,
+    optimizer_step_time,
+)
 from vp_accelerate.schedule import build_schedule
-from vp_accelerate.schedule.registry import METHODS, SCHEDULES
+from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule
+from vp_accelerate.schedule.registry import METHODS, SCHEDULES, check_pair
 
-from .simulate import simulate
+from .cluster import INTERNODE_BANDWIDTH, Cluster
+from .simulate import memory_events, order_peak_memory, simulate
 
 DATA_PARALLEL = ("1f1b", "baseline")
 """The (schedule, method) a pp = 1 plan runs: one rank, the whole model, nothing to pipeline."""
 
+NODE_MARGIN = 0.03
+"""Pipelines inside a node are preferred: one that crosses nodes ranks above them only when it is
+predicted more than 3% faster. Its point-to-point transfers and vocabulary collectives then share the
+inter-node fabric with the other replicas' gradient traffic, and a slow link or node stalls the whole
+pipeline; the simulator models neither (sim/cluster.py prices each group's links alone)."""
+
 MEMORY_MODES = tuple(modes.MEMORY_MODES)
-"""Output-layer memory modes the planner tries (every one of the table)."""
-MAX_SIMULATED_MICROBATCHES = 32
-"""Above this many (and 3 x pp) microbatches per replica a step is extrapolated from a shorter simulated
-one at the busiest rank's per-microbatch pace."""
+"""Output-layer memory modes the planner tries, cheapest first (store, recompute)."""
+CHECKPOINTING = ("none", "selective", "full")
+"""Activation-checkpointing modes the planner tries, cheapest first (modes.CHECKPOINTING)."""
 
 
 @dataclass(frozen=True)
@@ -55,18 +83,33 @@ class PlanRequest:
     global_batch: int
     """Sequences per optimizer step, all replicas together."""
     hardware: Hardware = field(default_factory=Hardware)
-    """Device speed and links (peak FLOP/s for MFU, sustained efficiency, bandwidths)."""
+    """Device speed and links inside a node (peak FLOP/s for MFU, sustained efficiency, bandwidths)."""
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Sequences per microbatch to try (those that divide a replica's batch)."""
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     """Schedule kinds to try."""
     methods: tuple[str, ...] = tuple(METHODS)
     """Methods to try."""
+    gpus_per_node: int | None = None
+    """GPUs per node; None = all GPUs in one node (every link at `hardware`'s bandwidth)."""
+    internode_bandwidth: float = INTERNODE_BANDWIDTH
+    """Bytes/s per GPU between nodes (used with `gpus_per_node`)."""
+    zero: tuple[int, ...] = ZERO_LEVELS
+    """ZeRO stages to try when dp > 1 (0: whole optimizer state per replica, 1: sharded over dp)."""
+    checkpointing: tuple[str, ...] = CHECKPOINTING
+    """Activation-checkpointing modes to try (PipelineConfig.activation_checkpointing)."""
+    top: int = 5
+    """Fitting plans that come out simulated and exactly ranked; the others that fit are simulated only
+    when their lower bound (the busiest rank's work) does not already rank them below these."""
+
+    @property
+    def cluster(self) -> Cluster:
+        return Cluster(self.gpus, self.gpus_per_node, self.internode_bandwidth)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One layout, simulated."""
+    """One layout: its memory per rank, and (when it fits) its simulated step."""
 
     schedule: str
     """Schedule kind."""
@@ -85,20 +128,35 @@ class Plan:
     chunk_layers: tuple[int, ...]
     """Decoder layers per chunk, model order."""
     step_time_s: float
-    """Predicted seconds per optimizer step."""
+    """Predicted seconds per optimizer step (nan when the layout does not fit: not timed)."""
     tokens_per_s: float
-    """global batch x seq / step time."""
+    """global batch x seq / step time (0 when not timed)."""
     mfu: float
-    """Model FLOPs utilisation (paper's FLOP count over peak)."""
+    """Model FLOPs utilisation (paper's FLOP count, GQA-aware, over peak; 0 when not timed)."""
     bubble: float
-    """Idle fraction of rank time."""
+    """Idle fraction of rank time (nan when not timed)."""
     peak_memory_gb: tuple[float, ...]
-    """Per pipeline rank: parameters + gradients + optimizer state + peak activations, GB."""
+    """Per pipeline rank: parameters + gradients + optimizer state + peak activations, GB (a layout
+    dropped on its static memory alone: that + one microbatch's activations, a lower bound)."""
     fits: bool
     """Every rank's peak fits in the request's memory per GPU."""
+    zero: int = 0
+    """ZeRO stage: 1 = optimizer state and fp32 master weights sharded over the dp replicas (dp > 1)."""
+    activation_checkpointing: str = "none"
+    """Decoder layers recomputed in backward: "none", "selective" (every other one) or "full"."""
+    pipeline_crosses_nodes: bool = False
+    """The pipeline's ranks span nodes (its transfers priced at the inter-node bandwidth)."""
+    memory_bound: bool = False
+    """`peak_memory_gb` is a lower bound: the layout was dropped on its static memory plus one microbatch's
+    activations before any order was read (it needs at least that)."""
+    simulated: bool = False
+    """The step was simulated. A fitting plan that was not: its busiest rank's work alone already makes it
+    slower than the request's `top` plans, and its step time is that lower bound (tokens/s and MFU upper
+    bounds)."""
 
     def pipeline_section(self) -> dict:
-        """The recipe `pipeline:` keys (runtime.PipelineConfig fields) this plan sets."""
+        """The recipe `pipeline:` keys (runtime.PipelineConfig fields) this plan sets. (`zero` is not
+        one: the runtime has no ZeRO-1 yet, and `pipeline.schedule: auto` plans with zero = 0.)"""
         return {
             "schedule": self.schedule,
             "method": self.method,
@@ -106,6 +164,7 @@ class Plan:
             "memory": self.memory,
             "dp_size": self.dp,
             "pp_size": self.pp,
+            "activation_checkpointing": self.activation_checkpointing,
         }
 
     @property
@@ -116,58 +175,110 @@ class Plan:
     def describe(self) -> str:
         return (
             f"{self.label} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
-            f"m={self.microbatches} memory={self.memory}"
+            f"m={self.microbatches} memory={self.memory} zero={self.zero} ckpt={self.activation_checkpointing}"
         )
 
 
+@dataclass
+class Search:
+    """What a plan search found."""
+
+    plans: list[Plan]
+    """Fitting plans (timed, fastest first), then the others (untimed, least memory first)."""
+    considered: int
+    """Layouts enumerated, including those not timed because a faster variant of theirs fits."""
+    dominated: int
+    """Layouts skipped: a variant with less recomputation fits (it is faster and also fits)."""
+    bounded: int = 0
+    """Fitting layouts not simulated: their work bound is slower than the `top` simulated ones."""
+
+    @property
+    def fitting(self) -> list[Plan]:
+        return [p for p in self.plans if p.fits]
+
+    def smallest_need_gb(self) -> float | None:
+        """The least peak memory of any layout that does not fit (GB), None when there is none."""
+        needs = [max(p.peak_memory_gb) for p in self.plans if not p.fits]
+        return min(needs) if needs else None
+
+
+# ---- cached building blocks -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The block's unit-grid order of a layout (cheap to build) and what the screen reads off it."""
+
+    schedule: Schedule
+    """The layout (chunk owners, split backward) and an order whose activation peaks bound the runtime's
+    cost-aware order's (its list scheduler keeps under them)."""
+    events: list
+    """simulate.memory_events of it."""
+    work: tuple[tuple[tuple[Op, int, int], ...], ...]
+    """Per rank: (op, chunk, count) of its compute passes, for the work bound on the step time."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What cost.for_schedule reads off a schedule (the same at any microbatch count), from its block
+    alone: cheaper than building a schedule of a large pipeline."""
+
+    method: object
+    num_ranks: int
+    num_chunks: int
+    chunk_rank: tuple[int, ...]
+    split_backward: bool
+
+
+@lru_cache(maxsize=1024)
+def _layout(kind: str, method: str, pp: int) -> _Layout:
+    sk, meth = check_pair(kind, method)
+    block = sk.block(pp, sk.chunks_per_rank or sk.default_chunks_per_rank, 0)
+    chunk_rank = tuple(block.chunk_rank)
+    return _Layout(meth, pp, len(chunk_rank), chunk_rank, block.split_backward)
+
+
+@lru_cache(maxsize=1024)
+def _grid(kind: str, method: str, pp: int, m: int) -> _Grid:
+    sched = build_schedule(kind, method, pp, m)
+    work = []
+    for actions in sched.actions:
+        counts = Counter((a.op, a.chunk) for a in actions if a.op.value in COMPUTE_OPS)
+        work.append(tuple((op, chunk, n) for (op, chunk), n in sorted(counts.items(), key=str)))
+    return _Grid(sched, memory_events(sched), tuple(work))
+
+
 @lru_cache(maxsize=512)
-def _schedule(kind: str, method: str, pp: int, m: int, shape: ModelShape | None = None, hw: Hardware | None = None):
-    """The schedule the runtime would run (ordered by this shape's pass costs); the unit-grid order
-    without a shape."""
-    if shape is None:
-        return build_schedule(kind, method, pp, m)
-    return cost_aware_schedule(shape, kind, method, pp, m, hw=hw)[0]
+def _ordered(kind: str, method: str, pp: int, m: int, shape: ModelShape, hw: Hardware, ckpt: str):
+    """The schedule the runtime would run, ordered by this shape's pass costs (the expensive part)."""
+    return cost_aware_schedule(shape, kind, method, pp, m, hw=hw, activation_checkpointing=ckpt)[0]
 
 
-def _simulate_step(kind: str, method: str, pp: int, m: int, shape: ModelShape, hw: Hardware, memory: str):
-    """(step time, bubble, peak bytes per rank, layers per chunk) of one step, extrapolated when m is large."""
-
-    def run(k: int):
-        sched = _schedule(kind, method, pp, k, shape, hw)
-        model = _with_memory(for_schedule(shape, sched, hw), memory)
-        return simulate(sched, model), model
-
-    if m <= MAX_SIMULATED_MICROBATCHES:
-        res, model = run(m)
-        return res.step_time, res.bubble_rate, res.busy, res.peak_memory_bytes, model.chunk_layers
-    hi = max(MAX_SIMULATED_MICROBATCHES, 3 * pp)
-    r_hi, model = run(hi)
-    # past the warm-up the pipeline runs at its busiest rank's pace: each extra microbatch adds that
-    # rank's work for one microbatch (and the memory peak no longer grows)
-    per_mb = max(r_hi.busy) / hi
-    step = r_hi.step_time + (m - hi) * per_mb
-    busy = [b * m / hi for b in r_hi.busy]  # busy time is per-microbatch work
-    bubble = 1 - sum(busy) / (pp * step)
-    return step, bubble, busy, r_hi.peak_memory_bytes, model.chunk_layers
+@lru_cache(maxsize=4096)
+def _timed(
+    kind: str, method: str, pp: int, m: int, shape: ModelShape, order_shape: ModelShape, hw: Hardware, memory, ckpt
+):
+    """(step time, busy per rank) of `m` microbatches of `shape`, in the order built for `order_shape`."""
+    sched = _ordered(kind, method, pp, m, order_shape, hw, ckpt)
+    model = replace(for_schedule(shape, sched, hw, activation_checkpointing=ckpt), output_memory=memory)
+    res = simulate(sched, model)
+    return res.step_time, tuple(res.busy)
 
 
-def _dp_sync_time(kind, method, pp, shape, hw, dp, layers) -> float:
-    """Ring all-reduce of the slowest rank's gradients (grad_bytes per parameter) over dp replicas."""
-    sched = _schedule(kind, method, pp, pp)  # only its layout
-    model = CostModel(shape, method, sched.chunk_rank, tuple(layers), hw, split_backward=sched.split_backward)
-    params = max(model.rank_params(r) for r in range(pp))
-    return 2 * (dp - 1) / dp * params * model.grad_bytes / hw.collective_bandwidth + hw.latency
+def _step(kind, method, pp, m, shape, hw, memory, ckpt):
+    """(step time, bubble) of m microbatches: simulated at min(m, pp), extrapolated at the busiest rank's
+    per-microbatch pace beyond (see the module docstring)."""
+    k = min(m, pp)
+    step, busy = _timed(kind, method, pp, k, shape, replace(shape, microbatch_size=1), hw, memory, ckpt)
+    step += (m - k) * max(busy) / k
+    return step, 1 - sum(busy) * (m / k) / (pp * step)
 
 
-_MODELS_MEMORY = "output_memory" in CostModel.__dataclass_fields__
-"""The cost model tells the output layer's memory modes apart (else only "store" is planned)."""
+# ---- the search -------------------------------------------------------------------------------------
 
 
-def _with_memory(model: CostModel, memory: str) -> CostModel:
-    return replace(model, output_memory=memory) if _MODELS_MEMORY else model
-
-
-def _layouts(req: PlanRequest, layers: int):
+def _base_layouts(req: PlanRequest, layers: int):
+    """(kind, method, pp, dp, microbatch size, microbatches) of every layout the GPUs and batch allow."""
     for pp in range(1, req.gpus + 1):
         if req.gpus % pp:
             continue
@@ -186,50 +297,236 @@ def _layouts(req: PlanRequest, layers: int):
                     continue
                 if METHODS[method].balanced_layers and chunks != pp:
                     continue
+                rows = req.global_batch // dp
                 for b in req.microbatch_sizes:
-                    rows = req.global_batch // dp
                     if rows % b or rows // b < pp:
                         continue
-                    modes = MEMORY_MODES if METHODS[method].vocab_parallel and _MODELS_MEMORY else ("store",)
-                    for memory in modes:
-                        yield kind, method, pp, dp, b, rows // b, memory
+                    yield kind, method, pp, dp, b, rows // b
+
+
+def _variants(req: PlanRequest, method: str, dp: int):
+    """(zero, checkpointing, memory) of one layout, each zero stage's cheapest-to-run variants first."""
+    ckpts = [c for c in CHECKPOINTING if c in req.checkpointing]
+    memories = MEMORY_MODES if METHODS[method].vocab_parallel else ("store",)
+    for zero in sorted({check_zero(z) for z in req.zero}) if dp > 1 else (0,):
+        yield zero, [(c, mem) for c in ckpts for mem in memories]
+
+
+def _dominates(a: tuple[str, str], b: tuple[str, str]) -> bool:
+    """Variant a recomputes no more than b (checkpointing and output memory): a is at least as fast."""
+    return CHECKPOINTING.index(a[0]) <= CHECKPOINTING.index(b[0]) and MEMORY_MODES.index(a[1]) <= MEMORY_MODES.index(
+        b[1]
+    )
+
+
+def search(config, req: PlanRequest) -> Search:
+    """Every layout of `config` (an HF config object, dict or config.json path) for `req`: those that
+    fit simulated and ranked by tokens/s, the others with their memory need."""
+    if req.gpus_per_node is not None and req.gpus % req.gpus_per_node and req.gpus > req.gpus_per_node:
+        raise ValueError(f"--gpus {req.gpus} is not a whole number of nodes of {req.gpus_per_node} GPUs")
+    base = shape_from_hf_config(config, seq=req.seq)
+    cluster = req.cluster
+    limit = req.memory_gb * 1e9
+    plans: list[Plan] = []
+    candidates = []  # (lower bound on the step time, untimed plan, shape, pipeline links, data-parallel time)
+    pruned = []  # (lower bound on the memory, index in plans, kind, method, pp, m, cost model)
+    considered = dominated = bounded = 0
+    for kind, method, pp, dp, b, m in _base_layouts(req, base.layers):
+        shape = replace(base, microbatch_size=b)
+        hw = cluster.pipeline_hardware(req.hardware, pp, dp)
+        crosses = cluster.pipeline_crosses(pp, dp)
+        layout = _layout(kind, method, pp)
+        grid = None  # the memory screen's order: min(m, 2 pp) microbatches, by when the peak has set in
+        for zero, variants in _variants(req, method, dp):
+            fitting: list[tuple[str, str]] = []
+            for ckpt, memory in variants:
+                considered += 1
+                if any(_dominates(f, (ckpt, memory)) for f in fitting):
+                    dominated += 1
+                    continue
+                try:
+                    model = for_schedule(shape, layout, hw, activation_checkpointing=ckpt)
+                except ValueError:  # e.g. redis cannot give every stage a layer: not a layout
+                    considered -= 1
+                    continue
+                model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
+                # at least one microbatch's activations of its first chunk are held on every rank
+                static = [model.static_bytes(r) + model.activation_bytes(layout.chunk_rank.index(r)) for r in range(pp)]
+                if max(static) > limit:  # dropped before any order is built
+                    peak = static
+                    bound = True
+                    pruned.append((max(static), len(plans), kind, method, pp, m, model))
+                else:
+                    bound = False
+                    grid = grid or _grid(kind, method, pp, min(m, 2 * pp))
+                    peak = order_peak_memory(grid.schedule, model, grid.events)
+                fits = max(peak) <= limit
+                plan_ = Plan(
+                    schedule=kind,
+                    method=method,
+                    pp=pp,
+                    dp=dp,
+                    microbatch_size=b,
+                    microbatches=m,
+                    memory=memory,
+                    chunk_layers=model.chunk_layers,
+                    step_time_s=math.nan,
+                    tokens_per_s=0.0,
+                    mfu=0.0,
+                    bubble=math.nan,
+                    peak_memory_gb=tuple(x / 1e9 for x in peak),
+                    fits=fits,
+                    zero=zero,
+                    activation_checkpointing=ckpt,
+                    pipeline_crosses_nodes=crosses,
+                    memory_bound=bound,
+                )
+                if fits:
+                    fitting.append((ckpt, memory))
+                    after = _after_pipeline(plan_, req, model)
+                    work = max(
+                        sum(n * model.pass_time(r, op, c) for op, c, n in ops) for r, ops in enumerate(grid.work)
+                    )
+                    candidates.append((m * work / grid.schedule.num_microbatches + after, plan_, shape, hw, after))
+                else:
+                    plans.append(plan_)
+    if not candidates:  # nothing fits: the smallest need is exact, not a bound
+        _refine_needs(plans, pruned)
+    # time the fitting layouts, least work first, until `top` timed ones are faster than what any other
+    # could be: a step is never shorter than its busiest rank's passes plus what follows the pipeline
+    candidates.sort(key=lambda c: c[0])
+    timed: list[float] = []
+    for bound, plan_, shape, hw, after in candidates:
+        if len(timed) >= req.top and sorted(timed)[req.top - 1] <= bound:
+            plans.append(_with_step(plan_, req, shape, bound, math.nan))
+            bounded += 1
+            continue
+        step, bubble = _step(
+            plan_.schedule,
+            plan_.method,
+            plan_.pp,
+            plan_.microbatches,
+            shape,
+            hw,
+            plan_.memory,
+            plan_.activation_checkpointing,
+        )
+        timed.append(step + after)
+        plans.append(_with_step(plan_, req, shape, step + after, bubble))
+    plans.sort(key=_rank)
+    return Search(plans, considered, dominated, bounded)
+
+
+def _refine_needs(plans: list[Plan], pruned: list) -> None:
+    """Give the layouts dropped on a memory bound their peak from the order, least bound first, until the
+    least exact peak is below every remaining bound (so `Search.smallest_need_gb` is exact)."""
+    dropped = {x[1] for x in pruned}
+    exact = [max(p.peak_memory_gb) * 1e9 for i, p in enumerate(plans) if i not in dropped]
+    least = min(exact, default=math.inf)
+    for bound, i, kind, method, pp, m, model in sorted(pruned, key=lambda x: x[0]):
+        if bound >= least:
+            break
+        grid = _grid(kind, method, pp, min(m, 2 * pp))
+        peak = order_peak_memory(grid.schedule, model, grid.events)
+        plans[i] = replace(plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak), memory_bound=False)
+        least = min(least, max(peak))
+
+
+def _after_pipeline(p: Plan, req: PlanRequest, model: CostModel) -> float:
+    """Seconds after the pipeline drains: the data-parallel gradient sync and the optimizer step, for the
+    rank with the most parameters."""
+    params = max(model.rank_params(r) for r in range(p.pp))
+    dp_bw = req.cluster.dp_bandwidth(req.hardware, p.pp, p.dp)
+    sync = grad_sync_time(params, p.dp, p.zero, dp_bw, req.hardware.latency, model.grad_bytes, model.shape.dtype_bytes)
+    return sync + optimizer_step_time(params, p.dp, p.zero, req.hardware.mem_bandwidth)
+
+
+def _with_step(p: Plan, req: PlanRequest, shape: ModelShape, step: float, bubble: float) -> Plan:
+    """`p` with a step time (simulated, or a lower bound when `bubble` is nan) and what follows from it."""
+    flops = p.microbatches * shape.model_flops() * p.dp
+    return replace(
+        p,
+        step_time_s=step,
+        tokens_per_s=req.global_batch * req.seq / step,
+        mfu=flops / (step * req.gpus * req.hardware.peak_flops),
+        bubble=bubble,
+        simulated=not math.isnan(bubble),
+    )
+
+
+def _rank(p: Plan):
+    """Fitting first, fastest first, where a pipeline across nodes must be more than NODE_MARGIN faster
+    to rank above one inside a node; among equals less recomputation, then no ZeRO (fewer moving parts).
+    The others by their memory need."""
+    if p.fits:
+        speed = p.tokens_per_s / (1 + NODE_MARGIN) if p.pipeline_crosses_nodes else p.tokens_per_s
+        return (0, -speed, p.pipeline_crosses_nodes, CHECKPOINTING.index(p.activation_checkpointing), p.zero)
+    return (1, max(p.peak_memory_gb), 0, 0, 0)
 
 
 def plan(config, req: PlanRequest) -> list[Plan]:
-    """Every layout of `config` (an HF config object, dict or config.json path) for `req`, simulated;
-    fitting plans first, then by tokens/s."""
-    base = shape_from_hf_config(config, seq=req.seq)
-    plans = []
-    for kind, method, pp, dp, b, m, memory in _layouts(req, base.layers):
-        shape = replace(base, microbatch_size=b)
-        try:
-            step, bubble, busy, peak, layers = _simulate_step(kind, method, pp, m, shape, req.hardware, memory)
-        except ValueError:  # e.g. redis cannot give every stage a layer: not a layout
-            continue
-        if dp > 1:  # gradient all-reduce across replicas after the pipeline drains (not overlapped)
-            step += _dp_sync_time(kind, method, pp, shape, req.hardware, dp, layers)
-        flops = m * shape.model_flops() * dp
-        peak_gb = tuple(x / 1e9 for x in peak)
-        plans.append(
-            Plan(
-                schedule=kind,
-                method=method,
-                pp=pp,
-                dp=dp,
-                microbatch_size=b,
-                microbatches=m,
-                memory=memory,
-                chunk_layers=tuple(layers),
-                step_time_s=step,
-                tokens_per_s=req.global_batch * req.seq / step,
-                mfu=flops / (step * req.gpus * req.hardware.peak_flops),
-                bubble=bubble,
-                peak_memory_gb=peak_gb,
-                fits=max(peak_gb) <= req.memory_gb,
+    """`search(config, req).plans`: fitting plans first, then by tokens/s."""
+    return search(config, req).plans
+
+
+def why(found: Search, req: PlanRequest) -> str:
+    """One line: which plan the planner picks and why (what it needs to fit, where its pipeline sits)."""
+    fitting = found.fitting
+    if not fitting:
+        return "no layout fits"
+    best_ = fitting[0]
+    parts = [f"picked {best_.describe()}: the fastest of {len(fitting)} layouts that fit"]
+    if len(fitting) > 1:
+        ahead = best_.tokens_per_s / fitting[1].tokens_per_s - 1
+        parts.append(f"{ahead:.1%} ahead of the next ({fitting[1].describe()})")
+    needs = []
+    if best_.activation_checkpointing != "none":
+        plain = [p for p in found.plans if _same_layout(p, best_) and p.activation_checkpointing == "none"]
+        need = f" (needs {_need(plain)} without)" if plain else ""
+        needs.append(f"{best_.activation_checkpointing} activation checkpointing{need}")
+    if best_.zero:
+        plain = [p for p in found.plans if _same_layout(p, best_) and p.zero == 0 and p.memory == best_.memory]
+        plain = [p for p in plain if p.activation_checkpointing == best_.activation_checkpointing]
+        need = f" (needs {_need(plain[:1])} without)" if plain and not plain[0].fits else ""
+        needs.append(f"ZeRO-1 over dp={best_.dp}{need}")
+    if needs:
+        parts.append("uses " + " and ".join(needs))
+    if req.gpus_per_node is not None:
+        if best_.pipeline_crosses_nodes:
+            inside = [p for p in found.plans if not p.pipeline_crosses_nodes and p.pp > 1]
+            if not [p for p in inside if p.fits]:
+                reason = f"; the least any in-node pipeline needs is {_need(inside)}" if inside else ""
+                parts.append(
+                    f"its pipeline crosses nodes because no pipeline of <= {req.gpus_per_node} GPUs fits{reason}"
+                )
+            else:
+                parts.append("its pipeline crosses nodes, yet it beats every in-node pipeline that fits")
+        elif best_.pp > 1:
+            parts.append(f"its pipeline stays inside a node of {req.gpus_per_node} GPUs")
+        faster = [p for p in fitting if p.pipeline_crosses_nodes and p.tokens_per_s > best_.tokens_per_s]
+        if not best_.pipeline_crosses_nodes and faster:
+            gain = faster[0].tokens_per_s / best_.tokens_per_s - 1
+            parts.append(
+                f"{faster[0].describe()} across nodes is predicted {gain:.1%} faster, within the "
+                f"{NODE_MARGIN:.0%} preference for in-node pipelines"
             )
-        )
-    plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s))
-    return plans
+    return "; ".join(parts)
+
+
+def _need(plans: list[Plan]) -> str:
+    """The least peak memory of `plans`, "at least" when it is a bound."""
+    least = min(plans, key=lambda p: max(p.peak_memory_gb))
+    return f"{'at least ' if least.memory_bound else ''}{max(least.peak_memory_gb):.1f} GB"
+
+
+def _same_layout(a: Plan, b: Plan) -> bool:
+    return (a.schedule, a.method, a.pp, a.dp, a.microbatch_size) == (
+        b.schedule,
+        b.method,
+        b.pp,
+        b.dp,
+        b.microbatch_size,
+    )
 
 
 def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
@@ -237,35 +534,45 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
     hw = req.hardware
     probe = CostModel(ModelShape(hidden=8, layers=1, heads=1, ffn=8, vocab=8, seq=8), "baseline", (0,), (1,), hw)
     per_param = probe.shape.dtype_bytes + probe.grad_bytes + probe.optimizer_bytes
+    if req.gpus_per_node is None:
+        nodes = f"one node: every link {hw.p2p_bandwidth / 1e9:g} GB/s"
+    else:
+        nodes = (
+            f"{req.gpus_per_node} GPUs per node (pipelines are blocks of consecutive ranks); a pipeline or "
+            f"data-parallel group across nodes at {req.internode_bandwidth / 1e9:g} GB/s per GPU"
+        )
     return [
         f"device: {gpu or 'custom'}, {hw.peak_flops / 1e12:g} TFLOP/s dense bf16 peak (MFU's denominator), "
         f"{req.memory_gb:g} GB per GPU, HBM {hw.mem_bandwidth / 1e12:g} TB/s, {hw.sms} SMs",
         f"compute: large GEMMs sustain {hw.efficiency:.0%} of peak; smaller and oddly shaped ones less (wave "
         f"quantisation, short reductions); softmax and norms memory-bound",
         f"links: {hw.p2p_bandwidth / 1e9:g} GB/s point-to-point, {hw.collective_bandwidth / 1e9:g} GB/s collective bus "
-        f"bandwidth, {hw.latency * 1e6:g} us per call; data-parallel gradient all-reduce after the step, not overlapped",
-        f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter, no "
-        f"sharding over data parallelism) + activations (flash-attention layer count, Korthikanti et al.)",
+        f"bandwidth, {hw.latency * 1e6:g} us per call; {nodes}; data-parallel gradient sync after the step, "
+        f"not overlapped",
+        f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
+        f"ZeRO-1: 6 + 12/dp, the master and Adam state sharded over dp) + activations (flash-attention layer "
+        f"count, Korthikanti et al.; checkpointed layers keep their input only)",
+        f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
+        f"torch.optim.AdamW(fused=True) on CUDA: the runtime builds torch's default AdamW, foreach, a few passes)",
     ]
 
 
 def best(config, req: PlanRequest) -> Plan:
     """The fastest plan that fits; ValueError naming the smallest memory need when none does."""
-    plans = plan(config, req)
-    fitting = [p for p in plans if p.fits]
-    if not fitting:
-        if not plans:
+    found = search(config, req)
+    if not found.fitting:
+        need = found.smallest_need_gb()
+        if need is None:
             raise ValueError(
                 f"no layout exists for {req.gpus} GPUs and a global batch of {req.global_batch}: "
                 f"the batch must divide by the data-parallel size and give each replica at least "
                 f"pp microbatches"
             )
-        need = min(max(p.peak_memory_gb) for p in plans)
         raise ValueError(
             f"no layout fits in {req.memory_gb:g} GB per GPU; the smallest needs {need:.1f} GB "
             f"(use more GPUs, a shorter sequence or a smaller model)"
         )
-    return fitting[0]
+    return found.fitting[0]
 
 
 def as_dict(p: Plan) -> dict:

@@ -142,3 +142,36 @@ def _memory(schedule: Schedule, timeline: list[TimedAction], model):
         stash_mb.append(peak[1])
         act_bytes.append(peak[2])
     return act_mb, stash_mb, act_bytes
+
+
+def order_peak_memory(schedule: Schedule, model, events=None) -> list[float]:
+    """Per rank, the peak bytes of `simulate(schedule, model).peak_memory_bytes` without timing the
+    step: a rank runs its passes one after another in list order, so what it holds at any moment follows
+    from that order alone (allocated at an F or S, freed after the B / W or T), whatever the pass times.
+    The planner screens layouts for memory with it before it times any. `events`: `memory_events(schedule)`
+    when the caller keeps it for many models."""
+    act = [model.activation_bytes(c) for c in range(schedule.num_chunks)]
+    stash = model.stash_bytes()
+    peaks = []
+    for r, rank_events in enumerate(events or memory_events(schedule)):
+        cur = peak = 0.0
+        for kind, chunk in rank_events:
+            if kind == 0:  # F: the chunk's activations
+                cur += act[chunk]
+            elif kind == 1:  # B (W when split): freed
+                cur -= act[chunk]
+            elif kind == 2:  # S: the VP stash (forward-only: held during S alone)
+                peak = max(peak, cur + stash)
+                cur += 0.0 if schedule.forward_only else stash
+            else:  # T
+                cur -= stash
+            peak = max(peak, cur)
+        peaks.append(model.static_bytes(r) + peak)
+    return peaks
+
+
+def memory_events(schedule: Schedule) -> list[list[tuple[int, int]]]:
+    """Per rank, (0 alloc / 1 free / 2 stash / 3 unstash, chunk) of its passes that hold memory, in order."""
+    free_op = "W" if schedule.split_backward else "B"
+    kinds = {"S": 2, "T": 3} if schedule.forward_only else {"F": 0, free_op: 1, "S": 2, "T": 3}
+    return [[(kinds[a.op.value], a.chunk) for a in actions if a.op.value in kinds] for actions in schedule.actions]

@@ -7,10 +7,13 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from vp_accelerate.cost import GPU_PRESETS, Hardware
-from vp_accelerate.sim.plan import PlanRequest, as_dict, assumptions, best, plan
+from vp_accelerate.cost.data_parallel import ZERO_LEVELS
+from vp_accelerate.sim.cluster import INTERNODE_BANDWIDTH
+from vp_accelerate.sim.plan import CHECKPOINTING, PlanRequest, as_dict, assumptions, best, search, why
 
 COLUMNS = """columns:
   schedule/method   pipeline schedule and where the vocabulary layers live (vocab-1/-2: sharded over the
@@ -19,6 +22,10 @@ COLUMNS = """columns:
   pp, dp            pipeline ranks x data-parallel replicas (= --gpus)
   mbs, m            sequences per microbatch, microbatches per replica per step
   memory            VP output layer's S->T state: store (logits shard) or recompute (redo X W^T in T)
+  zero              1: ZeRO-1, fp32 master weights and Adam state sharded over dp (6 + 12/dp bytes per
+                    parameter instead of 18); 0: none
+  ckpt              activation checkpointing: none, selective (every other layer) or full
+  x-node            the pipeline spans nodes (its links priced at --internode-gbs)
   tokens/s          global batch x seq / predicted step time (the ranking)
   MFU               model FLOPs (the paper's count, 3 x (2bshV + L(8bsh^2 + 4bs^2h + 2k bsh FFN))) / (step
                     time x GPUs x peak)
@@ -72,6 +79,31 @@ def _parser() -> argparse.ArgumentParser:
         help="fraction of peak large matmuls sustain (default %(default)s)",
     )
     ap.add_argument("--bandwidth-gbs", type=float, help="p2p and collective bandwidth, GB/s (default 100)")
+    ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="GPUs per node: pipelines of up to this many ranks stay inside a node, links that cross nodes "
+        "run at --internode-gbs (default: all GPUs in one node)",
+    )
+    ap.add_argument(
+        "--internode-gbs",
+        type=float,
+        default=INTERNODE_BANDWIDTH / 1e9,
+        help="bandwidth per GPU between nodes, GB/s (default %(default)g: one 400 Gb/s NIC per GPU)",
+    )
+    ap.add_argument(
+        "--zero",
+        type=int,
+        choices=ZERO_LEVELS,
+        action="append",
+        help="ZeRO stage(s) to try when dp > 1 (default: 0 and 1)",
+    )
+    ap.add_argument(
+        "--checkpointing",
+        choices=CHECKPOINTING,
+        action="append",
+        help="activation-checkpointing mode(s) to try (default: all)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -88,25 +120,33 @@ def request_from_args(args):
     memory = args.memory_gb if args.memory_gb is not None else memory
     if memory is None:
         raise ValueError("give --memory-gb (memory per GPU) or a --gpu preset")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
     return PlanRequest(
         gpus=args.gpus,
         memory_gb=memory,
         seq=args.seq,
         global_batch=args.global_batch,
         hardware=dataclasses.replace(hw, **changes),
+        gpus_per_node=args.gpus_per_node,
+        internode_bandwidth=args.internode_gbs * 1e9,
+        zero=tuple(args.zero or ZERO_LEVELS),
+        checkpointing=tuple(args.checkpointing or CHECKPOINTING),
+        top=max(1, args.top),
     )
 
 
 def table(plans, top: int) -> str:
     lines = [
         f"{'#':>2}  {'schedule/method':<22} {'pp':>3} {'dp':>3} {'mbs':>4} {'m':>4} {'memory':<9} "
-        f"{'tokens/s':>10} {'MFU':>6} {'bubble':>7} {'peak GB per rank'}"
+        f"{'zero':>4} {'ckpt':<9} {'x-node':<6} {'tokens/s':>10} {'MFU':>6} {'bubble':>7} {'peak GB per rank'}"
     ]
     for i, p in enumerate(plans[:top], 1):
         mem = " ".join(f"{x:.1f}" for x in p.peak_memory_gb)
         lines.append(
             f"{i:>2}  {p.label:<22} {p.pp:>3} {p.dp:>3} {p.microbatch_size:>4} "
-            f"{p.microbatches:>4} {p.memory:<9} {p.tokens_per_s:>10.0f} {p.mfu * 100:>5.1f}% "
+            f"{p.microbatches:>4} {p.memory:<9} {p.zero:>4} {p.activation_checkpointing:<9} "
+            f"{'yes' if p.pipeline_crosses_nodes else 'no':<6} {p.tokens_per_s:>10.0f} {p.mfu * 100:>5.1f}% "
             f"{p.bubble * 100:>6.1f}% {mem}"
         )
     return "\n".join(lines)
@@ -117,11 +157,13 @@ def plan_main(argv: list[str] | None = None) -> int:
     try:
         config = model_config(args.model)
         req = request_from_args(args)
-        plans = plan(config, req)
+        start = time.perf_counter()
+        found = search(config, req)
+        seconds = time.perf_counter() - start
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    fitting = [p for p in plans if p.fits]
+    fitting = found.fitting
     header = assumptions(req, args.gpu)
     if args.json:
         print(
@@ -133,24 +175,31 @@ def plan_main(argv: list[str] | None = None) -> int:
                     "seq": args.seq,
                     "global_batch": args.global_batch,
                     "assumptions": header,
-                    "considered": len(plans),
+                    "considered": found.considered,
+                    "dominated": found.dominated,
                     "fitting": len(fitting),
+                    "why": why(found, req),
+                    "seconds": round(seconds, 1),
                     "plans": [as_dict(p) for p in fitting[: args.top]],
                 }
             )
         )
         return 0 if fitting else 1
     if not fitting:
-        need = min((max(p.peak_memory_gb) for p in plans), default=None)
-        why = f"the smallest needs {need:.1f} GB per GPU" if need is not None else "no layout exists"
-        print(f"no layout fits in {req.memory_gb:g} GB per GPU ({len(plans)} considered; {why})", file=sys.stderr)
+        need = found.smallest_need_gb()
+        reason = f"the smallest needs {need:.1f} GB per GPU" if need is not None else "no layout exists"
+        print(
+            f"no layout fits in {req.memory_gb:g} GB per GPU ({found.considered} considered; {reason})", file=sys.stderr
+        )
         return 1
     print(
         f"{args.model}: {args.gpus} GPUs x {req.memory_gb:g} GB, seq {args.seq}, global batch {args.global_batch}: "
-        f"{len(fitting)} of {len(plans)} layouts fit"
+        f"{len(fitting)} of {found.considered} layouts fit ({found.dominated} not timed: a faster variant of "
+        f"theirs fits; {seconds:.1f} s)"
     )
     print("\n".join(f"  {line}" for line in header))
     print(table(fitting, args.top))
+    print(why(found, req))
     return 0
 
 
@@ -188,6 +237,7 @@ def resolve_auto(recipe, world_size: int | None):
         seq=recipe.data.seq_len,
         global_batch=recipe.train.global_batch,
         hardware=Hardware(peak_flops=peak),
+        zero=(0,),  # the runtime has no ZeRO-1 yet
     )
     try:
         plan = best(config.to_dict() if hasattr(config, "to_dict") else config, req)
