@@ -334,10 +334,11 @@ class PipelineModel:
         """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective."""
         return model_io.gather_hf_state_dict(self)
 
-    def export_hf(self, out_dir, tokenizer=None) -> None:
-        """Gather every rank's part into one HF model directory written by rank 0 (a collective); LoRA
-        adapters merged. With `tokenizer`, its special-token ids go into the config and it is saved too."""
-        model_io.export_hf(self, out_dir, tokenizer)
+    def export_hf(self, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        """One HF model directory (a collective): each pipeline rank of replica 0 writes its own tensors, the
+        vocabulary matrices gathered one at a time; LoRA adapters merged. `dtype`: the files' (None: the
+        parameters'). With `tokenizer`, its special-token ids go into the config and it is saved too."""
+        model_io.export_hf(self, out_dir, tokenizer, dtype)
 
     def export_adapter(self, out_dir, base_model_name_or_path: str | None = None, tokenizer=None) -> None:
         """Write a peft adapter folder on rank 0 (a collective); see `model_io.export_adapter`."""
