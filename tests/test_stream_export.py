@@ -87,8 +87,9 @@ def test_export_in_another_dtype(exported):
 
 
 def test_offline_export_of_rank_files_is_the_same_model(exported):
-    from vp_accelerate.models.stream_export import export_rank_files
     from transformers import AutoConfig
+
+    from vp_accelerate.models.stream_export import export_rank_files
 
     d, ckpts, per_rank = exported
     for i in range(len(CONFIGS)):
