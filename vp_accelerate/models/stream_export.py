@@ -196,15 +196,21 @@ def export_streaming(
 
 
 def _gather_rows(shard: torch.Tensor, vocab_size: int, dst: int, pp_rank: int, pp_size: int, group, dtype):
-    """The full matrix of equal row shards (cut to `vocab_size` rows) on pipeline rank `dst`, None elsewhere;
-    the shards are gathered straight into one preallocated matrix."""
+    """The full matrix of equal row shards (cut to `vocab_size` rows) on pipeline rank `dst`, None elsewhere.
+    Each shard is received straight into its rows of one preallocated matrix (point to point: gloo's gather
+    stages every input in a second buffer of the whole matrix)."""
     mine = shard.detach().to(device="cpu", dtype=dtype).contiguous()
     if pp_rank != dst:
-        dist.gather(mine, None, group=group, group_dst=dst)
+        dist.send(mine, group=group, group_dst=dst)
         return None
     rows = mine.shape[0]
     full = torch.empty((rows * pp_size, *mine.shape[1:]), dtype=dtype)
-    dist.gather(mine, [full[r * rows : (r + 1) * rows] for r in range(pp_size)], group=group, group_dst=dst)
+    for r in range(pp_size):
+        if r == pp_rank:
+            full[r * rows : (r + 1) * rows] = mine
+        else:
+            dist.recv(full[r * rows : (r + 1) * rows], group=group, group_src=r)
+    del mine
     return full[:vocab_size]
 
 
