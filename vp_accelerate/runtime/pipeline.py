@@ -2,7 +2,7 @@
 
     pipe = PipelineModel(config_or_checkpoint_dir, PipelineConfig(schedule="1f1b", method="vocab-2",
                                                                   microbatches=8))
-    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    opt = pipe.make_optimizer(lr=3e-4)           # AdamW; with dp_size > 1 its state sharded (zero: 1)
     res = pipe.train_step(input_ids, labels)     # forward + backward of every microbatch
     pipe.clip_grad_norm_(1.0); pipe.step(opt); pipe.zero_grad()
 
