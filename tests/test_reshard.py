@@ -87,13 +87,10 @@ def _global_state(pipe, opt):
 
 
 def _save(pipe, opt, path, step):
-    from vp_accelerate.runtime.zero import ZeroOptimizer
     from vp_accelerate.train.run import checkpoint as ckpt
-    from vp_accelerate.train.run.reshard import named_optimizer_state
+    from vp_accelerate.train.run.reshard import rank_checkpoint_state
 
-    optimizer_state = named_optimizer_state(opt, pipe.named_parameters())
-    if pipe.dp_rank > 0 and not isinstance(opt, ZeroOptimizer):
-        optimizer_state["state"] = {}
+    model_state, optimizer_state = rank_checkpoint_state(pipe, opt)  # as the trainer saves (run_state.save_run)
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank})
     meta = {"ranks": ranks, "vocab_size": VOCAB, "sharded_names": sorted(pipe.mods.sharded_names), "fingerprint": {}}
@@ -101,7 +98,7 @@ def _save(pipe, opt, path, step):
         path,
         step,
         rank=pipe.rank,
-        model_state=pipe.state_dict() if pipe.dp_rank == 0 else {},
+        model_state=model_state,
         optimizer_state=optimizer_state,
         trainer_state={"step": step},
         meta=meta,

@@ -68,7 +68,7 @@ def _run(ckpt, batches, config, zero, resume_at=None):
     losses, norms = [], []
     rows = batches[0][0].shape[0] // pipe.dp_size
     for step, (ids, labels) in enumerate(batches):
-        if step == resume_at:  # a fresh optimizer continues from the state_dict every replica saved
+        if step == resume_at:  # a fresh optimizer continues from the state_dict every replica saved (merged)
             merged = {}
             for pp_rank, part in _all_gather((pipe.pp_rank, opt.state_dict())):
                 if pp_rank != pipe.pp_rank:  # vocabulary shards of other pipeline ranks share the names
@@ -76,6 +76,13 @@ def _run(ckpt, batches, config, zero, resume_at=None):
                 merged.setdefault("param_groups", part["param_groups"])
                 merged.setdefault("state", {}).update(part["state"])
                 merged["format"] = part.get("format")
+            if method == "baseline":  # as a plain AdamW's state_dict (index-keyed: a checkpoint from before ZeRO)
+                order = [n for g in merged["param_groups"] for n in g["params"]]
+                groups, i = [], 0
+                for g in merged["param_groups"]:
+                    groups.append({**g, "params": list(range(i, i + len(g["params"])))})
+                    i += len(g["params"])
+                merged = {"param_groups": groups, "state": {order.index(n): v for n, v in merged["state"].items()}}
             opt = make()
             opt.load_state_dict(merged)
         sl = slice(pipe.dp_rank * rows, (pipe.dp_rank + 1) * rows)

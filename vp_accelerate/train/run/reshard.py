@@ -60,6 +60,16 @@ def named_optimizer_state(optimizer, named_parameters) -> dict:
     }
 
 
+def rank_checkpoint_state(pipe, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) this rank saves: the optimizer's keyed by name; data-parallel replicas
+    write no second copy of the weights, nor of an unsharded optimizer's state (replica 0's is theirs)."""
+    model_state = pipe.state_dict() if pipe.dp_rank == 0 else {}
+    optimizer_state = named_optimizer_state(optimizer, pipe.named_parameters())
+    if pipe.dp_rank > 0 and not isinstance(optimizer, ZeroOptimizer):
+        optimizer_state["state"] = {}
+    return model_state, optimizer_state
+
+
 def is_named(state: dict) -> bool:
     return state.get("format") in (BY_NAME, ZERO_FORMAT)
 
@@ -87,7 +97,6 @@ def load_named_optimizer_state(optimizer, named_parameters, state: dict, same_gr
         )
         return
     names = {p: n for n, p in named_parameters}
-    order = [names[p] for g in optimizer.param_groups for p in g["params"]]
     index = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
@@ -99,7 +108,6 @@ def load_named_optimizer_state(optimizer, named_parameters, state: dict, same_gr
     optimizer.load_state_dict(
         {"param_groups": plain, "state": {index[n]: s for n, s in state["state"].items() if n in index}}
     )
-    del order
 
 
 # ----------------------------------------------------------------------------------------- the saved pieces
@@ -172,7 +180,8 @@ def reshard_model(pipe, path: str, meta: dict) -> None:
     """This rank's weights from checkpoint `path` saved with any layout."""
     saved = SavedTensors(path, meta, "model")
     state = {}
-    for name, t in pipe.mods.state_dict().items():
+    own = dict(pipe.named_parameters())  # what a checkpoint holds (buffers come from the model's config)
+    for name, t in own.items():
         if not saved.has(name):
             raise ckpt.CheckpointError(f"checkpoint {path} holds no tensor {name}: it was saved for another model")
         if t.dim() == 0:
@@ -180,7 +189,6 @@ def reshard_model(pipe, path: str, meta: dict) -> None:
             continue
         start, valid = target_rows(pipe, name, t.shape)
         state[name] = saved.rows(name, start, tuple(t.shape), valid, t.dtype)
-    own = dict(pipe.mods.state_dict())
     for name, value in state.items():
         own[name].copy_(value.to(own[name].device))
 

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.runtime.groups import host_group
-from vp_accelerate.runtime.zero import ZeroOptimizer
 
 from ..recipe import recipe_to_dict
 from . import checkpoint as ckpt
@@ -19,7 +18,7 @@ from .reshard import (
     LAYOUT_KEYS,
     is_named,
     load_named_optimizer_state,
-    named_optimizer_state,
+    rank_checkpoint_state,
     reshard_model,
     reshard_optimizer_state,
 )
@@ -93,12 +92,8 @@ def save_run(run, step: int) -> None:
         pipe.hf_config.save_pretrained(out_dir)
         run.tokenizer.save_pretrained(out_dir)
 
-    # keyed by name, so that another layout can find each tensor (reshard.py); data-parallel replicas write
-    # no second copy of the weights, nor of an unsharded optimizer's state (replica 0's is theirs)
-    model_state = pipe.state_dict() if pipe.dp_rank == 0 else {}
-    optimizer_state = named_optimizer_state(run.optimizer, pipe.named_parameters())
-    if pipe.dp_rank > 0 and not isinstance(run.optimizer, ZeroOptimizer):
-        optimizer_state["state"] = {}
+    # keyed by name, so that another layout can find each tensor (reshard.py); written once per replica group
+    model_state, optimizer_state = rank_checkpoint_state(pipe, run.optimizer)
     check_weights_before_save(step, model_state, optimizer_state)
     trainer_state = {
         "scheduler": run.scheduler.state_dict(),
@@ -161,7 +156,9 @@ def resume_run(run, which: str = "latest") -> int:
         if not same_layout:  # this rank's RNG: the saved rank of its number, where there is one
             rng_rank = pipe.rank if pipe.rank < len(meta["ranks"]) else 0
             trainer_state["rng"] = ckpt.load_rank(path, rng_rank)[2]["rng"]
-    elif same_layout:  # saved before checkpoints were keyed by name: its own rank's files
+    elif all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS if k != "zero"):
+        # saved before checkpoints were keyed by name (and before ZeRO-1): its own rank's files, the whole
+        # optimizer state on every replica (a ZeroOptimizer keeps its own parameters' of it)
         model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
         ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
         pipe.load_state_dict(model_state)
