@@ -3,7 +3,8 @@ size, data-parallel size with ZeRO-1, schedule — with exactly the same global 
 element, vocabulary shards compared as rows of the full matrix), and training goes on as the saved layout's
 own uninterrupted run (float64, so the layouts' different summation orders stay far below the check).
 
-Cases: 1f1b -> vhalf on 2 ranks; pp 2 -> pp 4; pp 2 x dp 2 (ZeRO-1) -> pp 4."""
+Cases: 1f1b -> vhalf on 2 ranks; pp 2 -> pp 4; pp 2 x dp 2 (ZeRO-1) -> pp 4; pp 2 x dp 2 without ZeRO (the
+replicas save no second copy of weights or optimizer state) -> with ZeRO-1."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _batches(seed: int, n: int, rows: int = 8, seq: int = 8):
     return [(ids := torch.randint(0, VOCAB, (rows, seq), generator=g), ids.clone()) for _ in range(n)]
 
 
-def _pipe(ckpt, schedule, dp_size):
+def _pipe(ckpt, schedule, dp_size, zero=1):
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.train.recipe import OptimizerSection
     from vp_accelerate.train.run.optim import build_optimizer
@@ -116,9 +117,9 @@ def _resume(pipe, opt, path):
     load_named_optimizer_state(opt, pipe.named_parameters(), state, same_groups=False)
 
 
-def _saving_run(ckpt, batches, schedule, dp_size, path):
+def _saving_run(ckpt, batches, schedule, dp_size, path, zero=1):
     """The saved layout: BEFORE steps, a checkpoint, then AFTER more steps uninterrupted (the reference)."""
-    pipe, opt = _pipe(ckpt, schedule, dp_size)
+    pipe, opt = _pipe(ckpt, schedule, dp_size, zero)
     _train(pipe, opt, batches[:BEFORE])
     saved = _global_state(pipe, opt)
     step_dir = _save(pipe, opt, path, BEFORE)
@@ -145,10 +146,13 @@ def _two_ranks(ckpt, batches, out):
 
 def _four_ranks(ckpt, batches, out, pp2_dir):
     step_dir, saved, losses, after = _saving_run(ckpt, batches, "1f1b", 2, f"{out}/pp2dp2")
+    plain_dir, *plain = _saving_run(ckpt, batches, "1f1b", 2, f"{out}/pp2dp2_zero0", zero=0)
     return (
         (saved, losses, after),
         _resuming_run(ckpt, batches, "1f1b", 1, pp2_dir),
         _resuming_run(ckpt, batches, "1f1b", 1, step_dir),
+        plain,
+        _resuming_run(ckpt, batches, "1f1b", 2, plain_dir),  # zero 0 -> zero 1 on the same ranks
     )
 
 
@@ -176,11 +180,13 @@ def test_resharding_resumes(tmp_path):
     _same_state(to_vhalf[0], saved, ("1f1b -> vhalf", seed))
     _same_training(to_vhalf, (losses, after), ("1f1b -> vhalf", seed))
     four = spawn(_four_ranks, 4, ckpt, batches, str(tmp_path), step_dir, timeout_s=300)[0]
-    (saved4, losses4, after4), pp4_from_pp2, pp4_from_dp2 = four
+    (saved4, losses4, after4), pp4_from_pp2, pp4_from_dp2, (saved0, losses0, after0), zero1_from_zero0 = four
     _same_state(pp4_from_pp2[0], saved, ("pp2 -> pp4", seed))
     _same_training(pp4_from_pp2, (losses, after), ("pp2 -> pp4", seed))
     _same_state(pp4_from_dp2[0], saved4, ("pp2 x dp2 -> pp4", seed))
     _same_training(pp4_from_dp2, (losses4, after4), ("pp2 x dp2 -> pp4", seed))
+    _same_state(zero1_from_zero0[0], saved0, ("zero 0 -> zero 1", seed))  # replica 1 wrote no second copy
+    _same_training(zero1_from_zero0, (losses0, after0), ("zero 0 -> zero 1", seed))
 
 
 def test_an_index_keyed_checkpoint_is_refused_with_the_conversion(tmp_path):
