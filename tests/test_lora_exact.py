@@ -84,9 +84,7 @@ def _train_on_ranks(ckpt: str, batches, configs, out_dir: str):
             seed=SEED,
             adapter=adapter,
         )
-        opt = build_optimizer(
-            pipe.named_parameters(), OptimizerSection(lr=LR, eps=1e-6, weight_decay=0.0, betas=[0.9, 0.999])
-        )
+        opt = build_optimizer(pipe, OptimizerSection(lr=LR, eps=1e-6, weight_decay=0.0, betas=[0.9, 0.999]))
         losses = []
         for ids, labels in batches:
             losses.append(pipe.train_step(ids, labels).loss)

@@ -179,6 +179,33 @@ def test_resume_equals_uninterrupted(setup, full_run):
     assert resumed_eval[STEPS] == full_eval[STEPS]
 
 
+def test_resume_into_another_schedule_and_data_parallel_size(setup, full_run):
+    """The step-3 checkpoint of the 1f1b run resumes into vhalf on 2 ranks and into pp 2 x dp 2 (ZeRO-1) on 4:
+    the same step, LR, data position and counters, and the losses of the uninterrupted run up to the layouts'
+    float32 summation order (the weights and moments load exactly: tests/test_reshard.py)."""
+    run_dir, _ = full_run
+    d, recipe = setup
+    full, _ = metrics(run_dir / "metrics.jsonl")
+    for name, nprocs, extra in (("to_vhalf", 2, ["pipeline.schedule=vhalf"]), ("to_dp2", 4, ["pipeline.dp_size=2"])):
+        sets = [x for e in [*extra, "logging.wandb_mode=disabled", "checkpoint.export_hf=false"] for x in ("--set", e)]
+        args = [
+            recipe,
+            "--set",
+            f"logging.output_dir={d / name}",
+            "--resume",
+            str(run_dir / "checkpoints" / "step_00000003"),
+        ]
+        out = train_ranks(args + sets, d, run_env(d / "ds_cache"), nprocs=nprocs)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+        resumed, _ = metrics(d / name / "metrics.jsonl")
+        assert sorted(resumed) == [4, 5, 6], name
+        for step in (4, 5, 6):
+            assert resumed[step]["train/loss"] == pytest.approx(full[step]["train/loss"], rel=1e-4), (name, step)
+            assert resumed[step]["train/lr"] == full[step]["train/lr"], (name, step)
+            for key in ("train/tokens", "train/epoch"):
+                assert resumed[step][key] == full[step][key], (name, step, key)
+
+
 def test_checkpoint_records_the_layout(full_run):
     from vp_accelerate.train.run import checkpoint as ckpt
 

@@ -193,8 +193,9 @@ def build_rank(
     local HF checkpoint directory (safetensors) or a `CheckpointSource`. placement: "baseline" or "vocab". partition: a
     `vocab.VocabPartition(vocab_size, layout.num_ranks)`; required for "vocab". vocab_size: resize
     the vocabulary first (new rows = mean of old rows). attn_implementation: "eager" / "sdpa" / ...
-    (default: the source model's, else transformers' default). Everything is built on CPU in
-    `dtype`, then moved to `device`.
+    (default: the source model's, else transformers' default). Each decoder layer and vocabulary matrix
+    is filled on CPU in `dtype` (read or initialised, cast once) and moved to `device` at once, so the
+    host holds one of them at a time.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
@@ -228,15 +229,17 @@ def build_rank(
     else:
         row_map, means = RowMap.identity(V, source_vocab), None
 
-    chunks = {c: _build_chunk(parts, layout, c, src, model, seed, dtype) for c in layout.chunks_of(rank)}
+    chunks = {c: _build_chunk(parts, layout, c, src, model, seed, dtype, device) for c in layout.chunks_of(rank)}
 
+    # each piece goes to `device` as soon as it is filled, so the host holds one layer or one vocabulary
+    # matrix at a time, not the rank's whole share before one final move
     def rows(which: str, start: int, end: int) -> torch.Tensor:
-        return vocab_rows(parts, which, start, end, row_map, src, model, seed, dtype, means)
+        return vocab_rows(parts, which, start, end, row_map, src, model, seed, dtype, means).to(device)
 
     def bias(start: int, end: int) -> nn.Parameter | None:
         if not parts.head_bias:
             return None
-        return _new_param(bias_rows(parts, start, end, row_map, src, model, seed, dtype))
+        return _new_param(bias_rows(parts, start, end, row_map, src, model, seed, dtype).to(device))
 
     kw = dict(
         rank=rank,
@@ -278,6 +281,7 @@ def _build_chunk(
     model: nn.Module,
     seed: int,
     dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> StageChunk:
     start, end = layout.chunk_layers[c]
     names = parts.names
@@ -286,7 +290,7 @@ def _build_chunk(
     for i in range(start, end):
         layer = parts.layers[i]
         prefix = f"{names.layers}.{i}"
-        layers.append(_materialize(layer, lambda k, p=prefix: f"{p}.{k}", src, model, seed, prefix, dtype))
+        layers.append(_materialize(layer, lambda k, p=prefix: f"{p}.{k}", src, model, seed, prefix, dtype).to(device))
     norm = pos = None
     if last:
         norm = _materialize(parts.norm, lambda k: f"{names.norm}.{k}", src, model, seed, names.norm, dtype)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vp_accelerate.models import export_hf as write_hf_model
 from vp_accelerate.models import gather_state_dict
 from vp_accelerate.models.export import save_hf
 from vp_accelerate.models.lora import is_lora_name, merge_lora, save_adapter
+from vp_accelerate.models.stream_export import export_streaming
 
 
 def rank_state_dict(pipe) -> dict[str, torch.Tensor]:
@@ -46,27 +46,32 @@ def gather_hf_state_dict(pipe) -> dict[str, torch.Tensor] | None:
     return gather_state_dict(pipe.mods, group=pipe.groups.pp_host_group, dst=0)  # host copies over gloo
 
 
-def export_hf(pipe, out_dir, tokenizer=None) -> None:
-    """Gather every rank's part into one HF model directory written by rank 0 (a collective). LoRA
-    adapters are merged into the weights (see `export_adapter` for a peft adapter folder)."""
+def export_hf(pipe, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+    """Write one HF model directory (a collective). Without an adapter it streams: each pipeline rank of
+    replica 0 writes its own tensors to its shard file and the vocabulary matrices are gathered one at a
+    time (`models/stream_export.py`), in `dtype` (None: the parameters'). LoRA adapters are merged into the
+    weights on pipeline rank 0 after a gather (see `export_adapter` for a peft adapter folder)."""
     g = pipe.groups
     if not pipe.adapter.enabled:
-        write_hf_model(
+        export_streaming(
             pipe.mods,
-            pipe.layout,
-            pipe.partition,
             pipe.hf_config,
             out_dir,
-            tokenizer=tokenizer,
             group=g.pp_host_group,
-            ranks=g.pp_ranks,
+            pp_rank=g.pp_rank,
+            pp_size=g.pp_size,
             write=g.dp_rank == 0,
+            dtype=dtype,
+            tokenizer=tokenizer,
         )
         return
     sd = gather_hf_state_dict(pipe)
     transposed = _all_lora_transposed(pipe)
     if sd is not None and g.dp_rank == 0:
-        save_hf(merge_lora(sd, pipe.adapter.scaling, transposed), pipe.mods.config, out_dir, tokenizer=tokenizer)
+        merged = merge_lora(sd, pipe.adapter.scaling, transposed)
+        if dtype is not None:
+            merged = {n: t.to(dtype) if t.is_floating_point() else t for n, t in merged.items()}
+        save_hf(merged, pipe.mods.config, out_dir, tokenizer=tokenizer)
 
 
 def _all_lora_transposed(pipe) -> list[str]:

@@ -2,7 +2,7 @@
 
     pipe = PipelineModel(config_or_checkpoint_dir, PipelineConfig(schedule="1f1b", method="vocab-2",
                                                                   microbatches=8))
-    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    opt = pipe.make_optimizer(lr=3e-4)           # AdamW; with dp_size > 1 its state sharded (zero: 1)
     res = pipe.train_step(input_ids, labels)     # forward + backward of every microbatch
     pipe.clip_grad_norm_(1.0); pipe.step(opt); pipe.zero_grad()
 
@@ -37,6 +37,7 @@ from vp_accelerate.runtime.groups import build_groups, warm_up
 from vp_accelerate.runtime.microbatches import make_microbatches
 from vp_accelerate.runtime.rank_parts import build_rank_parts
 from vp_accelerate.runtime.step_run import bubble_rate, finish_loss, make_executor, nonfinite_microbatches, run_schedule
+from vp_accelerate.runtime.zero import ZeroOptimizer
 from vp_accelerate.schedule.ir import COMPUTE_OPS
 from vp_accelerate.vocab import comm
 
@@ -349,14 +350,39 @@ class PipelineModel:
         """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective."""
         return model_io.gather_hf_state_dict(self)
 
-    def export_hf(self, out_dir, tokenizer=None) -> None:
-        """Gather every rank's part into one HF model directory written by rank 0 (a collective); LoRA
-        adapters merged. With `tokenizer`, its special-token ids go into the config and it is saved too."""
-        model_io.export_hf(self, out_dir, tokenizer)
+    def export_hf(self, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        """One HF model directory (a collective): each pipeline rank of replica 0 writes its own tensors, the
+        vocabulary matrices gathered one at a time; LoRA adapters merged. `dtype`: the files' (None: the
+        parameters'). With `tokenizer`, its special-token ids go into the config and it is saved too."""
+        model_io.export_hf(self, out_dir, tokenizer, dtype)
 
     def export_adapter(self, out_dir, base_model_name_or_path: str | None = None, tokenizer=None) -> None:
         """Write a peft adapter folder on rank 0 (a collective); see `model_io.export_adapter`."""
         model_io.export_adapter(self, out_dir, base_model_name_or_path, tokenizer)
+
+    @property
+    def zero_sharded(self) -> bool:
+        """True when `make_optimizer` shards the optimizer state over data parallelism (`zero: 1`, dp > 1)."""
+        return self.cfg.zero == 1 and self.dp_size > 1
+
+    def make_optimizer(self, param_groups=None, optimizer_class=torch.optim.AdamW, **defaults):
+        """`optimizer_class(param_groups, **defaults)` over this rank's trainable parameters (default: one
+        group of them), or with `zero: 1` and dp_size > 1 the same optimizer with its state sharded over the
+        data-parallel replicas (runtime/zero.py; its state_dict is keyed by parameter name)."""
+        if param_groups is None:
+            param_groups = [{"params": self.trainable_parameters()}]
+        if not self.zero_sharded:
+            return optimizer_class(param_groups, **defaults)
+        g = self.groups
+        return ZeroOptimizer(
+            param_groups,
+            optimizer_class,
+            g.dp_group,
+            g.dp_rank,
+            [d * g.pp_size + g.pp_rank for d in range(g.dp_size)],  # groups.py's rank layout
+            {p: n for n, p in self.named_parameters()},
+            **defaults,
+        )
 
     def trainable_parameters(self):
         """The parameters that train (all of them without an adapter; LoRA's, plus the vocabulary if asked)."""

@@ -203,13 +203,27 @@ def export_main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a LoRA run: write its peft adapter folder instead of the merged model",
     )
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="the weights' dtype in the export (default: the dtype they were trained in)",
+    )
     args = ap.parse_args(argv)
     # imported once the arguments parsed: they load torch and transformers, which `export --help` does without
+    import torch
+
     from ..run.checkpoint import CheckpointError
     from ..run.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.max_shard_size, adapter_only=args.adapter_only)
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            args.max_shard_size,
+            adapter_only=args.adapter_only,
+            dtype=getattr(torch, args.dtype) if args.dtype else None,
+        )
     except CheckpointError as e:
         print(f"export error: {e}", file=sys.stderr)
         return 2

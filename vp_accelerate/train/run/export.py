@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from vp_accelerate.models.export import assemble_state_dict, save_hf
 from vp_accelerate.models.generation import generation_eos
 from vp_accelerate.models.lora import merge_lora, save_adapter
+from vp_accelerate.models.stream_export import export_rank_files
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 
 from ..recipe.presets import PRESETS
@@ -46,22 +47,37 @@ def _adapter_of(recipe: dict):
     return adapter if adapter.enabled else None
 
 
-def checkpoint_state(path: str):
-    """(full HF state dict, config, tokenizer, meta) of checkpoint `path` (a step dir or a checkpoint root)."""
-    path = ckpt.resolve(path)
-    meta = ckpt.read_meta(path)
+def replica0_files(path: str, meta: dict) -> list[tuple[str, frozenset[str]]]:
+    """(model.safetensors of each rank of data-parallel replica 0, in pipeline order; names it holds as a copy
+    another rank counts) of checkpoint `path`."""
     replica0 = sorted((r for r in meta["ranks"] if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
     if not replica0:
         raise ckpt.CheckpointError(f"{path}: meta.json lists no ranks of data-parallel replica 0")
-    shards = []
-    for r in replica0:
-        sd = load_file(os.path.join(path, ckpt.rank_dir_name(r["rank"]), "model.safetensors"))
-        shards.append({k: v for k, v in sd.items() if k not in set(r.get("duplicates", ()))})
-    state = assemble_state_dict(shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())))
+    return [
+        (os.path.join(path, ckpt.rank_dir_name(r["rank"]), "model.safetensors"), frozenset(r.get("duplicates", ())))
+        for r in replica0
+    ]
+
+
+def checkpoint_model_files(path: str):
+    """(config, tokenizer, meta) of checkpoint `path` (a step dir)."""
+    meta = ckpt.read_meta(path)
     model_dir = os.path.join(path, "model")
     trust = bool(((meta.get("recipe") or {}).get("model") or {}).get("trust_remote_code", False))
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
+    return config, tokenizer, meta
+
+
+def checkpoint_state(path: str):
+    """(full HF state dict, config, tokenizer, meta) of checkpoint `path` (a step dir or a checkpoint root),
+    the whole model in memory: for LoRA merges (a full model export streams: `export_checkpoint`)."""
+    path = ckpt.resolve(path)
+    config, tokenizer, meta = checkpoint_model_files(path)
+    shards = []
+    for file, skip in replica0_files(path, meta):
+        shards.append({k: v for k, v in load_file(file).items() if k not in skip})
+    state = assemble_state_dict(shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())))
     return state, config, tokenizer, meta
 
 
@@ -138,11 +154,33 @@ def export_checkpoint(
     max_shard_size: str = "5GB",
     adapter_only: bool = False,
     adapter_dir: str | None = None,
+    dtype=None,
 ) -> str | None:
     """Write the HF model dir for checkpoint `path` (a step dir, or a checkpoint root with `latest`) to
     `out_dir`, and a LoRA run's adapter folder to `adapter_dir`; `adapter_only`: the adapter folder alone, in
-    `out_dir`."""
+    `out_dir`. `dtype` (a torch dtype): the weights' (None: as trained). A full model (no LoRA) is streamed one
+    rank file and one tensor at a time, one output file per pipeline rank (`max_shard_size` does not apply)."""
+    if (
+        adapter_only is False
+        and adapter_dir is None
+        and _adapter_of(ckpt.read_meta(ckpt.resolve(path)).get("recipe")) is None
+    ):
+        # a full model: streamed, one rank file and one tensor at a time (models/stream_export.py)
+        step_dir = ckpt.resolve(path)
+        config, tokenizer, meta = checkpoint_model_files(step_dir)
+        export_rank_files(
+            replica0_files(step_dir, meta),
+            meta["vocab_size"],
+            meta.get("sharded_names", ()),
+            config,
+            out_dir,
+            dtype=dtype,
+            tokenizer=tokenizer,
+        )
+        return out_dir
     state, config, tokenizer, meta = checkpoint_state(path)
+    if dtype is not None:
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
     if adapter_only:
         out_dir, adapter_dir = None, out_dir
     try:
@@ -179,6 +217,8 @@ def export_final(run) -> str | None:
     if c.dir:
         if pipe.rank == 0:  # the final checkpoint is the best one with checkpoint.keep_best
             export_checkpoint(final_checkpoint(run), out, adapter_dir=adapter_dir)
+    elif adapter is None:  # a collective: each pipeline rank of replica 0 writes its own part
+        pipe.export_hf(out, run.tokenizer)
     else:
         state = pipe.gather_hf_state_dict()  # collectives: every rank takes part
         transposed = sorted({n for names in gather(list(getattr(pipe, "lora_transposed", []))) for n in names})

@@ -5,13 +5,18 @@ from __future__ import annotations
 import torch
 
 
-def build_optimizer(named_parameters, opt_cfg) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (dim >= 2) only; norms and biases are not decayed."""
+def build_optimizer(pipe, opt_cfg) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices (dim >= 2) only; norms and biases are not decayed. Its state is
+    sharded over the data-parallel replicas with `pipeline.zero: 1` (`PipelineModel.make_optimizer`)."""
     decay, no_decay = [], []
-    for _, p in named_parameters:
+    for _, p in pipe.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps
+    return pipe.make_optimizer(
+        [g for g in groups if g["params"]],
+        torch.optim.AdamW,
+        lr=opt_cfg.lr,
+        betas=tuple(opt_cfg.betas),
+        eps=opt_cfg.eps,
     )

@@ -6,14 +6,22 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from vp_accelerate.runtime.groups import host_group
 
 from ..recipe import recipe_to_dict
 from . import checkpoint as ckpt
 from .nonfinite import check_weights_before_save
+from .reshard import (
+    LAYOUT_KEYS,
+    is_named,
+    load_named_optimizer_state,
+    rank_checkpoint_state,
+    reshard_model,
+    reshard_optimizer_state,
+)
 from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")
@@ -35,6 +43,7 @@ def fingerprint(recipe, pipe, layout) -> dict:
         "chunks_per_rank": p.chunks_per_rank,
         "pad_multiple": p.pad_multiple,
         "layout": layout.placement(),
+        "zero": bool(getattr(pipe, "zero_sharded", False)),  # where the optimizer state lies (a layout key)
         "precision": recipe.pipeline.mixed_precision,  # the resolved one (setup's recipe): no, bf16, fp16, pure-bf16
         "global_batch": recipe.train.global_batch,
         "seq_len": recipe.data.seq_len,
@@ -50,6 +59,12 @@ def as_saved(saved: dict, current: dict, layout) -> dict:
     if isinstance(old, list) and old and all(isinstance(x, str) for x in old):
         return {**current, "layout": [r.text(params=False) for r in layout.ranks]}
     return current
+
+
+def must_match(fingerprint: dict) -> dict:
+    """The keys a resume must keep (model, precision, batch, sequence length, data order, adapter); the
+    layout keys (`reshard.LAYOUT_KEYS`) may change, and the checkpoint is resharded."""
+    return {k: v for k, v in fingerprint.items() if k not in LAYOUT_KEYS}
 
 
 def save_run(run, step: int) -> None:
@@ -77,7 +92,8 @@ def save_run(run, step: int) -> None:
         pipe.hf_config.save_pretrained(out_dir)
         run.tokenizer.save_pretrained(out_dir)
 
-    model_state, optimizer_state = pipe.state_dict(), run.optimizer.state_dict()
+    # keyed by name, so that another layout can find each tensor (reshard.py); written once per replica group
+    model_state, optimizer_state = rank_checkpoint_state(pipe, run.optimizer)
     check_weights_before_save(step, model_state, optimizer_state)
     trainer_state = {
         "scheduler": run.scheduler.state_dict(),
@@ -127,12 +143,39 @@ def resume_run(run, which: str = "latest") -> int:
             f"ranks found different latest checkpoints in {cdir} (steps {steps}); is another "
             f"run still writing there? Stop it and resume again"
         )
-    ckpt.check_fingerprint(meta["fingerprint"], as_saved(meta["fingerprint"], run.fingerprint, run.layout), path)
-    model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
-    ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
-    pipe.load_state_dict(model_state)
-    run.optimizer.load_state_dict(optimizer_state)
+    saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
+    current = as_saved(saved, run.fingerprint, run.layout)
+    ckpt.check_fingerprint(must_match(saved), must_match(current), path)
+    same_layout = all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS)
+    if named_checkpoint(path):  # any layout: each tensor from the saved ranks' overlapping rows
+        reshard_model(pipe, path, meta)
+        load_named_optimizer_state(
+            run.optimizer, pipe.named_parameters(), reshard_optimizer_state(pipe, path, meta), same_groups=False
+        )
+        trainer_state = ckpt.load_rank(path, pipe.rank if same_layout else 0)[2]
+        if not same_layout:  # this rank's RNG: the saved rank of its number, where there is one
+            rng_rank = pipe.rank if pipe.rank < len(meta["ranks"]) else 0
+            trainer_state["rng"] = ckpt.load_rank(path, rng_rank)[2]["rng"]
+    elif all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS if k != "zero"):
+        # saved before checkpoints were keyed by name (and before ZeRO-1): its own rank's files, the whole
+        # optimizer state on every replica (a ZeroOptimizer keeps its own parameters' of it)
+        model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
+        ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
+        pipe.load_state_dict(model_state)
+        run.optimizer.load_state_dict(optimizer_state)
+    else:
+        diffs = ", ".join(k for k in LAYOUT_KEYS if saved.get(k) != current.get(k))
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} was saved before checkpoints could reshard, and this run changes {diffs}. "
+            f"Convert it once: resume it with the layout it was saved with (its meta.json recipe's pipeline "
+            f"section) and --stop-at {int(meta['step']) + 1}; the checkpoint that saves resumes into any layout"
+        )
     run.scheduler.load_state_dict(trainer_state["scheduler"])
+    groups = len(run.optimizer.param_groups)
+    for key in ("base_lrs", "_last_lr"):  # another layout may have another number of groups (all share the LR)
+        values = getattr(run.scheduler, key, None)
+        if isinstance(values, list) and values and len(values) != groups:
+            setattr(run.scheduler, key, [values[0]] * groups)
     pipe.load_precision_state_dict(trainer_state.get("precision", {}))  # the fp16 loss scale
     run.train_it.load_state_dict(trainer_state["data"])
     ckpt.set_rng_state(trainer_state["rng"])
@@ -144,18 +187,9 @@ def resume_run(run, which: str = "latest") -> int:
     return int(meta["step"])
 
 
-#: fingerprint keys that must match for weights-only initialisation (data order, batch, seed may differ)
-_WEIGHT_KEYS = (
-    "model",
-    "world_size",
-    "dp_size",
-    "schedule",
-    "method",
-    "chunks_per_rank",
-    "pad_multiple",
-    "layout",
-    "adapter",
-)
+#: fingerprint keys that must match for weights-only initialisation (layout, data order, batch, seed may differ:
+#: the weights are read by global name and row range, reshard.py)
+_WEIGHT_KEYS = ("model", "adapter")
 
 
 def init_weights_from(run, source: str) -> None:
@@ -164,7 +198,7 @@ def init_weights_from(run, source: str) -> None:
     pipe = run.pipe
     path = ckpt.resolve(os.path.expanduser(source))
     meta = ckpt.read_meta(path)
-    saved = meta["fingerprint"]
+    saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
     current = as_saved(saved, run.fingerprint, run.layout)
     try:
         ckpt.check_fingerprint({k: saved.get(k) for k in _WEIGHT_KEYS}, {k: current.get(k) for k in _WEIGHT_KEYS}, path)
@@ -173,16 +207,19 @@ def init_weights_from(run, source: str) -> None:
             f"model.init_from: {e}\nFor a checkpoint of another model or layout, export it "
             f"(vp-accelerate export {source} DIR) and set model.source: DIR"
         ) from None
-    rdir = os.path.join(path, ckpt.rank_dir_name(pipe.rank))
-    if not os.path.isdir(rdir):
-        raise ckpt.CheckpointError(f"model.init_from: checkpoint {path} has no shards for rank {pipe.rank}")
-    state = load_file(os.path.join(rdir, "model.safetensors"))
-    ckpt.check_shapes(state, pipe.state_dict(), path, pipe.rank)
-    pipe.load_state_dict(state)
+    reshard_model(pipe, path, meta)
     if pipe.rank == 0:
         log.info(
             "initialised the weights from %s (step %d); optimizer, schedule and data start afresh", path, meta["step"]
         )
+
+
+def named_checkpoint(path: str) -> bool:
+    """True when checkpoint `path` keeps its optimizer state by parameter name (it can reshard)."""
+    state = torch.load(
+        os.path.join(path, ckpt.rank_dir_name(0), "optimizer.pt"), weights_only=True, mmap=True, map_location="cpu"
+    )
+    return is_named(state)
 
 
 def final_checkpoint(run) -> str | None:

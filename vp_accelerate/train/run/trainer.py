@@ -219,7 +219,7 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         for rank in layout.ranks:
             log.info("%s", rank)
     train_it, eval_batches = data.iterators(t.seed, t.global_batch, pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
-    optimizer = build_optimizer(pipe.named_parameters(), recipe.optimizer)
+    optimizer = build_optimizer(pipe, recipe.optimizer)
     run = Run(
         recipe=recipe,
         accelerator=accelerator,

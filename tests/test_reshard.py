@@ -1,0 +1,214 @@
+"""Checkpoints reshard (train/run/reshard.py): a checkpoint saved by one layout loads into another — pipeline
+size, data-parallel size with ZeRO-1, schedule — with exactly the same global weights and AdamW moments (every
+element, vocabulary shards compared as rows of the full matrix), and training goes on as the saved layout's
+own uninterrupted run (float64, so the layouts' different summation orders stay far below the check).
+
+Cases: 1f1b -> vhalf on 2 ranks; pp 2 -> pp 4; pp 2 x dp 2 (ZeRO-1) -> pp 4; pp 2 x dp 2 without ZeRO (the
+replicas save no second copy of weights or optimizer state) -> with ZeRO-1."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from helpers.tiny import tiny_llama
+from vp_accelerate.distributed import spawn
+
+VOCAB = 101
+BEFORE, AFTER = 2, 2  # steps saved, then steps after the resume
+
+
+def _batches(seed: int, n: int, rows: int = 8, seq: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return [(ids := torch.randint(0, VOCAB, (rows, seq), generator=g), ids.clone()) for _ in range(n)]
+
+
+def _pipe(ckpt, schedule, dp_size, zero=1):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.train.recipe import OptimizerSection
+    from vp_accelerate.train.run.optim import build_optimizer
+
+    pipe = PipelineModel(
+        ckpt,
+        PipelineConfig(
+            schedule=schedule, method="vocab-2", microbatches=4, dp_size=dp_size, attn_implementation="eager"
+        ),
+        dtype=torch.float64,
+    )
+    opt = build_optimizer(pipe, OptimizerSection(lr=1e-2, eps=1e-4, weight_decay=0.1, betas=[0.9, 0.99]))
+    return pipe, opt
+
+
+def _train(pipe, opt, batches):
+    losses = []
+    for ids, labels in batches:
+        rows = ids.shape[0] // pipe.dp_size
+        sl = slice(pipe.dp_rank * rows, (pipe.dp_rank + 1) * rows)
+        losses.append(pipe.train_step(ids[sl], labels[sl]).loss)
+        pipe.clip_grad_norm_(1.0)
+        pipe.step(opt)
+        pipe.zero_grad()
+    return losses
+
+
+def _global_state(pipe, opt):
+    """Every weight and moment by global name, vocabulary shards joined and cut to the vocabulary (replica 0's
+    pipeline ranks; ZeRO's moments from the replica that owns them)."""
+    from vp_accelerate.train.run.reshard import named_optimizer_state
+
+    mine = {n: t.detach().clone() for n, t in pipe.mods.state_dict().items()}
+    moments = {
+        f"{n}/{k}": v
+        for n, s in named_optimizer_state(opt, pipe.named_parameters())["state"].items()
+        for k, v in s.items()
+    }
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (pipe.pp_rank, pipe.dp_rank, mine, moments, sorted(pipe.mods.sharded_names)))
+    full = {}
+    for pp, dp, weights, moms, _ in sorted(parts, key=lambda x: (x[0], x[1])):
+        sharded = set(parts[0][4])
+        for kind, tensors in (("w", weights), ("m", moms)):
+            if kind == "w" and dp > 0:
+                continue
+            for name, t in tensors.items():
+                key = (kind, name)
+                if name.split("/")[0] in sharded and t.dim() > 0:
+                    if dp == 0 or kind == "m":
+                        full.setdefault(key, {})[pp] = t
+                else:
+                    full.setdefault(key, t)
+    out = {}
+    for key, value in full.items():
+        out[key] = torch.cat([value[pp] for pp in sorted(value)])[:VOCAB] if isinstance(value, dict) else value
+    return out
+
+
+def _save(pipe, opt, path, step):
+    from vp_accelerate.train.run import checkpoint as ckpt
+    from vp_accelerate.train.run.reshard import rank_checkpoint_state
+
+    model_state, optimizer_state = rank_checkpoint_state(pipe, opt)  # as the trainer saves (run_state.save_run)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank})
+    meta = {"ranks": ranks, "vocab_size": VOCAB, "sharded_names": sorted(pipe.mods.sharded_names), "fingerprint": {}}
+    return ckpt.save_checkpoint(
+        path,
+        step,
+        rank=pipe.rank,
+        model_state=model_state,
+        optimizer_state=optimizer_state,
+        trainer_state={"step": step},
+        meta=meta,
+        barrier=dist.barrier,
+    )
+
+
+def _resume(pipe, opt, path):
+    from vp_accelerate.train.run import checkpoint as ckpt
+    from vp_accelerate.train.run.reshard import load_named_optimizer_state, reshard_model, reshard_optimizer_state
+
+    meta = ckpt.read_meta(path)
+    reshard_model(pipe, path, meta)
+    state = reshard_optimizer_state(pipe, path, meta)
+    load_named_optimizer_state(opt, pipe.named_parameters(), state, same_groups=False)
+
+
+def _saving_run(ckpt, batches, schedule, dp_size, path, zero=1):
+    """The saved layout: BEFORE steps, a checkpoint, then AFTER more steps uninterrupted (the reference)."""
+    pipe, opt = _pipe(ckpt, schedule, dp_size, zero)
+    _train(pipe, opt, batches[:BEFORE])
+    saved = _global_state(pipe, opt)
+    step_dir = _save(pipe, opt, path, BEFORE)
+    losses = _train(pipe, opt, batches[BEFORE:])
+    after = _global_state(pipe, opt)
+    pipe.close()
+    return step_dir, saved, losses, after
+
+
+def _resuming_run(ckpt, batches, schedule, dp_size, step_dir):
+    pipe, opt = _pipe(ckpt, schedule, dp_size)
+    _resume(pipe, opt, step_dir)
+    loaded = _global_state(pipe, opt)
+    losses = _train(pipe, opt, batches[BEFORE:])
+    after = _global_state(pipe, opt)
+    pipe.close()
+    return loaded, losses, after
+
+
+def _two_ranks(ckpt, batches, out):
+    step_dir, saved, losses, after = _saving_run(ckpt, batches, "1f1b", 1, f"{out}/pp2")
+    return step_dir, saved, losses, after, _resuming_run(ckpt, batches, "vhalf", 1, step_dir)
+
+
+def _four_ranks(ckpt, batches, out, pp2_dir):
+    step_dir, saved, losses, after = _saving_run(ckpt, batches, "1f1b", 2, f"{out}/pp2dp2")
+    plain_dir, *plain = _saving_run(ckpt, batches, "1f1b", 2, f"{out}/pp2dp2_zero0", zero=0)
+    return (
+        (saved, losses, after),
+        _resuming_run(ckpt, batches, "1f1b", 1, pp2_dir),
+        _resuming_run(ckpt, batches, "1f1b", 1, step_dir),
+        plain,
+        _resuming_run(ckpt, batches, "1f1b", 2, plain_dir),  # zero 0 -> zero 1 on the same ranks
+    )
+
+
+def _same_state(loaded, saved, case):
+    assert set(loaded) == set(saved), (case, set(loaded) ^ set(saved))
+    for key, t in saved.items():
+        assert torch.equal(loaded[key], t), (case, key)
+
+
+def _same_training(resumed, reference, case):
+    (_, losses, after), (ref_losses, ref_after) = resumed, reference
+    assert losses == pytest.approx(ref_losses, rel=1e-10), case
+    for key, t in ref_after.items():
+        torch.testing.assert_close(after[key], t, rtol=1e-9, atol=1e-12, msg=lambda m: f"{case} {key}: {m}")
+
+
+def test_resharding_resumes(tmp_path):
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    ckpt = str(tmp_path / "hf")
+    AutoModelForCausalLM.from_config(tiny_llama(VOCAB, tied=False, num_layers=4)).save_pretrained(ckpt)
+    batches = _batches(seed, BEFORE + AFTER)
+    two = spawn(_two_ranks, 2, ckpt, batches, str(tmp_path), timeout_s=300)[0]
+    step_dir, saved, losses, after, to_vhalf = two
+    _same_state(to_vhalf[0], saved, ("1f1b -> vhalf", seed))
+    _same_training(to_vhalf, (losses, after), ("1f1b -> vhalf", seed))
+    four = spawn(_four_ranks, 4, ckpt, batches, str(tmp_path), step_dir, timeout_s=300)[0]
+    (saved4, losses4, after4), pp4_from_pp2, pp4_from_dp2, (saved0, losses0, after0), zero1_from_zero0 = four
+    _same_state(pp4_from_pp2[0], saved, ("pp2 -> pp4", seed))
+    _same_training(pp4_from_pp2, (losses, after), ("pp2 -> pp4", seed))
+    _same_state(pp4_from_dp2[0], saved4, ("pp2 x dp2 -> pp4", seed))
+    _same_training(pp4_from_dp2, (losses4, after4), ("pp2 x dp2 -> pp4", seed))
+    _same_state(zero1_from_zero0[0], saved0, ("zero 0 -> zero 1", seed))  # replica 1 wrote no second copy
+    _same_training(zero1_from_zero0, (losses0, after0), ("zero 0 -> zero 1", seed))
+
+
+def test_an_index_keyed_checkpoint_is_refused_with_the_conversion(tmp_path):
+    """A checkpoint from before the optimizer state was keyed by name cannot reshard: the error says how to
+    convert it (resume once on its own layout)."""
+    from vp_accelerate.train.run import checkpoint as ckpt
+    from vp_accelerate.train.run.reshard import SavedTensors
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w])
+    w.grad = torch.ones(3)
+    opt.step()
+    path = ckpt.save_checkpoint(
+        str(tmp_path),
+        1,
+        rank=0,
+        model_state={"w": w.detach()},
+        optimizer_state=opt.state_dict(),
+        trainer_state={"step": 1},
+        meta={"fingerprint": {}},
+        barrier=lambda: None,
+    )
+    meta = {"ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}]}
+    with pytest.raises(ckpt.CheckpointError, match="resumes only into the layout it was saved with. Convert it"):
+        SavedTensors(path, meta, "optimizer")

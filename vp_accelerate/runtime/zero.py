@@ -1,0 +1,186 @@
+"""ZeRO-1 over data parallelism: each replica keeps the optimizer state of only its share of the parameters.
+
+Without it every data-parallel replica of a pipeline rank holds the same AdamW moments (8 bytes per fp32
+parameter) for every parameter. `ZeroOptimizer` gives each parameter one owner among the d replicas
+(greedy by size, largest first, so the shares are within one matrix of 1/d each); only the owner keeps
+its state and runs its update, then every owner broadcasts its updated parameters to the other replicas
+in flat buckets (`grad_sync.plan_buckets`). This is torch's `ZeroRedundancyOptimizer` scheme (whole
+parameters per rank, all-reduced gradients, broadcast after the step), written here so that
+
+- the owner's update is the same torch optimizer on the same tensors as without sharding, so the result
+  is bit for bit today's (tested: loss and every parameter after several AdamW steps);
+- the optimizer state is keyed by HF parameter name (`state_dict`), so a checkpoint holds each
+  parameter's moments once per data-parallel group, and a run with another layout can find them by name;
+- gradients stay all-reduced (grad_sync, unchanged): clipping's global norm, the fp16 overflow check and
+  tied / LoRA parameters see the same gradients as without sharding. A reduce-scatter would save the
+  broadcast's traffic but needs flat-shard optimizer state; the all-reduce also keeps gloo (which has no
+  reduce_scatter_tensor on CPU in every torch version) on the same code path as NCCL.
+
+Bytes per parameter (fp32 parameters, which are also the masters under bf16/fp16 autocast): parameter 4 +
+gradient 4 + AdamW m and v 8/d. The parameters themselves are the fp32 masters here (the compute copy is
+autocast's per-step cast), so they are not sharded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from vp_accelerate.runtime.grad_sync import IN_FLIGHT, plan_buckets
+
+FORMAT = "zero-1"
+"""`state_dict()["format"]` of a sharded optimizer's state."""
+
+
+def assign_owners(sizes: list[int], world: int) -> list[int]:
+    """The owner (0..world-1) of each parameter of `sizes` (element counts): largest first to the least
+    loaded owner (ties: the lower index), so each share is within one parameter of sum/world. The same
+    on every replica, since it depends on the sizes alone."""
+    load = [0] * world
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        o = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = o
+        load[o] += sizes[i]
+    return owners
+
+
+@torch.no_grad()
+def broadcast_buckets(tensors: list[torch.Tensor], src: int, group, is_src: bool) -> int:
+    """Broadcast `tensors` from global rank `src` over `group`, in flat buckets; returns the calls made."""
+    pending: list[tuple] = []
+
+    def finish(work, flat, members) -> None:
+        work.wait()
+        if flat is None or is_src:
+            return
+        offset = 0
+        for t in members:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+    calls = 0
+    for idx in plan_buckets(tensors):
+        members = [tensors[i] for i in idx]
+        if len(members) == 1 and members[0].is_contiguous():
+            flat, target = None, members[0]
+        elif is_src:
+            flat = torch.cat([t.reshape(-1) for t in members])
+            target = flat
+        else:
+            flat = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
+            target = flat
+        pending.append((dist.broadcast(target, src=src, group=group, async_op=True), flat, members))
+        calls += 1
+        if len(pending) >= IN_FLIGHT:
+            finish(*pending.pop(0))
+    for item in pending:
+        finish(*item)
+    return calls
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose state is sharded over a data-parallel group (ZeRO-1).
+
+    `param_groups` and hyperparameters are those of `optimizer_class(param_groups, **defaults)`: the
+    outer `param_groups` hold every parameter (an LR scheduler sets their `lr`), an inner optimizer of
+    `optimizer_class` holds this replica's own ones and copies the hyperparameters before each step.
+    `names` gives each parameter its (HF) name, the key of its state in `state_dict`. `src_ranks[d]` is
+    the global rank of replica d in `dp_group`, `dp_rank` this one's position there.
+    """
+
+    def __init__(self, param_groups, optimizer_class, dp_group, dp_rank: int, src_ranks, names: dict, **defaults):
+        param_groups = [dict(g) for g in param_groups]
+        for g in param_groups:
+            g["params"] = list(g["params"])
+        super().__init__(param_groups, defaults)
+        self.dp_group, self.dp_rank, self.src_ranks = dp_group, dp_rank, list(src_ranks)
+        self.names = {p: names[p] for g in self.param_groups for p in g["params"]}
+        flat = [p for g in self.param_groups for p in g["params"]]
+        self.owner = dict(zip(flat, assign_owners([p.numel() for p in flat], len(self.src_ranks))))
+        # inner groups: this replica's parameters of each outer group (groups it owns nothing of are left out)
+        self._inner_of = []  # outer group index of each inner group
+        inner_groups = []
+        for i, g in enumerate(self.param_groups):
+            mine = [p for p in g["params"] if self.owner[p] == dp_rank]
+            if mine:
+                inner_groups.append({**_hyper(g), "params": mine})
+                self._inner_of.append(i)
+        self.inner = optimizer_class(inner_groups, **defaults) if inner_groups else None
+
+    def owned(self) -> list[torch.nn.Parameter]:
+        """This replica's parameters (the ones whose state it keeps)."""
+        return [p for g in self.param_groups for p in g["params"] if self.owner[p] == self.dp_rank]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step: closures are not supported (the pipeline computes the loss)")
+        if self.inner is not None:
+            for inner, i in zip(self.inner.param_groups, self._inner_of):
+                inner.update(_hyper(self.param_groups[i]))  # the LR scheduler sets the outer groups
+            self.inner.step()
+        by_owner = defaultdict(list)
+        for g in self.param_groups:
+            for p in g["params"]:
+                by_owner[self.owner[p]].append(p)
+        for d, src in enumerate(self.src_ranks):
+            if by_owner[d]:
+                broadcast_buckets(by_owner[d], src, self.dp_group, is_src=d == self.dp_rank)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this replica holds."""
+        if self.inner is None:
+            return 0
+        return sum(
+            t.numel() * t.element_size() for s in self.inner.state.values() for t in s.values() if torch.is_tensor(t)
+        )
+
+    def state_dict(self) -> dict:
+        """{"format": "zero-1", "param_groups": [hyperparameters and parameter names of each group],
+        "state": {name: state of each parameter this replica owns}}."""
+        state = {}
+        if self.inner is not None:
+            for p, s in self.inner.state.items():
+                state[self.names[p]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        return {
+            "format": FORMAT,
+            "param_groups": [{**_hyper(g), "params": [self.names[p] for p in g["params"]]} for g in self.param_groups],
+            "state": state,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a `state_dict` of this format (any replica's, or all of them merged: only the owned
+        parameters' state is kept), or a plain torch optimizer's over the same groups (state by index)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}"
+            )
+        if state_dict.get("format") == FORMAT:
+            by_name = state_dict["state"]
+        else:  # a plain torch optimizer's: state keyed by the index in the groups' order
+            order = [self.names[p] for g in self.param_groups for p in g["params"]]
+            by_name = {order[i]: s for i, s in state_dict["state"].items()}
+        for g, saved in zip(self.param_groups, groups):
+            g.update(_hyper(saved))
+        if self.inner is None:
+            return
+        for inner, i in zip(self.inner.param_groups, self._inner_of):
+            inner.update(_hyper(self.param_groups[i]))
+        self.inner.state.clear()
+        for p in self.owned():
+            s = by_name.get(self.names[p])
+            if s is not None:
+                # moments in the parameter's dtype and device; `step` stays as saved (a CPU scalar)
+                self.inner.state[p] = {
+                    k: (v.to(device=p.device, dtype=p.dtype) if torch.is_tensor(v) and k != "step" else v)
+                    for k, v in s.items()
+                }

@@ -1,0 +1,218 @@
+"""Checkpoints that reshard: a run resumes a checkpoint saved with another pipeline size, data-parallel size,
+schedule, method or ZeRO setting, with the same weights, AdamW moments, step, LR position, data position and
+loss scale.
+
+What makes a checkpoint reshardable is that every tensor in it has a global meaning (the format is the
+per-rank files of checkpoint.py; this module adds nothing to them but the optimizer state's keys):
+
+- a rank's `model.safetensors` holds HF-named tensors; a name in meta.json's `sharded_names` is rows
+  `[pp_rank * S, (pp_rank + 1) * S)` of the full matrix padded at the end (S its shard's rows,
+  `vocab/partition.py`), any other name the whole tensor;
+- a rank's `optimizer.pt` holds the optimizer state keyed by those names (`named_optimizer_state`: a plain
+  AdamW's index-keyed state is renamed on save; ZeRO-1's is by name already, each parameter on one replica),
+  each moment shaped as its parameter on that rank.
+
+A resuming rank therefore builds each of its tensors, for a vocabulary shard its rows of the padded matrix,
+from the overlapping rows of the saved ranks' tensors (`assemble`), reading only those rows (safetensors
+slices; the optimizer files memory-mapped). Padding rows are zero, as a fresh shard's. Model weights are
+written by data-parallel replica 0 only; replicas store an empty model file (their weights are the same).
+
+This is our own format rather than torch.distributed.checkpoint: DCP's resharding needs the shards as
+DTensors of one global shape, and a vocabulary shard's global shape here includes padding that depends on
+the pipeline size (V rounded up to P x pad_multiple), so the same matrix would have a different global shape
+in every layout; the row-range reading below trims the padding instead. The files stay what `export` and
+`model.init_from` already read.
+
+Checkpoints from before the optimizer state was keyed by name resume only into their own layout; resharding
+them is refused with the command that converts them (resume once on the saved layout, which saves by name).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors import safe_open
+
+from vp_accelerate.runtime.zero import FORMAT as ZERO_FORMAT
+from vp_accelerate.runtime.zero import ZeroOptimizer
+
+from . import checkpoint as ckpt
+
+BY_NAME = "by-name"
+"""`optimizer.pt`'s "format" when its state is keyed by parameter name (a plain optimizer's, renamed)."""
+
+LAYOUT_KEYS = ("world_size", "dp_size", "schedule", "method", "chunks_per_rank", "pad_multiple", "layout", "zero")
+"""Fingerprint keys a resume may change (the checkpoint is then resharded); every other key must match."""
+
+
+def named_optimizer_state(optimizer, named_parameters) -> dict:
+    """The optimizer's state_dict keyed by parameter name ({"format", "param_groups", "state"})."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.state_dict()
+    names = {p: n for n, p in named_parameters}
+    order = [names[p] for g in optimizer.param_groups for p in g["params"]]
+    sd = optimizer.state_dict()
+    return {
+        "format": BY_NAME,
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]],
+        "state": {order[i]: s for i, s in sd["state"].items()},
+    }
+
+
+def rank_checkpoint_state(pipe, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) this rank saves: the optimizer's keyed by name; data-parallel replicas
+    write no second copy of the weights, nor of an unsharded optimizer's state (replica 0's is theirs)."""
+    model_state = pipe.state_dict() if pipe.dp_rank == 0 else {}
+    optimizer_state = named_optimizer_state(optimizer, pipe.named_parameters())
+    if pipe.dp_rank > 0 and not isinstance(optimizer, ZeroOptimizer):
+        optimizer_state["state"] = {}
+    return model_state, optimizer_state
+
+
+def is_named(state: dict) -> bool:
+    return state.get("format") in (BY_NAME, ZERO_FORMAT)
+
+
+def load_named_optimizer_state(optimizer, named_parameters, state: dict, same_groups: bool = True) -> None:
+    """Load `named_optimizer_state`'s form (or, for the same layout, a plain index-keyed state_dict).
+    `same_groups=False` (another layout): every group takes the first saved group's hyperparameters (lr and
+    the scheduler's initial_lr are the same in all groups) but keeps its own weight_decay."""
+    if not is_named(state):
+        optimizer.load_state_dict(state)
+        return
+    hyper = {k: v for k, v in state["param_groups"][0].items() if k not in ("params", "weight_decay")}
+    if not same_groups:
+        groups = [{**hyper, "weight_decay": g["weight_decay"], "params": []} for g in optimizer.param_groups]
+    else:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    if isinstance(optimizer, ZeroOptimizer):
+        names = [[optimizer.names[p] for p in g["params"]] for g in optimizer.param_groups]
+        optimizer.load_state_dict(
+            {
+                "format": ZERO_FORMAT,
+                "param_groups": [{**h, "params": n} for h, n in zip(groups, names)],
+                "state": state["state"],
+            }
+        )
+        return
+    names = {p: n for n, p in named_parameters}
+    index = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            index[names[p]] = len(index)
+    plain, i = [], 0
+    for h, g in zip(groups, optimizer.param_groups):
+        plain.append({**h, "params": list(range(i, i + len(g["params"])))})
+        i += len(g["params"])
+    optimizer.load_state_dict(
+        {"param_groups": plain, "state": {index[n]: s for n, s in state["state"].items() if n in index}}
+    )
+
+
+# ----------------------------------------------------------------------------------------- the saved pieces
+class SavedTensors:
+    """Where each global name's rows lie in a checkpoint: (global row start, a reader of rows) per rank.
+
+    `kind` "model" reads the ranks' model.safetensors (slices, nothing else read), "optimizer" their
+    optimizer.pt (memory-mapped), whose tensors are `name/key` (e.g. `model.norm.weight/exp_avg`)."""
+
+    def __init__(self, path: str, meta: dict, kind: str):
+        self.sources: dict[str, list[tuple[int, int, object]]] = {}  # name -> [(row start, rows, reader)]
+        self.scalars: dict[str, object] = {}  # name/key -> a non-tensor or 0-d value (AdamW's step)
+        sharded = set(meta.get("sharded_names", ()))
+        for r in sorted(meta["ranks"], key=lambda r: (r["dp_rank"], r["pp_rank"])):
+            rdir = os.path.join(path, ckpt.rank_dir_name(r["rank"]))
+            if kind == "model":
+                f = safe_open(os.path.join(rdir, "model.safetensors"), "pt")
+                items = [(n, f.get_slice(n).get_shape(), (lambda f=f, n=n: f.get_slice(n))) for n in f.keys()]
+            else:
+                state = torch.load(os.path.join(rdir, "optimizer.pt"), weights_only=True, mmap=True, map_location="cpu")
+                if not is_named(state):
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {path} keeps its optimizer state by index (saved before checkpoints "
+                        f"could reshard), so it resumes only into the layout it was saved with. Convert it "
+                        f"once: resume it with its own pipeline settings (those of its meta.json recipe) and "
+                        f"let it save a checkpoint (e.g. --stop-at one step later); that one reshards"
+                    )
+                items = []
+                for n, s in state["state"].items():
+                    for k, v in s.items():
+                        if torch.is_tensor(v) and v.dim() > 0:
+                            items.append((f"{n}/{k}", tuple(v.shape), (lambda v=v: v)))
+                        else:
+                            self.scalars.setdefault(f"{n}/{k}", v)
+            for name, shape, reader in items:
+                base = name.split("/")[0]
+                start = r["pp_rank"] * shape[0] if base in sharded else 0
+                self.sources.setdefault(name, []).append((start, shape[0], reader))
+
+    def has(self, name: str) -> bool:
+        return name in self.sources or name in self.scalars
+
+    def rows(self, name: str, start: int, shape, valid: int, dtype) -> torch.Tensor:
+        """Rows [start, start + shape[0]) of global tensor `name` (rows from `valid` on are padding: zeros),
+        from the overlapping rows of the saved pieces."""
+        out = torch.zeros(shape, dtype=dtype)
+        end = min(start + shape[0], valid)
+        filled = max(0, end - start)
+        covered = torch.zeros(shape[0], dtype=torch.bool)
+        for s0, n, reader in self.sources.get(name, ()):
+            lo, hi = max(start, s0), min(end, s0 + n)
+            if lo >= hi or bool(covered[lo - start : hi - start].all()):
+                continue
+            out[lo - start : hi - start] = reader()[lo - s0 : hi - s0].to(dtype)
+            covered[lo - start : hi - start] = True
+        if not bool(covered[:filled].all()):
+            raise ckpt.CheckpointError(f"the checkpoint holds no rows {start}..{end} of {name}")
+        return out
+
+
+def target_rows(pipe, name: str, shape) -> tuple[int, int]:
+    """(global row start, valid rows of the global tensor) of this rank's tensor `name`."""
+    if name in pipe.mods.sharded_names:
+        return pipe.pp_rank * shape[0], pipe.hf_config.vocab_size
+    return 0, shape[0] if len(shape) else 1
+
+
+@torch.no_grad()
+def reshard_model(pipe, path: str, meta: dict) -> None:
+    """This rank's weights from checkpoint `path` saved with any layout."""
+    saved = SavedTensors(path, meta, "model")
+    state = {}
+    own = dict(pipe.named_parameters())  # what a checkpoint holds (buffers come from the model's config)
+    for name, t in own.items():
+        if not saved.has(name):
+            raise ckpt.CheckpointError(f"checkpoint {path} holds no tensor {name}: it was saved for another model")
+        if t.dim() == 0:
+            state[name] = saved.sources[name][0][2]()[:]
+            continue
+        start, valid = target_rows(pipe, name, t.shape)
+        state[name] = saved.rows(name, start, tuple(t.shape), valid, t.dtype)
+    for name, value in state.items():
+        own[name].copy_(value.to(own[name].device))
+
+
+def reshard_optimizer_state(pipe, path: str, meta: dict) -> dict:
+    """This rank's optimizer state (`named_optimizer_state`'s form) from checkpoint `path` of any layout."""
+    saved = SavedTensors(path, meta, "optimizer")
+    first = torch.load(
+        os.path.join(path, ckpt.rank_dir_name(0), "optimizer.pt"), weights_only=True, mmap=True, map_location="cpu"
+    )
+    state = {}
+    for name, p in pipe.named_parameters():
+        if not p.requires_grad:
+            continue
+        keys = sorted({k.split("/", 1)[1] for k in (*saved.sources, *saved.scalars) if k.split("/", 1)[0] == name})
+        if not keys:
+            continue  # a parameter the saved run had not stepped yet: fresh state, as there
+        start, valid = target_rows(pipe, name, p.shape)
+        s = {}
+        for k in keys:
+            full = f"{name}/{k}"
+            if full in saved.scalars:
+                s[k] = saved.scalars[full]
+            else:
+                s[k] = saved.rows(full, start, tuple(p.shape), valid, p.dtype)
+        state[name] = s
+    return {"format": BY_NAME, "param_groups": first["param_groups"], "state": state}
