@@ -20,6 +20,7 @@ from vp_accelerate.schedule.registry import Method
 from vp_accelerate.schedule.registry import method as method_entry
 
 from . import efficiency as eff
+from .data_parallel import SHARDED_BYTES
 from .efficiency import GemmModel
 from .shape import ModelShape
 
@@ -97,10 +98,10 @@ class CostModel:
     16-bit `shape.dtype_bytes` is the one low-precision copy of the weights each step holds, shared by
     every microbatch (runtime/precision.py): 2 + 4 + 12 = 18 bytes per parameter either way."""
     optimizer_shards: int = 1
-    """Ranks the `optimizer_bytes` (fp32 master copy + Adam m and v) are sharded over: the data-parallel
-    size under ZeRO-1 (cost/data_parallel.py), 1 without it. The 16-bit weights and the fp32 gradients
-    stay whole on every replica, so a parameter costs 2 + 4 + 12/d bytes (Megatron's distributed
-    optimizer: 6 + 12/d)."""
+    """Ranks Adam's m and v (8 of the `optimizer_bytes`) are sharded over: the data-parallel size under
+    ZeRO-1 (cost/data_parallel.py, runtime/zero.py), 1 without it. The 16-bit weight copy, the fp32
+    gradients and the fp32 parameters (the master copy) stay whole on every replica, so a parameter costs
+    2 + 4 + 4 + 8/d = 10 + 8/d bytes."""
     split_backward: bool = False
     """The schedule splits B (input grads) from W (weight grads)."""
     output_memory: str = "store"
@@ -265,8 +266,11 @@ class CostModel:
         return self.rank_params(rank) * self.bytes_per_param()
 
     def bytes_per_param(self) -> float:
-        """Static bytes per parameter: 16-bit weights + fp32 gradient + the (possibly sharded) optimizer state."""
-        return self.shape.dtype_bytes + self.grad_bytes + self.optimizer_bytes / self.optimizer_shards
+        """Static bytes per parameter: 16-bit weights + fp32 gradient + fp32 master + Adam's m and v (sharded
+        over `optimizer_shards` replicas under ZeRO-1)."""
+        sharded = min(SHARDED_BYTES, self.optimizer_bytes)
+        whole = self.optimizer_bytes - sharded
+        return self.shape.dtype_bytes + self.grad_bytes + whole + sharded / self.optimizer_shards
 
     def model_flops(self) -> float:
         """Paper-counted training FLOPs of one microbatch (MFU numerator)."""

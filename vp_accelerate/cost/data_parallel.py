@@ -1,23 +1,18 @@
 """What data parallelism adds to a step: the gradient synchronisation across replicas and the optimizer
-step, with or without ZeRO-1.
+step, with or without ZeRO-1, priced as the runtime runs them.
 
-ZeRO-1 (`zero=1`, Rajbhandari et al.; Megatron-LM's distributed optimizer) shards the optimizer state
-over the d data-parallel replicas of a pipeline rank: each replica keeps the fp32 master copy and Adam's
-m and v (12 bytes per parameter) of 1/d of the parameters, while the 16-bit weights (2 bytes) and the
-fp32 gradients (4 bytes) stay whole. Static memory per parameter goes from 2 + 4 + 12 = 18 bytes to
-6 + 12/d. (ZeRO-2 would shard the gradients too, ZeRO-3 the weights; neither is planned.)
+ZeRO-1 (`zero=1`, `runtime/zero.py`, torch's ZeroRedundancyOptimizer scheme) gives each parameter one owner
+among the d data-parallel replicas of a pipeline rank: only the owner keeps its Adam m and v (8 bytes per
+parameter) and updates it. The fp32 parameters (the master copy under bf16 / fp16: the 16-bit copy is the
+step's cast) and the fp32 gradients stay whole on every replica. Static memory per parameter goes from
+2 + 4 + 4 + 8 = 18 bytes to 10 + 8/d. (Megatron's distributed optimizer also shards the fp32 master copy,
+6 + 12/d; the runtime does not, so neither does the plan: at d = 2 a parameter costs 14 bytes, not 12.)
 
-Why this formula and not torch's ZeroRedundancyOptimizer's: that one shards only what the optimizer
-owns, Adam's m and v (8 bytes), and leaves the fp32 parameters (this runtime's master copy) whole on
-every replica: 2 + 4 + 4 + 8/d = 10 + 8/d. ZeRO-1 as planned here shards the fp32 master copy with the
-optimizer state, as Megatron's distributed optimizer does, since that is what makes a 70B model fit on
-80 GB GPUs at modest dp (at d = 2: 12 bytes per parameter against 14).
-
-Communication: without ZeRO the fp32 gradients are all-reduced (a ring moves 2(d-1)/d of them per
-rank). With ZeRO-1 they are reduce-scattered ((d-1)/d of the fp32 gradients), each replica updates its
-shard, and the updated 16-bit weights are all-gathered ((d-1)/d of 2 bytes per parameter): 6 instead of
-8 bytes per parameter on the wire, as Megatron's distributed optimizer moves them. Both run after the
-pipeline drains, not overlapped with the backward (pessimistic next to bucketed overlap).
+Communication: the fp32 gradients are all-reduced either way (a ring moves 2(d-1)/d of them per rank), so
+clipping and the fp16 overflow check see whole gradients; with ZeRO-1 each owner then broadcasts its
+updated fp32 parameters, so every replica receives the (d-1)/d of them it does not own: 12 bytes per
+parameter on the wire against 8 without it. Both run after the pipeline drains in this price
+(pessimistic: the runtime issues each decoder chunk's all-reduce right after its last backward pass).
 
 The optimizer step itself is memory-bound: a fused AdamW (torch.optim.AdamW(fused=True) on CUDA: one
 kernel over all tensors) reads the fp32 parameter, gradient, m and v and writes the parameter, m, v and
@@ -36,6 +31,13 @@ OPTIMIZER_STEP_BYTES = 30
 (12) and the 16-bit weight copy (2)."""
 
 
+MASTER_BYTES = 4
+"""Bytes per parameter of the fp32 parameters (the master copy), which ZeRO-1's owners broadcast."""
+
+SHARDED_BYTES = 8
+"""Bytes per parameter ZeRO-1 shards over the replicas: Adam's m and v (runtime/zero.py)."""
+
+
 def check_zero(zero: int) -> int:
     """`zero` if it is a ZeRO stage the planner knows; ValueError naming the choices otherwise."""
     if zero not in ZERO_LEVELS:
@@ -52,14 +54,15 @@ def grad_sync_time(
     params: float, dp: int, zero: int, bandwidth: float, latency: float, grad_bytes: int = 4, weight_bytes: int = 2
 ) -> float:
     """Seconds to synchronise `params` parameters' gradients over `dp` replicas at `bandwidth` bytes/s
-    (ring collectives): an all-reduce of the gradients, or with ZeRO-1 a reduce-scatter of the gradients
-    and an all-gather of the updated 16-bit weights (see the module docstring). 0 for dp = 1."""
+    (ring collectives): an all-reduce of the gradients, and with ZeRO-1 the owners' broadcast of the
+    updated fp32 parameters (see the module docstring). 0 for dp = 1."""
     if dp <= 1:
         return 0.0
     share = (dp - 1) / dp
+    allreduce = 2 * share * params * grad_bytes / bandwidth + latency
     if check_zero(zero) >= 1:
-        return share * params * (grad_bytes + weight_bytes) / bandwidth + 2 * latency
-    return 2 * share * params * grad_bytes / bandwidth + latency
+        return allreduce + share * params * MASTER_BYTES / bandwidth + latency
+    return allreduce
 
 
 def optimizer_step_time(params: float, dp: int, zero: int, mem_bandwidth: float) -> float:

@@ -547,10 +547,10 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
         f"compute: large GEMMs sustain {hw.efficiency:.0%} of peak; smaller and oddly shaped ones less (wave "
         f"quantisation, short reductions); softmax and norms memory-bound",
         f"links: {hw.p2p_bandwidth / 1e9:g} GB/s point-to-point, {hw.collective_bandwidth / 1e9:g} GB/s collective bus "
-        f"bandwidth, {hw.latency * 1e6:g} us per call; {nodes}; data-parallel gradient sync after the step, "
-        f"not overlapped",
+        f"bandwidth, {hw.latency * 1e6:g} us per call; {nodes}; data-parallel gradient all-reduce (and ZeRO-1's "
+        f"broadcast of the updated parameters) after the step, not overlapped",
         f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
-        f"ZeRO-1: 6 + 12/dp, the master and Adam state sharded over dp) + activations (flash-attention layer "
+        f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (flash-attention layer "
         f"count, Korthikanti et al.; checkpointed layers keep their input only)",
         f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
         f"torch.optim.AdamW(fused=True) on CUDA: the runtime builds torch's default AdamW, foreach, a few passes)",

@@ -22,7 +22,7 @@ COLUMNS = """columns:
   pp, dp            pipeline ranks x data-parallel replicas (= --gpus)
   mbs, m            sequences per microbatch, microbatches per replica per step
   memory            VP output layer's S->T state: store (logits shard) or recompute (redo X W^T in T)
-  zero              1: ZeRO-1, fp32 master weights and Adam state sharded over dp (6 + 12/dp bytes per
+  zero              1: ZeRO-1, Adam's m and v sharded over dp as the runtime does (10 + 8/dp bytes per
                     parameter instead of 18); 0: none
   ckpt              activation checkpointing: none, selective (every other layer) or full
   x-node            the pipeline spans nodes (its links priced at --internode-gbs)
