@@ -29,9 +29,11 @@ from ..data.formats import chat_template_of, document_boundaries, sample_format
 from ..data.read import DataError, first_record_columns
 from ..data.sources import builder_for, expand_files
 from ..recipe.convert import RecipeError
+from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
 from ..recipe.presets import PRESETS, preset_config
 from ..run import checkpoint as ckpt
+from ..run import resume_check
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
 
@@ -217,10 +219,15 @@ def _check_data(recipe) -> list[str]:
     return []
 
 
-def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
+def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> list[str]:
     """Check where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
     write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
-    `--resume STEP|PATH` must name a complete checkpoint. Returns notes for `--check`."""
+    `--resume` must name a complete checkpoint saved with this run's optimizer, schedule and data (or
+    `--override` says to apply this run's: `run/resume_check.py`). Returns notes for `--check`."""
+    out = recipe.logging.output_dir
+    for key, folder in (("logging.output_dir", out), ("checkpoint.dir", recipe.checkpoint.dir)):
+        if folder and os.path.exists(folder) and not os.path.isdir(folder):
+            raise RecipeError(f"{key}: {folder} is a file, not a directory; point {key} at a directory (or a new path)")
     if recipe.model.init_from is not None:  # a checkpoint of another run: it must be there and complete
         try:
             ckpt.resolve(os.path.expanduser(recipe.model.init_from))
@@ -238,8 +245,12 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
             else "no final export (checkpoint.export_hf: false)"
         )
         return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"]
+    try:
+        found = ckpt.resume_path(cdir, resume or "latest")
+    except ckpt.CheckpointError as e:
+        raise RecipeError(f"checkpoint.dir: {' '.join(str(e).split())}") from None
     if resume is None:
-        latest = ckpt.read_latest(cdir) if os.path.isdir(cdir) else None
+        latest = found
         if latest is not None:
             other = (
                 "another checkpoint.dir (it is set in the recipe)"
@@ -251,14 +262,25 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
                 f"{os.path.basename(latest)}); continue that run with --resume, or start a new one in "
                 f"{other}"
             )
-    elif resume != "latest":
-        try:
-            ckpt.resume_path(cdir, resume)
-        except ckpt.CheckpointError as e:
-            raise RecipeError(str(e)) from None
+    elif found is not None:
+        _check_resume(recipe, found, override)
     every = f"every {c.every} steps and " if c.every else ""
     export = f"; the final model is exported to {os.path.join(out, 'hf')}" if c.export_hf else ""
     return [f"checkpoints in {cdir}, {every}at the end, keeping the last {c.keep}{export}"]
+
+
+def _check_resume(recipe, path: str, override: tuple) -> None:
+    """The checkpoint `--resume` names was saved with this run's optimizer, schedule and data (else RecipeError
+    listing each difference, unless `--override` names it). Its meta.json must be readable."""
+    try:
+        meta = ckpt.read_meta(path)
+    except ckpt.CheckpointError as e:
+        raise RecipeError(str(e)) from None
+    try:
+        data = resume_check.data_identity(recipe.data) if meta.get("data") is not None else None
+    except (DataError, FileNotFoundError):
+        data = None  # the data check names the file
+    resume_check.check(path, meta, recipe_to_dict(recipe), data, override)
 
 
 def pipeline_size(recipe, world_size: int | None) -> int | None:

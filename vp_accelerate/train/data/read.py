@@ -15,6 +15,9 @@ import json
 import os
 
 import pyarrow.parquet as pq
+import xxhash
+
+from .identity import files_identity
 
 RAW = "_raw"
 """The column holding one JSON record as written."""
@@ -64,8 +67,8 @@ def _array_of(path: str) -> list:
 
 def _array_records(files: list):
     """Rows of JSON-array files (`Dataset.from_generator`): each element as JSON text, with its place.
-    `files` carries (path, size, mtime) so the cached result is redone when a file changes."""
-    for path, _, _ in files:
+    `files` carries (path, size, mtime, content hash) so the cached result is redone when a file changes."""
+    for path, *_ in files:
         for k, record in enumerate(_array_of(path)):
             yield {RAW: json.dumps(record, ensure_ascii=False), WHERE: f"{path}, record {k + 1}"}
 
@@ -79,14 +82,22 @@ def load_rows(paths: list[str], builder: str, streaming: bool = False):
     # started before the cache dir was chosen (a preloaded fork server's ranks) still uses the chosen one
     from datasets import Dataset, Features, Value, load_dataset
 
+    # datasets keys a local file's rows by its path and mtime: a config name made of the files' content identity
+    # makes a file rewritten with its mtime kept (cp -p, rsync -a, tar x) read again, not taken from the cache
+    version = "vp-" + xxhash.xxh3_64_hexdigest(json.dumps(files_identity(paths)).encode())
     if builder == "text":
-        return load_dataset("text", data_files=paths, split="train", streaming=streaming)
+        return load_dataset("text", version, data_files=paths, split="train", streaming=streaming)
     if builder == "parquet":
-        return load_dataset("parquet", data_files=paths, split="train", streaming=streaming)
+        return load_dataset("parquet", version, data_files=paths, split="train", streaming=streaming)
     layouts = {p: json_layout(p) for p in paths}
     if all(kind == "lines" for kind in layouts.values()):
         return load_dataset(
-            "text", data_files=paths, split="train", streaming=streaming, features=Features({RAW: Value("string")})
+            "text",
+            version,
+            data_files=paths,
+            split="train",
+            streaming=streaming,
+            features=Features({RAW: Value("string")}),
         )
     arrays = [p for p, kind in layouts.items() if kind == "array"]
     if streaming:
@@ -99,7 +110,7 @@ def load_rows(paths: list[str], builder: str, streaming: bool = False):
         raise DataError(f"data.files: mixes JSON Lines ({lines[0]}) and JSON arrays ({arrays[0]}); use one layout")
     for path in paths:  # an error inside the builder would reach the user as datasets' DatasetGenerationError
         _array_of(path)
-    stamp = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
+    stamp = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns, files_identity([p])[0]["xxh3_128"]) for p in paths]
     return Dataset.from_generator(
         _array_records, gen_kwargs={"files": stamp}, features=Features({RAW: Value("string"), WHERE: Value("string")})
     )

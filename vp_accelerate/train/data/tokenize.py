@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 
 from ..recipe.schema import DataSection
 from . import chat_rows, formats
+from .identity import files_identity
 from .read import RAW, WHERE, DataError, RowLocator
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column
 
@@ -151,11 +152,14 @@ def _code_version() -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def tokenize_fingerprint(docs, tokenizer, *parts) -> str:
-    """A stable `datasets` cache key for tokenizing `docs` with `tokenizer` and settings `parts`.
+def tokenize_fingerprint(docs, tokenizer, *parts, paths: list[str] = ()) -> str:
+    """A stable `datasets` cache key for tokenizing `docs` (read from the local files `paths`) with `tokenizer`
+    and settings `parts`.
 
     datasets hashes the map function's closure, which holds the tokenizer and is not stable across
-    processes; a key of our own lets every rank reuse the main process's cached result.
+    processes; a key of our own lets every rank reuse the main process's cached result. datasets' fingerprint of
+    local files is their path and mtime, so each file's size, mtime_ns and content hash (`identity.py`) are in
+    the key too: a file rewritten with its mtime kept is tokenized again.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)  # slow (Python) tokenizers have none
     tok_id = (
@@ -163,7 +167,8 @@ def tokenize_fingerprint(docs, tokenizer, *parts) -> str:
         if backend is not None
         else f"{type(tokenizer).__name__}:{tokenizer.name_or_path}:{len(tokenizer)}"
     )
-    h = hashlib.sha256(f"{getattr(docs, '_fingerprint', '')}|{tok_id}|{_code_version()}|{parts}".encode())
+    files = [(d["path"], d["size"], d["mtime_ns"], d["xxh3_128"]) for d in files_identity(list(paths))]
+    h = hashlib.sha256(f"{getattr(docs, '_fingerprint', '')}|{tok_id}|{_code_version()}|{parts}|{files}".encode())
     return h.hexdigest()[:32]
 
 
@@ -226,6 +231,7 @@ def tokenize_rows(
         fmt,
         sorted((k, v) for k, v in vars(cfg).items() if k not in _PACKING_ONLY),
         formats.chat_template_of(tokenizer)[0] if fmt == "chat" else None,
+        paths=paths,
     )
     tokenized = docs.map(
         tok_fn,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from vp_accelerate.models.export import assemble_state_dict, save_hf
@@ -46,22 +45,34 @@ def _adapter_of(recipe: dict):
     return adapter if adapter.enabled else None
 
 
-def checkpoint_state(path: str):
-    """(full HF state dict, config, tokenizer, meta) of checkpoint `path` (a step dir or a checkpoint root)."""
+def checkpoint_state(path: str, trust_remote_code: bool = False):
+    """(full HF state dict, config, tokenizer, meta) of checkpoint `path` (a step dir or a checkpoint root).
+
+    `trust_remote_code` comes from the caller only (`export --trust-remote-code`, the run's own recipe for its
+    final export), never from the checkpoint: a shared checkpoint folder whose meta.json says so, with an
+    `auto_map` and a `configuration_*.py` in model/, would otherwise run its code here."""
     path = ckpt.resolve(path)
     meta = ckpt.read_meta(path)
     replica0 = sorted((r for r in meta["ranks"] if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
     if not replica0:
         raise ckpt.CheckpointError(f"{path}: meta.json lists no ranks of data-parallel replica 0")
     shards = []
+    ckpt.check_model_files(path, meta)
     for r in replica0:
-        sd = load_file(os.path.join(path, ckpt.rank_dir_name(r["rank"]), "model.safetensors"))
+        sd = ckpt.load_weights(path, r["rank"])
         shards.append({k: v for k, v in sd.items() if k not in set(r.get("duplicates", ()))})
     state = assemble_state_dict(shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())))
     model_dir = os.path.join(path, "model")
-    trust = bool(((meta.get("recipe") or {}).get("model") or {}).get("trust_remote_code", False))
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ckpt.CheckpointError(
+            f"{model_dir} holds a model with its own Python code (auto_map in config.json); export runs it only "
+            f"when asked: if you trust where this checkpoint came from, add --trust-remote-code"
+        ) from None
     return state, config, tokenizer, meta
 
 
@@ -138,11 +149,12 @@ def export_checkpoint(
     max_shard_size: str = "5GB",
     adapter_only: bool = False,
     adapter_dir: str | None = None,
+    trust_remote_code: bool = False,
 ) -> str | None:
     """Write the HF model dir for checkpoint `path` (a step dir, or a checkpoint root with `latest`) to
     `out_dir`, and a LoRA run's adapter folder to `adapter_dir`; `adapter_only`: the adapter folder alone, in
-    `out_dir`."""
-    state, config, tokenizer, meta = checkpoint_state(path)
+    `out_dir`. `trust_remote_code`: the caller's word (see `checkpoint_state`)."""
+    state, config, tokenizer, meta = checkpoint_state(path, trust_remote_code)
     if adapter_only:
         out_dir, adapter_dir = None, out_dir
     try:
@@ -178,7 +190,10 @@ def export_final(run) -> str | None:
     adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter and not adapter.train_vocab else None
     if c.dir:
         if pipe.rank == 0:  # the final checkpoint is the best one with checkpoint.keep_best
-            export_checkpoint(final_checkpoint(run), out, adapter_dir=adapter_dir)
+            # the run's own recipe (the caller) says whether the model's code may run, not the checkpoint's file
+            export_checkpoint(
+                final_checkpoint(run), out, adapter_dir=adapter_dir, trust_remote_code=recipe.model.trust_remote_code
+            )
     else:
         state = pipe.gather_hf_state_dict()  # collectives: every rank takes part
         transposed = sorted({n for names in gather(list(getattr(pipe, "lora_transposed", []))) for n in names})

@@ -7,12 +7,12 @@ import logging
 import os
 
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from vp_accelerate.runtime.groups import host_group
 
-from ..recipe import recipe_to_dict
+from ..recipe import RecipeError, recipe_to_dict
 from . import checkpoint as ckpt
+from . import resume_check
 from .nonfinite import check_weights_before_save
 from .tracking import gather
 
@@ -71,6 +71,7 @@ def save_run(run, step: int) -> None:
         "vocab_size": pipe.hf_config.vocab_size,
         "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
         "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names),
+        "data": resume_check.data_identity(run.recipe.data),  # by content, compared by --resume
     }
 
     def write_model_files(out_dir: str) -> None:
@@ -106,33 +107,49 @@ def save_run(run, step: int) -> None:
         keep=c.keep,
         best=c.keep_best and best.get("step") == step,
         keep_best=c.keep_best,
+        agree=gather,  # a write error on any rank (a full disk) stops every rank with the same line
     )
     if pipe.rank == 0:
         log.info("saved checkpoint %s", path)
 
 
-def resume_run(run, which: str = "latest") -> int:
+def resume_run(run, which: str = "latest", override=()) -> int:
     """Load checkpoint `which` (latest / a step / a path, see `checkpoint.resume_path`) into every piece of
-    `run`'s state; returns its step."""
+    `run`'s state; returns its step. `override`: the `--override` groups (`resume_check.py`) whose new values are
+    applied to the restored state instead of refusing the resume.
+
+    Every rank reads and checks all of its files first (each named on any error, with the fix); only when
+    every rank has, anything is loaded and "resumed" said."""
     pipe, cdir = run.pipe, run.recipe.checkpoint.dir
-    path = ckpt.resume_path(cdir, which)
-    if path is None:
+    problem, loaded = None, None
+    try:
+        path = ckpt.resume_path(cdir, which)
+        if path is not None:
+            meta = ckpt.read_meta(path)
+            ckpt.check_fingerprint(
+                meta["fingerprint"], as_saved(meta["fingerprint"], run.fingerprint, run.layout), path
+            )
+            applied = resume_check.check(
+                path, meta, run.recipe_dict, resume_check.data_identity(run.recipe.data), override
+            )
+            model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
+            ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
+            loaded = (path, meta, applied, model_state, optimizer_state, trainer_state)
+    except (ckpt.CheckpointError, RecipeError) as e:
+        problem = (type(e).__name__, str(e))
+    outcomes = gather((problem, None if loaded is None else int(loaded[1]["step"])))
+    _stop_on_any(outcomes, cdir)
+    if loaded is None:
         if pipe.rank == 0:
             log.warning("--resume: no checkpoint in %s; starting from step 0", cdir)
         return 0
-    meta = ckpt.read_meta(path)
-    steps = gather(int(meta["step"]))
-    if len(set(steps)) > 1:  # `latest` moved between ranks' reads: another run is writing into this dir
-        raise ckpt.CheckpointError(
-            f"ranks found different latest checkpoints in {cdir} (steps {steps}); is another "
-            f"run still writing there? Stop it and resume again"
-        )
-    ckpt.check_fingerprint(meta["fingerprint"], as_saved(meta["fingerprint"], run.fingerprint, run.layout), path)
-    model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
-    ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
+    path, meta, applied, model_state, optimizer_state, trainer_state = loaded
+    fresh = resume_check.fresh_hyperparameters(run.optimizer, run.scheduler)
     pipe.load_state_dict(model_state)
     run.optimizer.load_state_dict(optimizer_state)
     run.scheduler.load_state_dict(trainer_state["scheduler"])
+    if "optimizer" in applied:  # --override optimizer: this run's values on the restored moments and step
+        resume_check.apply_hyperparameters(run.optimizer, run.scheduler, fresh)
     pipe.load_precision_state_dict(trainer_state.get("precision", {}))  # the fp16 loss scale
     run.train_it.load_state_dict(trainer_state["data"])
     ckpt.set_rng_state(trainer_state["rng"])
@@ -141,7 +158,24 @@ def resume_run(run, which: str = "latest") -> int:
     run.best.update(trainer_state.get("best", {}))
     if pipe.rank == 0:
         log.info("resumed from %s (step %d)", path, meta["step"])
+        if applied:
+            log.info("--resume --override: this run's %s applied to the restored state", " and ".join(applied))
     return int(meta["step"])
+
+
+def _stop_on_any(outcomes: list, cdir) -> None:
+    """Raise the first rank's problem on every rank (the same error type), or refuse ranks that found different
+    checkpoints (`latest` moved between their reads)."""
+    for problem, _ in outcomes:
+        if problem is not None:
+            kind, message = problem
+            raise (RecipeError if kind == "RecipeError" else ckpt.CheckpointError)(message)
+    steps = sorted({step for _, step in outcomes if step is not None})
+    if len(steps) > 1 or (steps and any(step is None for _, step in outcomes)):
+        raise ckpt.CheckpointError(
+            f"ranks found different latest checkpoints in {cdir} (steps {[s for _, s in outcomes]}); is another "
+            f"run still writing there? Stop it and resume again"
+        )
 
 
 #: fingerprint keys that must match for weights-only initialisation (data order, batch, seed may differ)
@@ -176,7 +210,7 @@ def init_weights_from(run, source: str) -> None:
     rdir = os.path.join(path, ckpt.rank_dir_name(pipe.rank))
     if not os.path.isdir(rdir):
         raise ckpt.CheckpointError(f"model.init_from: checkpoint {path} has no shards for rank {pipe.rank}")
-    state = load_file(os.path.join(rdir, "model.safetensors"))
+    state = ckpt.load_weights(path, pipe.rank)
     ckpt.check_shapes(state, pipe.state_dict(), path, pipe.rank)
     pipe.load_state_dict(state)
     if pipe.rank == 0:
