@@ -9,9 +9,9 @@ about 0.5 s, once per file per load (~2 GB/s); the size check before it costs a 
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
-import re
 import sys
 
 import pytest
