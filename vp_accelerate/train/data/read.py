@@ -73,11 +73,54 @@ def _array_records(files: list):
             yield {RAW: json.dumps(record, ensure_ascii=False), WHERE: f"{path}, record {k + 1}"}
 
 
+def first_non_utf8(path: str) -> str | None:
+    """ "FILE, line N, column C: byte 0xXX is not UTF-8" for the first such byte of a text file, else None (read
+    line by line: called only after a read failed)."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{path}, line {n}, column {e.start + 1}: byte {raw[e.start]:#04x} is not UTF-8"
+    return None
+
+
+def _utf8_or_fail(paths: list[str], err: Exception) -> None:
+    """After `datasets` failed reading text files: a DataError naming the file and line of a non-UTF-8 byte
+    (datasets' DatasetGenerationError names neither), else the original error."""
+    for path in paths:
+        where = first_non_utf8(path)
+        if where:
+            raise DataError(f"data.files: {where}; save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    raise err
+
+
 def load_rows(paths: list[str], builder: str, streaming: bool = False):
     """A `datasets` Dataset (IterableDataset when streaming) of the rows of local files.
 
     builder: text (a row per line, column `text`), json (column `_raw`, see the module doc) or parquet.
     """
+    try:
+        return _load_rows(paths, builder, streaming)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets wraps a decode error in DatasetGenerationError
+        if builder == "parquet" or not _caused_by(e, UnicodeDecodeError):
+            raise
+        _utf8_or_fail(paths, e)
+
+
+def _caused_by(err: BaseException, kind: type) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kind):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _load_rows(paths: list[str], builder: str, streaming: bool = False):
     # datasets reads HF_DATASETS_CACHE once, when imported: imported when rows are first read, so a process
     # started before the cache dir was chosen (a preloaded fork server's ranks) still uses the chosen one
     from datasets import Dataset, Features, Value, load_dataset
@@ -167,7 +210,7 @@ def first_record_columns(path: str, fmt: str) -> list[str] | None:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.lstrip("\ufeff"))
             except json.JSONDecodeError:
                 continue  # a bad line is reported as a bad row by the data check; the columns come from a good one
             if isinstance(record, dict):

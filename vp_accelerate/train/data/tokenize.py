@@ -37,7 +37,7 @@ def is_heldout(text: str, every: int) -> bool:
 def json_record(line: str) -> tuple[dict | None, str]:
     """(record, reason): one line of a JSON Lines file parsed, or why it is not a record."""
     try:
-        record = json.loads(line)
+        record = json.loads(line.lstrip("\ufeff"))  # a UTF-8 byte-order mark opens some editors' files: read it
     except json.JSONDecodeError as e:
         return None, f"not valid JSON ({e.msg} at column {e.colno})"
     if not isinstance(record, dict):
@@ -112,7 +112,7 @@ class RowTokenizer:
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         self._check_columns(batch)
         raw, places = batch.get(RAW), batch.get(WHERE)
-        out = {"input_ids": [], "heldout": [], "invalid": [], "keys": []}
+        out = {"input_ids": [], "heldout": [], "invalid": [], "keys": [], "empty_turn": []}
         if self.fmt != "text":
             out["loss_mask"] = []
         for k, index in enumerate(indices):
@@ -142,7 +142,20 @@ class RowTokenizer:
             out["heldout"].append(not reason and is_heldout(self._hash_text(text, row), self.holdout_every))
             out["invalid"].append(f"{place or self.locate(index)}: {reason}" if reason else "")
             out["keys"].append(",".join(dropped))
+            empty = not reason and self.fmt == "chat" and _empty_assistant_turn(row[self.fields["messages"]])
+            out["empty_turn"].append(place or self.locate(index) if empty else "")
         return out
+
+
+def _empty_assistant_turn(messages) -> bool:
+    """A conversation with an assistant turn of empty content (None, "", blanks): it trains the model to say
+    nothing, almost always a data bug."""
+    for m in messages if isinstance(messages, list) else []:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            content = m.get("content")
+            if content is None or (isinstance(content, str) and not content.strip()) or content == []:
+                return True
+    return False
 
 
 def _code_version() -> str:
@@ -186,6 +199,11 @@ def row_problems(tokenized, stats: SplitStats) -> np.ndarray:
     stats.bad = len(bad)
     reasons = arrow_column(tokenized, "invalid").filter(pa.array(flags))
     stats.bad_examples = reasons.slice(0, BAD_ROWS_LISTED).to_pylist()
+    if "empty_turn" in tokenized.column_names:
+        empty = _column_flags(tokenized, "empty_turn")
+        stats.empty_turns = int(empty.sum())
+        places = arrow_column(tokenized, "empty_turn").filter(pa.array(empty))
+        stats.empty_turn_examples = places.slice(0, BAD_ROWS_LISTED).to_pylist()
     keys = _column_flags(tokenized, "keys")
     for joined in arrow_column(tokenized, "keys").filter(pa.array(keys)).to_pylist():
         for key in joined.split(","):
