@@ -126,3 +126,75 @@ def test_changed_data_is_refused_unless_overridden(tmp_path):
         check_run_dirs(recipe_of(tmp_path), "latest")
     assert f"data.files: {data} changed since the checkpoint" in str(e.value) and "--override data" in str(e.value)
     assert check_run_dirs(recipe_of(tmp_path), "latest", ("data",))
+
+
+def _resume_with_one_rank_damaged(root: str, damaged_rank: int):
+    """Two ranks save, one rank's optimizer.pt is cut short, both resume: every rank must raise the same
+    error naming the file, and none may have said "resumed" (nor loaded anything)."""
+    import logging
+
+    import torch.distributed as dist
+
+    from vp_accelerate.train.run.tracking import gather
+
+    rank = dist.get_rank()
+    data = os.path.join(root, "d.txt")
+    if rank == 0:
+        with open(data, "w") as f:
+            f.write("text\n")
+    dist.barrier()
+    pipe = Pipe()
+    pipe.rank = rank
+    opt = torch.optim.AdamW(pipe.parameters())
+    cfg = SimpleNamespace(hub_id=None, files=[data], eval_files=[])
+    ckpt.save_checkpoint(
+        root,
+        4,
+        rank=rank,
+        model_state=pipe.state_dict(),
+        optimizer_state=opt.state_dict(),
+        trainer_state={"scheduler": {}, "rng": ckpt.rng_state(), "data": {}},
+        meta={"fingerprint": {}, "recipe": {}, "data": data_identity(cfg)},
+        barrier=dist.barrier,
+        agree=gather,
+    )
+    if rank == damaged_rank:
+        target = os.path.join(root, "step_00000004", ckpt.rank_dir_name(rank), "optimizer.pt")
+        os.truncate(target, os.path.getsize(target) // 2)
+    dist.barrier()
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vp_accelerate.train").addHandler(handler)
+    logging.getLogger("vp_accelerate.train").setLevel(logging.INFO)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    run = SimpleNamespace(
+        pipe=pipe,
+        recipe=SimpleNamespace(checkpoint=SimpleNamespace(dir=root), data=cfg),
+        recipe_dict={},
+        optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        fingerprint={},
+        layout=None,
+        train_it=None,
+        counters={},
+        best={},
+    )
+    try:
+        resume_run(run, "latest")
+        error = None
+    except ckpt.CheckpointError as e:
+        error = str(e)
+    unchanged = all(torch.equal(before[k], v) for k, v in pipe.state_dict().items())
+    return error, [m for m in said if "resumed" in m], unchanged
+
+
+@pytest.mark.parametrize("damaged_rank", [0, 1])
+def test_a_damaged_file_on_one_rank_stops_every_rank_before_resumed(tmp_path, damaged_rank):
+    from vp_accelerate.distributed import spawn
+
+    results = spawn(_resume_with_one_rank_damaged, 2, str(tmp_path), damaged_rank, timeout_s=120)
+    name = os.path.join(str(tmp_path), "step_00000004", ckpt.rank_dir_name(damaged_rank), "optimizer.pt")
+    for error, resumed_lines, unchanged in results:
+        assert error is not None and name in error and "were saved" in error, error
+        assert resumed_lines == [] and unchanged
