@@ -21,6 +21,10 @@ OVERRIDES = {"optimizer": ("optimizer", "lr"), "data": ("data",)}
 """`--override NAME`: the recipe sections (or the data identity) it lets differ from the checkpoint's."""
 
 
+NOT_RESTORED = frozenset({"optimizer.grad_clip"})
+"""Keys of those sections no restored state holds (read from the recipe at every step): a change just applies."""
+
+
 def data_identity(data_cfg) -> dict:
     """What a run's data is, by content: each local file's identity, or the hub dataset's name and revision."""
     if data_cfg.hub_id:
@@ -57,6 +61,8 @@ def differences(saved_recipe: dict, recipe: dict, saved_data: dict | None, data:
     for section in OVERRIDES["optimizer"]:
         old, new = _flat(saved_recipe.get(section), section), _flat(recipe.get(section), section)
         for key in sorted(set(old) | set(new)):
+            if key in NOT_RESTORED:
+                continue
             if key in old and key in new and not _same(old[key], new[key]):
                 found["optimizer"].append(f"{key}: the checkpoint has {old[key]!r}, this run {new[key]!r}")
     if saved_data is not None and data is not None:  # a checkpoint from before the data identity says nothing
