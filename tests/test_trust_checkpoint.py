@@ -242,3 +242,37 @@ def test_export_never_takes_trust_remote_code_from_the_checkpoint(tmp_path, monk
     err = capsys.readouterr().err
     assert "--trust-remote-code" in err and "own Python code" in err
     assert not mark.exists(), "the checkpoint's code ran"
+
+
+def _two_ranks_one_disk_full(root):
+    import torch.distributed as dist
+
+    from vp_accelerate.train.run.tracking import gather
+
+    rank = dist.get_rank()
+    if rank == 1:  # only rank 1's disk is full (another node's, or a quota)
+        ckpt_space.free_bytes = lambda path: 100
+    try:
+        ckpt.save_checkpoint(
+            root,
+            1,
+            rank=rank,
+            model_state={"w": torch.zeros(256)},
+            optimizer_state={},
+            trainer_state={"step": 1},
+            meta={"fingerprint": {}},
+            barrier=dist.barrier,
+            agree=gather,
+        )
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_line(tmp_path):
+    from vp_accelerate.distributed import spawn
+
+    said = spawn(_two_ranks_one_disk_full, 2, str(tmp_path), timeout_s=120)
+    assert said[0] == said[1] and said[0].startswith("disk full: rank 1 needs about"), said
+    assert "100 are free" in said[0] and not os.path.exists(tmp_path / "step_00000001")
+    assert not os.path.exists(tmp_path / "step_00000001.tmp")  # the space the partial folder held is given back
