@@ -143,7 +143,19 @@ class Comm:
     """One communication operation of a rank: a p2p batch (or action) or a collective. (A plain class
     with slots: a replay makes one per operation, tens of thousands at 32 ranks.)"""
 
-    __slots__ = ("rank", "index", "ops", "queue", "collective", "communicator", "issued", "start", "done", "op_done", "peers")
+    __slots__ = (
+        "rank",
+        "index",
+        "ops",
+        "queue",
+        "collective",
+        "communicator",
+        "issued",
+        "start",
+        "done",
+        "op_done",
+        "peers",
+    )
 
     def __init__(self, rank: int, index: int, ops: tuple[Action, ...], queue):
         self.rank = rank

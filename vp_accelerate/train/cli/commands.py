@@ -1,9 +1,10 @@
 """`vp-accelerate train` and `vp-accelerate export`: argument parsing around trainer and export.
 
     accelerate launch --config_file configs/accelerate_cpu_2proc.yaml -m vp_accelerate train recipes/quickstart.yaml
-    vp-accelerate train RECIPE [--set key.path=value ...] [--resume [latest|STEP|PATH]] [--stop-at STEP]
+    vp-accelerate train RECIPE [--set key.path=value ...] [--resume [latest|STEP|PATH] [--override optimizer|data]]
+                       [--stop-at STEP]
                        [--check [--world-size N]]
-    vp-accelerate export CHECKPOINT OUT_DIR
+    vp-accelerate export CHECKPOINT OUT_DIR [--trust-remote-code]
 
 The recipe is read and validated before accelerate creates any process group, so a bad recipe
 fails in every process at once with the key it concerns and exit code 2 (`preflight.check_plan` also
@@ -49,6 +50,15 @@ def _train_parser() -> argparse.ArgumentParser:
         "step STEP there, or the checkpoint at PATH",
     )
     ap.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        choices=["optimizer", "data"],
+        help="with --resume: apply this run's settings where they differ from the checkpoint's instead of "
+        "refusing (optimizer: the optimizer and lr sections, applied to the restored optimizer and schedule; "
+        "data: other data files, read from the restored position); repeatable",
+    )
+    ap.add_argument(
         "--stop-at",
         type=int,
         default=None,
@@ -83,7 +93,7 @@ def _checked_recipe(args) -> tuple:
     model, tokenizer, layout and checkpoint dirs checked before accelerate starts a process group (every rank
     runs them). Raises RecipeError."""
     # imported once the arguments parsed: they load torch and transformers, which `train --help` does without
-    from ..recipe import load_recipe
+    from ..recipe import RecipeError, load_recipe
     from .preflight import check_plan, check_run_dirs, world_size_from_env
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -100,7 +110,9 @@ def _checked_recipe(args) -> tuple:
     # one process (or --check): also convert tokenizers and count a swap's rows; launched ranks skip that
     found: dict = {}
     notes = check_plan(recipe, args.world_size or world, full=args.check or (world or 1) == 1, found=found)
-    notes += check_run_dirs(recipe, args.resume)
+    if args.override and args.resume is None:
+        raise RecipeError("--override applies to --resume only; add --resume, or drop --override")
+    notes += check_run_dirs(recipe, args.resume, tuple(args.override))
     return recipe, notes, found
 
 
@@ -110,23 +122,28 @@ def _run(recipe, args) -> tuple | int:
     from ..data import DataError  # after parse_args, as above
     from ..run.checkpoint import CheckpointError
     from ..run.nonfinite import NonFiniteError
+    from ..run.run_lock import release_all
     from ..run.trainer import setup, train
     from ..run.user_errors import USER_ERRORS, leave, report
 
     try:
-        run = setup(recipe, resume=args.resume, stop_at=args.stop_at)
+        run = setup(recipe, resume=args.resume, stop_at=args.stop_at, override=tuple(args.override))
     except USER_ERRORS as e:  # found at the start (data, model source): one line, every rank stops, exit 2
         report(e)
         leave()
+        release_all()
         return 2
     except (CheckpointError, NonFiniteError) as e:
         print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        release_all()
         return 3
     try:
         summary = train(recipe, resume=args.resume, stop_at=args.stop_at, run=run)
     except (CheckpointError, DataError, NonFiniteError) as e:
-        print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"training stopped: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 3
+    finally:
+        release_all()
     return run, summary
 
 
@@ -209,6 +226,12 @@ def export_main(argv: list[str] | None = None) -> int:
         default=None,
         help="the weights' dtype in the export (default: the dtype they were trained in)",
     )
+    ap.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model's own Python code (auto_map in the checkpoint's model/config.json) to read its config "
+        "and tokenizer; only for a checkpoint you trust: a checkpoint's own files never turn this on",
+    )
     args = ap.parse_args(argv)
     # imported once the arguments parsed: they load torch and transformers, which `export --help` does without
     import torch
@@ -223,6 +246,7 @@ def export_main(argv: list[str] | None = None) -> int:
             args.max_shard_size,
             adapter_only=args.adapter_only,
             dtype=getattr(torch, args.dtype) if args.dtype else None,
+            trust_remote_code=args.trust_remote_code,
         )
     except CheckpointError as e:
         print(f"export error: {e}", file=sys.stderr)

@@ -29,9 +29,11 @@ from ..data.formats import chat_template_of, document_boundaries, sample_format
 from ..data.read import DataError, first_record_columns
 from ..data.sources import builder_for, expand_files
 from ..recipe.convert import RecipeError
+from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
 from ..recipe.presets import PRESETS, preset_config
 from ..run import checkpoint as ckpt
+from ..run import resume_check
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
 
@@ -47,14 +49,66 @@ def _local_dir(source: str) -> str | None:
     return path if os.path.isdir(path) else None
 
 
+def _json_file(path: str, key: str) -> dict:
+    """A model or tokenizer JSON file as a dict; RecipeError naming the file (and line) when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{key}: {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{key}: {path} is not UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{key}: {path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def check_weight_files(src: str) -> None:
+    """Every safetensors shard a local model's index names is there (else the first rank to read it fails)."""
+    index = os.path.join(src, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return
+    shards = sorted(set((_json_file(index, "model.source").get("weight_map") or {}).values()))
+    missing = [name for name in shards if not os.path.isfile(os.path.join(src, name))]
+    if missing:
+        raise RecipeError(
+            f"model.source: {src} is missing {len(missing)} of the {len(shards)} weight files its "
+            f"model.safetensors.index.json names ({', '.join(missing[:3])}); copy the model again"
+        )
+
+
+def check_config_types(config, overrides: dict) -> None:
+    """model.config overrides have the type of the value they replace (an integer stays an integer)."""
+    for key, value in overrides.items():
+        old = getattr(config, key, None)
+        if old is None or value is None:
+            continue
+        kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+        want = type(old)
+        ok = (
+            isinstance(value, bool)
+            if want is bool
+            else isinstance(value, int) and not isinstance(value, bool)
+            if want is int
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if want is float
+            else isinstance(value, str)
+            if want is str
+            else True
+        )
+        if not ok:
+            raise RecipeError(
+                f"model.config.{key}: expects {kinds.get(want, want.__name__)} (the model's is {old!r}), got {value!r}"
+            )
+
+
 def _check_remote_code(recipe) -> None:
     """Custom modelling/tokenizer code (`auto_map`) runs only where the recipe says so."""
     if recipe.model.trust_remote_code:
         return
     src = _local_dir(recipe.model.source)
     if src and os.path.isfile(os.path.join(src, "config.json")):
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
+        cfg = _json_file(os.path.join(src, "config.json"), "model.source")
         if "auto_map" in cfg and cfg.get("model_type") not in CONFIG_MAPPING:
             raise RecipeError(
                 f"model.trust_remote_code: {src} needs its own modelling code (model_type "
@@ -64,8 +118,7 @@ def _check_remote_code(recipe) -> None:
     tok = tokenizer_source(recipe)
     tdir = _local_dir(tok[4:] if tok.startswith("bpe:") else tok)
     if tdir and os.path.isfile(os.path.join(tdir, "tokenizer_config.json")):
-        with open(os.path.join(tdir, "tokenizer_config.json")) as f:
-            tcfg = json.load(f)
+        tcfg = _json_file(os.path.join(tdir, "tokenizer_config.json"), "tokenizer.source")
         if "auto_map" in tcfg and not os.path.isfile(os.path.join(tdir, "tokenizer.json")):
             raise RecipeError(
                 f"model.trust_remote_code: the tokenizer in {tdir} needs its own code (auto_map "
@@ -79,6 +132,7 @@ def _model_config(recipe, full: bool = True):
     local cache, on a launched rank: full=False; `--check` reads its config from the hub)."""
     m = recipe.model
     if m.source in PRESETS:
+        check_config_types(preset_config(m.source, {}), m.config)
         try:
             return preset_config(m.source, m.config)
         except (TypeError, ValueError) as e:
@@ -101,10 +155,15 @@ def _model_config(recipe, full: bool = True):
         if src is None and not full:
             return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
         src = src or m.source
+    if os.path.isfile(os.path.join(src, "config.json")):
+        _json_file(os.path.join(src, "config.json"), "model.source")
+        if m.pretrained_weights:
+            check_weight_files(src)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as e:
         raise RecipeError(f"model.source: cannot read the config of {src}: {str(e).splitlines()[0]}") from None
+    check_config_types(config, m.config)
     if "vocab_size" in m.config and m.pretrained_weights:
         raise RecipeError(
             "model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
@@ -173,8 +232,8 @@ def _data_note(recipe) -> str:
     d = recipe.data
     if d.hub_id:
         return "data: a hub dataset; its format is detected from its columns at the start of the run"
-    paths = [p for p in expand_files(d.files) if os.path.getsize(p) > 0][:1]
     try:
+        paths = [p for p in expand_files(d.files) if os.path.getsize(p) > 0][:1]
         columns = first_record_columns(paths[0], builder_for(paths, d)) if paths else None
         if columns is None:
             raise DataError(f"data.files: no record in {expand_files(d.files)[:3]}")
@@ -217,10 +276,15 @@ def _check_data(recipe) -> list[str]:
     return []
 
 
-def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
+def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> list[str]:
     """Check where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
     write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
-    `--resume STEP|PATH` must name a complete checkpoint. Returns notes for `--check`."""
+    `--resume` must name a complete checkpoint saved with this run's optimizer, schedule and data (or
+    `--override` says to apply this run's: `run/resume_check.py`). Returns notes for `--check`."""
+    out = recipe.logging.output_dir
+    for key, folder in (("logging.output_dir", out), ("checkpoint.dir", recipe.checkpoint.dir)):
+        if folder and os.path.exists(folder) and not os.path.isdir(folder):
+            raise RecipeError(f"{key}: {folder} is a file, not a directory; point {key} at a directory (or a new path)")
     if recipe.model.init_from is not None:  # a checkpoint of another run: it must be there and complete
         try:
             ckpt.resolve(os.path.expanduser(recipe.model.init_from))
@@ -238,8 +302,12 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
             else "no final export (checkpoint.export_hf: false)"
         )
         return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"]
+    try:
+        found = ckpt.resume_path(cdir, resume or "latest")
+    except ckpt.CheckpointError as e:
+        raise RecipeError(f"checkpoint.dir: {' '.join(str(e).split())}") from None
     if resume is None:
-        latest = ckpt.read_latest(cdir) if os.path.isdir(cdir) else None
+        latest = found
         if latest is not None:
             other = (
                 "another checkpoint.dir (it is set in the recipe)"
@@ -251,14 +319,25 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
                 f"{os.path.basename(latest)}); continue that run with --resume, or start a new one in "
                 f"{other}"
             )
-    elif resume != "latest":
-        try:
-            ckpt.resume_path(cdir, resume)
-        except ckpt.CheckpointError as e:
-            raise RecipeError(str(e)) from None
+    elif found is not None:
+        _check_resume(recipe, found, override)
     every = f"every {c.every} steps and " if c.every else ""
     export = f"; the final model is exported to {os.path.join(out, 'hf')}" if c.export_hf else ""
     return [f"checkpoints in {cdir}, {every}at the end, keeping the last {c.keep}{export}"]
+
+
+def _check_resume(recipe, path: str, override: tuple) -> None:
+    """The checkpoint `--resume` names was saved with this run's optimizer, schedule and data (else RecipeError
+    listing each difference, unless `--override` names it). Its meta.json must be readable."""
+    try:
+        meta = ckpt.read_meta(path)
+    except ckpt.CheckpointError as e:
+        raise RecipeError(str(e)) from None
+    try:
+        data = resume_check.data_identity(recipe.data) if meta.get("data") is not None else None
+    except (DataError, FileNotFoundError):
+        data = None  # the data check names the file
+    resume_check.check(path, meta, recipe_to_dict(recipe), data, override)
 
 
 def pipeline_size(recipe, world_size: int | None) -> int | None:

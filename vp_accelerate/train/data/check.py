@@ -18,7 +18,7 @@ import os
 from ..recipe import Recipe, finish_steps
 from ..recipe.schema import DataSection
 from .formats import sample_format
-from .prepare import PreparedData, no_eval_message, prepare_data
+from .prepare import PreparedData, empty_turns_line, no_eval_message, prepare_data
 from .read import DataError, first_record_columns
 from .sources import builder_for, expand_files
 from .stats import SplitStats
@@ -52,6 +52,10 @@ def _packing_line(s: SplitStats, seq_len: int) -> str:
         f"{s.sequences:,} packed sequences, {s.padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry loss"
     )
     return f"data.seq_len {seq_len}: " + "; ".join(parts)
+
+
+def _empty_turns_line(s: SplitStats) -> str | None:
+    return empty_turns_line(s) if s.empty_turns else None
 
 
 def _keys_line(s: SplitStats) -> str | None:
@@ -88,6 +92,8 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
         lines += [_rows_line(s, held), _packing_line(s, d.seq_len)]
         if (keys := _keys_line(s)) is not None:
             lines.append(keys)
+        if (empty := _empty_turns_line(s)) is not None:
+            lines.append(empty)
         per_epoch = steps_per_epoch(prepared, t.global_batch)
         if t.epochs is not None:
             recipe = finish_steps(recipe, per_epoch)

@@ -202,6 +202,8 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
         encoded(eval_part), cfg, pad_id, eval_stats.source, fmt, allow_empty=True, stats=eval_stats
     )
     for stats in (train_stats, eval_stats):
+        if stats.empty_turns:  # trained as they are (an empty answer is a valid row), said with their lines
+            warn("%s", empty_turns_line(stats))
         if stats.dropped_keys:  # said once, at the start (and listed by --check)
             warn(
                 "%s: message keys the chat template does not read were dropped: %s",
@@ -209,6 +211,15 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
                 ", ".join(f"{k} ({n} rows)" for k, n in sorted(stats.dropped_keys.items())),
             )
     return PreparedData(cfg, fmt, how, train, eval_seqs, {"train": train_stats, "eval": eval_stats}, None, pad_id)
+
+
+def empty_turns_line(stats: SplitStats) -> str:
+    """The warning for chat rows with an empty assistant turn, naming the first ones' lines."""
+    more = "" if stats.empty_turns <= len(stats.empty_turn_examples) else ", ..."
+    return (
+        f"{stats.source}: {stats.empty_turns} conversation(s) have an assistant turn with empty content, which "
+        f"trains the model to answer nothing: {'; '.join(stats.empty_turn_examples)}{more}; fill or drop those turns"
+    )
 
 
 def _stream_row_ok(example, skip: bool) -> bool:

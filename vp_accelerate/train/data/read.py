@@ -15,6 +15,9 @@ import json
 import os
 
 import pyarrow.parquet as pq
+import xxhash
+
+from .identity import files_identity
 
 RAW = "_raw"
 """The column holding one JSON record as written."""
@@ -64,10 +67,32 @@ def _array_of(path: str) -> list:
 
 def _array_records(files: list):
     """Rows of JSON-array files (`Dataset.from_generator`): each element as JSON text, with its place.
-    `files` carries (path, size, mtime) so the cached result is redone when a file changes."""
-    for path, _, _ in files:
+    `files` carries (path, size, mtime, content hash) so the cached result is redone when a file changes."""
+    for path, *_ in files:
         for k, record in enumerate(_array_of(path)):
             yield {RAW: json.dumps(record, ensure_ascii=False), WHERE: f"{path}, record {k + 1}"}
+
+
+def first_non_utf8(path: str) -> str | None:
+    """ "FILE, line N, column C: byte 0xXX is not UTF-8" for the first such byte of a text file, else None (read
+    line by line: called only after a read failed)."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{path}, line {n}, column {e.start + 1}: byte {raw[e.start]:#04x} is not UTF-8"
+    return None
+
+
+def _utf8_or_fail(paths: list[str], err: Exception) -> None:
+    """After `datasets` failed reading text files: a DataError naming the file and line of a non-UTF-8 byte
+    (datasets' DatasetGenerationError names neither), else the original error."""
+    for path in paths:
+        where = first_non_utf8(path)
+        if where:
+            raise DataError(f"data.files: {where}; save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    raise err
 
 
 def load_rows(paths: list[str], builder: str, streaming: bool = False):
@@ -75,18 +100,47 @@ def load_rows(paths: list[str], builder: str, streaming: bool = False):
 
     builder: text (a row per line, column `text`), json (column `_raw`, see the module doc) or parquet.
     """
+    try:
+        return _load_rows(paths, builder, streaming)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets wraps a decode error in DatasetGenerationError
+        if builder == "parquet" or not _caused_by(e, UnicodeDecodeError):
+            raise
+        _utf8_or_fail(paths, e)
+
+
+def _caused_by(err: BaseException, kind: type) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kind):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _load_rows(paths: list[str], builder: str, streaming: bool = False):
     # datasets reads HF_DATASETS_CACHE once, when imported: imported when rows are first read, so a process
     # started before the cache dir was chosen (a preloaded fork server's ranks) still uses the chosen one
     from datasets import Dataset, Features, Value, load_dataset
 
+    # datasets keys a local file's rows by its path and mtime: a config name made of the files' content identity
+    # makes a file rewritten with its mtime kept (cp -p, rsync -a, tar x) read again, not taken from the cache
+    version = "vp-" + xxhash.xxh3_64_hexdigest(json.dumps(files_identity(paths)).encode())
     if builder == "text":
-        return load_dataset("text", data_files=paths, split="train", streaming=streaming)
+        return load_dataset("text", version, data_files=paths, split="train", streaming=streaming)
     if builder == "parquet":
-        return load_dataset("parquet", data_files=paths, split="train", streaming=streaming)
+        return load_dataset("parquet", version, data_files=paths, split="train", streaming=streaming)
     layouts = {p: json_layout(p) for p in paths}
     if all(kind == "lines" for kind in layouts.values()):
         return load_dataset(
-            "text", data_files=paths, split="train", streaming=streaming, features=Features({RAW: Value("string")})
+            "text",
+            version,
+            data_files=paths,
+            split="train",
+            streaming=streaming,
+            features=Features({RAW: Value("string")}),
         )
     arrays = [p for p, kind in layouts.items() if kind == "array"]
     if streaming:
@@ -99,7 +153,7 @@ def load_rows(paths: list[str], builder: str, streaming: bool = False):
         raise DataError(f"data.files: mixes JSON Lines ({lines[0]}) and JSON arrays ({arrays[0]}); use one layout")
     for path in paths:  # an error inside the builder would reach the user as datasets' DatasetGenerationError
         _array_of(path)
-    stamp = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
+    stamp = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns, files_identity([p])[0]["xxh3_128"]) for p in paths]
     return Dataset.from_generator(
         _array_records, gen_kwargs={"files": stamp}, features=Features({RAW: Value("string"), WHERE: Value("string")})
     )
@@ -156,7 +210,7 @@ def first_record_columns(path: str, fmt: str) -> list[str] | None:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.lstrip("\ufeff"))
             except json.JSONDecodeError:
                 continue  # a bad line is reported as a bad row by the data check; the columns come from a good one
             if isinstance(record, dict):

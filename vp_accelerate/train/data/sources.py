@@ -22,7 +22,13 @@ def expand_files(patterns: list[str]) -> list[str]:
         matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not matched:
             raise FileNotFoundError(f"no file matches {pattern!r}")
-        files += [m for m in matched if os.path.isfile(m)]
+        found = [m for m in matched if os.path.isfile(m)]
+        if not found:  # a directory named (or only directories matched) is not silently dropped
+            raise DataError(
+                f"data.files: {pattern!r} is a directory, not a data file; name its files, e.g. "
+                f"{os.path.join(pattern, '*.jsonl')!r}"
+            )
+        files += found
     return files
 
 

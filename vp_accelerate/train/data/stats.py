@@ -45,6 +45,10 @@ class SplitStats:
     """Tokens lost: the incomplete last sequence (classic packing) or the cut tails of truncated rows."""
     dropped_keys: dict = field(default_factory=dict)
     """Message keys the chat template does not read -> rows that had them (dropped from those rows)."""
+    empty_turns: int = 0
+    """Chat rows with an assistant turn whose content is empty (trained to answer nothing: warned, not refused)."""
+    empty_turn_examples: list = field(default_factory=list)
+    """The first BAD_ROWS_LISTED of them, "FILE, line N"."""
 
 
 def arrow_column(ds, column: str):

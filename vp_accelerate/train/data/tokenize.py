@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 
 from ..recipe.schema import DataSection
 from . import chat_rows, formats
+from .identity import files_identity
 from .read import RAW, WHERE, DataError, RowLocator
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column
 
@@ -36,7 +37,7 @@ def is_heldout(text: str, every: int) -> bool:
 def json_record(line: str) -> tuple[dict | None, str]:
     """(record, reason): one line of a JSON Lines file parsed, or why it is not a record."""
     try:
-        record = json.loads(line)
+        record = json.loads(line.lstrip("\ufeff"))  # a UTF-8 byte-order mark opens some editors' files: read it
     except json.JSONDecodeError as e:
         return None, f"not valid JSON ({e.msg} at column {e.colno})"
     if not isinstance(record, dict):
@@ -111,7 +112,7 @@ class RowTokenizer:
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         self._check_columns(batch)
         raw, places = batch.get(RAW), batch.get(WHERE)
-        out = {"input_ids": [], "heldout": [], "invalid": [], "keys": []}
+        out = {"input_ids": [], "heldout": [], "invalid": [], "keys": [], "empty_turn": []}
         if self.fmt != "text":
             out["loss_mask"] = []
         for k, index in enumerate(indices):
@@ -141,7 +142,20 @@ class RowTokenizer:
             out["heldout"].append(not reason and is_heldout(self._hash_text(text, row), self.holdout_every))
             out["invalid"].append(f"{place or self.locate(index)}: {reason}" if reason else "")
             out["keys"].append(",".join(dropped))
+            empty = not reason and self.fmt == "chat" and _empty_assistant_turn(row[self.fields["messages"]])
+            out["empty_turn"].append(place or self.locate(index) if empty else "")
         return out
+
+
+def _empty_assistant_turn(messages) -> bool:
+    """A conversation with an assistant turn of empty content (None, "", blanks): it trains the model to say
+    nothing, almost always a data bug."""
+    for m in messages if isinstance(messages, list) else []:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            content = m.get("content")
+            if content is None or (isinstance(content, str) and not content.strip()) or content == []:
+                return True
+    return False
 
 
 def _code_version() -> str:
@@ -151,11 +165,14 @@ def _code_version() -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def tokenize_fingerprint(docs, tokenizer, *parts) -> str:
-    """A stable `datasets` cache key for tokenizing `docs` with `tokenizer` and settings `parts`.
+def tokenize_fingerprint(docs, tokenizer, *parts, paths: list[str] = ()) -> str:
+    """A stable `datasets` cache key for tokenizing `docs` (read from the local files `paths`) with `tokenizer`
+    and settings `parts`.
 
     datasets hashes the map function's closure, which holds the tokenizer and is not stable across
-    processes; a key of our own lets every rank reuse the main process's cached result.
+    processes; a key of our own lets every rank reuse the main process's cached result. datasets' fingerprint of
+    local files is their path and mtime, so each file's size, mtime_ns and content hash (`identity.py`) are in
+    the key too: a file rewritten with its mtime kept is tokenized again.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)  # slow (Python) tokenizers have none
     tok_id = (
@@ -163,7 +180,8 @@ def tokenize_fingerprint(docs, tokenizer, *parts) -> str:
         if backend is not None
         else f"{type(tokenizer).__name__}:{tokenizer.name_or_path}:{len(tokenizer)}"
     )
-    h = hashlib.sha256(f"{getattr(docs, '_fingerprint', '')}|{tok_id}|{_code_version()}|{parts}".encode())
+    files = [(d["path"], d["size"], d["mtime_ns"], d["xxh3_128"]) for d in files_identity(list(paths))]
+    h = hashlib.sha256(f"{getattr(docs, '_fingerprint', '')}|{tok_id}|{_code_version()}|{parts}|{files}".encode())
     return h.hexdigest()[:32]
 
 
@@ -181,6 +199,11 @@ def row_problems(tokenized, stats: SplitStats) -> np.ndarray:
     stats.bad = len(bad)
     reasons = arrow_column(tokenized, "invalid").filter(pa.array(flags))
     stats.bad_examples = reasons.slice(0, BAD_ROWS_LISTED).to_pylist()
+    if "empty_turn" in tokenized.column_names:
+        empty = _column_flags(tokenized, "empty_turn")
+        stats.empty_turns = int(empty.sum())
+        places = arrow_column(tokenized, "empty_turn").filter(pa.array(empty))
+        stats.empty_turn_examples = places.slice(0, BAD_ROWS_LISTED).to_pylist()
     keys = _column_flags(tokenized, "keys")
     for joined in arrow_column(tokenized, "keys").filter(pa.array(keys)).to_pylist():
         for key in joined.split(","):
@@ -226,6 +249,7 @@ def tokenize_rows(
         fmt,
         sorted((k, v) for k, v in vars(cfg).items() if k not in _PACKING_ONLY),
         formats.chat_template_of(tokenizer)[0] if fmt == "chat" else None,
+        paths=paths,
     )
     tokenized = docs.map(
         tok_fn,

@@ -71,6 +71,10 @@ def check(recipe: Recipe) -> Recipe:
         )
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise RecipeError(f"optimizer.betas: expected two values in [0, 1), got {o.betas}")
+    for key in ("lr", "eps", "weight_decay", "grad_clip"):
+        value = getattr(o, key)
+        if value is not None and not math.isfinite(value):  # NaN passes every comparison below
+            raise RecipeError(f"optimizer.{key}: must be a finite number, got {value}")
     if o.lr <= 0 or o.eps <= 0 or o.weight_decay < 0:
         raise RecipeError("optimizer: lr and eps must be > 0 and weight_decay >= 0")
     if o.grad_clip is not None and o.grad_clip <= 0:

@@ -165,6 +165,17 @@ def _parse_scalar(tp, text: str, path: str) -> Any:
         raise RecipeError(f"{path}: cannot parse {text!r}: {e}") from None
 
 
+def _yaml_value(text: str, key: str):
+    """An override's value read as YAML (safe_load: plain data only); RecipeError naming the key when it is not."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise RecipeError(
+            f"--set {key}: {text!r} is not a YAML value ({problem}); quote it or fix its brackets"
+        ) from None
+
+
 def set_override(recipe, item: str) -> None:
     """Apply one `key.path=value` override in place, typed by the field it sets."""
     if "=" not in item:
@@ -182,7 +193,9 @@ def set_override(recipe, item: str) -> None:
         tp = _hints(type(obj))[name]
         if i == len(parts) - 1:
             if tp is dict:
-                value = yaml.safe_load(text)
+                value = _yaml_value(text, path)
+                if not isinstance(value, dict):
+                    raise RecipeError(f"--set {path}: expects a mapping such as {{hidden_size: 256}}, got {text!r}")
             else:
                 value = _parse_scalar(tp, text, path)
             setattr(obj, name, convert(tp, value, path))
@@ -193,7 +206,9 @@ def set_override(recipe, item: str) -> None:
             sub = child
             for sub_name in parts[i + 1 : -1]:
                 sub = sub.setdefault(sub_name, {})
-            sub[parts[-1]] = yaml.safe_load(text)
+                if not isinstance(sub, dict):
+                    raise RecipeError(f"--set {key.strip()}: {sub_name} holds a value, not a mapping")
+            sub[parts[-1]] = _yaml_value(text, key.strip())
             return
         if not dataclasses.is_dataclass(child):
             raise RecipeError(f"{path}: is a value ({_type_name(tp)}), not a section")

@@ -3,6 +3,8 @@ plain dict (wandb config, checkpoints). The generic dict <-> dataclass conversio
 
 from __future__ import annotations
 
+import os
+
 import yaml
 
 from .checks import check
@@ -36,11 +38,19 @@ def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:
 
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     """Read a YAML recipe (yaml.safe_load), apply overrides, validate. Raises RecipeError."""
+    if os.path.isdir(path):
+        raise RecipeError(
+            f"recipe file {path!r} is a directory; name a YAML file (e.g. {os.path.join(path, 'recipe.yaml')})"
+        )
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise RecipeError(f"recipe file {path!r} not found") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save it as UTF-8"
+        ) from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(data, dict):

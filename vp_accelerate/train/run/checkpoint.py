@@ -22,20 +22,29 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import signal
 from typing import Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from . import ckpt_files as files
+from . import ckpt_space as space
+from .ckpt_files import CheckpointError
 
 LATEST = "latest"
 BEST = "best"
 META = "meta.json"
+TMP = ".tmp"
+"""A step folder being written (`step_X.tmp`): never read; removed by the next save."""
+OLD = ".old"
+"""A complete step folder moved aside while a re-save of its step renames the new one in."""
+STEP_DIR = re.compile(r"step_\d{8}")
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, or does not match the run loading it."""
+__all__ = ["CheckpointError"]
 
 
 def step_dir_name(step: int) -> str:
@@ -102,6 +111,67 @@ def set_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------- saving
+class _SimulatedCrash(RuntimeError):
+    """Raised by `_crash_after` (tests): never taken for a write error."""
+
+
+def _crash(stage: str, at: str | None) -> None:
+    if at == stage:
+        raise _SimulatedCrash(f"simulated crash after {stage}")
+    if at == f"kill:{stage}":  # tests: die as a SIGKILL would, with nothing cleaned up
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save_rank_files(rdir: str, model_state: dict, optimizer_state: dict, trainer_state: dict, crash) -> None:
+    """One rank's shard, optimizer and trainer state, each fsynced, then their sizes and hashes (files.json)."""
+    os.makedirs(rdir, exist_ok=True)
+    weights = os.path.join(rdir, "model.safetensors")
+    # safetensors refuses shared/non-contiguous storage; tied shards are saved once per name anyway.
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, weights)
+    _fsync_file(weights)
+    _crash("weights", crash)
+    for name, obj in (("optimizer.pt", optimizer_state), ("trainer_state.pt", trainer_state)):
+        path = os.path.join(rdir, name)
+        torch.save(obj, path)
+        _fsync_file(path)
+    names = ["model.safetensors", "optimizer.pt", "trainer_state.pt"]
+    _write_json(os.path.join(rdir, files.MANIFEST), files.record(rdir, names))
+    _fsync_dir(rdir)
+
+
+def _write_rank0_files(ckpt_dir: str, step: int, tmp: str, meta: dict, write_model_files, crash) -> None:
+    """model/ (config, tokenizer), meta.json (with model/'s sizes and hashes), then the re-save without a
+    window: new folder written -> the old one renamed aside -> the new one renamed in -> `latest` -> the old
+    one deleted. `latest` names a complete folder after a kill at any point (`read_latest` takes the aside
+    copy while the new one is not in yet)."""
+    final = os.path.join(ckpt_dir, step_dir_name(step))
+    aside = final + OLD
+    recorded = {}
+    if write_model_files is not None:
+        mdir = os.path.join(tmp, "model")
+        os.makedirs(mdir, exist_ok=True)
+        write_model_files(mdir)
+        for name in os.listdir(mdir):
+            _fsync_file(os.path.join(mdir, name))
+        recorded = {f"model/{n}": v for n, v in files.record(mdir, sorted(os.listdir(mdir))).items()}
+    _write_json(os.path.join(tmp, META), {**meta, "step": step, "files": recorded})
+    _fsync_dir(tmp)
+    _crash("rank0_files", crash)
+    if os.path.lexists(final):  # re-saving a step (e.g. after a resume): the complete one goes aside first
+        if os.path.lexists(aside):
+            shutil.rmtree(aside)  # a re-save's leftover: `final` is complete, so nothing reads it
+        os.rename(final, aside)
+        _fsync_dir(ckpt_dir)
+        _crash("aside", crash)
+    os.rename(tmp, final)
+    _fsync_dir(ckpt_dir)
+    _crash("rename", crash)
+    _write_pointer(ckpt_dir, LATEST, step_dir_name(step))
+    _crash("latest", crash)
+    if os.path.lexists(aside):
+        shutil.rmtree(aside)
+
+
 def save_checkpoint(
     ckpt_dir: str,
     step: int,
@@ -116,65 +186,70 @@ def save_checkpoint(
     keep: int = 2,
     best: bool = False,
     keep_best: bool = False,
+    agree: Callable[[object], list] | None = None,
     _crash_after: str | None = None,
 ) -> str:
     """Collective: every rank calls it with its own state. Returns the final checkpoint path.
 
     `meta` (rank 0's is written) must hold the layout fingerprint; `write_model_files(dir)` (rank 0)
     writes config/tokenizer files for export. `best`: this one becomes the `best` pointer's; `keep_best`: the
-    checkpoint `best` names is never pruned. `_crash_after` is for tests: raise after that stage.
+    checkpoint `best` names is never pruned. `agree(x)`: every rank's `x` (an all-gather; without it only this
+    rank's): a write error on any rank (a full disk) stops every rank with one line naming the file, nothing
+    lost. `_crash_after` is for tests: raise after that stage ("kill:STAGE": SIGKILL this process there).
     """
+    gather_all = agree or (lambda x: (barrier(), [x])[1])
     final = os.path.join(ckpt_dir, step_dir_name(step))
-    tmp = final + ".tmp"
+    tmp = final + TMP
     if rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
         if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # left by a crashed save
+            shutil.rmtree(tmp)  # left by a crashed save (one writer per output dir: `run_lock.py`)
         os.makedirs(tmp)
     barrier()
     rdir = os.path.join(tmp, rank_dir_name(rank))
-    os.makedirs(rdir, exist_ok=True)
-    weights = os.path.join(rdir, "model.safetensors")
-    # safetensors refuses shared/non-contiguous storage; tied shards are saved once per name anyway.
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, weights)
-    _fsync_file(weights)
-    if _crash_after == "weights":
-        raise RuntimeError("simulated crash after writing weights")
-    for name, obj in (("optimizer.pt", optimizer_state), ("trainer_state.pt", trainer_state)):
-        path = os.path.join(rdir, name)
-        torch.save(obj, path)
-        _fsync_file(path)
-    _fsync_dir(rdir)
-    barrier()
+    need = space.state_bytes(model_state) + space.state_bytes(optimizer_state) + space.state_bytes(trainer_state)
+    problem = space.too_full(ckpt_dir, need, rank)
+    if problem is None:
+        try:
+            _save_rank_files(rdir, model_state, optimizer_state, trainer_state, _crash_after)
+        except _SimulatedCrash:
+            raise
+        except (OSError, RuntimeError) as e:  # torch.save's C++ writer says `basic_ios::clear` on a full disk
+            problem = space.write_problem(e, rdir, ckpt_dir, need, rank)
+    _stop_on(gather_all(problem), ckpt_dir, tmp, rank)
     if rank == 0:
-        if write_model_files is not None:
-            mdir = os.path.join(tmp, "model")
-            os.makedirs(mdir, exist_ok=True)
-            write_model_files(mdir)
-            for name in os.listdir(mdir):
-                _fsync_file(os.path.join(mdir, name))
-        _write_json(os.path.join(tmp, META), {**meta, "step": step})
-        _fsync_dir(tmp)
-        if _crash_after == "rank0_files":
-            raise RuntimeError("simulated crash before the rename")
-        if os.path.exists(final):  # re-saving a step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
-        if _crash_after == "rename":
-            raise RuntimeError("simulated crash before updating latest")
-        latest_tmp = os.path.join(ckpt_dir, LATEST + ".tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(step_dir_name(step) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(ckpt_dir, LATEST))
-        _fsync_dir(ckpt_dir)
-        if best:
-            _write_pointer(ckpt_dir, BEST, step_dir_name(step))
-        _prune(ckpt_dir, keep, read_best(ckpt_dir) if keep_best else None)
-    barrier()
+        try:
+            _write_rank0_files(ckpt_dir, step, tmp, meta, write_model_files, _crash_after)
+            if best:
+                _write_pointer(ckpt_dir, BEST, step_dir_name(step))
+            _prune(ckpt_dir, keep, read_best(ckpt_dir) if keep_best else None)
+        except _SimulatedCrash:
+            raise
+        except (OSError, RuntimeError) as e:
+            problem = space.write_problem(e, tmp, ckpt_dir, 0, rank)
+    _stop_on(gather_all(problem), ckpt_dir, tmp, rank)
     return final
+
+
+def _stop_on(problems: list, ckpt_dir: str, tmp: str, rank: int) -> None:
+    """Every rank raises the first rank's write problem (one line); rank 0 removes the partial folder (the
+    space it held is what a full disk needs back; `latest` never named it)."""
+    said = [p for p in problems if p]
+    if not said:
+        return
+    if rank == 0 and os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = read_latest_quietly(ckpt_dir)
+    raise CheckpointError(f"{said[0]}; nothing is lost: {kept or 'no checkpoint was complete yet'}")
+
+
+def read_latest_quietly(ckpt_dir: str) -> str:
+    """What `latest` names, as words for a message (never raises)."""
+    try:
+        path = read_latest(ckpt_dir)
+    except CheckpointError:
+        return ""
+    return f"the last complete checkpoint {path} is untouched; free space, then --resume" if path else ""
 
 
 def _write_pointer(ckpt_dir: str, name: str, target: str) -> None:
@@ -188,13 +263,22 @@ def _write_pointer(ckpt_dir: str, name: str, target: str) -> None:
     _fsync_dir(ckpt_dir)
 
 
+def ours(ckpt_dir: str, name: str) -> bool:
+    """A folder this code wrote: `step_` and 8 digits, holding its meta.json (anything else is left alone)."""
+    return STEP_DIR.fullmatch(name) is not None and os.path.isfile(os.path.join(ckpt_dir, name, META))
+
+
 def _prune(ckpt_dir: str, keep: int, protect: str | None = None) -> None:
-    """Delete complete checkpoints older than the newest `keep` (never the one `latest` names, nor `protect`)."""
+    """Delete complete checkpoints older than the newest `keep` (never the one `latest` names, nor `protect`),
+    and the aside copy of a re-save whose new folder is in. Only folders this code wrote (`ours`)."""
     latest = read_latest(ckpt_dir)
-    steps = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))
+    steps = sorted(d for d in os.listdir(ckpt_dir) if ours(ckpt_dir, d))
     for name in steps[:-keep] if keep > 0 else []:
         if os.path.join(ckpt_dir, name) not in (latest, protect):
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+    for name in steps:
+        if ours(ckpt_dir, name + OLD) and os.path.join(ckpt_dir, name + OLD) not in (latest, protect):
+            shutil.rmtree(os.path.join(ckpt_dir, name + OLD), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------- loading
@@ -203,12 +287,18 @@ def read_latest(ckpt_dir: str) -> str | None:
     pointer = os.path.join(ckpt_dir, LATEST)
     if not os.path.isfile(pointer):
         return None
-    with open(pointer) as f:
+    with open(pointer, encoding="utf-8", errors="replace") as f:
         name = f.read().strip()
     path = os.path.join(ckpt_dir, name)
-    if not os.path.isfile(os.path.join(path, META)):
-        raise CheckpointError(f"{pointer} names {name}, which is not a complete checkpoint")
-    return path
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    if STEP_DIR.fullmatch(name) and os.path.isfile(os.path.join(path + OLD, META)):
+        return path + OLD  # a re-save was stopped between moving the old folder aside and renaming the new in
+    have = sorted(d for d in os.listdir(ckpt_dir) if ours(ckpt_dir, d))
+    raise CheckpointError(
+        f"{pointer} names {name!r}, which is not a complete checkpoint; resume from one that is "
+        f"(--resume STEP; complete ones there: {', '.join(have) or 'none'}), or delete {pointer} to start afresh"
+    )
 
 
 def read_best(ckpt_dir: str) -> str | None:
@@ -253,8 +343,8 @@ def resume_path(ckpt_dir: str | None, which: str = "latest") -> str | None:
 
 
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as f:
-        return json.load(f)
+    """A checkpoint's meta.json (CheckpointError naming the file and the fix when it cannot be read)."""
+    return files.read_json(os.path.join(path, META))
 
 
 def check_fingerprint(saved: dict, current: dict, path: str) -> None:
@@ -273,10 +363,20 @@ def load_rank(path: str, rank: int) -> tuple[dict, dict, dict]:
     rdir = os.path.join(path, rank_dir_name(rank))
     if not os.path.isdir(rdir):
         raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
-    model_state = load_file(os.path.join(rdir, "model.safetensors"))
-    optimizer_state = torch.load(os.path.join(rdir, "optimizer.pt"), weights_only=True, map_location="cpu")
-    trainer_state = torch.load(os.path.join(rdir, "trainer_state.pt"), weights_only=True, map_location="cpu")
+    recorded = files.rank_record(rdir) or {}
+    model_state = load_weights(path, rank, recorded)
+    optimizer_state = files.load_torch(os.path.join(rdir, "optimizer.pt"), recorded.get("optimizer.pt"))
+    trainer_state = files.load_torch(os.path.join(rdir, "trainer_state.pt"), recorded.get("trainer_state.pt"))
     return model_state, optimizer_state, trainer_state
+
+
+def load_weights(path: str, rank: int, recorded: dict | None = None) -> dict:
+    """One rank's `model.safetensors` of checkpoint `path`, checked against its recorded size and hash."""
+    rdir = os.path.join(path, rank_dir_name(rank))
+    if not os.path.isdir(rdir):
+        raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
+    recorded = files.rank_record(rdir) if recorded is None else recorded
+    return files.load_safetensors(os.path.join(rdir, "model.safetensors"), (recorded or {}).get("model.safetensors"))
 
 
 def check_shapes(saved: dict, current: dict, path: str, rank: int) -> None:
@@ -293,3 +393,27 @@ def check_shapes(saved: dict, current: dict, path: str, rank: int) -> None:
             f"checkpoint {path}, rank {rank}: parameters differ from this run's — "
             f"missing {missing[:5]}, unexpected {extra[:5]}, shapes {wrong[:5]}"
         )
+
+
+def check_weight_file(path: str, rank: int) -> None:
+    """One saved rank's model.safetensors is there and (when recorded) of the recorded size and hash."""
+    rdir = os.path.join(path, rank_dir_name(rank))
+    if not os.path.isdir(rdir):
+        raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
+    files.check_file(os.path.join(rdir, "model.safetensors"), (files.rank_record(rdir) or {}).get("model.safetensors"))
+
+
+def check_rank_files(path: str, rank: int) -> None:
+    """One saved rank's files are there, not empty, and (when recorded) of the recorded size and hash."""
+    rdir = os.path.join(path, rank_dir_name(rank))
+    if not os.path.isdir(rdir):
+        raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
+    recorded = files.rank_record(rdir) or {}
+    for name in sorted(set(recorded) | {"model.safetensors", "optimizer.pt", "trainer_state.pt"}):
+        files.check_file(os.path.join(rdir, name), recorded.get(name))
+
+
+def check_model_files(path: str, meta: dict) -> None:
+    """model/'s files (config, tokenizer) are whole and unchanged since the save (meta.json's record)."""
+    for rel, expected in sorted((meta.get("files") or {}).items()):
+        files.check_file(os.path.join(path, rel), expected)

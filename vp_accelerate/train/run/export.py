@@ -53,27 +53,42 @@ def replica0_files(path: str, meta: dict) -> list[tuple[str, frozenset[str]]]:
     replica0 = sorted((r for r in meta["ranks"] if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
     if not replica0:
         raise ckpt.CheckpointError(f"{path}: meta.json lists no ranks of data-parallel replica 0")
+    for r in replica0:  # every file whole and unchanged since the save, before the export writes anything
+        ckpt.check_weight_file(path, r["rank"])
     return [
         (os.path.join(path, ckpt.rank_dir_name(r["rank"]), "model.safetensors"), frozenset(r.get("duplicates", ())))
         for r in replica0
     ]
 
 
-def checkpoint_model_files(path: str):
-    """(config, tokenizer, meta) of checkpoint `path` (a step dir)."""
+def checkpoint_model_files(path: str, trust_remote_code: bool = False):
+    """(config, tokenizer, meta) of checkpoint `path` (a step dir).
+
+    `trust_remote_code` comes from the caller only (`export --trust-remote-code`, the run's own recipe for its
+    final export), never from the checkpoint: a shared checkpoint folder whose meta.json says so, with an
+    `auto_map` and a `configuration_*.py` in model/, would otherwise run its code here."""
     meta = ckpt.read_meta(path)
+    ckpt.check_model_files(path, meta)
     model_dir = os.path.join(path, "model")
-    trust = bool(((meta.get("recipe") or {}).get("model") or {}).get("trust_remote_code", False))
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ckpt.CheckpointError(
+            f"{model_dir} holds a model with its own Python code (auto_map in config.json); export runs it only "
+            f"when asked: if you trust where this checkpoint came from, add --trust-remote-code"
+        ) from None
     return config, tokenizer, meta
 
 
-def checkpoint_state(path: str):
+def checkpoint_state(path: str, trust_remote_code: bool = False):
     """(full HF state dict, config, tokenizer, meta) of checkpoint `path` (a step dir or a checkpoint root),
-    the whole model in memory: for LoRA merges (a full model export streams: `export_checkpoint`)."""
+    the whole model in memory: for LoRA merges (a full model export streams: `export_checkpoint`).
+    `trust_remote_code`: the caller's word (see `checkpoint_model_files`)."""
     path = ckpt.resolve(path)
-    config, tokenizer, meta = checkpoint_model_files(path)
+    config, tokenizer, meta = checkpoint_model_files(path, trust_remote_code)
     shards = []
     for file, skip in replica0_files(path, meta):
         shards.append({k: v for k, v in load_file(file).items() if k not in skip})
@@ -155,11 +170,13 @@ def export_checkpoint(
     adapter_only: bool = False,
     adapter_dir: str | None = None,
     dtype=None,
+    trust_remote_code: bool = False,
 ) -> str | None:
     """Write the HF model dir for checkpoint `path` (a step dir, or a checkpoint root with `latest`) to
     `out_dir`, and a LoRA run's adapter folder to `adapter_dir`; `adapter_only`: the adapter folder alone, in
     `out_dir`. `dtype` (a torch dtype): the weights' (None: as trained). A full model (no LoRA) is streamed one
-    rank file and one tensor at a time, one output file per pipeline rank (`max_shard_size` does not apply)."""
+    rank file and one tensor at a time, one output file per pipeline rank (`max_shard_size` does not apply).
+    `trust_remote_code`: the caller's word (see `checkpoint_model_files`)."""
     if (
         adapter_only is False
         and adapter_dir is None
@@ -167,7 +184,7 @@ def export_checkpoint(
     ):
         # a full model: streamed, one rank file and one tensor at a time (models/stream_export.py)
         step_dir = ckpt.resolve(path)
-        config, tokenizer, meta = checkpoint_model_files(step_dir)
+        config, tokenizer, meta = checkpoint_model_files(step_dir, trust_remote_code)
         export_rank_files(
             replica0_files(step_dir, meta),
             meta["vocab_size"],
@@ -178,7 +195,7 @@ def export_checkpoint(
             tokenizer=tokenizer,
         )
         return out_dir
-    state, config, tokenizer, meta = checkpoint_state(path)
+    state, config, tokenizer, meta = checkpoint_state(path, trust_remote_code)
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
     if adapter_only:
@@ -216,7 +233,10 @@ def export_final(run) -> str | None:
     adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter and not adapter.train_vocab else None
     if c.dir:
         if pipe.rank == 0:  # the final checkpoint is the best one with checkpoint.keep_best
-            export_checkpoint(final_checkpoint(run), out, adapter_dir=adapter_dir)
+            # the run's own recipe (the caller) says whether the model's code may run, not the checkpoint's file
+            export_checkpoint(
+                final_checkpoint(run), out, adapter_dir=adapter_dir, trust_remote_code=recipe.model.trust_remote_code
+            )
     elif adapter is None:  # a collective: each pipeline rank of replica 0 writes its own part
         pipe.export_hf(out, run.tokenizer)
     else:

@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from vp_accelerate.runtime.groups import host_group
 
-from ..recipe import recipe_to_dict
+from ..recipe import RecipeError, recipe_to_dict
 from . import checkpoint as ckpt
+from . import resume_check
 from .nonfinite import check_weights_before_save
 from .reshard import (
     LAYOUT_KEYS,
@@ -86,6 +87,7 @@ def save_run(run, step: int) -> None:
         "vocab_size": pipe.hf_config.vocab_size,
         "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
         "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names),
+        "data": resume_check.data_identity(run.recipe.data),  # by content, compared by --resume
     }
 
     def write_model_files(out_dir: str) -> None:
@@ -122,60 +124,67 @@ def save_run(run, step: int) -> None:
         keep=c.keep,
         best=c.keep_best and best.get("step") == step,
         keep_best=c.keep_best,
+        agree=gather,  # a write error on any rank (a full disk) stops every rank with the same line
     )
     if pipe.rank == 0:
         log.info("saved checkpoint %s", path)
 
 
-def resume_run(run, which: str = "latest") -> int:
+def resume_run(run, which: str = "latest", override=()) -> int:
     """Load checkpoint `which` (latest / a step / a path, see `checkpoint.resume_path`) into every piece of
-    `run`'s state; returns its step."""
+    `run`'s state; returns its step. `override`: the `--override` groups (`resume_check.py`) whose new values are
+    applied to the restored state instead of refusing the resume.
+
+    First every rank checks what it will read (the fingerprint, the recipe's optimizer / LR / data against the
+    checkpoint's, and its share of the checkpoint's files, each file by one rank, named on any error with the
+    fix); only when every rank has, anything is loaded and "resumed" said. A checkpoint keyed by parameter name
+    resumes into any layout (reshard.py: each tensor from the saved ranks' overlapping rows)."""
     pipe, cdir = run.pipe, run.recipe.checkpoint.dir
-    path = ckpt.resume_path(cdir, which)
-    if path is None:
+    problem, found = None, None
+    try:
+        path = ckpt.resume_path(cdir, which)
+        if path is not None:
+            meta = ckpt.read_meta(path)
+            mode = _resume_mode(run, path, meta)
+            applied = resume_check.check(
+                path, meta, run.recipe_dict, resume_check.data_identity(run.recipe.data), override
+            )
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            _check_files_share(path, meta, pipe.rank, world)
+            found = (path, meta, mode, applied)
+    except (ckpt.CheckpointError, RecipeError) as e:
+        problem = (type(e).__name__, str(e))
+    outcomes = gather((problem, None if found is None else int(found[1]["step"])))
+    _stop_on_any(outcomes, cdir)
+    if found is None:
         if pipe.rank == 0:
             log.warning("--resume: no checkpoint in %s; starting from step 0", cdir)
         return 0
-    meta = ckpt.read_meta(path)
-    steps = gather(int(meta["step"]))
-    if len(set(steps)) > 1:  # `latest` moved between ranks' reads: another run is writing into this dir
-        raise ckpt.CheckpointError(
-            f"ranks found different latest checkpoints in {cdir} (steps {steps}); is another "
-            f"run still writing there? Stop it and resume again"
-        )
-    saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
-    current = as_saved(saved, run.fingerprint, run.layout)
-    ckpt.check_fingerprint(must_match(saved), must_match(current), path)
-    same_layout = all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS)
-    if named_checkpoint(path):  # any layout: each tensor from the saved ranks' overlapping rows
-        reshard_model(pipe, path, meta)
-        load_named_optimizer_state(
-            run.optimizer, pipe.named_parameters(), reshard_optimizer_state(pipe, path, meta), same_groups=False
-        )
-        trainer_state = ckpt.load_rank(path, pipe.rank if same_layout else 0)[2]
-        if not same_layout:  # this rank's RNG: the saved rank of its number, where there is one
-            rng_rank = pipe.rank if pipe.rank < len(meta["ranks"]) else 0
-            trainer_state["rng"] = ckpt.load_rank(path, rng_rank)[2]["rng"]
-    elif all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS if k != "zero"):
-        # saved before checkpoints were keyed by name (and before ZeRO-1): its own rank's files, the whole
-        # optimizer state on every replica (a ZeroOptimizer keeps its own parameters' of it)
+    path, meta, mode, applied = found
+    fresh = resume_check.fresh_hyperparameters(run.optimizer, run.scheduler)
+    if mode == "own":  # saved before checkpoints were keyed by name: this rank's own files, its own layout
         model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
         ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
         pipe.load_state_dict(model_state)
         run.optimizer.load_state_dict(optimizer_state)
     else:
-        diffs = ", ".join(k for k in LAYOUT_KEYS if saved.get(k) != current.get(k))
-        raise ckpt.CheckpointError(
-            f"checkpoint {path} was saved before checkpoints could reshard, and this run changes {diffs}. "
-            f"Convert it once: resume it with the layout it was saved with (its meta.json recipe's pipeline "
-            f"section) and --stop-at {int(meta['step']) + 1}; the checkpoint that saves resumes into any layout"
+        reshard_model(pipe, path, meta)
+        load_named_optimizer_state(
+            run.optimizer, pipe.named_parameters(), reshard_optimizer_state(pipe, path, meta), same_groups=False
         )
+        same_layout = mode == "same"
+        trainer_state = ckpt.load_rank(path, pipe.rank if same_layout else 0)[2]
+        if not same_layout:  # this rank's RNG: the saved rank of its number, where there is one
+            rng_rank = pipe.rank if pipe.rank < len(meta["ranks"]) else 0
+            trainer_state["rng"] = ckpt.load_rank(path, rng_rank)[2]["rng"]
     run.scheduler.load_state_dict(trainer_state["scheduler"])
     groups = len(run.optimizer.param_groups)
     for key in ("base_lrs", "_last_lr"):  # another layout may have another number of groups (all share the LR)
         values = getattr(run.scheduler, key, None)
         if isinstance(values, list) and values and len(values) != groups:
             setattr(run.scheduler, key, [values[0]] * groups)
+    if "optimizer" in applied:  # --override optimizer: this run's values on the restored moments and step
+        resume_check.apply_hyperparameters(run.optimizer, run.scheduler, fresh)
     pipe.load_precision_state_dict(trainer_state.get("precision", {}))  # the fp16 loss scale
     run.train_it.load_state_dict(trainer_state["data"])
     ckpt.set_rng_state(trainer_state["rng"])
@@ -184,7 +193,56 @@ def resume_run(run, which: str = "latest") -> int:
     run.best.update(trainer_state.get("best", {}))
     if pipe.rank == 0:
         log.info("resumed from %s (step %d)", path, meta["step"])
+        if applied:
+            log.info("--resume --override: this run's %s applied to the restored state", " and ".join(applied))
     return int(meta["step"])
+
+
+def _resume_mode(run, path: str, meta: dict) -> str:
+    """How this run reads checkpoint `path`: "same" (keyed by name, this layout), "reshard" (keyed by name,
+    another layout) or "own" (saved before checkpoints were keyed by name: only into its own layout). Raises
+    CheckpointError for what cannot resume: another model, precision, batch, ...; an old checkpoint into
+    another layout (with the command that converts it)."""
+    saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
+    current = as_saved(saved, run.fingerprint, run.layout)
+    ckpt.check_fingerprint(must_match(saved), must_match(current), path)
+    if named_checkpoint(path):
+        return "same" if all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS) else "reshard"
+    if all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS if k != "zero"):
+        return "own"
+    diffs = ", ".join(k for k in LAYOUT_KEYS if saved.get(k) != current.get(k))
+    raise ckpt.CheckpointError(
+        f"checkpoint {path} was saved before checkpoints could reshard, and this run changes {diffs}. "
+        f"Convert it once: resume it with the layout it was saved with (its meta.json recipe's pipeline "
+        f"section) and --stop-at {int(meta['step']) + 1}; the checkpoint that saves resumes into any layout"
+    )
+
+
+def _check_files_share(path: str, meta: dict, rank: int, world: int) -> None:
+    """Check this rank's share of the checkpoint's files against their recorded sizes and hashes: the saved
+    rank folders k with k % world == rank (each file read by one rank, whatever the new layout), and model/'s
+    files on rank 0. CheckpointError names a missing, damaged or changed file and the fix."""
+    if rank == 0:
+        ckpt.check_model_files(path, meta)
+    saved = len(meta["ranks"]) if "ranks" in meta else len(meta["fingerprint"].get("layout") or []) or world
+    for k in range(saved):
+        if k % world == rank:
+            ckpt.check_rank_files(path, k)
+
+
+def _stop_on_any(outcomes: list, cdir) -> None:
+    """Raise the first rank's problem on every rank (the same error type), or refuse ranks that found different
+    checkpoints (`latest` moved between their reads)."""
+    for problem, _ in outcomes:
+        if problem is not None:
+            kind, message = problem
+            raise (RecipeError if kind == "RecipeError" else ckpt.CheckpointError)(message)
+    steps = sorted({step for _, step in outcomes if step is not None})
+    if len(steps) > 1 or (steps and any(step is None for _, step in outcomes)):
+        raise ckpt.CheckpointError(
+            f"ranks found different latest checkpoints in {cdir} (steps {[s for _, s in outcomes]}); is another "
+            f"run still writing there? Stop it and resume again"
+        )
 
 
 #: fingerprint keys that must match for weights-only initialisation (layout, data order, batch, seed may differ:
@@ -215,10 +273,14 @@ def init_weights_from(run, source: str) -> None:
 
 
 def named_checkpoint(path: str) -> bool:
-    """True when checkpoint `path` keeps its optimizer state by parameter name (it can reshard)."""
-    state = torch.load(
-        os.path.join(path, ckpt.rank_dir_name(0), "optimizer.pt"), weights_only=True, mmap=True, map_location="cpu"
-    )
+    """True when checkpoint `path` keeps its optimizer state by parameter name (it can reshard). Its rank 0
+    optimizer file is checked first (named on any damage), then read memory-mapped."""
+    ckpt.check_rank_files(path, 0)
+    file = os.path.join(path, ckpt.rank_dir_name(0), "optimizer.pt")
+    try:
+        state = torch.load(file, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - a damaged zip, a refused pickle, ...: the file is named
+        raise ckpt.CheckpointError(f"{file} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from None
     return is_named(state)
 
 

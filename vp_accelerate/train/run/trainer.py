@@ -34,6 +34,7 @@ from ..recipe.lr_schedule import build_scheduler
 from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config
 from ..tokens.tokenizer import load_tokenizer
 from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
+from . import run_lock
 from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer
@@ -187,13 +188,27 @@ def _adapter_line(recipe: Recipe, pipe) -> str | None:
     return describe_adapter(recipe.adapter, pipe.hf_config, trainable, total)
 
 
-def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None) -> Run:
+def lock_output(recipe: Recipe, is_main: bool) -> None:
+    """One writer per output dir (`run_lock.py`): the main process locks logging.output_dir, and checkpoint.dir
+    when it lies elsewhere; a held lock stops every rank with one line naming the run that holds it."""
+    with main_process_first("locking the output dir"):
+        if is_main:
+            out = recipe.logging.output_dir
+            run_lock.acquire(out, "logging.output_dir")
+            cdir = recipe.checkpoint.dir
+            if cdir and not os.path.abspath(cdir).startswith(os.path.abspath(out) + os.sep):
+                run_lock.acquire(cdir, "checkpoint.dir")
+
+
+def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None, override: tuple = ()) -> Run:
     """Accelerator, tokenizer, pipeline, data, optimizer and tracker of a run (resumed if asked: "latest" or
     True, a step number, or a checkpoint path; else initialised from model.init_from's weights if set).
-    `recipe` is not changed: `Run.recipe` is the resolved one (`resolved_recipe`, train.steps from epochs)."""
+    `override`: `--resume --override` groups (`resume_check.py`). `recipe` is not changed: `Run.recipe` is the
+    resolved one (`resolved_recipe`, train.steps from epochs)."""
     accelerator = make_accelerator(recipe)
     set_seed(recipe.train.seed)
     recipe = resolved_recipe(recipe, accelerator.mixed_precision)  # the caller's recipe stays as it was
+    lock_output(recipe, accelerator.is_main_process)  # before anything is written there
     which = "latest" if resume is True else (resume or None)
     model_dir, tokenizer, model_tokenizer, chat = load_model_and_tokenizers(recipe, accelerator)
     planned = plan_model(recipe, tokenizer, model_dir, model_tokenizer, chat)
@@ -235,7 +250,7 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         recipe_dict=recipe_to_dict(recipe),
         data=data,
     )
-    run.start_step = resume_run(run, which) if which else 0
+    run.start_step = resume_run(run, which, override) if which else 0
     if not which and recipe.model.init_from:
         init_weights_from(run, recipe.model.init_from)
     run.end_step = t.steps if stop_at is None else max(run.start_step, min(stop_at, t.steps))
@@ -277,6 +292,7 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     bar.close()
     finish(run)
     hf_dir = export_final(run)
+    run_lock.release_all()  # the output dir is free for the next run (in this process too)
     if hf_dir and recipe.checkpoint.keep_best and run.pipe.rank == 0:
         log.info(
             "checkpoint.keep_best: %s holds the checkpoint of step %d, the best eval loss (%.4f)",

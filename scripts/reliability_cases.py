@@ -1,0 +1,574 @@
+"""The trust and integrity cases of docs/reliability.md (issue 29): each case is tried, in one process, and the
+table between the markers in the doc is written from this list, so the doc cannot drift from what runs.
+
+    python scripts/reliability_cases.py            # run every case; exit 1 if any does not get what the table says
+    python scripts/reliability_cases.py --write    # run them, then rewrite the table in docs/reliability.md
+    python scripts/reliability_cases.py --table    # print the table (no run)
+
+A case is (what is tried, where it is caught, what it gets: the text its one line must hold). `run` makes the
+input in a fresh folder, tries it (`train --check`, the checkpoint loader, export, a save on a full disk) and
+returns (exit code or exception name, the output). tests/test_trust_cases.py checks that the doc's table is
+this list's (fast) and runs every case (slow); tests/test_trust_*.py assert each case in detail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+DOC = os.path.join(ROOT, "docs", "reliability.md")
+BEGIN = "<!-- reliability_cases.py: begin -->"
+END = "<!-- reliability_cases.py: end -->"
+
+
+@dataclass
+class Case:
+    tried: str
+    """The input or fault, as a user would describe it."""
+    caught: str
+    """Where: `--check` (before any process), `resume`, `save`, `load`, `export`, `data`."""
+    gets: str
+    """What the one line says (a regular expression the output must match; shown as written)."""
+    run: Callable[[str], tuple[object, str]]
+    """Try it in a fresh folder: (exit code or exception type name, output)."""
+    code: object = 2
+
+
+# ------------------------------------------------------------------------------------------ the inputs
+_TOK: dict = {}
+
+
+def _tokenizer_dir() -> str:
+    """A ~300-token BPE and a corpus, made once per process."""
+    if not _TOK:
+        from vp_accelerate.train.tokens.tokenizer import train_bpe
+
+        d = tempfile.mkdtemp(prefix="vp_cases_tok_")
+        words = ["alpha", "beta", "gamma", "мир", "世界"]
+        with open(os.path.join(d, "train.jsonl"), "w") as f:
+            for i in range(200):
+                f.write(json.dumps({"text": " ".join(words[(i + k) % 5] for k in range(20))}, ensure_ascii=False))
+                f.write("\n")
+        train_bpe([os.path.join(d, "train.jsonl")], 300, os.path.join(d, "tok"), min_frequency=1)
+        _TOK["dir"] = d
+    return _TOK["dir"]
+
+
+def _recipe(work: str, **sections) -> str:
+    import yaml
+
+    tok = _tokenizer_dir()
+    data = {
+        "model": {"source": "llama-tiny"},
+        "tokenizer": {"source": f"bpe:{os.path.join(tok, 'tok')}"},
+        "data": {"files": [os.path.join(tok, "train.jsonl")], "seq_len": 64},
+        "pipeline": {"microbatches": 4},
+        "train": {"global_batch": 8},
+        "eval": {"batches": 0},
+        "logging": {"output_dir": os.path.join(work, "out"), "wandb_mode": "disabled"},
+    }
+    for key, value in sections.items():
+        data.setdefault(key, {}).update(value)
+    path = os.path.join(work, "recipe.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    return path
+
+
+def _captured(fn) -> tuple[object, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = fn()
+        except SystemExit as e:
+            code = e.code
+        except Exception as e:  # noqa: BLE001 - the case's outcome is the exception's name and message
+            return type(e).__name__, f"{type(e).__name__}: {e}"
+    return code, err.getvalue()
+
+
+def _check(work: str, recipe: str, *args) -> tuple[object, str]:
+    from vp_accelerate.train.cli.commands import train_main
+
+    return _captured(lambda: train_main([recipe, "--check", "--world-size", "2", *args]))
+
+
+def _write(path: str, data: bytes) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _with_data(data: bytes, name: str = "d.jsonl", **extra):
+    def run(work):
+        path = _write(os.path.join(work, name), data)
+        return _check(work, _recipe(work, data={"files": [path], **extra}))
+
+    return run
+
+
+def _with_set(item: str):
+    return lambda work: _check(work, _recipe(work), "--set", item)
+
+
+def _model_dir(work: str, config: str | None = None, missing_shard: bool = False) -> str:
+    from safetensors.torch import save_file
+
+    from vp_accelerate.train.recipe.presets import preset_config
+
+    d = os.path.join(work, "model")
+    preset_config("llama-tiny").save_pretrained(d)
+    if config is not None:
+        _write(os.path.join(d, "config.json"), config.encode())
+    if missing_shard:
+        index = {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
+        _write(os.path.join(d, "model.safetensors.index.json"), json.dumps(index).encode())
+        save_file({}, os.path.join(d, "model-1.safetensors"))
+    return d
+
+
+def _model(**kw):
+    return lambda work: _check(work, _recipe(work, model={"source": _model_dir(work, **kw)}))
+
+
+def _saved(work: str, steps=(1, 2), meta_extra=None, model_files=None) -> str:
+    import torch
+
+    from vp_accelerate.train.run import checkpoint as ckpt
+
+    root = os.path.join(work, "ckpt")
+    path = ""
+    for step in steps:
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = torch.optim.AdamW([p])
+        path = ckpt.save_checkpoint(
+            root,
+            step,
+            rank=0,
+            model_state={"w": torch.randn(64, 64)},
+            optimizer_state=opt.state_dict(),
+            trainer_state={"step": step},
+            meta={"fingerprint": {}, **(meta_extra or {})},
+            barrier=lambda: None,
+            write_model_files=model_files,
+        )
+    return path
+
+
+def _damaged(rel: str, how: str):
+    def run(work):
+        from vp_accelerate.train.run import checkpoint as ckpt
+
+        path = _saved(work)
+        target = os.path.join(path, rel)
+        if how == "truncate":
+            os.truncate(target, os.path.getsize(target) // 2)
+        elif how == "empty":
+            os.truncate(target, 0)
+        elif how == "remove":
+            os.remove(target)
+        elif how == "flip":
+            with open(target, "r+b") as f:
+                f.seek(os.path.getsize(target) - 9)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 1]))
+        elif how == "garble":
+            _write(target, b"{not json")
+        return _captured(lambda: (ckpt.read_meta(path), ckpt.load_rank(path, 0)) and 0)
+
+    return run
+
+
+def _dangling_latest(work):
+    _write(os.path.join(work, "out", "checkpoints", "latest"), b"step_00000003\n")
+    return _check(work, _recipe(work))
+
+
+def _resume_changed(work):
+    from vp_accelerate.train.recipe import load_recipe, recipe_to_dict
+    from vp_accelerate.train.run.resume_check import data_identity
+
+    recipe = load_recipe(_recipe(work))
+    meta = {"recipe": recipe_to_dict(recipe), "data": data_identity(recipe.data)}
+    cdir = os.path.join(work, "out", "checkpoints")
+    os.makedirs(cdir)
+    os.replace(_saved(work, steps=(3,), meta_extra=meta), os.path.join(cdir, "step_00000003"))
+    _write(os.path.join(cdir, "latest"), b"step_00000003\n")
+    sets = ["optimizer.lr=1e-6", "optimizer.weight_decay=0.5", "lr.decay=constant"]
+    return _check(work, _recipe(work), "--resume", *[x for s in sets for x in ("--set", s)])
+
+
+def _output_dir_locked(work):
+    from vp_accelerate.train.cli.commands import _run
+    from vp_accelerate.train.recipe import load_recipe
+
+    out = os.path.join(work, "out")
+    hold = "import sys,time; from vp_accelerate.train.run import run_lock; run_lock.acquire(sys.argv[1]); print(1, flush=True); time.sleep(60)"
+    first = subprocess.Popen([sys.executable, "-c", hold, out], stdout=subprocess.PIPE, text=True)
+    try:
+        first.stdout.readline()
+        args = type("Args", (), {"resume": None, "stop_at": None, "override": []})()
+        return _captured(lambda: _run(load_recipe(_recipe(work)), args))
+    finally:
+        first.kill()
+        first.wait()
+
+
+def _export_remote_code(work):
+    from vp_accelerate.train.cli.commands import export_main
+
+    mark = os.path.join(work, "payload_ran")
+
+    def files(d):
+        _write(
+            os.path.join(d, "config.json"),
+            json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "c.Evil"}}).encode(),
+        )
+        _write(os.path.join(d, "c.py"), f"open({mark!r}, 'w').write('ran')\n".encode())
+
+    meta = {
+        "ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}],
+        "vocab_size": 64,
+        "recipe": {"model": {"trust_remote_code": True}},
+    }
+    path = _saved(work, steps=(1,), meta_extra=meta, model_files=files)
+    code, out = _captured(lambda: export_main([path, os.path.join(work, "hf")]))
+    return code, out + (" PAYLOAD RAN" if os.path.exists(mark) else " payload not run")
+
+
+def _full_disk(work):
+    from vp_accelerate.train.run import ckpt_space
+
+    real = ckpt_space.free_bytes
+    ckpt_space.free_bytes = lambda path: 4096
+    try:
+        return _captured(lambda: _saved(work, steps=(1,)) and 0)
+    finally:
+        ckpt_space.free_bytes = real
+
+
+def _prune_foreign(work):
+    root = os.path.join(work, "ckpt")
+    for name in ("step_00000000", "step_backup"):
+        _write(os.path.join(root, name, "notes.txt"), b"the user's")
+    _saved(work, steps=(1, 2, 3))
+    left = sorted(os.listdir(root))
+    return 0, "left: " + ", ".join(left)
+
+
+def _resave_window(work):
+    import multiprocessing
+
+    from vp_accelerate.train.run import checkpoint as ckpt
+
+    def killed(stage):
+        import torch
+
+        p = torch.nn.Parameter(torch.zeros(4))
+        ckpt.save_checkpoint(
+            os.path.join(work, "ckpt"),
+            2,
+            rank=0,
+            model_state={"w": torch.randn(64, 64)},
+            optimizer_state=torch.optim.AdamW([p]).state_dict(),
+            trainer_state={"step": 2},
+            meta={"fingerprint": {}},
+            barrier=lambda: None,
+            _crash_after=f"kill:{stage}",
+        )
+
+    _saved(work)
+    said = []
+    for stage in ("weights", "rank0_files", "aside", "rename", "latest"):
+        child = multiprocessing.get_context("fork").Process(target=killed, args=(stage,))
+        child.start()
+        child.join(60)
+        path = ckpt.read_latest(os.path.join(work, "ckpt"))
+        ckpt.load_rank(path, 0)
+        said.append(f"{stage}: latest loads ({os.path.basename(path)})")
+    return 0, "; ".join(said)
+
+
+def _chat_empty_turn(work):
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "beta"},
+                {"role": "assistant", "content": "" if i == 4 else "alpha " * 9},
+            ]
+        }
+        for i in range(120)
+    ]
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    return _with_data(data, format="chat")(work)
+
+
+def _stale_cache(work):
+    from transformers import AutoTokenizer
+
+    from vp_accelerate.train.data import build_data
+    from vp_accelerate.train.recipe import DataSection
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(_tokenizer_dir(), "tok"))
+    path = _write(os.path.join(work, "d.txt"), b"alpha beta gamma\n" * 60)
+    cfg = DataSection(files=[path], seq_len=8, eval_holdout=0.0)
+    first = next(build_data(cfg, tok, len(tok), 0, 2)[0])["input_ids"]
+    st = os.stat(path)
+    _write(path, b"gamma alpha beta\n" * 60)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = next(build_data(cfg, tok, len(tok), 0, 2)[0])["input_ids"]
+    return 0, "the new rows are read" if not (first == second).all() else "the OLD rows came from the cache"
+
+
+CASES = [
+    Case(
+        "`export` of a shared checkpoint whose meta.json sets `trust_remote_code` and whose model/ has an `auto_map` + code",
+        "export",
+        r"own Python code .* add --trust-remote-code.* payload not run",
+        _export_remote_code,
+    ),
+    Case(
+        "`--resume` with `--set optimizer.lr=1e-6 optimizer.weight_decay=0.5 lr.decay=constant`",
+        "`--check` and resume",
+        r"optimizer.lr: the checkpoint has 0.0003, this run 1e-06 .*--resume --override optimizer",
+        _resume_changed,
+    ),
+    Case(
+        "a data file rewritten with its mtime kept (`cp -p`, `rsync -a`)",
+        "data (cache key by content)",
+        r"the new rows are read",
+        _stale_cache,
+        0,
+    ),
+    Case(
+        "a second run into an `output_dir` a live run holds",
+        "start of the run",
+        r"another run is writing into .* \(host .*, pid \d+",
+        _output_dir_locked,
+    ),
+    Case(
+        "a re-save of the step `latest` names, killed (SIGKILL) at each point",
+        "save",
+        r"weights: latest loads.*aside: latest loads \(step_00000002.old\).*latest: latest loads",
+        _resave_window,
+        0,
+    ),
+    Case(
+        "truncated `model.safetensors`",
+        "load (every rank, before `resumed`)",
+        r"checkpoint file .*model.safetensors is \d+ bytes, \d+ were saved .*--resume 1",
+        _damaged("rank_00000/model.safetensors", "truncate"),
+        "CheckpointError",
+    ),
+    Case(
+        "one flipped bit in `model.safetensors`",
+        "load",
+        r"model.safetensors does not hold the bytes that were saved",
+        _damaged("rank_00000/model.safetensors", "flip"),
+        "CheckpointError",
+    ),
+    Case(
+        "truncated `optimizer.pt`",
+        "load",
+        r"optimizer.pt is \d+ bytes, \d+ were saved",
+        _damaged("rank_00000/optimizer.pt", "truncate"),
+        "CheckpointError",
+    ),
+    Case(
+        "empty `trainer_state.pt`",
+        "load",
+        r"trainer_state.pt is empty \(0 bytes\)",
+        _damaged("rank_00000/trainer_state.pt", "empty"),
+        "CheckpointError",
+    ),
+    Case(
+        "missing `optimizer.pt`",
+        "load",
+        r"optimizer.pt is missing; the checkpoint .* is damaged",
+        _damaged("rank_00000/optimizer.pt", "remove"),
+        "CheckpointError",
+    ),
+    Case(
+        "unparsable `meta.json`",
+        "load",
+        r"meta.json is not valid JSON",
+        _damaged("meta.json", "garble"),
+        "CheckpointError",
+    ),
+    Case(
+        "`step_*` folders in `checkpoint.dir` the run did not write",
+        "pruning",
+        r"left: latest, step_00000000, step_00000002, step_00000003, step_backup",
+        _prune_foreign,
+        0,
+    ),
+    Case(
+        "a full disk at a save",
+        "save (every rank)",
+        r"disk full: rank 0 needs about \d+ bytes .* 4096 are free",
+        _full_disk,
+        "CheckpointError",
+    ),
+    Case(
+        "a non-UTF-8 byte in a JSONL",
+        "`--check`",
+        r"d.jsonl, line 2, column 14: byte 0xe9 is not UTF-8",
+        _with_data(b'{"text": "ok"}\n{"text": "caf\xe9"}\n' + b'{"text": "alpha beta"}\n' * 150),
+    ),
+    Case("a recipe that is a directory", "`--check`", r"is a directory; name a YAML file", lambda w: _check(w, w)),
+    Case(
+        "a recipe that is not UTF-8",
+        "`--check`",
+        r"not UTF-8 text \(byte 0xe9",
+        lambda w: _check(w, _write(os.path.join(w, "r.yaml"), b"train: {steps: 3} # caf\xe9\n")),
+    ),
+    Case(
+        "`--set model.config={hidden_size: 64` (malformed)",
+        "`--check`",
+        r"--set model.config: .* is not a YAML value",
+        _with_set("model.config={hidden_size: 64"),
+    ),
+    Case(
+        "`--set model.config=[1, 2]`",
+        "`--check`",
+        r"--set model.config: expects a mapping",
+        _with_set("model.config=[1, 2]"),
+    ),
+    Case(
+        "`--set model.config.hidden_size=abc` (mistyped)",
+        "`--check`",
+        r"model.config.hidden_size: expects an integer",
+        _with_set("model.config.hidden_size=abc"),
+    ),
+    Case(
+        "`--set optimizer.lr=.nan`",
+        "`--check`",
+        r"optimizer.lr: must be a finite number, got nan",
+        _with_set("optimizer.lr=.nan"),
+    ),
+    Case(
+        "a model dir with a broken `config.json`",
+        "`--check`",
+        r"config.json is not valid JSON",
+        _model(config='{"model_type": "llama",'),
+    ),
+    Case(
+        "a safetensors shard the index names is missing",
+        "`--check`",
+        r"missing 1 of the 2 weight files .*model-2.safetensors",
+        _model(missing_shard=True),
+    ),
+    Case(
+        "`checkpoint.dir` pointing at a file",
+        "`--check`",
+        r"checkpoint.dir: .* is a file, not a directory",
+        lambda w: _check(w, _recipe(w, checkpoint={"dir": _write(os.path.join(w, "f"), b"x")})),
+    ),
+    Case(
+        "a dangling `latest` without `--resume`",
+        "`--check`",
+        r"names 'step_00000003', which is not a complete checkpoint",
+        _dangling_latest,
+    ),
+    Case(
+        "a directory listed beside a data file",
+        "`--check`",
+        r"more' is a directory, not a data file",
+        lambda w: _check(
+            w,
+            _recipe(
+                w,
+                data={
+                    "files": [
+                        os.path.join(_tokenizer_dir(), "train.jsonl"),
+                        os.makedirs(os.path.join(w, "more")) or os.path.join(w, "more"),
+                    ]
+                },
+            ),
+        ),
+    ),
+    Case(
+        "a directory as the only data file",
+        "`--check`",
+        r"more' is a directory, not a data file",
+        lambda w: _check(
+            w, _recipe(w, data={"files": [os.makedirs(os.path.join(w, "more")) or os.path.join(w, "more")]})
+        ),
+    ),
+    Case(
+        "a JSONL with a UTF-8 BOM",
+        "`--check`",
+        r"checked: data.files .*: 150 rows",
+        _with_data(b"\xef\xbb\xbf" + b'{"text": "alpha beta gamma"}\n' * 150),
+        0,
+    ),
+    Case(
+        "an assistant turn with empty content",
+        "`--check` (a warning)",
+        r"1 conversation\(s\) have an assistant turn with empty content.*d.jsonl, line 5",
+        _chat_empty_turn,
+        0,
+    ),
+]
+
+
+def table() -> str:
+    rows = ["| input or fault tried | caught at | what it gets (the line holds) |", "|---|---|---|"]
+    for c in CASES:
+        code = f"exit {c.code}" if isinstance(c.code, int) else c.code
+        rows.append(f"| {c.tried} | {c.caught} | {code}: `{c.gets}` |")
+    return "\n".join(rows)
+
+
+def doc_table(text: str) -> str:
+    """The table between the markers of docs/reliability.md."""
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+
+
+def run_all() -> list[str]:
+    """Each case tried in a fresh folder; the problems (none when every case got what the table says)."""
+    problems = []
+    for c in CASES:
+        with tempfile.TemporaryDirectory(prefix="vp_case_") as work:
+            os.environ["HF_DATASETS_CACHE"] = os.path.join(work, "ds_cache")
+            code, out = c.run(work)
+        flat = " ".join(out.split())
+        ok = code == c.code and re.search(c.gets, flat) is not None and "Traceback" not in out
+        print(f"{'ok ' if ok else 'BAD'} {c.tried}: {code}: {flat[-300:]}", flush=True)
+        if not ok:
+            problems.append(f"{c.tried}: got {code!r}: {flat[-500:]}")
+    return problems
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="rewrite the table in docs/reliability.md after the run")
+    ap.add_argument("--table", action="store_true", help="print the table without running the cases")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(table())
+        return 0
+    problems = run_all()
+    if args.write:
+        text = open(DOC, encoding="utf-8").read()
+        text = text.replace(doc_table(text), table())
+        open(DOC, "w", encoding="utf-8").write(text)
+    print("OK" if not problems else f"FAILED: {len(problems)} case(s)")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

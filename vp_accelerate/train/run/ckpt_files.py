@@ -1,0 +1,146 @@
+"""Every file of a checkpoint is read here: one loader per kind that names the file and the fix on any error
+(missing, empty, truncated, unparsable, or bytes that differ from what was saved), and the per-file record of
+size and hash that catches the last.
+
+Each rank writes `rank_XXXXX/files.json` beside its shards: every file's size and xxh3-128 hash, taken from
+the bytes as written (read back after the fsync). Rank 0 records `model/`'s files the same way in meta.json
+("files"). A load checks the size first (a truncated copy costs a `stat`), then the hash (a flipped byte costs
+one more pass over the file: 0.30-0.65 s per GiB measured on the shared 2-core build box, file in the page cache,
+against 0.3 s for safetensors' own load of it). Checkpoints from before the record are read without it.
+
+Loading uses safetensors and `torch.load(weights_only=True)` only: no file runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors.torch import load_file
+
+from ..data.identity import content_hash as digest
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, damaged, or does not match the run loading it."""
+
+
+MANIFEST = "files.json"
+"""Per rank folder: {file name: {"size": bytes, "xxh3_128": hex}} of the files the rank wrote."""
+
+_STEP = re.compile(r"step_\d{8}")
+
+
+def record(folder: str, names) -> dict:
+    """{name: {"size", "xxh3_128"}} of files in `folder` as they are on disk now."""
+    return {
+        n: {"size": os.path.getsize(os.path.join(folder, n)), "xxh3_128": digest(os.path.join(folder, n))}
+        for n in names
+    }
+
+
+def _checkpoint_of(path: str) -> tuple[str, str]:
+    """(the step folder a checkpoint file is in, the checkpoint root) of a file path."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while folder != os.path.dirname(folder) and not _STEP.fullmatch(os.path.basename(folder).split(".")[0]):
+        folder = os.path.dirname(folder)
+    if not _STEP.fullmatch(os.path.basename(folder).split(".")[0]):
+        folder = os.path.dirname(os.path.abspath(path))
+    return folder, os.path.dirname(folder)
+
+
+def fix(path: str) -> str:
+    """What to do about a damaged file of a checkpoint: the other complete checkpoints beside it, by step."""
+    step_dir, root = _checkpoint_of(path)
+    others = []
+    if os.path.isdir(root):
+        others = sorted(
+            d
+            for d in os.listdir(root)
+            if _STEP.fullmatch(d)
+            and d != os.path.basename(step_dir)
+            and os.path.isfile(os.path.join(root, d, "meta.json"))
+        )
+    where = (
+        f"resume from another checkpoint (--resume {int(others[-1][5:])}; complete ones in {root}: {', '.join(others)})"
+        if others
+        else "there is no other complete checkpoint beside it, so start the run afresh"
+    )
+    return f"the checkpoint {step_dir} is damaged; copy it again from where it came from, or {where}"
+
+
+def _damaged(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path} {what}; {fix(path)}")
+
+
+def _present(path: str) -> None:
+    if not os.path.isfile(path):
+        raise _damaged(path, "is missing")
+    if os.path.getsize(path) == 0:
+        raise _damaged(path, "is empty (0 bytes)")
+
+
+def read_json(path: str) -> dict:
+    """A JSON file of a checkpoint (meta.json, files.json) as a dict."""
+    _present(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _damaged(path, f"is not valid JSON ({type(e).__name__}: {' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise _damaged(path, f"holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def check_file(path: str, expected: dict | None) -> None:
+    """The file is there, not empty, and (when a record exists) of the recorded size and hash."""
+    _present(path)
+    if expected is None:
+        return
+    size = os.path.getsize(path)
+    if size != expected["size"]:
+        raise _damaged(
+            path, f"is {size} bytes, {expected['size']} were saved (truncated, or a copy that did not finish)"
+        )
+    if digest(path) != expected["xxh3_128"]:
+        raise _damaged(path, "does not hold the bytes that were saved (its hash differs: changed bytes on disk)")
+
+
+def load_safetensors(path: str, expected: dict | None = None) -> dict:
+    """A safetensors file's tensors, checked against the record."""
+    check_file(path, expected)
+    try:
+        return load_file(path)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from None
+
+
+def load_torch(path: str, expected: dict | None = None):
+    """A `torch.save` file (weights_only: tensors and plain containers, no code), checked against the record."""
+    check_file(path, expected)
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - zip reader RuntimeError, EOFError, UnpicklingError (refused code), ...
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from None
+
+
+def rank_record(rank_dir: str) -> dict | None:
+    """A rank folder's files.json (None for a checkpoint saved before it was written)."""
+    path = os.path.join(rank_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    return read_json(path)
+
+
+def check_all(step_dir: str, meta: dict) -> None:
+    """Every recorded file of a checkpoint (model/ and each rank folder) is there, whole and unchanged."""
+    for rel, expected in sorted((meta.get("files") or {}).items()):
+        check_file(os.path.join(step_dir, rel), expected)
+    for name in sorted(os.listdir(step_dir)):
+        if name.startswith("rank_") and os.path.isdir(os.path.join(step_dir, name)):
+            found = rank_record(os.path.join(step_dir, name)) or {}
+            for file, expected in sorted(found.items()):
+                check_file(os.path.join(step_dir, name, file), expected)
