@@ -174,7 +174,10 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         recipe, notes, found = _checked_recipe(args)
     except RecipeError as e:
-        say_once(f"recipe error: {e}")  # every launched rank found the same: said once per machine
+        from ..recipe.load import where
+
+        # every launched rank found the same: said once per machine, with the recipe line that set the key
+        say_once(f"recipe error: {e} {where(args.recipe, str(e), args.overrides)}")
         return 2
     if args.check:
         from .check import run_check

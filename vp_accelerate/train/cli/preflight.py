@@ -28,6 +28,7 @@ from ..data.check import check_columns
 from ..data.formats import chat_template_of, document_boundaries, sample_format
 from ..data.read import DataError, first_record_columns
 from ..data.sources import builder_for, expand_files
+from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
 from ..recipe.presets import PRESETS, preset_config
@@ -268,12 +269,21 @@ def pipeline_size(recipe, world_size: int | None) -> int | None:
         if p.pp_size is not None and p.pp_size * p.dp_size != world_size:
             raise RecipeError(
                 f"pipeline.pp_size: pp_size={p.pp_size} x dp_size={p.dp_size} = "
-                f"{p.pp_size * p.dp_size}, but {world_size} processes are launched"
+                f"{p.pp_size * p.dp_size}, but {world_size} processes are launched; {_layouts(world_size)}"
             )
         if world_size % p.dp_size:
-            raise RecipeError(f"pipeline.dp_size: {world_size} processes cannot form {p.dp_size} equal replicas")
+            raise RecipeError(
+                f"pipeline.dp_size: {world_size} processes cannot form {p.dp_size} equal replicas; "
+                f"{_layouts(world_size)}"
+            )
         return world_size // p.dp_size
     return p.pp_size
+
+
+def _layouts(world_size: int) -> str:
+    """The (pp_size, dp_size) pairs `world_size` processes can hold, for an error message."""
+    pairs = [f"pp_size={world_size // dp} dp_size={dp}" for dp in range(1, world_size + 1) if world_size % dp == 0]
+    return f"{world_size} processes hold " + ", ".join(pairs)
 
 
 def _check_schedule(recipe, config, pp: int) -> str:
@@ -336,6 +346,7 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
         vocab = plan.rows_after
         notes += plan.lines()
     if pp is None:
+        notes.append(describe_batch(recipe))
         notes.append("world size unknown (not launched; pass --world-size to --check): schedule not checked")
         return notes
     if METHODS[recipe.pipeline.method].vocab_parallel and vocab < pp:
@@ -344,5 +355,6 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
             f"(every rank needs at least one row); use a larger vocabulary or fewer ranks"
         )
     notes.append(_check_schedule(recipe, config, pp))
+    notes.append(describe_batch(recipe, pp))
     notes.append(f"vocabulary {vocab} rows, seq_len {recipe.data.seq_len} <= max positions {max_pos}")
     return notes

@@ -3,6 +3,7 @@ boundaries (position ids restart per document; `to_sequences` picks by the recip
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -22,6 +23,17 @@ def warn(message: str, *args) -> None:
     """A warning about the data, from the first process only (every rank prepares the same data)."""
     if os.environ.get("RANK", "0") == "0":
         log.warning(message, *args)
+
+
+@contextlib.contextmanager
+def quiet():
+    """No data warnings inside (a trial packing whose result is thrown away)."""
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def pack(token_rows, seq_len: int) -> np.ndarray:

@@ -273,10 +273,11 @@ def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None]
         return
     ppl = math.exp(min(loss, 50.0))
     best = run.best
-    if loss < best["loss"] - e.min_delta:
-        best.update(loss=loss, step=step, stale=0)
-    else:
-        best["stale"] += 1
+    # patience counts evaluations without a gain of more than min_delta over the best (transformers'
+    # EarlyStoppingCallback threshold); the best (keep_best's checkpoint) is the lowest loss, whatever the gain
+    best["stale"] = 0 if loss < best["loss"] - e.min_delta else best["stale"] + 1
+    if loss < best["loss"]:
+        best.update(loss=loss, step=step)
     run.tracker.log({"eval/loss": loss, "eval/ppl": ppl, "eval/best_loss": best["loss"]}, step)
     if run.accelerator.is_main_process:
         say(
