@@ -89,6 +89,13 @@ def export_adapter(pipe, out_dir, base_model_name_or_path: str | None = None, to
             "an adapter folder does not hold; export the merged model with export_hf"
         )
     g = pipe.groups
+    if pipe.adapter.trainable_tokens:  # the trained rows lie in every rank's shard: gather the whole model
+        sd, transposed = gather_hf_state_dict(pipe), _all_lora_transposed(pipe)
+        if sd is not None and g.dp_rank == 0:
+            save_adapter(
+                sd, pipe.mods.config, pipe.adapter, transposed, out_dir, base_model_name_or_path, tokenizer=tokenizer
+            )
+        return
     local = {n: p.detach().cpu() for n, p in pipe.named_parameters() if is_lora_name(n)}
     gathered = [None] * dist.get_world_size(g.pp_host_group) if g.pp_rank == 0 else None
     dist.gather_object((local, pipe.lora_transposed), gathered, group=g.pp_host_group, group_dst=0)

@@ -34,7 +34,13 @@ from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapsho
 from ..recipe.presets import PRESETS, preset_config
 from ..run import checkpoint as ckpt
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
-from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
+from ..tokens.vocab_plan import (
+    model_tokenizer_source,
+    plan_vocab,
+    prepare_tokenizers,
+    tokenizer_source,
+    trainable_token_rows,
+)
 
 
 def world_size_from_env() -> int | None:
@@ -345,6 +351,8 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
     else:
         vocab = plan.rows_after
         notes += plan.lines()
+        _, rows_note = trainable_token_rows(recipe, found["tokenizer"], plan.chat, vocab)
+        notes += [rows_note] if rows_note else []
     if pp is None:
         notes.append(describe_batch(recipe))
         notes.append("world size unknown (not launched; pass --world-size to --check): schedule not checked")

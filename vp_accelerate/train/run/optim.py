@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 
-def build_optimizer(named_parameters, opt_cfg) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (dim >= 2) only; norms and biases are not decayed."""
+def build_optimizer(named_parameters, opt_cfg, row_trained=()) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (dim >= 2) only; norms and biases are not decayed, nor a vocabulary
+    weight of which only some rows train (`row_trained`, ids of such weights: decay would move the frozen rows)."""
     decay, no_decay = [], []
     for _, p in named_parameters:
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if p.dim() >= 2 and id(p) not in row_trained else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps

@@ -31,7 +31,13 @@ from ..recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
 from ..recipe.lr_schedule import build_scheduler
 from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config
 from ..tokens.tokenizer import load_tokenizer
-from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
+from ..tokens.vocab_plan import (
+    model_tokenizer_source,
+    plan_vocab,
+    prepare_tokenizers,
+    tokenizer_source,
+    trainable_token_rows,
+)
 from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer
@@ -178,7 +184,11 @@ def _adapter_line(recipe: Recipe, pipe) -> str | None:
     counts = gather(
         (
             pipe.dp_rank,
-            *parameter_counts(pipe.named_parameters(), mods.is_duplicate if mods is not None else lambda n: False),
+            *parameter_counts(
+                pipe.named_parameters(),
+                mods.is_duplicate if mods is not None else lambda n: False,
+                mods.trained_rows if mods is not None else None,
+            ),
         )
     )
     trainable, total = (sum(c[k] for c in counts if c[0] == 0) for k in (1, 2))
@@ -195,6 +205,8 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     which = "latest" if resume is True else (resume or None)
     model_dir, tokenizer, model_tokenizer, chat = load_model_and_tokenizers(recipe, accelerator)
     planned = plan_model(recipe, tokenizer, model_dir, model_tokenizer, chat)
+    # LoRA: the rows of the special tokens this run adds train too (adapter.trainable_tokens)
+    recipe, rows_note = trainable_token_rows(recipe, tokenizer, chat, planned[1].rows_after)
     with main_process_first("preparing the data"):  # tokenized once into the datasets cache (as --check did)
         data = prepare_data(recipe.data, tokenizer, planned[1].rows_after)
         data.check_sizes(recipe.train.global_batch, recipe.eval.batches)
@@ -205,7 +217,7 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     layout = PipelineLayout(tuple(gather(pipe.describe())))
     adapter_line = _adapter_line(recipe, pipe)  # a collective
     if accelerator.is_main_process:
-        for line in vocab.lines() + ([adapter_line] if adapter_line else []):
+        for line in vocab.lines() + [line for line in (adapter_line, rows_note) if line]:
             log.info("%s", line)
         log.info(
             "distributed: %s, world size %d (pp %d x dp %d)",
@@ -217,7 +229,7 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         for rank in layout.ranks:
             log.info("%s", rank)
     train_it, eval_batches = data.iterators(t.seed, t.global_batch, pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
-    optimizer = build_optimizer(pipe.named_parameters(), recipe.optimizer)
+    optimizer = build_optimizer(pipe.named_parameters(), recipe.optimizer, pipe.mods.trained_rows)
     run = Run(
         recipe=recipe,
         accelerator=accelerator,
