@@ -149,6 +149,8 @@ def test_an_sft_export_answers_with_its_reply_and_stops_at_the_end_of_turn(sft_r
     run_dir, log = sft_run
     assert "<|im_start|>, <|im_end|> added as special tokens (2 new vocabulary rows)" in log
     assert not os.path.exists(run_dir / "checkpoints")  # checkpoints off, the final export all the same
+    setup = next(line for line in log.splitlines() if "first step done in" in line)  # where the set-up time went
+    assert "set-up took" in setup and "data (read, tokenize, pack)" in setup and "pipeline (build, load" in setup
     model = AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"))
     tok = AutoTokenizer.from_pretrained(str(run_dir / "hf"))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")

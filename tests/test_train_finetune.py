@@ -215,3 +215,127 @@ def test_keep_best_keeps_the_lowest_eval_loss_and_min_delta_only_counts_patience
         stale.append(run.best["stale"])
         assert run.best["loss"] == min(losses[:step]) and run.best["step"] == step
     assert stale == [0, 1, 2, 0]
+
+
+def _prepared(tok_dir, cfg):
+    from transformers import AutoTokenizer
+
+    from vp_accelerate.train.data import prepare_data
+
+    return prepare_data(cfg, AutoTokenizer.from_pretrained(str(tok_dir)), 400, cache=False)
+
+
+def _rows_and_masks(prepared):
+    """(ids, targets) of every packed document, in order (document boundaries keep them apart)."""
+    seqs = prepared.train
+    out = []
+    for i in range(len(seqs)):
+        ids, labels, pos = seqs.ids[i], seqs.labels[i], seqs.positions[i]
+        starts = [k for k in range(len(pos)) if pos[k] == 0] + [len(pos)]
+        for a, b in zip(starts, starts[1:]):
+            if (labels[a:b] != -100).any():
+                out.append((ids[a:b].tolist(), labels[a:b].tolist()))
+    return out
+
+
+def _chat_rows(rng, n):
+    rows = []
+    for _ in range(n):
+        turns = [{"role": "system", "content": "be brief"}] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 2)):
+            turns.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(2, 5)))})
+            turns.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 4)))})
+        rows.append(turns)
+    return rows
+
+
+def test_sharegpt_rows_are_chat_and_an_unknown_format_names_its_file(tmp_path, tok_dir, capsys):
+    from vp_accelerate.train.data import DataError
+    from vp_accelerate.train.recipe import DataSection
+
+    rng = random.Random(RNG.random())
+    convs = _chat_rows(rng, 40)
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    (tmp_path / "s.jsonl").write_text(
+        "".join(
+            json.dumps({"conversations": [{"from": speaker[t["role"]], "value": t["content"]} for t in c]}) + "\n"
+            for c in convs
+        )
+    )
+    want = _prepared(tok_dir, DataSection(files=[str(tmp_path / "m.jsonl")], seq_len=256, eval_holdout=0.0))
+    got = _prepared(tok_dir, DataSection(files=[str(tmp_path / "s.jsonl")], seq_len=256, eval_holdout=0.0))
+    assert got.fmt == "chat" and "'conversations' (ShareGPT turns)" in got.how
+    assert _rows_and_masks(got) == _rows_and_masks(want) and len(_rows_and_masks(got)) == 40
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"conversations": [{"from": "bot", "value": "x"}, {"from": "gpt", "value": "y"}]}) + "\n")
+    with pytest.raises(DataError, match=rf"{bad}, line 1: turn 0 has unknown ShareGPT speaker 'bot'"):
+        _prepared(tok_dir, DataSection(files=[str(bad)], seq_len=256, eval_holdout=0.0))
+
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n")
+    code = train_main([_recipe_file(tmp_path, tok_dir, [str(odd)]), "--check"])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.format: column 'text' not in the data" in err and f"(in {odd})" in err
+
+
+def test_system_prompt_goes_first_where_a_conversation_has_none(tmp_path, tok_dir):
+    from vp_accelerate.train.recipe import DataSection
+
+    rng = random.Random(RNG.random())
+    system = " ".join(rng.choices(WORDS, k=4))
+    convs = _chat_rows(rng, 30)
+    given = [c if c[0]["role"] == "system" else [{"role": "system", "content": system}] + c for c in convs]
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    (tmp_path / "given.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in given))
+    want = _prepared(tok_dir, DataSection(files=[str(tmp_path / "given.jsonl")], seq_len=256, eval_holdout=0.0))
+    got = _prepared(
+        tok_dir, DataSection(files=[str(tmp_path / "raw.jsonl")], seq_len=256, eval_holdout=0.0, system_prompt=system)
+    )
+    assert _rows_and_masks(got) == _rows_and_masks(want)
+
+
+def test_response_template_puts_loss_after_it_only(tmp_path, tok_dir):
+    from transformers import AutoTokenizer
+
+    from vp_accelerate.train.data import DataError
+    from vp_accelerate.train.recipe import DataSection
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    rng = random.Random(RNG.random())
+    answers = [" ".join(rng.choices(WORDS, k=rng.randint(1, 4))) for _ in range(20)]
+    texts = [f"{' '.join(rng.choices(WORDS, k=rng.randint(2, 6)))} ### Answer:{a}" for a in answers]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = DataSection(
+        files=[str(path)], seq_len=256, eval_holdout=0.0, response_template=" ### Answer:", document_boundaries=True
+    )
+    got = _rows_and_masks(_prepared(tok_dir, cfg))
+    assert len(got) == 20
+    for (ids, labels), text, answer in zip(got, texts, answers):
+        assert tok.decode(ids) == text + tok.eos_token
+        assert tok.decode([t for t in labels if t != -100]) == answer + tok.eos_token
+
+    path.write_text(json.dumps({"text": "no template here"}) + "\n" + path.read_text())
+    with pytest.raises(DataError, match=rf"{path}, line 1: the text has no data.response_template ' ### Answer:'"):
+        _prepared(tok_dir, cfg)
+
+
+def test_a_save_to_disk_folder_is_a_dataset(tmp_path, tok_dir):
+    from datasets import Dataset, DatasetDict
+
+    from vp_accelerate.train.data import DataError
+    from vp_accelerate.train.recipe import DataSection
+
+    rng = random.Random(RNG.random())
+    convs = _chat_rows(rng, 30)
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    want = _prepared(tok_dir, DataSection(files=[str(tmp_path / "m.jsonl")], seq_len=256, eval_holdout=0.0))
+    Dataset.from_list([{"messages": c} for c in convs]).save_to_disk(str(tmp_path / "ds"))
+    DatasetDict({"train": Dataset.from_list([{"messages": c} for c in convs])}).save_to_disk(str(tmp_path / "dd"))
+    for folder in ("ds", "dd"):
+        got = _prepared(tok_dir, DataSection(hub_id=str(tmp_path / folder), seq_len=256, eval_holdout=0.0))
+        assert got.fmt == "chat" and _rows_and_masks(got) == _rows_and_masks(want)
+    with pytest.raises(DataError, match=r"data.hub_split: .*dd holds the splits \['train'\], not 'test'"):
+        _prepared(tok_dir, DataSection(hub_id=str(tmp_path / "dd"), hub_split="test", seq_len=256, eval_holdout=0.0))

@@ -185,7 +185,7 @@ def _data_note(recipe) -> str:
         columns = first_record_columns(paths[0], builder_for(paths, d)) if paths else None
         if columns is None:
             raise DataError(f"data.files: no record in {expand_files(d.files)[:3]}")
-        fmt, how = sample_format(d, columns)
+        fmt, how = sample_format(d, columns, where=paths[0])
     except DataError as e:
         raise RecipeError(str(e) if str(e).startswith("data") else f"data: {e}") from None
     note = f"data format {fmt} ({how})"

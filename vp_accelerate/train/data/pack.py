@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..recipe.schema import DataSection
 from .batches import Sequences
@@ -77,7 +78,8 @@ def pack_documents(
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
     dropped = truncated = need = 0
     min_need = None
-    for k, row in enumerate(token_rows):
+    main = os.environ.get("RANK", "0") == "0"  # a bar on the first process, on a terminal only (disable=None)
+    for k, row in enumerate(tqdm(token_rows, desc="packing", unit="doc", leave=False, disable=None if main else True)):
         row = np.asarray(row, dtype=np.int64)
         mask = np.ones(len(row), dtype=bool) if loss_masks is None else np.asarray(loss_masks[k], dtype=bool)
         full_mask = mask

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..recipe.schema import DataSection
 from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterator, pack_stream
-from .formats import document_boundaries, sample_format
+from .formats import document_boundaries, sample_format, with_data_fields
 from .pack import encoded, quiet, to_sequences, warn
 from .read import DataError, RowLocator, load_rows
 from .sources import builder_for, data_columns, load_documents, nonempty_paths
@@ -161,7 +161,9 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
     docs = load_documents(
         paths or None, cfg.hub_id, cfg.hub_split, builder, cfg.streaming, cfg.hub_name, cfg.hub_revision
     )
-    fmt, how = sample_format(cfg, data_columns(docs, paths, builder))
+    columns = data_columns(docs, paths, builder)
+    cfg = with_data_fields(cfg, columns)  # ShareGPT's `conversations` column
+    fmt, how = sample_format(cfg, columns, where=paths[0] if paths else source)
     boundaries = document_boundaries(cfg, fmt)
 
     if cfg.streaming:

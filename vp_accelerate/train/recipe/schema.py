@@ -99,7 +99,8 @@ class DataSection:
     """Local training files or globs (.txt, .json/.jsonl, .parquet). Empty when `hub_id` is set."""
 
     hub_id: Optional[str] = None
-    """A `datasets` hub id instead of local files (only where the hub is reachable)."""
+    """A `datasets` hub id instead of local files (read from the local datasets cache when offline), or a folder
+    written by `datasets.save_to_disk` (a Dataset, or a DatasetDict whose `hub_split` is used)."""
 
     hub_split: str = "train"
     """The split of `hub_id` to train on."""
@@ -123,7 +124,17 @@ class DataSection:
     """The column holding the text (for .txt files it is always `text`)."""
 
     messages_field: str = "messages"
-    """chat: the column holding the list of turns."""
+    """chat: the column holding the list of turns ({role, content}, or ShareGPT's {from, value} with human / gpt
+    / system roles); data with a `conversations` column and no `messages` is read as ShareGPT chat."""
+
+    system_prompt: Optional[str] = None
+    """chat: a system turn put first in every conversation that has none (TRL / axolotl's default system
+    prompt); also the system turn of eval.prompts. None = conversations as written."""
+
+    response_template: Optional[str] = None
+    """text: the text after which loss starts in each row (TRL's completion-only `response_template`, e.g.
+    `"### Answer:"`): the tokens up to and including it carry none. A row without it is invalid (named, or
+    skipped with skip_invalid). None = loss on every token."""
 
     prompt_field: str = "prompt"
     """prompt_completion: the prompt column."""

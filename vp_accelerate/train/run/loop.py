@@ -78,6 +78,8 @@ class Run:
     """Early stopping (eval.patience) ended the run at end_step."""
     data: PreparedData | None = None
     """The prepared data (`data.PreparedData`: sizes for the run's data/ metrics)."""
+    setup_s: dict = field(default_factory=dict)
+    """Seconds `setup` spent on each part (model and tokenizer, data, pipeline, ...), said with the first step."""
 
     @property
     def tokens_per_step(self) -> int:
