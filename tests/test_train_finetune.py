@@ -7,6 +7,7 @@ Batch sizes, losses and rows are drawn per run, so a hard-coded answer cannot pa
 """
 
 import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -339,3 +340,45 @@ def test_a_save_to_disk_folder_is_a_dataset(tmp_path, tok_dir):
         assert got.fmt == "chat" and _rows_and_masks(got) == _rows_and_masks(want)
     with pytest.raises(DataError, match=r"data.hub_split: .*dd holds the splits \['train'\], not 'test'"):
         _prepared(tok_dir, DataSection(hub_id=str(tmp_path / "dd"), hub_split="test", seq_len=256, eval_holdout=0.0))
+
+
+def test_push_to_hub_uploads_the_export_and_refuses_offline(tmp_path, tok_dir, capsys, monkeypatch):
+    """The final export and the adapter go to the hub through HfApi (a local stand-in records the calls); under
+    HF_HUB_OFFLINE=1 the recipe is refused before launch, naming the key."""
+    from huggingface_hub import HfApi
+
+    from vp_accelerate.train.run.hub_push import push_export
+
+    repo = f"someone/model-{RNG.randrange(10**6)}"
+    rows = tmp_path / "d.jsonl"
+    rows.write_text("".join(json.dumps({"text": " ".join(RNG.choices(WORDS, k=30))}) + "\n" for _ in range(50)))
+    path = _recipe_file(tmp_path, tok_dir, [str(rows)], checkpoint={"push_to_hub": repo})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert train_main([path, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "recipe error: checkpoint.push_to_hub: HF_HUB_OFFLINE=1 is set, so the final export cannot be" in err
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
+
+    def upload(self, **kw):
+        calls.append(("upload", kw["repo_id"], kw.get("path_in_repo"), sorted(os.listdir(kw["folder_path"]))))
+        return f"https://hub.example/{kw['repo_id']}/commit/{len(calls)}"
+
+    monkeypatch.setattr(HfApi, "upload_folder", upload)
+    hf, adapter = tmp_path / "hf", tmp_path / "adapter"
+    for d, names in ((hf, ["config.json", "model.safetensors"]), (adapter, ["adapter_config.json"])):
+        d.mkdir()
+        for name in names:
+            (d / name).write_text("{}")
+    with pytest.raises(RecipeError, match="HF_HUB_OFFLINE=1 is set, so nothing is pushed"):
+        push_export(repo, str(hf), str(adapter), private=True)
+    assert calls == []
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # (unset, huggingface_hub keeps the value it read at import)
+    urls = push_export(repo, str(hf), str(adapter), private=True)
+    assert calls == [
+        ("create", repo, {"private": True, "exist_ok": True}),
+        ("upload", repo, None, ["config.json", "model.safetensors"]),
+        ("upload", repo, "adapter", ["adapter_config.json"]),
+    ]
+    assert urls == [f"https://hub.example/{repo}/commit/2", f"https://hub.example/{repo}/commit/3"]

@@ -33,6 +33,7 @@ from ..recipe.convert import RecipeError
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
 from ..recipe.presets import PRESETS, preset_config
 from ..run import checkpoint as ckpt
+from ..run.hub_push import check_push
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import (
     model_tokenizer_source,
@@ -237,6 +238,7 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
     explicit = c.dir is not None and c.dir != os.path.join(out, "checkpoints")  # else it follows logging.output_dir
     cdir = c.resolved_dir(out)  # the recipe is left as it is: the trainer's resolved recipe carries this dir
     if cdir is None:
+        push = check_push(c)
         if resume is not None:
             raise RecipeError("checkpoint.enabled: --resume needs checkpoints; set checkpoint.enabled: true")
         export = (
@@ -244,7 +246,7 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
             if c.export_hf
             else "no final export (checkpoint.export_hf: false)"
         )
-        return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"]
+        return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"] + ([push] if push else [])
     if resume is None:
         latest = ckpt.read_latest(cdir) if os.path.isdir(cdir) else None
         if latest is not None:
@@ -263,9 +265,10 @@ def check_run_dirs(recipe, resume: str | None = None) -> list[str]:
             ckpt.resume_path(cdir, resume)
         except ckpt.CheckpointError as e:
             raise RecipeError(str(e)) from None
+    push = check_push(c)
     every = f"every {c.every} steps and " if c.every else ""
     export = f"; the final model is exported to {os.path.join(out, 'hf')}" if c.export_hf else ""
-    return [f"checkpoints in {cdir}, {every}at the end, keeping the last {c.keep}{export}"]
+    return [f"checkpoints in {cdir}, {every}at the end, keeping the last {c.keep}{export}"] + ([push] if push else [])
 
 
 def pipeline_size(recipe, world_size: int | None) -> int | None:

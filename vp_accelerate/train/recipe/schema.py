@@ -312,6 +312,14 @@ class CheckpointSection:
     """At the end, write the final model as an HF directory (safetensors + config + tokenizer) to
     `<logging.output_dir>/hf`, loadable with `AutoModelForCausalLM.from_pretrained`."""
 
+    push_to_hub: Optional[str] = None
+    """A hub repo id (`user/name`) the final export is uploaded to at the end through huggingface_hub (hf/, and a
+    LoRA run's adapter/ under `adapter/` in it); needs a login (`huggingface-cli login` or HF_TOKEN) and the hub
+    (refused under HF_HUB_OFFLINE=1). None = nothing leaves the machine."""
+
+    hub_private: bool = True
+    """With push_to_hub: create the repo private (an existing repo keeps its visibility)."""
+
     def resolved_dir(self, output_dir: str) -> Optional[str]:
         """Where checkpoints go: `dir`, else `<output_dir>/checkpoints`; None when disabled."""
         if not self.enabled:

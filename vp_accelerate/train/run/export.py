@@ -33,6 +33,7 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from ..recipe.presets import PRESETS
 from ..tokens.token_map import same_vocabulary
 from . import checkpoint as ckpt
+from .hub_push import push_export
 from .run_state import final_checkpoint
 from .tracking import gather
 
@@ -198,4 +199,18 @@ def export_final(run) -> str | None:
             out,
             merged,
         )
+    if pipe.rank == 0 and c.push_to_hub:  # after the export is whole on disk; a failure loses nothing trained
+        try:
+            push_export(c.push_to_hub, out, adapter_dir, c.hub_private)
+        except Exception as e:  # noqa: BLE001 - the hub's errors (HTTP, auth, network) are many; the run is done
+            log.error(
+                "checkpoint.push_to_hub: pushing to %s failed (%s: %s); the export is in %s: push it with "
+                "`huggingface-cli upload %s %s`",
+                c.push_to_hub,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+                out,
+                c.push_to_hub,
+                out,
+            )
     return out
