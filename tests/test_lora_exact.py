@@ -181,7 +181,8 @@ def test_lora_matches_single_process_peft(tmp_path):
         torch.testing.assert_close(final(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
 
 
-TOKEN_CONFIGS = [("1f1b", "vocab-2"), ("vhalf", "baseline")]
+# untied: both matrices' rows train; tied: one matrix (one shard, or the embedding and head of two ranks)
+TOKEN_CONFIGS = {False: [("1f1b", "vocab-2"), ("vhalf", "baseline")], True: [("1f1b", "vocab-1"), ("1f1b", "baseline")]}
 
 
 def _row_grads(pipe, tokens) -> dict:
@@ -204,14 +205,14 @@ def _row_grads(pipe, tokens) -> dict:
     return out
 
 
-def _token_rows_on_ranks(ckpt: str, batches, tokens, out_dir: str):
+def _token_rows_on_ranks(ckpt: str, batches, tokens, out_dir: str, configs):
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.runtime.adapter_config import AdapterConfig
     from vp_accelerate.train.recipe import OptimizerSection
     from vp_accelerate.train.run.optim import build_optimizer
 
     results = {}
-    for schedule, method in TOKEN_CONFIGS:
+    for schedule, method in configs:
         adapter = AdapterConfig(type="lora", r=4, alpha=8, target_modules=TARGETS, trainable_tokens=tokens)
         pipe = PipelineModel(
             ckpt,
@@ -232,13 +233,14 @@ def _token_rows_on_ranks(ckpt: str, batches, tokens, out_dir: str):
             opt.step()
             pipe.zero_grad()
         results[(schedule, method)] = (losses, grads, pipe.gather_hf_state_dict())
-        if (schedule, method) == TOKEN_CONFIGS[0]:
+        if (schedule, method) == configs[0]:
             pipe.export_adapter(f"{out_dir}/token_adapter", base_model_name_or_path=ckpt)
         pipe.close()
     return results
 
 
-def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path, tied):
     """LoRA with adapter.trainable_tokens on 2 ranks (101 rows: shards of 51 and 50; tokens in both) against
     single-process peft with `trainable_token_indices` on the embedding and the output layer, float64: the loss
     of every step, the first step's gradient of every trained row (peft's `trainable_tokens_delta`) and of every
@@ -252,14 +254,15 @@ def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path):
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    config = tiny_llama(101)
+    config = tiny_llama(101, tied=tied)
     ckpt = str(tmp_path / "ckpt")
     AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
     tokens = rng.sample(range(0, 51), 2) + rng.sample(range(51, 101), 2)
     batches = _batches(seed, 101, rows=4, seq=8)
     for ids, _ in batches:  # the trained tokens occur as inputs and as targets
         ids[:, 1] = torch.tensor(tokens)
-    per_rank = spawn(_token_rows_on_ranks, 2, ckpt, batches, tokens, str(tmp_path), timeout_s=600)
+    configs = TOKEN_CONFIGS[tied]
+    per_rank = spawn(_token_rows_on_ranks, 2, ckpt, batches, tokens, str(tmp_path), configs, timeout_s=600)
 
     base = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
     lora = LoraConfig(
@@ -267,7 +270,7 @@ def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path):
         lora_alpha=8,
         lora_dropout=0.0,
         target_modules=TARGETS,
-        trainable_token_indices={"embed_tokens": tokens, "lm_head": tokens},
+        trainable_token_indices=tokens if tied else {"embed_tokens": tokens, "lm_head": tokens},
     )
     model = get_peft_model(base, lora)
     init_lora_weights(lora_modules(model, lambda n: n.removeprefix("base_model.model.")), SEED)
@@ -275,9 +278,10 @@ def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path):
     deltas = {
         "model.embed_tokens.weight": params[
             "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"
-        ],
-        "lm_head.weight": params["base_model.model.lm_head.token_adapter.trainable_tokens_delta.default"],
+        ]
     }
+    if not tied:  # tied: the output layer shares the embedding's adapter (and its delta)
+        deltas["lm_head.weight"] = params["base_model.model.lm_head.token_adapter.trainable_tokens_delta.default"]
     decay = [p for n, p in params.items() if p.requires_grad and ".lora_" in n]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": list(deltas.values()), "weight_decay": 0.0}],
@@ -298,7 +302,7 @@ def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path):
         opt.zero_grad()
         ref_losses.append(loss.item())
     original = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
-    for key in TOKEN_CONFIGS:
+    for key in configs:
         losses, _, state = per_rank[0][key]
         assert losses == pytest.approx(ref_losses, rel=1e-9), (key, seed)
         grads = {**per_rank[0][key][1], **per_rank[1][key][1]}
@@ -319,13 +323,14 @@ def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path):
             AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64),
             str(tmp_path / "token_adapter"),
         )
-        assert loaded.peft_config["default"].trainable_token_indices == {"embed_tokens": tokens, "lm_head": tokens}
+        indices = tokens if tied else {"embed_tokens": tokens, "lm_head": tokens}
+        assert loaded.peft_config["default"].trainable_token_indices == indices
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
         recipe = {
             "model": {"source": "llama-tiny"},
             "adapter": {"type": "lora", "r": 4, "alpha": 8, "target_modules": TARGETS, "trainable_tokens": tokens},
         }
-        write_exports(per_rank[0][TOKEN_CONFIGS[1]][2], config, None, recipe, [], None, str(tmp_path / "final"))
+        write_exports(per_rank[0][configs[1]][2], config, None, recipe, [], None, str(tmp_path / "final"))
         from peft import AutoPeftModelForCausalLM
 
         auto = AutoPeftModelForCausalLM.from_pretrained(
