@@ -135,6 +135,12 @@ def test_check_prints_the_batch_layout_and_the_layouts_a_world_size_holds(tmp_pa
     ) in out.err
     assert json.loads(out.out)["train"]["global_batch"] == mbs * ga * 4
 
+    code = train_main([path, "--check", "--world-size", "8"])  # 8 pipeline ranks: more than ga microbatches
+    err = capsys.readouterr().err
+    line = next(i for i, text in enumerate(open(path).read().splitlines(), 1) if "gradient_accumulation_steps" in text)
+    assert code == 2 and f"train.gradient_accumulation_steps: num_microbatches ({ga}) must be >= num_ranks (8)" in err
+    assert f"({path}, line {line})" in err
+
     code = train_main(
         [path, "--check", "--world-size", "6", "--set", "pipeline.pp_size=4", "--set", "pipeline.dp_size=2"]
     )

@@ -116,7 +116,9 @@ def _run(recipe, args) -> tuple | int:
     try:
         run = setup(recipe, resume=args.resume, stop_at=args.stop_at)
     except USER_ERRORS as e:  # found at the start (data, model source): one line, every rank stops, exit 2
-        report(e)
+        from ..recipe.load import where
+
+        report(e, where(args.recipe, str(e), args.overrides))
         leave()
         return 2
     except (CheckpointError, NonFiniteError) as e:

@@ -308,6 +308,8 @@ def _check_schedule(recipe, config, pp: int) -> str:
             if "chunks_per_rank" in str(e)
             else "pipeline.schedule"
         )
+        if key == "pipeline.microbatches" and recipe.train.gradient_accumulation_steps is not None:
+            key = "train.gradient_accumulation_steps"  # it set pipeline.microbatches
         raise RecipeError(f"{key}: {e} (pipeline of {pp} ranks)") from None
     chunks = len(schedule.chunk_rank)
     layers = config.num_hidden_layers
