@@ -1,7 +1,8 @@
 """LoRA under the pipeline is peft's LoRA: three AdamW steps on 2 gloo ranks match single-process peft
 training of the same model (same adapters: both initialised from (seed, module name)), loss by loss and
 weight by weight, in float64; frozen weights stay put and get no optimizer state; both exports (merged HF
-model, peft adapter folder) reproduce the trained model's logits."""
+model, peft adapter folder; with a trained vocabulary, its matrices as modules_to_save) reproduce the trained
+model's logits."""
 
 from __future__ import annotations
 
@@ -99,11 +100,8 @@ def _train_on_ranks(ckpt: str, batches, configs, out_dir: str):
         if (schedule, method, train_vocab) == configs[0]:
             pipe.export_hf(f"{out_dir}/merged")
             pipe.export_adapter(f"{out_dir}/adapter", base_model_name_or_path=ckpt)
-        elif train_vocab:
-            try:
-                pipe.export_adapter(f"{out_dir}/refused")
-            except ValueError as e:
-                results["refused"] = str(e)
+        elif train_vocab and method == "vocab-1":  # the trained vocabulary: peft's modules_to_save
+            pipe.export_adapter(f"{out_dir}/vocab_adapter", base_model_name_or_path=ckpt)
         pipe.close()
     return results
 
@@ -116,7 +114,6 @@ def test_lora_matches_single_process_peft(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
     batches = _batches(seed, 101, rows=4, seq=8)
     per_rank = spawn(_train_on_ranks, 2, ckpt, batches, CONFIGS, str(tmp_path), timeout_s=600)
-    assert "train_vocab" in per_rank[0]["refused"]  # an adapter folder cannot hold a trained vocabulary
     refs = {tv: _reference(ckpt, batches, tv) for tv in (False, True)}
     for key in CONFIGS:
         ref_losses, ref_params, _ = refs[key[2]]
@@ -150,6 +147,12 @@ def test_lora_matches_single_process_peft(tmp_path):
         loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
         assert loaded.peft_config["default"].r == 4
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
+        # adapter.train_vocab: the trained embedding and output layer saved whole (modules_to_save)
+        base = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
+        loaded = PeftModel.from_pretrained(base, str(tmp_path / "vocab_adapter"))
+        assert sorted(loaded.peft_config["default"].modules_to_save) == ["embed_tokens", "lm_head"]
+        vocab_expected = refs[True][2](input_ids=ids).logits
+        torch.testing.assert_close(loaded(input_ids=ids).logits, vocab_expected, rtol=1e-9, atol=1e-9)
 
         # the final export of a run without checkpoints, from the gathered state: merged hf/ and the adapter
         # folder, whose fresh base (exists nowhere else) goes to adapter/base; AutoPeftModel loads it as it is

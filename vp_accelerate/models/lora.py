@@ -44,15 +44,19 @@ def target_modules_for(config, target_modules) -> list[str]:
 def lora_config(config, adapter, transposed: bool = False, tokens: bool = True):
     """The `peft.LoraConfig` of an `AdapterConfig` (what the adapter folder records): adapter.trainable_tokens
     become peft's `trainable_token_indices`, a list (the input embedding, its tied output layer following) for a
-    tied model, else `{embedding module: ids, output module: ids}`. tokens=False: without them (injecting the
+    tied model, else `{embedding module: ids, output module: ids}`; adapter.train_vocab makes the embedding and
+    output modules peft's `modules_to_save` (whole trained copies). tokens=False: without them (injecting the
     adapters into a stage chunk, which has no vocabulary modules: the runtime trains those rows itself)."""
     from peft import LoraConfig  # optional dependency (the `lora` extra)
 
-    indices = None
+    indices = save = None
     if tokens and getattr(adapter, "trainable_tokens", None):
         ids = list(adapter.trainable_tokens)
         embed, head = vocab_module_names(config)
-        indices = ids if head is None else {embed.rsplit(".", 1)[-1]: ids, head.rsplit(".", 1)[-1]: ids}
+        indices = ids if _tied(config) else {embed.rsplit(".", 1)[-1]: ids, head.rsplit(".", 1)[-1]: ids}
+    if tokens and adapter.train_vocab:  # the whole trained matrices, as peft's modules_to_save (tied: one)
+        embed, head = vocab_module_names(config)
+        save = [m.rsplit(".", 1)[-1] for m in ((embed,) if _tied(config) else (embed, head))]
     return LoraConfig(
         r=adapter.r,
         lora_alpha=adapter.alpha,
@@ -61,33 +65,34 @@ def lora_config(config, adapter, transposed: bool = False, tokens: bool = True):
         fan_in_fan_out=transposed,
         task_type="CAUSAL_LM",
         trainable_token_indices=indices,
+        modules_to_save=save,
+        ensure_weight_tying=bool(save) and _tied(config),
     )
 
 
-def vocab_module_names(config) -> tuple[str, str | None]:
-    """(HF module path of the input embedding, of the output layer; None when tied to the embedding), read
-    from the model class built on the meta device."""
+def vocab_module_names(config) -> tuple[str, str]:
+    """(HF module path of the input embedding, of the output layer), read from the model class built on the
+    meta device (the output layer shares the embedding's weight when config.tie_word_embeddings)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = {id(m): n for n, m in model.named_modules()}
-    embed = names[id(model.get_input_embeddings())]
-    tied = getattr(config, "tie_word_embeddings", False)
-    return embed, None if tied else names[id(model.get_output_embeddings())]
+    return names[id(model.get_input_embeddings())], names[id(model.get_output_embeddings())]
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 def token_rows_from_state(state: dict[str, torch.Tensor], config, token_ids) -> dict[str, torch.Tensor]:
     """peft's `trainable_tokens_delta` tensors (the trained rows themselves, in `token_ids` order) under the
-    names peft saves them, from a full HF state dict."""
+    names peft saves them, from a full HF state dict (tied: the embedding's only; the output layer shares it)."""
     embed, head = vocab_module_names(config)
     out = {}
-    for module in (embed, head):
-        if module is not None:
-            weight = state[f"{module}.weight"]
-            out[f"base_model.model.{module}.token_adapter.trainable_tokens_delta"] = weight[
-                list(token_ids)
-            ].contiguous()
+    for module in (embed,) if _tied(config) else (embed, head):
+        rows = state[f"{module}.weight"][list(token_ids)]
+        out[f"base_model.model.{module}.token_adapter.trainable_tokens_delta"] = rows.contiguous()
     return out
 
 
@@ -230,6 +235,13 @@ def save_adapter(
     tensors = adapter_state_dict(state)
     if getattr(adapter, "trainable_tokens", None):  # peft's trainable_token_indices: the rows as trained
         tensors.update(token_rows_from_state(state, config, adapter.trainable_tokens))
+    if adapter.train_vocab:  # peft's modules_to_save: the trained modules whole, under their own names
+        embed, head = vocab_module_names(config)
+        for module in (embed, head):  # tied: the output layer's copy is the embedding (peft loads both)
+            for leaf in ("weight", "bias"):
+                t = state.get(f"{module}.{leaf}", state[f"{embed}.weight"] if leaf == "weight" else None)
+                if t is not None:
+                    tensors[f"base_model.model.{module}.{leaf}"] = t.clone()  # tied: one tensor per entry
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))

@@ -32,8 +32,9 @@ class AdapterConfig:
     peft's default for the model type (q_proj, v_proj for Llama; c_attn for GPT-2)."""
 
     train_vocab: bool = False
-    """Also train the vocabulary layers (embedding and output shards, full rows); False keeps them frozen,
-    so they get no gradient and no optimizer state."""
+    """Also train the vocabulary layers (embedding and output shards, full rows; saved in adapter/ whole, as
+    peft's `modules_to_save`); False keeps them frozen, so they get no gradient and no optimizer state (but the
+    rows of `trainable_tokens`)."""
 
     trainable_tokens: list[int] = field(default_factory=list)
     """Token ids whose embedding and output rows train under LoRA, as peft's `trainable_token_indices` (each

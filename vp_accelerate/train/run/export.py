@@ -113,11 +113,8 @@ def write_exports(
     `adapter_dir`, from a full HF state dict; either may be None."""
     adapter = _adapter_of(recipe)
     if adapter_dir is not None:
-        if adapter is None or adapter.train_vocab:
-            raise ckpt.CheckpointError(
-                "no LoRA adapter to export alone (adapter.type is null, or adapter.train_vocab "
-                "trained the vocabulary too); export the full model"
-            )
+        if adapter is None:
+            raise ckpt.CheckpointError("no LoRA adapter to export alone (adapter.type is null); export the full model")
         base, why = adapter_base(recipe, config.vocab_size, tokenizer)
         if base is None:
             base = os.path.abspath(os.path.join(adapter_dir, "base"))
@@ -176,7 +173,7 @@ def export_final(run) -> str | None:
         return None
     out = os.path.join(recipe.logging.output_dir, "hf")
     adapter = recipe.adapter if recipe.adapter.enabled else None
-    adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter and not adapter.train_vocab else None
+    adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter else None
     if c.dir:
         if pipe.rank == 0:  # the final checkpoint is the best one with checkpoint.keep_best
             export_checkpoint(final_checkpoint(run), out, adapter_dir=adapter_dir)

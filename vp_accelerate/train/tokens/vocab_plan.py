@@ -219,15 +219,15 @@ def trainable_token_rows(recipe, tokenizer, chat, rows: int):
     Under LoRA the vocabulary is frozen, so the special tokens this run adds to the tokenizer (ChatML's, for a
     base without a chat template) would keep their initial rows and the model would never learn to end its
     turn: their ids join adapter.trainable_tokens (adapter.train_new_tokens). adapter.train_vocab trains every
-    row instead, which no adapter folder holds: the note says so. Ids past the vocabulary are a RecipeError."""
+    row instead, saved whole as peft's modules_to_save: the note says so. Ids past the vocabulary are a RecipeError."""
     a = recipe.adapter
     if not a.enabled:
         return recipe, None
     if a.train_vocab:
         return recipe, (
-            "adapter.train_vocab: every vocabulary row trains, which a peft adapter folder holds only as whole "
-            "copies of the embedding and output layer, so no adapter/ is written: the merged model is hf/ (for "
-            "a few rows, e.g. added special tokens, use adapter.trainable_tokens instead)"
+            "adapter.train_vocab: every vocabulary row trains; adapter/ holds the embedding and output layer "
+            "whole, as peft's modules_to_save (for a few rows, e.g. added special tokens, adapter.trainable_tokens "
+            "keeps the adapter small)"
         )
     added = [] if chat is None else list(chat.added)
     ids = list(a.trainable_tokens)
