@@ -194,7 +194,7 @@ def launched(tmp_path_factory):
         "optimizer": {"lr": 1e-2},
         "lr": {"warmup_ratio": 0.2},
         "train": {"epochs": 3, "global_batch": 4},
-        # min_delta far above any change: the first evaluation is the best, the next one ends the run
+        # min_delta far above any change: the second evaluation ends the run (the best is the lower of the two)
         "eval": {"every": 2, "patience": 1, "min_delta": 100.0, "prompts": prompts, "max_new_tokens": 6},
         "checkpoint": {"every": 2, "keep": 1, "keep_best": True},
         "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out"), "log_every": 1},
@@ -219,9 +219,12 @@ def test_early_stopping_keeps_and_exports_the_best(launched):
     assert sorted(evals) == [2, 4] and max(r["step"] for r in rows) == 4  # stopped at the second evaluation
     assert "stopped early after step 4 of" in out.stderr and "(eval.patience): best eval loss" in out.stderr
     cdir = d / "out" / "checkpoints"
-    assert sorted(os.listdir(cdir)) == ["best", "latest", "step_00000002", "step_00000004"]  # keep 1 + the best
-    assert ckpt.read_best(str(cdir)) == str(cdir / "step_00000002")
-    assert export_main([str(cdir / "step_00000002"), str(d / "best_export")]) == 0
+    # patience counts gains over min_delta, but the best is the lowest loss, whichever gain it made
+    best_step = min(evals, key=evals.get)
+    kept = sorted({f"step_{best_step:08d}", "step_00000004"})
+    assert sorted(os.listdir(cdir)) == ["best", "latest", *kept]  # keep 1 + the best
+    assert ckpt.read_best(str(cdir)) == str(cdir / f"step_{best_step:08d}")
+    assert export_main([str(cdir / f"step_{best_step:08d}"), str(d / "best_export")]) == 0
     hf = AutoModelForCausalLM.from_pretrained(str(d / "out" / "hf")).state_dict()
     best = AutoModelForCausalLM.from_pretrained(str(d / "best_export")).state_dict()
     assert all(torch.equal(hf[k], best[k]) for k in best)  # hf/ is the best checkpoint, not the last
@@ -235,11 +238,13 @@ def test_early_stopping_keeps_and_exports_the_best(launched):
 
 
 def test_samples_are_what_hf_generate_answers(launched):
-    """The completions logged at step 2 are those of the step-2 weights, i.e. of the exported best model."""
+    """The completions logged at the best evaluation are those of its weights, i.e. of the exported best model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, prompts, _, rows = launched
-    logged = next(r["eval/samples"] for r in rows if r["step"] == 2 and "eval/samples" in r)
+    evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
+    best_step = min(evals, key=evals.get)
+    logged = next(r["eval/samples"] for r in rows if r["step"] == best_step and "eval/samples" in r)
     assert [s["prompt"] for s in logged] == prompts
     model = AutoModelForCausalLM.from_pretrained(str(d / "out" / "hf")).eval()
     tok = AutoTokenizer.from_pretrained(str(d / "out" / "hf"))

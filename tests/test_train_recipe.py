@@ -55,11 +55,13 @@ def test_defaults_and_roundtrip(corpus):
         ({"pipeline": {"chunk_size": "big"}}, "pipeline.chunk_size: expected int"),
         (
             {"train": {"global_batch": 10}, "pipeline": {"microbatches": 4}},
-            "train.global_batch: the per-replica batch 10",
+            "train.global_batch: 10 sequences do not split into pipeline.dp_size=1 replicas x "
+            "pipeline.microbatches=4 equal microbatches (a multiple of 4); use 8 or 12",
         ),
         (
             {"train": {"global_batch": 16}, "pipeline": {"dp_size": 3}},
-            "train.global_batch: 16 is not divisible by pipeline.dp_size=3",
+            "train.global_batch: 16 sequences do not split into pipeline.dp_size=3 replicas x "
+            "pipeline.microbatches=8 equal microbatches (a multiple of 24); use 24,",
         ),
         ({"train": {"steps": 0}}, "train.steps: must be >= 1"),
         ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected two values"),

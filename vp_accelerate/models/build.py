@@ -19,10 +19,12 @@ same rows up to ~1e-5 of their scale). Padded shard rows are zero.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .adapter import ModelParts, find_parts
@@ -103,7 +105,11 @@ def _materialize(
     missing = [hf_name(k) for k in persistent if not source.has(hf_name(k))]
     if missing:
         raise KeyError(f"checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for k, t in persistent.items():
+    # a bar on the first process, on a terminal only (tqdm's disable=None): large checkpoints take a while
+    main = os.environ.get("RANK", "0") == "0"
+    for k, t in tqdm(
+        persistent.items(), desc="loading weights", unit="tensor", leave=False, disable=None if main else True
+    ):
         t.copy_(source.get(hf_name(k)).to(dtype if t.is_floating_point() else t.dtype))
     return module
 

@@ -41,10 +41,22 @@ def target_modules_for(config, target_modules) -> list[str]:
     return list(found)
 
 
-def lora_config(config, adapter, transposed: bool = False):
-    """The `peft.LoraConfig` of an `AdapterConfig` (what the adapter folder records)."""
+def lora_config(config, adapter, transposed: bool = False, tokens: bool = True):
+    """The `peft.LoraConfig` of an `AdapterConfig` (what the adapter folder records): adapter.trainable_tokens
+    become peft's `trainable_token_indices`, a list (the input embedding, its tied output layer following) for a
+    tied model, else `{embedding module: ids, output module: ids}`; adapter.train_vocab makes the embedding and
+    output modules peft's `modules_to_save` (whole trained copies). tokens=False: without them (injecting the
+    adapters into a stage chunk, which has no vocabulary modules: the runtime trains those rows itself)."""
     from peft import LoraConfig  # optional dependency (the `lora` extra)
 
+    indices = save = None
+    if tokens and getattr(adapter, "trainable_tokens", None):
+        ids = list(adapter.trainable_tokens)
+        embed, head = vocab_module_names(config)
+        indices = ids if _tied(config) else {embed.rsplit(".", 1)[-1]: ids, head.rsplit(".", 1)[-1]: ids}
+    if tokens and adapter.train_vocab:  # the whole trained matrices, as peft's modules_to_save (tied: one)
+        embed, head = vocab_module_names(config)
+        save = [m.rsplit(".", 1)[-1] for m in ((embed,) if _tied(config) else (embed, head))]
     return LoraConfig(
         r=adapter.r,
         lora_alpha=adapter.alpha,
@@ -52,7 +64,36 @@ def lora_config(config, adapter, transposed: bool = False):
         target_modules=target_modules_for(config, adapter.target_modules),
         fan_in_fan_out=transposed,
         task_type="CAUSAL_LM",
+        trainable_token_indices=indices,
+        modules_to_save=save,
+        ensure_weight_tying=bool(save) and _tied(config),
     )
+
+
+def vocab_module_names(config) -> tuple[str, str]:
+    """(HF module path of the input embedding, of the output layer), read from the model class built on the
+    meta device (the output layer shares the embedding's weight when config.tie_word_embeddings)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = {id(m): n for n, m in model.named_modules()}
+    return names[id(model.get_input_embeddings())], names[id(model.get_output_embeddings())]
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def token_rows_from_state(state: dict[str, torch.Tensor], config, token_ids) -> dict[str, torch.Tensor]:
+    """peft's `trainable_tokens_delta` tensors (the trained rows themselves, in `token_ids` order) under the
+    names peft saves them, from a full HF state dict (tied: the embedding's only; the output layer shares it)."""
+    embed, head = vocab_module_names(config)
+    out = {}
+    for module in (embed,) if _tied(config) else (embed, head):
+        rows = state[f"{module}.weight"][list(token_ids)]
+        out[f"base_model.model.{module}.token_adapter.trainable_tokens_delta"] = rows.contiguous()
+    return out
 
 
 def lora_modules(module: nn.Module, prefix_of=lambda name: name):
@@ -86,7 +127,7 @@ def apply_lora(mods, adapter, seed: int, dtype: torch.dtype) -> list[str]:
     transposed = []
     for chunk in mods.chunks.values():
         has_conv = any(isinstance(m, Conv1D) for m in chunk.modules())
-        cfg = lora_config(mods.config, adapter, transposed=has_conv)
+        cfg = lora_config(mods.config, adapter, transposed=has_conv, tokens=False)
         try:
             inject_adapter_in_model(cfg, chunk, adapter_name=ADAPTER_NAME)
         except ValueError as e:  # peft: "Target modules {...} not found in the base model"
@@ -104,8 +145,38 @@ def apply_lora(mods, adapter, seed: int, dtype: torch.dtype) -> list[str]:
         mods.head.weight if mods.head else None,
     ):
         if p is not None:
-            p.requires_grad_(adapter.train_vocab)
+            p.requires_grad_(adapter.train_vocab or bool(adapter.trainable_tokens))
+    if adapter.trainable_tokens and not adapter.train_vocab:
+        mods.trained_rows = token_row_masks(mods, adapter.trainable_tokens)
     return transposed
+
+
+def token_row_masks(mods, token_ids) -> dict:
+    """id(vocabulary weight) -> (weight, [rows, 1] mask of the rows that train): the rows of `token_ids` in this
+    rank's shard ("vocab" placement: each rank only its own rows), or in the full embedding / head
+    ("baseline"). The weight's gradient is masked to them after every backward (`mask_row_grads`)."""
+    out = {}
+    weights = [(mods.embed_weight, 0), (mods.head_weight, 0)]
+    if mods.partition is not None:
+        start, _ = mods.partition.shard_range(mods.rank)
+        weights = [(w, start) for w, _ in weights]
+    weights += [(mods.embed.weight if mods.embed else None, 0), (mods.head.weight if mods.head else None, 0)]
+    for weight, start in weights:
+        if weight is None or id(weight) in out:
+            continue
+        mask = torch.zeros(weight.shape[0], 1, dtype=torch.bool, device=weight.device)
+        mask[[i - start for i in token_ids if 0 <= i - start < weight.shape[0]]] = True
+        out[id(weight)] = (weight, mask)
+    return out
+
+
+def mask_row_grads(trained_rows: dict) -> None:
+    """Zero the gradient of every vocabulary row that does not train (adapter.trainable_tokens): the rows that
+    do keep exactly the gradient they would have in full training; AdamW then moves nothing else (zero moments,
+    no weight decay on these weights: `optim.build_optimizer`)."""
+    for weight, mask in trained_rows.values():
+        if weight.grad is not None:
+            weight.grad.mul_(mask)
 
 
 def is_lora_name(name: str) -> bool:
@@ -161,21 +232,44 @@ def save_adapter(
     cfg = lora_config(config, adapter, transposed=bool(transposed))
     cfg.base_model_name_or_path = base_model_name_or_path
     cfg.save_pretrained(str(out))
-    save_file(adapter_state_dict(state), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    tensors = adapter_state_dict(state)
+    if getattr(adapter, "trainable_tokens", None):  # peft's trainable_token_indices: the rows as trained
+        tensors.update(token_rows_from_state(state, config, adapter.trainable_tokens))
+    if adapter.train_vocab:  # peft's modules_to_save: the trained modules whole, under their own names
+        embed, head = vocab_module_names(config)
+        for module in (embed, head):  # tied: the output layer's copy is the embedding (peft loads both)
+            for leaf in ("weight", "bias"):
+                t = state.get(f"{module}.{leaf}", state[f"{embed}.weight"] if leaf == "weight" else None)
+                if t is not None:
+                    tensors[f"base_model.model.{module}.{leaf}"] = t.clone()  # tied: one tensor per entry
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
 
 
-def parameter_counts(named_parameters, is_duplicate=lambda name: False) -> tuple[int, int]:
-    """(trainable, total) parameters of one rank, a tied copy (`is_duplicate`) counted once over the ranks."""
-    own = [(p.numel(), p.requires_grad) for n, p in named_parameters if not is_duplicate(n)]
-    return sum(n for n, trains in own if trains), sum(n for n, _ in own)
+def parameter_counts(named_parameters, is_duplicate=lambda name: False, trained_rows=None) -> tuple[int, int]:
+    """(trainable, total) parameters of one rank, a tied copy (`is_duplicate`) counted once over the ranks; of a
+    weight that trains only some rows (`trained_rows`), those rows."""
+    rows = {k: int(mask.sum()) * w.shape[1] for k, (w, mask) in (trained_rows or {}).items()}
+    own = [
+        (p.numel(), rows.get(id(p), p.numel() if p.requires_grad else 0))
+        for n, p in named_parameters
+        if not is_duplicate(n)
+    ]
+    return sum(t for _, t in own), sum(n for n, _ in own)
 
 
 def describe_adapter(adapter, config, trainable: int, total: int) -> str:
     """The line a LoRA run starts with: what is adapted and how many parameters train."""
-    vocab = "trains (adapter.train_vocab)" if adapter.train_vocab else "is frozen"
+    vocab = (
+        "trains (adapter.train_vocab)"
+        if adapter.train_vocab
+        else f"is frozen but the rows of {len(adapter.trainable_tokens)} tokens (adapter.trainable_tokens "
+        f"{adapter.trainable_tokens})"
+        if adapter.trainable_tokens
+        else "is frozen"
+    )
     targets = ", ".join(target_modules_for(config, adapter.target_modules))
     share = 100 * trainable / max(total, 1)
     return (

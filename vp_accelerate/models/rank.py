@@ -53,6 +53,8 @@ class RankModules:
     """Logit multiplier (Cohere logit_scale, Granite 1/logits_scaling); give it to the output layer."""
     padding_idx: int | None = None
     """HF embedding padding_idx: HF's lookup gives that row no gradient (baseline `embed` does the same)."""
+    trained_rows: dict = field(default_factory=dict)
+    """LoRA with adapter.trainable_tokens: id(vocabulary weight) -> (weight, mask of its rows that train)."""
     container: nn.ModuleDict = field(init=False, repr=False)
     """Owns every module and parameter above, for .to() / .train() / state handling."""
 

@@ -6,7 +6,7 @@ recipe's `adapter:` section; it imports without torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 
@@ -32,8 +32,19 @@ class AdapterConfig:
     peft's default for the model type (q_proj, v_proj for Llama; c_attn for GPT-2)."""
 
     train_vocab: bool = False
-    """Also train the vocabulary layers (embedding and output shards, full rows); False keeps them frozen,
-    so they get no gradient and no optimizer state."""
+    """Also train the vocabulary layers (embedding and output shards, full rows; saved in adapter/ whole, as
+    peft's `modules_to_save`); False keeps them frozen, so they get no gradient and no optimizer state (but the
+    rows of `trainable_tokens`)."""
+
+    trainable_tokens: list[int] = field(default_factory=list)
+    """Token ids whose embedding and output rows train under LoRA, as peft's `trainable_token_indices` (each
+    rank trains the rows in its own vocabulary shard; the rest stay frozen). They are saved in `adapter/` the
+    way peft saves them. The special tokens the run adds to the tokenizer join them (`train_new_tokens`)."""
+
+    train_new_tokens: bool = True
+    """Under LoRA, also train the rows of the special tokens this run adds to the tokenizer (ChatML's
+    `<|im_start|>` / `<|im_end|>` for a base model without a chat template): frozen, they keep their initial
+    rows, and the model never learns to end its turn."""
 
     def check(self) -> "AdapterConfig":
         """Raise ValueError naming the field for an impossible value."""
@@ -47,6 +58,10 @@ class AdapterConfig:
             raise ValueError(f"adapter.alpha: must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"adapter.dropout: must be in [0, 1), got {self.dropout}")
+        if any(i < 0 for i in self.trainable_tokens):
+            raise ValueError(f"adapter.trainable_tokens: token ids are >= 0, got {self.trainable_tokens}")
+        if self.train_vocab and self.trainable_tokens:
+            raise ValueError("adapter.trainable_tokens: adapter.train_vocab already trains every row; set one of them")
         if self.target_modules is not None and not self.target_modules:
             raise ValueError("adapter.target_modules: an empty list adapts nothing; list module names or use null")
         return self

@@ -85,15 +85,18 @@ def _all_lora_transposed(pipe) -> list[str]:
 def export_adapter(pipe, out_dir, base_model_name_or_path: str | None = None, tokenizer=None) -> None:
     """Write a peft adapter folder (`PeftModel.from_pretrained(base_model, out_dir)` loads it; with
     `base_model_name_or_path` and `tokenizer`, `AutoPeftModelForCausalLM.from_pretrained(out_dir)` too) on
-    rank 0; a collective over the pipeline ranks. Only LoRA adapters with a frozen vocabulary fit one."""
+    rank 0; a collective over the pipeline ranks. Trained vocabulary rows go in as peft saves them:
+    `trainable_token_indices` rows, or (adapter.train_vocab) the whole matrices as `modules_to_save`."""
     if not pipe.adapter.enabled:
         raise ValueError("export_adapter: this model has no adapter (adapter.type is null); use export_hf")
-    if pipe.adapter.train_vocab:
-        raise ValueError(
-            "export_adapter: the vocabulary layers were trained too (adapter.train_vocab), which "
-            "an adapter folder does not hold; export the merged model with export_hf"
-        )
     g = pipe.groups
+    if pipe.adapter.trainable_tokens or pipe.adapter.train_vocab:  # trained rows in every rank's shard: gather all
+        sd, transposed = gather_hf_state_dict(pipe), _all_lora_transposed(pipe)
+        if sd is not None and g.dp_rank == 0:
+            save_adapter(
+                sd, pipe.mods.config, pipe.adapter, transposed, out_dir, base_model_name_or_path, tokenizer=tokenizer
+            )
+        return
     local = {n: p.detach().cpu() for n, p in pipe.named_parameters() if is_lora_name(n)}
     gathered = [None] * dist.get_world_size(g.pp_host_group) if g.pp_rank == 0 else None
     dist.gather_object((local, pipe.lora_transposed), gathered, group=g.pp_host_group, group_dst=0)

@@ -28,6 +28,7 @@ import torch
 from vp_accelerate.cost import shape_from_hf_config
 from vp_accelerate.distributed import init_from_env, local_device
 from vp_accelerate.models import check_supported, resolve_config
+from vp_accelerate.models.lora import mask_row_grads
 from vp_accelerate.runtime import grad_sync, model_io, p2p, precision, shutdown, watchdog
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
@@ -205,6 +206,7 @@ class PipelineModel:
         t0 = time.perf_counter()
         reducer = self._dp_reducer()  # replicas' gradient sums issued during the backward, chunk by chunk
         out = self._run(self.schedule, mbs, input_ids.shape[1], after_pass=reducer and reducer.after_pass)
+        mask_row_grads(self.mods.trained_rows)  # LoRA's trainable token rows: the other rows get no gradient
         self._sync_grads(reducer)
         skipped = False
         if self.loss_scaler is not None:  # every rank of the pipeline decides together (replicas agree already)

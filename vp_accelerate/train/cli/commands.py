@@ -129,7 +129,9 @@ def _run(recipe, args) -> tuple | int:
     try:
         run = setup(recipe, resume=args.resume, stop_at=args.stop_at, override=tuple(args.override))
     except USER_ERRORS as e:  # found at the start (data, model source): one line, every rank stops, exit 2
-        report(e)
+        from ..recipe.load import where
+
+        report(e, where(args.recipe, str(e), args.overrides))
         leave()
         release_all()
         return 2
@@ -191,7 +193,10 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         recipe, notes, found = _checked_recipe(args)
     except RecipeError as e:
-        say_once(f"recipe error: {e}")  # every launched rank found the same: said once per machine
+        from ..recipe.load import where
+
+        # every launched rank found the same: said once per machine, with the recipe line that set the key
+        say_once(f"recipe error: {e} {where(args.recipe, str(e), args.overrides)}")
         return 2
     if args.check:
         from .check import run_check

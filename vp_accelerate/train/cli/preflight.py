@@ -28,14 +28,22 @@ from ..data.check import check_columns
 from ..data.formats import chat_template_of, document_boundaries, sample_format
 from ..data.read import DataError, first_record_columns
 from ..data.sources import builder_for, expand_files
+from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
 from ..recipe.presets import PRESETS, preset_config
 from ..run import checkpoint as ckpt
 from ..run import resume_check
+from ..run.hub_push import check_push
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
-from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
+from ..tokens.vocab_plan import (
+    model_tokenizer_source,
+    plan_vocab,
+    prepare_tokenizers,
+    tokenizer_source,
+    trainable_token_rows,
+)
 
 
 def world_size_from_env() -> int | None:
@@ -237,7 +245,7 @@ def _data_note(recipe) -> str:
         columns = first_record_columns(paths[0], builder_for(paths, d)) if paths else None
         if columns is None:
             raise DataError(f"data.files: no record in {expand_files(d.files)[:3]}")
-        fmt, how = sample_format(d, columns)
+        fmt, how = sample_format(d, columns, where=paths[0])
     except DataError as e:
         raise RecipeError(str(e) if str(e).startswith("data") else f"data: {e}") from None
     note = f"data format {fmt} ({how})"
@@ -294,6 +302,7 @@ def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> l
     explicit = c.dir is not None and c.dir != os.path.join(out, "checkpoints")  # else it follows logging.output_dir
     cdir = c.resolved_dir(out)  # the recipe is left as it is: the trainer's resolved recipe carries this dir
     if cdir is None:
+        push = check_push(c)
         if resume is not None:
             raise RecipeError("checkpoint.enabled: --resume needs checkpoints; set checkpoint.enabled: true")
         export = (
@@ -301,7 +310,7 @@ def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> l
             if c.export_hf
             else "no final export (checkpoint.export_hf: false)"
         )
-        return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"]
+        return [f"checkpoints off (checkpoint.enabled: false): no resume; {export}"] + ([push] if push else [])
     try:
         found = ckpt.resume_path(cdir, resume or "latest")
     except ckpt.CheckpointError as e:
@@ -321,9 +330,10 @@ def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> l
             )
     elif found is not None:
         _check_resume(recipe, found, override)
+    push = check_push(c)
     every = f"every {c.every} steps and " if c.every else ""
     export = f"; the final model is exported to {os.path.join(out, 'hf')}" if c.export_hf else ""
-    return [f"checkpoints in {cdir}, {every}at the end, keeping the last {c.keep}{export}"]
+    return [f"checkpoints in {cdir}, {every}at the end, keeping the last {c.keep}{export}"] + ([push] if push else [])
 
 
 def _check_resume(recipe, path: str, override: tuple) -> None:
@@ -347,12 +357,21 @@ def pipeline_size(recipe, world_size: int | None) -> int | None:
         if p.pp_size is not None and p.pp_size * p.dp_size != world_size:
             raise RecipeError(
                 f"pipeline.pp_size: pp_size={p.pp_size} x dp_size={p.dp_size} = "
-                f"{p.pp_size * p.dp_size}, but {world_size} processes are launched"
+                f"{p.pp_size * p.dp_size}, but {world_size} processes are launched; {_layouts(world_size)}"
             )
         if world_size % p.dp_size:
-            raise RecipeError(f"pipeline.dp_size: {world_size} processes cannot form {p.dp_size} equal replicas")
+            raise RecipeError(
+                f"pipeline.dp_size: {world_size} processes cannot form {p.dp_size} equal replicas; "
+                f"{_layouts(world_size)}"
+            )
         return world_size // p.dp_size
     return p.pp_size
+
+
+def _layouts(world_size: int) -> str:
+    """The (pp_size, dp_size) pairs `world_size` processes can hold, for an error message."""
+    pairs = [f"pp_size={world_size // dp} dp_size={dp}" for dp in range(1, world_size + 1) if world_size % dp == 0]
+    return f"{world_size} processes hold " + ", ".join(pairs)
 
 
 def _check_schedule(recipe, config, pp: int) -> str:
@@ -368,6 +387,8 @@ def _check_schedule(recipe, config, pp: int) -> str:
             if "chunks_per_rank" in str(e)
             else "pipeline.schedule"
         )
+        if key == "pipeline.microbatches" and recipe.train.gradient_accumulation_steps is not None:
+            key = "train.gradient_accumulation_steps"  # it set pipeline.microbatches
         raise RecipeError(f"{key}: {e} (pipeline of {pp} ranks)") from None
     chunks = len(schedule.chunk_rank)
     layers = config.num_hidden_layers
@@ -414,7 +435,10 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
     else:
         vocab = plan.rows_after
         notes += plan.lines()
+        _, rows_note = trainable_token_rows(recipe, found["tokenizer"], plan.chat, vocab)
+        notes += [rows_note] if rows_note else []
     if pp is None:
+        notes.append(describe_batch(recipe))
         notes.append("world size unknown (not launched; pass --world-size to --check): schedule not checked")
         return notes
     if METHODS[recipe.pipeline.method].vocab_parallel and vocab < pp:
@@ -423,5 +447,6 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
             f"(every rank needs at least one row); use a larger vocabulary or fewer ranks"
         )
     notes.append(_check_schedule(recipe, config, pp))
+    notes.append(describe_batch(recipe, pp))
     notes.append(f"vocabulary {vocab} rows, seq_len {recipe.data.seq_len} <= max positions {max_pos}")
     return notes

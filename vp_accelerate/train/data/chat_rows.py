@@ -64,6 +64,30 @@ def _content_text(content, k: int) -> str:
     raise ChatRowError(f"turn {k} content must be a string or a list of text parts, got {short(content)}")
 
 
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+}
+"""ShareGPT's `from` values -> chat roles."""
+
+
+def sharegpt_turn(m: dict, k: int) -> dict:
+    """A ShareGPT turn ({from, value}) as a chat turn ({role, content}); other keys are kept."""
+    role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+    if role is None:
+        raise ChatRowError(
+            f"turn {k} has unknown ShareGPT speaker {m['from']!r}; expected one of {', '.join(SHAREGPT_ROLES)}"
+        )
+    turn = {key: v for key, v in m.items() if key not in ("from", "value")}
+    return {"role": role, "content": m.get("value"), **turn}
+
+
 def normalize(messages, keys: frozenset[str], template_name: str = "the chat template") -> tuple[list[dict], list[str]]:
     """(messages for the template, the keys dropped because the template does not read them).
 
@@ -75,6 +99,8 @@ def normalize(messages, keys: frozenset[str], template_name: str = "the chat tem
         raise ChatRowError(f"'messages' must be a non-empty list of turns, got {short(messages)}")
     out, dropped = [], set()
     for k, m in enumerate(messages):
+        if isinstance(m, dict) and "role" not in m and "from" in m:
+            m = sharegpt_turn(m, k)
         if not isinstance(m, dict) or "role" not in m:
             raise ChatRowError(f"turn {k} must be a mapping with 'role' and 'content', got {short(m)}")
         if m["role"] not in ROLES:

@@ -25,6 +25,7 @@ from tokenizers import AddedToken
 
 from vp_accelerate.models.generation import chat_template_text, end_of_turn_id
 
+from ..recipe.model_check import hub_offline
 from .formats import CHATML_TEMPLATE, SAMPLE_FORMATS, sample_format
 from .read import first_record_columns
 from .sources import builder_for, expand_files, load_documents
@@ -72,10 +73,16 @@ def data_format(d) -> str:
     try:
         if d.hub_id:
             try:
+                # offline, a hub dataset is read from the datasets cache (memory-mapped), not streamed
                 first = next(
                     iter(
                         load_documents(
-                            None, d.hub_id, d.hub_split, streaming=True, name=d.hub_name, revision=d.hub_revision
+                            None,
+                            d.hub_id,
+                            d.hub_split,
+                            streaming=not hub_offline(),
+                            name=d.hub_name,
+                            revision=d.hub_revision,
                         )
                     ),
                     None,

@@ -18,7 +18,7 @@ import os
 from ..recipe import Recipe, finish_steps
 from ..recipe.schema import DataSection
 from .formats import sample_format
-from .prepare import PreparedData, empty_turns_line, no_eval_message, prepare_data
+from .prepare import EVAL_OFF, PreparedData, empty_turns_line, no_eval_message, prepare_data
 from .read import DataError, first_record_columns
 from .sources import builder_for, expand_files
 from .stats import SplitStats
@@ -118,6 +118,9 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
     ev = prepared.eval
     if ev is None:
         lines.append("evaluation: held-out documents of the stream, read at the start of the run")
+        return lines, prepared, recipe
+    if len(ev) == 0 and prepared.eval_off():
+        lines.append(EVAL_OFF % d.eval_holdout)
         return lines, prepared, recipe
     if len(ev) == 0:
         raise DataError(no_eval_message(d))

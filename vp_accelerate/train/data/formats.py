@@ -20,6 +20,7 @@ position t-1, so `labels = where(mask, ids, -100)`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -51,7 +52,10 @@ def detect_format(
     if declared in SAMPLE_FORMATS:
         return declared, "set by data.format"
     if messages_field in cols:
-        return "chat", f"detected from column {messages_field!r}"
+        sharegpt = " (ShareGPT turns)" if messages_field == SHAREGPT_FIELD else ""
+        return "chat", f"detected from column {messages_field!r}{sharegpt}"
+    if SHAREGPT_FIELD in cols and messages_field == "messages":
+        return "chat", f"detected from column {SHAREGPT_FIELD!r} (ShareGPT turns)"
     if prompt_field in cols and completion_field in cols:
         return "prompt_completion", f"detected from columns {prompt_field!r} and {completion_field!r}"
     if text_field in cols:
@@ -61,6 +65,19 @@ def detect_format(
         f"{messages_field!r} (chat) or {prompt_field!r} + {completion_field!r} (prompt_completion); "
         f"set data.text_field, data.format or the data.*_field names"
     )
+
+
+SHAREGPT_FIELD = "conversations"
+"""ShareGPT's column of turns, read as chat when the data has no `messages` column."""
+
+
+def with_data_fields(cfg: DataSection, columns) -> DataSection:
+    """The data section with `messages_field` pointed at ShareGPT's `conversations` column when the data has it
+    and no `messages` column (and the recipe kept the default name)."""
+    cols = set(columns or ())
+    if cfg.messages_field == "messages" and "messages" not in cols and SHAREGPT_FIELD in cols:
+        return dataclasses.replace(cfg, messages_field=SHAREGPT_FIELD)
+    return cfg
 
 
 def chat_template_of(tokenizer) -> tuple[str, bool]:
@@ -219,14 +236,15 @@ def fields(cfg: DataSection) -> dict:
     }
 
 
-def sample_format(cfg: DataSection, columns) -> tuple[str, str]:
-    """(text | chat | prompt_completion, how it was decided) for a recipe's data section and the data's columns."""
+def sample_format(cfg: DataSection, columns, where: str | None = None) -> tuple[str, str]:
+    """(text | chat | prompt_completion, how it was decided) for a recipe's data section and the data's columns
+    (`where`: the file they were read from, named when the format cannot be told)."""
     declared = cfg.format if cfg.format in SAMPLE_FORMATS else "auto"
-    f = fields(cfg)
+    f = fields(with_data_fields(cfg, columns))
     try:
         return detect_format(columns, declared, f["text"], f["messages"], f["prompt"], f["completion"])
     except FormatError as e:
-        raise DataError(str(e)) from None
+        raise DataError(f"{e} (in {where})" if where else str(e)) from None
 
 
 def document_boundaries(cfg: DataSection, fmt: str) -> bool:

@@ -3,11 +3,13 @@ boundaries (position ids restart per document; `to_sequences` picks by the recip
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..recipe.schema import DataSection
 from .batches import Sequences
@@ -22,6 +24,17 @@ def warn(message: str, *args) -> None:
     """A warning about the data, from the first process only (every rank prepares the same data)."""
     if os.environ.get("RANK", "0") == "0":
         log.warning(message, *args)
+
+
+@contextlib.contextmanager
+def quiet():
+    """No data warnings inside (a trial packing whose result is thrown away)."""
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def pack(token_rows, seq_len: int) -> np.ndarray:
@@ -65,7 +78,8 @@ def pack_documents(
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
     dropped = truncated = need = 0
     min_need = None
-    for k, row in enumerate(token_rows):
+    main = os.environ.get("RANK", "0") == "0"  # a bar on the first process, on a terminal only (disable=None)
+    for k, row in enumerate(tqdm(token_rows, desc="packing", unit="doc", leave=False, disable=None if main else True)):
         row = np.asarray(row, dtype=np.int64)
         mask = np.ones(len(row), dtype=bool) if loss_masks is None else np.asarray(loss_masks[k], dtype=bool)
         full_mask = mask

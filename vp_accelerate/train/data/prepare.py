@@ -26,8 +26,8 @@ import numpy as np
 
 from ..recipe.schema import DataSection
 from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterator, pack_stream
-from .formats import document_boundaries, sample_format
-from .pack import encoded, to_sequences, warn
+from .formats import document_boundaries, sample_format, with_data_fields
+from .pack import encoded, quiet, to_sequences, warn
 from .read import DataError, RowLocator, load_rows
 from .sources import builder_for, data_columns, load_documents, nonempty_paths
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column, count_split
@@ -76,8 +76,14 @@ class PreparedData:
                 f"train.global_batch: the training data has {len(self.train)} sequences, fewer than "
                 f"train.global_batch={global_batch}; add data or lower data.seq_len / train.global_batch"
             )
-        if eval_batches != 0 and self.eval is not None and len(self.eval) == 0:
+        if eval_batches != 0 and self.eval is not None and len(self.eval) == 0 and not self.eval_off():
             raise DataError(no_eval_message(self.cfg))
+
+    def eval_off(self) -> bool:
+        """True when `data.eval_holdout` could hold out no evaluation sequence from data too small for one:
+        evaluation is then off (with a warning), not an error on clean data. An explicit source (eval_files) or
+        `eval_holdout: 0` with evaluation on stays an error."""
+        return self.eval is not None and len(self.eval) == 0 and holdout_every(self.cfg) > 0
 
     def iterators(self, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1, eval_batches: int | None = 0):
         """(training iterator, EvalBatches of this replica). `eval_batches`: None = every evaluation sequence,
@@ -106,10 +112,18 @@ class PreparedData:
                 if len(rows) == n_eval:
                     break
             seqs = Sequences(np.asarray(rows, dtype=np.int64).reshape(-1, cfg.seq_len), pad_id=self.pad_id)
-        if len(seqs) == 0:
+        if len(seqs) == 0 and not self.eval_off():
             raise DataError(no_eval_message(cfg))
-        return train, EvalBatches(seqs, global_batch, dp_rank, dp_size, limit=eval_batches)
+        if len(seqs) == 0:
+            warn(EVAL_OFF, cfg.eval_holdout)
+        return train, EvalBatches(seqs, global_batch, dp_rank, dp_size, limit=eval_batches if len(seqs) else 0)
 
+
+EVAL_OFF = (
+    "data.eval_holdout: %g of the rows packs into no evaluation sequence, even with up to half of them held out: "
+    "evaluation is off for this run (set data.eval_files, or eval.batches: 0 to say so)"
+)
+"""The warning when the data is too small to hold out an evaluation sequence."""
 
 STREAM_EVAL_BATCHES = 4
 """Evaluation batches read from a stream's held-out documents when eval.batches is null (a stream has no end
@@ -147,7 +161,9 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
     docs = load_documents(
         paths or None, cfg.hub_id, cfg.hub_split, builder, cfg.streaming, cfg.hub_name, cfg.hub_revision
     )
-    fmt, how = sample_format(cfg, data_columns(docs, paths, builder))
+    columns = data_columns(docs, paths, builder)
+    cfg = with_data_fields(cfg, columns)  # ShareGPT's `conversations` column
+    fmt, how = sample_format(cfg, columns, where=paths[0] if paths else source)
     boundaries = document_boundaries(cfg, fmt)
 
     if cfg.streaming:
@@ -187,6 +203,8 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
     if train_stats.rows == train_stats.bad:
         raise DataError(f"{source}: no valid row (all {train_stats.rows} skipped as invalid, data.skip_invalid)")
     flags = np.asarray(arrow_column(tokenized, "heldout").to_numpy(zero_copy_only=False), dtype=bool)
+    if every:
+        flags = _hold_out_enough(tokenized, flags, cfg, pad_id, fmt, source)
     train_part = tokenized.select(np.flatnonzero(~flags))
     count_split(train_stats, train_part)
     train = to_sequences(encoded(train_part), cfg, pad_id, source, fmt, stats=train_stats)
@@ -220,6 +238,41 @@ def empty_turns_line(stats: SplitStats) -> str:
         f"{stats.source}: {stats.empty_turns} conversation(s) have an assistant turn with empty content, which "
         f"trains the model to answer nothing: {'; '.join(stats.empty_turn_examples)}{more}; fill or drop those turns"
     )
+
+
+def _hold_out_enough(tokenized, flags: np.ndarray, cfg: DataSection, pad_id: int, fmt: str, source: str):
+    """The held-out rows, grown so that they pack into at least one evaluation sequence when the data allows:
+    `eval_holdout` of a small file (or a few short text rows under classic packing) can make none. The last
+    training rows of the file are added, 1, 2, 4, ... of them, up to half the rows; if even that makes no
+    sequence, none are added and evaluation is turned off later (a warning, not an error: the data is fine)."""
+
+    def sequences(chosen: np.ndarray) -> int:
+        try:  # a trial packing: its warnings would repeat what the real one says
+            with quiet():
+                part = encoded(tokenized.select(np.flatnonzero(chosen)))
+                return len(to_sequences(part, cfg, pad_id, source, fmt, allow_empty=True))
+        except DataError:  # every held-out conversation dropped by data.seq_len
+            return 0
+
+    if sequences(flags):
+        return flags
+    rows = np.flatnonzero(~flags)
+    k = 1
+    while k <= len(rows) // 2:
+        trial = flags.copy()
+        trial[rows[-k:]] = True
+        if sequences(trial):
+            warn(
+                "data.eval_holdout: %g of %s held out %d row(s), no whole evaluation sequence; holding out the "
+                "last %d training row(s) too, so evaluation has a batch (data.eval_files sets its own)",
+                cfg.eval_holdout,
+                source,
+                int(flags.sum()),
+                k,
+            )
+            return trial
+        k *= 2
+    return flags
 
 
 def _stream_row_ok(example, skip: bool) -> bool:

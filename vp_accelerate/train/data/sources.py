@@ -93,10 +93,31 @@ def load_documents(
     """
     from datasets import load_dataset  # datasets fixes its cache dir when imported: see read.load_rows
 
-    if hub_id:
+    if hub_id and saved_dataset_dir(hub_id):
+        return load_saved(hub_id, split, streaming)
+    if hub_id:  # offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), datasets reads it from its local cache
         return load_dataset(hub_id, name, split=split, streaming=streaming, revision=revision)
     paths = nonempty_paths(files)  # 0-byte files hold no rows (and some builders fail on them)
     return load_rows(paths, format_of(paths, fmt), streaming)
+
+
+def saved_dataset_dir(path: str) -> bool:
+    """Whether `path` is a folder `datasets.save_to_disk` wrote (a Dataset: state.json; a DatasetDict:
+    dataset_dict.json)."""
+    path = os.path.expanduser(path)
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
+
+
+def load_saved(path: str, split: str, streaming: bool):
+    """The rows of a `save_to_disk` folder: the Dataset, or the `split` of a DatasetDict (data.hub_split)."""
+    from datasets import DatasetDict, load_from_disk  # see load_documents
+
+    ds = load_from_disk(os.path.expanduser(path))
+    if isinstance(ds, DatasetDict):
+        if split not in ds:
+            raise DataError(f"data.hub_split: {path} holds the splits {sorted(ds)}, not {split!r}")
+        ds = ds[split]
+    return ds.to_iterable_dataset() if streaming else ds
 
 
 def data_columns(docs, paths: list[str], builder: str) -> list[str]:

@@ -80,16 +80,32 @@ class RowTokenizer:
             text = row[f["text"]]
             if not isinstance(text, str):
                 raise formats.FormatError(f"column {f['text']!r} must be a string, got {formats.short(text)}")
+            if cfg.response_template is not None:  # completion-only loss: a prompt / completion split at it
+                return (*self._after_response_template(text), [])
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return text, ids + [self.tokenizer.eos_token_id] if cfg.add_eos else ids, None, []
         if self.fmt == "chat":
             messages, dropped = chat_rows.normalize(row[f["messages"]], self.keys, self.template_name)
+            if cfg.system_prompt is not None and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": cfg.system_prompt}] + messages
             return (*formats.encode_chat(self.tokenizer, self.template, messages, cfg.train_on_inputs), dropped)
         return (
             *formats.encode_prompt_completion(
                 self.tokenizer, row[f["prompt"]], row[f["completion"]], cfg.add_eos, cfg.train_on_inputs
             ),
             [],
+        )
+
+    def _after_response_template(self, text: str) -> tuple[str, list, list]:
+        """(text, ids, loss mask) of a text row whose loss starts after data.response_template: the text up to
+        and including it and the rest tokenized apart (a clean boundary, as prompt_completion), EOS after."""
+        template = self.cfg.response_template
+        at = text.find(template)
+        if at < 0:
+            raise formats.FormatError(f"the text has no data.response_template {template!r}: {formats.short(text)}")
+        cut = at + len(template)
+        return formats.encode_prompt_completion(
+            self.tokenizer, text[:cut], text[cut:], self.cfg.add_eos, self.cfg.train_on_inputs
         )
 
     def _row_of(self, batch: dict, k: int) -> tuple[dict | None, str]:
@@ -113,7 +129,8 @@ class RowTokenizer:
         self._check_columns(batch)
         raw, places = batch.get(RAW), batch.get(WHERE)
         out = {"input_ids": [], "heldout": [], "invalid": [], "keys": [], "empty_turn": []}
-        if self.fmt != "text":
+        masked = self.fmt != "text" or self.cfg.response_template is not None
+        if masked:
             out["loss_mask"] = []
         for k, index in enumerate(indices):
             if raw is not None and not raw[k].strip():
@@ -137,7 +154,7 @@ class RowTokenizer:
                     f"use the model's own tokenizer"
                 )
             out["input_ids"].append(ids)
-            if self.fmt != "text":
+            if masked:
                 out["loss_mask"].append(mask if not reason else [])
             out["heldout"].append(not reason and is_heldout(self._hash_text(text, row), self.holdout_every))
             out["invalid"].append(f"{place or self.locate(index)}: {reason}" if reason else "")

@@ -22,6 +22,7 @@ def check(recipe: Recipe) -> Recipe:
     Raises RecipeError naming the key."""
     recipe = copy.deepcopy(recipe)
     p, t, d, o = recipe.pipeline, recipe.train, recipe.data, recipe.optimizer
+    _derive_batch(recipe)
     try:
         p.check()
     except ValueError as e:  # its message starts with the field name
@@ -62,12 +63,14 @@ def check(recipe: Recipe) -> Recipe:
                 "pipeline.layers_per_stage: cannot be set with schedule auto (the plan splits the "
                 "layers); drop it or name a schedule"
             )
-    elif t.global_batch % p.dp_size:
-        raise RecipeError(f"train.global_batch: {t.global_batch} is not divisible by pipeline.dp_size={p.dp_size}")
-    elif (t.global_batch // p.dp_size) % p.microbatches:
+    elif t.global_batch % (p.dp_size * p.microbatches):
+        unit = p.dp_size * p.microbatches
+        lower, upper = (t.global_batch // unit) * unit, (t.global_batch // unit + 1) * unit
+        near = f"{lower} or {upper}" if lower else f"{upper}"
         raise RecipeError(
-            f"train.global_batch: the per-replica batch {t.global_batch // p.dp_size} (global_batch / "
-            f"dp_size) is not divisible by pipeline.microbatches={p.microbatches}"
+            f"train.global_batch: {t.global_batch} sequences do not split into pipeline.dp_size={p.dp_size} "
+            f"replicas x pipeline.microbatches={p.microbatches} equal microbatches (a multiple of {unit}); use "
+            f"{near}, or set train.micro_batch_size (sequences per microbatch) instead of global_batch"
         )
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise RecipeError(f"optimizer.betas: expected two values in [0, 1), got {o.betas}")
@@ -128,6 +131,49 @@ def _check_paths(recipe: Recipe) -> None:
     src = recipe.model.source
     if src.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(src)):
         raise RecipeError(f"model.source: directory {src!r} does not exist")
+
+
+DEFAULT_GLOBAL_BATCH = 16
+"""train.global_batch when neither it nor train.micro_batch_size is set."""
+
+
+def _derive_batch(recipe: Recipe) -> None:
+    """TRL's spelling of the batch: gradient_accumulation_steps sets pipeline.microbatches, micro_batch_size
+    derives global_batch = micro_batch_size x microbatches x dp_size (in place, on check's copy)."""
+    t, p = recipe.train, recipe.pipeline
+    for key in ("micro_batch_size", "gradient_accumulation_steps"):
+        value = getattr(t, key)
+        if value is not None and value < 1:
+            raise RecipeError(f"train.{key}: must be >= 1 or null, got {value}")
+        if value is not None and p.schedule == "auto":
+            raise RecipeError(
+                f"train.{key}: pipeline.schedule auto chooses dp_size and microbatches itself; set "
+                f"train.global_batch, or name a schedule (e.g. 1f1b)"
+            )
+    if t.gradient_accumulation_steps is not None:
+        p.microbatches = t.gradient_accumulation_steps
+    if t.micro_batch_size is not None:
+        if t.global_batch is not None:
+            raise RecipeError(
+                f"train.micro_batch_size: set train.global_batch ({t.global_batch}) or train.micro_batch_size "
+                f"({t.micro_batch_size}), not both (global_batch = micro_batch_size x microbatches x dp_size)"
+            )
+        t.global_batch = t.micro_batch_size * p.microbatches * p.dp_size
+    elif t.global_batch is None:
+        t.global_batch = DEFAULT_GLOBAL_BATCH
+
+
+def describe_batch(recipe: Recipe, pp_size: int | None = None) -> str:
+    """How a (checked) recipe's global batch splits: replicas, microbatches, sequences per microbatch."""
+    t, p = recipe.train, recipe.pipeline
+    per_mb = t.global_batch // (p.dp_size * p.microbatches)
+    how = "train.micro_batch_size" if t.micro_batch_size is not None else "from train.global_batch"
+    accum = " (train.gradient_accumulation_steps)" if t.gradient_accumulation_steps is not None else ""
+    ranks = f"; {pp_size} pipeline ranks x {p.dp_size} replicas = {pp_size * p.dp_size} processes" if pp_size else ""
+    return (
+        f"batch: global_batch {t.global_batch} = {per_mb} sequences per microbatch ({how}) x "
+        f"{p.microbatches} microbatches{accum} x dp_size {p.dp_size}{ranks}"
+    )
 
 
 DEFAULT_STEPS = 100

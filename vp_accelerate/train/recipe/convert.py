@@ -20,6 +20,19 @@ class RecipeError(ValueError):
     """A recipe problem; the message starts with the key path it concerns."""
 
 
+def unknown_key(path: str, name: str, names: list[str]) -> RecipeError:
+    """The error for key `name` at `path`: another tool's name for a key (schema.KEY_ALIASES) points at
+    ours, else the closest known name, else the known names."""
+    from .schema import KEY_ALIASES  # the recipe's own table; this module converts any dataclass
+
+    ours = KEY_ALIASES.get(name)
+    if ours is not None:  # an unknown key here, so never the key it names
+        return RecipeError(f"{path}: unknown key; did you mean {ours}? ({name} is its name in transformers/TRL)")
+    hint = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    more = f"; did you mean {hint[0]}?" if hint else f"; known keys: {', '.join(names)}"
+    return RecipeError(f"{path}: unknown key{more}")
+
+
 # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a *string*. Accept such strings for float
 # fields, since every user writes learning rates that way; anything else of the wrong type is an error.
 _FLOAT_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -131,9 +144,7 @@ def from_dict(cls, data: dict, path: str = ""):
     for key, value in data.items():
         key_path = _join(path, str(key))
         if key not in names:
-            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            more = f"; did you mean {hint[0]}?" if hint else f"; known keys: {', '.join(names)}"
-            raise RecipeError(f"{key_path}: unknown key{more}")
+            raise unknown_key(key_path, str(key), names)
         kwargs[key] = convert(hints[key], value, key_path)
     return cls(**kwargs)
 
@@ -187,9 +198,7 @@ def set_override(recipe, item: str) -> None:
         path = _join(path, name)
         names = [f.name for f in dataclasses.fields(obj)]
         if name not in names:
-            hint = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-            more = f"; did you mean {hint[0]}?" if hint else f"; known keys: {', '.join(names)}"
-            raise RecipeError(f"{path}: unknown key{more}")
+            raise unknown_key(path, name, names)
         tp = _hints(type(obj))[name]
         if i == len(parts) - 1:
             if tp is dict:

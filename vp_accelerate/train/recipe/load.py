@@ -4,6 +4,7 @@ plain dict (wandb config, checkpoints). The generic dict <-> dataclass conversio
 from __future__ import annotations
 
 import os
+import re
 
 import yaml
 
@@ -61,3 +62,47 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
 def recipe_to_dict(recipe: Recipe) -> dict:
     """Plain nested dict (for wandb config and checkpoints)."""
     return to_dict(recipe)
+
+
+def key_lines(path: str) -> dict[str, int]:
+    """key.path -> the 1-based line of the recipe file where it is written (YAML node marks); {} when the file
+    cannot be read as YAML (that error names its own line)."""
+    try:
+        with open(path) as f:
+            root = yaml.compose(f)
+    except (OSError, yaml.YAMLError):
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = f"{prefix}.{key.value}" if prefix else str(key.value)
+                lines[name] = key.start_mark.line + 1
+                walk(value, name)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[f"{prefix}[{i}]"] = item.start_mark.line + 1
+                walk(item, f"{prefix}[{i}]")
+
+    walk(root, "")
+    return lines
+
+
+def where(path: str, message: str, overrides=()) -> str:
+    """Where the key an error message starts with was set: "(--set KEY=...)", "(PATH, line N)" for the
+    deepest part of it the file writes, or "(PATH)" when the file does not write it (a default)."""
+    key = message.split(":", 1)[0].strip()
+    if not re.fullmatch(r"[\w.\[\]-]+", key):  # not a key path ("recipe file ... not found")
+        return f"(recipe {path})"
+    for item in overrides:
+        name = str(item).split("=", 1)[0].strip()
+        if name == key or key.startswith(name + ".") or name.startswith(key + "."):
+            return f"(--set {item})"
+    lines = key_lines(path)
+    parts = key
+    while parts:
+        if parts in lines:
+            return f"({path}, line {lines[parts]})"
+        parts = re.sub(r"(\[\d+\]|\.?[^.\[]+)$", "", parts)  # one level up
+    return f"(recipe {path})"

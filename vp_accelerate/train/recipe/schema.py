@@ -10,7 +10,38 @@ from typing import Literal, Optional
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 
-__all__ = ["AdapterConfig", "PipelineConfig", "Recipe"]
+__all__ = ["AdapterConfig", "KEY_ALIASES", "PipelineConfig", "Recipe"]
+
+KEY_ALIASES = {
+    "max_grad_norm": "optimizer.grad_clip",
+    "learning_rate": "optimizer.lr",
+    "weight_decay": "optimizer.weight_decay",
+    "adam_epsilon": "optimizer.eps",
+    "num_train_epochs": "train.epochs",
+    "max_steps": "train.steps",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "seed": "train.seed",
+    "warmup_ratio": "lr.warmup_ratio",
+    "warmup_steps": "lr.warmup_steps",
+    "lr_scheduler_type": "lr.decay",
+    "max_seq_length": "data.seq_len",
+    "max_length": "data.seq_len",
+    "dataset_text_field": "data.text_field",
+    "system_prompt": "data.system_prompt",
+    "response_template": "data.response_template",
+    "eval_steps": "eval.every",
+    "save_steps": "checkpoint.every",
+    "save_total_limit": "checkpoint.keep",
+    "logging_steps": "logging.log_every",
+    "output_dir": "logging.output_dir",
+    "lora_r": "adapter.r",
+    "lora_alpha": "adapter.alpha",
+    "lora_dropout": "adapter.dropout",
+    "trainable_token_indices": "adapter.trainable_tokens",
+}
+"""Names from transformers' TrainingArguments, TRL, peft and axolotl -> this recipe's key: a recipe that uses one
+(in any section) fails with a message naming the key to write instead."""
 
 
 @dataclass
@@ -68,7 +99,8 @@ class DataSection:
     """Local training files or globs (.txt, .json/.jsonl, .parquet). Empty when `hub_id` is set."""
 
     hub_id: Optional[str] = None
-    """A `datasets` hub id instead of local files (only where the hub is reachable)."""
+    """A `datasets` hub id instead of local files (read from the local datasets cache when offline), or a folder
+    written by `datasets.save_to_disk` (a Dataset, or a DatasetDict whose `hub_split` is used)."""
 
     hub_split: str = "train"
     """The split of `hub_id` to train on."""
@@ -92,7 +124,17 @@ class DataSection:
     """The column holding the text (for .txt files it is always `text`)."""
 
     messages_field: str = "messages"
-    """chat: the column holding the list of turns."""
+    """chat: the column holding the list of turns ({role, content}, or ShareGPT's {from, value} with human / gpt
+    / system roles); data with a `conversations` column and no `messages` is read as ShareGPT chat."""
+
+    system_prompt: Optional[str] = None
+    """chat: a system turn put first in every conversation that has none (TRL / axolotl's default system
+    prompt); also the system turn of eval.prompts. None = conversations as written."""
+
+    response_template: Optional[str] = None
+    """text: the text after which loss starts in each row (TRL's completion-only `response_template`, e.g.
+    `"### Answer:"`): the tokens up to and including it carry none. A row without it is invalid (named, or
+    skipped with skip_invalid). None = loss on every token."""
 
     prompt_field: str = "prompt"
     """prompt_completion: the prompt column."""
@@ -198,8 +240,17 @@ class TrainSection:
     """Passes over the training sequences instead of `steps` (rounded up to whole steps of global_batch; `--check`
     says how many). Not with data.streaming (a stream's length is unknown)."""
 
-    global_batch: int = 16
-    """Sequences per optimizer step over all data-parallel replicas."""
+    global_batch: Optional[int] = None
+    """Sequences per optimizer step over all data-parallel replicas; null = micro_batch_size x microbatches x
+    pipeline.dp_size when micro_batch_size is set, else 16. `--check` prints how it splits."""
+
+    micro_batch_size: Optional[int] = None
+    """Sequences per microbatch on each replica (TRL's `per_device_train_batch_size`): global_batch is then
+    derived as micro_batch_size x microbatches x pipeline.dp_size; not together with global_batch."""
+
+    gradient_accumulation_steps: Optional[int] = None
+    """Microbatches per optimizer step per replica (TRL's spelling of pipeline.microbatches, which it sets; a
+    pipeline fills its ranks with them, so at least the pipeline ranks keeps the bubble small)."""
 
     seed: int = 0
     """Seeds model init, data order and every RNG; the same seed gives the same run."""
@@ -260,6 +311,14 @@ class CheckpointSection:
     export_hf: bool = True
     """At the end, write the final model as an HF directory (safetensors + config + tokenizer) to
     `<logging.output_dir>/hf`, loadable with `AutoModelForCausalLM.from_pretrained`."""
+
+    push_to_hub: Optional[str] = None
+    """A hub repo id (`user/name`) the final export is uploaded to at the end through huggingface_hub (hf/, and a
+    LoRA run's adapter/ under `adapter/` in it); needs a login (`huggingface-cli login` or HF_TOKEN) and the hub
+    (refused under HF_HUB_OFFLINE=1). None = nothing leaves the machine."""
+
+    hub_private: bool = True
+    """With push_to_hub: create the repo private (an existing repo keeps its visibility)."""
 
     def resolved_dir(self, output_dir: str) -> Optional[str]:
         """Where checkpoints go: `dir`, else `<output_dir>/checkpoints`; None when disabled."""

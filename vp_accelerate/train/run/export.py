@@ -34,6 +34,7 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from ..recipe.presets import PRESETS
 from ..tokens.token_map import same_vocabulary
 from . import checkpoint as ckpt
+from .hub_push import push_export
 from .run_state import final_checkpoint
 from .tracking import gather
 
@@ -143,11 +144,8 @@ def write_exports(
     `adapter_dir`, from a full HF state dict; either may be None."""
     adapter = _adapter_of(recipe)
     if adapter_dir is not None:
-        if adapter is None or adapter.train_vocab:
-            raise ckpt.CheckpointError(
-                "no LoRA adapter to export alone (adapter.type is null, or adapter.train_vocab "
-                "trained the vocabulary too); export the full model"
-            )
+        if adapter is None:
+            raise ckpt.CheckpointError("no LoRA adapter to export alone (adapter.type is null); export the full model")
         base, why = adapter_base(recipe, config.vocab_size, tokenizer)
         if base is None:
             base = os.path.abspath(os.path.join(adapter_dir, "base"))
@@ -230,7 +228,7 @@ def export_final(run) -> str | None:
         return None
     out = os.path.join(recipe.logging.output_dir, "hf")
     adapter = recipe.adapter if recipe.adapter.enabled else None
-    adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter and not adapter.train_vocab else None
+    adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter else None
     if c.dir:
         if pipe.rank == 0:  # the final checkpoint is the best one with checkpoint.keep_best
             # the run's own recipe (the caller) says whether the model's code may run, not the checkpoint's file
@@ -258,4 +256,18 @@ def export_final(run) -> str | None:
             out,
             merged,
         )
+    if pipe.rank == 0 and c.push_to_hub:  # after the export is whole on disk; a failure loses nothing trained
+        try:
+            push_export(c.push_to_hub, out, adapter_dir, c.hub_private)
+        except Exception as e:  # noqa: BLE001 - the hub's errors (HTTP, auth, network) are many; the run is done
+            log.error(
+                "checkpoint.push_to_hub: pushing to %s failed (%s: %s); the export is in %s: push it with "
+                "`huggingface-cli upload %s %s`",
+                c.push_to_hub,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+                out,
+                c.push_to_hub,
+                out,
+            )
     return out

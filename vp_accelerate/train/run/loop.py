@@ -78,6 +78,8 @@ class Run:
     """Early stopping (eval.patience) ended the run at end_step."""
     data: PreparedData | None = None
     """The prepared data (`data.PreparedData`: sizes for the run's data/ metrics)."""
+    setup_s: dict = field(default_factory=dict)
+    """Seconds `setup` spent on each part (model and tokenizer, data, pipeline, ...), said with the first step."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -273,10 +275,11 @@ def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None]
         return
     ppl = math.exp(min(loss, 50.0))
     best = run.best
-    if loss < best["loss"] - e.min_delta:
-        best.update(loss=loss, step=step, stale=0)
-    else:
-        best["stale"] += 1
+    # patience counts evaluations without a gain of more than min_delta over the best (transformers'
+    # EarlyStoppingCallback threshold); the best (keep_best's checkpoint) is the lowest loss, whatever the gain
+    best["stale"] = 0 if loss < best["loss"] - e.min_delta else best["stale"] + 1
+    if loss < best["loss"]:
+        best.update(loss=loss, step=step)
     run.tracker.log({"eval/loss": loss, "eval/ppl": ppl, "eval/best_loss": best["loss"]}, step)
     if run.accelerator.is_main_process:
         say(

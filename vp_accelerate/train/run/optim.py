@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def build_optimizer(pipe, opt_cfg) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices (dim >= 2) only; norms and biases are not decayed. Its state is
-    sharded over the data-parallel replicas with `pipeline.zero: 1` (`PipelineModel.make_optimizer`)."""
+def build_optimizer(pipe, opt_cfg, row_trained=()) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices (dim >= 2) only; norms and biases are not decayed, nor a vocabulary
+    weight of which only some rows train (`row_trained`, ids of such weights: decay would move the frozen rows).
+    Its state is sharded over the data-parallel replicas with `pipeline.zero: 1` (`PipelineModel.make_optimizer`)."""
     decay, no_decay = [], []
     for _, p in pipe.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if p.dim() >= 2 and id(p) not in row_trained else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return pipe.make_optimizer(
         [g for g in groups if g["params"]],

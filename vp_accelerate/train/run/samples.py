@@ -28,11 +28,13 @@ from .tracking import gather
 log = logging.getLogger("vp_accelerate.train")
 
 
-def prompt_ids(tokenizer, prompt: str, fmt: str) -> list[int]:
-    """Token ids a prompt is completed from: a user turn with the generation prompt (chat), or the text."""
+def prompt_ids(tokenizer, prompt: str, fmt: str, system: str | None = None) -> list[int]:
+    """Token ids a prompt is completed from: a user turn with the generation prompt (chat; after the `system`
+    turn, data.system_prompt, as training saw it), or the text."""
     if fmt == "chat":
+        turns = [{"role": "system", "content": system}] if system is not None else []
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
+            turns + [{"role": "user", "content": prompt}],
             tokenize=False,
             chat_template=chat_template_of(tokenizer)[0],
             add_generation_prompt=True,
@@ -86,9 +88,11 @@ def greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def complete(pipe, tokenizer, prompts: list[str], fmt: str, max_new_tokens: int) -> list[str] | None:
-    """Greedy completions of `prompts` by the pipeline's current weights, on rank 0 (None on the others).
-    A collective: every rank of the pipeline calls it."""
+def complete(
+    pipe, tokenizer, prompts: list[str], fmt: str, max_new_tokens: int, system: str | None = None
+) -> list[str] | None:
+    """Greedy completions of `prompts` by the pipeline's current weights, on rank 0 (None on the others; chat
+    prompts after the `system` turn if given). A collective: every rank of the pipeline calls it."""
     state = pipe.gather_hf_state_dict()  # on each replica's first pipeline rank; the others get None
     transposed = sorted({n for names in gather(list(getattr(pipe, "lora_transposed", []))) for n in names})
     if pipe.rank != 0:
@@ -102,7 +106,7 @@ def complete(pipe, tokenizer, prompts: list[str], fmt: str, max_new_tokens: int)
     try:
         texts = []
         for prompt in prompts:
-            new = greedy(model, tokenizer, prompt_ids(tokenizer, prompt, fmt), max_new_tokens)
+            new = greedy(model, tokenizer, prompt_ids(tokenizer, prompt, fmt, system), max_new_tokens)
             texts.append(tokenizer.decode(new, skip_special_tokens=True))
         return texts
     finally:
@@ -116,6 +120,6 @@ def log_samples(run, step: int) -> None:
     (rank 0). A collective."""
     e = run.recipe.eval
     fmt = run.data.fmt if run.data is not None else "text"
-    texts = complete(run.pipe, run.tokenizer, e.prompts, fmt, e.max_new_tokens)
+    texts = complete(run.pipe, run.tokenizer, e.prompts, fmt, e.max_new_tokens, run.recipe.data.system_prompt)
     if texts is not None:
         run.tracker.log_samples([{"prompt": p, "completion": c} for p, c in zip(e.prompts, texts)], step)

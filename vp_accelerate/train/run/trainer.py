@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,13 @@ from ..recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
 from ..recipe.lr_schedule import build_scheduler
 from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config
 from ..tokens.tokenizer import load_tokenizer
-from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
+from ..tokens.vocab_plan import (
+    model_tokenizer_source,
+    plan_vocab,
+    prepare_tokenizers,
+    tokenizer_source,
+    trainable_token_rows,
+)
 from . import run_lock
 from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
@@ -181,7 +188,11 @@ def _adapter_line(recipe: Recipe, pipe) -> str | None:
     counts = gather(
         (
             pipe.dp_rank,
-            *parameter_counts(pipe.named_parameters(), mods.is_duplicate if mods is not None else lambda n: False),
+            *parameter_counts(
+                pipe.named_parameters(),
+                mods.is_duplicate if mods is not None else lambda n: False,
+                mods.trained_rows if mods is not None else None,
+            ),
         )
     )
     trainable, total = (sum(c[k] for c in counts if c[0] == 0) for k in (1, 2))
@@ -205,24 +216,31 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     True, a step number, or a checkpoint path; else initialised from model.init_from's weights if set).
     `override`: `--resume --override` groups (`resume_check.py`). `recipe` is not changed: `Run.recipe` is the
     resolved one (`resolved_recipe`, train.steps from epochs)."""
+    clock = SetupClock()
     accelerator = make_accelerator(recipe)
     set_seed(recipe.train.seed)
     recipe = resolved_recipe(recipe, accelerator.mixed_precision)  # the caller's recipe stays as it was
     lock_output(recipe, accelerator.is_main_process)  # before anything is written there
     which = "latest" if resume is True else (resume or None)
+    clock.lap("accelerator")
     model_dir, tokenizer, model_tokenizer, chat = load_model_and_tokenizers(recipe, accelerator)
     planned = plan_model(recipe, tokenizer, model_dir, model_tokenizer, chat)
+    clock.lap("model source and tokenizer")
+    # LoRA: the rows of the special tokens this run adds train too (adapter.trainable_tokens)
+    recipe, rows_note = trainable_token_rows(recipe, tokenizer, chat, planned[1].rows_after)
     with main_process_first("preparing the data"):  # tokenized once into the datasets cache (as --check did)
         data = prepare_data(recipe.data, tokenizer, planned[1].rows_after)
         data.check_sizes(recipe.train.global_batch, recipe.eval.batches)
+    clock.lap("data (read, tokenize, pack)")
     if recipe.train.steps is None:  # train.epochs: the run's length is known now, set on copies of the sections
         recipe = finish_steps(recipe, len(data.train) // recipe.train.global_batch)
     t = recipe.train
     pipe, vocab = build_pipeline(recipe, tokenizer, accelerator.device, model_dir, model_tokenizer, chat, planned)
+    clock.lap("pipeline (build, load weights)")
     layout = PipelineLayout(tuple(gather(pipe.describe())))
     adapter_line = _adapter_line(recipe, pipe)  # a collective
     if accelerator.is_main_process:
-        for line in vocab.lines() + ([adapter_line] if adapter_line else []):
+        for line in vocab.lines() + [line for line in (adapter_line, rows_note) if line]:
             log.info("%s", line)
         log.info(
             "distributed: %s, world size %d (pp %d x dp %d)",
@@ -234,7 +252,7 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         for rank in layout.ranks:
             log.info("%s", rank)
     train_it, eval_batches = data.iterators(t.seed, t.global_batch, pipe.dp_rank, pipe.dp_size, recipe.eval.batches)
-    optimizer = build_optimizer(pipe, recipe.optimizer)
+    optimizer = build_optimizer(pipe, recipe.optimizer, pipe.mods.trained_rows)
     run = Run(
         recipe=recipe,
         accelerator=accelerator,
@@ -254,6 +272,8 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     if not which and recipe.model.init_from:
         init_weights_from(run, recipe.model.init_from)
     run.end_step = t.steps if stop_at is None else max(run.start_step, min(stop_at, t.steps))
+    clock.lap("optimizer, resume")
+    run.setup_s = clock.laps
     # after a resume that could fail; one metrics.jsonl per run (a resumed run appends to its own)
     run.tracker = Tracker(accelerator, recipe, run.recipe_dict, resumed_step=run.start_step or None)
     return run
@@ -282,6 +302,8 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     for step in range(run.start_step + 1, run.end_step + 1):
         out = train_step_once(run, state, step)
         losses[step] = out.loss
+        if step == run.start_step + 1 and run.accelerator.is_main_process:
+            bar.write(first_step_line(run.setup_s, out.step_time_s))
         bar.update(1)
         bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
         log_step(run, state, out)
@@ -318,6 +340,24 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         "stopped_early": run.stopped_early,
         "best": dict(run.best),
     }
+
+
+class SetupClock:
+    """Seconds between the named points of `setup` (where the time before the first step went)."""
+
+    def __init__(self):
+        self.last, self.laps = time.perf_counter(), {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+def first_step_line(setup_s: dict, step_s: float) -> str:
+    """What the first step's log says: how long set-up took, and where."""
+    parts = ", ".join(f"{name} {s:.1f} s" for name, s in sorted(setup_s.items(), key=lambda kv: -kv[1]))
+    return f"first step done in {step_s:.1f} s; set-up took {sum(setup_s.values()):.1f} s: {parts}"
 
 
 def finish(run: Run) -> None:

@@ -80,13 +80,14 @@ def main_process_first(what: str = "starting"):
     _share(None)
 
 
-def report(err: Exception) -> None:
+def report(err: Exception, where: str = "") -> None:
     """Print a user error as one line on stderr ("recipe error: ..." / "data error: ..."), unless it is another
-    rank's quiet copy or was said already."""
+    rank's quiet copy or was said already. `where`: for a recipe error, where its key was set (`load.where`)."""
     if getattr(err, "quiet", False):
         return
     prefix = "recipe error" if isinstance(err, RecipeError) else "data error"
-    print(f"{prefix}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+    at = f" {where}" if where and isinstance(err, RecipeError) else ""
+    print(f"{prefix}: {' '.join(str(err).split())}{at}", file=sys.stderr, flush=True)
 
 
 def say_once(message: str) -> None:

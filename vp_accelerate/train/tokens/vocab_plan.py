@@ -14,6 +14,7 @@ every training rank, and printed with its reason:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -209,4 +210,43 @@ def _too_small(n: int, rows: int) -> RecipeError:
         f"tokenizer.resize_vocab: the tokenizer has {n} tokens but the model's vocabulary has {rows} "
         f"rows, so ids >= {rows} have no embedding; set tokenizer.resize_vocab: true or use the "
         f"model's own tokenizer"
+    )
+
+
+def trainable_token_rows(recipe, tokenizer, chat, rows: int):
+    """(the recipe with adapter.trainable_tokens settled, a note for `--check` and the log, or None).
+
+    Under LoRA the vocabulary is frozen, so the special tokens this run adds to the tokenizer (ChatML's, for a
+    base without a chat template) would keep their initial rows and the model would never learn to end its
+    turn: their ids join adapter.trainable_tokens (adapter.train_new_tokens). adapter.train_vocab trains every
+    row instead, saved whole as peft's modules_to_save: the note says so. Ids past the vocabulary are a RecipeError."""
+    a = recipe.adapter
+    if not a.enabled:
+        return recipe, None
+    if a.train_vocab:
+        return recipe, (
+            "adapter.train_vocab: every vocabulary row trains; adapter/ holds the embedding and output layer "
+            "whole, as peft's modules_to_save (for a few rows, e.g. added special tokens, adapter.trainable_tokens "
+            "keeps the adapter small)"
+        )
+    added = [] if chat is None else list(chat.added)
+    ids = list(a.trainable_tokens)
+    if added and a.train_new_tokens:
+        ids += [i for i in tokenizer.convert_tokens_to_ids(added) if i not in ids]
+    bad = [i for i in ids if i >= rows]
+    if bad:
+        raise RecipeError(f"adapter.trainable_tokens: ids {bad} are past the vocabulary of {rows} rows")
+    recipe = dataclasses.replace(recipe, adapter=dataclasses.replace(a, trainable_tokens=ids))
+    if added and not a.train_new_tokens:
+        return recipe, (
+            f"warning: {', '.join(added)} were added to the tokenizer but their rows stay frozen under LoRA "
+            f"(adapter.train_new_tokens: false): the model cannot learn to end its turn with them"
+        )
+    if not ids:
+        return recipe, None
+    names = tokenizer.convert_ids_to_tokens(ids)
+    return recipe, (
+        f"LoRA also trains the embedding and output rows of {len(ids)} tokens ({', '.join(map(str, names))}; "
+        f"adapter.trainable_tokens{' + the added special tokens' if added and a.train_new_tokens else ''}), "
+        f"each in its rank's vocabulary shard, saved in adapter/ as peft's trainable_token_indices"
     )
