@@ -139,7 +139,31 @@ def _on_ranks(ckpt: str, ids, labels, noise, configs, world: int):
         results[(schedule, method, dp)] = (pipe.dp_rank, own, per_type)
         pipe.close()
     results["output_layer"] = _output_layer_errors(ids, labels, noise)
+    if world == 2:
+        results["lora"] = _lora_reference(ckpt, ids, labels)
     return results
+
+
+def _lora_reference(ckpt: str, ids, labels):
+    """(adapter off, adapter on) log-probabilities of LoRA with non-zero adapters: the reference under LoRA is
+    the base model, the adapters switched off for the pass and back on after it."""
+    from vp_accelerate.runtime import AdapterConfig, PipelineConfig, PipelineModel
+
+    pipe = PipelineModel(
+        ckpt,
+        PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4, attn_implementation="eager"),
+        dtype=torch.float64,
+        adapter=AdapterConfig(type="lora", r=4, alpha=8),
+    )
+    with torch.no_grad():
+        for name, p in pipe.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    off = pipe.sequence_logps(ids, labels, adapter_off=True)
+    on = pipe.sequence_logps(ids, labels)
+    trainable = all(p.requires_grad for n, p in pipe.named_parameters() if "lora_" in n)
+    pipe.close()
+    return off, on, trainable
 
 
 def _output_layer_errors(ids, labels, noise) -> dict:
@@ -205,6 +229,10 @@ def _check(world: int, vocab: int, tied: bool, configs, tmp_path):
     for r in range(world):
         errors = per_rank[r]["output_layer"]
         assert max(errors.values()) < 1e-12, (r, errors, seed)
+        if "lora" in per_rank[r]:
+            off, on, trainable = per_rank[r]["lora"]
+            torch.testing.assert_close(off, own, rtol=1e-9, atol=1e-10)  # the base model's own
+            assert (on - own).abs().max() > 1e-3 and trainable, (r, seed)  # the adapters are back on
     for key in configs:
         rows = ids.shape[0] // key[2]
         for r in range(world):

@@ -117,6 +117,7 @@ class PipelineModel:
             else None
         )
         self.last_stats: dict = {}
+        self.last_eval_rewards: dict[str, float] | None = None
 
     @property
     def rank(self) -> int:
@@ -278,8 +279,9 @@ class PipelineModel:
         Runs the modules in eval mode (no dropout), as HF's model.eval(); train_step applies the model's dropout.
         """
         mbs, _ = self._microbatches(input_ids, labels, attention_mask, position_ids)
-        self._attach_preference(mbs, preference, input_ids.shape[0], 1.0)
+        pair_losses = self._attach_preference(mbs, preference, input_ids.shape[0], 1.0)
         out = self._run_eval(mbs, input_ids.shape[1])
+        self.last_eval_rewards = self._rewards(pair_losses)  # a preference batch's rewards (None otherwise)
         return self._finish_loss(out.loss_sum)
 
     @torch.no_grad()

@@ -221,6 +221,8 @@ def fields(cfg: DataSection) -> dict:
 
 def sample_format(cfg: DataSection, columns) -> tuple[str, str]:
     """(text | chat | prompt_completion, how it was decided) for a recipe's data section and the data's columns."""
+    if cfg.format == "preference":  # pairs (data/preference.py): declared, never detected
+        return "preference", "set by data.format"
     declared = cfg.format if cfg.format in SAMPLE_FORMATS else "auto"
     f = fields(cfg)
     try:

@@ -32,6 +32,7 @@ from ..recipe.lr_schedule import build_scheduler
 from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config
 from ..tokens.tokenizer import load_tokenizer
 from ..tokens.vocab_plan import model_tokenizer_source, plan_vocab, prepare_tokenizers, tokenizer_source
+from . import reference_logps
 from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer
@@ -233,9 +234,10 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         recipe_dict=recipe_to_dict(recipe),
         data=data,
     )
-    run.start_step = resume_run(run, which) if which else 0
     if not which and recipe.model.init_from:
         init_weights_from(run, recipe.model.init_from)
+    reference_logps.attach(run, resuming=bool(which))  # DPO: of the start weights, before a resume loads others
+    run.start_step = resume_run(run, which) if which else 0
     run.end_step = t.steps if stop_at is None else max(run.start_step, min(stop_at, t.steps))
     # after a resume that could fail; one metrics.jsonl per run (a resumed run appends to its own)
     run.tracker = Tracker(accelerator, recipe, run.recipe_dict, resumed_step=run.start_step or None)
