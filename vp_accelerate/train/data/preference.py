@@ -26,6 +26,7 @@ from .batches import Sequences
 from .pack import warn
 from .read import RAW, WHERE, DataError, RowLocator
 from .sources import builder_for, load_documents, nonempty_paths
+from .stats import BAD_ROWS_LISTED, SplitStats
 from .tokenize import is_heldout, json_record
 
 
@@ -144,16 +145,17 @@ def _record(row: dict) -> tuple[dict | None, str]:
     return row, ""
 
 
-def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, every: int):
-    """(train pairs, held-out pairs, invalid reasons, dropped for length) of one split; `locate`: row index ->
-    its place ("FILE, line N")."""
+def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, every: int, stats: SplitStats):
+    """(train pairs, held-out pairs, invalid reasons) of one split, counted into `stats` (`locate`: row index
+    -> its place, "FILE, line N")."""
     template, _ = formats.chat_template_of(tokenizer)
     keys = chat_rows.template_keys(template)
-    train, held, bad, long = [], [], [], 0
+    train, held, bad = [], [], []
     for index, raw in enumerate(docs):
         row, reason = _record(raw)
         if row is None and not reason:
             continue
+        stats.rows += 1
         place = raw.get(WHERE) or locate(index)
         try:
             if reason:
@@ -167,17 +169,30 @@ def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, ever
                 f"tokenizer.resize_vocab: {place} has a token id >= the model's vocab size {vocab_size}; set "
                 f"tokenizer.resize_vocab: true or use the model's own tokenizer"
             )
-        if max(len(pair[0]), len(pair[2])) > cfg.seq_len:
-            long += 1
+        longest = max(len(pair[0]), len(pair[2]))
+        if longest > cfg.seq_len:
+            stats.dropped += 1
+            stats.dropped_need = max(stats.dropped_need, longest)
             continue
         text = f"{row.get(cfg.prompt_field)}\x00{row.get(cfg.chosen_field)}\x00{row.get(cfg.rejected_field)}"
         (held if is_heldout(text, every) else train).append(pair)
-    return train, held, bad, long
+    stats.bad, stats.bad_examples = len(bad), bad[:BAD_ROWS_LISTED]
+    return train, held, bad
+
+
+def _count(stats: SplitStats, pairs: list, seqs: PairSequences) -> None:
+    """Pairs kept and the sequences they became (`--check`'s numbers and the data/ metrics)."""
+    stats.documents = len(pairs)
+    stats.tokens = int(seqs.lengths.sum())
+    stats.longest = int(seqs.lengths.max()) if len(pairs) else 0
+    stats.sequences = len(seqs.ids)
+    stats.padding = 1.0 - stats.tokens / max(seqs.ids.size, 1)
+    stats.loss_tokens = int(seqs.target_counts().sum()) if len(pairs) else 0
 
 
 def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int):
-    """(train PairSequences, eval PairSequences, pad id) of a preference data section (no cache: preference
-    sets are small, and every rank reads them the same)."""
+    """(train PairSequences, eval PairSequences, pad id, {"train", "eval"} -> SplitStats) of a preference data
+    section (no cache: preference sets are small, and every rank reads them the same)."""
     if cfg.streaming:
         raise DataError("data.streaming: preference pairs are read whole; set data.streaming: false")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -186,24 +201,34 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int):
     builder = builder_for(paths, cfg) if paths else "auto"
     docs = load_documents(paths or None, cfg.hub_id, cfg.hub_split, builder, False, cfg.hub_name, cfg.hub_revision)
     locate = RowLocator(paths, builder, source) if paths else (lambda i: f"{source}, row {i + 1}")
-    train, held, bad, long = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every)
+    stats = {"train": SplitStats(source)}
+    train, held, bad = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every, stats["train"])
+    stats["eval"] = SplitStats(f"{source} (held out: 1 pair in {every})" if every else source)
     if cfg.eval_files:
         eval_paths = nonempty_paths(cfg.eval_files, "data.eval_files")
         eval_builder = builder_for(eval_paths, cfg)
         eval_docs = load_documents(eval_paths, None, "train", eval_builder, False, None, None)
         eval_locate = RowLocator(eval_paths, eval_builder, "data.eval_files")
-        held, _, eval_bad, eval_long = _read_pairs(eval_docs, cfg, tokenizer, vocab_size, eval_locate, 0)
-        bad, long = bad + eval_bad, long + eval_long
+        stats["eval"] = SplitStats(f"data.eval_files {cfg.eval_files}")
+        held, _, eval_bad = _read_pairs(eval_docs, cfg, tokenizer, vocab_size, eval_locate, 0, stats["eval"])
+        bad = bad + eval_bad
     if bad and not cfg.skip_invalid:
         more = f"{len(bad)} invalid rows; the first: " if len(bad) > 1 else ""
         raise DataError(f"data.files: {more}{bad[0]}. Fix the rows, or set data.skip_invalid: true to skip them")
     if bad:
         warn("%s: skipped %d invalid preference row(s) (data.skip_invalid); the first: %s", source, len(bad), bad[0])
-    if long:
-        warn("%s: dropped %d pair(s) longer than data.seq_len=%d", source, long, cfg.seq_len)
+    dropped = stats["train"].dropped + stats["eval"].dropped
+    if dropped:
+        need = max(stats["train"].dropped_need, stats["eval"].dropped_need)
+        warn("%s: dropped %d pair(s) longer than data.seq_len=%d (%d keeps them)", source, dropped, cfg.seq_len, need)
     if not train:
         raise DataError(f"{source}: no preference pair fits (invalid or longer than data.seq_len={cfg.seq_len})")
-    return _pairs_to_sequences(train, cfg.seq_len, pad_id), _pairs_to_sequences(held, cfg.seq_len, pad_id), pad_id
+    out = []
+    for name, pairs in (("train", train), ("eval", held)):
+        seqs = _pairs_to_sequences(pairs, cfg.seq_len, pad_id)
+        _count(stats[name], pairs, seqs)
+        out.append(seqs)
+    return out[0], out[1], pad_id, stats
 
 
 class PairEvalBatches:

@@ -149,8 +149,8 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
     """
     every = holdout_every(cfg)
     if cfg.format == "preference":  # pairs, not packed rows (data/preference.py)
-        train, eval_seqs, pad_id = prepare_pairs(cfg, tokenizer, vocab_size, every)
-        return PreparedData(cfg, "preference", "set by data.format", train, eval_seqs, {}, None, pad_id)
+        train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every)
+        return PreparedData(cfg, "preference", "set by data.format", train, eval_seqs, stats, None, pad_id)
     source = f"data.files {cfg.files}" if cfg.files else f"dataset {cfg.hub_id}"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     paths = nonempty_paths(cfg.files) if not cfg.hub_id else []

@@ -82,7 +82,8 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.recipe.train.global_batch * self.recipe.data.seq_len
+        pairs = 2 if self.recipe.data.format == "preference" else 1  # DPO: global_batch counts pairs of sequences
+        return pairs * self.recipe.train.global_batch * self.recipe.data.seq_len
 
 
 @dataclass
