@@ -2,7 +2,7 @@
 """Write the demo chat set (question/answer conversations from Babel/CLDR, Faker and Python docstrings).
 
     python scripts/make_demo_chat.py --out outputs/demo_chat --conversations 4000 --seed 0
-    python scripts/make_demo_chat.py --preference --out outputs/demo_preference   # DPO pairs (recipes/dpo.yaml)
+    python scripts/make_demo_chat.py --preference --conversations 1000 --out outputs/demo_preference  # DPO pairs
 
 Offline and deterministic for a seed and package versions; needs `pip install faker babel` (the `demo`
 extra). See vp_accelerate/demo/chat.py for what the conversations are.

@@ -163,3 +163,24 @@ def test_dpo_run_learns_repeated_pairs_and_logs_rewards(tok_dir, tmp_path):
     final = [r for r in rows if "eval/loss" in r][-1]
     assert final["eval/loss"] < math.log(2) and final["eval/rewards/margins"] > 0
     assert (tmp_path / "run" / "ref_logps.pt").exists()
+
+
+def test_a_resumed_full_fine_tune_reads_its_reference(tmp_path):
+    """The reference of a resumed full fine-tune is the one its start computed (the weights have moved since);
+    without the file the run stops, naming it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vp_accelerate.train.run import reference_logps
+
+    seqs = PairSequences(np.zeros((4, 8), dtype=np.int64), labels=np.zeros((4, 8), dtype=np.int64))
+    recipe = recipe_from_dict({"data": {"files": [_write(tmp_path / "p.jsonl", [{}])], "format": "preference"}})
+    recipe.logging.output_dir = str(tmp_path / "run")
+    run = SimpleNamespace(data=SimpleNamespace(train=seqs, eval=None), recipe=recipe, pipe=None)
+    with pytest.raises(RecipeError, match="ref_logps.pt is missing"):
+        reference_logps.attach(run, resuming=True)
+    (tmp_path / "run").mkdir()
+    torch.save({"train": torch.arange(4, dtype=torch.float64)}, tmp_path / "run" / "ref_logps.pt")
+    reference_logps.attach(run, resuming=True)  # no pipeline pass: read back
+    assert seqs.ref_logps.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -338,6 +338,10 @@ class PipelineModel:
         if preference is None:
             return []
         preference.check(batch, self.cfg.microbatches)
+        if self.cfg.label_smoothing:
+            raise ValueError(
+                "label_smoothing: a preference loss compares log-probabilities, which smoothing changes; set it to 0"
+            )
         rows = batch // self.cfg.microbatches
         out = []
         for k, mb in enumerate(mbs):

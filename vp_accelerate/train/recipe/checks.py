@@ -111,7 +111,7 @@ def _check_preference(recipe: Recipe) -> None:
 _DEMO_DATA = {
     "demo_corpus": "python scripts/make_demo_corpus.py --out {dir}",
     "demo_chat": "python scripts/make_demo_chat.py --out {dir}",
-    "demo_preference": "python scripts/make_demo_chat.py --preference --out {dir}",
+    "demo_preference": "python scripts/make_demo_chat.py --preference --conversations 1000 --out {dir}",
 }
 
 
