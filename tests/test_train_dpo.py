@@ -184,3 +184,18 @@ def test_a_resumed_full_fine_tune_reads_its_reference(tmp_path):
     torch.save({"train": torch.arange(4, dtype=torch.float64)}, tmp_path / "run" / "ref_logps.pt")
     reference_logps.attach(run, resuming=True)  # no pipeline pass: read back
     assert seqs.ref_logps.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_demo_pairs_are_deterministic_and_reject_another_answer(tmp_path):
+    pytest.importorskip("babel")
+    pytest.importorskip("faker")
+    from vp_accelerate.demo.chat import make_demo_preference
+
+    counts = make_demo_preference(str(tmp_path / "a"), conversations=60, seed=2)
+    make_demo_preference(str(tmp_path / "b"), conversations=60, seed=2)
+    assert counts == {"train": 57, "eval": 3}
+    text = (tmp_path / "a" / "train.jsonl").read_text()
+    assert text == (tmp_path / "b" / "train.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert all(r["prompt"][-1]["role"] == "user" and r["chosen"][0]["role"] == "assistant" for r in rows)
+    assert sum(r["chosen"] != r["rejected"] for r in rows) >= 0.9 * len(rows)  # two conversations may answer alike
