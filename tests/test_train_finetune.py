@@ -205,7 +205,9 @@ def test_keep_best_keeps_the_lowest_eval_loss_and_min_delta_only_counts_patience
     delta = RNG.uniform(0.1, 0.2)
     losses = [first, first - delta / 3, first - 2 * delta / 3, first - 2 * delta]
     run = SimpleNamespace(
-        recipe=SimpleNamespace(eval=SimpleNamespace(batches=None, every=1, prompts=[], min_delta=delta, patience=None)),
+        recipe=SimpleNamespace(
+            eval=SimpleNamespace(batches=None, every=1, prompts=[], min_delta=delta, patience=None), preference=None
+        ),
         end_step=len(losses),
         best=dict(loop.NEW_BEST),
         tracker=SimpleNamespace(log=lambda *a: None),
@@ -214,7 +216,7 @@ def test_keep_best_keeps_the_lowest_eval_loss_and_min_delta_only_counts_patience
         eval_batches=None,
     )
     seen = iter(losses)
-    monkeypatch.setattr(loop, "evaluate", lambda pipe, batches: next(seen))
+    monkeypatch.setattr(loop, "evaluate", lambda pipe, batches, preference=None, rewards=None: next(seen))
     state = loop.LoopState()
     stale = []
     for step in range(1, len(losses) + 1):

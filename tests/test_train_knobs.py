@@ -76,7 +76,7 @@ class FakePipe:
         self.losses, self.cfg = list(losses), SimpleNamespace(microbatches=2)
         self.loss_scaler, self.world_size, self.flops_per_token, self.watchdog, self.dp_rank = None, 1, 1.0, None, 0
 
-    def train_step(self, ids, labels, mask=None, pos=None):
+    def train_step(self, ids, labels, mask=None, pos=None, preference=None):
         return SimpleNamespace(
             loss=self.losses.pop(0),
             num_tokens=int((labels[:, 1:] != -100).sum()),
@@ -85,6 +85,8 @@ class FakePipe:
             bubble_rate=0.0,
             nonfinite_microbatches=(),
             loss_scale=1.0,
+            tokens_per_s=1.0,
+            rewards=None,
         )
 
     def clip_grad_norm_(self, _):

@@ -212,3 +212,30 @@ def make_demo_chat(out_dir: str, conversations: int = 4000, seed: int = 0, eval_
     for split, path in paths.items():  # a half-written set is never mistaken for a finished one
         os.replace(path + ".tmp", path)
     return counts
+
+
+def make_demo_preference(out_dir: str, conversations: int = 4000, seed: int = 0, eval_every: int = 20) -> dict:
+    """Write preference pairs (TRL's conversational shape: `prompt` turns, `chosen` / `rejected` assistant turns)
+    as `train.jsonl` and `eval.jsonl` to `out_dir`: the chosen answer is the conversation's own last answer, the
+    rejected one the last answer of another conversation (a seeded derangement), so the pairs are made offline."""
+    convs = list(iter_conversations(conversations, seed))
+    order = random.Random(seed).sample(range(len(convs)), len(convs))
+    other = {order[i]: order[(i + 1) % len(order)] for i in range(len(order))}  # never itself (n > 1)
+    os.makedirs(out_dir, exist_ok=True)
+    counts = {"train": 0, "eval": 0}
+    paths = {s: os.path.join(out_dir, f"{s}.jsonl") for s in counts}
+    files = {s: open(p + ".tmp", "w", encoding="utf-8") for s, p in paths.items()}
+    try:
+        for i, messages in enumerate(convs):
+            last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
+            rejected = [m for m in convs[other[i]] if m["role"] == "assistant"][-1]
+            row = {"prompt": messages[:last], "chosen": [messages[last]], "rejected": [rejected]}
+            split = "eval" if i % eval_every == eval_every - 1 else "train"
+            files[split].write(json.dumps(row, ensure_ascii=False) + "\n")
+            counts[split] += 1
+    finally:
+        for f in files.values():
+            f.close()
+    for split, path in paths.items():
+        os.replace(path + ".tmp", path)
+    return counts

@@ -8,6 +8,7 @@ first use.
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, PipelineLayout, RankLayout
+from vp_accelerate.runtime.preference import Preference
 
 __all__ = [
     "AdapterConfig",
@@ -15,6 +16,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineLayout",
     "PipelineModel",
+    "Preference",
     "RankLayout",
     "StepResult",
 ]

@@ -48,6 +48,9 @@ class Microbatch:
     """[b, s] positions; a restart at 0 begins a new packed document (attention stays inside documents)."""
     attention_mask: torch.Tensor | None = None
     """[b, s] 1 for real tokens, 0 for padding, or None for all real."""
+    loss_fn: vout.SequenceLossFn | None = None
+    """A loss of whole sequences (DPO, runtime/preference.py) that sets g from the per-token loss after C1
+    (the baseline: after its cross-entropy); None = the token loss with `grad_scale`."""
 
 
 @dataclass
@@ -330,6 +333,10 @@ class Executor:
             reduction="none",
             label_smoothing=self.out_opts.label_smoothing,
         )
+        if mb.loss_fn is not None:  # a sequence loss: its g from the detached CE, its value as the loss
+            g, value = mb.loss_fn(per_token.detach())
+            surrogate = (per_token * g.to(per_token.dtype)).sum()
+            return surrogate - surrogate.detach() + value.to(per_token.dtype)
         return (per_token * mb.grad_scale.to(per_token.dtype)).sum()
 
     def _do_B(self, a: Action) -> None:
@@ -443,6 +450,7 @@ class Executor:
                 self.g.pp_rank,
                 self.out_opts,
                 bias=bias,
+                loss_fn=mb.loss_fn,
             )
         self.states[a.mb] = st
         # the shard (a Parameter, or its per-step low-precision copy shared by every microbatch) is not stash

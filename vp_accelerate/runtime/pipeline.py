@@ -19,16 +19,18 @@ loss is the token mean over the whole step's valid tokens, as `model(input_ids, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from vp_accelerate.cost import shape_from_hf_config
 from vp_accelerate.distributed import init_from_env, local_device
 from vp_accelerate.models import check_supported, resolve_config
-from vp_accelerate.models.lora import mask_row_grads
+from vp_accelerate.models.lora import lora_modules, mask_row_grads
 from vp_accelerate.runtime import grad_sync, model_io, p2p, precision, shutdown, watchdog
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
@@ -36,6 +38,7 @@ from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Microbatch
 from vp_accelerate.runtime.groups import build_groups, warm_up
 from vp_accelerate.runtime.microbatches import make_microbatches
+from vp_accelerate.runtime.preference import LogpRecorder, PairLoss, Preference, reward_metrics
 from vp_accelerate.runtime.rank_parts import build_rank_parts
 from vp_accelerate.runtime.step_run import bubble_rate, finish_loss, make_executor, nonfinite_microbatches, run_schedule
 from vp_accelerate.runtime.zero import ZeroOptimizer
@@ -63,6 +66,9 @@ class StepResult:
     not), the scale was lowered for the next step. The same on every rank."""
     loss_scale: float = 1.0
     """The fp16 loss scale this step ran with (1 otherwise)."""
+    rewards: dict[str, float] | None = None
+    """Preference steps: TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins (means
+    over the step's pairs, the same on every rank); None for a token-loss step."""
 
 
 class PipelineModel:
@@ -115,6 +121,7 @@ class PipelineModel:
             else None
         )
         self.last_stats: dict = {}
+        self.last_eval_rewards: dict[str, float] | None = None
 
     @property
     def rank(self) -> int:
@@ -194,14 +201,18 @@ class PipelineModel:
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        preference: Preference | None = None,
     ) -> StepResult:
         """Forward and backward of every microbatch; gradients accumulate into the parameters' .grad.
 
         `position_ids` [batch, seq] (default 0..s-1 per row): packed documents restart at 0, and as in HF
         (when no attention_mask is given) each token then attends only inside its own document.
+        `preference`: the rows are preference pairs (row 2k chosen, 2k + 1 rejected) and the loss is TRL's
+        DPO / IPO / hinge loss over them (runtime/preference.py) instead of the token mean.
         """
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids, loss_scale=scale)
+        pair_losses = self._attach_preference(mbs, preference, input_ids.shape[0], scale)
         self._last_seq = input_ids.shape[1]
         t0 = time.perf_counter()
         reducer = self._dp_reducer()  # replicas' gradient sums issued during the backward, chunk by chunk
@@ -243,6 +254,7 @@ class PipelineModel:
             nonfinite_microbatches=bad,
             skipped=skipped,
             loss_scale=scale,
+            rewards=self._rewards(pair_losses),
         )
 
     def step(self, optimizer) -> bool:
@@ -268,19 +280,105 @@ class PipelineModel:
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        preference: Preference | None = None,
     ) -> float:
-        """Token-mean loss of a batch with the forward-only schedule (no gradients, no T/B/W passes).
+        """Token-mean loss of a batch with the forward-only schedule (no gradients, no T/B/W passes); with
+        `preference`, the preference loss of its pairs (as `train_step`).
 
         Runs the modules in eval mode (no dropout), as HF's model.eval(); train_step applies the model's dropout.
         """
         mbs, _ = self._microbatches(input_ids, labels, attention_mask, position_ids)
+        pair_losses = self._attach_preference(mbs, preference, input_ids.shape[0], 1.0)
+        out = self._run_eval(mbs, input_ids.shape[1])
+        self.last_eval_rewards = self._rewards(pair_losses)  # a preference batch's rewards (None otherwise)
+        return self._finish_loss(out.loss_sum)
+
+    @torch.no_grad()
+    def sequence_logps(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        adapter_off: bool = False,
+    ) -> torch.Tensor:
+        """[batch] float64 log π(row) = Σ over the row's label tokens of log p(label), on the CPU of every
+        rank, with the forward-only schedule: the reference log-probabilities of preference training.
+        `adapter_off`: of the base model, LoRA adapters disabled for this pass (the reference under LoRA)."""
+        mbs, _ = self._microbatches(input_ids, labels, attention_mask, position_ids)
+        recorders = [LogpRecorder(mb.input_ids.shape[0]) for mb in mbs]
+        for mb, rec in zip(mbs, recorders):
+            mb.loss_fn = rec
+        with self._adapters_disabled(adapter_off):
+            self._run_eval(mbs, input_ids.shape[1])
+        known = all(r.logps is not None for r in recorders)  # the baseline: only the last stage's
+        logps = (
+            torch.cat([r.logps for r in recorders]).to(self.device)
+            if known
+            else torch.zeros(input_ids.shape[0], dtype=torch.float64, device=self.device)
+        )
+        if not self.vocab:
+            dist.all_reduce(logps, group=self.groups.pp_group)
+        return logps.cpu()
+
+    def _run_eval(self, mbs: list[Microbatch], seq: int):
         training = self.mods.container.training
         self.mods.eval()
         try:
-            out = self._run(self.eval_schedule, mbs, input_ids.shape[1])
+            return self._run(self.eval_schedule, mbs, seq)
         finally:
             self.mods.train(training)
-        return self._finish_loss(out.loss_sum)
+
+    @contextlib.contextmanager
+    def _adapters_disabled(self, off: bool):
+        layers = [layer for c in self.mods.chunks.values() for _, layer in lora_modules(c)] if off else []
+        if off and not layers:
+            raise ValueError("adapter_off=True needs LoRA adapters; this model has none")
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
+
+    def _attach_preference(self, mbs, preference: Preference | None, batch: int, scale: float) -> list[PairLoss]:
+        """Give each microbatch the preference loss of its pairs; P counts every replica's pairs."""
+        if preference is None:
+            return []
+        preference.check(batch, self.cfg.microbatches)
+        if self.cfg.label_smoothing:
+            raise ValueError(
+                "label_smoothing: a preference loss compares log-probabilities, which smoothing changes; set it to 0"
+            )
+        rows = batch // self.cfg.microbatches
+        out = []
+        for k, mb in enumerate(mbs):
+            mb.loss_fn = PairLoss(
+                labels=mb.labels,
+                ref_logps=preference.ref_logps[k * rows : (k + 1) * rows].to(self.device, torch.float64),
+                beta=preference.beta,
+                loss_type=preference.loss_type,
+                pairs=batch // 2 * self.dp_size,
+                loss_scale=scale,
+            )
+            out.append(mb.loss_fn)
+        return out
+
+    def _rewards(self, pair_losses: list[PairLoss]) -> dict[str, float] | None:
+        """The step's reward means on every rank (the baseline knows them on its last stage only)."""
+        if not pair_losses:
+            return None
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        for pl in pair_losses:
+            if pl.logps is not None:
+                totals += pl.rewards()
+        if not self.vocab:
+            dist.all_reduce(totals, group=self.groups.pp_group)
+        if self.groups.dp_group is not None:
+            dist.all_reduce(totals, group=self.groups.dp_group)
+        pairs = pair_losses[0].pairs
+        return reward_metrics(totals.cpu(), pairs)
 
     def _run(self, schedule, mbs: list[Microbatch], seq: int, after_pass=None):
         ex = make_executor(

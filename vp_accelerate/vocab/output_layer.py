@@ -24,6 +24,7 @@ an online max/sum, so transient memory is one N × chunk block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,11 @@ from .logits import chunk_logit_derivative, chunk_logits, chunk_ranges, target_c
 from .partition import VocabPartition
 
 ALGORITHMS = ("naive", "vocab-1", "vocab-2")
+
+# (per-token loss [N], 0 at ignored tokens) -> (g = dL/dloss_n [N], the microbatch's loss term, 0-dim).
+# After C1 the per-token loss is complete and the same on every rank, so a loss of whole sequences (a
+# preference pair's log-probabilities) gets its g locally, with no extra collective (docs/training.md, DPO).
+SequenceLossFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 MEMORY_MODES = tuple(modes.MEMORY_MODES)  # the names of vp_accelerate/modes.py's table
 
 
@@ -122,6 +128,9 @@ class OutputState:
     """vocab-1 after T: [N, h] this shard's ∇x_i (already scaled by g)."""
     grad_x: torch.Tensor | None = None
     """∂L/∂x in x's shape and dtype: after C1 (naive, vocab-2) or C2 (vocab-1)."""
+    loss_fn: SequenceLossFn | None = None
+    """A loss of whole sequences (DPO): called in C1 with the per-token loss [N], returns (g [N], loss_sum);
+    its g replaces grad_scale before ∇x and T use it. None = the token loss Σ_n g_n loss_n."""
     c1_done: bool = False
     t_done: bool = False
 
@@ -224,10 +233,12 @@ def s_pass(
     rank: int,
     opts: OutputLayerOptions,
     bias: torch.Tensor | None = None,
+    loss_fn: SequenceLossFn | None = None,
 ) -> OutputState:
     """S: this shard's logits and row statistics for one microbatch (local, no communication).
 
-    `bias`: the shard [shard_size] of an output bias (z = X Wᵢᵀ + bᵢ), or None.
+    `bias`: the shard [shard_size] of an output bias (z = X Wᵢᵀ + bᵢ), or None. `loss_fn`: a loss of
+    whole sequences whose g is known only after C1 (`SequenceLossFn`); `grad_scale` is then unused.
     """
     _check_s_inputs(x, labels, grad_scale, weight, partition, rank, opts)
     if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype):
@@ -304,6 +315,7 @@ def s_pass(
         logits=stored,
         local_a=a,
         local_c=c,
+        loss_fn=loss_fn,
     )
 
 
@@ -311,7 +323,11 @@ def _finish_loss(state: OutputState, row_max: torch.Tensor, row_sum: torch.Tenso
     state.row_max, state.row_sum = row_max, row_sum
     valid = state.labels != state.opts.ignore_index
     state.loss = torch.where(valid, torch.log(row_sum) + row_max - target, 0.0)
-    state.loss_sum = (state.grad_scale * state.loss).sum()
+    if state.loss_fn is not None:  # g from the sequences' own losses: before ∇x (C1) and T read it
+        g, state.loss_sum = state.loss_fn(state.loss)
+        state.grad_scale = torch.where(valid, g.reshape(-1).to(state.stat_dtype), 0.0)
+    else:
+        state.loss_sum = (state.grad_scale * state.loss).sum()
 
 
 def _shard_weight(state: OutputState) -> torch.Tensor:
@@ -440,9 +456,10 @@ def run_output_layer(
     group: dist.ProcessGroup | None = None,
     bias: torch.Tensor | None = None,
     bias_grad: torch.Tensor | None = None,
+    loss_fn: SequenceLossFn | None = None,
 ) -> OutputState:
     """S, C1, T (, C2) back to back for one microbatch whose X every rank already holds."""
-    state = s_pass(x, labels, grad_scale, weight, partition, rank, opts, bias)
+    state = s_pass(x, labels, grad_scale, weight, partition, rank, opts, bias, loss_fn)
     c1(state, group, async_op=False)
     t_pass(state, weight_grad, bias_grad)
     if opts.algorithm == "vocab-1":

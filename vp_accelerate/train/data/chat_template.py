@@ -27,6 +27,7 @@ from vp_accelerate.models.generation import chat_template_text, end_of_turn_id
 
 from ..recipe.model_check import hub_offline
 from .formats import CHATML_TEMPLATE, SAMPLE_FORMATS, sample_format
+from .preference import conversational
 from .read import first_record_columns
 from .sources import builder_for, expand_files, load_documents
 
@@ -70,6 +71,8 @@ def data_format(d) -> str:
     for a hub chat set checked offline)."""
     if d.format in SAMPLE_FORMATS:
         return d.format
+    if d.format == "preference":  # conversational pairs (lists of turns) are rendered with the chat template
+        return "chat" if conversational(d) else "prompt_completion"
     try:
         if d.hub_id:
             try:

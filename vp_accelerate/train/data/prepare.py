@@ -28,6 +28,7 @@ from ..recipe.schema import DataSection
 from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterator, pack_stream
 from .formats import document_boundaries, sample_format, with_data_fields
 from .pack import encoded, quiet, to_sequences, warn
+from .preference import PairEvalBatches, PairSequences, prepare_pairs
 from .read import DataError, RowLocator, load_rows
 from .sources import builder_for, data_columns, load_documents, nonempty_paths
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column, count_split
@@ -112,6 +113,13 @@ class PreparedData:
                 if len(rows) == n_eval:
                     break
             seqs = Sequences(np.asarray(rows, dtype=np.int64).reshape(-1, cfg.seq_len), pad_id=self.pad_id)
+        if isinstance(seqs, PairSequences):  # DPO: whole batches of pairs
+            if len(seqs) < global_batch:
+                raise DataError(
+                    f"train.global_batch: the evaluation data has {len(seqs)} preference pairs, fewer than one "
+                    f"global batch ({global_batch}); add pairs (data.eval_files, data.eval_holdout) or set eval.batches: 0"
+                )
+            return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=eval_batches)
         if len(seqs) == 0 and not self.eval_off():
             raise DataError(no_eval_message(cfg))
         if len(seqs) == 0:
@@ -154,6 +162,9 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
     data.skip_invalid), every conversation dropped by data.seq_len, too little data for one sequence.
     """
     every = holdout_every(cfg)
+    if cfg.format == "preference":  # pairs, not packed rows (data/preference.py)
+        train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every)
+        return PreparedData(cfg, "preference", "set by data.format", train, eval_seqs, stats, None, pad_id)
     source = f"data.files {cfg.files}" if cfg.files else f"dataset {cfg.hub_id}"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     paths = nonempty_paths(cfg.files) if not cfg.hub_id else []

@@ -95,14 +95,30 @@ def check(recipe: Recipe) -> Recipe:
         raise RecipeError("data: set exactly one of data.files (local files) or data.hub_id")
     if recipe.logging.peak_tflops < 0:
         raise RecipeError("logging.peak_tflops: must be >= 0")
+    _check_preference(recipe)
     _check_paths(recipe)
     return recipe
+
+
+def _check_preference(recipe: Recipe) -> None:
+    """DPO (data.format: preference): what its loss and its pairs need."""
+    if recipe.data.format != "preference":
+        return
+    if not recipe.preference.beta > 0:
+        raise RecipeError(f"preference.beta: must be > 0, got {recipe.preference.beta}")
+    if recipe.pipeline.label_smoothing:
+        raise RecipeError(
+            "pipeline.label_smoothing: DPO compares log-probabilities, which smoothing would change; set it to 0"
+        )
+    if recipe.data.streaming:
+        raise RecipeError("data.streaming: preference pairs are read whole; set data.streaming: false")
 
 
 # the demo data sets the shipped recipes read, and the script that makes each (offline, seconds)
 _DEMO_DATA = {
     "demo_corpus": "python scripts/make_demo_corpus.py --out {dir}",
     "demo_chat": "python scripts/make_demo_chat.py --out {dir}",
+    "demo_preference": "python scripts/make_demo_chat.py --preference --conversations 1000 --out {dir}",
 }
 
 

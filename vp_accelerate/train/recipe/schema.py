@@ -111,11 +111,13 @@ class DataSection:
     hub_revision: Optional[str] = None
     """A branch, tag or commit of `hub_id` (pins the corpus); None = the default branch."""
 
-    format: Literal["auto", "text", "chat", "prompt_completion", "json", "parquet"] = "auto"
+    format: Literal["auto", "text", "chat", "prompt_completion", "preference", "json", "parquet"] = "auto"
     """Sample format: `text` (loss on every token), `chat` (a `messages_field` list of {role, content} turns
     rendered with the tokenizer's chat template, or ChatML when it has none; loss on assistant turns) or
     `prompt_completion` (loss on the completion). `auto` detects it from the columns (`--check` says which).
-    `json`/`parquet` are the older spelling of `file_format` and keep working (sample format then `auto`)."""
+    `json`/`parquet` are the older spelling of `file_format` and keep working (sample format then `auto`).
+    `preference`: pairs of `prompt_field`, `chosen_field` and `rejected_field` (TRL's shapes) for DPO (the
+    `preference` section; never detected)."""
 
     file_format: Literal["auto", "text", "json", "parquet"] = "auto"
     """File format; `auto` picks it from the file extension (.txt/.text, .json/.jsonl, .parquet)."""
@@ -141,6 +143,12 @@ class DataSection:
 
     completion_field: str = "completion"
     """prompt_completion: the completion column."""
+
+    chosen_field: str = "chosen"
+    """preference: the preferred completion's column (a string, or a list of turns)."""
+
+    rejected_field: str = "rejected"
+    """preference: the dispreferred completion's column (a string, or a list of turns)."""
 
     train_on_inputs: bool = False
     """chat / prompt_completion: also put loss on the prompt and non-assistant turns (False = loss on what
@@ -352,6 +360,16 @@ class LoggingSection:
 
 
 @dataclass
+class PreferenceSection:
+    beta: float = 0.1
+    """DPO's β (TRL's `beta`): how far the policy may move from the reference model; used with
+    data.format: preference, whose loss replaces the token mean."""
+
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """TRL's `loss_type`: `sigmoid` (DPO), `ipo` (on length-normalised log-probabilities) or `hinge`."""
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     """The model to train."""
@@ -386,3 +404,6 @@ class Recipe:
 
     logging: LoggingSection = field(default_factory=LoggingSection)
     """Logging and tracking."""
+
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
+    """Preference optimisation (DPO) on data.format: preference: β and the loss."""

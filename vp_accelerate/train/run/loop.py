@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from vp_accelerate.runtime import PipelineLayout
 from vp_accelerate.runtime.pipeline import PipelineModel, StepResult
+from vp_accelerate.runtime.preference import Preference
 
 from ..data import DataError, PreparedData
 from ..data.batches import BatchIterator, EvalBatches, StreamingBatchIterator
@@ -83,7 +84,8 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.recipe.train.global_batch * self.recipe.data.seq_len
+        pairs = 2 if self.recipe.data.format == "preference" else 1  # DPO: global_batch counts pairs of sequences
+        return pairs * self.recipe.train.global_batch * self.recipe.data.seq_len
 
 
 @dataclass
@@ -138,9 +140,13 @@ def _rows_of(train_it, batch_rows: int, microbatches: int) -> Callable[[int], st
 
 def _forward_backward(run: Run, batch: dict, step: int):
     pipe = run.pipe
+    pref = run.recipe.preference
+    preference = (  # DPO pairs carry their reference log-probabilities
+        Preference(batch["ref_logps"], pref.beta, pref.loss_type) if "ref_logps" in batch else None
+    )
     try:
         return pipe.train_step(
-            batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids")
+            batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids"), preference
         )
     except ValueError as e:  # bad ids/labels/shape: checked before any communication, on every rank
         rows = run.train_it.describe_rows(0, len(batch["input_ids"])) if hasattr(run.train_it, "describe_rows") else ""
@@ -237,6 +243,8 @@ def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
         "perf/bubble_rate": res.bubble_rate,
         "train/skipped_steps": state.skipped_total,
     }
+    if res.rewards is not None:  # DPO: TRL's names (this step's pairs)
+        metrics.update(res.rewards)
     if run.pipe.loss_scaler is not None:
         metrics.update({"train/loss_scale": res.loss_scale, "train/loss_scale_skips": state.scaler_skips})
     peak = run.recipe.logging.peak_tflops * 1e12 * run.pipe.world_size
@@ -248,16 +256,27 @@ def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
     run.tracker.log(metrics, out.step)
 
 
-def evaluate(pipe, batches) -> float:
+def evaluate(pipe, batches, preference=None, rewards: dict | None = None) -> float:
     """The token mean of the loss over the evaluation batches (`data.EvalBatches`): each batch's loss (already
     over every replica's rows) weighted by its target tokens, so it is the loss of the whole evaluation set as
-    one, whatever the batch boundaries. NaN without batches (or without a target token)."""
+    one, whatever the batch boundaries. NaN without batches (or without a target token).
+
+    Preference pairs (batches with `ref_logps`; `preference`: the recipe's section): the mean DPO loss over the
+    pairs, and their mean reward metrics into `rewards`."""
     weights = getattr(batches, "loss_tokens", None) or [1] * len(batches)
     total = count = 0.0
+    sums: dict[str, float] = {}
     for b, w in zip(batches, weights):
-        loss = pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"))
+        pref = None
+        if "ref_logps" in b:
+            pref = Preference(b["ref_logps"], preference.beta, preference.loss_type)
+        loss = pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"), pref)
         if w:
             total, count = total + loss * w, count + w
+            for k, v in (pipe.last_eval_rewards or {}).items() if pref is not None else ():
+                sums[k] = sums.get(k, 0.0) + v * w
+    if rewards is not None and count:
+        rewards.update({k: v / count for k, v in sums.items()})
     return total / count if count else float("nan")
 
 
@@ -267,7 +286,8 @@ def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None]
     e = run.recipe.eval
     if e.batches == 0 or not ((e.every and step % e.every == 0) or step == run.end_step):
         return
-    loss = evaluate(run.pipe, run.eval_batches)
+    rewards: dict[str, float] = {}
+    loss = evaluate(run.pipe, run.eval_batches, run.recipe.preference, rewards)
     state.eval_loss = state.evals[step] = loss
     if e.prompts:
         log_samples(run, step)  # a collective: every rank takes part in gathering the model
@@ -280,7 +300,11 @@ def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None]
     best["stale"] = 0 if loss < best["loss"] - e.min_delta else best["stale"] + 1
     if loss < best["loss"]:
         best.update(loss=loss, step=step)
-    run.tracker.log({"eval/loss": loss, "eval/ppl": ppl, "eval/best_loss": best["loss"]}, step)
+    run.tracker.log(
+        {"eval/loss": loss, "eval/ppl": ppl, "eval/best_loss": best["loss"]}
+        | {f"eval/{k}": v for k, v in rewards.items()},  # DPO: eval/rewards/chosen, ...
+        step,
+    )
     if run.accelerator.is_main_process:
         say(
             f"step {step}: eval loss {loss:.4f}, ppl {ppl:.2f}"

@@ -41,7 +41,7 @@ from ..tokens.vocab_plan import (
     tokenizer_source,
     trainable_token_rows,
 )
-from . import run_lock
+from . import reference_logps, run_lock
 from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer
@@ -268,9 +268,11 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         recipe_dict=recipe_to_dict(recipe),
         data=data,
     )
-    run.start_step = resume_run(run, which, override) if which else 0
+
     if not which and recipe.model.init_from:
         init_weights_from(run, recipe.model.init_from)
+    reference_logps.attach(run, resuming=bool(which))  # DPO: of the start weights, before a resume loads others
+    run.start_step = resume_run(run, which, override) if which else 0
     run.end_step = t.steps if stop_at is None else max(run.start_step, min(stop_at, t.steps))
     clock.lap("optimizer, resume")
     run.setup_s = clock.laps

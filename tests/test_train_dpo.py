@@ -1,0 +1,201 @@
+"""DPO in the trainer: preference rows in TRL's shapes become pairs of sequences with loss on the completions
+only, kept together through batching (and the reference log-probabilities with them); bad rows and recipe
+mistakes are named; a 2-rank run on a few repeated pairs learns (loss from log 2 down, rewards logged for
+training and evaluation, the reference saved for a resume)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from helpers.launch import run_env, train_ranks
+from vp_accelerate.train.data import DataError, chat_rows, formats, prepare_data
+from vp_accelerate.train.data.preference import PairSequences, encode_pair
+from vp_accelerate.train.recipe import DataSection, RecipeError, recipe_from_dict
+from vp_accelerate.train.tokens.tokenizer import load_tokenizer, train_bpe
+
+WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello", "world"]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    rng = np.random.default_rng(0)
+    (d / "t.txt").write_text("\n".join(" ".join(rng.choice(WORDS, size=12)) for _ in range(200)) + "\n")
+    train_bpe([str(d / "t.txt")], 300, str(d / "tok"), min_frequency=1)
+    return d / "tok"
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return load_tokenizer(f"bpe:{tok_dir}")
+
+
+def _write(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def _encode(tok, row, **cfg):
+    template = formats.chat_template_of(tok)[0]
+    return encode_pair(tok, template, chat_rows.template_keys(template), row, DataSection(format="preference", **cfg))
+
+
+def _targets(tok, ids, mask) -> str:
+    return tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+def test_standard_pair_has_loss_on_each_completion_and_eos(tok):
+    c_ids, c_mask, r_ids, r_mask = _encode(tok, {"prompt": "hello world", "chosen": " paris", "rejected": " gamma"})
+    eos = tok.eos_token_id
+    assert c_ids[-1] == eos and r_ids[-1] == eos
+    assert _targets(tok, c_ids[:-1], c_mask[:-1]).strip() == "paris"
+    assert _targets(tok, r_ids[:-1], r_mask[:-1]).strip() == "gamma"
+    prompt = tok("hello world", add_special_tokens=False)["input_ids"]
+    assert c_ids[: len(prompt)] == prompt == r_ids[: len(prompt)] and not any(c_mask[: len(prompt)])
+
+
+def test_conversational_pair_masks_the_prompts_own_answers(tok):
+    prompt = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "world"},
+        {"role": "user", "content": "capital france"},
+    ]
+    row = {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": "paris"}],
+        "rejected": [{"role": "assistant", "content": "delta"}],
+    }
+    c_ids, c_mask, r_ids, r_mask = _encode(tok, row)
+    assert "paris" in _targets(tok, c_ids, c_mask) and "world" not in _targets(tok, c_ids, c_mask)
+    assert "delta" in _targets(tok, r_ids, r_mask) and "world" not in _targets(tok, r_ids, r_mask)
+    # TRL's implicit prompt: whole conversations sharing their first turns give the same pair
+    implicit = {"chosen": prompt + row["chosen"], "rejected": prompt + row["rejected"]}
+    assert _encode(tok, implicit) == (c_ids, c_mask, r_ids, r_mask)
+
+
+def test_pairs_stay_together_with_their_reference_logps(tok, tmp_path):
+    rows = [{"prompt": f"hello {w}", "chosen": f" {w} paris", "rejected": " gamma"} for w in WORDS]
+    cfg = DataSection(files=[_write(tmp_path / "p.jsonl", rows)], format="preference", seq_len=16, eval_holdout=0)
+    data = prepare_data(cfg, tok, len(tok))
+    seqs = data.train
+    assert isinstance(seqs, PairSequences) and len(seqs) == len(WORDS) and len(seqs.ids) == 2 * len(WORDS)
+    seqs.ref_logps = np.arange(2 * len(seqs), dtype=np.float64)
+    b = seqs.batch(np.array([3, 1]))
+    assert b["input_ids"].shape == (4, 16)
+    assert b["ref_logps"].tolist() == [6.0, 7.0, 2.0, 3.0]  # chosen, rejected of pair 3, then of pair 1
+    assert "gamma" in tok.decode([t for t in b["labels"][1].tolist() if t >= 0])
+    assert WORDS[3] in tok.decode([t for t in b["labels"][0].tolist() if t >= 0])
+
+
+def test_check_reports_pairs_and_shows_one(tok, tmp_path):
+    from vp_accelerate.train.data.check import data_report, show_example
+
+    rows = [{"prompt": f"hello {w}", "chosen": f" {w} paris", "rejected": " gamma"} for w in WORDS]
+    rows.append({"prompt": "hello " * 20, "chosen": " paris", "rejected": " gamma"})  # too long: dropped
+    f = _write(tmp_path / "p.jsonl", rows)
+    recipe = recipe_from_dict(
+        {"data": {"files": [f], "format": "preference", "seq_len": 16, "eval_holdout": 0}, "train": {"global_batch": 4}}
+        | {"pipeline": {"microbatches": 2}, "eval": {"batches": 0}}
+    )
+    lines, prepared, _ = data_report(recipe, tok, len(tok))
+    text = "\n".join(lines)
+    assert f"{len(rows)} rows" in text and f"{len(WORDS)} for training" in text, text
+    assert "1 dropped" in text and f"{2 * len(WORDS)} packed sequences" in text, text
+    assert "[[" in show_example(prepared, tok)
+
+
+def test_a_bad_row_is_named_with_its_line(tok, tmp_path):
+    rows = [{"prompt": "hello", "chosen": " paris", "rejected": " gamma"}, {"prompt": "hello", "chosen": " paris"}]
+    cfg = DataSection(files=[_write(tmp_path / "p.jsonl", rows)], format="preference", seq_len=16)
+    with pytest.raises(DataError, match=r"p\.jsonl, line 2: .*'rejected'"):
+        prepare_data(cfg, tok, len(tok))
+
+
+def test_recipe_refuses_label_smoothing_with_preference(tmp_path):
+    f = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    with pytest.raises(RecipeError, match="pipeline.label_smoothing"):  # recipe_from_dict checks the recipe
+        recipe_from_dict({"data": {"files": [f], "format": "preference"}, "pipeline": {"label_smoothing": 0.1}})
+
+
+def test_dpo_run_learns_repeated_pairs_and_logs_rewards(tok_dir, tmp_path):
+    rng = np.random.default_rng(1)
+    rows = [
+        {
+            "prompt": " ".join(rng.choice(WORDS, size=3)),
+            "chosen": " " + " ".join(rng.choice(WORDS, size=2)),
+            "rejected": " " + " ".join(rng.choice(WORDS, size=3)),
+        }
+        for _ in range(8)
+    ]
+    recipe = {
+        "model": {
+            "source": "llama-tiny",
+            "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+        },
+        "tokenizer": {"source": f"bpe:{tok_dir}"},
+        "data": {
+            "files": [_write(tmp_path / "train.jsonl", rows)],
+            "eval_files": [_write(tmp_path / "eval.jsonl", rows[:4])],
+            "format": "preference",
+            "seq_len": 16,
+        },
+        "preference": {"beta": 0.5},
+        "pipeline": {"schedule": "1f1b", "method": "vocab-1", "microbatches": 2},
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "train": {"steps": 12, "global_batch": 4},
+        "eval": {"every": 12, "batches": 1},
+        "checkpoint": {"every": 0, "export_hf": False},
+        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run"), "timeline_image": False},
+    }
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    out = train_ranks([str(tmp_path / "r.yaml")], tmp_path, run_env(tmp_path / "ds_cache"), timeout_s=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in rows if "train/loss" in r]
+    assert train[0]["train/loss"] == pytest.approx(math.log(2), rel=1e-6)  # the policy is the reference at step 1
+    assert train[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-9)
+    assert train[-1]["train/loss"] < 0.6 and train[-1]["rewards/accuracies"] > 0.5
+    final = [r for r in rows if "eval/loss" in r][-1]
+    assert final["eval/loss"] < math.log(2) and final["eval/rewards/margins"] > 0
+    assert (tmp_path / "run" / "ref_logps.pt").exists()
+
+
+def test_a_resumed_full_fine_tune_reads_its_reference(tmp_path):
+    """The reference of a resumed full fine-tune is the one its start computed (the weights have moved since);
+    without the file the run stops, naming it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vp_accelerate.train.run import reference_logps
+
+    seqs = PairSequences(np.zeros((4, 8), dtype=np.int64), labels=np.zeros((4, 8), dtype=np.int64))
+    recipe = recipe_from_dict({"data": {"files": [_write(tmp_path / "p.jsonl", [{}])], "format": "preference"}})
+    recipe.logging.output_dir = str(tmp_path / "run")
+    run = SimpleNamespace(data=SimpleNamespace(train=seqs, eval=None), recipe=recipe, pipe=None)
+    with pytest.raises(RecipeError, match="ref_logps.pt is missing"):
+        reference_logps.attach(run, resuming=True)
+    (tmp_path / "run").mkdir()
+    torch.save({"train": torch.arange(4, dtype=torch.float64)}, tmp_path / "run" / "ref_logps.pt")
+    reference_logps.attach(run, resuming=True)  # no pipeline pass: read back
+    assert seqs.ref_logps.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_demo_pairs_are_deterministic_and_reject_another_answer(tmp_path):
+    pytest.importorskip("babel")
+    pytest.importorskip("faker")
+    from vp_accelerate.demo.chat import make_demo_preference
+
+    counts = make_demo_preference(str(tmp_path / "a"), conversations=60, seed=2)
+    make_demo_preference(str(tmp_path / "b"), conversations=60, seed=2)
+    assert counts == {"train": 57, "eval": 3}
+    text = (tmp_path / "a" / "train.jsonl").read_text()
+    assert text == (tmp_path / "b" / "train.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert all(r["prompt"][-1]["role"] == "user" and r["chosen"][0]["role"] == "assistant" for r in rows)
+    assert sum(r["chosen"] != r["rejected"] for r in rows) >= 0.9 * len(rows)  # two conversations may answer alike

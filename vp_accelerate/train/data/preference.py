@@ -1,0 +1,260 @@
+"""Preference pairs (`data.format: preference`): rows of `prompt` / `chosen` / `rejected` in TRL's shapes, as
+two padded sequences each, kept together.
+
+TRL's shapes: standard (`prompt`, `chosen`, `rejected` strings: the completion follows the prompt, EOS after
+it with data.add_eos) and conversational (`prompt` a list of turns, `chosen` / `rejected` lists holding the
+assistant's turn(s), rendered with the chat template as chat rows are); without a `prompt` column, `chosen`
+and `rejected` are whole conversations sharing their first turns (TRL's implicit prompt: loss on the last
+assistant turn). Only the completion's tokens carry loss. A pair whose longer sequence exceeds data.seq_len is
+dropped (counted; a cut completion would be compared with an uncut one).
+
+`PairSequences` holds row 2k = pair k's chosen, row 2k + 1 its rejected; its length and its batches count
+pairs (train.global_batch is pairs per step, as TRL's batch sizes), and a batch carries each row's reference
+log-probability (`ref_logps`, set by the trainer before training: runtime/preference.py uses them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..recipe.schema import DataSection
+from . import chat_rows, formats
+from .batches import Sequences
+from .pack import warn
+from .read import RAW, WHERE, DataError, RowLocator
+from .sources import builder_for, load_documents, nonempty_paths
+from .stats import BAD_ROWS_LISTED, SplitStats
+from .tokenize import is_heldout, json_record
+
+
+@dataclass
+class PairSequences(Sequences):
+    """Sequences of preference pairs: rows 2k (chosen) and 2k + 1 (rejected); indexed by pair."""
+
+    ref_logps: np.ndarray | None = None
+    """[2 x pairs] float64 log π_ref of each row, once the trainer has computed (or loaded) them."""
+
+    def __len__(self) -> int:
+        return len(self.ids) // 2
+
+    @staticmethod
+    def _rows(pairs) -> np.ndarray:
+        pairs = np.asarray(pairs, dtype=np.int64)
+        return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+
+    def real_tokens(self, rows: np.ndarray | None = None) -> int:
+        return super().real_tokens(None if rows is None else self._rows(rows))
+
+    def batch(self, rows: np.ndarray) -> dict:
+        out = super().batch(self._rows(rows))
+        if self.ref_logps is not None:
+            out["ref_logps"] = torch.from_numpy(self.ref_logps[self._rows(rows)])
+        return out
+
+
+def conversational(cfg: DataSection) -> bool:
+    """Whether the data's first pair is conversational (lists of turns; it then needs the chat template)."""
+    try:
+        if cfg.hub_id:
+            docs = load_documents(None, cfg.hub_id, cfg.hub_split, "auto", True, cfg.hub_name, cfg.hub_revision)
+        else:
+            paths = nonempty_paths(cfg.files)
+            docs = load_documents(paths[:1], None, "train", builder_for(paths, cfg), True, None, None)
+        first = _record(next(iter(docs), None) or {})[0] or {}
+    except Exception:  # unreadable or out of reach: the data check names it; strings need no template
+        return False
+    return any(isinstance(first.get(f), list) for f in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field))
+
+
+def _turns(value, name: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise formats.FormatError(f"{name!r} must be a non-empty list of turns, got {formats.short(value)}")
+    return value
+
+
+def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple[list, list, list, list]:
+    """(chosen ids, chosen loss mask, rejected ids, rejected loss mask) of one row; FormatError if malformed."""
+    prompt = row.get(cfg.prompt_field)
+    chosen, rejected = row.get(cfg.chosen_field), row.get(cfg.rejected_field)
+    if chosen is None or rejected is None:
+        raise formats.FormatError(f"a preference row needs {cfg.chosen_field!r} and {cfg.rejected_field!r}")
+    if isinstance(chosen, str) or isinstance(rejected, str):  # standard: strings after a string prompt
+        if not isinstance(prompt, str):
+            raise formats.FormatError(
+                f"{cfg.prompt_field!r} must be a string when {cfg.chosen_field!r} / {cfg.rejected_field!r} are "
+                f"strings, got {formats.short(prompt)}"
+            )
+        out = []
+        for completion in (chosen, rejected):
+            _, ids, mask = formats.encode_prompt_completion(tokenizer, prompt, completion, cfg.add_eos)
+            out += [ids, mask]
+        return tuple(out)
+    # conversational: the prompt's turns, then each completion's; loss on the completion's assistant turns
+    if prompt is None:  # implicit prompt: the turns the two conversations share
+        chosen, rejected = _turns(chosen, cfg.chosen_field), _turns(rejected, cfg.rejected_field)
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    prompt = _turns(prompt, cfg.prompt_field)
+    out = []
+    for name, completion in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
+        messages, _ = chat_rows.normalize(prompt + _turns(completion, name), keys, "the chat template")
+        formats.check_messages(messages)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        found = formats.assistant_spans(tokenizer, template, messages)
+        if found is None:
+            raise formats.FormatError(
+                "the chat template renders earlier turns differently once later turns are added, so the "
+                "completion's tokens cannot be located; use the standard (string) preference shape"
+            )
+        text, spans = found
+        in_prompt = sum(m["role"] == "assistant" for m in prompt)  # the prompt's own answers carry no loss
+        ids, mask = formats._mask_from_spans(tokenizer, text, spans[in_prompt:])
+        if not any(mask):
+            raise formats.FormatError(f"{name!r} has no assistant turn, so no token would carry loss")
+        out += [ids, mask]
+    return tuple(out)
+
+
+def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int) -> PairSequences:
+    n = 2 * len(pairs)
+    ids = np.full((n, seq_len), pad_id, dtype=np.int64)
+    labels = np.full((n, seq_len), -100, dtype=np.int64)
+    mask = np.zeros((n, seq_len), dtype=np.int64)
+    lengths = np.zeros(n, dtype=np.int64)
+    for k, (c_ids, c_mask, r_ids, r_mask) in enumerate(pairs):
+        for r, (row, m) in enumerate(((c_ids, c_mask), (r_ids, r_mask))):
+            i = 2 * k + r
+            ids[i, : len(row)] = row
+            labels[i, : len(row)] = np.where(np.asarray(m, dtype=bool), row, -100)
+            mask[i, : len(row)] = 1
+            lengths[i] = len(row)
+    return PairSequences(ids, mask=mask, labels=labels, lengths=lengths, pad_id=pad_id)
+
+
+def _record(row: dict) -> tuple[dict | None, str]:
+    """A row as its record: JSON read as written (`read.py`) is parsed here, other builders' rows are records."""
+    if RAW in row:
+        if not row[RAW].strip():
+            return None, ""  # a blank line: no row
+        return json_record(row[RAW])
+    return row, ""
+
+
+def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, every: int, stats: SplitStats):
+    """(train pairs, held-out pairs, invalid reasons) of one split, counted into `stats` (`locate`: row index
+    -> its place, "FILE, line N")."""
+    template, _ = formats.chat_template_of(tokenizer)
+    keys = chat_rows.template_keys(template)
+    train, held, bad = [], [], []
+    for index, raw in enumerate(docs):
+        row, reason = _record(raw)
+        if row is None and not reason:
+            continue
+        stats.rows += 1
+        place = raw.get(WHERE) or locate(index)
+        try:
+            if reason:
+                raise formats.FormatError(reason)
+            pair = encode_pair(tokenizer, template, keys, row, cfg)
+        except formats.FormatError as e:
+            bad.append(f"{place}: {e}")
+            continue
+        if max(max(pair[0]), max(pair[2])) >= vocab_size:
+            raise DataError(
+                f"tokenizer.resize_vocab: {place} has a token id >= the model's vocab size {vocab_size}; set "
+                f"tokenizer.resize_vocab: true or use the model's own tokenizer"
+            )
+        longest = max(len(pair[0]), len(pair[2]))
+        if longest > cfg.seq_len:
+            stats.dropped += 1
+            stats.dropped_need = max(stats.dropped_need, longest)
+            continue
+        text = f"{row.get(cfg.prompt_field)}\x00{row.get(cfg.chosen_field)}\x00{row.get(cfg.rejected_field)}"
+        (held if is_heldout(text, every) else train).append(pair)
+    stats.bad, stats.bad_examples = len(bad), bad[:BAD_ROWS_LISTED]
+    return train, held, bad
+
+
+def _count(stats: SplitStats, pairs: list, seqs: PairSequences) -> None:
+    """Pairs kept and the sequences they became (`--check`'s numbers and the data/ metrics)."""
+    stats.documents = len(pairs)
+    stats.tokens = int(seqs.lengths.sum())
+    stats.longest = int(seqs.lengths.max()) if len(pairs) else 0
+    stats.sequences = len(seqs.ids)
+    stats.padding = 1.0 - stats.tokens / max(seqs.ids.size, 1)
+    stats.loss_tokens = int(seqs.target_counts().sum()) if len(pairs) else 0
+
+
+def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int):
+    """(train PairSequences, eval PairSequences, pad id, {"train", "eval"} -> SplitStats) of a preference data
+    section (no cache: preference sets are small, and every rank reads them the same)."""
+    if cfg.streaming:
+        raise DataError("data.streaming: preference pairs are read whole; set data.streaming: false")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    source = f"data.files {cfg.files}" if cfg.files else f"dataset {cfg.hub_id}"
+    paths = nonempty_paths(cfg.files) if not cfg.hub_id else []
+    builder = builder_for(paths, cfg) if paths else "auto"
+    docs = load_documents(paths or None, cfg.hub_id, cfg.hub_split, builder, False, cfg.hub_name, cfg.hub_revision)
+    locate = RowLocator(paths, builder, source) if paths else (lambda i: f"{source}, row {i + 1}")
+    stats = {"train": SplitStats(source)}
+    train, held, bad = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every, stats["train"])
+    stats["eval"] = SplitStats(f"{source} (held out: 1 pair in {every})" if every else source)
+    if cfg.eval_files:
+        eval_paths = nonempty_paths(cfg.eval_files, "data.eval_files")
+        eval_builder = builder_for(eval_paths, cfg)
+        eval_docs = load_documents(eval_paths, None, "train", eval_builder, False, None, None)
+        eval_locate = RowLocator(eval_paths, eval_builder, "data.eval_files")
+        stats["eval"] = SplitStats(f"data.eval_files {cfg.eval_files}")
+        held, _, eval_bad = _read_pairs(eval_docs, cfg, tokenizer, vocab_size, eval_locate, 0, stats["eval"])
+        bad = bad + eval_bad
+    if bad and not cfg.skip_invalid:
+        more = f"{len(bad)} invalid rows; the first: " if len(bad) > 1 else ""
+        raise DataError(f"data.files: {more}{bad[0]}. Fix the rows, or set data.skip_invalid: true to skip them")
+    if bad:
+        warn("%s: skipped %d invalid preference row(s) (data.skip_invalid); the first: %s", source, len(bad), bad[0])
+    dropped = stats["train"].dropped + stats["eval"].dropped
+    if dropped:
+        need = max(stats["train"].dropped_need, stats["eval"].dropped_need)
+        warn("%s: dropped %d pair(s) longer than data.seq_len=%d (%d keeps them)", source, dropped, cfg.seq_len, need)
+    if not train:
+        raise DataError(f"{source}: no preference pair fits (invalid or longer than data.seq_len={cfg.seq_len})")
+    out = []
+    for name, pairs in (("train", train), ("eval", held)):
+        seqs = _pairs_to_sequences(pairs, cfg.seq_len, pad_id)
+        _count(stats[name], pairs, seqs)
+        out.append(seqs)
+    return out[0], out[1], pad_id, stats
+
+
+class PairEvalBatches:
+    """One replica's evaluation batches of preference pairs: whole global batches only (a padding pair would
+    add its log 2 to the mean), each with its pairs' reference log-probabilities; equal weights."""
+
+    def __init__(self, seqs: PairSequences, global_batch: int, dp_rank: int = 0, dp_size: int = 1, limit=None):
+        self.seqs, self.global_batch, self.per_replica, self.dp_rank = (
+            seqs,
+            global_batch,
+            global_batch // dp_size,
+            dp_rank,
+        )
+        n = len(seqs) // global_batch
+        self.count = n if limit is None else min(n, limit)
+        self.loss_tokens = [global_batch] * self.count  # pairs: every batch weighs the same
+        self.sequences = self.count * global_batch
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        start = i * self.global_batch + self.dp_rank * self.per_replica
+        return self.seqs.batch(np.arange(start, start + self.per_replica))
+
+    def __iter__(self):
+        return (self[i] for i in range(self.count))

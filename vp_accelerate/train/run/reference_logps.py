@@ -1,0 +1,69 @@
+"""The reference model's log-probabilities of every training pair (DPO), computed once before training.
+
+The reference is the model the run starts from: a forward-only pass of the frozen start weights over the
+training pairs (`PipelineModel.sequence_logps`), one number per sequence, kept with the data
+(`PairSequences.ref_logps`) and written to `<output_dir>/ref_logps.pt`, so a resumed full fine-tune reads
+them rather than scoring with trained weights. Under LoRA the reference is the base with the adapter off,
+which a resumed run can compute again. Each replica scores every pair (the set is small; no exchange).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from ..data.preference import PairSequences
+from ..recipe import RecipeError
+
+log = logging.getLogger("vp_accelerate.train")
+
+FILE = "ref_logps.pt"
+
+
+def compute(pipe, seqs: PairSequences, pairs_per_batch: int, adapter_off: bool) -> np.ndarray:
+    """[2 x pairs] log π_ref of every row, in batches of this replica's shape (the last one filled with pair 0)."""
+    out = []
+    n = len(seqs)
+    for start in range(0, n, pairs_per_batch):
+        pairs = np.arange(start, start + pairs_per_batch)
+        pairs[pairs >= n] = 0
+        b = seqs.batch(pairs)
+        logps = pipe.sequence_logps(
+            b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"), adapter_off=adapter_off
+        )
+        out.append(logps[: 2 * (min(start + pairs_per_batch, n) - start)].numpy())
+    return np.concatenate(out).astype(np.float64)
+
+
+def attach(run, resuming: bool) -> None:
+    """Set `ref_logps` of the run's training and evaluation pairs (computed, or read back on a resume of a full
+    fine-tune)."""
+    data, recipe, pipe = run.data, run.recipe, run.pipe
+    splits = {k: v for k, v in (("train", data.train), ("eval", data.eval)) if isinstance(v, PairSequences)}
+    if not splits:
+        return
+    path = os.path.join(recipe.logging.output_dir, FILE)
+    lora = recipe.adapter.enabled
+    if resuming and not lora:
+        if not os.path.exists(path):
+            raise RecipeError(
+                f"logging.output_dir: {path} is missing: a resumed DPO run needs the reference log-probabilities its "
+                f"start computed; start the run again, or train with an adapter (its base is the reference)"
+            )
+        saved = torch.load(path)
+        for name, seqs in splits.items():
+            ref = saved.get(name)
+            if ref is None or ref.shape != (len(seqs.ids),):
+                raise RecipeError(f"{path}: no {name} values for its {len(seqs.ids)} sequences; the data changed")
+            seqs.ref_logps = ref.numpy()
+        return
+    pairs = recipe.train.global_batch // pipe.dp_size
+    for seqs in splits.values():
+        seqs.ref_logps = compute(pipe, seqs, pairs, adapter_off=lora) if len(seqs) else np.zeros(0)
+    if run.accelerator.is_main_process:
+        os.makedirs(recipe.logging.output_dir, exist_ok=True)
+        torch.save({name: torch.from_numpy(seqs.ref_logps) for name, seqs in splits.items()}, path)
+        log.info("DPO: reference log-probabilities of %d training pairs -> %s", len(splits["train"]), path)
