@@ -56,7 +56,7 @@ def install(fault: dict) -> None:
         original_forward_pass = Executor._do_F
 
         def do_f(self, a):
-            if state["step"] == fail["step"] and self.g.rank == fail.get("rank", 0) and a.mb == 1:
+            if state["step"] == fail["step"] and self.groups.rank == fail.get("rank", 0) and a.mb == 1:
                 if fail.get("how", "raise") == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected failure at step {state['step']}")
