@@ -188,6 +188,7 @@ class Executor:
                 now = clock.mark()
                 clock.span("WAIT", action.mb, action.chunk, begin, now)
                 begin = now
+                progress.waiting("")  # computing
             getattr(self, f"_do_{action.op.value}")(action)
             clock.span(action.op.value, action.mb, action.chunk, begin, clock.mark())
             progress.finished()
@@ -510,7 +511,9 @@ class Executor:
         meter = st.meter
         meter.release(("S", mb))
         state = st.output_states[mb]
-        excluded = meter.exclude | set(meter.weight_copies)
+        # the step's inputs (labels: the state keeps a view of them) are not the microbatch's to hold
+        inputs = st.microbatches[mb]
+        excluded = meter.exclude | set(meter.weight_copies) | {inputs.labels.untyped_storage().data_ptr()}
         meter.add(
             ("S", mb), storage_bytes((v for k, v in vars(state).items() if k not in ("weight", "bias")), excluded)
         )
@@ -532,10 +535,13 @@ class Executor:
         state = pending.wait()
         if kind is Op.C1:
             st.losses[mb] = state.loss_sum.detach()
-            if mb in st.output_states and not state.t_done:
-                self._meter_stash(mb)  # C1 replaced the vocab-2 partials by ∇X and the row statistics
-        if kind is self.method.grad_barrier and self.groups.rank == self._owner(self.last_chunk):
-            st.output_grads[mb] = state.grad_x
+        if kind is self.method.grad_barrier:
+            if self.groups.rank == self._owner(self.last_chunk):
+                st.output_grads[mb] = state.grad_x
+                st.meter.add_comm(("dX", mb), [state.grad_x])  # until the last chunk's B takes it
+            state.grad_x = None  # [N, h]: elsewhere nobody reads it, and here output_grads holds it
+        if kind is Op.C1 and mb in st.output_states and not state.t_done:
+            self._meter_stash(mb)  # C1 replaced the vocab-2 partials by the [N] statistics
         if kind is Op.C2:
             st.output_states.pop(mb, None)
         return True
@@ -566,4 +572,5 @@ class Executor:
         """∂L/∂(last chunk's output) from the output layer, in that output's dtype."""
         self._complete_chain(Op.C1, mb)
         self._complete_chain(Op.C2, mb)
+        self.state.meter.release_comm(("dX", mb))
         return self.state.output_grads.pop(mb).reshape(self.state.act_shape).to(self.param_dtype)

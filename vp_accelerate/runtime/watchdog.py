@@ -151,7 +151,10 @@ class Watchdog:
                     self._stall(stalled)
             except Exception:  # noqa: BLE001
                 # The store lives with rank 0 and goes when it exits, normally at the end of a run. A rank
-                # 0 that died mid-step closes its sockets, which its peers' receives report on their own.
+                # 0 that died mid-step closes its sockets, which its peers' receives report on their own;
+                # a rank inside a pass that does not communicate (stalled) would not notice: it stops here.
+                if self.progress.in_step and not self._stop.is_set():
+                    self._exit("lost the launcher's key-value store (rank 0 exited) in the middle of a step")
                 return
 
     def _publish_progress(self) -> None:
@@ -162,6 +165,8 @@ class Watchdog:
 
     def _stall(self, seconds: float) -> None:
         """No pass finished for `seconds`: print every rank's pass and what it waits for, end the job."""
+        time.sleep(1.5 * self.interval_s)  # every live peer publishes its state once more meanwhile
+        self._publish_progress()
         lines = []
         for r in range(self.world):
             key = f"{self.key}/pass/{r}"
@@ -175,6 +180,8 @@ class Watchdog:
             flush=True,
         )
         self.report_failure(RuntimeError(f"stalled: no pass finished for {seconds:.0f} s\n{table}"))
+        # peers read the note at their next heartbeat; rank 0 hosts the store, which goes with it
+        time.sleep(2 * self.interval_s)
         self._exit("stalled (see above)")
 
 
