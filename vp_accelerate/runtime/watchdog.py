@@ -11,9 +11,11 @@ Counters, not timestamps, so clocks of different nodes never matter.
 
 It also watches this rank's own progress (`Progress`, set by the executor on the compute thread): the
 pass it runs and what that pass waits for (a receive's batch, a collective chain). Each heartbeat
-publishes it; when no pass of the step has finished for `stall_after_s` (a hang: a peer stuck in a
-kernel, a collective no rank will ever join, a deadlocked order), the first rank to see it prints every
-rank's pass and what it waits for, and the job ends as for a failure (every rank exits non-zero).
+publishes it, and the beat carries the count of passes finished; when, inside a step, no rank has
+finished a pass for `stall_after_s` (a hang: a peer stuck in a kernel, a collective no rank will ever
+join, a deadlocked order), the first rank to see it prints every rank's pass and what it waits for, and
+the job ends as for a failure (every rank exits non-zero). A rank that waits long in one pass while its
+peers still progress is not stalled.
 """
 
 from __future__ import annotations
@@ -127,26 +129,36 @@ class Watchdog:
 
     def _run(self) -> None:
         seen = {r: (-1, time.monotonic()) for r in range(self.world) if r != self.rank}
+        passes = {r: 0 for r in range(self.world)}  # every rank's finished passes, as last published
+        progressed = time.monotonic()  # when some rank last finished a pass (as this rank saw it)
         while not self._stop.wait(self.interval_s):
             try:
                 self._beats += 1
-                self.store.set(f"{self.key}/beat/{self.rank}", str(self._beats))
+                # the beat carries this rank's count of finished passes: a stall is no pass on ANY rank
+                self.store.set(f"{self.key}/beat/{self.rank}", f"{self._beats} {self.progress.passes_done}")
                 self._publish_progress()
                 if self.store.check([f"{self.key}/failed"]):
                     note = self.store.get(f"{self.key}/failed").decode()
                     if not note.startswith(f"rank {self.rank}:"):
                         self._exit(f"peer failed — {note}")
                 now = time.monotonic()
+                counts = {self.rank: self.progress.passes_done}
                 for r, (last, since) in list(seen.items()):
                     if self.store.check([f"{self.key}/done/{r}"]):
                         del seen[r]  # finished normally
                         continue
-                    beat = int(self.store.get(f"{self.key}/beat/{r}"))
-                    if beat != last:
-                        seen[r] = (beat, now)
+                    beat, _, done = self.store.get(f"{self.key}/beat/{r}").decode().partition(" ")
+                    counts[r] = int(done or 0)
+                    if int(beat) != last:
+                        seen[r] = (int(beat), now)
                     elif now - since > self.dead_after_s:
                         self._exit(f"rank {r} stopped answering for {self.dead_after_s:.0f} s (killed or hung)")
-                stalled = self.progress.stalled_for()
+                if any(passes.get(r) != n for r, n in counts.items()):
+                    passes.update(counts)
+                    progressed = now
+                # a rank that waits long in one pass while its peers progress is not stalled: only a step
+                # in which no rank finished a pass for stall_after_s is
+                stalled = min(self.progress.stalled_for(), now - progressed)
                 if self.stall_after_s is not None and stalled > self.stall_after_s:
                     self._stall(stalled)
             except Exception:  # noqa: BLE001
