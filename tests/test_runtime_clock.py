@@ -77,3 +77,58 @@ def test_step_times_bubble_and_timeline_come_from_the_clock():
         rates.append(1 - busy / res.step_time_s)
     for res, *_ in results:
         assert abs(res.bubble_rate - sum(rates) / len(rates)) < 1e-12  # the mean over the pipeline's ranks
+
+
+class _FakeEvent:
+    """torch.cuda.Event's surface: recorded on a stream at its current time (ms); elapsed_time only
+    between completed events, as CUDA requires."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing  # a mark without timing cannot be read
+        self.ms, self.stream, self.synced = None, None, False
+
+    def record(self, stream) -> None:
+        self.ms, self.stream = stream.now_ms, stream
+
+    def synchronize(self) -> None:
+        self.stream.completed_ms = max(self.stream.completed_ms, self.ms)
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        for e in (self, end):
+            assert e.ms <= e.stream.completed_ms, "elapsed_time of an event the host has not waited for"
+        return end.ms - self.ms
+
+
+class _FakeStream:
+    def __init__(self) -> None:
+        self.now_ms, self.completed_ms = 0.0, -1.0
+
+
+def test_the_cuda_clock_reads_events_once_synchronised(monkeypatch):
+    from vp_accelerate.runtime import clock
+
+    compute, comm = _FakeStream(), _FakeStream()
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    c = clock.for_device(torch.device("cuda", 0))
+    assert isinstance(c, clock.CudaClock)
+    compute.now_ms = 1000.0
+    c.start()
+    compute.now_ms = 1250.0  # the host queued F at once; the device ran it 250 ms later
+    begin = c.mark()
+    compute.now_ms = 1750.0
+    c.span("F", 0, 0, begin, c.mark())
+    chain = (_FakeEvent(True), _FakeEvent(True))  # what a _StreamJob recorded on the communication stream
+    comm.now_ms = 1300.0
+    chain[0].record(comm)
+    comm.now_ms = 1400.0
+    chain[1].record(comm)
+    c.chain("C1", 0, type("Timer", (), {"span": lambda self: chain})())
+    compute.now_ms = 2000.0
+    c.stop()
+    times = c.read(rank=3)
+    assert times.step_time_s == 1.0
+    assert [(r.op, r.lane, r.start, r.end, r.rank) for r in times.records] == [
+        ("F", "compute", 0.25, 0.75, 3),
+        ("C1", "comm", 0.3, 0.4, 3),
+    ]

@@ -79,14 +79,15 @@ class _Recorder:
         self._end = self.mark()
 
     def read(self, rank: int) -> StepTimes:
+        if self._end is None:  # never stopped: the step ends now
+            self.stop()
         self._sync()
         sec = self._seconds
         records = [TimedAction(rank, op, mb, chunk, sec(b), sec(e)) for op, mb, chunk, b, e in self._spans]
         for op, mb, timer in self._chains:  # the chains as the communication lane ran them
             b, e = timer.span()
             records.append(TimedAction(rank, op, mb, 0, sec(b), sec(e), lane="comm"))
-        end = self._end if self._end is not None else self.mark()
-        out = StepTimes(records, sec(end))
+        out = StepTimes(records, sec(self._end))
         self._spans, self._chains = [], []  # the marks (events) go with the step
         return out
 
@@ -123,10 +124,9 @@ class CudaClock(_Recorder):
         return event
 
     def _sync(self) -> None:
-        # the last mark is the latest work of the compute stream; chains end before it (the step waits
-        # for every chain), but a chain's own event is synchronised too in case one was left unwaited
-        if self._end is not None:
-            self._end.synchronize()
+        # the end mark is the latest work of the compute stream, so every mark before it on that stream
+        # is complete; a chain's events are on the communication stream: synchronised on their own
+        self._end.synchronize()
         for _, _, timer in self._chains:
             timer.span()[1].synchronize()
 
