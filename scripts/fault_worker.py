@@ -16,6 +16,9 @@ VP_FAULT (JSON) says what to break:
   rank `rank` to `value`: a non-finite gradient while every loss is finite.
 - `fail`: at step `step`, rank `rank` raises (`"how": "raise"`) or SIGKILLs itself (`"how": "kill"`) inside
   its first chunk's forward, mid-schedule, with its peer blocked on it.
+- `stall`: at step `step`, rank `rank` sleeps `seconds` inside its first chunk's forward of microbatch 1
+  (a hang: its peer waits for it, nobody raises); with `--pipeline`, `watchdog_stall_s` (default 600) is
+  the PipelineConfig's, so the watchdog's stall report ends the job.
 - `slow_fsync_s`: sleep this long before each checkpoint fsync, so a kill lands inside the write.
 Used by tests/test_reliability_faults.py, tests/test_runtime_faults.py (`--pipeline`) and scripts/fault_*.py.
 """
@@ -51,15 +54,17 @@ def install(fault: dict) -> None:
 
     pipeline.PipelineModel.train_step = train_step
 
-    fail = fault.get("fail")
-    if fail:
+    fail, stall = fault.get("fail"), fault.get("stall")
+    if fail or stall:
         original_forward_pass = Executor._do_F
 
         def do_f(self, a):
-            if state["step"] == fail["step"] and self.g.rank == fail.get("rank", 0) and a.mb == 1:
+            if fail and state["step"] == fail["step"] and self.groups.rank == fail.get("rank", 0) and a.mb == 1:
                 if fail.get("how", "raise") == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected failure at step {state['step']}")
+            if stall and state["step"] == stall["step"] and self.groups.rank == stall.get("rank", 0) and a.mb == 1:
+                time.sleep(float(stall.get("seconds", 60)))
             return original_forward_pass(self, a)
 
         Executor._do_F = do_f
@@ -92,7 +97,7 @@ def install(fault: dict) -> None:
         checkpoint._fsync_file = slow_fsync
 
 
-def pipeline_main(steps: int = 3) -> int:
+def pipeline_main(steps: int = 3, stall_s: float = 600.0) -> int:
     """Train a tiny 2-rank pipeline with `PipelineModel` alone; rendezvous from the environment."""
     import torch
     from transformers import LlamaConfig
@@ -109,7 +114,7 @@ def pipeline_main(steps: int = 3) -> int:
         num_key_value_heads=2,
     )
     # a short watchdog deadline: a peer that stops answering is declared dead within seconds
-    pipe = PipelineModel(config, PipelineConfig(microbatches=2, watchdog_dead_after_s=5.0))
+    pipe = PipelineModel(config, PipelineConfig(microbatches=2, watchdog_dead_after_s=5.0, watchdog_stall_s=stall_s))
     ids = torch.randint(0, 128, (2, 16))
     for _ in range(steps):
         pipe.train_step(ids, ids)
@@ -118,9 +123,10 @@ def pipeline_main(steps: int = 3) -> int:
 
 
 def main() -> int:
-    install(json.loads(os.environ.get("VP_FAULT", "{}")))
+    fault = json.loads(os.environ.get("VP_FAULT", "{}"))
+    install(fault)
     if sys.argv[1:] == ["--pipeline"]:
-        return pipeline_main()
+        return pipeline_main(stall_s=float(fault.get("watchdog_stall_s", 600.0)))
     from vp_accelerate.train.cli.commands import train_main
 
     return train_main(sys.argv[1:])

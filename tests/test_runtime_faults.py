@@ -46,3 +46,20 @@ def test_a_killed_rank_stops_every_rank():
     assert outs[1][0] != 0
     code, out, err = outs[0]
     assert code != 0, f"rank 0 exited 0\n{out}\n{err}"
+
+
+def test_a_stalled_rank_is_reported_with_every_rank_pass_and_the_job_ends():
+    # rank 1 sleeps inside F(mb=1) of step 2 (a hang, nothing raises, its heartbeat goes on); rank 0 waits
+    # for its activation. After 2 s without a finished pass the watchdog prints where every rank is.
+    fault = json.dumps({"stall": {"step": 2, "rank": 1, "seconds": 120}, "watchdog_stall_s": 2})
+    outs = forked_ranks(str(WORKER), ["--pipeline"], 2, {"VP_FAULT": fault}, 90.0)
+    assert outs is not None, "the stall was not detected: a rank still ran after 90 s"
+    for rank, (code, out, err) in enumerate(outs):
+        assert code != 0, f"rank {rank} exited 0\n{out}\n{err}"
+        assert "finished" not in out
+    text = outs[0][2] + outs[1][2]
+    assert "no pass finished for" in text, text[-3000:]
+    # the stalled rank computes inside its pass (rank 1 holds chunk 1); its peer waits in a pass for the
+    # collective rank 1 never joins
+    assert "rank 1: in F(mb=1, chunk=1), computing" in text, text[-3000:]
+    assert "rank 0: in " in text and ", waits for " in text, text[-3000:]

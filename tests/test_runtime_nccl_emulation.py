@@ -102,3 +102,58 @@ def test_runtime_trains_the_same_under_the_emulation(ckpt):
     pairs = [("1f1b", "vocab-1"), ("vhalf", "vocab-2"), ("interleaved", "baseline")]
     for plain, strict in spawn(_plain_then_strict, 2, ckpt, pairs, "serial"):
         assert strict == plain  # the same reductions in the same order: bit for bit
+
+
+def _sent_tensors_alive_after_receives(ckpt):
+    """One 1F1B + vocab-2 step under the emulation, every p2p batch watched: a sent tensor must be gone
+    once a later batch of this rank has delivered its receive (the emulation's batches run one after the
+    other, so that send had completed), at the latest when the executor next posts or starts a pass.
+    Returns (how many such checks found a sent tensor alive, how many send-only batches were checked)."""
+    import weakref
+
+    from vp_accelerate.runtime import executor, p2p
+
+    watched: list[tuple[int, list]] = []  # (batch number, weak refs of its sent tensors)
+    due: list = []  # refs that must be dead at the next check
+    found = {"alive": 0, "checked": 0}
+    post, wait, await_inputs = p2p.post, p2p.Batch.wait, executor.Executor._await_inputs
+
+    def check():
+        found["alive"] += sum(ref() is not None for ref in due)
+        due.clear()
+
+    def watched_post(ops, label):
+        check()
+        batch = post(ops, label)
+        batch.test_number = len(watched)
+        batch.test_receives = any(op.op is dist.irecv for op in ops)
+        refs = [weakref.ref(op.tensor) for op in ops if op.op is dist.isend]
+        if not batch.test_receives:
+            found["checked"] += 1
+        watched.append((batch.test_number, refs))
+        return batch
+
+    def watched_wait(batch):
+        wait(batch)
+        if getattr(batch, "test_receives", False):  # every earlier batch of this rank has completed
+            due.extend(ref for number, refs in watched if number < batch.test_number for ref in refs)
+
+    def watched_await(self, a):
+        check()
+        return await_inputs(self, a)
+
+    p2p.post, p2p.Batch.wait, executor.Executor._await_inputs = watched_post, watched_wait, watched_await
+    try:
+        _train(ckpt, "1f1b", "vocab-2", False)
+    finally:
+        p2p.post, p2p.Batch.wait, executor.Executor._await_inputs = post, wait, await_inputs
+    return found["alive"], found["checked"]
+
+
+def test_a_sent_tensor_is_freed_once_its_receive_completed(monkeypatch, ckpt):
+    # torch's Works (and the emulation's) hold a batch's tensors until waited on; a send-only batch
+    # waited only at the end of the step kept every sent activation and gradient alive until then
+    monkeypatch.setenv("VP_STRICT_P2P", "1")
+    res = spawn(_sent_tensors_alive_after_receives, 2, ckpt)
+    assert sum(checked for _, checked in res) > 0  # the schedule has send-only batches to watch
+    assert [alive for alive, _ in res] == [0, 0]

@@ -82,10 +82,10 @@ class FakePipe:
             num_tokens=int((labels[:, 1:] != -100).sum()),
             skipped=False,
             step_time_s=0.01,
+            tokens_per_s=100.0 * int((labels[:, 1:] != -100).sum()),
             bubble_rate=0.0,
             nonfinite_microbatches=(),
             loss_scale=1.0,
-            tokens_per_s=1.0,
             rewards=None,
         )
 

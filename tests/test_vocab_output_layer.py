@@ -72,3 +72,47 @@ def test_all_algorithms_and_modes_match_float64(world_size):
         if max(errs.values()) > TOL[case.dtype]:
             failures.append(f"{case}: {errs}")
     assert not failures, f"seed {seed}, world size {world_size}:\n" + "\n".join(failures)
+
+
+def _chain_outputs(n: int, h: int) -> dict:
+    """S, C1, T (, C2) of one microbatch per algorithm on this rank: (storage bytes, own bytes) of every
+    tensor a chain left in the state, and the bytes the state holds after C1 (inputs and logits aside)."""
+    import torch
+    import torch.distributed as dist
+
+    from vp_accelerate.runtime.memory import storage_bytes
+    from vp_accelerate.vocab import output_layer as vout
+    from vp_accelerate.vocab.partition import VocabPartition
+
+    rank = dist.get_rank()
+    part = VocabPartition(V, dist.get_world_size())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=gen)
+    weight = torch.randn(part.shard_size, h, generator=gen)
+    labels = torch.randint(0, V, (n,), generator=gen)
+    scale = torch.full((n,), 1.0 / n)
+    out = {}
+    for algo in ("naive", "vocab-1", "vocab-2"):
+        state = vout.s_pass(x, labels, scale, weight, part, rank, Opts(algo, "recompute"))
+        vout.c1(state, async_op=False)
+        inputs = {"opts", "partition", "rank", "x", "x_shape", "weight", "bias", "labels"}
+        held = storage_bytes(v for k, v in vars(state).items() if k not in inputs)
+        vout.t_pass(state, torch.zeros_like(weight))
+        if algo == "vocab-1":
+            vout.c2(state, async_op=False)
+        made = {k: getattr(state, k) for k in ("row_max", "row_sum", "loss", "loss_sum", "grad_x")}
+        own = {k: (t.untyped_storage().nbytes(), t.numel() * t.element_size()) for k, t in made.items()}
+        out[algo] = {"own": own, "held_after_c1": held}
+    return out
+
+
+def test_chain_outputs_have_storages_of_their_own():
+    # vocab-2's C1 all-reduces [s_i, a_i] as one [N, h+1] buffer; a row_sum that is a view of it kept the
+    # whole buffer alive from C1 to T (N*(h+1)*4 bytes per microbatch in flight instead of N*4)
+    n, h = 64, 32
+    for res in spawn(_chain_outputs, 2, n, h):
+        for algo, got in res.items():
+            for name, (storage, own) in got["own"].items():
+                assert storage == own, (algo, name, storage, own)
+        # what vocab-2 holds from C1 to T: [N] statistics, g, labels, the mask and ∇x — no [N, h+1] buffer
+        assert res["vocab-2"]["held_after_c1"] < n * (h + 1) * 4 + n * h * 4, res["vocab-2"]

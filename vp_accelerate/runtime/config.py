@@ -108,6 +108,10 @@ class PipelineConfig:
     watchdog_dead_after_s: Optional[float] = 60.0
     """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
 
+    watchdog_stall_s: Optional[float] = 600.0
+    """With the watchdog on: when no pass of a step has finished on a rank for this long, print every
+    rank's current pass and what it waits for, and end the job; None = never (runtime/watchdog.py)."""
+
     def __post_init__(self):
         # canonical names, so `1F1B` and `Vocab-2` work and an unknown name fails here with the valid ones
         if not (isinstance(self.schedule, str) and self.schedule.strip().lower() == AUTO):
@@ -155,3 +159,5 @@ class PipelineConfig:
             raise ValueError(f"dp_reduce_dtype: must be bf16 or null, got {self.dp_reduce_dtype!r}")
         if self.watchdog_dead_after_s is not None and self.watchdog_dead_after_s <= 0:
             raise ValueError(f"watchdog_dead_after_s: must be > 0 or null, got {self.watchdog_dead_after_s}")
+        if self.watchdog_stall_s is not None and self.watchdog_stall_s <= 0:
+            raise ValueError(f"watchdog_stall_s: must be > 0 or null, got {self.watchdog_stall_s}")

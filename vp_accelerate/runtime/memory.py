@@ -12,6 +12,11 @@ and never in the activation total. A saved tensor is such a copy when it (or the
 dtype cast of a Parameter (its grad_fn is ToCopyBackward0 straight from the parameter's AccumulateGrad)
 or was registered with `add_weight_copy`. A copy made again for each microbatch is a new storage each
 time and so shows up as several copies: the count measures the sharing, it does not assume it.
+
+Communication buffers are counted too, apart from the activations (`add_comm` / `release_comm`): a
+posted receive's buffer until its pass takes it, a sent tensor until its batch completes, a collective's
+buffer (C0's X, the IF partial, IB's gradient) until its consumer takes it. `comm_peak` is their peak,
+`held_peak` the peak of activations and communication buffers together.
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ class ActivationMeter:
         self.total = 0
         self.peak = 0
         self.weight_copies: dict[int, int] = {}  # storage data_ptr -> bytes of a low-precision weight copy
+        self.comm: dict[object, int] = {}  # key -> bytes of the communication buffers held under it
+        self.comm_total = 0
+        self.comm_peak = 0
+        self.held_peak = 0  # activations + communication buffers
 
     def hooks(self, key):
         """(pack, unpack) for torch.autograd.graph.saved_tensors_hooks, charging `key`."""
@@ -80,7 +89,50 @@ class ActivationMeter:
         self.live[key] += nbytes
         self.total += nbytes
         self.peak = max(self.peak, self.total)
+        self.held_peak = max(self.held_peak, self.total + self.comm_total)
 
     def release(self, key) -> None:
         self.total -= self.live.pop(key, 0)
         self.seen.pop(key, None)
+
+    def add_comm(self, key, tensors) -> None:
+        """Charge the distinct storages of `tensors` (communication buffers) to `key` until `release_comm`."""
+        nbytes = storage_bytes(tensors, self.exclude)
+        self.comm[key] = self.comm.get(key, 0) + nbytes
+        self.comm_total += nbytes
+        self.comm_peak = max(self.comm_peak, self.comm_total)
+        self.held_peak = max(self.held_peak, self.total + self.comm_total)
+
+    def release_comm(self, key) -> None:
+        self.comm_total -= self.comm.pop(key, 0)
+
+
+class PeakCount:
+    """A live count (e.g. weighted microbatches in flight) and its peak over the step."""
+
+    def __init__(self) -> None:
+        self.live = 0.0
+        self.peak = 0.0
+
+    def add(self, n: float = 1.0) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def remove(self, n: float = 1.0) -> None:
+        self.live -= n
+
+
+def storage_bytes(values, exclude=frozenset()) -> int:
+    """Bytes of the distinct tensor storages among `values` (tensors, or lists / tuples of them; anything
+    else is skipped), leaving out Parameters and the storages in `exclude` (the parameters': a state that
+    refers to a weight shard does not copy it)."""
+    seen: dict[int, int] = {}
+    flat = []
+    for v in values:
+        flat.extend(v if isinstance(v, (list, tuple)) else [v])
+    for v in flat:
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device.type != "meta":
+            ptr, nbytes = _storage_key(v)
+            if ptr not in exclude:
+                seen[ptr] = nbytes
+    return sum(seen.values())

@@ -13,6 +13,8 @@ emulation (the test suite runs under it):
   only once its receive is posted, as NCCL's large sends do. An order that would hang on NCCL hangs
   here too, and after `VP_STRICT_P2P_TIMEOUT` seconds (default 300) the worker gives up with an error
   naming the stuck batch; the executor re-raises it and the watchdog ends every rank.
+  Each batch's one Work holds its tensors until it is waited on, as torch's Works do (a send's tensor
+  stays alive until the sender waits, however early the receiver got it).
 - `serial`: as `strict`, and every group of the rank shares one worker (vocab/comm.py), so the p2p
   batches and the vocabulary collectives progress in one issue order (NCCL with
   CUDA_DEVICE_MAX_CONNECTIONS=1).
@@ -48,6 +50,12 @@ class Batch:
                 w.wait()
             except RuntimeError as e:
                 raise RuntimeError(f"{e} (the batch: {self.label})") from e
+
+    def is_completed(self) -> bool:
+        """True when every op of the batch is done (a poll: never blocks). A Work holds its tensors until
+        it is waited on and dropped, so the executor waits a completed send batch at once. gloo's own
+        send Works report completion only once waited on; NCCL's and the emulation's report it when done."""
+        return all(w.is_completed() for w in self._works)
 
 
 def post(ops: list[dist.P2POp], label: str) -> Batch:
@@ -88,17 +96,23 @@ def _strict_batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list:
     label = f"rank {rank}: p2p batch #{counts[0]} [{what}]"
     timeout_s = strict_timeout_s()
     job = comm.worker(group).submit(lambda: _run_batch(p2p_op_list, label, timeout_s))
-    return [_JobWork(job, label, timeout_s)]  # ONE Work for the whole batch, as on NCCL
+    # ONE Work for the whole batch, as on NCCL, holding the batch's tensors until it is waited on
+    return [_JobWork(job, label, timeout_s, [op.tensor for op in p2p_op_list])]
 
 
 _COUNTS: dict = {}  # group -> batches posted on it (for names in errors)
 
 
 class _JobWork:
-    """The single Work of an emulated batch: done when the worker has finished the batch."""
+    """The single Work of an emulated batch: done when the worker has finished the batch.
 
-    def __init__(self, job, label: str, timeout_s: float):
+    Like torch's Works (NCCL's keeps its tensors alive for the caching allocator until waited on), it
+    holds the batch's tensors until `wait()` returns, so a caller that never waits on a completed send
+    keeps the sent tensor alive under the emulation as it would on a GPU."""
+
+    def __init__(self, job, label: str, timeout_s: float, tensors: list):
         self.job, self.label, self.timeout_s = job, label, timeout_s
+        self._tensors = tensors
 
     def wait(self, timeout=None) -> bool:
         # the worker gives up after timeout_s on its own; the margin covers the batches queued before
@@ -107,6 +121,7 @@ class _JobWork:
         if self.job.error is not None:
             raise RuntimeError(str(self.job.error)) from self.job.error
         self.job.result()
+        self._tensors = []
         return True
 
     def is_completed(self) -> bool:

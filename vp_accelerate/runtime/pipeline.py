@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +30,16 @@ from vp_accelerate.cost import shape_from_hf_config
 from vp_accelerate.distributed import init_from_env, local_device
 from vp_accelerate.models import check_supported, resolve_config
 from vp_accelerate.models.lora import lora_modules, mask_row_grads
-from vp_accelerate.runtime import grad_sync, model_io, p2p, precision, shutdown, watchdog
+from vp_accelerate.runtime import clock, grad_sync, model_io, p2p, precision, shutdown, watchdog
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
-from vp_accelerate.runtime.executor import Microbatch
+from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.runtime.groups import build_groups, warm_up
 from vp_accelerate.runtime.microbatches import make_microbatches
 from vp_accelerate.runtime.preference import LogpRecorder, PairLoss, Preference, reward_metrics
 from vp_accelerate.runtime.rank_parts import build_rank_parts
-from vp_accelerate.runtime.step_run import bubble_rate, finish_loss, make_executor, nonfinite_microbatches, run_schedule
+from vp_accelerate.runtime.step_run import bubble_rate, finish_loss, nonfinite_microbatches, run_schedule
 from vp_accelerate.runtime.zero import ZeroOptimizer
 from vp_accelerate.schedule.ir import COMPUTE_OPS
 from vp_accelerate.vocab import comm
@@ -53,10 +52,10 @@ class StepResult:
     num_tokens: int
     """Valid (label != -100) tokens in the step, over all data-parallel replicas."""
     step_time_s: float
-    """Wall time of the step on this rank, from its first pass until its loss is known (on a GPU the host waits
-    for the device only there, so the device's work is inside it)."""
+    """Time of the step's work on this rank (schedule, gradient reductions, the loss read), from the step's
+    clock: the device's (CUDA events) on a GPU, the host's on CPU (runtime/clock.py)."""
     bubble_rate: float
-    """Mean over pipeline ranks of 1 - (time in compute passes) / (step time)."""
+    """Mean over pipeline ranks of 1 - (time in compute passes) / (step time), from the same clock."""
     peak_activation_bytes: int
     """This rank's peak of activation bytes held for backward plus stashed vocabulary state."""
     nonfinite_microbatches: tuple[tuple[int, int], ...] = ()
@@ -69,6 +68,9 @@ class StepResult:
     rewards: dict[str, float] | None = None
     """Preference steps: TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins (means
     over the step's pairs, the same on every rank); None for a token-loss step."""
+    tokens_per_s: float = 0.0
+    """num_tokens / step_time_s: the pipeline's throughput on this step (the trainer's perf/tokens_per_s
+    also counts the optimizer step)."""
 
 
 class PipelineModel:
@@ -116,12 +118,15 @@ class PipelineModel:
         self.method = self.schedule.method
         self.vocab = self.method.vocab_parallel
         self.watchdog = (
-            watchdog.start(cfg.watchdog_dead_after_s)
+            watchdog.start(cfg.watchdog_dead_after_s, cfg.watchdog_stall_s)
             if cfg.watchdog_dead_after_s is not None and g.world_size > 1
             else None
         )
         self.last_stats: dict = {}
         self.last_eval_rewards: dict[str, float] | None = None
+        self.make_clock = clock.for_device
+        """device -> the clock of one step (runtime/clock.py); a test may put a fake in its place."""
+        self._executors: dict = {}  # (schedule, dtypes, device) -> its executor, built on first use
 
     @property
     def rank(self) -> int:
@@ -214,9 +219,10 @@ class PipelineModel:
         mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids, loss_scale=scale)
         pair_losses = self._attach_preference(mbs, preference, input_ids.shape[0], scale)
         self._last_seq = input_ids.shape[1]
-        t0 = time.perf_counter()
+        step_clock = self.make_clock(self.device)
+        step_clock.start()
         reducer = self._dp_reducer()  # replicas' gradient sums issued during the backward, chunk by chunk
-        out = self._run(self.schedule, mbs, input_ids.shape[1], after_pass=reducer and reducer.after_pass)
+        out = self._run(self.schedule, mbs, step_clock, after_pass=reducer and reducer.after_pass)
         mask_row_grads(self.mods.trained_rows)  # LoRA's trainable token rows: the other rows get no gradient
         self._sync_grads(reducer)
         skipped = False
@@ -224,10 +230,11 @@ class PipelineModel:
             skipped = precision.unscale_and_check(self.parameters(), scale, self.device, self.groups.pp_group)
             self.loss_scaler.update(skipped)
         self._skip_next_optimizer_step = skipped
-        # the loss read is the step's one wait for the device: timed after it, the step time is the device's
-        # too (nothing else in the step syncs, so the host is done issuing long before the device is done)
+        # the loss read is the step's one wait for the device (nothing else in the step syncs)
+        step_clock.stop()
         loss = self._finish_loss(out.loss_sum) / scale
-        step_time = time.perf_counter() - t0
+        times = step_clock.read(self.rank)  # once, after the loss (which synchronised with the device)
+        step_time = times.step_time_s
         bad = (
             ()
             if math.isfinite(loss)
@@ -235,13 +242,15 @@ class PipelineModel:
         )
         peak = out.peak_activation_bytes
         self.last_stats = {
-            "timeline": out.records,
+            "timeline": times.records,
             "peak_activation_bytes": peak,
             "step_time_s": step_time,
             "peak_activation_microbatches": out.peak_activation_microbatches,
             "peak_stash_microbatches": out.peak_stash_microbatches,
+            "peak_comm_bytes": out.peak_comm_bytes,
+            "peak_held_bytes": out.peak_held_bytes,
             "weight_copy_bytes": out.weight_copy_bytes,
-            "pass_time_s": sum(r.end - r.start for r in out.records if r.op in COMPUTE_OPS),
+            "pass_time_s": sum(r.end - r.start for r in times.records if r.op in COMPUTE_OPS),
         }
         if self.device.type == "cuda":
             self.last_stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -249,12 +258,13 @@ class PipelineModel:
             loss=loss,
             num_tokens=n_tokens,
             step_time_s=step_time,
-            bubble_rate=bubble_rate(out.records, step_time, self.groups),
+            bubble_rate=bubble_rate(times.records, step_time, self.groups),
             peak_activation_bytes=peak,
             nonfinite_microbatches=bad,
             skipped=skipped,
             loss_scale=scale,
             rewards=self._rewards(pair_losses),
+            tokens_per_s=n_tokens / step_time if step_time > 0 else 0.0,
         )
 
     def step(self, optimizer) -> bool:
@@ -325,7 +335,9 @@ class PipelineModel:
         training = self.mods.container.training
         self.mods.eval()
         try:
-            return self._run(self.eval_schedule, mbs, seq)
+            step_clock = self.make_clock(self.device)  # never read: evaluation reports only its loss
+            step_clock.start()
+            return self._run(self.eval_schedule, mbs, step_clock)
         finally:
             self.mods.train(training)
 
@@ -380,19 +392,16 @@ class PipelineModel:
         pairs = pair_losses[0].pairs
         return reward_metrics(totals.cpu(), pairs)
 
-    def _run(self, schedule, mbs: list[Microbatch], seq: int, after_pass=None):
-        ex = make_executor(
-            self.parts,
-            self.groups,
-            schedule,
-            mbs[0].input_ids.shape[0],
-            seq,
-            self.dtype,
-            self.compute_dtype,
-            self.device,
-        )
-        ex.after_pass = after_pass
-        return run_schedule(ex, mbs, self.device, self.compute_dtype, self.watchdog)
+    def _run(self, schedule, mbs: list[Microbatch], step_clock, after_pass=None):
+        key = (id(schedule), self.dtype, self.compute_dtype, self.device)
+        entry = self._executors.get(key)
+        if entry is None or entry[0] is not schedule:  # built once per schedule (a test may swap it)
+            ex = Executor.for_rank(self.parts, self.groups, schedule, self.dtype, self.compute_dtype, self.device)
+            if self.watchdog is not None:
+                ex.progress = self.watchdog.progress
+            entry = self._executors[key] = (schedule, ex)
+        entry[1].after_pass = after_pass
+        return run_schedule(entry[1], mbs, step_clock, self.device, self.compute_dtype, self.watchdog)
 
     def _finish_loss(self, loss_sum: torch.Tensor) -> float:
         return finish_loss(loss_sum, self.vocab, self.pp_rank == self.layout.last_rank, self.groups)

@@ -1,7 +1,8 @@
 """Run one step's schedule on this rank and make its numbers known on every rank.
 
 PipelineModel's train_step / eval_step are these functions in order: the executor over the rank's parts
-(`rank_parts.py`), then the loss, the bubble rate and the NaN/inf microbatches reduced over the groups.
+(`rank_parts.py`), then the loss, the bubble rate (from the step's clock, runtime/clock.py) and the
+NaN/inf microbatches reduced over the groups.
 """
 
 from __future__ import annotations
@@ -10,52 +11,20 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.runtime import precision
+from vp_accelerate.runtime.clock import Clock
 from vp_accelerate.runtime.executor import Executor, Microbatch, StepOutput
 from vp_accelerate.runtime.groups import Groups
-from vp_accelerate.runtime.rank_parts import RankParts
-from vp_accelerate.schedule.ir import COMPUTE_OPS, Schedule, TimedAction
+from vp_accelerate.schedule.ir import COMPUTE_OPS, TimedAction
 
 
-def make_executor(
-    parts: RankParts,
-    groups: Groups,
-    schedule: Schedule,
-    mb_rows: int,
-    seq: int,
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None,
-    device: torch.device,
-) -> Executor:
-    """The executor of `schedule` on this rank for microbatches of `mb_rows` x `seq` tokens."""
-    layout = parts.layout
-    mine = layout.chunks_of(groups.pp_rank)
-    layers = {c: layout.chunk_layers[c][1] - layout.chunk_layers[c][0] for c in mine}
-    total = sum(layers.values())  # 0 on a stage the balanced split emptied (its chunk runs only the norm)
-    return Executor(
-        schedule,
-        parts.mods,
-        groups,
-        parts.partition,
-        parts.out_opts,
-        act_shape=(mb_rows, seq, parts.hf_config.hidden_size),
-        # stages exchange activations / gradients in the compute dtype under mixed precision
-        act_dtype=compute_dtype or dtype,
-        param_dtype=dtype,
-        device=device,
-        weight_grads=parts.weight_grads,
-        chunk_weight={c: n / total if total else 0.0 for c, n in layers.items()},
-        compute_dtype=compute_dtype,
-    )
-
-
-def run_schedule(ex: Executor, mbs: list[Microbatch], device: torch.device, compute_dtype, watchdog) -> StepOutput:
-    """Run the executor over the microbatches, one low-precision cast per weight per step; a failure is
-    reported to the watchdog first, so peers blocked on this rank exit now, naming it."""
+def run_schedule(
+    ex: Executor, mbs: list[Microbatch], clock: Clock, device: torch.device, compute_dtype, watchdog
+) -> StepOutput:
+    """Run the executor over the microbatches, one low-precision cast per weight per step, its marks on
+    `clock`; a failure is reported to the watchdog first, so peers blocked on this rank exit now, naming it."""
     try:
         with precision.step_weight_casts(device, compute_dtype):
-            out = ex.run(mbs)
-        out.weight_copy_bytes = ex.meter.weight_copy_bytes
-        return out
+            return ex.run(mbs, clock)
     except BaseException as e:
         if watchdog is not None:
             watchdog.report_failure(e)

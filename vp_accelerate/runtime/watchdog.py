@@ -8,6 +8,14 @@ key-value store (the one torch.distributed rendezvoused with, so no extra port):
 - a heartbeat: each rank bumps a counter every interval; a rank whose counter stops moving for
   `dead_after_s` (killed with SIGKILL, OOM-killed, a lost node) is declared dead and named.
 Counters, not timestamps, so clocks of different nodes never matter.
+
+It also watches this rank's own progress (`Progress`, set by the executor on the compute thread): the
+pass it runs and what that pass waits for (a receive's batch, a collective chain). Each heartbeat
+publishes it, and the beat carries the count of passes finished; when, inside a step, no rank has
+finished a pass for `stall_after_s` (a hang: a peer stuck in a kernel, a collective no rank will ever
+join, a deadlocked order), the first rank to see it prints every rank's pass and what it waits for, and
+the job ends as for a failure (every rank exits non-zero). A rank that waits long in one pass while its
+peers still progress is not stalled.
 """
 
 from __future__ import annotations
@@ -23,13 +31,66 @@ import torch.distributed as dist
 _PREFIX = "vp_watchdog"
 
 
+class Progress:
+    """What this rank's executor is doing now: written by the compute thread (plain attribute stores,
+    nothing blocks), read by the watchdog's thread."""
+
+    def __init__(self) -> None:
+        self.in_step = False
+        self.current = ""
+        """The pass running (e.g. "F(mb=3, chunk=1)"), "" between passes."""
+        self.waits_for = ""
+        """What that pass waits for now, "" while it computes."""
+        self.passes_done = 0
+        self.last_done = time.monotonic()
+        """When the last pass finished (or the step began)."""
+
+    def begin_step(self) -> None:
+        self.current, self.waits_for, self.last_done, self.in_step = "", "", time.monotonic(), True
+
+    def enter(self, name: str) -> None:
+        self.current, self.waits_for = name, ""
+
+    def waiting(self, what: str) -> None:
+        self.waits_for = what
+
+    def finished(self) -> None:
+        self.passes_done += 1
+        self.current, self.waits_for, self.last_done = "", "", time.monotonic()
+
+    def end_step(self) -> None:
+        self.in_step = False
+        self.current = self.waits_for = ""
+
+    def describe(self) -> str:
+        if not self.in_step:
+            return f"between steps ({self.passes_done} passes done)"
+        where = f"in {self.current}" if self.current else "between passes"
+        what = f"waits for {self.waits_for}" if self.waits_for else "computing"
+        return f"{where}, {what} ({self.passes_done} passes done)"
+
+    def stalled_for(self) -> float:
+        """Seconds since a pass of the running step last finished; 0 between steps."""
+        return time.monotonic() - self.last_done if self.in_step else 0.0
+
+
 class Watchdog:
     """Background thread: heartbeat this rank, watch the others, exit the process if one fails."""
 
-    def __init__(self, interval_s: float = 1.0, dead_after_s: float = 60.0, name: str = "default"):
+    def __init__(
+        self,
+        interval_s: float = 1.0,
+        dead_after_s: float = 60.0,
+        name: str = "default",
+        stall_after_s: float | None = None,
+    ):
         self.store = dist.distributed_c10d._get_default_store()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
+        self.stall_after_s = stall_after_s
+        self.progress = Progress()
+        """This rank's executor's progress (the executor is handed this object)."""
+        self._published = ""
         self.key = f"{_PREFIX}/{name}"
         self._stop = threading.Event()
         self._beats = 0
@@ -68,38 +129,84 @@ class Watchdog:
 
     def _run(self) -> None:
         seen = {r: (-1, time.monotonic()) for r in range(self.world) if r != self.rank}
+        passes = {r: 0 for r in range(self.world)}  # every rank's finished passes, as last published
+        progressed = time.monotonic()  # when some rank last finished a pass (as this rank saw it)
         while not self._stop.wait(self.interval_s):
             try:
                 self._beats += 1
-                self.store.set(f"{self.key}/beat/{self.rank}", str(self._beats))
+                # the beat carries this rank's count of finished passes: a stall is no pass on ANY rank
+                self.store.set(f"{self.key}/beat/{self.rank}", f"{self._beats} {self.progress.passes_done}")
+                self._publish_progress()
                 if self.store.check([f"{self.key}/failed"]):
                     note = self.store.get(f"{self.key}/failed").decode()
                     if not note.startswith(f"rank {self.rank}:"):
                         self._exit(f"peer failed — {note}")
                 now = time.monotonic()
+                counts = {self.rank: self.progress.passes_done}
                 for r, (last, since) in list(seen.items()):
                     if self.store.check([f"{self.key}/done/{r}"]):
                         del seen[r]  # finished normally
                         continue
-                    beat = int(self.store.get(f"{self.key}/beat/{r}"))
-                    if beat != last:
-                        seen[r] = (beat, now)
+                    beat, _, done = self.store.get(f"{self.key}/beat/{r}").decode().partition(" ")
+                    counts[r] = int(done or 0)
+                    if int(beat) != last:
+                        seen[r] = (int(beat), now)
                     elif now - since > self.dead_after_s:
                         self._exit(f"rank {r} stopped answering for {self.dead_after_s:.0f} s (killed or hung)")
+                if any(passes.get(r) != n for r, n in counts.items()):
+                    passes.update(counts)
+                    progressed = now
+                # a rank that waits long in one pass while its peers progress is not stalled: only a step
+                # in which no rank finished a pass for stall_after_s is
+                stalled = min(self.progress.stalled_for(), now - progressed)
+                if self.stall_after_s is not None and stalled > self.stall_after_s:
+                    self._stall(stalled)
             except Exception:  # noqa: BLE001
                 # The store lives with rank 0 and goes when it exits, normally at the end of a run. A rank
-                # 0 that died mid-step closes its sockets, which its peers' receives report on their own.
+                # 0 that died mid-step closes its sockets, which its peers' receives report on their own;
+                # a rank inside a pass that does not communicate (stalled) would not notice: it stops here.
+                if self.progress.in_step and not self._stop.is_set():
+                    self._exit("lost the launcher's key-value store (rank 0 exited) in the middle of a step")
                 return
+
+    def _publish_progress(self) -> None:
+        text = self.progress.describe()
+        if text != self._published:
+            self.store.set(f"{self.key}/pass/{self.rank}", text)
+            self._published = text
+
+    def _stall(self, seconds: float) -> None:
+        """No pass finished for `seconds`: print every rank's pass and what it waits for, end the job."""
+        time.sleep(1.5 * self.interval_s)  # every live peer publishes its state once more meanwhile
+        self._publish_progress()
+        lines = []
+        for r in range(self.world):
+            key = f"{self.key}/pass/{r}"
+            state = self.store.get(key).decode() if self.store.check([key]) else "no report yet"
+            lines.append(f"  rank {r}: {state}")
+        table = "\n".join(lines)
+        print(
+            f"[vp-accelerate] rank {self.rank}: no pass finished for {seconds:.0f} s (watchdog_stall_s="
+            f"{self.stall_after_s:g}); where every rank is:\n{table}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.report_failure(RuntimeError(f"stalled: no pass finished for {seconds:.0f} s\n{table}"))
+        # peers read the note at their next heartbeat; rank 0 hosts the store, which goes with it
+        time.sleep(2 * self.interval_s)
+        self._exit("stalled (see above)")
 
 
 _ACTIVE: Watchdog | None = None
 
 
-def start(dead_after_s: float) -> Watchdog:
-    """The process's watchdog, started on first use: one thread however many models a process builds.
-    It is stopped at interpreter exit if nobody stopped it before."""
+def start(dead_after_s: float, stall_after_s: float | None = None) -> Watchdog:
+    """The process's watchdog, started on first use: one thread however many models a process builds
+    (the latest model's `stall_after_s` applies). It is stopped at interpreter exit if nobody stopped it
+    before."""
     global _ACTIVE
     if _ACTIVE is None or _ACTIVE.stopped:
-        _ACTIVE = Watchdog(dead_after_s=dead_after_s)
+        _ACTIVE = Watchdog(dead_after_s=dead_after_s, stall_after_s=stall_after_s)
         atexit.register(_ACTIVE.stop)
+    _ACTIVE.stall_after_s = stall_after_s
     return _ACTIVE

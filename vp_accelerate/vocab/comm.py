@@ -55,10 +55,12 @@ class Pending:
         return self._done
 
     @property
-    def timer(self) -> "_ThreadJob | None":
-        """What times the chain on the communication worker (`.span()`), None where nothing does (an
-        already-issued work list, CUDA streams). Holds no tensors, so it may outlive the result."""
-        return self._job if isinstance(self._job, _ThreadJob) else None
+    def timer(self) -> "_ThreadJob | _StreamJob | None":
+        """What times the chain (`.span()`: its start and end as the communication lane ran it, in
+        `time.perf_counter()` seconds on the worker thread, or CUDA events on the communication stream),
+        None where nothing does (an already-issued work list). Holds no tensors once the chain's result
+        was taken, so it may outlive the result (runtime/clock.py reads it after the step)."""
+        return self._job if isinstance(self._job, (_ThreadJob, _StreamJob)) else None
 
     def wait(self) -> Any:
         """Wait for the chain and return its result (idempotent); re-raises the chain's error."""
@@ -274,12 +276,15 @@ class _StreamJob:
         ready = torch.cuda.Event()
         ready.record(compute)  # after the producer
         comm.wait_event(ready)
+        # the chain's span on the device, for the timeline (runtime/clock.py); `done` orders the consumer too
+        self.started = torch.cuda.Event(enable_timing=True)
+        self.started.record(comm)
         for t in inputs:  # made on the compute stream, read on the comm stream: keep them until it has
             if t.is_cuda:
                 t.record_stream(comm)
         with torch.cuda.stream(comm), torch.no_grad():
             self.value = chain()
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event(enable_timing=True)
         self.done.record(comm)
 
     def result(self) -> Any:
@@ -288,4 +293,9 @@ class _StreamJob:
         for t in _tensors(self.value):  # made on the comm stream, used (and freed) on the consumer's
             if t.is_cuda:
                 t.record_stream(consumer)
-        return self.value
+        value, self.value = self.value, None  # as _ThreadJob: the job may outlive the result as a timer
+        return value
+
+    def span(self) -> tuple[Any, Any]:
+        """(start, end) of the chain on the communication stream, as CUDA events."""
+        return self.started, self.done

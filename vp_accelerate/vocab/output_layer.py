@@ -13,7 +13,9 @@ microbatch goes through (docs/design.md §3):
     C2  c2            vocab-1 only: ∇x = Σ ∇x_i
 
 All per-microbatch data lives in an `OutputState`, so a schedule can run S and T of different
-microbatches in any order. The loss target is HF/torch cross-entropy with label smoothing ε:
+microbatches in any order. What a chain (C1, C2) leaves in the state has a storage of its own, never a
+view of the chain's all-reduce buffer, and the S values a chain consumed are dropped by it: the bytes a
+microbatch holds from C1 to T are its own [N] statistics, ∇x and (store mode) its logits. The loss target is HF/torch cross-entropy with label smoothing ε:
 loss_n = lse(z_n) − (1−ε) z_{n,y} − ε/V Σ_v z_{n,v} over the V real classes, ignored tokens 0.
 
 Memory: "store" keeps the transformed logits z (N × V_i fp32, the same bytes as the paper's p̂; T
@@ -106,10 +108,10 @@ class OutputState:
     """[N] bool: the label is a real row of this shard (and not ignored)."""
     local_max: torch.Tensor
     """[N] m_i, −inf where the shard has no real rows."""
-    local_sum: torch.Tensor
-    """[N] s_i = Σ_v exp(z_v − m_i) over the shard."""
-    local_target: torch.Tensor
-    """[N] t_i = (1−ε) z_y (if y in shard) + ε/V Σ_v z_v over the shard."""
+    local_sum: torch.Tensor | None
+    """[N] s_i = Σ_v exp(z_v − m_i) over the shard; freed by C1."""
+    local_target: torch.Tensor | None
+    """[N] t_i = (1−ε) z_y (if y in shard) + ε/V Σ_v z_v over the shard; freed by C1."""
     logits: list[torch.Tensor] | None = None
     """Store mode: z per chunk, freed by T."""
     local_a: torch.Tensor | None = None
@@ -319,6 +321,14 @@ def s_pass(
     )
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when it is a part of a bigger storage: what a chain leaves in the state
+    outlives the chain (until T or the last chunk's B), and a view would keep its whole buffer alive."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _finish_loss(state: OutputState, row_max: torch.Tensor, row_sum: torch.Tensor, target: torch.Tensor) -> None:
     state.row_max, state.row_sum = row_max, row_sum
     valid = state.labels != state.opts.ignore_index
@@ -368,10 +378,12 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
         if algo == "vocab-2":
             sa = torch.cat([(state.local_sum * w)[:, None], state.local_a * w[:, None]], dim=1)
             dist.all_reduce(sa, group=group)
-            row_sum = sa[:, 0]
+            # its own storage: a view would keep the whole [N, h+1] all-reduce buffer alive until T
+            row_sum = sa[:, 0].clone()
             _finish_loss(state, mx, row_sum, ct[:, -1])
             grad = sa[:, 1:] / row_sum[:, None] - ct[:, :-1]
-            state.grad_x = (state.grad_scale[:, None] * grad).to(state.x.dtype).reshape(state.x_shape)
+            del sa, ct  # the [N, h+1] buffers: nothing below reads them
+            state.grad_x = _own_storage((state.grad_scale[:, None] * grad).to(state.x.dtype).reshape(state.x_shape))
             state.local_a = state.local_c = None
         elif algo == "vocab-1":
             row_sum = state.local_sum * w
@@ -386,7 +398,8 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
                 grad = state.logit_grad(state.chunk_z(i, lo, hi), lo, hi)
                 gx += (grad.to(state.x.dtype) @ state.weight[lo:hi]).to(gx.dtype)
             dist.all_reduce(gx, group=group)
-            state.grad_x = gx.to(state.x.dtype).reshape(state.x_shape)
+            state.grad_x = _own_storage(gx.to(state.x.dtype).reshape(state.x_shape))
+        state.local_sum = state.local_target = None  # summed into row_sum and the loss: dead now
         state.c1_done = True
         return state
 
@@ -437,7 +450,7 @@ def c2(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
 
     def chain() -> OutputState:
         dist.all_reduce(gx, group=group)
-        state.grad_x = gx.to(state.x.dtype).reshape(state.x_shape)
+        state.grad_x = _own_storage(gx.to(state.x.dtype).reshape(state.x_shape))
         state.grad_x_local = None
         return state
 

@@ -240,6 +240,7 @@ def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
         "perf/tokens_per_s": out.tokens_per_s,
         "perf/step_time_s": out.step_time_s,
         "perf/pipeline_step_time_s": res.step_time_s,
+        "perf/pipeline_tokens_per_s": res.tokens_per_s,  # the step's clock: the device's on a GPU
         "perf/bubble_rate": res.bubble_rate,
         "train/skipped_steps": state.skipped_total,
     }

@@ -1,0 +1,58 @@
+"""What one microbatch holds between the output layer's C1 and T, in storage bytes (what the allocator
+keeps, not what the tensors show): its [N] statistics, and no [N, h] tensor that nobody reads.
+
+Before: vocab-2's row sums were a view of C1's [N, h+1] all-reduce buffer, so the whole buffer stayed
+alive until T, and every rank kept ∇X [N, h] in the state although only the last chunk's rank reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vp_accelerate.distributed import spawn
+
+HIDDEN, SEQ = 32, 16
+
+
+def _held_before_t():
+    from transformers import LlamaConfig
+
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.executor import Executor
+    from vp_accelerate.runtime.memory import storage_bytes
+
+    inputs = {"opts", "partition", "rank", "x", "x_shape", "weight", "bias", "labels", "logits"}
+    held = []
+    do_t = Executor._do_T
+
+    def measured_t(self, a):
+        self._await_inputs(a)  # C1 done: what the state holds now is what it held since C1
+        state = self.state.output_states[a.mb]
+        held.append(storage_bytes(v for k, v in vars(state).items() if k not in inputs))
+        return do_t(self, a)
+
+    Executor._do_T = measured_t
+    try:
+        config = LlamaConfig(
+            vocab_size=67, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+        )
+        pipe = PipelineModel(config, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2))
+        ids = torch.randint(0, 67, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        pipe.train_step(ids, ids)
+        stats = pipe.stats()
+        pipe.close()
+    finally:
+        Executor._do_T = do_t
+    return held, stats["peak_comm_bytes"], stats["peak_held_bytes"], stats["peak_activation_bytes"]
+
+
+def test_a_microbatch_holds_only_its_statistics_from_c1_to_t():
+    n = SEQ  # tokens per microbatch (one row each)
+    for rank, (held, comm, total, activations) in enumerate(spawn(_held_before_t, 2)):
+        assert len(held) == 2, held
+        for nbytes in held:
+            # [N] max, sum, loss, g, labels, mask, and the 0-dim loss: well under one [N, h] fp32 tensor
+            assert nbytes < n * HIDDEN * 4, (rank, held)
+        # the meter counts communication buffers too: at least one [1, N, h] fp32 buffer (C0's X, a receive)
+        assert comm >= n * HIDDEN * 4, (rank, comm)
+        assert activations < total <= activations + comm, (rank, total, activations, comm)
