@@ -91,7 +91,8 @@ def run_one(cfg: dict) -> dict:
                 state.grad_scale,
                 state.local_labels,
             ]
-            held["bytes"] = sum(t.numel() * t.element_size() for t in kept)
+            # (C1 drops the shard's partial statistics once reduced: those are None here)
+            held["bytes"] = sum(t.untyped_storage().nbytes() for t in kept if t is not None)
             t_pass(state, weight_grad)
             if opts.algorithm == "vocab-1":
                 c2(state, async_op=False)

@@ -192,6 +192,7 @@ def test_the_train_command_refuses_a_second_run_with_exit_2(tmp_path, capsys):
         class Args:
             resume = stop_at = None
             override = []
+            recipe, overrides = str(tmp_path / "r.yaml"), []
 
         assert _run(recipe, Args()) == 2
         assert f"pid {first.pid}" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 ADAPTER_NAME = "default"
@@ -73,8 +74,6 @@ def lora_config(config, adapter, transposed: bool = False, tokens: bool = True):
 def vocab_module_names(config) -> tuple[str, str]:
     """(HF module path of the input embedding, of the output layer), read from the model class built on the
     meta device (the output layer shares the embedding's weight when config.tie_word_embeddings)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = {id(m): n for n, m in model.named_modules()}

@@ -30,7 +30,12 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from transformers import GenerationConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import PrefixChange
 
+from .build import meta_model
 from .generation import generation_config_for, with_tokenizer_ids
 
 INDEX = "model.safetensors.index.json"
@@ -100,8 +105,6 @@ def write_model_files(out_dir: Path, config, tokenizer, dtype: torch.dtype) -> N
         generation_config_for(tokenizer).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     else:
-        from transformers import GenerationConfig
-
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
 
 
@@ -117,10 +120,17 @@ def _nbytes(shape, dtype) -> int:
     return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
 
 
+def streams(config) -> bool:
+    """Whether a streamed export writes what `save_pretrained` writes: the family saves its tensors under the
+    model's own names (no weight conversion). Families with one (GPT-NeoX's `embed_out`, MoE experts saved one
+    by one) are exported through the gathered state dict and `save_pretrained`, which applies it."""
+    model = meta_model(config, torch.float32)
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    return not [c for c in conversions if not isinstance(c, PrefixChange)]  # as save_pretrained reverts them
+
+
 def check_names(config, names: Iterable[str]) -> None:
     """The names must be exactly the HF model's state dict (a tied output weight may be left out)."""
-    from .build import meta_model
-
     model = meta_model(config, torch.float32)
     expected = set(model.state_dict())
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -229,8 +239,6 @@ def export_rank_files(
     each with the names to leave out (a tied copy another rank counts). One process, one rank file open at a
     time and one tensor read at a time (`safe_open`); a vocabulary matrix is read shard by shard into one
     matrix. The output has one file per rank, as the live export."""
-    from safetensors import safe_open
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pp_size = len(rank_files)
@@ -264,8 +272,6 @@ def export_rank_files(
 
 
 def _full_shape(rank_files, name: str, vocab_size: int) -> tuple[int, ...]:
-    from safetensors import safe_open
-
     with safe_open(rank_files[0][0], "pt") as f:
         shape = f.get_slice(name).get_shape()
     return (vocab_size, *shape[1:])
@@ -273,8 +279,6 @@ def _full_shape(rank_files, name: str, vocab_size: int) -> tuple[int, ...]:
 
 def _read_rows(rank_files, name: str, vocab_size: int, dtype) -> torch.Tensor:
     """The full matrix `name` from every rank's row shard, cut to `vocab_size` rows, read shard by shard."""
-    from safetensors import safe_open
-
     full = torch.empty(_full_shape(rank_files, name, vocab_size), dtype=dtype)
     start = 0
     for path, _ in rank_files:

@@ -31,6 +31,15 @@ IN_FLIGHT = 2
 """Buckets reduced at the same time."""
 
 
+def unflatten_into(flat: torch.Tensor, members: list[torch.Tensor]) -> None:
+    """Copy a flat bucket back into the tensors it was made of, in order (the inverse of their torch.cat)."""
+    offset = 0
+    for t in members:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
 def plan_buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
     """Indices of `tensors` in buckets, in order: each bucket holds tensors of one dtype and device
     whose bytes add up to at most `bucket_bytes`; a tensor larger than that is a bucket of its own."""
@@ -61,13 +70,8 @@ def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = B
 
     def finish(work, flat, members) -> None:
         work.wait()
-        if flat is None:
-            return
-        offset = 0
-        for t in members:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        if flat is not None:
+            unflatten_into(flat, members)
 
     calls = 0
     for idx in plan_buckets(tensors, bucket_bytes):
@@ -148,13 +152,8 @@ class DPReducer:
     @staticmethod
     def _complete(work, flat, members) -> None:
         work.wait()  # NCCL: the current stream waits for the reduce (no host sync); gloo: the host waits
-        if flat is None:
-            return
-        offset = 0
-        for t in members:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        if flat is not None:
+            unflatten_into(flat, members)
 
 
 def final_after(actions, chunks: dict[int, torch.nn.Module]) -> dict[tuple, list[torch.nn.Parameter]]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from vp_accelerate.models import gather_state_dict
 from vp_accelerate.models.export import save_hf
 from vp_accelerate.models.lora import is_lora_name, merge_lora, save_adapter
-from vp_accelerate.models.stream_export import export_streaming
+from vp_accelerate.models.stream_export import export_streaming, streams
 
 
 def rank_state_dict(pipe) -> dict[str, torch.Tensor]:
@@ -50,9 +50,10 @@ def export_hf(pipe, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -
     """Write one HF model directory (a collective). Without an adapter it streams: each pipeline rank of
     replica 0 writes its own tensors to its shard file and the vocabulary matrices are gathered one at a
     time (`models/stream_export.py`), in `dtype` (None: the parameters'). LoRA adapters are merged into the
-    weights on pipeline rank 0 after a gather (see `export_adapter` for a peft adapter folder)."""
+    weights on pipeline rank 0 after a gather (see `export_adapter` for a peft adapter folder); a family that
+    saves under other names than its own (`stream_export.streams`) is gathered and saved by `save_pretrained`."""
     g = pipe.groups
-    if not pipe.adapter.enabled:
+    if not pipe.adapter.enabled and streams(pipe.hf_config):  # else save_pretrained converts the names
         export_streaming(
             pipe.mods,
             pipe.hf_config,

@@ -35,8 +35,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from transformers.pytorch_utils import Conv1D
 
 from vp_accelerate import modes
+from vp_accelerate.models.stage import FullHead
 
 
 def resolve(mode: str | None) -> str:
@@ -114,10 +116,6 @@ def frozen_matmul_weights(module: torch.nn.Module) -> list[tuple[torch.nn.Module
     frozen vocabulary). autocast casts these for every call without caching them (it caches only
     tensors that require grad), so the executor casts each once per step and swaps the copy in for the
     forward passes (`swapped`). Embeddings and norms are left alone: autocast does not cast them."""
-    from transformers.pytorch_utils import Conv1D
-
-    from vp_accelerate.models.stage import FullHead
-
     found = []
     for sub in module.modules():
         if not isinstance(sub, (torch.nn.Linear, Conv1D, FullHead)):

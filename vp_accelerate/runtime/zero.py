@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from vp_accelerate.runtime.grad_sync import IN_FLIGHT, plan_buckets
+from vp_accelerate.runtime.grad_sync import IN_FLIGHT, plan_buckets, unflatten_into
 
 FORMAT = "zero-1"
 """`state_dict()["format"]` of a sharded optimizer's state."""
@@ -54,13 +54,8 @@ def broadcast_buckets(tensors: list[torch.Tensor], src: int, group, is_src: bool
 
     def finish(work, flat, members) -> None:
         work.wait()
-        if flat is None or is_src:
-            return
-        offset = 0
-        for t in members:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        if flat is not None and not is_src:
+            unflatten_into(flat, members)
 
     calls = 0
     for idx in plan_buckets(tensors):

@@ -129,7 +129,7 @@ def _run(recipe, args) -> tuple | int:
     try:
         run = setup(recipe, resume=args.resume, stop_at=args.stop_at, override=tuple(args.override))
     except USER_ERRORS as e:  # found at the start (data, model source): one line, every rank stops, exit 2
-        from ..recipe.load import where
+        from ..recipe.load import where  # yaml: read only to place an error in the recipe file
 
         report(e, where(args.recipe, str(e), args.overrides))
         leave()
@@ -193,7 +193,7 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         recipe, notes, found = _checked_recipe(args)
     except RecipeError as e:
-        from ..recipe.load import where
+        from ..recipe.load import where  # yaml: read only to place an error in the recipe file
 
         # every launched rank found the same: said once per machine, with the recipe line that set the key
         say_once(f"recipe error: {e} {where(args.recipe, str(e), args.overrides)}")

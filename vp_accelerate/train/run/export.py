@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from vp_accelerate.models.export import assemble_state_dict, save_hf
 from vp_accelerate.models.generation import generation_eos
 from vp_accelerate.models.lora import merge_lora, save_adapter
-from vp_accelerate.models.stream_export import export_rank_files
+from vp_accelerate.models.stream_export import export_rank_files, streams
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 
 from ..recipe.presets import PRESETS
@@ -175,24 +175,21 @@ def export_checkpoint(
     `out_dir`. `dtype` (a torch dtype): the weights' (None: as trained). A full model (no LoRA) is streamed one
     rank file and one tensor at a time, one output file per pipeline rank (`max_shard_size` does not apply).
     `trust_remote_code`: the caller's word (see `checkpoint_model_files`)."""
-    if (
-        adapter_only is False
-        and adapter_dir is None
-        and _adapter_of(ckpt.read_meta(ckpt.resolve(path)).get("recipe")) is None
-    ):
-        # a full model: streamed, one rank file and one tensor at a time (models/stream_export.py)
+    if adapter_only is False and adapter_dir is None:
         step_dir = ckpt.resolve(path)
         config, tokenizer, meta = checkpoint_model_files(step_dir, trust_remote_code)
-        export_rank_files(
-            replica0_files(step_dir, meta),
-            meta["vocab_size"],
-            meta.get("sharded_names", ()),
-            config,
-            out_dir,
-            dtype=dtype,
-            tokenizer=tokenizer,
-        )
-        return out_dir
+        if _adapter_of(meta.get("recipe")) is None and streams(config):
+            # a full model: streamed, one rank file and one tensor at a time (models/stream_export.py)
+            export_rank_files(
+                replica0_files(step_dir, meta),
+                meta["vocab_size"],
+                meta.get("sharded_names", ()),
+                config,
+                out_dir,
+                dtype=dtype,
+                tokenizer=tokenizer,
+            )
+            return out_dir
     state, config, tokenizer, meta = checkpoint_state(path, trust_remote_code)
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}

@@ -53,7 +53,7 @@ def attach(run, resuming: bool) -> None:
                 f"logging.output_dir: {path} is missing: a resumed DPO run needs the reference log-probabilities its "
                 f"start computed; start the run again, or train with an adapter (its base is the reference)"
             )
-        saved = torch.load(path)
+        saved = torch.load(path, weights_only=True, map_location="cpu")
         for name, seqs in splits.items():
             ref = saved.get(name)
             if ref is None or ref.shape != (len(seqs.ids),):
