@@ -17,8 +17,7 @@ parameter on the wire against 8 without it. Both run after the pipeline drains i
 The optimizer step itself is memory-bound: a fused AdamW (torch.optim.AdamW(fused=True) on CUDA: one
 kernel over all tensors) reads the fp32 parameter, gradient, m and v and writes the parameter, m, v and
 the 16-bit copy: OPTIMIZER_STEP_BYTES per parameter of HBM traffic, for the rank's (ZeRO-1: 1/d of its)
-parameters. The runtime builds torch's default AdamW (the foreach implementation on CUDA, a few passes
-over the same tensors); the planner times the fused one and says so.
+parameters; the trainer builds exactly that one on CUDA (`train/run/optim.py`).
 """
 
 from __future__ import annotations

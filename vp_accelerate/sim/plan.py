@@ -553,7 +553,7 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
         f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (flash-attention layer "
         f"count, Korthikanti et al.; checkpointed layers keep their input only)",
         f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
-        f"torch.optim.AdamW(fused=True) on CUDA: the runtime builds torch's default AdamW, foreach, a few passes)",
+        f"torch.optim.AdamW(fused=True), which the trainer builds on CUDA)",
     ]
 
 
