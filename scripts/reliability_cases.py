@@ -1,4 +1,4 @@
-"""The trust and integrity cases of docs/reliability.md (issue 29): each case is tried, in one process, and the
+"""The trust and integrity cases of docs/reliability.md: each case is tried, in one process, and the
 table between the markers in the doc is written from this list, so the doc cannot drift from what runs.
 
     python scripts/reliability_cases.py            # run every case; exit 1 if any does not get what the table says

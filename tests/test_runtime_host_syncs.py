@@ -1,4 +1,4 @@
-"""No host synchronisation inside a training step (issue 30 item 3): on a GPU every `Tensor.__bool__`,
+"""No host synchronisation inside a training step: on a GPU every `Tensor.__bool__`,
 `.item()`, `.tolist()`, `.nonzero()`, `.cpu()`, `int()` / `float()` of a device tensor stalls the host until
 the device catches up, and the pipeline's overlap is gone. On gloo ranks the test counts those calls inside
 `train_step`, for every schedule x method, on plain, packed (position_ids restart), padded and all-ones-mask

@@ -8,10 +8,10 @@ Rows, bad-row positions and lengths are random per run, so a hard-coded message 
 import json
 import random
 
-import numpy as np
 import pytest
 import yaml
 
+from helpers.tiny import word_tokenizer
 from vp_accelerate.train.cli.commands import train_main
 
 RNG = random.Random()
@@ -20,13 +20,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
-    d = tmp_path_factory.mktemp("tok")
-    rng = np.random.default_rng(0)
-    (d / "t.txt").write_text("\n".join(" ".join(rng.choice(WORDS, size=12)) for _ in range(200)) + " 74.\n")
-    train_bpe([str(d / "t.txt")], 300, str(d / "tok"), min_frequency=1)
-    return d / "tok"
+    return word_tokenizer(tmp_path_factory.mktemp("tok"), WORDS, tail=" 74.\n")
 
 
 def chat(rng, turns=1):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.checkpoints import save_one_rank
 from vp_accelerate.distributed import spawn
 from vp_accelerate.train.run import checkpoint as ckpt
 
@@ -33,20 +34,7 @@ def state(seed: int):
 
 
 def save(root, step, crash=None, keep=2):
-    model, opt, trainer = state(step)
-    return ckpt.save_checkpoint(
-        str(root),
-        step,
-        rank=0,
-        model_state=model,
-        optimizer_state=opt,
-        trainer_state=trainer,
-        meta={"fingerprint": {"model": "m"}},
-        barrier=lambda: None,
-        keep=keep,
-        write_model_files=lambda d: open(os.path.join(d, "config.json"), "w").write("{}"),
-        _crash_after=crash,
-    )
+    return save_one_rank(root, step, state(step), crash, keep)
 
 
 def test_round_trip_and_latest(tmp_path):

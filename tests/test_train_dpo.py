@@ -11,21 +11,16 @@ import pytest
 import yaml
 
 from helpers.launch import run_env, train_ranks
+from helpers.tiny import WORDS, word_tokenizer
 from vp_accelerate.train.data import DataError, chat_rows, formats, prepare_data
 from vp_accelerate.train.data.preference import PairSequences, encode_pair
 from vp_accelerate.train.recipe import DataSection, RecipeError, recipe_from_dict
-from vp_accelerate.train.tokens.tokenizer import load_tokenizer, train_bpe
-
-WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello", "world"]
+from vp_accelerate.train.tokens.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    rng = np.random.default_rng(0)
-    (d / "t.txt").write_text("\n".join(" ".join(rng.choice(WORDS, size=12)) for _ in range(200)) + "\n")
-    train_bpe([str(d / "t.txt")], 300, str(d / "tok"), min_frequency=1)
-    return d / "tok"
+    return word_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

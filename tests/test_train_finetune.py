@@ -11,26 +11,19 @@ import os
 import random
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import yaml
 
+from helpers.tiny import WORDS, word_tokenizer
 from vp_accelerate.train.cli.commands import train_main
 from vp_accelerate.train.recipe import RecipeError, recipe_from_dict
 
 RNG = random.Random()
-WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello", "world"]
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
-    d = tmp_path_factory.mktemp("tok")
-    rng = np.random.default_rng(0)
-    (d / "t.txt").write_text("\n".join(" ".join(rng.choice(WORDS, size=12)) for _ in range(200)) + "\n")
-    train_bpe([str(d / "t.txt")], 300, str(d / "tok"), min_frequency=1)
-    return d / "tok"
+    return word_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture

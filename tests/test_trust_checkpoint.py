@@ -1,4 +1,4 @@
-"""Checkpoint file integrity (issue 29), in one process: every damaged file named with the fix, a re-save that a
+"""Checkpoint file integrity, in one process: every damaged file named with the fix, a re-save that a
 kill at any point leaves loadable, pruning only of folders the code wrote, a full disk as one line, one writer
 per output dir, and no code run from a checkpoint at export.
 
@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from helpers.checkpoints import save_one_rank
 from vp_accelerate.train.run import checkpoint as ckpt
 from vp_accelerate.train.run import ckpt_space, run_lock
 
@@ -36,20 +37,7 @@ def state(seed: int):
 
 
 def save(root, step, crash=None, keep=2):
-    model, opt, trainer = state(step)
-    return ckpt.save_checkpoint(
-        str(root),
-        step,
-        rank=0,
-        model_state=model,
-        optimizer_state=opt,
-        trainer_state=trainer,
-        meta={"fingerprint": {"model": "m"}},
-        barrier=lambda: None,
-        keep=keep,
-        write_model_files=lambda d: open(os.path.join(d, "config.json"), "w").write("{}"),
-        _crash_after=crash,
-    )
+    return save_one_rank(root, step, state(step), crash, keep)
 
 
 def _flip_a_byte(path):

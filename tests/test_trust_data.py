@@ -1,4 +1,4 @@
-"""Data identity by content (issue 29): a file rewritten with its mtime kept is read again, not taken from the
+"""Data identity by content: a file rewritten with its mtime kept is read again, not taken from the
 datasets cache; the identity a checkpoint records tells a changed file from a moved or touched one."""
 
 import json

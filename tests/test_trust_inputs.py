@@ -1,4 +1,4 @@
-"""Bad inputs of issue 29 that ended in tracebacks or passed `--check`: each is now one line naming the file or
+"""Bad inputs that ended in tracebacks or passed `--check`: each is now one line naming the file or
 key (and line for data) at `train --check`, exit 2, in one process. A BOM is read; an empty assistant turn is
 warned with its line. The same cases are tabled in docs/reliability.md (scripts/reliability_cases.py)."""
 

@@ -1,4 +1,4 @@
-"""`--resume` with a changed optimizer, schedule or data (issue 29): refused with one line per difference, or
+"""`--resume` with a changed optimizer, schedule or data: refused with one line per difference, or
 applied to the restored state with `--override`, so the new LR is the one trained and logged. In one process:
 the preflight check on a recipe, and `resume_run` on a small run object."""
 

@@ -7,6 +7,8 @@ magnitude, Granite multipliers away from 1, Qwen2 mixed full / sliding layers.
 
 from __future__ import annotations
 
+import numpy as np
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox", "cohere", "granite")
 
 
@@ -68,3 +70,18 @@ def tiny_llama(vocab_size: int, *, tied: bool = False, num_layers: int = 8, hidd
         tie_word_embeddings=tied,
         **overrides,
     )
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello", "world"]
+"""The words of `word_tokenizer`'s text."""
+
+
+def word_tokenizer(folder, words=WORDS, tail: str = "\n"):
+    """A 300-token byte-level BPE trained on 200 seeded lines of `words` (12 a line) in `folder`/t.txt; returns
+    the tokenizer's directory (`folder`/tok). `tail` ends the text (a test may add a token it needs)."""
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
+
+    rng = np.random.default_rng(0)
+    (folder / "t.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(200)) + tail)
+    train_bpe([str(folder / "t.txt")], 300, str(folder / "tok"), min_frequency=1)
+    return folder / "tok"

@@ -395,6 +395,14 @@ def check_shapes(saved: dict, current: dict, path: str, rank: int) -> None:
         )
 
 
+def saved_ranks(path: str, meta: dict) -> list[int]:
+    """The global ranks whose folders checkpoint `path` holds: meta.json's list (a run's checkpoints), else the
+    rank folders there are."""
+    if "ranks" in meta:
+        return [r["rank"] for r in meta["ranks"]]
+    return sorted(int(d.split("_")[1]) for d in os.listdir(path) if d.startswith("rank_"))
+
+
 def check_weight_file(path: str, rank: int) -> None:
     """One saved rank's model.safetensors is there and (when recorded) of the recorded size and hash."""
     rdir = os.path.join(path, rank_dir_name(rank))

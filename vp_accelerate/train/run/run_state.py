@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
 import torch.distributed as dist
 
 from vp_accelerate.runtime.groups import host_group
@@ -16,8 +15,8 @@ from . import checkpoint as ckpt
 from . import resume_check
 from .nonfinite import check_weights_before_save
 from .reshard import (
+    BY_NAME,
     LAYOUT_KEYS,
-    is_named,
     load_named_optimizer_state,
     rank_checkpoint_state,
     reshard_model,
@@ -88,6 +87,7 @@ def save_run(run, step: int) -> None:
         "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
         "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names),
         "data": resume_check.data_identity(run.recipe.data),  # by content, compared by --resume
+        "optimizer_state": BY_NAME,  # keyed by parameter name (reshard.py): it resumes into any layout
     }
 
     def write_model_files(out_dir: str) -> None:
@@ -206,7 +206,7 @@ def _resume_mode(run, path: str, meta: dict) -> str:
     saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
     current = as_saved(saved, run.fingerprint, run.layout)
     ckpt.check_fingerprint(must_match(saved), must_match(current), path)
-    if named_checkpoint(path):
+    if meta.get("optimizer_state") == BY_NAME:  # older checkpoints keep it by index
         return "same" if all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS) else "reshard"
     if all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS if k != "zero"):
         return "own"
@@ -224,8 +224,7 @@ def _check_files_share(path: str, meta: dict, rank: int, world: int) -> None:
     files on rank 0. CheckpointError names a missing, damaged or changed file and the fix."""
     if rank == 0:
         ckpt.check_model_files(path, meta)
-    saved = len(meta["ranks"]) if "ranks" in meta else len(meta["fingerprint"].get("layout") or []) or world
-    for k in range(saved):
+    for k in ckpt.saved_ranks(path, meta):
         if k % world == rank:
             ckpt.check_rank_files(path, k)
 
@@ -270,18 +269,6 @@ def init_weights_from(run, source: str) -> None:
         log.info(
             "initialised the weights from %s (step %d); optimizer, schedule and data start afresh", path, meta["step"]
         )
-
-
-def named_checkpoint(path: str) -> bool:
-    """True when checkpoint `path` keeps its optimizer state by parameter name (it can reshard). Its rank 0
-    optimizer file is checked first (named on any damage), then read memory-mapped."""
-    ckpt.check_rank_files(path, 0)
-    file = os.path.join(path, ckpt.rank_dir_name(0), "optimizer.pt")
-    try:
-        state = torch.load(file, weights_only=True, mmap=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - a damaged zip, a refused pickle, ...: the file is named
-        raise ckpt.CheckpointError(f"{file} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from None
-    return is_named(state)
 
 
 def final_checkpoint(run) -> str | None:
