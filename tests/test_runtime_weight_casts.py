@@ -214,9 +214,12 @@ def test_the_cost_model_counts_one_low_precision_copy_per_parameter():
         assert model.static_bytes(rank) == model.rank_params(rank) * (4 + 4 + 8 + 2)
 
 
-def _saved_weight_storages(lin: torch.nn.Linear, x: torch.Tensor, refs: list | None = None) -> set[int]:
+def _saved_weight_storages(
+    lin: torch.nn.Linear, x: torch.Tensor, refs: list | None = None, keep: list | None = None
+) -> set[int]:
     """Storages of the bf16 [out, in]-sized tensors one autocast forward of `lin` saves for backward
-    (weak references to them go to `refs`)."""
+    (weak references to them go to `refs`; the tensors themselves to `keep`, so that a later cast cannot
+    reuse a freed one's address)."""
     found = set()
 
     def pack(t):
@@ -224,6 +227,8 @@ def _saved_weight_storages(lin: torch.nn.Linear, x: torch.Tensor, refs: list | N
             found.add(t.untyped_storage().data_ptr())
             if refs is not None:
                 refs.append(weakref.ref(t if t._base is None else t._base))
+            if keep is not None:
+                keep.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -235,7 +240,8 @@ def test_the_step_region_holds_one_cast_and_runs_cuda_backward_on_the_calling_th
     from vp_accelerate.runtime.precision import step_weight_casts
 
     lin, x = torch.nn.Linear(8, 8), torch.randn(2, 8, requires_grad=True)
-    assert len(_saved_weight_storages(lin, x) | _saved_weight_storages(lin, x)) == 2  # one cast per forward
+    kept: list = []  # both casts alive at once: two storages are two casts, not one address reused
+    assert len(_saved_weight_storages(lin, x, keep=kept) | _saved_weight_storages(lin, x, keep=kept)) == 2
     refs: list = []
     with step_weight_casts(torch.device("cpu"), torch.bfloat16):
         shared = _saved_weight_storages(lin, x, refs) | _saved_weight_storages(lin, x, refs)

@@ -118,6 +118,11 @@ def _both(ckpt, batches, configs):
     return results
 
 
+def _exact(values) -> list:
+    """Floats compared bit for bit, a NaN equal to a NaN."""
+    return ["nan" if v != v else v for v in values]
+
+
 def _check(world: int, configs, tmp_path):
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
@@ -129,8 +134,9 @@ def _check(world: int, configs, tmp_path):
         for r, res in enumerate(per_rank):
             plain, zero, resumed = res[config][0], res[config][1], res[config]["resumed"]
             assert zero[4] and not plain[4], config  # sharded with zero 1 only
-            assert zero[0] == plain[0] and zero[1] == plain[1], (config, r, seed)  # losses, gradient norms
-            assert zero[0] == resumed[0], (config, r, seed)
+            # losses, gradient norms (an fp16 step that overflows has a NaN norm on both: the same value)
+            assert _exact(zero[0]) == _exact(plain[0]) and _exact(zero[1]) == _exact(plain[1]), (config, r, seed)
+            assert _exact(zero[0]) == _exact(resumed[0]), (config, r, seed)
             assert plain[2].keys() == zero[2].keys()
             for name in plain[2]:
                 assert torch.equal(plain[2][name], zero[2][name]), (config, r, name, seed)
