@@ -72,6 +72,9 @@ def check(recipe: Recipe) -> Recipe:
             f"replicas x pipeline.microbatches={p.microbatches} equal microbatches (a multiple of {unit}); use "
             f"{near}, or set train.micro_batch_size (sequences per microbatch) instead of global_batch"
         )
+    for key, folder in (("logging.output_dir", recipe.logging.output_dir), ("checkpoint.dir", recipe.checkpoint.dir)):
+        if folder is not None and not str(folder).strip():  # "" would write the run into the current directory
+            raise RecipeError(f"{key}: is empty; name a folder for the run (e.g. outputs/run), or drop the key")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise RecipeError(f"optimizer.betas: expected two values in [0, 1), got {o.betas}")
     for key in ("lr", "eps", "weight_decay", "grad_clip"):
