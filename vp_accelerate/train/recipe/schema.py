@@ -328,6 +328,11 @@ class CheckpointSection:
     hub_private: bool = True
     """With push_to_hub: create the repo private (an existing repo keeps its visibility)."""
 
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that end the run at the next step boundary with a checkpoint and exit code 75 (preemption: SLURM
+    sends SIGTERM before it kills a job, and SIGUSR1 ahead of the time limit with `--signal=USR1@SECONDS`);
+    [] keeps the default (the process dies at once)."""
+
     def resolved_dir(self, output_dir: str) -> Optional[str]:
         """Where checkpoints go: `dir`, else `<output_dir>/checkpoints`; None when disabled."""
         if not self.enabled:

@@ -45,7 +45,8 @@ from . import reference_logps, run_lock
 from .export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer
-from .run_state import fingerprint, init_weights_from, resume_run
+from .preemption import Preempted, StopSignals, signal_name
+from .run_state import fingerprint, init_weights_from, resume_run, save_run
 from .tracking import Tracker, gather, plot_measured_timeline
 from .user_errors import main_process_first
 
@@ -301,18 +302,28 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         desc="train",
         dynamic_ncols=True,
     )
-    for step in range(run.start_step + 1, run.end_step + 1):
-        out = train_step_once(run, state, step)
-        losses[step] = out.loss
-        if step == run.start_step + 1 and run.accelerator.is_main_process:
-            bar.write(first_step_line(run.setup_s, out.step_time_s))
-        bar.update(1)
-        bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
-        log_step(run, state, out)
-        maybe_eval(run, state, step, say=bar.write)
-        maybe_save(run, step)
-        if run.stopped_early:  # eval.patience: end_step is this step now
-            break
+    stop = StopSignals(tuple(recipe.checkpoint.stop_signals)).install()  # preemption: save, then exit 75
+    try:
+        for step in range(run.start_step + 1, run.end_step + 1):
+            out = train_step_once(run, state, step)
+            losses[step] = out.loss
+            if step == run.start_step + 1 and run.accelerator.is_main_process:
+                bar.write(first_step_line(run.setup_s, out.step_time_s))
+            bar.update(1)
+            bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
+            log_step(run, state, out)
+            maybe_eval(run, state, step, say=bar.write)
+            saved = maybe_save(run, step)
+            if stop.names and (signum := stop.agreed()):  # every rank stops after this same step
+                if not saved and recipe.checkpoint.dir:
+                    save_run(run, step)
+                bar.close()
+                finish(run)
+                raise Preempted(signal_name(signum), step, saved=bool(recipe.checkpoint.dir))
+            if run.stopped_early:  # eval.patience: end_step is this step now
+                break
+    finally:
+        stop.restore()
     bar.close()
     finish(run)
     hf_dir = export_final(run)
