@@ -224,3 +224,28 @@ def _children(pid: int) -> list[int]:
     for child in open(f"/proc/{pid}/task/{pid}/children").read().split():
         out += [int(child), *_children(int(child))]
     return out
+
+
+def test_init_from_and_export_refuse_a_damaged_shard(setup, skipped_run, tmp_path, capsys):
+    """4 KiB flipped inside one rank's weights (the file still parses): `model.init_from` stops every rank with
+    exit 3 naming the file, and export refuses it, as --resume does. Before: init_from trained and exported the
+    garbage silently."""
+    import shutil
+
+    from vp_accelerate.train.cli.commands import export_main
+
+    src = setup / "skip" / "ckpt" / "step_00000004"
+    copy = tmp_path / "ckpt" / "step_00000004"
+    shutil.copytree(src, copy)
+    weights = copy / "rank_00001" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) - 4096 - 8)
+        block = f.read(4096)
+        f.seek(-4096, os.SEEK_CUR)
+        f.write(bytes(b ^ 0x5A for b in block))
+    out = train_forked(setup, "init_damaged", None, f"model.init_from={copy}", "train.steps=1")
+    log = out.stdout + out.stderr
+    assert out.codes == [3, 3], log[-3000:]
+    assert log.count(f"{weights} does not hold the bytes that were saved") == 2, log[-3000:]
+    assert export_main([str(copy), str(tmp_path / "hf")]) == 2
+    assert f"{weights} does not hold the bytes that were saved" in capsys.readouterr().err

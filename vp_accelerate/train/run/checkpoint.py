@@ -288,7 +288,12 @@ def read_latest(ckpt_dir: str) -> str | None:
     if not os.path.isfile(pointer):
         return None
     with open(pointer, encoding="utf-8", errors="replace") as f:
-        name = f.read().strip()
+        name = f.read(4096).strip()
+    if not STEP_DIR.fullmatch(name):  # only a folder of this directory: never `../x` or an absolute path
+        raise CheckpointError(
+            f"{pointer} names {name[:80]!r}, not a checkpoint folder of {ckpt_dir} (step_ and 8 digits); "
+            f"resume with --resume STEP, or delete {pointer} to start afresh"
+        )
     path = os.path.join(ckpt_dir, name)
     if os.path.isfile(os.path.join(path, META)):
         return path
@@ -306,9 +311,10 @@ def read_best(ckpt_dir: str) -> str | None:
     pointer = os.path.join(ckpt_dir, BEST)
     if not os.path.isfile(pointer):
         return None
-    with open(pointer) as f:
-        path = os.path.join(ckpt_dir, f.read().strip())
-    return path if os.path.isfile(os.path.join(path, META)) else None
+    with open(pointer, encoding="utf-8", errors="replace") as f:
+        name = f.read(4096).strip()
+    path = os.path.join(ckpt_dir, name)
+    return path if STEP_DIR.fullmatch(name) and os.path.isfile(os.path.join(path, META)) else None
 
 
 def resolve(path: str) -> str:
@@ -329,6 +335,8 @@ def resume_path(ckpt_dir: str | None, which: str = "latest") -> str | None:
         return read_latest(ckpt_dir) if ckpt_dir and os.path.isdir(ckpt_dir) else None
     if which.isdigit():
         path = os.path.join(ckpt_dir or "", step_dir_name(int(which)))
+        if not os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path + OLD, META)):
+            return path + OLD  # a re-save stopped after moving this step aside (as read_latest finds it)
         if not os.path.isfile(os.path.join(path, META)):
             have = (
                 sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))
