@@ -128,3 +128,41 @@ def test_an_optimizer_file_that_is_a_pickle_of_code_is_refused(tmp_path, capsys)
         message = str(e.value)
         assert "optimizer.pt" in message and "weights_only=False" not in message, message
         assert "\n" not in message
+
+
+def _model_dir(tmp_path, index=None, weights: bytes | None = None):
+    from vp_accelerate.train.recipe.presets import preset_config
+
+    d = tmp_path / "model"
+    preset_config("llama-tiny").save_pretrained(d)
+    if index is not None:
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    if weights is not None:
+        (d / "model.safetensors").write_bytes(weights)
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "index, weights, says",
+    [
+        ({"w": "../outside.safetensors"}, None, "which is not a file in"),
+        ({"w": "/etc/hostname"}, None, "which is not a file in"),
+        ({"w": 3}, None, "weight_map is not an object"),
+        (None, HOSTILE_HEADERS["length 2^62"], "is not a readable safetensors file"),
+        (None, HOSTILE_HEADERS["offsets past the end"], "is not a readable safetensors file"),
+    ],
+)
+def test_a_model_dir_with_a_hostile_index_or_header_is_one_line_at_check(tmp_path, index, weights, says):
+    from vp_accelerate.train.cli.preflight import check_weight_files
+    from vp_accelerate.train.recipe import RecipeError
+
+    (tmp_path / "outside.safetensors").write_bytes(b"x")
+    with pytest.raises(RecipeError, match=says):
+        check_weight_files(_model_dir(tmp_path, index, weights))
+
+
+def test_the_weight_reader_refuses_an_index_naming_a_file_outside(tmp_path):
+    from vp_accelerate.models.weights import SafetensorsSource
+
+    with pytest.raises(ValueError, match="which is not a file in"):
+        SafetensorsSource(_model_dir(tmp_path, {"w": "../outside.safetensors"}))
