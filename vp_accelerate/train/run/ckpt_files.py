@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import re
+import zipfile
 
 import torch
 from safetensors import safe_open
@@ -155,6 +156,7 @@ def load_torch(path: str, expected: dict | None = None, mmap: bool = False):
     A file holding anything else (a pickle with code) is refused in one line naming it; torch's own advice
     (retry with weights_only=False, i.e. run the file's code) is not passed on."""
     check_file(path, expected)
+    mmap = mmap and zipfile.is_zipfile(path)  # only torch.save's zip files map; any other is read to be refused
     try:
         return torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
     except pickle.UnpicklingError:  # weights_only refused a global: the file would run code
