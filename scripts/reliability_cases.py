@@ -146,7 +146,7 @@ def _model(**kw):
 def _saved(work: str, steps=(1, 2), meta_extra=None, model_files=None) -> str:
     import torch
 
-    from vp_accelerate.train.run import checkpoint as ckpt
+    from vp_accelerate.train.checkpoint import store as ckpt
 
     root = os.path.join(work, "ckpt")
     path = ""
@@ -169,7 +169,7 @@ def _saved(work: str, steps=(1, 2), meta_extra=None, model_files=None) -> str:
 
 def _damaged(rel: str, how: str):
     def run(work):
-        from vp_accelerate.train.run import checkpoint as ckpt
+        from vp_accelerate.train.checkpoint import store as ckpt
 
         path = _saved(work)
         target = os.path.join(path, rel)
@@ -198,8 +198,8 @@ def _dangling_latest(work):
 
 
 def _resume_changed(work):
+    from vp_accelerate.train.checkpoint.resume_check import data_identity
     from vp_accelerate.train.recipe import load_recipe, recipe_to_dict
-    from vp_accelerate.train.run.resume_check import data_identity
 
     recipe = load_recipe(_recipe(work))
     meta = {"recipe": recipe_to_dict(recipe), "data": data_identity(recipe.data)}
@@ -250,7 +250,7 @@ def _export_remote_code(work):
 
 
 def _full_disk(work):
-    from vp_accelerate.train.run import ckpt_space
+    from vp_accelerate.train.checkpoint import space as ckpt_space
 
     real = ckpt_space.free_bytes
     ckpt_space.free_bytes = lambda path: 4096
@@ -272,7 +272,7 @@ def _prune_foreign(work):
 def _resave_window(work):
     import multiprocessing
 
-    from vp_accelerate.train.run import checkpoint as ckpt
+    from vp_accelerate.train.checkpoint import store as ckpt
 
     def killed(stage):
         import torch

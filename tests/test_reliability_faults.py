@@ -125,7 +125,7 @@ def test_resume_with_another_model_is_refused(setup, skipped_run):
 
 
 def test_inf_gradient_stops_every_rank_and_keeps_the_last_checkpoint(setup):
-    from vp_accelerate.train.run import checkpoint as ckpt
+    from vp_accelerate.train.checkpoint import store as ckpt
 
     step = RNG.randrange(2, 4)
     out = train_forked(
