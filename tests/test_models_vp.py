@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers.tiny import tiny_config
 from vp_accelerate.distributed import spawn
-from vp_accelerate.models import StageLayout, build_rank, export_hf
+from vp_accelerate.models import StageLayout, build_rank, gather_state_dict, save_hf
 from vp_accelerate.vocab.embedding import embed_backward, embed_partial, ib_broadcast, if_reduce
 from vp_accelerate.vocab.output_layer import OutputLayerOptions, broadcast_x, run_output_layer, token_mean_grad_scale
 from vp_accelerate.vocab.partition import VocabPartition
@@ -119,7 +119,9 @@ def _worker(cases, export_dir):
         grads = {name: g.detach().numpy().copy() for name, g in grads.items()}
         results.append((loss, grads, sorted(mods.sharded_names), mods.param_bytes()))
         if export_dir is not None and i == 0:
-            export_hf(mods, layout, part, None, export_dir)
+            sd = gather_state_dict(mods)  # the gathered route of models/export.export_hf, a collective
+            if sd is not None:
+                save_hf(sd, mods.config, export_dir)
     return results
 
 

@@ -9,7 +9,7 @@ import torch
 
 from helpers.checkpoints import save_one_rank
 from vp_accelerate.distributed import spawn
-from vp_accelerate.train.run import checkpoint as ckpt
+from vp_accelerate.train.checkpoint import store as ckpt
 
 
 def state(seed: int):
@@ -114,3 +114,16 @@ def _two_rank_save(root):
 
 def test_collective_save_two_ranks(tmp_path):
     assert spawn(_two_rank_save, 2, str(tmp_path), timeout_s=60) == [[0.0, 0.0], [1.0, 1.0]]
+
+
+def test_checkpoint_package_sits_below_the_run():
+    """train/checkpoint/ imports nothing of train/run/ (ARCHITECTURE.md: cli -> run -> checkpoint -> tokens)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "vp_accelerate" / "train" / "checkpoint"
+    up = re.compile(
+        r"^\s*from\s+(\.\.run\b|vp_accelerate\.train\.run\b)|^\s*import\s+vp_accelerate\.train\.run\b", re.M
+    )
+    offenders = [p.name for p in sorted(root.glob("*.py")) if up.search(p.read_text())]
+    assert not offenders, f"train/checkpoint/ modules importing train/run/: {offenders}"

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from helpers.checkpoints import save_one_rank
-from vp_accelerate.train.run import checkpoint as ckpt
-from vp_accelerate.train.run import ckpt_space, run_lock
+from vp_accelerate.train.checkpoint import space as ckpt_space
+from vp_accelerate.train.checkpoint import store as ckpt
+from vp_accelerate.train.run import run_lock
 
 
 def state(seed: int):

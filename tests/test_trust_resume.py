@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vp_accelerate.train.checkpoint import store as ckpt
+from vp_accelerate.train.checkpoint.resume_check import data_identity
 from vp_accelerate.train.cli.preflight import check_run_dirs
 from vp_accelerate.train.recipe import RecipeError, load_recipe, recipe_to_dict
 from vp_accelerate.train.recipe.lr_schedule import build_scheduler
-from vp_accelerate.train.run import checkpoint as ckpt
 from vp_accelerate.train.run.optim import build_optimizer
-from vp_accelerate.train.run.resume_check import data_identity
 from vp_accelerate.train.run.run_state import resume_run
 
 CHANGED = ["optimizer.lr=1e-6", "optimizer.weight_decay=0.5", "lr.decay=constant"]

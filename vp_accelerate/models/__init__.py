@@ -6,7 +6,7 @@ stage    StageChunk (layers of one chunk), FullEmbedding / FullHead (baseline pl
 weights  weight sources: live model, local safetensors checkpoint, seeded init
 build    build_rank(source, layout, rank, placement, partition) -> RankModules
 rank     RankModules: one rank's chunks and vocabulary pieces, HF-named parameters
-export   gather ranks into one HF state dict and save_pretrained it
+export   export_hf: streamed (stream_export) or gathered into one HF state dict and save_pretrained
 families check_supported(config): refuse a family the split cannot run exactly; VERIFIED families
 coverage tiny config of every decoder family and the 2-rank exactness walk (docs/models.md)
 """

@@ -1,4 +1,4 @@
-"""Put the ranks' pieces back together as one Hugging Face model directory.
+"""Put the ranks' pieces back together as one Hugging Face model directory, and decide how (`export_hf`).
 
 Each rank's `RankModules.state_dict()` names its tensors like the HF model; vocabulary shards carry
 the full matrix's name and are concatenated in rank order, then cut to `vocab_size` rows (the
@@ -9,13 +9,14 @@ padding rows are dropped). A tied output weight is stored once, under the embedd
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .build import meta_model
 from .generation import generation_config_for, with_tokenizer_ids
+from .stream_export import streams
 
 
 def assemble_state_dict(
@@ -105,41 +106,30 @@ def gather_state_dict(mods, group: dist.ProcessGroup | None = None, dst: int = 0
 
 
 def export_hf(
-    mods,
-    layout,
-    partition,
     config,
     out_dir: str | Path,
     *,
+    stream: Callable[[torch.dtype | None], Path | None],
+    gather: Callable[[], dict[str, torch.Tensor] | None],
+    merged: bool = False,
+    dtype: torch.dtype | None = None,
     tokenizer=None,
-    group: dist.ProcessGroup | None = None,
-    ranks: Sequence[int] | None = None,
-    write: bool = True,
     max_shard_size: int | str = "5GB",
 ) -> Path | None:
-    """Gather every pipeline rank's part and `save_pretrained` it on pipeline rank 0 (a collective).
+    """Write one HF model directory: the one place that decides whether an export streams or gathers, for a
+    live pipeline (`runtime/model_io.py`, a collective) and a checkpoint (`train/checkpoint/hf_export.py`)
+    alike.
 
-    `layout` / `partition` must be those `mods` was built with (checked); `config` is what gets saved
-    (None: `mods.config`, which carries any vocabulary resize). `ranks` are the global ranks of `group`
-    in pipeline order (checked against the group when given). `write=False` takes part in the
-    gather without writing (e.g. data-parallel replicas other than the first). Returns the directory
-    on the writing rank, None elsewhere.
-    """
-    if layout is not None and layout != mods.layout:
-        raise ValueError("export_hf: layout differs from the one the rank modules were built with")
-    if partition is not None and mods.partition is not None and partition != mods.partition:
-        raise ValueError("export_hf: partition differs from the one the rank modules were built with")
-    if ranks is not None and group is not None:
-        actual = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-        if list(ranks) != actual:
-            raise ValueError(f"export_hf: ranks {list(ranks)} are not the group's ranks {actual} in order")
-    sd = gather_state_dict(mods, group=group, dst=0)
-    if sd is None or not write:
+    It streams (`stream(dtype)`: every rank, or every rank file, writes its own tensors, `models/stream_export.py`)
+    when nothing is `merged` into the weights (LoRA adapters) and the family saves under its own names
+    (`stream_export.streams`); else `gather()` returns the full HF state dict, adapters merged (None on ranks
+    that do not write), its floating tensors are cast to `dtype` (None: as they are) and `save_hf` writes it,
+    converting the names as `save_pretrained` does. Returns the directory where written, None elsewhere."""
+    if not merged and streams(config):
+        return stream(dtype)
+    state = gather()
+    if state is None:
         return None
-    cfg = config if config is not None else mods.config
-    if cfg.vocab_size != mods.vocab_size:
-        raise ValueError(
-            f"config has vocab_size={cfg.vocab_size} but the model was built with {mods.vocab_size} "
-            "(pass mods.config to save a resized vocabulary)"
-        )
-    return save_hf(sd, cfg, out_dir, tokenizer=tokenizer, max_shard_size=max_shard_size)
+    if dtype is not None:
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+    return save_hf(state, config, out_dir, tokenizer=tokenizer, max_shard_size=max_shard_size)

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.models import gather_state_dict
-from vp_accelerate.models.export import save_hf
+from vp_accelerate.models.export import export_hf as export_gathered_or_streamed
 from vp_accelerate.models.lora import is_lora_name, merge_lora, save_adapter
-from vp_accelerate.models.stream_export import export_streaming, streams
+from vp_accelerate.models.stream_export import export_streaming
 
 
 def rank_state_dict(pipe) -> dict[str, torch.Tensor]:
@@ -47,14 +47,15 @@ def gather_hf_state_dict(pipe) -> dict[str, torch.Tensor] | None:
 
 
 def export_hf(pipe, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> None:
-    """Write one HF model directory (a collective). Without an adapter it streams: each pipeline rank of
-    replica 0 writes its own tensors to its shard file and the vocabulary matrices are gathered one at a
-    time (`models/stream_export.py`), in `dtype` (None: the parameters'). LoRA adapters are merged into the
-    weights on pipeline rank 0 after a gather (see `export_adapter` for a peft adapter folder); a family that
-    saves under other names than its own (`stream_export.streams`) is gathered and saved by `save_pretrained`."""
+    """Write one HF model directory (a collective), streamed or gathered as `models/export.export_hf` decides:
+    streamed, each pipeline rank of replica 0 writes its own tensors and the vocabulary matrices are gathered
+    one at a time (`models/stream_export.py`), in `dtype` (None: the parameters'); LoRA adapters (see
+    `export_adapter` for a peft adapter folder) and families that save under other names are gathered to
+    pipeline rank 0, merged there and saved by `save_pretrained`."""
     g = pipe.groups
-    if not pipe.adapter.enabled and streams(pipe.hf_config):  # else save_pretrained converts the names
-        export_streaming(
+
+    def stream(dtype):
+        return export_streaming(
             pipe.mods,
             pipe.hf_config,
             out_dir,
@@ -65,14 +66,23 @@ def export_hf(pipe, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -
             dtype=dtype,
             tokenizer=tokenizer,
         )
-        return
-    sd = gather_hf_state_dict(pipe)
-    transposed = _all_lora_transposed(pipe)
-    if sd is not None and g.dp_rank == 0:
-        merged = merge_lora(sd, pipe.adapter.scaling, transposed)
-        if dtype is not None:
-            merged = {n: t.to(dtype) if t.is_floating_point() else t for n, t in merged.items()}
-        save_hf(merged, pipe.mods.config, out_dir, tokenizer=tokenizer)
+
+    def gather():
+        sd = gather_hf_state_dict(pipe)
+        transposed = _all_lora_transposed(pipe)  # a collective: every rank, before any returns
+        if sd is None or g.dp_rank != 0:
+            return None
+        return merge_lora(sd, pipe.adapter.scaling, transposed)  # no adapter: the names as they are
+
+    export_gathered_or_streamed(
+        pipe.mods.config,
+        out_dir,
+        stream=stream,
+        gather=gather,
+        merged=pipe.adapter.enabled,
+        dtype=dtype,
+        tokenizer=tokenizer,
+    )
 
 
 def _all_lora_transposed(pipe) -> list[str]:

@@ -24,6 +24,9 @@ from vp_accelerate.models.layout import LayoutError
 from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.registry import METHODS
 
+from ..checkpoint import resume_check
+from ..checkpoint import store as ckpt
+from ..checkpoint.hub_push import check_push
 from ..data.check import check_columns
 from ..data.formats import chat_template_of, document_boundaries, sample_format
 from ..data.read import DataError, first_record_columns
@@ -33,9 +36,6 @@ from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
 from ..recipe.presets import PRESETS, preset_config
-from ..run import checkpoint as ckpt
-from ..run import resume_check
-from ..run.hub_push import check_push
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import (
     model_tokenizer_source,

@@ -1,5 +1,5 @@
 """Save and resume a training run's whole state (model, optimizer, LR schedule, data position, RNG)
-through the checkpoint format of checkpoint.py. Both are collectives: every rank calls them."""
+through the checkpoint format of `train/checkpoint/store.py`. Both are collectives: every rank calls them."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import torch.distributed as dist
 
 from vp_accelerate.runtime.groups import host_group
 
-from ..recipe import RecipeError, recipe_to_dict
-from . import checkpoint as ckpt
-from . import resume_check
-from .nonfinite import check_weights_before_save
-from .reshard import (
+from ..checkpoint import resume_check
+from ..checkpoint import store as ckpt
+from ..checkpoint.reshard import (
     BY_NAME,
     LAYOUT_KEYS,
     load_named_optimizer_state,
@@ -22,6 +20,8 @@ from .reshard import (
     reshard_model,
     reshard_optimizer_state,
 )
+from ..recipe import RecipeError, recipe_to_dict
+from .nonfinite import check_weights_before_save
 from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")

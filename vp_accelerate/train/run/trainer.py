@@ -42,7 +42,7 @@ from ..tokens.vocab_plan import (
     trainable_token_rows,
 )
 from . import reference_logps, run_lock
-from .export import export_final
+from .final_export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .optim import build_optimizer
 from .preemption import Preempted, StopSignals, signal_name

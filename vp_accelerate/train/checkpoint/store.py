@@ -33,9 +33,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from . import ckpt_files as files
-from . import ckpt_space as space
-from .ckpt_files import CheckpointError
+from . import files, space
+from .files import CheckpointError
 
 LATEST = "latest"
 BEST = "best"

@@ -3,7 +3,7 @@ schedule, method or ZeRO setting, with the same weights, AdamW moments, step, LR
 loss scale.
 
 What makes a checkpoint reshardable is that every tensor in it has a global meaning (the format is the
-per-rank files of checkpoint.py; this module adds nothing to them but the optimizer state's keys):
+per-rank files of store.py; this module adds nothing to them but the optimizer state's keys):
 
 - a rank's `model.safetensors` holds HF-named tensors; a name in meta.json's `sharded_names` is rows
   `[pp_rank * S, (pp_rank + 1) * S)` of the full matrix padded at the end (S its shard's rows,
@@ -36,7 +36,7 @@ import torch
 from vp_accelerate.runtime.zero import FORMAT as ZERO_FORMAT
 from vp_accelerate.runtime.zero import ZeroOptimizer
 
-from . import checkpoint as ckpt
+from . import store as ckpt
 
 BY_NAME = "by-name"
 """`optimizer.pt`'s "format" when its state is keyed by parameter name (a plain optimizer's, renamed)."""

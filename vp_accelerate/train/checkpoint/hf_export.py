@@ -1,4 +1,5 @@
-"""Turn a run into HF model directories: the final export of `train`, and `vp-accelerate export CHECKPOINT`.
+"""A checkpoint into HF model directories: `vp-accelerate export CHECKPOINT` and the final export of `train`
+(`run/final_export.py`); the streamed-or-gathered choice is `models/export.export_hf`'s.
 
 From a checkpoint (per-rank shards, read in one process): the first data-parallel replica's ranks hold every
 tensor once; vocabulary shards are concatenated in pipeline-rank order and cut to `vocab_size` rows, tensors
@@ -25,18 +26,15 @@ import os
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from vp_accelerate.models.export import assemble_state_dict, save_hf
+from vp_accelerate.models.export import assemble_state_dict, export_hf, save_hf
 from vp_accelerate.models.generation import generation_eos
 from vp_accelerate.models.lora import merge_lora, save_adapter
-from vp_accelerate.models.stream_export import export_rank_files, streams
+from vp_accelerate.models.stream_export import export_rank_files
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 
 from ..recipe.presets import PRESETS
 from ..tokens.token_map import same_vocabulary
-from . import checkpoint as ckpt
-from .hub_push import push_export
-from .run_state import final_checkpoint
-from .tracking import gather
+from . import store as ckpt
 
 log = logging.getLogger("vp_accelerate.train")
 
@@ -181,12 +179,13 @@ def export_checkpoint(
     `out_dir`. `dtype` (a torch dtype): the weights' (None: as trained). A full model (no LoRA) is streamed one
     rank file and one tensor at a time, one output file per pipeline rank (`max_shard_size` does not apply).
     `trust_remote_code`: the caller's word (see `checkpoint_model_files`)."""
-    if adapter_only is False and adapter_dir is None:
+    if adapter_only is False and adapter_dir is None:  # one model dir: streamed or gathered (models/export.py)
         step_dir = ckpt.resolve(path)
         config, tokenizer, meta = checkpoint_model_files(step_dir, trust_remote_code)
-        if _adapter_of(meta.get("recipe")) is None and streams(config):
-            # a full model: streamed, one rank file and one tensor at a time (models/stream_export.py)
-            export_rank_files(
+        adapter = _adapter_of(meta.get("recipe"))
+
+        def stream(dtype):  # one rank file and one tensor at a time (models/stream_export.py)
+            return export_rank_files(
                 replica0_files(step_dir, meta),
                 meta["vocab_size"],
                 meta.get("sharded_names", ()),
@@ -195,7 +194,22 @@ def export_checkpoint(
                 dtype=dtype,
                 tokenizer=tokenizer,
             )
-            return out_dir
+
+        def gather():
+            state = checkpoint_state(step_dir, trust_remote_code)[0]
+            return merge_lora(state, adapter.scaling, meta.get("lora_transposed", [])) if adapter else state
+
+        export_hf(
+            config,
+            out_dir,
+            stream=stream,
+            gather=gather,
+            merged=adapter is not None,
+            dtype=dtype,
+            tokenizer=tokenizer,
+            max_shard_size=max_shard_size,
+        )
+        return out_dir
     state, config, tokenizer, meta = checkpoint_state(path, trust_remote_code)
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
@@ -215,62 +229,3 @@ def export_checkpoint(
     except ckpt.CheckpointError as e:
         raise ckpt.CheckpointError(f"{ckpt.resolve(path)}: {e}") from None
     return out_dir or adapter_dir
-
-
-def export_final(run) -> str | None:
-    """A completed run's final model as an HF model dir (safetensors + config + tokenizer) in `<output_dir>/hf`
-    (checkpoint.export_hf), merged for a LoRA run, whose adapter folder goes to `<output_dir>/adapter`.
-
-    With checkpoints it is read from the final checkpoint by rank 0; without (checkpoint.enabled: false) the
-    ranks gather it (a collective). Returns the model dir, None when not exported.
-    """
-    recipe, pipe = run.recipe, run.pipe
-    c = recipe.checkpoint
-    done = run.end_step == recipe.train.steps or getattr(run, "stopped_early", False)  # eval.patience ends it too
-    if not (c.export_hf and done and run.start_step < run.end_step):
-        return None
-    out = os.path.join(recipe.logging.output_dir, "hf")
-    adapter = recipe.adapter if recipe.adapter.enabled else None
-    adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter else None
-    if c.dir:
-        if pipe.rank == 0:  # the final checkpoint is the best one with checkpoint.keep_best
-            # the run's own recipe (the caller) says whether the model's code may run, not the checkpoint's file
-            export_checkpoint(
-                final_checkpoint(run), out, adapter_dir=adapter_dir, trust_remote_code=recipe.model.trust_remote_code
-            )
-    elif adapter is None:  # a collective: each pipeline rank of replica 0 writes its own part
-        pipe.export_hf(out, run.tokenizer)
-    else:
-        state = pipe.gather_hf_state_dict()  # collectives: every rank takes part
-        transposed = sorted({n for names in gather(list(getattr(pipe, "lora_transposed", []))) for n in names})
-        if pipe.rank == 0:
-            write_exports(state, pipe.hf_config, run.tokenizer, run.recipe_dict, transposed, out, adapter_dir)
-    if pipe.rank == 0:
-        merged = (
-            " (LoRA merged into the weights; the adapter alone is in " + adapter_dir + ")"
-            if adapter_dir
-            else " (LoRA merged into the weights)"
-            if adapter
-            else ""
-        )
-        log.info(
-            "exported the final model to %s%s: AutoModelForCausalLM.from_pretrained / AutoTokenizer, ready "
-            "for generate()",
-            out,
-            merged,
-        )
-    if pipe.rank == 0 and c.push_to_hub:  # after the export is whole on disk; a failure loses nothing trained
-        try:
-            push_export(c.push_to_hub, out, adapter_dir, c.hub_private)
-        except Exception as e:  # noqa: BLE001 - the hub's errors (HTTP, auth, network) are many; the run is done
-            log.error(
-                "checkpoint.push_to_hub: pushing to %s failed (%s: %s); the export is in %s: push it with "
-                "`huggingface-cli upload %s %s`",
-                c.push_to_hub,
-                type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
-                out,
-                c.push_to_hub,
-                out,
-            )
-    return out
