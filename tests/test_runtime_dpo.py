@@ -55,7 +55,9 @@ def _hf_logps(model, ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _trl(logps, ref, tokens, beta, loss_type):
-    """TRL's DPO loss and logged rewards from per-row log-probabilities (rows interleave chosen/rejected)."""
+    """TRL's DPO loss and logged rewards from per-row log-probabilities (rows interleave chosen/rejected); its
+    rewards and logps are of the summed log-probabilities whatever the loss (IPO normalises its loss only)."""
+    sums, ref_sums = logps, ref
     if loss_type == "ipo":
         logps, ref = logps / tokens, ref / tokens
     m = (logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2])
@@ -64,12 +66,15 @@ def _trl(logps, ref, tokens, beta, loss_type):
         "hinge": lambda: torch.relu(1 - beta * m),
         "ipo": lambda: (m - 1 / (2 * beta)) ** 2,
     }[loss_type]()
-    chosen, rejected = beta * (logps[0::2] - ref[0::2]).detach(), beta * (logps[1::2] - ref[1::2]).detach()
+    ratio = (sums - ref_sums).detach()
+    chosen, rejected = beta * ratio[0::2], beta * ratio[1::2]
     rewards = {
         "rewards/chosen": chosen.mean().item(),
         "rewards/rejected": rejected.mean().item(),
         "rewards/accuracies": (chosen > rejected).double().mean().item(),
         "rewards/margins": (chosen - rejected).mean().item(),
+        "logps/chosen": sums[0::2].detach().mean().item(),
+        "logps/rejected": sums[1::2].detach().mean().item(),
     }
     return losses.mean(), rewards
 

@@ -99,8 +99,8 @@ def test_check_reports_pairs_and_shows_one(tok, tmp_path):
     )
     lines, prepared, _ = data_report(recipe, tok, len(tok))
     text = "\n".join(lines)
-    assert f"{len(rows)} rows" in text and f"{len(WORDS)} for training" in text, text
-    assert "1 dropped" in text and f"{2 * len(WORDS)} packed sequences" in text, text
+    assert f"{len(rows)} rows" in text and f"{len(WORDS)} pairs for training" in text, text
+    assert "1 pair dropped" in text and f"{2 * len(WORDS)} sequences (2 a pair)" in text, text
     assert "[[" in show_example(prepared, tok)
 
 

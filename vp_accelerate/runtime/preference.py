@@ -81,7 +81,7 @@ class PairLoss:
     loss_scale: float = 1.0
     """fp16's loss scale: g and the loss term carry it, as the token loss's grad_scale does."""
     logps: torch.Tensor | None = field(default=None, repr=False)
-    """After a call: [rows] float64 log π of this step's policy (length-normalised under IPO)."""
+    """After a call: [rows] float64 log π of this step's policy (sums over the row's tokens, as TRL logs them)."""
 
     def _tokens(self) -> torch.Tensor:
         return (self.labels != -100).sum(dim=1).to(torch.float64).clamp(min=1)
@@ -93,7 +93,8 @@ class PairLoss:
     def __call__(self, token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.labels.shape[0]
         ce = token_loss.detach().to(torch.float64).reshape(rows, -1)
-        logps = self.normalise(-ce.sum(dim=1))
+        self.logps = -ce.sum(dim=1)
+        logps = self.normalise(self.logps)
         ref = self.normalise(self.ref_logps.to(device=ce.device, dtype=torch.float64))
         ratio = logps - ref
         m = ratio[0::2] - ratio[1::2]
@@ -104,17 +105,24 @@ class PairLoss:
         valid = self.labels.to(ce.device) != -100
         scale = self.loss_scale / self.pairs
         g = torch.where(valid, (dce * scale)[:, None], 0.0)
-        self.logps = logps
         return g.reshape(-1).to(token_loss.dtype), losses.sum() * scale
 
     def rewards(self) -> torch.Tensor:
-        """[4] sums over this microbatch's pairs of: chosen reward, rejected reward, chosen > rejected, margin
-        (reward = β (log π − log π_ref), as TRL logs them)."""
-        ref = self.normalise(self.ref_logps.to(device=self.logps.device, dtype=torch.float64))
+        """[len(REWARD_METRICS)] sums over this microbatch's pairs of: chosen reward, rejected reward, chosen >
+        rejected, margin, chosen log π, rejected log π. As TRL logs them: reward = β (log π − log π_ref) of the
+        summed log-probabilities whatever the loss (IPO normalises its loss only)."""
+        ref = self.ref_logps.to(device=self.logps.device, dtype=torch.float64)
         r = self.beta * (self.logps - ref)
         chosen, rejected = r[0::2], r[1::2]
         return torch.stack(
-            [chosen.sum(), rejected.sum(), (chosen > rejected).to(r.dtype).sum(), (chosen - rejected).sum()]
+            [
+                chosen.sum(),
+                rejected.sum(),
+                (chosen > rejected).to(r.dtype).sum(),
+                (chosen - rejected).sum(),
+                self.logps[0::2].sum(),
+                self.logps[1::2].sum(),
+            ]
         )
 
 
@@ -131,7 +139,15 @@ class LogpRecorder:
         return torch.zeros_like(token_loss), torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
 
 
-REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+REWARD_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+"""TRL's DPOTrainer metric names, in the order of `PairLoss.rewards`' sums."""
 
 
 def reward_metrics(totals: torch.Tensor, pairs: int) -> dict[str, float]:

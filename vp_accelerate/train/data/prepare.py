@@ -79,6 +79,14 @@ class PreparedData:
             )
         if eval_batches != 0 and self.eval is not None and len(self.eval) == 0 and not self.eval_off():
             raise DataError(no_eval_message(self.cfg))
+        if eval_batches != 0 and self.pairs_short(global_batch) and not self.eval.held_out:
+            raise DataError(pairs_short_message(len(self.eval), global_batch))
+
+    def pairs_short(self, global_batch: int) -> bool:
+        """Whether the evaluation preference pairs fill no global batch (evaluation counts whole batches of
+        pairs): an error for an explicit source, evaluation off (warned) for pairs held out of the training
+        data."""
+        return isinstance(self.eval, PairSequences) and len(self.eval) < global_batch
 
     def eval_off(self) -> bool:
         """True when `data.eval_holdout` could hold out no evaluation sequence from data too small for one:
@@ -114,11 +122,11 @@ class PreparedData:
                     break
             seqs = Sequences(np.asarray(rows, dtype=np.int64).reshape(-1, cfg.seq_len), pad_id=self.pad_id)
         if isinstance(seqs, PairSequences):  # DPO: whole batches of pairs
-            if len(seqs) < global_batch:
-                raise DataError(
-                    f"train.global_batch: the evaluation data has {len(seqs)} preference pairs, fewer than one "
-                    f"global batch ({global_batch}); add pairs (data.eval_files, data.eval_holdout) or set eval.batches: 0"
-                )
+            if self.pairs_short(global_batch):
+                if not seqs.held_out:
+                    raise DataError(pairs_short_message(len(seqs), global_batch))
+                warn(PAIRS_EVAL_OFF, len(seqs), global_batch)
+                return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=0)
             return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=eval_batches)
         if len(seqs) == 0 and not self.eval_off():
             raise DataError(no_eval_message(cfg))
@@ -132,6 +140,20 @@ EVAL_OFF = (
     "evaluation is off for this run (set data.eval_files, or eval.batches: 0 to say so)"
 )
 """The warning when the data is too small to hold out an evaluation sequence."""
+
+PAIRS_EVAL_OFF = (
+    "data.eval_holdout: the %d held-out preference pair(s) fill no global batch of %d pairs: evaluation is off "
+    "for this run (set data.eval_files, raise data.eval_holdout, or set eval.batches: 0 to say so)"
+)
+"""The warning when the pairs held out of the training data fill no global batch."""
+
+
+def pairs_short_message(pairs: int, global_batch: int) -> str:
+    return (
+        f"train.global_batch: the evaluation data has {pairs} preference pairs, fewer than one global batch "
+        f"({global_batch}); add pairs (data.eval_files) or set eval.batches: 0"
+    )
+
 
 STREAM_EVAL_BATCHES = 4
 """Evaluation batches read from a stream's held-out documents when eval.batches is null (a stream has no end
