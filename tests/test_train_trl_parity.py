@@ -139,6 +139,9 @@ def test_sft_text_prompt_completion_and_chat_match_sft_trainer(tok):
     for row, (ids, labels) in zip(pcs, _trl_sft(tok, pcs)):
         _, got, mask, _ = _row_tokenizer(tok, "prompt_completion").encode(row)
         assert got == ids and formats.labels_from_mask(np.array(got), np.array(mask)).tolist() == labels, row
+    from vp_accelerate.train.run.samples import prompt_ids
+
+    assert prompt_ids(tok, "Answer:", "text") == tok("Answer:")["input_ids"]  # eval.prompts start as rows do: BOS
     chats = [
         {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}
         for p in PROMPTS
