@@ -227,13 +227,23 @@ def test_check_and_launch_agree_on_evaluation_pairs(tok, tmp_path):
 
 
 def test_a_dataset_dicts_test_split_is_the_evaluation_data(tok, tmp_path):
+    """A save_to_disk DatasetDict and a hub-style folder (data/train-*, data/test-*): their test split is the
+    evaluation data (nothing held out of train), for pairs and for SFT rows."""
     from datasets import Dataset, DatasetDict
 
     rows = [{"prompt": f"hello {w}", "chosen": f" {w} paris", "rejected": " gamma"} for w in WORDS]
     DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:4])}).save_to_disk(tmp_path / "dd")
-    data = prepare_data(DataSection(hub_id=str(tmp_path / "dd"), format="preference", seq_len=16), tok, len(tok))
-    assert len(data.train) == len(rows) and len(data.eval) == 4 and not data.eval.held_out
-    assert "split 'test'" in data.stats["eval"].source
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet"))
+    Dataset.from_list(rows[:4]).to_parquet(str(tmp_path / "hub" / "data" / "test-00000-of-00001.parquet"))
+    for folder in ("dd", "hub"):
+        data = prepare_data(DataSection(hub_id=str(tmp_path / folder), format="preference", seq_len=16), tok, len(tok))
+        assert len(data.train) == len(rows) and len(data.eval) == 4 and not data.eval.held_out, folder
+        assert "split 'test'" in data.stats["eval"].source
+    texts = [{"text": f"hello {w} paris"} for w in WORDS]
+    DatasetDict({"train": Dataset.from_list(texts), "test": Dataset.from_list(texts[:3])}).save_to_disk(tmp_path / "t")
+    data = prepare_data(DataSection(hub_id=str(tmp_path / "t"), seq_len=8, packing=False), tok, len(tok), cache=False)
+    assert len(data.train) == len(texts) and len(data.eval) == 3 and "split 'test'" in data.stats["eval"].source
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,15 @@ import os
 from ..recipe import Recipe, finish_steps
 from ..recipe.schema import DataSection
 from .formats import sample_format
-from .prepare import EVAL_OFF, PAIRS_EVAL_OFF, PreparedData, empty_turns_line, no_eval_message, prepare_data
+from .prepare import (
+    EVAL_OFF,
+    PAIRS_EVAL_OFF,
+    PreparedData,
+    empty_turns_line,
+    holdout_every,
+    no_eval_message,
+    prepare_data,
+)
 from .read import DataError, first_record_columns
 from .sources import builder_for, expand_files
 from .stats import SplitStats
@@ -121,7 +129,7 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
         )
     else:
         s = prepared.stats["train"]
-        held = prepared.stats["eval"].documents if not d.eval_files else 0
+        held = prepared.stats["eval"].documents if holdout_every(prepared.cfg) else 0
         pairs = prepared.fmt == "preference"
         lines += _pair_lines(s, held, d.seq_len) if pairs else [_rows_line(s, held), _packing_line(s, d.seq_len)]
         if (keys := _keys_line(s)) is not None:

@@ -29,7 +29,7 @@ from . import chat_rows, formats
 from .batches import Sequences
 from .pack import warn
 from .read import RAW, WHERE, DataError, RowLocator
-from .sources import builder_for, eval_split, load_documents, nonempty_paths
+from .sources import builder_for, load_documents, nonempty_paths
 from .stats import BAD_ROWS_LISTED, SplitStats
 from .tokenize import is_heldout, json_record
 
@@ -222,9 +222,10 @@ def _count(stats: SplitStats, pairs: list, seqs: PairSequences) -> None:
     stats.loss_tokens = int(seqs.target_counts().sum()) if len(pairs) else 0
 
 
-def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int):
+def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test: str | None = None):
     """(train PairSequences, eval PairSequences, pad id, {"train", "eval"} -> SplitStats) of a preference data
-    section (no cache: preference sets are small, and every rank reads them the same)."""
+    section (no cache: preference sets are small, and every rank reads them the same); `test`: the split of
+    data.hub_id that holds the evaluation pairs (`sources.eval_split`), if any."""
     if cfg.streaming:
         raise DataError("data.streaming: preference pairs are read whole; set data.streaming: false")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -233,13 +234,10 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int):
     builder = builder_for(paths, cfg) if paths else "auto"
     docs = load_documents(paths or None, cfg.hub_id, cfg.hub_split, builder, False, cfg.hub_name, cfg.hub_revision)
     locate = RowLocator(paths, builder, source) if paths else (lambda i: f"{source}, row {i + 1}")
-    test = eval_split(cfg.hub_id, cfg.hub_split, cfg.hub_name, cfg.hub_revision) if cfg.hub_id else None
-    if test and not cfg.eval_files:
-        every = 0  # the dataset's own evaluation split, not a held-out part of its training split
     stats = {"train": SplitStats(source)}
     train, held, bad = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every, stats["train"])
     stats["eval"] = SplitStats(f"{source} (held out: 1 pair in {every})" if every else source)
-    if test and not cfg.eval_files:
+    if test:
         eval_docs = load_documents(None, cfg.hub_id, test, "auto", False, cfg.hub_name, cfg.hub_revision)
         stats["eval"] = SplitStats(f"dataset {cfg.hub_id} split {test!r}")
         held, _, eval_bad = _read_pairs(

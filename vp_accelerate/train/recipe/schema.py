@@ -185,11 +185,13 @@ class DataSection:
     pre-training packing, documents separated by EOS only)."""
 
     eval_files: list[str] = field(default_factory=list)
-    """Held-out files for evaluation. When empty, `eval_holdout` of the packed training sequences is held out."""
+    """Held-out files for evaluation. When empty, the `test` (or `validation`) split of a `hub_id` DatasetDict,
+    else `eval_holdout` of the packed training sequences is held out."""
 
     eval_holdout: float = 0.02
-    """Fraction of packed sequences held out for evaluation when `eval_files` is empty. When streaming,
-    the first `eval.batches` batches of the stream are held out instead."""
+    """Fraction of packed sequences held out for evaluation when `eval_files` is empty and `hub_id` has no
+    `test` / `validation` split. When streaming, the first `eval.batches` batches of the stream are held out
+    instead."""
 
     streaming: bool = False
     """Stream the corpus instead of tokenizing it up front (large corpora). Order is deterministic per
