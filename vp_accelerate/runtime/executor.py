@@ -375,6 +375,8 @@ class Executor:
             label_smoothing=self.out_opts.label_smoothing,
         )
         if mb.loss_fn is not None:  # a sequence loss: its g from the detached CE, its value as the loss
+            if getattr(mb.loss_fn, "wants_mean_logits", False):  # its metrics' logits/* (TRL's)
+                mb.loss_fn.record_mean_logits(logits.detach().mean(dim=-1).reshape(-1))
             g, value = mb.loss_fn(per_token.detach())
             surrogate = (per_token * g.to(per_token.dtype)).sum()
             return surrogate - surrogate.detach() + value.to(per_token.dtype)

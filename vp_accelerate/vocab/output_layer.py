@@ -133,6 +133,9 @@ class OutputState:
     loss_fn: SequenceLossFn | None = None
     """A loss of whole sequences (DPO): called in C1 with the per-token loss [N], returns (g [N], loss_sum);
     its g replaces grad_scale before ∇x and T use it. None = the token loss Σ_n g_n loss_n."""
+    local_logit_sum: torch.Tensor | None = None
+    """[N] Σ of this shard's logits per token, kept for a `loss_fn` that logs mean logits (`wants_mean_logits`,
+    TRL's logits/* metrics); summed in C1's first all-reduce, riding along with the target logit."""
     c1_done: bool = False
     t_done: bool = False
 
@@ -264,6 +267,7 @@ def s_pass(
     s = torch.zeros(n, dtype=sd, device=x.device)
     t = torch.zeros(n, dtype=sd, device=x.device)
     two = opts.algorithm == "vocab-2"
+    zsum = torch.zeros(n, dtype=sd, device=x.device) if getattr(loss_fn, "wants_mean_logits", False) else None
     a = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
     c = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
     stored: list[torch.Tensor] | None = [] if modes.memory_mode(opts.memory).keeps_logits else None
@@ -283,6 +287,8 @@ def s_pass(
         t += (1.0 - eps) * hitf * z.gather(1, col[:, None]).squeeze(1)
         if eps:
             t += (eps / V) * z.sum(dim=1)
+        if zsum is not None:
+            zsum += z.sum(dim=1)
         if two:
             w_chunk = weight[lo:hi]
             fprime = chunk_logit_derivative(z, opts.softcap, opts.logit_scale)
@@ -318,6 +324,7 @@ def s_pass(
         local_a=a,
         local_c=c,
         loss_fn=loss_fn,
+        local_logit_sum=zsum,
     )
 
 
@@ -329,10 +336,15 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _finish_loss(state: OutputState, row_max: torch.Tensor, row_sum: torch.Tensor, target: torch.Tensor) -> None:
+def _finish_loss(
+    state: OutputState, row_max: torch.Tensor, row_sum: torch.Tensor, target: torch.Tensor, logit_sum=None
+) -> None:
     state.row_max, state.row_sum = row_max, row_sum
     valid = state.labels != state.opts.ignore_index
     state.loss = torch.where(valid, torch.log(row_sum) + row_max - target, 0.0)
+    if logit_sum is not None:  # the whole vocabulary's Σ logits per token, for the loss's metrics
+        state.loss_fn.record_mean_logits(logit_sum / state.partition.vocab_size)
+        state.local_logit_sum = None
     if state.loss_fn is not None:  # g from the sequences' own losses: before ∇x (C1) and T read it
         g, state.loss_sum = state.loss_fn(state.loss)
         state.grad_scale = torch.where(valid, g.reshape(-1).to(state.stat_dtype), 0.0)
@@ -361,18 +373,28 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
     if algo == "vocab-2":
         inputs += [state.local_a, state.local_c]
 
+    zsum = state.local_logit_sum  # rides along with Σ t_i (one more column, no more collectives)
+    extra = [] if zsum is None else [zsum[:, None]]
+    if zsum is not None:
+        inputs.append(zsum)
+
     def chain() -> OutputState:
         mx = state.local_max.clone()
         works = [dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group, async_op=True)]
         if algo == "vocab-2":
             # Σ c_i and Σ t_i do not need the max: they ride along with it.
-            ct = torch.cat([state.local_c, state.local_target[:, None]], dim=1)
+            ct = torch.cat([state.local_c, state.local_target[:, None], *extra], dim=1)
             works.append(dist.all_reduce(ct, group=group, async_op=True))
         elif algo == "vocab-1":
-            tt = state.local_target.clone()
+            tt = torch.stack([state.local_target, zsum], dim=1) if extra else state.local_target.clone()
             works.append(dist.all_reduce(tt, group=group, async_op=True))
         for w in works:
             w.wait()
+        logit_sum = None
+        if extra and algo == "vocab-2":
+            logit_sum, ct = ct[:, -1].clone(), ct[:, :-1]
+        elif extra and algo == "vocab-1":
+            logit_sum, tt = tt[:, 1].clone(), tt[:, 0].contiguous()
         state.row_max = mx
         w = _shard_weight(state)
         if algo == "vocab-2":
@@ -380,7 +402,7 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
             dist.all_reduce(sa, group=group)
             # its own storage: a view would keep the whole [N, h+1] all-reduce buffer alive until T
             row_sum = sa[:, 0].clone()
-            _finish_loss(state, mx, row_sum, ct[:, -1])
+            _finish_loss(state, mx, row_sum, ct[:, -1], logit_sum)
             grad = sa[:, 1:] / row_sum[:, None] - ct[:, :-1]
             del sa, ct  # the [N, h+1] buffers: nothing below reads them
             state.grad_x = _own_storage((state.grad_scale[:, None] * grad).to(state.x.dtype).reshape(state.x_shape))
@@ -388,11 +410,12 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
         elif algo == "vocab-1":
             row_sum = state.local_sum * w
             dist.all_reduce(row_sum, group=group)
-            _finish_loss(state, mx, row_sum, tt)
+            _finish_loss(state, mx, row_sum, tt, logit_sum)
         else:  # naive: barrier 2 (sum and target), then local ∇x_i and barrier 3
-            st = torch.stack([state.local_sum * w, state.local_target], dim=1)
+            st = torch.stack([state.local_sum * w, state.local_target, *([zsum] if extra else [])], dim=1)
             dist.all_reduce(st, group=group)
-            _finish_loss(state, mx, st[:, 0].contiguous(), st[:, 1].contiguous())
+            logit_sum = st[:, 2].contiguous() if extra else None
+            _finish_loss(state, mx, st[:, 0].contiguous(), st[:, 1].contiguous(), logit_sum)
             gx = torch.zeros(state.x.shape, dtype=state.stat_dtype, device=state.x.device)
             for i, (lo, hi) in enumerate(state.chunks()):
                 grad = state.logit_grad(state.chunk_z(i, lo, hi), lo, hi)

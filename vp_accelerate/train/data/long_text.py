@@ -55,14 +55,29 @@ def _cut(tokenizer, text: str, start: int) -> int:
     return len(text)
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
-    """The ids `tokenizer(text, add_special_tokens=False)` gives, encoded piece by piece when the text is long."""
+def _special_ends(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's own settings put before and after a text (a BOS, an EOS): one short text encoded
+    with and without them."""
+    plain = _ids(tokenizer, "a")
+    full = list(tokenizer("a")["input_ids"])
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain) :]
+    return [], []
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """The ids `tokenizer(text, add_special_tokens=...)` gives, encoded piece by piece when the text is long (the
+    special tokens the tokenizer adds go around the whole text, once)."""
     if len(text) <= PIECE_CHARS:
-        return _ids(tokenizer, text)
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
     ids: list[int] = []
     start = 0
     while start < len(text):
         end = _cut(tokenizer, text, start)
         ids += _ids(tokenizer, text[start:end])
         start = end
+    if add_special_tokens:
+        before, after = _special_ends(tokenizer)
+        ids = before + ids + after
     return ids

@@ -84,8 +84,7 @@ class RowTokenizer:
                 raise formats.FormatError(f"column {f['text']!r} must be a string, got {formats.short(text)}")
             if cfg.response_template is not None:  # completion-only loss: a prompt / completion split at it
                 return (*self._after_response_template(text), [])
-            ids = long_text.encode_text(self.tokenizer, text)  # a 10 MB row in bounded memory
-            return text, ids + [self.tokenizer.eos_token_id] if cfg.add_eos else ids, None, []
+            return text, formats.encode_text(self.tokenizer, text, cfg.add_eos), None, []
         if self.fmt == "chat":
             messages, dropped = chat_rows.normalize(row[f["messages"]], self.keys, self.template_name)
             if cfg.system_prompt is not None and messages[0]["role"] != "system":
@@ -100,7 +99,7 @@ class RowTokenizer:
 
     def _after_response_template(self, text: str) -> tuple[str, list, list]:
         """(text, ids, loss mask) of a text row whose loss starts after data.response_template: the text up to
-        and including it and the rest tokenized apart (a clean boundary, as prompt_completion), EOS after."""
+        and including it as the prompt, the rest as the completion (tokenized as prompt_completion), EOS after."""
         template = self.cfg.response_template
         at = text.find(template)
         if at < 0:
