@@ -32,7 +32,7 @@ from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
-from ..recipe.presets import PRESETS, preset_config
+from ..recipe.presets import PRESETS, preset_config, uses_pretrained_weights
 from ..run import checkpoint as ckpt
 from ..run import resume_check
 from ..run.hub_push import check_push
@@ -223,7 +223,7 @@ def vocab_decision(recipe, config, full: bool = True, found: dict | None = None)
     if tokenizer is None:
         return None
     m = recipe.model
-    pretrained = m.pretrained_weights and m.source not in PRESETS
+    pretrained = uses_pretrained_weights(m)
     own = model_tokenizer_source(m.source) if pretrained else None
     model_tokenizer = None
     if own is not None:
