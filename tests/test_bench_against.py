@@ -13,6 +13,11 @@ from vp_accelerate.bench import against
 from vp_accelerate.bench.config import BenchConfig
 from vp_accelerate.bench.run import bench_main
 
+pytestmark = pytest.mark.skipif(
+    subprocess.run(["git", "-C", str(against.PACKAGE_ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0,
+    reason="--against needs a git checkout (this tree is not one)",
+)
+
 
 def _worktrees() -> str:
     return subprocess.run(
