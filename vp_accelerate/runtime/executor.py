@@ -256,18 +256,18 @@ class Executor:
             st.send_batches.append(batch)
 
     def _drop_completed_sends(self) -> None:
-        """Let go of the send-only batches that completed: their Works hold the sent tensors until waited."""
-        st = self.state
-        if not st.send_batches:
-            return
-        pending = []
-        for batch in st.send_batches:
-            if batch.is_completed():
-                batch.wait()  # returns at once; releases the Works and with them the tensors
-                st.meter.release_comm(("p2p", id(batch)))
-            else:
-                pending.append(batch)
-        st.send_batches = pending
+        """Let go of the send-only batches that completed: their Works hold the sent tensors until waited.
+
+        Only the oldest batches are polled, stopping at the first one still in flight: a rank's batches on
+        the pipeline group complete in issue order (one NCCL stream per communicator; one worker per group
+        under the emulation), so a later batch is never done before an earlier one, and each batch is polled
+        a bounded number of times in all rather than once per pass (plain gloo's send Works report
+        completion only once waited on, and rescanning the whole list every pass cost O(sends^2) a step)."""
+        queue = self.state.send_batches
+        while queue and queue[0].is_completed():
+            batch = queue.popleft()
+            batch.wait()  # returns at once; releases the Works and with them the tensors
+            self.state.meter.release_comm(("p2p", id(batch)))
 
     def _complete_receive(self, key) -> bool:
         """Complete a posted receive now (its whole batch: `Batch.wait` is idempotent); True if it was

@@ -39,7 +39,24 @@ from .comm import Pending, global_rank, submit
 from .logits import chunk_logit_derivative, chunk_logits, chunk_ranges, target_columns
 from .partition import VocabPartition
 
-ALGORITHMS = ("naive", "vocab-1", "vocab-2")
+
+@dataclass(frozen=True)
+class Algorithm:
+    """Where an output-layer algorithm computes ∇x, the one thing the three differ in."""
+
+    grad_x_from_s: bool
+    """vocab-2: S also accumulates a_i = softmax_i W_i and c_i, so C1 delivers ∇x (one barrier)."""
+    grad_x_in_t: bool
+    """vocab-1: T computes the shard's ∇x_i and C2 sums them (two barriers)."""
+    # neither (naive): C1's third barrier computes and sums ∇x_i from the stored logits
+
+
+ALGORITHMS = {
+    "naive": Algorithm(grad_x_from_s=False, grad_x_in_t=False),
+    "vocab-1": Algorithm(grad_x_from_s=False, grad_x_in_t=True),
+    "vocab-2": Algorithm(grad_x_from_s=True, grad_x_in_t=False),
+}
+"""Algorithm name -> what it does; every branch on the algorithm asks this table."""
 
 # (per-token loss [N], 0 at ignored tokens) -> (g = dL/dloss_n [N], the microbatch's loss term, 0-dim).
 # After C1 the per-token loss is complete and the same on every rank, so a loss of whole sequences (a
@@ -69,9 +86,14 @@ class OutputLayerOptions:
     check_inputs: bool = True
     """Check label ids are in range in S (costs a host sync on GPU; turn off once the data is known good)."""
 
+    @property
+    def spec(self) -> Algorithm:
+        """The table entry of `algorithm`."""
+        return ALGORITHMS[self.algorithm]
+
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+            raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, got {self.algorithm!r}")
         if self.memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}")
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -266,7 +288,7 @@ def s_pass(
     m = torch.full((n,), float("-inf"), dtype=sd, device=x.device)
     s = torch.zeros(n, dtype=sd, device=x.device)
     t = torch.zeros(n, dtype=sd, device=x.device)
-    two = opts.algorithm == "vocab-2"
+    two = opts.spec.grad_x_from_s
     zsum = torch.zeros(n, dtype=sd, device=x.device) if getattr(loss_fn, "wants_mean_logits", False) else None
     a = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
     c = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
@@ -368,9 +390,9 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
     """
     if state.c1_done:
         raise RuntimeError("c1 already ran for this microbatch state")
-    algo = state.opts.algorithm
+    spec = state.opts.spec
     inputs = [state.local_max, state.local_sum, state.local_target]
-    if algo == "vocab-2":
+    if spec.grad_x_from_s:
         inputs += [state.local_a, state.local_c]
 
     zsum = state.local_logit_sum  # rides along with Σ t_i (one more column, no more collectives)
@@ -381,23 +403,23 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
     def chain() -> OutputState:
         mx = state.local_max.clone()
         works = [dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group, async_op=True)]
-        if algo == "vocab-2":
+        if spec.grad_x_from_s:
             # Σ c_i and Σ t_i do not need the max: they ride along with it.
             ct = torch.cat([state.local_c, state.local_target[:, None], *extra], dim=1)
             works.append(dist.all_reduce(ct, group=group, async_op=True))
-        elif algo == "vocab-1":
+        elif spec.grad_x_in_t:
             tt = torch.stack([state.local_target, zsum], dim=1) if extra else state.local_target.clone()
             works.append(dist.all_reduce(tt, group=group, async_op=True))
         for w in works:
             w.wait()
         logit_sum = None
-        if extra and algo == "vocab-2":
+        if extra and spec.grad_x_from_s:
             logit_sum, ct = ct[:, -1].clone(), ct[:, :-1]
-        elif extra and algo == "vocab-1":
+        elif extra and spec.grad_x_in_t:
             logit_sum, tt = tt[:, 1].clone(), tt[:, 0].contiguous()
         state.row_max = mx
         w = _shard_weight(state)
-        if algo == "vocab-2":
+        if spec.grad_x_from_s:
             sa = torch.cat([(state.local_sum * w)[:, None], state.local_a * w[:, None]], dim=1)
             dist.all_reduce(sa, group=group)
             # its own storage: a view would keep the whole [N, h+1] all-reduce buffer alive until T
@@ -407,7 +429,7 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
             del sa, ct  # the [N, h+1] buffers: nothing below reads them
             state.grad_x = _own_storage((state.grad_scale[:, None] * grad).to(state.x.dtype).reshape(state.x_shape))
             state.local_a = state.local_c = None
-        elif algo == "vocab-1":
+        elif spec.grad_x_in_t:
             row_sum = state.local_sum * w
             dist.all_reduce(row_sum, group=group)
             _finish_loss(state, mx, row_sum, tt, logit_sum)
@@ -426,7 +448,9 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
         state.c1_done = True
         return state
 
-    if algo == "naive":  # its third barrier needs the logits and the weight shard too
+    if not (
+        spec.grad_x_from_s or spec.grad_x_in_t
+    ):  # naive: its third barrier needs the logits and the weight shard too
         inputs += [state.x, state.weight] + list(state.logits or [])
     return submit(chain, group, state.local_max.device, inputs, "C1", async_op)
 
@@ -448,7 +472,7 @@ def t_pass(state: OutputState, weight_grad: torch.Tensor | None, bias_grad: torc
         raise ValueError(
             f"weight_grad {tuple(weight_grad.shape)} must have the shard's shape {tuple(state.weight.shape)}"
         )
-    one = state.opts.algorithm == "vocab-1"
+    one = state.opts.spec.grad_x_in_t
     gx = torch.zeros(state.x.shape, dtype=state.stat_dtype, device=state.x.device) if one else None
     for i, (lo, hi) in enumerate(state.chunks() if one or weight_grad is not None or bias_grad is not None else ()):
         grad = state.logit_grad(state.chunk_z(i, lo, hi), lo, hi).to(state.x.dtype)
@@ -465,7 +489,7 @@ def t_pass(state: OutputState, weight_grad: torch.Tensor | None, bias_grad: torc
 
 def c2(state: OutputState, group: dist.ProcessGroup | None = None, async_op: bool = True) -> Pending:
     """C2 (vocab-1 only): all-reduce the shards' ∇x_i into `state.grad_x` (on the communication engine)."""
-    if state.opts.algorithm != "vocab-1":
+    if not state.opts.spec.grad_x_in_t:
         raise ValueError(f"c2 exists only for vocab-1; {state.opts.algorithm} has grad_x after c1")
     if not state.t_done:
         raise RuntimeError("c2 needs ∇x_i from t_pass: run t_pass first")
@@ -498,6 +522,6 @@ def run_output_layer(
     state = s_pass(x, labels, grad_scale, weight, partition, rank, opts, bias, loss_fn)
     c1(state, group, async_op=False)
     t_pass(state, weight_grad, bias_grad)
-    if opts.algorithm == "vocab-1":
+    if opts.spec.grad_x_in_t:
         c2(state, group, async_op=False)
     return state

@@ -35,7 +35,7 @@ from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
-from ..recipe.presets import PRESETS, preset_config
+from ..recipe.presets import PRESETS, preset_config, uses_pretrained_weights
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import (
     model_tokenizer_source,
@@ -251,7 +251,7 @@ def vocab_decision(recipe, config, full: bool = True, found: dict | None = None)
     if tokenizer is None:
         return None
     m = recipe.model
-    pretrained = m.pretrained_weights and m.source not in PRESETS
+    pretrained = uses_pretrained_weights(m)
     own = model_tokenizer_source(m.source) if pretrained else None
     model_tokenizer = None
     if own is not None:
@@ -316,7 +316,7 @@ def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> l
     """Check where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
     write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
     `--resume` must name a complete checkpoint saved with this run's optimizer, schedule and data (or
-    `--override` says to apply this run's: `run/resume_check.py`). Returns notes for `--check`."""
+    `--override` says to apply this run's: `checkpoint/resume_check.py`). Returns notes for `--check`."""
     out = recipe.logging.output_dir
     for key, folder in (("logging.output_dir", out), ("checkpoint.dir", recipe.checkpoint.dir)):
         if folder and os.path.exists(folder) and not os.path.isdir(folder):
