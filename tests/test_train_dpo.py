@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from helpers.launch import run_env, train_ranks
@@ -194,3 +195,27 @@ def test_demo_pairs_are_deterministic_and_reject_another_answer(tmp_path):
     rows = [json.loads(line) for line in text.splitlines()]
     assert all(r["prompt"][-1]["role"] == "user" and r["chosen"][0]["role"] == "assistant" for r in rows)
     assert sum(r["chosen"] != r["rejected"] for r in rows) >= 0.9 * len(rows)  # two conversations may answer alike
+
+
+def test_the_recipe_preference_section_reaches_the_runtime_loss(tmp_path):
+    """preference.loss_type lists, loss_weights, label_smoothing and simpo_gamma reach the runtime's Preference
+    (new keys: the recipe knew sigmoid / ipo / hinge alone)."""
+    from vp_accelerate.train.run.loop import preference_of
+
+    f = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    data = {"files": [f], "format": "preference"}
+    section = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1, 0.5], "label_smoothing": 0.1, "simpo_gamma": 1}
+    recipe = recipe_from_dict({"data": data, "preference": section})
+    ref = torch.zeros(4, dtype=torch.float64)
+    pref = preference_of(recipe.preference, {"ref_logps": ref})
+    assert (pref.types, pref.weights, pref.label_smoothing, pref.simpo_gamma) == (
+        ("sigmoid", "sft"),
+        (1.0, 0.5),
+        0.1,
+        1.0,
+    )
+    pref.check(4, 2)
+    with pytest.raises(RecipeError, match="preference.loss_weights: 1 weights for 2 loss types"):
+        recipe_from_dict({"data": data, "preference": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1]}})
+    with pytest.raises(RecipeError, match="preference.label_smoothing: robust needs it in"):
+        recipe_from_dict({"data": data, "preference": {"loss_type": "robust", "label_smoothing": 0.5}})
