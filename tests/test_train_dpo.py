@@ -119,6 +119,17 @@ def test_recipe_refuses_label_smoothing_with_preference(tmp_path):
 
 
 def test_dpo_run_learns_repeated_pairs_and_logs_rewards(tok_dir, tmp_path):
+    _dpo_run(tok_dir, tmp_path, {"beta": 0.5})
+
+
+@pytest.mark.slow
+def test_a_reference_free_run_skips_the_reference_pass(tok_dir, tmp_path):
+    """ORPO ([sft, orpo]) through the trainer: no reference pass (no ref_logps.pt), and it learns the pairs."""
+    _dpo_run(tok_dir, tmp_path, {"beta": 0.5, "loss_type": ["sft", "orpo"]})
+
+
+def _dpo_run(tok_dir, tmp_path, preference):
+    reference = preference.get("loss_type", "sigmoid") == "sigmoid"
     rng = np.random.default_rng(1)
     rows = [
         {
@@ -140,7 +151,7 @@ def test_dpo_run_learns_repeated_pairs_and_logs_rewards(tok_dir, tmp_path):
             "format": "preference",
             "seq_len": 16,
         },
-        "preference": {"beta": 0.5},
+        "preference": preference,
         "pipeline": {"schedule": "1f1b", "method": "vocab-1", "microbatches": 2},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
         "train": {"steps": 12, "global_batch": 4},
@@ -153,6 +164,10 @@ def test_dpo_run_learns_repeated_pairs_and_logs_rewards(tok_dir, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if "train/loss" in r]
+    if not reference:
+        assert not (tmp_path / "run" / "ref_logps.pt").exists()
+        assert train[-1]["train/loss"] < train[0]["train/loss"] and train[-1]["rewards/accuracies"] > 0.5
+        return
     assert train[0]["train/loss"] == pytest.approx(math.log(2), rel=1e-6)  # the policy is the reference at step 1
     assert train[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-9)
     assert train[-1]["train/loss"] < 0.6 and train[-1]["rewards/accuracies"] > 0.5
