@@ -271,3 +271,45 @@ def _check(tmp_path, configs):
         for n, g in ref_grads.items():
             err = (grads[n] - g).abs().max().item() / g.abs().max().item()
             assert err < 1e-9, (*what, n, err)
+
+
+def _dp_ranks(ckpt, data, kw):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.preference import Preference
+
+    ids, labels, noise = data[:3]
+    cfg = PipelineConfig(schedule="1f1b", method="vocab-1", microbatches=2, dp_size=2, attn_implementation="eager")
+    pipe = PipelineModel(ckpt, cfg, dtype=torch.float64)
+    rows = ids.shape[0] // 2
+    sl = slice(pipe.dp_rank * rows, (pipe.dp_rank + 1) * rows)
+    own = pipe.sequence_logps(ids[sl], labels[sl])
+    res = pipe.train_step(ids[sl], labels[sl], preference=Preference(ref_logps=own + noise[sl], beta=BETA, **kw))
+    grads = _gathered_grads(pipe)
+    pipe.close()
+    return res.loss, grads
+
+
+@pytest.mark.slow
+def test_sft_token_mean_is_per_replica_as_under_ddp(tmp_path):
+    """Two data-parallel replicas: [sigmoid, sft]'s loss and gradients are the mean over replicas of TRL's loss
+    on each replica's rows (DDP averages gradients; TRL's sft is a token mean of the device's batch)."""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_llama(101, tied=False, attn_implementation="eager")).save_pretrained(
+        tmp_path / "ckpt"
+    )
+    ckpt, data, kw = str(tmp_path / "ckpt"), _rows(seed, 101, rows=8), PAIRED["rpo"]
+    per_rank = spawn(_dp_ranks, 2, ckpt, data, kw, timeout_s=600)
+    ids, labels, noise = data[:3]
+    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
+    with torch.no_grad():
+        ref = _token_logps(model, ids, labels).sum(1) + noise
+    loss = sum(
+        _trl_dpo(model, ids[4 * r : 4 * r + 4], labels[4 * r : 4 * r + 4], ref[4 * r : 4 * r + 4], kw) for r in (0, 1)
+    )
+    (loss / 2).backward()
+    for r in (0, 1):
+        assert per_rank[r][0] == pytest.approx(loss.item() / 2, rel=1e-9), (r, seed)
+    for n, p in model.named_parameters():
+        err = (per_rank[0][1][n] - p.grad).abs().max().item() / p.grad.abs().max().item()
+        assert err < 1e-9, (n, err, seed)
