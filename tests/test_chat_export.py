@@ -225,7 +225,13 @@ def test_the_adapter_folder_names_the_model_source_only_when_it_is_the_runs_base
     save_model(tmp_path / "m", tok)
     lora = {"type": "lora"}
     same = {"model": {"source": str(tmp_path / "m"), "pretrained_weights": True}, "adapter": lora}
-    assert adapter_base(same, len(tok), tok)[0] == str((tmp_path / "m").resolve())
+    # a local directory is a path of this machine: the base is written beside the adapter (None), unless it
+    # is a directory of the hub's cache, whose hub id is named instead
+    assert adapter_base(same, len(tok), tok)[0] is None
+    snapshot = tmp_path / "hub" / "models--org--tiny-model" / "snapshots" / "0123abc"
+    save_model(snapshot, tok)
+    same = {"model": {"source": str(snapshot), "pretrained_weights": True}, "adapter": lora}
+    assert adapter_base(same, len(tok), tok)[0] == "org/tiny-model"
     assert adapter_base({"model": {"source": "llama-tiny"}}, len(tok), tok)[0] is None  # a fresh model
     assert adapter_base(same, len(tok) + 2, tok) == (None, "the run resized the vocabulary")
     chat_tok = load(toks, "tok_a")

@@ -165,7 +165,7 @@ def test_an_sft_export_answers_with_its_reply_and_stops_at_the_end_of_turn(sft_r
 
 
 @pytest.mark.slow
-def test_a_lora_adapter_loads_offline_through_peft_and_answers(data, sft_run):
+def test_a_lora_adapter_loads_offline_through_peft_and_answers(data, sft_run, monkeypatch):
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -197,9 +197,11 @@ def test_a_lora_adapter_loads_offline_through_peft_and_answers(data, sft_run):
     )
     assert f"(LoRA merged into the weights; the adapter alone is in {run_dir / 'adapter'})" in log
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str(base_dir.resolve())  # the model source: the run's frozen base
-    peft_model = AutoPeftModelForCausalLM.from_pretrained(str(run_dir / "adapter"))  # HF_HUB_OFFLINE=1 here
-    tok = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
+    # the model source is a directory of this machine: its copy sits beside the adapter, named relative to it
+    assert config["base_model_name_or_path"] == "base"
+    monkeypatch.chdir(run_dir / "adapter")
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(".")  # HF_HUB_OFFLINE=1 here
+    tok = AutoTokenizer.from_pretrained(".")
     for text, last, n in replies(peft_model, tok):
         assert (text, last) == (LORA_REPLY, "<|im_end|>") and n < 20
     for text, _, _ in replies(AutoModelForCausalLM.from_pretrained(str(base_dir)), tok):
@@ -258,7 +260,7 @@ def text_base(data):
 
 
 @pytest.mark.slow
-def test_lora_on_a_base_without_a_template_learns_to_end_its_turn(data, text_base):
+def test_lora_on_a_base_without_a_template_learns_to_end_its_turn(data, text_base, monkeypatch):
     """LoRA chat SFT of a base whose tokenizer has no chat template: ChatML's <|im_start|> / <|im_end|> are added
     with fresh rows, which train under LoRA (adapter.train_new_tokens, each rank its shard's rows) and are saved
     in adapter/ as peft's trainable_token_indices: AutoPeftModelForCausalLM, offline, answers and stops at
@@ -284,7 +286,8 @@ def test_lora_on_a_base_without_a_template_learns_to_end_its_turn(data, text_bas
     ids = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert config["trainable_token_indices"] == {"embed_tokens": ids, "lm_head": ids}
-    peft_model = AutoPeftModelForCausalLM.from_pretrained(str(run_dir / "adapter"))  # HF_HUB_OFFLINE=1 here
+    monkeypatch.chdir(run_dir / "adapter")  # its base, beside it, is named relative to it
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(".")  # HF_HUB_OFFLINE=1 here
     # every token by a margin of 2 logits, <|im_end|> included, but the first: after "<|im_start|>assistant\n"
     # the text base's prior is flat, and 60 LoRA steps lift the reply's first word by ~0.75 logits (measured);
     # with the ChatML rows frozen (train_new_tokens: false, the old behaviour) the reply never stops (measured:

@@ -6,7 +6,9 @@ model's logits."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -104,7 +106,7 @@ def _train_on_ranks(ckpt: str, batches, configs, out_dir: str):
     return results
 
 
-def test_lora_matches_single_process_peft(tmp_path):
+def test_lora_matches_single_process_peft(tmp_path, monkeypatch):
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     config = tiny_llama(101)
@@ -171,10 +173,12 @@ def test_lora_matches_single_process_peft(tmp_path):
             str(tmp_path / "final_hf"),
             str(tmp_path / "final_adapter"),
         )
-        auto = AutoPeftModelForCausalLM.from_pretrained(
-            str(tmp_path / "final_adapter"), attn_implementation="eager", dtype=torch.float64
-        )
-        assert auto.peft_config["default"].base_model_name_or_path == str(tmp_path / "final_adapter" / "base")
+        # the base is named relative to the folder (never a path of this machine): a copy loads elsewhere
+        copy = shutil.copytree(tmp_path / "final_adapter", tmp_path / "elsewhere" / "adapter")
+        shutil.rmtree(tmp_path / "final_adapter")
+        monkeypatch.chdir(copy)
+        auto = AutoPeftModelForCausalLM.from_pretrained(".", attn_implementation="eager", dtype=torch.float64)
+        assert auto.peft_config["default"].base_model_name_or_path == "base"
         torch.testing.assert_close(auto(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
         final = AutoModelForCausalLM.from_pretrained(
             str(tmp_path / "final_hf"), attn_implementation="eager", dtype=torch.float64
@@ -334,9 +338,12 @@ def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path, tied)
         write_exports(per_rank[0][configs[1]][2], config, None, recipe, [], None, str(tmp_path / "final"))
         from peft import AutoPeftModelForCausalLM
 
-        auto = AutoPeftModelForCausalLM.from_pretrained(
-            str(tmp_path / "final"), attn_implementation="eager", dtype=torch.float64
-        )
+        here = os.getcwd()
+        os.chdir(tmp_path / "final")  # the frozen base is written beside the adapter, named relative to it: "base"
+        try:
+            auto = AutoPeftModelForCausalLM.from_pretrained(".", attn_implementation="eager", dtype=torch.float64)
+        finally:
+            os.chdir(here)
         torch.testing.assert_close(auto(input_ids=ids).logits, expected, rtol=1e-9, atol=1e-9)
 
 

@@ -20,11 +20,12 @@ from transformers import AutoModelForCausalLM
 
 from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import spawn
-from vp_accelerate.runtime.preference import LOSS_TYPES, REWARD_METRICS
+from vp_accelerate.runtime.preference import REWARD_METRICS
 from vp_accelerate.schedule.registry import supported_pairs
 
 CONFIGS = [(s, m, 1) for s, m in supported_pairs()]  # (schedule, method, dp_size)
 BETA = 0.3
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # the others: test_runtime_preference_losses.py
 SEQ = 10
 
 
@@ -181,7 +182,7 @@ def _output_layer_errors(ids, labels, noise) -> dict:
     relative errors of the loss, ∂X and this rank's ∂W rows against autograd over the full float64 logits."""
     import torch.distributed as dist
 
-    from vp_accelerate.runtime.preference import PairLoss
+    from vp_accelerate.runtime.preference import PairLoss, Preference
     from vp_accelerate.vocab.labels import shift_labels
     from vp_accelerate.vocab.output_layer import ALGORITHMS, OutputLayerOptions, run_output_layer
     from vp_accelerate.vocab.partition import VocabPartition, shard_tensor
@@ -203,7 +204,8 @@ def _output_layer_errors(ids, labels, noise) -> dict:
         for algo in ALGORITHMS:
             w = shard_tensor(weight, part, rank)
             w_grad = torch.zeros_like(w)
-            fn = PairLoss(labels=target, ref_logps=noise, beta=BETA, loss_type=loss_type, pairs=rows // 2)
+            pref = Preference(ref_logps=noise, beta=BETA, loss_type=loss_type)
+            fn = PairLoss(labels=target, ref_logps=noise, preference=pref, pairs=rows // 2)
             st = run_output_layer(
                 x,
                 target.reshape(-1),

@@ -5,6 +5,7 @@ folder loads offline through AutoPeftModelForCausalLM."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 
 @pytest.mark.slow
-def test_chat_lora_run_exports_merged_and_adapter(tmp_path):
+def test_chat_lora_run_exports_merged_and_adapter(tmp_path, monkeypatch):
     pytest.importorskip("peft")
     pytest.importorskip("babel")
     import yaml
@@ -131,8 +132,11 @@ def test_chat_lora_run_exports_merged_and_adapter(tmp_path):
     assert "LoRA r=4 alpha=8 on q_proj, v_proj, down_proj: " in log and " trainable of " in log
     assert "(LoRA merged into the weights; the adapter alone is in " in log
     folder = tmp_path / "run" / "adapter"
-    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(folder / "base")
-    auto = AutoPeftModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64)
-    assert len(AutoTokenizer.from_pretrained(str(folder))) == auto.get_input_embeddings().weight.shape[0]
+    # named relative to the folder, never a path of this machine: a copy loads elsewhere, from inside it
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
+    folder = shutil.copytree(folder, tmp_path / "elsewhere" / "adapter")
+    monkeypatch.chdir(folder)
+    auto = AutoPeftModelForCausalLM.from_pretrained(".", dtype=torch.float64)
+    assert len(AutoTokenizer.from_pretrained(".")) == auto.get_input_embeddings().weight.shape[0]
     with torch.no_grad():
         torch.testing.assert_close(auto(input_ids=ids).logits, loaded(input_ids=ids).logits, rtol=1e-12, atol=1e-12)

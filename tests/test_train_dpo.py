@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from helpers.launch import run_env, train_ranks
@@ -118,6 +119,17 @@ def test_recipe_refuses_label_smoothing_with_preference(tmp_path):
 
 
 def test_dpo_run_learns_repeated_pairs_and_logs_rewards(tok_dir, tmp_path):
+    _dpo_run(tok_dir, tmp_path, {"beta": 0.5})
+
+
+@pytest.mark.slow
+def test_a_reference_free_run_skips_the_reference_pass(tok_dir, tmp_path):
+    """ORPO ([sft, orpo]) through the trainer: no reference pass (no ref_logps.pt), and it learns the pairs."""
+    _dpo_run(tok_dir, tmp_path, {"beta": 0.5, "loss_type": ["sft", "orpo"]})
+
+
+def _dpo_run(tok_dir, tmp_path, preference):
+    reference = preference.get("loss_type", "sigmoid") == "sigmoid"
     rng = np.random.default_rng(1)
     rows = [
         {
@@ -139,7 +151,7 @@ def test_dpo_run_learns_repeated_pairs_and_logs_rewards(tok_dir, tmp_path):
             "format": "preference",
             "seq_len": 16,
         },
-        "preference": {"beta": 0.5},
+        "preference": preference,
         "pipeline": {"schedule": "1f1b", "method": "vocab-1", "microbatches": 2},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
         "train": {"steps": 12, "global_batch": 4},
@@ -152,6 +164,10 @@ def test_dpo_run_learns_repeated_pairs_and_logs_rewards(tok_dir, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if "train/loss" in r]
+    if not reference:
+        assert not (tmp_path / "run" / "ref_logps.pt").exists()
+        assert train[-1]["train/loss"] < train[0]["train/loss"] and train[-1]["rewards/accuracies"] > 0.5
+        return
     assert train[0]["train/loss"] == pytest.approx(math.log(2), rel=1e-6)  # the policy is the reference at step 1
     assert train[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-9)
     assert train[-1]["train/loss"] < 0.6 and train[-1]["rewards/accuracies"] > 0.5
@@ -262,3 +278,27 @@ def test_a_dataset_dicts_test_split_is_the_evaluation_data(tok, tmp_path):
 def test_dpo_configs_names_point_at_our_keys(section, key, ours):
     with pytest.raises(RecipeError, match=rf"{section}\.{key}: unknown key; did you mean {ours}\?"):
         recipe_from_dict({section: {key: 1}})
+
+
+def test_the_recipe_preference_section_reaches_the_runtime_loss(tmp_path):
+    """preference.loss_type lists, loss_weights, label_smoothing and simpo_gamma reach the runtime's Preference
+    (new keys: the recipe knew sigmoid / ipo / hinge alone)."""
+    from vp_accelerate.train.run.loop import preference_of
+
+    f = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    data = {"files": [f], "format": "preference"}
+    section = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1, 0.5], "label_smoothing": 0.1, "simpo_gamma": 1}
+    recipe = recipe_from_dict({"data": data, "preference": section})
+    ref = torch.zeros(4, dtype=torch.float64)
+    pref = preference_of(recipe.preference, {"ref_logps": ref})
+    assert (pref.types, pref.weights, pref.label_smoothing, pref.simpo_gamma) == (
+        ("sigmoid", "sft"),
+        (1.0, 0.5),
+        0.1,
+        1.0,
+    )
+    pref.check(4, 2)
+    with pytest.raises(RecipeError, match="preference.loss_weights: 1 weights for 2 loss types"):
+        recipe_from_dict({"data": data, "preference": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1]}})
+    with pytest.raises(RecipeError, match="preference.label_smoothing: robust needs it in"):
+        recipe_from_dict({"data": data, "preference": {"loss_type": "robust", "label_smoothing": 0.5}})

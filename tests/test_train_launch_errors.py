@@ -116,3 +116,23 @@ def test_accelerate_launch_ranks_say_one_line_and_no_traceback(bad_run):
     said = [x for x in _lines(out.stderr) if x.startswith("data error:")]
     assert len(said) == 1 and f"line {line}: turn 1 has unknown role 'bot'" in said[0]
     assert "[rank" not in out.stderr and "exitcode  : 2" in out.stderr  # no rank traceback; the rank exited 2
+
+
+@pytest.mark.slow  # a guard: one more 2-process launch
+def test_push_to_hub_refused_offline_exits_2_with_one_line(bad_run):
+    """checkpoint.push_to_hub under HF_HUB_OFFLINE=1 (the tests' environment): refused before any rank trains,
+    in one line and exit code 2 under `vp-accelerate launch`, no launcher report."""
+    d, _, env, _ = bad_run
+    assert env.get("HF_HUB_OFFLINE") == "1"
+    args = ["--set", "checkpoint.push_to_hub=me/model", "--set", "data.skip_invalid=true"]
+    out = run(
+        [os.path.join(BIN, "vp-accelerate"), "launch", "--config_file", CPU_2PROC, "train", str(d / "r.yaml"), *args],
+        d,
+        env,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert _lines(out.stderr) == [
+        "recipe error: checkpoint.push_to_hub: HF_HUB_OFFLINE=1 is set, so the final export cannot be uploaded; "
+        "unset it where the hub is reachable, or drop push_to_hub (the export stays in <output_dir>/hf) "
+        "(--set checkpoint.push_to_hub=me/model)"
+    ], out.stderr[-3000:]

@@ -195,10 +195,12 @@ def merge_lora(state: dict[str, torch.Tensor], scaling: float, transposed=()) ->
             continue
         module, _, leaf = name.partition(".base_layer.")
         if leaf == "weight":
+            a_dtype = state[f"{module}.lora_A.{ADAPTER_NAME}.weight"].dtype
             a = state[f"{module}.lora_A.{ADAPTER_NAME}.weight"].double()
             b = state[f"{module}.lora_B.{ADAPTER_NAME}.weight"].double()
             delta = scaling * (b @ a)
-            t = (t.double() + (delta.t() if module in transposed else delta)).to(t.dtype)
+            # a base held in the compute dtype (bf16) merges into the adapters' fp32: the update is not rounded
+            t = (t.double() + (delta.t() if module in transposed else delta)).to(torch.promote_types(t.dtype, a_dtype))
         out[f"{module}.{leaf}"] = t
     return out
 

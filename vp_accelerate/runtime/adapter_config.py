@@ -46,6 +46,12 @@ class AdapterConfig:
     `<|im_start|>` / `<|im_end|>` for a base model without a chat template): frozen, they keep their initial
     rows, and the model never learns to end its turn."""
 
+    frozen_in_compute_dtype: bool = True
+    """Under bf16 / fp16 mixed precision, hold the frozen decoder weights (LoRA's base layers) in the compute
+    dtype: 2 bytes per frozen parameter instead of an fp32 copy plus a low-precision cast of it each step
+    (6). The forward is the same bit for bit (a frozen weight's cast never changes); adapters, biases, norms,
+    the vocabulary and the rows that train keep fp32. false keeps the fp32 copies."""
+
     def check(self) -> "AdapterConfig":
         """Raise ValueError naming the field for an impossible value."""
         if self.type is None:

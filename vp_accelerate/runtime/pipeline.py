@@ -213,8 +213,8 @@ class PipelineModel:
 
         `position_ids` [batch, seq] (default 0..s-1 per row): packed documents restart at 0, and as in HF
         (when no attention_mask is given) each token then attends only inside its own document.
-        `preference`: the rows are preference pairs (row 2k chosen, 2k + 1 rejected) and the loss is TRL's
-        DPO / IPO / hinge loss over them (runtime/preference.py) instead of the token mean.
+        `preference`: the rows are preference pairs (row 2k chosen, 2k + 1 rejected; KTO: unpaired rows) and
+        the loss is TRL's preference loss over them (runtime/preference.py) instead of the token mean.
         """
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids, loss_scale=scale)
@@ -365,14 +365,20 @@ class PipelineModel:
                 "label_smoothing: a preference loss compares log-probabilities, which smoothing changes; set it to 0"
             )
         rows = batch // self.cfg.microbatches
+        # sft's token mean: this replica's chosen label tokens, summed on the device (no host sync)
+        chosen_tokens = sum((mb.labels[0::2] != -100).sum() for mb in mbs)
         out = []
         for k, mb in enumerate(mbs):
+            part = slice(k * rows, (k + 1) * rows)
+            ref = preference.ref_logps
             mb.loss_fn = PairLoss(
                 labels=mb.labels,
-                ref_logps=preference.ref_logps[k * rows : (k + 1) * rows].to(self.device, torch.float64),
-                beta=preference.beta,
-                loss_type=preference.loss_type,
+                ref_logps=None if ref is None else ref[part].to(self.device, torch.float64),
+                preference=preference,
                 pairs=batch // 2 * self.dp_size,
+                dp_size=self.dp_size,
+                chosen_tokens=chosen_tokens,
+                desirable=None if preference.desirable is None else preference.desirable[part].to(self.device),
                 loss_scale=scale,
             )
             out.append(mb.loss_fn)

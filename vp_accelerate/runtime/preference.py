@@ -1,68 +1,217 @@
-"""Preference optimisation (DPO and its IPO / hinge variants) as a loss of whole sequences.
+"""Preference optimisation (TRL's DPO losses, SimPO, ORPO's odds ratio, KTO) as a loss of whole sequences.
 
-A step's batch holds pairs: row 2k is pair k's chosen completion, row 2k + 1 its rejected one, with the
-prompt's labels ignored (-100), so a row's log-probability log π(y|x) is minus the sum of its per-token
-cross-entropy. With m = [log π(y_w) − log π_ref(y_w)] − [log π(y_l) − log π_ref(y_l)] TRL's losses are
+A step's batch holds pairs: row 2k is pair k's chosen completion, row 2k + 1 its rejected one (KTO: unpaired
+rows, each desirable or not), with the prompt's labels ignored (-100), so a row's log-probability log π(y|x)
+is minus the sum of its per-token cross-entropy. Every loss here is a function of the rows' sums only (and of
+counts the host knows), so dL/dCE_t = −dL/dlog π(row) for a completion token and 0 for a prompt token:
+exactly the per-token g the vocabulary-parallel output layer takes after C1 (every rank has each token's
+loss then), so T, ∇x and the pipeline's backward follow unchanged (vocab/output_layer.py `SequenceLossFn`)
+and no loss needs a collective of its own. dL/dlog π is taken by autograd over the microbatch's [rows]
+float64 sums (`LOSSES` below: TRL's formulas), so a loss is written once, as TRL writes it. The baseline
+applies the same g to its autograd CE (runtime/executor.py). A pair's two rows must share a microbatch:
+microbatches hold an even number of rows.
 
-    sigmoid  −log σ(β·m)          hinge  max(0, 1 − β·m)          ipo  (m − 1/(2β))²
+With m = [log π(y_w) − log π_ref(y_w)] − [log π(y_l) − log π_ref(y_l)] and ε = label_smoothing:
 
-(IPO on length-normalised log-probabilities, as TRL), averaged over the step's P pairs. The loss depends
-on the tokens only through each row's CE sum, so dL/dCE_t = −dL/dlog π(row)  (÷ the row's tokens for
-IPO) for a completion token and 0 for a prompt token: exactly the per-token g the vocabulary-parallel
-output layer takes after C1 (every rank has each token's loss then), so T, ∇x and the pipeline's backward
-follow unchanged (vocab/output_layer.py `SequenceLossFn`). The baseline applies the same g to its
-autograd CE (runtime/executor.py). A pair's two rows must share a microbatch: microbatches hold an even
-number of rows.
+    sigmoid   −log σ(βm)                          (DPO)
+    hinge     max(0, 1 − βm)
+    ipo       (m̄ − 1/(2β))²                      m̄ on per-token averages
+    robust    (−(1−ε) log σ(βm) + ε log σ(−βm)) / (1 − 2ε)
+    apo_zero  1 − σ(β r_w) + σ(β r_l)             r = log π − log π_ref
+    sft       −Σ chosen log π / chosen tokens     (RPO / MPO's NLL term; a replica's token mean, as DDP)
+    simpo     −(1−ε) log σ(βd) − ε log σ(−βd)     d = avg log π_w − avg log π_l − γ/β (CPO's `simpo`)
+    orpo      −β log σ(log odds_w − log odds_l)   odds on avg log π (ORPOTrainer's odds-ratio term)
+    kto       w_d (1 − σ(β(r − z))) desirable, w_u (1 − σ(β(z − r))) undesirable; z = max(KL, 0), given
+    apo_zero_unpaired   1 − σ(βr) desirable, σ(βr) undesirable
+
+each a mean over the step's pairs (KTO: rows), summed with `loss_weights` (TRL's `loss_type` list).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x < 0, branched at −ln 2 as TRL's ORPO does."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+@dataclass
+class _Rows:
+    """A microbatch's per-row quantities, float64 [rows] (pairs: even rows chosen, odd rejected)."""
+
+    logps: torch.Tensor
+    """Σ log π over each row's label tokens (the autograd leaf)."""
+    ref: torch.Tensor
+    """Σ log π_ref, the same sums under the reference model (zeros when reference-free)."""
+    tokens: torch.Tensor
+    """Label tokens per row (≥ 1)."""
+    desirable: torch.Tensor | None
+    """KTO: [rows] bool; None for pairs."""
+
+
+def _margin(r: _Rows) -> torch.Tensor:
+    ratio = r.logps - r.ref
+    return ratio[0::2] - ratio[1::2]
+
+
+def _avg(r: _Rows) -> torch.Tensor:
+    return r.logps / r.tokens
+
+
+def _ipo(r: _Rows, p: Preference) -> torch.Tensor:
+    ratio = (r.logps - r.ref) / r.tokens
+    return (ratio[0::2] - ratio[1::2] - 1 / (2 * p.beta)) ** 2
+
+
+def _robust(r: _Rows, p: Preference) -> torch.Tensor:
+    bm, eps = p.beta * _margin(r), p.label_smoothing
+    return (-(1 - eps) * F.logsigmoid(bm) + eps * F.logsigmoid(-bm)) / (1 - 2 * eps)
+
+
+def _apo_zero(r: _Rows, p: Preference) -> torch.Tensor:
+    ratio = r.logps - r.ref
+    return 1 - torch.sigmoid(p.beta * ratio[0::2]) + torch.sigmoid(p.beta * ratio[1::2])
+
+
+def _simpo(r: _Rows, p: Preference) -> torch.Tensor:
+    avg = _avg(r)
+    d = avg[0::2] - avg[1::2] - p.simpo_gamma / p.beta
+    eps = p.label_smoothing
+    return -F.logsigmoid(p.beta * d) * (1 - eps) - F.logsigmoid(-p.beta * d) * eps
+
+
+def _orpo(r: _Rows, p: Preference) -> torch.Tensor:
+    avg = _avg(r)
+    log_odds = (avg[0::2] - avg[1::2]) - (_log1mexp(avg[0::2]) - _log1mexp(avg[1::2]))
+    return -p.beta * F.logsigmoid(log_odds)
+
+
+def _kto(r: _Rows, p: Preference) -> torch.Tensor:
+    ratio, z = r.logps - r.ref, max(p.kl, 0.0)
+    d = r.desirable
+    return torch.where(
+        d,
+        p.desirable_weight * (1 - torch.sigmoid(p.beta * (ratio - z))),
+        p.undesirable_weight * (1 - torch.sigmoid(p.beta * (z - ratio))),
+    )
+
+
+def _apo_zero_unpaired(r: _Rows, p: Preference) -> torch.Tensor:
+    ratio = r.logps - r.ref
+    s = torch.sigmoid(p.beta * ratio)
+    return torch.where(r.desirable, p.desirable_weight * (1 - s), p.undesirable_weight * s)
+
+
+@dataclass(frozen=True)
+class LossKind:
+    """One entry of `LOSSES`: how a loss reads the rows and how its per-item values are averaged."""
+
+    fn: Callable[[_Rows, Preference], torch.Tensor]
+    """(rows, preference) -> per-item losses: [pairs], or [rows] for unpaired, or a scalar sum for `sft`."""
+    reference: bool = True
+    """Needs the reference model's log-probabilities."""
+    unpaired: bool = False
+    """Rows are unpaired (KTO: `Preference.desirable` says which); mean over rows, not pairs."""
+    token_mean: bool = False
+    """The value is a sum over chosen tokens, averaged by the replica's chosen tokens (`sft`)."""
+
+
+LOSSES: dict[str, LossKind] = {
+    "sigmoid": LossKind(lambda r, p: -F.logsigmoid(p.beta * _margin(r))),
+    "hinge": LossKind(lambda r, p: torch.relu(1 - p.beta * _margin(r))),
+    "ipo": LossKind(_ipo),
+    "robust": LossKind(_robust),
+    "apo_zero": LossKind(_apo_zero),
+    "sft": LossKind(lambda r, p: -r.logps[0::2].sum(), reference=False, token_mean=True),
+    "simpo": LossKind(_simpo, reference=False),
+    "orpo": LossKind(_orpo, reference=False),
+    "kto": LossKind(_kto, unpaired=True),
+    "apo_zero_unpaired": LossKind(_apo_zero_unpaired, unpaired=True),
+}
+LOSS_TYPES = tuple(LOSSES)
+LOGGED_AVERAGED = ("simpo", "orpo")
+"""Losses whose trainer (TRL's CPOTrainer, ORPOTrainer) logs logps/* and rewards/* on per-token averages too;
+DPOTrainer logs sums, IPO included."""
+
+
+def _as_tuple(loss_type: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    return (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
 
 
 @dataclass(frozen=True)
 class Preference:
     """What `PipelineModel.train_step` needs to train on preference pairs (its rows interleave chosen and
-    rejected: row 2k chosen, row 2k + 1 rejected)."""
+    rejected: row 2k chosen, row 2k + 1 rejected) or on KTO's unpaired rows (`desirable`)."""
 
-    ref_logps: torch.Tensor
-    """[batch] the reference model's log π_ref(row) (a sum over the row's label tokens; `sequence_logps`)."""
+    ref_logps: torch.Tensor | None
+    """[batch] the reference model's log π_ref(row) (a sum over the row's label tokens; `sequence_logps`);
+    None when every loss is reference-free (`sft`, `simpo`, `orpo`)."""
     beta: float = 0.1
-    """β: the strength of the implicit KL penalty (TRL's `beta`)."""
-    loss_type: str = "sigmoid"
-    """"sigmoid" (DPO), "ipo" or "hinge", as TRL's `loss_type`."""
+    """β: the strength of the implicit KL penalty (TRL's `beta`; SimPO's β, ORPO's λ)."""
+    loss_type: str | tuple[str, ...] = "sigmoid"
+    """One of `LOSS_TYPES` or a list of them, as TRL's `loss_type`; their losses are summed with weights."""
+    loss_weights: tuple[float, ...] | None = None
+    """One weight per `loss_type` entry (TRL's `loss_weights`); None = all 1."""
+    label_smoothing: float = 0.0
+    """ε of `robust` (in [0, 0.5)) and `simpo` (TRL's `label_smoothing`)."""
+    simpo_gamma: float = 0.5
+    """γ of `simpo`: the target margin (CPO's `simpo_gamma`)."""
+    desirable: torch.Tensor | None = None
+    """KTO: [batch] bool, True for a desirable row (TRL's `label`); needed by `kto` / `apo_zero_unpaired`."""
+    kl: float = 0.0
+    """KTO's KL estimate z (a constant of the step: mean over mismatched prompt/completion rows of log π −
+    log π_ref, from `PipelineModel.sequence_logps`; TRL clamps it at 0 and so does the loss)."""
+    desirable_weight: float = 1.0
+    """KTO's weight of desirable rows' losses."""
+    undesirable_weight: float = 1.0
+    """KTO's weight of undesirable rows' losses."""
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return _as_tuple(self.loss_type)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return tuple(self.loss_weights) if self.loss_weights is not None else (1.0,) * len(self.types)
+
+    @property
+    def unpaired(self) -> bool:
+        return any(LOSSES[t].unpaired for t in self.types if t in LOSSES)
 
     def check(self, batch: int, microbatches: int) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        types = self.types
+        bad = [t for t in types if t not in LOSSES]
+        if bad or not types:
+            raise ValueError(f"loss_type must be one or more of {LOSS_TYPES}, got {self.loss_type!r}")
+        if len(self.weights) != len(types):
+            raise ValueError(f"loss_weights has {len(self.weights)} entries for {len(types)} loss types {types}")
+        if len({LOSSES[t].unpaired for t in types}) > 1:
+            raise ValueError(f"loss_type {types}: KTO's unpaired losses do not mix with pair losses")
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
-        if tuple(self.ref_logps.shape) != (batch,):
+        if "robust" in types and not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5) for robust, got {self.label_smoothing}")
+        if self.ref_logps is None:
+            if any(LOSSES[t].reference for t in types):
+                raise ValueError(f"loss_type {types} needs the reference log-probabilities (ref_logps)")
+        elif tuple(self.ref_logps.shape) != (batch,):
             raise ValueError(f"ref_logps must be [batch] = [{batch}], got {tuple(self.ref_logps.shape)}")
-        if (batch // microbatches) % 2:
+        if self.unpaired:
+            if self.desirable is None or tuple(self.desirable.shape) != (batch,):
+                raise ValueError(f"loss_type {types} needs `desirable`, a [batch] = [{batch}] bool per row")
+        elif (batch // microbatches) % 2:
             raise ValueError(
                 f"a preference batch of {batch} rows in {microbatches} microbatches puts {batch // microbatches} "
                 f"rows in each; a pair's chosen and rejected must share a microbatch, so use an even number of "
                 f"rows per microbatch (batch = 2 x pairs, pairs a multiple of microbatches)"
             )
-
-
-def pair_loss(m: torch.Tensor, beta: float, loss_type: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss per pair, dloss/dm per pair) of TRL's `loss_type` at margins m."""
-    if loss_type == "sigmoid":
-        return -F.logsigmoid(beta * m), -beta * torch.sigmoid(-beta * m)
-    if loss_type == "hinge":
-        active = (1 - beta * m) > 0  # (a scalar -beta in torch.where would be float32: 4e-8 off in float64)
-        return torch.relu(1 - beta * m), -beta * active.to(m.dtype)
-    if loss_type == "ipo":
-        d = m - 1 / (2 * beta)
-        return d**2, 2 * d
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
 @dataclass
@@ -72,16 +221,23 @@ class PairLoss:
 
     labels: torch.Tensor
     """[rows, seq] shifted labels (-100 at prompt, padding and the last position)."""
-    ref_logps: torch.Tensor
-    """[rows] float64 log π_ref, sums over each row's label tokens."""
-    beta: float
-    loss_type: str
+    ref_logps: torch.Tensor | None
+    """[rows] float64 log π_ref, sums over each row's label tokens (None: reference-free)."""
+    preference: Preference
+    """The step's losses and their settings."""
     pairs: int
-    """P: pairs in the whole step, over every data-parallel replica (the loss is their mean)."""
+    """P: pairs in the whole step, over every data-parallel replica (pair losses are their mean; KTO's row
+    losses the mean over 2P rows)."""
+    dp_size: int = 1
+    """Data-parallel replicas: `sft`'s token mean is a replica's, averaged over replicas (as DDP does)."""
+    chosen_tokens: torch.Tensor | None = None
+    """`sft`: the label tokens of this replica's chosen rows, over every microbatch of the step."""
+    desirable: torch.Tensor | None = None
+    """KTO: [rows] bool for this microbatch's rows."""
     loss_scale: float = 1.0
     """fp16's loss scale: g and the loss term carry it, as the token loss's grad_scale does."""
     logps: torch.Tensor | None = field(default=None, repr=False)
-    """After a call: [rows] float64 log π of this step's policy (sums over the row's tokens, as TRL logs them)."""
+    """After a call: [rows] float64 log π of this step's policy (sums over each row's label tokens)."""
     mean_logits: torch.Tensor | None = field(default=None, repr=False)
     """[rows x seq] each position's logits averaged over the vocabulary (TRL's logits/* metrics), when recorded."""
 
@@ -95,51 +251,82 @@ class PairLoss:
     def _tokens(self) -> torch.Tensor:
         return (self.labels != -100).sum(dim=1).to(torch.float64).clamp(min=1)
 
-    def normalise(self, logps: torch.Tensor) -> torch.Tensor:
-        """TRL's IPO compares average log-probabilities per token; the other losses sums."""
-        return logps / self._tokens().to(logps.device) if self.loss_type == "ipo" else logps
+    def _ref(self, device) -> torch.Tensor:
+        rows = self.labels.shape[0]
+        if self.ref_logps is None:
+            return torch.zeros(rows, dtype=torch.float64, device=device)
+        return self.ref_logps.to(device=device, dtype=torch.float64)
+
+    def loss_and_grad(self, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this microbatch's share of the step loss, dL/dlog π per row), float64."""
+        p = self.preference
+        leaf = logps.detach().to(torch.float64).requires_grad_()
+        desirable = None if self.desirable is None else self.desirable.to(leaf.device)
+        rows = _Rows(leaf, self._ref(leaf.device), self._tokens().to(leaf.device), desirable)
+        with torch.enable_grad():
+            total = leaf.new_zeros(())
+            for name, weight in zip(p.types, p.weights):
+                kind = LOSSES[name]
+                value = kind.fn(rows, p)
+                if kind.token_mean:
+                    denom = self.chosen_tokens.to(leaf.device, torch.float64).clamp(min=1) * self.dp_size
+                    total = total + weight * value / denom
+                else:
+                    items = 2 * self.pairs if kind.unpaired else self.pairs
+                    total = total + weight * value.sum() / items
+            (grad,) = torch.autograd.grad(total, leaf)
+        return total.detach(), grad
 
     def __call__(self, token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.labels.shape[0]
         ce = token_loss.detach().to(torch.float64).reshape(rows, -1)
-        self.logps = -ce.sum(dim=1)
-        logps = self.normalise(self.logps)
-        ref = self.normalise(self.ref_logps.to(device=ce.device, dtype=torch.float64))
-        ratio = logps - ref
-        m = ratio[0::2] - ratio[1::2]
-        losses, dm = pair_loss(m, self.beta, self.loss_type)
-        # dL/dlog π: +dm for the chosen row, −dm for the rejected one; dCE_t = −dL/dlog π (÷ tokens for IPO)
-        dlogp = torch.stack([dm, -dm], dim=1).reshape(rows)
-        dce = -dlogp / (self._tokens().to(ce.device) if self.loss_type == "ipo" else 1.0)
+        logps = -ce.sum(dim=1)
+        loss, dlogp = self.loss_and_grad(logps)
         valid = self.labels.to(ce.device) != -100
-        scale = self.loss_scale / self.pairs
-        g = torch.where(valid, (dce * scale)[:, None], 0.0)
-        return g.reshape(-1).to(token_loss.dtype), losses.sum() * scale
+        g = torch.where(valid, (-dlogp * self.loss_scale)[:, None], 0.0)  # dCE_t = −dL/dlog π(row)
+        self.logps = logps
+        return g.reshape(-1).to(token_loss.dtype), loss * self.loss_scale
+
+    def logged_logps(self) -> torch.Tensor:
+        """The log π TRL logs (logps/*, and inside rewards/*): per-token averages where the trainer works on
+        them (CPOTrainer's SimPO, ORPOTrainer: `LOGGED_AVERAGED`), sums otherwise (DPOTrainer, IPO included:
+        only its loss is length-normalised)."""
+        if any(t in LOGGED_AVERAGED for t in self.preference.types):
+            return self.logps / self._tokens().to(self.logps.device)
+        return self.logps
 
     def rewards(self) -> torch.Tensor:
         """[REWARD_SUMS] sums over this microbatch's pairs of: chosen reward, rejected reward, chosen > rejected,
         margin, chosen log π, rejected log π; then Σ of the chosen / rejected completions' mean logits and their
-        token counts. As TRL logs them: reward = β (log π − log π_ref) of the summed log-probabilities whatever
-        the loss (IPO normalises its loss only)."""
-        ref = self.ref_logps.to(device=self.logps.device, dtype=torch.float64)
-        r = self.beta * (self.logps - ref)
-        chosen, rejected = r[0::2], r[1::2]
-        valid = (self.labels != -100).to(self.logps.device)
+        token counts. As TRL logs them: reward = β (log π − log π_ref) (β log π for the reference-free losses),
+        on `logged_logps`. KTO's unpaired rows: the same sums over desirable / undesirable rows."""
+        logps = self.logged_logps()
+        r = self.preference.beta * (logps - self._ref(logps.device))  # simpo / orpo: reference-free, ref 0
+        valid = (self.labels != -100).to(logps.device)
         mean = self.mean_logits if self.mean_logits is not None else torch.zeros(valid.shape, dtype=r.dtype)
-        logit_sums = torch.where(valid, mean.to(self.logps.device), 0.0).sum(dim=1)
+        logit_sums = torch.where(valid, mean.to(logps.device), 0.0).sum(dim=1)
         tokens = valid.sum(dim=1).to(r.dtype)
+        if self.desirable is not None:  # KTO: unpaired rows
+            d = self.desirable.to(r.device)
+            first, second = d, ~d
+        else:
+            first = torch.zeros_like(r, dtype=torch.bool)
+            first[0::2] = True
+            second = ~first
+        chosen, rejected = r[first], r[second]
+        accurate = (chosen > rejected).to(r.dtype).sum() if self.desirable is None else r.new_zeros(())
         return torch.stack(
             [
                 chosen.sum(),
                 rejected.sum(),
-                (chosen > rejected).to(r.dtype).sum(),
-                (chosen - rejected).sum(),
-                self.logps[0::2].sum(),
-                self.logps[1::2].sum(),
-                logit_sums[0::2].sum(),
-                logit_sums[1::2].sum(),
-                tokens[0::2].sum(),
-                tokens[1::2].sum(),
+                accurate,
+                chosen.sum() - rejected.sum(),
+                logps[first].sum(),
+                logps[second].sum(),
+                logit_sums[first].sum(),
+                logit_sums[second].sum(),
+                tokens[first].sum(),
+                tokens[second].sum(),
             ]
         )
 

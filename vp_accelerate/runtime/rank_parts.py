@@ -14,6 +14,7 @@ import torch.distributed as dist
 from vp_accelerate.cost import layout_costs, plan_layout
 from vp_accelerate.models import RankModules, StageLayout, build_rank, resolve_config
 from vp_accelerate.models.lora import apply_lora
+from vp_accelerate.runtime import precision
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.groups import Groups
@@ -93,6 +94,9 @@ def build_rank_parts(
     lora_transposed: list[str] = []
     if adapter.enabled:  # before the B/W split patches the linear layers (LoRA's included)
         lora_transposed = apply_lora(mods, adapter, seed, dtype)
+        compute = precision.low_dtype(precision.resolve(cfg.mixed_precision))
+        if adapter.frozen_in_compute_dtype and compute is not None:  # 2 bytes per frozen weight, not 4 + 2
+            precision.hold_frozen(mods.chunks.values(), compute)
     # without VP the algorithm is unused (the last stage runs the whole output layer): keep the default
     out_opts = OutputLayerOptions(
         algorithm=schedule.method.output_algorithm or OutputLayerOptions.algorithm,

@@ -12,10 +12,13 @@ token (`models/generation.py`), so `generate()` works on it as it is.
 
 A LoRA run's state holds the frozen base weights and the adapters: the model directory is merged (W +
 alpha/r·BA, a plain HF model); the peft adapter folder (`adapter_dir`, or `adapter_only`) holds the adapters,
-the tokenizer and `base_model_name_or_path`: the model source when the run's frozen base is exactly that
-model (an absolute path for a local one), else the frozen base itself, written into `<adapter>/base` — a
-fresh model, a vocabulary the run resized or swapped, config overrides, other special-token ids. So
-`AutoPeftModelForCausalLM.from_pretrained(adapter)` loads it offline.
+the tokenizer and `base_model_name_or_path`, never a path of the training machine: the model's hub id when
+the run's frozen base is exactly that model (model.source a hub id, or a directory of the hub's cache), else
+the frozen base itself, written into `<adapter>/base` and named `base`, relative to the folder — a fresh
+model, a local directory, a vocabulary the run resized or swapped, config overrides, other special-token
+ids. So the folder loads wherever it is copied: `AutoPeftModelForCausalLM.from_pretrained(".")` inside it
+(peft resolves the name from the working directory), or `PeftModel.from_pretrained(
+AutoModelForCausalLM.from_pretrained("adapter/base"), "adapter")` from anywhere.
 """
 
 from __future__ import annotations
@@ -106,6 +109,19 @@ def _ids(x) -> list:
     return sorted(x) if isinstance(x, list) else ([] if x is None else [x])
 
 
+def cached_hub_id(path: str) -> str | None:
+    """The hub id of a directory in the hub's cache (`.../models--org--name/snapshots/<revision>`), else None."""
+    parts = os.path.abspath(path).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--") :].replace("--", "/", 1)
+    return None
+
+
+BASE_DIR = "base"
+"""Where an adapter folder keeps a frozen base that exists nowhere else, and the relative
+`base_model_name_or_path` that names it (relative to the folder: it loads wherever the folder is copied)."""
+
+
 def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, str]:
     """(what the adapter folder names as its base model, why): the model source when the run's frozen base
     is exactly that model with this tokenizer's ids, else None (the base is written beside the adapter)."""
@@ -120,6 +136,9 @@ def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, 
     local = os.path.expanduser(source)
     if not os.path.isdir(local) and (source.startswith((".", "/", "~")) or source.count("/") != 1):
         return None, f"model.source {source!r} is not a directory here"
+    hub_id = cached_hub_id(local) if os.path.isdir(local) else source
+    if hub_id is None:  # a path on this machine would not load where the folder is copied to
+        return None, f"model.source {source!r} is a directory on this machine, not a hub id"
     where = os.path.abspath(local) if os.path.isdir(local) else source
     try:
         if AutoConfig.from_pretrained(where).vocab_size != vocab_size:
@@ -131,7 +150,7 @@ def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, 
             return None, f"{where} stops generation at {stops}, the run's tokenizer at {generation_eos(tokenizer)}"
     except (OSError, ValueError) as e:
         return None, f"cannot read {where} offline ({type(e).__name__})"
-    return where, f"the frozen base is {where}"
+    return hub_id, f"the frozen base is {hub_id}"
 
 
 def write_exports(
@@ -152,11 +171,12 @@ def write_exports(
             raise ckpt.CheckpointError("no LoRA adapter to export alone (adapter.type is null); export the full model")
         base, why = adapter_base(recipe, config.vocab_size, tokenizer)
         if base is None:
-            base = os.path.abspath(os.path.join(adapter_dir, "base"))
+            where = os.path.join(adapter_dir, BASE_DIR)
             save_hf(
-                merge_lora(state, 0.0, transposed), config, base, tokenizer=tokenizer, max_shard_size=max_shard_size
+                merge_lora(state, 0.0, transposed), config, where, tokenizer=tokenizer, max_shard_size=max_shard_size
             )
-            why = f"the frozen base is written to {base}: {why}"
+            base = BASE_DIR  # relative: never a path of this machine
+            why = f"the frozen base is written to {where} and named {BASE_DIR!r}, relative to the folder: {why}"
         save_adapter(state, config, adapter, transposed, adapter_dir, base, tokenizer=tokenizer)
         log.info("LoRA adapter folder %s (AutoPeftModelForCausalLM.from_pretrained); %s", adapter_dir, why)
     if out_dir is not None:

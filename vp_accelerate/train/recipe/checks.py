@@ -111,6 +111,17 @@ def _check_preference(recipe: Recipe) -> None:
         return
     if not recipe.preference.beta > 0:
         raise RecipeError(f"preference.beta: must be > 0, got {recipe.preference.beta}")
+    pref = recipe.preference
+    types = [pref.loss_type] if isinstance(pref.loss_type, str) else list(pref.loss_type)
+    if not types:
+        raise RecipeError("preference.loss_type: an empty list; name at least one loss (e.g. sigmoid)")
+    if pref.loss_weights is not None and len(pref.loss_weights) != len(types):
+        raise RecipeError(
+            f"preference.loss_weights: {len(pref.loss_weights)} weights for {len(types)} loss types {types}; "
+            f"give one weight per loss_type entry"
+        )
+    if "robust" in types and not 0 <= pref.label_smoothing < 0.5:
+        raise RecipeError(f"preference.label_smoothing: robust needs it in [0, 0.5), got {pref.label_smoothing}")
     if recipe.pipeline.label_smoothing:
         raise RecipeError(
             "pipeline.label_smoothing: DPO compares log-probabilities, which smoothing would change; set it to 0"

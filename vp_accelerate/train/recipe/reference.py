@@ -14,6 +14,7 @@ import inspect
 import re
 import sys
 import textwrap
+import types
 import typing
 
 from .schema import Recipe
@@ -59,6 +60,8 @@ def _type(hint) -> str:
         return " / ".join(map(str, typing.get_args(hint)))
     if optional and len(args) == 1:
         return _type(args[0]) + " or null"
+    if typing.get_origin(hint) in (typing.Union, getattr(types, "UnionType", typing.Union)):  # a name or a list
+        return " or ".join(_type(a) for a in args)
     origin = typing.get_origin(hint) or hint
     return getattr(origin, "__name__", str(origin))
 

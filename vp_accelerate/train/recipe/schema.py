@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
@@ -387,14 +387,31 @@ class LoggingSection:
     """Log the measured pipeline timeline of the last step as an image (needs vp_accelerate.sim.plot)."""
 
 
+PairLossName = Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "sft", "simpo", "orpo"]
+"""The paired losses of runtime/preference.py a recipe can name."""
+
+
 @dataclass
 class PreferenceSection:
     beta: float = 0.1
     """DPO's β (TRL's `beta`): how far the policy may move from the reference model; used with
     data.format: preference, whose loss replaces the token mean."""
 
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """TRL's `loss_type`: `sigmoid` (DPO), `ipo` (on length-normalised log-probabilities) or `hinge`."""
+    loss_type: Union[PairLossName, list[PairLossName]] = "sigmoid"
+    """TRL's `loss_type`, one name or a list whose losses are summed (with `loss_weights`): `sigmoid` (DPO),
+    `ipo` (on length-normalised log-probabilities), `hinge`, `robust` (with `label_smoothing`), `apo_zero`,
+    `sft` (the NLL of the chosen completions: RPO / MPO as `[sigmoid, sft]`), `simpo` (CPO's SimPO:
+    reference-free, length-normalised, margin `simpo_gamma`) or `orpo` (ORPO's odds-ratio term:
+    reference-free; ORPO is `[sft, orpo]`)."""
+
+    loss_weights: Optional[list[float]] = None
+    """One weight per `loss_type` entry (TRL's `loss_weights`); null = 1 each."""
+
+    label_smoothing: float = 0.0
+    """ε: the assumed rate of flipped labels for `robust` (in [0, 0.5)) and `simpo` (TRL's `label_smoothing`)."""
+
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin γ (CPO's `simpo_gamma`); used by `simpo` only."""
 
 
 @dataclass

@@ -138,11 +138,23 @@ def _rows_of(train_it, batch_rows: int, microbatches: int) -> Callable[[int], st
     return lambda mb: train_it.describe_rows(mb * per_mb, (mb + 1) * per_mb)
 
 
+def preference_of(section, batch: dict) -> Preference:
+    """The runtime's `Preference` for a batch of pairs from the recipe's `preference` section."""
+    return Preference(
+        batch["ref_logps"],
+        beta=section.beta,
+        loss_type=tuple(section.loss_type) if isinstance(section.loss_type, list) else section.loss_type,
+        loss_weights=tuple(section.loss_weights) if section.loss_weights else None,
+        label_smoothing=section.label_smoothing,
+        simpo_gamma=section.simpo_gamma,
+    )
+
+
 def _forward_backward(run: Run, batch: dict, step: int):
     pipe = run.pipe
     pref = run.recipe.preference
     preference = (  # DPO pairs carry their reference log-probabilities
-        Preference(batch["ref_logps"], pref.beta, pref.loss_type) if "ref_logps" in batch else None
+        preference_of(pref, batch) if "ref_logps" in batch else None
     )
     try:
         return pipe.train_step(
@@ -270,7 +282,7 @@ def evaluate(pipe, batches, preference=None, rewards: dict | None = None) -> flo
     for b, w in zip(batches, weights):
         pref = None
         if "ref_logps" in b:
-            pref = Preference(b["ref_logps"], preference.beta, preference.loss_type)
+            pref = preference_of(preference, b)
         loss = pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"), pref)
         if w:
             total, count = total + loss * w, count + w

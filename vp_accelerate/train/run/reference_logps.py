@@ -5,6 +5,7 @@ training pairs (`PipelineModel.sequence_logps`), one number per sequence, kept w
 (`PairSequences.ref_logps`) and written to `<output_dir>/ref_logps.pt`, so a resumed full fine-tune reads
 them rather than scoring with trained weights. Under LoRA the reference is the base with the adapter off,
 which a resumed run can compute again. Each replica scores every pair (the set is small; no exchange).
+Losses that need no reference (`sft`, `simpo`, `orpo` alone) skip the pass: their pairs carry zeros.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 
 import numpy as np
 import torch
+
+from vp_accelerate.runtime.preference import LOSSES
 
 from ..data.preference import PairSequences
 from ..recipe import RecipeError
@@ -44,6 +47,12 @@ def attach(run, resuming: bool) -> None:
     data, recipe, pipe = run.data, run.recipe, run.pipe
     splits = {k: v for k, v in (("train", data.train), ("eval", data.eval)) if isinstance(v, PairSequences)}
     if not splits:
+        return
+    types = recipe.preference.loss_type
+    if not any(LOSSES[t].reference for t in ([types] if isinstance(types, str) else types)):
+        for seqs in splits.values():  # reference-free: the batches still carry the (unused) column
+            seqs.ref_logps = np.zeros(len(seqs.ids))
+        log.info("DPO: loss_type %s needs no reference model: no reference pass", types)
         return
     path = os.path.join(recipe.logging.output_dir, FILE)
     lora = recipe.adapter.enabled
