@@ -201,3 +201,22 @@ def test_a_damaged_file_on_one_rank_stops_every_rank_before_resumed(tmp_path, da
     for error, resumed_lines, unchanged in results:
         assert error is not None and name in error and "were saved" in error, error
         assert resumed_lines == [] and unchanged
+
+
+def test_override_optimizer_applies_every_hyperparameter_of_the_run():
+    """`--override optimizer` takes every key of this run's parameter groups, not a hand-kept list: a
+    hyperparameter outside the old list of five (here `amsgrad`) is this run's after the resume too."""
+    import torch
+
+    from vp_accelerate.train.checkpoint import resume_check
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    run = torch.optim.AdamW([p], lr=0.1, weight_decay=0.5, amsgrad=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(run, lambda s: 1.0)
+    fresh = resume_check.fresh_hyperparameters(run, sched)
+    saved = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.3, weight_decay=0.0, amsgrad=False)
+    run.load_state_dict(saved.state_dict())  # the restored state brings the checkpoint's hyperparameters
+    assert run.param_groups[0]["amsgrad"] is False
+    resume_check.apply_hyperparameters(run, sched, fresh)
+    group = run.param_groups[0]
+    assert (group["amsgrad"], group["weight_decay"], group["lr"]) == (True, 0.5, 0.1)

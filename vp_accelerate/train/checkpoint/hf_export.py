@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -35,7 +36,7 @@ from vp_accelerate.models.lora import merge_lora, save_adapter
 from vp_accelerate.models.stream_export import export_rank_files
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 
-from ..recipe.presets import PRESETS
+from ..recipe.presets import uses_pretrained_weights
 from ..tokens.token_map import same_vocabulary
 from . import store as ckpt
 
@@ -127,7 +128,9 @@ def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, 
     is exactly that model with this tokenizer's ids, else None (the base is written beside the adapter)."""
     m = (recipe or {}).get("model") or {}
     source = m.get("source")
-    if not source or source in PRESETS or not m.get("pretrained_weights", True):
+    if not source or not uses_pretrained_weights(
+        SimpleNamespace(**{"pretrained_weights": True, **m, "source": source})
+    ):
         return None, "the run started from a fresh model, which exists nowhere else"
     if m.get("config") or m.get("init_from"):
         return None, "model.config / model.init_from: the run's base is not model.source's weights"

@@ -95,10 +95,10 @@ def check(path: str, meta: dict, recipe: dict, data: dict | None, override=()) -
 
 
 def fresh_hyperparameters(optimizer, scheduler) -> dict:
-    """The optimizer's and scheduler's hyperparameters as this run built them (before a state is loaded)."""
-    keep = ("lr", "initial_lr", "weight_decay", "betas", "eps")
+    """The optimizer's and scheduler's hyperparameters as this run built them (before a state is loaded): every
+    key of each parameter group but its parameters, so a hyperparameter an optimizer adds is applied too."""
     return {
-        "groups": [{k: g[k] for k in keep if k in g} for g in optimizer.param_groups],
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "base_lrs": list(getattr(scheduler, "base_lrs", [])),
     }
 

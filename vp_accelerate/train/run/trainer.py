@@ -32,7 +32,7 @@ from ..data import prepare_data
 from ..data.check import data_metrics
 from ..recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
 from ..recipe.lr_schedule import build_scheduler
-from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config
+from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config, uses_pretrained_weights
 from ..tokens.tokenizer import load_tokenizer
 from ..tokens.vocab_plan import (
     model_tokenizer_source,
@@ -127,7 +127,7 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
                 if os.path.abspath(own) == os.path.abspath(source)
                 else load_tokenizer(own, recipe.tokenizer.cache_dir, m.trust_remote_code)
             )
-    chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, m.pretrained_weights and m.source not in PRESETS)
+    chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, uses_pretrained_weights(m))
     return model_dir, tokenizer, model_tokenizer, chat
 
 
@@ -136,7 +136,7 @@ def plan_model(recipe: Recipe, tokenizer, model_dir: str | None = None, model_to
     model before it is built (the data check compares token ids with `plan.rows_after`)."""
     m = recipe.model
     config = recipe_model_config(model_dir or m.source, m.config, m.trust_remote_code)
-    pretrained = m.pretrained_weights and m.source not in PRESETS
+    pretrained = uses_pretrained_weights(m)
     if pretrained and model_dir is not None:
         config.vocab_size = AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code).vocab_size
     return config, plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, chat=chat)
