@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 def install(fault: dict) -> None:
     from vp_accelerate.runtime import pipeline
     from vp_accelerate.runtime.executor import Executor
-    from vp_accelerate.train.checkpoint import store as checkpoint
+    from vp_accelerate.train.checkpoint import writer as checkpoint_writer
 
     state = {"step": 0}
     original_train_step = pipeline.PipelineModel.train_step
@@ -88,13 +88,13 @@ def install(fault: dict) -> None:
 
     delay = float(fault.get("slow_fsync_s", 0.0))
     if delay:
-        original_fsync = checkpoint._fsync_file
+        original_fsync = checkpoint_writer.fsync_file
 
         def slow_fsync(path):
             time.sleep(delay)
             original_fsync(path)
 
-        checkpoint._fsync_file = slow_fsync
+        checkpoint_writer.fsync_file = slow_fsync
 
 
 def pipeline_main(steps: int = 3, stall_s: float = 600.0) -> int:

@@ -44,8 +44,9 @@ from ..tokens.vocab_plan import (
 from . import reference_logps, run_lock
 from .final_export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
+from .nonfinite import NonFiniteError
 from .optim import build_optimizer
-from .run_state import fingerprint, init_weights_from, resume_run
+from .run_state import complete_pending_save, fingerprint, init_weights_from, resume_run, settle_pending_save
 from .tracking import Tracker, gather, plot_measured_timeline
 from .user_errors import main_process_first
 
@@ -301,18 +302,26 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         desc="train",
         dynamic_ncols=True,
     )
-    for step in range(run.start_step + 1, run.end_step + 1):
-        out = train_step_once(run, state, step)
-        losses[step] = out.loss
-        if step == run.start_step + 1 and run.accelerator.is_main_process:
-            bar.write(first_step_line(run.setup_s, out.step_time_s))
-        bar.update(1)
-        bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
-        log_step(run, state, out)
-        maybe_eval(run, state, step, say=bar.write)
-        maybe_save(run, step)
-        if run.stopped_early:  # eval.patience: end_step is this step now
-            break
+    try:
+        for step in range(run.start_step + 1, run.end_step + 1):
+            out = train_step_once(run, state, step)
+            losses[step] = out.loss
+            if step == run.start_step + 1 and run.accelerator.is_main_process:
+                bar.write(first_step_line(run.setup_s, out.step_time_s))
+            bar.update(1)
+            bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
+            log_step(run, state, out)
+            maybe_eval(run, state, step, say=bar.write)
+            maybe_save(run, step)
+            if run.stopped_early:  # eval.patience: end_step is this step now
+                break
+    except NonFiniteError:  # decided on every rank together: the checkpoint written meanwhile becomes `latest`
+        complete_pending_save(run)
+        raise
+    except BaseException:  # maybe this rank's alone: its write finishes, no collective, `latest` stays
+        settle_pending_save(run)
+        raise
+    complete_pending_save(run)  # the last checkpoint, before the final export reads it
     bar.close()
     finish(run)
     hf_dir = export_final(run)
