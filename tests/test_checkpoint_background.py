@@ -123,3 +123,20 @@ def test_a_snapshot_copies_every_tensor_and_keeps_the_rest():
     for name, t in st[0].items():
         assert torch.equal(model[name], t) and model[name].data_ptr() != t.data_ptr()
     assert opt["param_groups"] == st[1]["param_groups"] and trainer == st[2]
+
+
+def test_snapshot_buckets_are_aligned_and_reused():
+    """The bucketed copy a GPU snapshot makes (here from CPU tensors): every tensor's values, at aligned offsets,
+    a tensor larger than a bucket in its own; the next snapshot reuses the same buckets."""
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(2).to(torch.bfloat16),
+        "big": torch.randn(writer.BUCKET_BYTES // 4 + 1),
+    }
+    first = writer.Snapshot(bucketed=("cpu",))
+    out = first.copy(tensors)
+    assert all(torch.equal(out[n], t) and out[n].dtype == t.dtype for n, t in tensors.items())
+    assert all(out[n].data_ptr() % 64 == 0 for n in out) and len(first.pinned) == 2
+    again = writer.Snapshot(first.pinned, bucketed=("cpu",)).copy(tensors)
+    assert again["a"].data_ptr() == out["a"].data_ptr() and again["big"].data_ptr() == out["big"].data_ptr()

@@ -69,15 +69,20 @@ def write_json(path: str, obj) -> None:
 
 # ----------------------------------------------------------------------------------------- snapshot
 class Snapshot:
-    """Host copies of a rank's state; `ready()` waits for the device copies (a no-op on CPU)."""
+    """Host copies of a rank's state; `ready()` waits for the device copies (a no-op on CPU).
 
-    def __init__(self, pinned: list[torch.Tensor] | None = None):
+    `pinned`: the buckets of the previous snapshot, reused (and extended) in place. `bucketed`: the device types
+    whose tensors are copied into buckets ("cuda"; tests add "cpu" to check the buckets without a GPU); any
+    other tensor is cloned."""
+
+    def __init__(self, pinned: list[torch.Tensor] | None = None, bucketed: tuple[str, ...] = ("cuda",)):
         self.pinned = pinned if pinned is not None else []
-        """Pinned buckets, reused by the next snapshot (the next save waits for this one's write)."""
+        self.bucketed = bucketed
         self.event = None
-        """The CUDA event recorded after the last copy, None on CPU."""
+        """The CUDA event recorded after the last copy, None when nothing was copied from a GPU."""
         self._used = 0
         self._fill = 0
+        self._from_gpu = False
 
     def ready(self) -> None:
         if self.event is not None:
@@ -86,7 +91,7 @@ class Snapshot:
     def copy(self, state):
         """`state` with every tensor replaced by its host copy and every container rebuilt."""
         out = self._copy(state)
-        if self.event is None and any(b.is_pinned() for b in self.pinned[: self._used]):
+        if self._from_gpu:  # the copies are queued on the current stream: the writer waits for this event
             self.event = torch.cuda.Event()
             self.event.record()
         return out
@@ -94,8 +99,8 @@ class Snapshot:
     def _copy(self, x):
         if isinstance(x, torch.Tensor):
             t = x.detach()
-            if t.device.type == "cuda":
-                return self._to_pinned(t)
+            if t.device.type in self.bucketed:
+                return self._to_bucket(t)
             return t.clone(memory_format=torch.contiguous_format)
         if isinstance(x, dict):
             return {k: self._copy(v) for k, v in x.items()}
@@ -105,21 +110,20 @@ class Snapshot:
             return tuple(self._copy(v) for v in x)
         return copy.deepcopy(x)  # numbers, strings, numpy state: nothing training changes in place
 
-    def _to_pinned(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` copied (without blocking the host) into the current bucket, a new one when it is full."""
+    def _to_bucket(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied (without blocking the host) into the current bucket, the next one when it is full."""
         n = t.numel() * t.element_size()
         start = -(-self._fill // _ALIGN) * _ALIGN
         if self._used == 0 or start + n > self.pinned[self._used - 1].numel():
             size = max(n, BUCKET_BYTES)
-            if self._used < len(self.pinned) and self.pinned[self._used].numel() >= size:
-                pass  # the previous save's bucket, big enough: reused
-            else:
-                self.pinned[self._used : self._used + 1] = [torch.empty(size, dtype=torch.uint8, pin_memory=True)]
-            self._used += 1
+            if self._used == len(self.pinned) or self.pinned[self._used].numel() < size:
+                pin = torch.cuda.is_available()  # page-locked: the copy runs without the host waiting
+                self.pinned[self._used : self._used + 1] = [torch.empty(size, dtype=torch.uint8, pin_memory=pin)]
+            self._used += 1  # else the previous save's bucket, big enough, is reused
             start = 0
-        bucket = self.pinned[self._used - 1]
-        host = bucket[start : start + n].view(t.dtype).view(t.shape)
-        host.copy_(t, non_blocking=True)
+        host = self.pinned[self._used - 1][start : start + n].view(t.dtype).view(t.shape)
+        host.copy_(t, non_blocking=t.device.type == "cuda")
+        self._from_gpu |= t.device.type == "cuda"
         self._fill = start + n
         return host
 
