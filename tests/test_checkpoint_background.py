@@ -140,3 +140,27 @@ def test_snapshot_buckets_are_aligned_and_reused():
     assert all(out[n].data_ptr() % 64 == 0 for n in out) and len(first.pinned) == 2
     again = writer.Snapshot(first.pinned, bucketed=("cpu",)).copy(tensors)
     assert again["a"].data_ptr() == out["a"].data_ptr() and again["big"].data_ptr() == out["big"].data_ptr()
+
+
+def test_the_run_moves_latest_at_the_first_step_after_the_write(tmp_path, monkeypatch):
+    """`poll_pending_save` (once per step): nothing while the write goes on, `latest` as soon as it is done."""
+    from types import SimpleNamespace
+
+    from vp_accelerate.train.run.run_state import poll_pending_save
+
+    save(tmp_path, 1)
+    release, real = threading.Event(), writer.fsync_file
+
+    def slow_fsync(path):
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(30)
+        real(path)
+
+    monkeypatch.setattr(writer, "fsync_file", slow_fsync)
+    run = SimpleNamespace(pending_save=begin(tmp_path, 2, state(2)), pipe=SimpleNamespace(rank=0))
+    poll_pending_save(run)
+    assert run.pending_save is not None and ckpt.read_latest(str(tmp_path)).endswith("step_00000001")
+    release.set()
+    run.pending_save.write._thread.join(30)
+    poll_pending_save(run)
+    assert run.pending_save is None and ckpt.read_latest(str(tmp_path)).endswith("step_00000002")

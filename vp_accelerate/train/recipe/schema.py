@@ -315,7 +315,7 @@ class CheckpointSection:
     background: bool = True
     """Write checkpoints while training goes on: a save copies this rank's state to host memory (pinned buffers
     on a GPU) and returns; a thread writes, fsyncs and verifies the files, and `latest` moves to it once every
-    rank's write is verified (at the next save, or at the end). Costs one host copy of a rank's weights and
+    rank's write is verified (at the first step after, at the latest at the next save or the end). Costs one host copy of a rank's weights and
     optimizer state; false: each save writes before training goes on."""
 
     keep_best: bool = False

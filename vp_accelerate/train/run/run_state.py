@@ -84,6 +84,16 @@ def complete_pending_save(run) -> None:
         log.info("saved checkpoint %s", path)
 
 
+def poll_pending_save(run) -> None:
+    """Collective, once per step while a save is pending: every rank says whether its write has finished (a
+    small all-gather); when all have, the save is completed (`complete_pending_save`) and `latest` moves, so a
+    run killed between saves loses no more than a synchronous save would. The same answer on every rank: all
+    complete it together, or none does."""
+    pending = getattr(run, "pending_save", None)
+    if pending is not None and all(gather(pending.write.done())):
+        complete_pending_save(run)
+
+
 def settle_pending_save(run) -> None:
     """This rank's background write waited for, no collective (a failure some ranks may not share): its files
     are whole or named a problem, and `latest` stays at the checkpoint before it."""
@@ -98,7 +108,8 @@ def settle_pending_save(run) -> None:
 def save_run(run, step: int) -> None:
     """Checkpoint `run` after `step` into recipe.checkpoint.dir (keeping checkpoint.keep of them). The previous
     checkpoint is completed first; with checkpoint.background this one is written while training goes on, and
-    becomes `latest` at the next save or the end (`complete_pending_save`)."""
+    becomes `latest` at the first step after every rank's write finished (`poll_pending_save`), at the latest
+    at the next save or the end (`complete_pending_save`)."""
     complete_pending_save(run)  # the next save waits for the previous one
     pipe = run.pipe
     mods = getattr(pipe, "mods", None)

@@ -46,7 +46,14 @@ from .final_export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer
-from .run_state import complete_pending_save, fingerprint, init_weights_from, resume_run, settle_pending_save
+from .run_state import (
+    complete_pending_save,
+    fingerprint,
+    init_weights_from,
+    poll_pending_save,
+    resume_run,
+    settle_pending_save,
+)
 from .tracking import Tracker, gather, plot_measured_timeline
 from .user_errors import main_process_first
 
@@ -305,6 +312,7 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     try:
         for step in range(run.start_step + 1, run.end_step + 1):
             out = train_step_once(run, state, step)
+            poll_pending_save(run)  # a checkpoint written meanwhile becomes `latest` once every rank's is
             losses[step] = out.loss
             if step == run.start_step + 1 and run.accelerator.is_main_process:
                 bar.write(first_step_line(run.setup_s, out.step_time_s))
