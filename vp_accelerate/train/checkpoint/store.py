@@ -169,26 +169,31 @@ def begin_save(
     _crash_after: str | None = None,
 ) -> PendingSave:
     """Collective (one barrier): start checkpoint `step`. Rank 0 makes the step's `.tmp` folder and writes
-    model/; then, `background`, this rank's state is copied to host memory (`writer.snapshot`) and a thread
+    model/; then, `background`, this rank's state is copied to host memory (`writer.Snapshot`) and a thread
     writes, fsyncs and verifies its files (rank 0's meta.json last) while the caller trains on; else they are
     written before this returns. `latest` does not move: `complete_save` does that once every rank's write is
     verified; the previous `begin_save` must be completed first. See `save_checkpoint` for the arguments."""
     final = os.path.join(ckpt_dir, step_dir_name(step))
     tmp = final + TMP
-    recorded = {}
+    recorded, problem = {}, None
     if rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
         if os.path.exists(tmp):
             shutil.rmtree(tmp)  # left by a crashed save (one writer per output dir: `run_lock.py`)
         os.makedirs(tmp)
-        recorded = _write_model_files(tmp, write_model_files)
+        try:
+            recorded = _write_model_files(tmp, write_model_files)
+        except (OSError, RuntimeError) as e:  # said by every rank at `complete_save`, as a write problem
+            problem = space.write_problem(e, tmp, ckpt_dir, 0, rank)
     barrier()
     rdir = os.path.join(tmp, rank_dir_name(rank))
     need = space.state_bytes(model_state) + space.state_bytes(optimizer_state) + space.state_bytes(trainer_state)
     snap = None
     if background:  # the previous save is complete (the caller waits for it): its pinned buckets are reused
         snap = writer.Snapshot(_pinned.setdefault(rank, []))
-        model_state, optimizer_state, trainer_state = snap.copy((model_state, optimizer_state, trainer_state))
+        model_state, optimizer_state, trainer_state, meta = snap.copy(
+            (model_state, optimizer_state, trainer_state, meta)
+        )
 
     def work() -> None:
         if snap is not None:
@@ -199,7 +204,7 @@ def begin_save(
             writer.fsync_dir(tmp)
             writer.crash("rank0_files", _crash_after)
 
-    write = writer.RankWrite(work, ckpt_dir, rdir, need, rank, background)
+    write = writer.RankWrite(work, ckpt_dir, rdir, need, rank, background, problem)
     return PendingSave(ckpt_dir, step, rank, write, keep, best, keep_best, _crash_after)
 
 

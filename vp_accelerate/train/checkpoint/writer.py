@@ -186,8 +186,9 @@ class RankWrite:
     """This rank's files of one checkpoint, written by `work` in a thread (`background`) or inline; `wait`
     returns the write problem (a line naming the file, a full disk) or None, and re-raises a test's crash."""
 
-    def __init__(self, work, ckpt_dir: str, where: str, need: int, rank: int, background: bool):
-        self.problem: str | None = None
+    def __init__(self, work, ckpt_dir: str, where: str, need: int, rank: int, background: bool, problem=None):
+        self.problem: str | None = problem
+        """A problem found before the write (rank 0's model/ files): then nothing is written."""
         self._crash: SimulatedCrash | None = None
         self._args = (ckpt_dir, where, need, rank)
         self._work = work
@@ -200,7 +201,7 @@ class RankWrite:
 
     def _run(self) -> None:
         ckpt_dir, where, need, rank = self._args
-        self.problem = space.too_full(ckpt_dir, need, rank)
+        self.problem = self.problem or space.too_full(ckpt_dir, need, rank)
         if self.problem is not None:
             return
         try:
