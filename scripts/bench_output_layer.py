@@ -94,7 +94,7 @@ def run_one(cfg: dict) -> dict:
             # (C1 drops the shard's partial statistics once reduced: those are None here)
             held["bytes"] = sum(t.untyped_storage().nbytes() for t in kept if t is not None)
             t_pass(state, weight_grad)
-            if opts.algorithm == "vocab-1":
+            if opts.spec.grad_x_in_t:
                 c2(state, async_op=False)
             return state.loss_sum
 

@@ -20,6 +20,9 @@ VP_FAULT (JSON) says what to break:
   (a hang: its peer waits for it, nobody raises); with `--pipeline`, `watchdog_stall_s` (default 600) is
   the PipelineConfig's, so the watchdog's stall report ends the job.
 - `slow_fsync_s`: sleep this long before each checkpoint fsync, so a kill lands inside the write.
+- `signal`: at step `step`, rank `rank` (every rank when absent) sends itself the signal `name` (default
+  SIGTERM), a real one delivered by the kernel: inside its first chunk's forward (`"during": "step"`, the
+  default) or inside the checkpoint write of that step (`"during": "save"`, at its first fsync): a preemption.
 Used by tests/test_reliability_faults.py, tests/test_runtime_faults.py (`--pipeline`) and scripts/fault_*.py.
 """
 
@@ -54,11 +57,20 @@ def install(fault: dict) -> None:
 
     pipeline.PipelineModel.train_step = train_step
 
-    fail, stall = fault.get("fail"), fault.get("stall")
-    if fail or stall:
+    fail, stall, sig = fault.get("fail"), fault.get("stall"), fault.get("signal")
+
+    def signal_here(where: str, rank: int) -> None:
+        if sig and sig.get("during", "step") == where and state["step"] == sig["step"] and not state.get("signalled"):
+            if sig.get("rank") in (None, rank):
+                state["signalled"] = True
+                os.kill(os.getpid(), getattr(signal, sig.get("name", "SIGTERM")))
+
+    if fail or stall or sig:
         original_forward_pass = Executor._do_F
 
         def do_f(self, a):
+            if a.mb == 1 and not self.schedule.forward_only:
+                signal_here("step", self.groups.rank)
             if fail and state["step"] == fail["step"] and self.groups.rank == fail.get("rank", 0) and a.mb == 1:
                 if fail.get("how", "raise") == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -87,11 +99,12 @@ def install(fault: dict) -> None:
         Executor._chunk_input = chunk_input
 
     delay = float(fault.get("slow_fsync_s", 0.0))
-    if delay:
+    if delay or sig:
         original_fsync = checkpoint_writer.fsync_file
 
         def slow_fsync(path):
             time.sleep(delay)
+            signal_here("save", int(os.environ.get("RANK", "0")))
             original_fsync(path)
 
         checkpoint_writer.fsync_file = slow_fsync

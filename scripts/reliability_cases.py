@@ -220,8 +220,9 @@ def _output_dir_locked(work):
     first = subprocess.Popen([sys.executable, "-c", hold, out], stdout=subprocess.PIPE, text=True)
     try:
         first.stdout.readline()
-        args = type("Args", (), {"resume": None, "stop_at": None, "override": []})()
-        return _captured(lambda: _run(load_recipe(_recipe(work)), args))
+        path = _recipe(work)
+        args = type("Args", (), {"resume": None, "stop_at": None, "override": [], "recipe": path, "overrides": []})()
+        return _captured(lambda: _run(load_recipe(path), args))
     finally:
         first.kill()
         first.wait()
@@ -333,6 +334,404 @@ def _stale_cache(work):
     return 0, "the new rows are read" if not (first == second).all() else "the OLD rows came from the cache"
 
 
+# ----------------------------------------------------------------------------------------- hostile inputs
+def _train(work: str, *sets: str, fault: dict | None = None, steps: int = 2) -> tuple[object, str]:
+    """`vp-accelerate train` on one process (scripts/fault_worker.py: the trainer, with `fault` injected)."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "fault_worker.py"), _recipe(work)]
+    for item in (f"train.steps={steps}", "checkpoint.every=1", *sets):
+        cmd += ["--set", item]
+    env = {**os.environ, "VP_FAULT": json.dumps(fault or {}), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=300)
+    return out.returncode, out.stdout + out.stderr
+
+
+def _init_from_damaged(work):
+    code, out = _train(work)
+    if code != 0:
+        return code, out
+    path = os.path.join(work, "out", "checkpoints", "step_00000002")
+    weights = os.path.join(path, "rank_00000", "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) - 4096)
+        block = f.read(4096)
+        f.seek(-4096, os.SEEK_CUR)
+        f.write(bytes(b ^ 0x5A for b in block))
+    return _train(work, f"model.init_from={path}", f"logging.output_dir={os.path.join(work, 'again')}")
+
+
+def _sigterm(during: str):
+    def run(work):
+        return _train(work, fault={"signal": {"step": 2, "during": during}}, steps=4)
+
+    return run
+
+
+def _rewrite_meta(path: str, change) -> None:
+    """meta.json changed (`change(meta)` edits it, or returns its new text), its record made to match: a crafted
+    checkpoint, so the record alone does not catch it."""
+    from vp_accelerate.train.checkpoint import files as ckpt_files
+    from vp_accelerate.train.checkpoint import store as ckpt
+
+    meta_path = os.path.join(path, ckpt.META)
+    meta = json.loads(open(meta_path).read())
+    text = change(meta)
+    _write(meta_path, (text if isinstance(text, str) else json.dumps(meta)).encode())
+    _write(os.path.join(path, ckpt.META_RECORD), json.dumps(ckpt_files.record(path, [ckpt.META])).encode())
+
+
+def _crafted(change=None, rank_file=None, data=b"", load="meta"):
+    """A checkpoint whose meta.json (`change`) or a rank file (`rank_file` := `data`, its record made to match)
+    was crafted; then read as a resume reads it."""
+
+    def run(work):
+        from vp_accelerate.train.checkpoint import files as ckpt_files
+        from vp_accelerate.train.checkpoint import store as ckpt
+
+        path = _saved(work, steps=(1,), meta_extra={"ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}]})
+        _write(os.path.join(work, "outside.txt"), b"secret")
+        if change is not None:
+            _rewrite_meta(path, change)
+        if rank_file is not None:
+            rdir = os.path.join(path, "rank_00000")
+            _write(os.path.join(rdir, rank_file), data)
+            record = json.loads(open(os.path.join(rdir, ckpt_files.MANIFEST)).read())
+            record.update(ckpt_files.record(rdir, [rank_file]))
+            _write(os.path.join(rdir, ckpt_files.MANIFEST), json.dumps(record).encode())
+
+        def read():
+            meta = ckpt.read_meta(path)
+            ckpt.check_model_files(path, meta)
+            ckpt.check_rank_files(path, 0)
+            if load == "optimizer":
+                ckpt_files.load_torch(os.path.join(path, "rank_00000", "optimizer.pt"), mmap=True)
+            else:
+                ckpt.load_weights(path, 0)
+            return 0
+
+        return _captured(read)
+
+    return run
+
+
+def _meta_edited(work):
+    from vp_accelerate.train.checkpoint import store as ckpt
+
+    path = _saved(work)
+    size = os.path.getsize(os.path.join(path, ckpt.META))
+    text = json.dumps({"step": 9, "fingerprint": {}})
+    _write(os.path.join(path, ckpt.META), (text + " " * (size - len(text))).encode())  # same size, other bytes
+    return _captured(lambda: ckpt.read_meta(path) and 0)
+
+
+def _files_json_outside(work):
+    from vp_accelerate.train.checkpoint import files as ckpt_files
+    from vp_accelerate.train.checkpoint import store as ckpt
+
+    path = _saved(work, steps=(1,))
+    rdir = os.path.join(path, "rank_00000")
+    record = json.loads(open(os.path.join(rdir, ckpt_files.MANIFEST)).read())
+    record["../../outside.txt"] = {"size": 6, "xxh3_128": "0" * 32}
+    _write(os.path.join(rdir, ckpt_files.MANIFEST), json.dumps(record).encode())
+    return _captured(lambda: ckpt.check_rank_files(path, 0) or 0)
+
+
+def _files_json_missing(work):
+    from vp_accelerate.train.checkpoint import store as ckpt
+
+    path = _saved(work, steps=(1,))
+    os.remove(os.path.join(path, "rank_00000", "files.json"))
+    return _captured(lambda: ckpt.load_rank(path, 0) and 0)
+
+
+def _pickled_optimizer(work):
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {os.path.join(work, 'payload_ran')}",))
+
+    code, out = _crafted(rank_file="optimizer.pt", data=pickle.dumps({"state": Payload()}), load="optimizer")(work)
+    return code, out + (" PAYLOAD RAN" if os.path.exists(os.path.join(work, "payload_ran")) else " payload not run")
+
+
+def _safetensors(header: bytes, body: bytes = b"", length: int | None = None) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(header) if length is None else length) + header + body
+
+
+def _resave_old_by_step(work):
+    from vp_accelerate.train.checkpoint import store as ckpt
+
+    path = _saved(work, steps=(1, 2))
+    os.rename(path, path + ckpt.OLD)  # a re-save of step 2 killed after it moved the old folder aside
+    return _captured(lambda: print(ckpt.resume_path(os.path.join(work, "ckpt"), "2"), file=sys.stderr) or 0)
+
+
+def _lock_symlink(work):
+    from vp_accelerate.train.run import run_lock
+
+    out = os.path.join(work, "out")
+    os.makedirs(out)
+    target = _write(os.path.join(work, "precious.txt"), b"keep me")
+    os.symlink(target, os.path.join(out, run_lock.LOCK_FILE))
+    code, said = _captured(lambda: run_lock.acquire(out) and 0)
+    return code, said + (" target kept" if open(target, "rb").read() == b"keep me" else " TARGET TRUNCATED")
+
+
+def _lock_malformed(work):
+    import fcntl
+
+    from vp_accelerate.train.run import run_lock
+
+    out = os.path.join(work, "out")
+    lock = _write(os.path.join(out, run_lock.LOCK_FILE), b'[1, {"pid": 2}]')
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held by another open file description, as another process would
+    try:
+        return _captured(lambda: run_lock.acquire(out) and 0)
+    finally:
+        os.close(fd)
+
+
+def _long_row(work):
+    from vp_accelerate.train.data import long_text
+
+    seen = []
+    real = long_text._ids
+    long_text._ids = lambda tok, text: seen.append(len(text)) or real(tok, text)
+    try:
+        row = json.dumps({"text": " ".join(["alpha beta gamma"] * 200_000)}).encode() + b"\n"
+        rows = b'{"text": "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta"}\n' * 400
+        code, out = _with_data(rows + row)(work)
+    finally:
+        long_text._ids = real
+    return code, out + f" longest tokenizer call {max(seen):,} characters of {len(row):,}"
+
+
+BOMB = "\n".join(
+    [f"a0: &a0 [{', '.join(['lol'] * 9)}]"]
+    + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    + ["model:", "  config: *a8"]
+)
+
+
+def _model_dir_crafted(index=None, weights=None):
+    def run(work):
+        d = _model_dir(work)
+        if index is not None:
+            _write(os.path.join(d, "model.safetensors.index.json"), json.dumps({"weight_map": index}).encode())
+        if weights is not None:
+            _write(os.path.join(d, "model.safetensors"), weights)
+        return _check(work, _recipe(work, model={"source": d}))
+
+    return run
+
+
+def _tokenizer_bad_line(work):
+    script = os.path.join(ROOT, "scripts", "train_tokenizer.py")
+    data = _write(os.path.join(work, "d.jsonl"), b'{"text": "alpha"}\n' * 20 + b"[" * 100_000 + b"\n")
+    out = subprocess.run(
+        [sys.executable, script, data, "--out", os.path.join(work, "tok"), "--vocab-size", "300"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out.returncode, out.stdout + out.stderr
+
+
+HOSTILE = [
+    Case(
+        "`model.init_from` a checkpoint with 4 KiB flipped inside one rank's `model.safetensors`",
+        "load (every rank, before any weight)",
+        r"training stopped: CheckpointError: checkpoint file .*model.safetensors does not hold the bytes",
+        _init_from_damaged,
+        3,
+    ),
+    Case(
+        "SIGTERM to every rank mid-step (preemption)",
+        "end of the step (every rank)",
+        r"saved checkpoint .*step_00000002.*stopped by SIGTERM at step 2; resume with --resume",
+        _sigterm("step"),
+        75,
+    ),
+    Case(
+        "SIGTERM inside a checkpoint write",
+        "end of the step (the save completes)",
+        r"saved checkpoint .*step_00000002.*stopped by SIGTERM at step 2; resume with --resume",
+        _sigterm("save"),
+        75,
+    ),
+    Case(
+        "meta.json's record of files names `../../outside.txt` (record rewritten to match)",
+        "load",
+        r"meta.json names '../../outside.txt', which is not a file inside",
+        _crafted(lambda m: m["files"].update({"../../outside.txt": {"size": 6, "xxh3_128": "0" * 32}})),
+        "CheckpointError",
+    ),
+    Case(
+        "meta.json's record of files names an absolute path",
+        "load",
+        r"meta.json names '/etc/hostname', which is not a file inside",
+        _crafted(lambda m: m["files"].update({"/etc/hostname": {"size": 6, "xxh3_128": "0" * 32}})),
+        "CheckpointError",
+    ),
+    Case(
+        "a rank's files.json names `../../outside.txt`",
+        "load",
+        r"files.json names '../../outside.txt', which is not a file of the rank folder",
+        _files_json_outside,
+        "CheckpointError",
+    ),
+    Case(
+        "a rank's files.json missing while meta.json records the files",
+        "load",
+        r"files.json is missing \(the checkpoint records its files",
+        _files_json_missing,
+        "CheckpointError",
+    ),
+    Case(
+        "meta.json edited (its record no longer matches)",
+        "load",
+        r"meta.json does not hold the bytes that were saved",
+        _meta_edited,
+        "CheckpointError",
+    ),
+    Case(
+        "meta.json without `step`",
+        "load",
+        r"`step` is 'None', not a step number",
+        _crafted(lambda m: m.pop("step")),
+        "CheckpointError",
+    ),
+    Case(
+        'meta.json with `ranks: "all"`',
+        "load",
+        r"`ranks` is 'all', not a list of the saved ranks",
+        _crafted(lambda m: m.update(ranks="all")),
+        "CheckpointError",
+    ),
+    Case(
+        "meta.json with `vocab_size: 1e12`",
+        "load (before anything is sized by it)",
+        r"`vocab_size` is '1000000000000', not a vocabulary size",
+        _crafted(lambda m: m.update(vocab_size=10**12)),
+        "CheckpointError",
+    ),
+    Case(
+        "meta.json nested 100,000 deep",
+        "load",
+        r"meta.json is not valid JSON \(nested deeper than the parser's limit\)",
+        _crafted(lambda m: "[" * 100_000 + "]" * 100_000),
+        "CheckpointError",
+    ),
+    Case(
+        "`model.safetensors` whose header length is 2^62",
+        "load",
+        r"model.safetensors cannot be read \(SafetensorError",
+        _crafted(rank_file="model.safetensors", data=_safetensors(b"{}", length=1 << 62)),
+        "CheckpointError",
+    ),
+    Case(
+        "`model.safetensors` with a garbled JSON header",
+        "load",
+        r"model.safetensors cannot be read \(SafetensorError",
+        _crafted(rank_file="model.safetensors", data=_safetensors(b'{"w": {"dtype": "F32", "shape": [2')),
+        "CheckpointError",
+    ),
+    Case(
+        "`model.safetensors` whose offsets lie past the end (a 4 TiB tensor in 16 bytes)",
+        "load (nothing allocated)",
+        r"model.safetensors cannot be read \(SafetensorError",
+        _crafted(
+            rank_file="model.safetensors",
+            data=_safetensors(
+                json.dumps({"w": {"dtype": "F32", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 1 << 42]}}).encode(),
+                b"\0" * 16,
+            ),
+        ),
+        "CheckpointError",
+    ),
+    Case(
+        "`optimizer.pt` that is a pickle running code",
+        "load (weights_only)",
+        r"optimizer.pt holds Python objects other than tensors \(a pickle that would run code\): refused.* payload not run",
+        _pickled_optimizer,
+        "CheckpointError",
+    ),
+    Case(
+        "`--resume 2` after a re-save of step 2 was killed with the old folder moved aside",
+        "resume",
+        r"step_00000002.old",
+        _resave_old_by_step,
+        0,
+    ),
+    Case(
+        "a model dir whose index names `../outside.safetensors`",
+        "`--check`",
+        r"names the weight file '../outside.safetensors', which is not a file in",
+        _model_dir_crafted(index={"w": "../outside.safetensors"}),
+    ),
+    Case(
+        "a model dir whose `model.safetensors` header length is 2^62",
+        "`--check`",
+        r"model.safetensors is not a readable safetensors file",
+        _model_dir_crafted(weights=_safetensors(b"{}", length=1 << 62)),
+    ),
+    Case(
+        "a JSONL row nested 100,000 deep",
+        "`--check` (a bad row)",
+        r"d.jsonl, line 151: not valid JSON \(nested deeper than the parser's limit\)",
+        _with_data(b'{"text": "alpha beta"}\n' * 150 + b"[" * 100_000 + b"\n"),
+    ),
+    Case(
+        "a 3.4 MB single-line row",
+        "data (tokenized in pieces)",
+        r"checked: .* longest tokenizer call 200,000 characters",
+        _long_row,
+        0,
+    ),
+    Case(
+        "a YAML alias bomb (9 levels of 9 aliases) under `model.config`",
+        "`--check` (before expansion)",
+        r"YAML aliases .* expand to more than 100,000 values",
+        lambda w: _check(w, _write(os.path.join(w, "r.yaml"), BOMB.encode())),
+    ),
+    Case(
+        "a recipe nested 50,000 deep",
+        "`--check`",
+        r"nested deeper than a YAML reader allows",
+        lambda w: _check(w, _write(os.path.join(w, "r.yaml"), ("a:" + " [" * 50_000).encode())),
+    ),
+    Case(
+        "`--set logging.output_dir=` (empty)",
+        "`--check`",
+        r"logging.output_dir: is empty; name a folder",
+        _with_set("logging.output_dir="),
+    ),
+    Case(
+        "the output-dir lock file is a symlink to another file",
+        "start of the run",
+        r"lock file .* is a symbolic link .* target kept",
+        _lock_symlink,
+        "RecipeError",
+    ),
+    Case(
+        "a held lock whose record is not an object",
+        "start of the run",
+        r"another run is writing into .* \(host \?, pid \?, started \?\)",
+        _lock_malformed,
+        "RecipeError",
+    ),
+    Case(
+        "a tokenizer training file with a line nested 100,000 deep",
+        "`scripts/train_tokenizer.py`",
+        r"d.jsonl, line 21: not valid JSON \(nested too deep\)",
+        _tokenizer_bad_line,
+    ),
+]
+
+
 CASES = [
     Case(
         "`export` of a shared checkpoint whose meta.json sets `trust_remote_code` and whose model/ has an `auto_map` + code",
@@ -404,7 +803,7 @@ CASES = [
     Case(
         "unparsable `meta.json`",
         "load",
-        r"meta.json is not valid JSON",
+        r"meta.json is \d+ bytes, \d+ were saved",
         _damaged("meta.json", "garble"),
         "CheckpointError",
     ),
@@ -522,6 +921,7 @@ CASES = [
         _chat_empty_turn,
         0,
     ),
+    *HOSTILE,
 ]
 
 

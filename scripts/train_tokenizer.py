@@ -12,6 +12,7 @@ import argparse
 import sys
 import time
 
+from vp_accelerate.train.data.read import DataError
 from vp_accelerate.train.tokens.tokenizer import convert_qwen, train_bpe
 
 
@@ -36,7 +37,11 @@ def main(argv=None) -> int:
     else:
         if not args.files:
             ap.error("give training files (or --qwen)")
-        tok = train_bpe(args.files, args.vocab_size, args.out, args.min_frequency, args.text_field)
+        try:
+            tok = train_bpe(args.files, args.vocab_size, args.out, args.min_frequency, args.text_field)
+        except DataError as e:  # a bad training file: one line naming it, not a traceback
+            print(f"data error: {e}", file=sys.stderr)
+            return 2
     print(f"saved tokenizer with {len(tok)} tokens to {args.out} in {time.time() - start:.1f} s")
     return 0
 

@@ -165,3 +165,87 @@ def test_a_rank_failing_mid_step_stops_the_trainer_everywhere(setup, how):
         ), log[-3000:]
     else:
         assert "Signal 9" in log or "SIGKILL" in log or "exitcode  : -9" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("during, every", [("step", 10), ("save", 1)])
+def test_a_stop_signal_saves_the_step_and_exits_75_on_every_rank(setup, during, every):
+    """A real SIGTERM (preemption) reaching one rank mid-step, or every rank inside a checkpoint write: both ranks
+    finish the step, the checkpoint of that step is written once and complete, every rank says so and exits 75;
+    --resume goes on from the next step. Before: exit 143 on the signalled rank, nothing saved."""
+    from vp_accelerate.train.checkpoint import store as ckpt
+
+    step = RNG.randrange(2, 4)
+    fault = {"signal": {"step": step, "during": during, **({"rank": 1} if during == "step" else {})}}
+    name = f"preempt_{during}"
+    out = train_forked(setup, name, fault, f"checkpoint.every={every}")
+    log = out.stdout + out.stderr
+    assert out.codes == [75, 75], log[-3000:]
+    assert log.count(f"stopped by SIGTERM at step {step}; resume with --resume") == 2, log[-3000:]
+    d = setup / name / "ckpt"
+    assert ckpt.read_latest(str(d)).endswith(f"step_{step:08d}")
+    saved = sorted(p for p in os.listdir(d) if p.startswith("step_"))
+    assert saved == [f"step_{s:08d}" for s in range(every, step + 1, every)] or saved == [f"step_{step:08d}"], saved
+    again = train_forked(setup, name, None, f"checkpoint.every={every}", extra=["--resume"])
+    assert again.codes == [0, 0], (again.stdout + again.stderr)[-3000:]
+    rows = [json.loads(line) for line in open(setup / name / "metrics.jsonl")]
+    trained = [r["step"] for r in rows if "train/loss" in r]
+    assert trained == list(range(1, 5)), trained  # each step once: none lost, none repeated
+
+
+def test_sigterm_to_a_launched_job_saves_and_exits_75(setup):
+    """SLURM's preemption as it happens: SIGTERM to every process of a real `vp-accelerate launch` job (the
+    launcher and its ranks) while it trains: the ranks finish their step and save, the launcher exits 75."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers.launch import BIN
+    from vp_accelerate.train.checkpoint import store as ckpt
+
+    name = "preempt_launch"
+    cmd = [os.path.join(BIN, "vp-accelerate"), "launch", "--config_file", CPU_2PROC, "train"]
+    cmd += _args(setup, name, ["train.steps=100000", "checkpoint.every=100000"], ())
+    env = {**os.environ, **run_env(setup / "ds_cache")}
+    proc = subprocess.Popen(cmd, cwd=setup, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = setup / name / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and '"train/loss"' in metrics.read_text()):
+        time.sleep(0.2)
+    for pid in [proc.pid, *_children(proc.pid)]:  # as `scancel` does: every process of the job
+        os.kill(pid, signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, log[-3000:]
+    assert log.count("; resume with --resume") >= 2, log[-3000:]
+    assert ckpt.read_latest(str(setup / name / "ckpt")) is not None
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for child in open(f"/proc/{pid}/task/{pid}/children").read().split():
+        out += [int(child), *_children(int(child))]
+    return out
+
+
+def test_init_from_and_export_refuse_a_damaged_shard(setup, skipped_run, tmp_path, capsys):
+    """4 KiB flipped inside one rank's weights (the file still parses): `model.init_from` stops every rank with
+    exit 3 naming the file, and export refuses it, as --resume does. Before: init_from trained and exported the
+    garbage silently."""
+    import shutil
+
+    from vp_accelerate.train.cli.commands import export_main
+
+    src = setup / "skip" / "ckpt" / "step_00000004"
+    copy = tmp_path / "ckpt" / "step_00000004"
+    shutil.copytree(src, copy)
+    weights = copy / "rank_00001" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) - 4096 - 8)
+        block = f.read(4096)
+        f.seek(-4096, os.SEEK_CUR)
+        f.write(bytes(b ^ 0x5A for b in block))
+    out = train_forked(setup, "init_damaged", None, f"model.init_from={copy}", "train.steps=1")
+    log = out.stdout + out.stderr
+    assert out.codes == [3, 3], log[-3000:]
+    assert log.count(f"{weights} does not hold the bytes that were saved") == 2, log[-3000:]
+    assert export_main([str(copy), str(tmp_path / "hf")]) == 2
+    assert f"{weights} does not hold the bytes that were saved" in capsys.readouterr().err

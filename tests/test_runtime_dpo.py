@@ -45,17 +45,21 @@ def _pairs(seed: int, vocab: int, pairs: int):
     return ids, labels, noise
 
 
-def _hf_logps(model, ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ over label tokens of log p, label-token count) per row, with the graph."""
+def _hf_logps(model, ids, labels, mean_logits: bool = False):
+    """(Σ over label tokens of log p, label-token count) per row, with the graph; with `mean_logits` also Σ over
+    those positions of the logits' mean over the vocabulary (TRL's logits/* metrics)."""
     logits = model(input_ids=ids).logits[:, :-1].to(torch.float64)
     target = labels[:, 1:]
     valid = target != -100
     lp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0)[..., None]).squeeze(-1)
-    return (lp * valid).sum(dim=1), valid.sum(dim=1).to(torch.float64)
+    out = (lp * valid).sum(dim=1), valid.sum(dim=1).to(torch.float64)
+    return (*out, (logits.detach().mean(dim=-1) * valid).sum(dim=1)) if mean_logits else out
 
 
-def _trl(logps, ref, tokens, beta, loss_type):
-    """TRL's DPO loss and logged rewards from per-row log-probabilities (rows interleave chosen/rejected)."""
+def _trl(logps, ref, tokens, beta, loss_type, logit_sums=None):
+    """TRL's DPO loss and logged rewards from per-row log-probabilities (rows interleave chosen/rejected); its
+    rewards and logps are of the summed log-probabilities whatever the loss (IPO normalises its loss only)."""
+    sums, ref_sums = logps, ref
     if loss_type == "ipo":
         logps, ref = logps / tokens, ref / tokens
     m = (logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2])
@@ -64,13 +68,19 @@ def _trl(logps, ref, tokens, beta, loss_type):
         "hinge": lambda: torch.relu(1 - beta * m),
         "ipo": lambda: (m - 1 / (2 * beta)) ** 2,
     }[loss_type]()
-    chosen, rejected = beta * (logps[0::2] - ref[0::2]).detach(), beta * (logps[1::2] - ref[1::2]).detach()
+    ratio = (sums - ref_sums).detach()
+    chosen, rejected = beta * ratio[0::2], beta * ratio[1::2]
     rewards = {
         "rewards/chosen": chosen.mean().item(),
         "rewards/rejected": rejected.mean().item(),
         "rewards/accuracies": (chosen > rejected).double().mean().item(),
         "rewards/margins": (chosen - rejected).mean().item(),
+        "logps/chosen": sums[0::2].detach().mean().item(),
+        "logps/rejected": sums[1::2].detach().mean().item(),
     }
+    if logit_sums is not None:  # Σ over the completions' tokens of the mean logit / their count, per side
+        rewards["logits/chosen"] = (logit_sums[0::2].sum() / tokens[0::2].sum()).item()
+        rewards["logits/rejected"] = (logit_sums[1::2].sum() / tokens[1::2].sum()).item()
     return losses.mean(), rewards
 
 
@@ -82,8 +92,8 @@ def _reference(ckpt: str, ids, labels, noise):
     out = {}
     for loss_type in LOSS_TYPES:
         model.zero_grad()
-        logps, tokens = _hf_logps(model, ids, labels)
-        loss, rewards = _trl(logps, ref, tokens, BETA, loss_type)
+        logps, tokens, logit_sums = _hf_logps(model, ids, labels, mean_logits=True)
+        loss, rewards = _trl(logps, ref, tokens, BETA, loss_type, logit_sums)
         loss.backward()
         out[loss_type] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, rewards)
     return own, ref, out
@@ -208,10 +218,12 @@ def _output_layer_errors(ids, labels, noise) -> dict:
             start, _ = part.shard_range(rank)
             n = part.valid_rows(rank)
             rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
+            mean_logits = (x @ weight.t()).mean(dim=-1).reshape(rows, SEQ)  # the whole vocabulary's, per token
             errors[(algo, loss_type)] = max(
                 abs(st.loss_sum.item() - ref_loss.item()) / abs(ref_loss.item()),
                 rel(st.grad_x, xr.grad),
                 rel(w_grad[:n], wr.grad[start : start + n]) if n else 0.0,
+                rel(fn.mean_logits, mean_logits),  # summed over the shards in C1's first all-reduce
             )
     return errors
 

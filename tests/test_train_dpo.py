@@ -99,8 +99,8 @@ def test_check_reports_pairs_and_shows_one(tok, tmp_path):
     )
     lines, prepared, _ = data_report(recipe, tok, len(tok))
     text = "\n".join(lines)
-    assert f"{len(rows)} rows" in text and f"{len(WORDS)} for training" in text, text
-    assert "1 dropped" in text and f"{2 * len(WORDS)} packed sequences" in text, text
+    assert f"{len(rows)} rows" in text and f"{len(WORDS)} pairs for training" in text, text
+    assert "1 pair dropped" in text and f"{2 * len(WORDS)} sequences (2 a pair)" in text, text
     assert "[[" in show_example(prepared, tok)
 
 
@@ -194,3 +194,71 @@ def test_demo_pairs_are_deterministic_and_reject_another_answer(tmp_path):
     rows = [json.loads(line) for line in text.splitlines()]
     assert all(r["prompt"][-1]["role"] == "user" and r["chosen"][0]["role"] == "assistant" for r in rows)
     assert sum(r["chosen"] != r["rejected"] for r in rows) >= 0.9 * len(rows)  # two conversations may answer alike
+
+
+def test_check_and_launch_agree_on_evaluation_pairs(tok, tmp_path):
+    """--check says what the launch does, in pairs: held-out pairs short of a global batch turn evaluation off in
+    both (the report said 1 batch, the launch stopped); an evaluation file short of one is refused by both."""
+    from vp_accelerate.train.data.check import data_report
+
+    rows = [{"prompt": f"hello {w}", "chosen": f" {w} paris", "rejected": " gamma"} for w in WORDS[:6]] * 2
+    f = _write(tmp_path / "p.jsonl", rows)
+    base = {"train": {"global_batch": 4}, "pipeline": {"microbatches": 2}}
+    recipe = recipe_from_dict(
+        {"data": {"files": [f], "format": "preference", "seq_len": 16, "eval_holdout": 0.25}} | base
+    )
+    lines, prepared, _ = data_report(recipe, tok, len(tok))
+    held = len(prepared.eval)
+    assert 0 < held < 4 and f"{held} held out for evaluation" in lines[0], lines
+    assert f"the {held} held-out preference pair(s) fill no global batch of 4 pairs: evaluation is off" in lines[-1]
+    _, evals = prepared.iterators(0, 4, eval_batches=None)  # the launch: no error, no evaluation batch
+    assert len(evals) == 0
+    one = _write(tmp_path / "e.jsonl", rows[:1])
+    recipe = recipe_from_dict(
+        {"data": {"files": [f], "eval_files": [one], "format": "preference", "seq_len": 16}} | base
+    )
+    with pytest.raises(DataError, match="evaluation data has 1 preference pairs, fewer than one global batch"):
+        data_report(recipe, tok, len(tok))
+    with pytest.raises(DataError, match="evaluation data has 1 preference pairs, fewer than one global batch"):
+        prepare_data(recipe.data, tok, len(tok)).iterators(0, 4, eval_batches=None)
+    recipe = recipe_from_dict({"data": {"files": [f], "eval_files": [f], "format": "preference", "seq_len": 16}} | base)
+    lines, _, _ = data_report(recipe, tok, len(tok))
+    assert "12 pairs" in lines[-1] and "3 batches of train.global_batch (4 pairs)" in lines[-1], lines
+
+
+def test_a_dataset_dicts_test_split_is_the_evaluation_data(tok, tmp_path):
+    """A save_to_disk DatasetDict and a hub-style folder (data/train-*, data/test-*): their test split is the
+    evaluation data (nothing held out of train), for pairs and for SFT rows."""
+    from datasets import Dataset, DatasetDict
+
+    rows = [{"prompt": f"hello {w}", "chosen": f" {w} paris", "rejected": " gamma"} for w in WORDS]
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:4])}).save_to_disk(tmp_path / "dd")
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet"))
+    Dataset.from_list(rows[:4]).to_parquet(str(tmp_path / "hub" / "data" / "test-00000-of-00001.parquet"))
+    for folder in ("dd", "hub"):
+        data = prepare_data(DataSection(hub_id=str(tmp_path / folder), format="preference", seq_len=16), tok, len(tok))
+        assert len(data.train) == len(rows) and len(data.eval) == 4 and not data.eval.held_out, folder
+        assert "split 'test'" in data.stats["eval"].source
+    texts = [{"text": f"hello {w} paris"} for w in WORDS]
+    DatasetDict({"train": Dataset.from_list(texts), "test": Dataset.from_list(texts[:3])}).save_to_disk(tmp_path / "t")
+    data = prepare_data(DataSection(hub_id=str(tmp_path / "t"), seq_len=8, packing=False), tok, len(tok), cache=False)
+    assert len(data.train) == len(texts) and len(data.eval) == 3 and "split 'test'" in data.stats["eval"].source
+
+
+@pytest.mark.parametrize(
+    "section, key, ours",
+    [
+        ("train", "beta", "preference.beta"),
+        ("train", "loss_type", "preference.loss_type"),
+        ("data", "max_prompt_length", "data.seq_len"),
+        ("data", "max_length", "data.seq_len"),
+        ("preference", "rpo_alpha", "preference.loss_type"),
+        ("preference", "precompute_ref_log_probs", "data.format"),
+        ("train", "bf16", "pipeline.mixed_precision"),
+        ("adapter", "lora_target_modules", "adapter.target_modules"),
+    ],
+)
+def test_dpo_configs_names_point_at_our_keys(section, key, ours):
+    with pytest.raises(RecipeError, match=rf"{section}\.{key}: unknown key; did you mean {ours}\?"):
+        recipe_from_dict({section: {key: 1}})

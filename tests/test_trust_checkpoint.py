@@ -60,7 +60,7 @@ DAMAGE = {
     "truncated optimizer": ("rank_00000/optimizer.pt", _truncate, "bytes, .* were saved"),
     "empty trainer state": ("rank_00000/trainer_state.pt", lambda p: open(p, "w").close(), "is empty"),
     "missing optimizer": ("rank_00000/optimizer.pt", os.remove, "is missing"),
-    "bad meta.json": ("meta.json", lambda p: open(p, "w").write("{not json"), "is not valid JSON"),
+    "bad meta.json": ("meta.json", lambda p: open(p, "w").write("{not json"), "bytes, .* were saved"),
 }
 
 
@@ -81,10 +81,24 @@ def test_a_damaged_file_is_named_with_the_fix(tmp_path, case):
 def test_an_old_checkpoint_without_the_record_still_loads(tmp_path):
     path = save(tmp_path, 3)
     os.remove(os.path.join(path, "rank_00000", "files.json"))
+    os.remove(os.path.join(path, ckpt.META_RECORD))
+    meta = json.loads(open(os.path.join(path, "meta.json")).read())
+    del meta["files"], meta["recorded"]  # as saved before files were recorded
+    open(os.path.join(path, "meta.json"), "w").write(json.dumps(meta))
+    assert ckpt.read_meta(path)["step"] == 3
     model, _, trainer = ckpt.load_rank(path, 0)
     assert trainer["step"] == 3 and torch.equal(
         model["model.embed_tokens.weight"], state(3)[0]["model.embed_tokens.weight"]
     )
+
+
+@pytest.mark.parametrize("gone", ["rank_00000/files.json", "meta.record.json"])
+def test_a_missing_record_of_a_recording_checkpoint_is_damage(tmp_path, gone):
+    """Where meta.json says the files were recorded, a missing record is damage, not an old format."""
+    path = save(tmp_path, 3)
+    os.remove(os.path.join(path, gone))
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(os.path.join(path, gone)) + " is missing"):
+        ckpt.read_meta(path), ckpt.load_rank(path, 0)
 
 
 def _resave_killed_at(root, stage):

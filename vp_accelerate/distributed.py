@@ -222,12 +222,19 @@ def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> li
             errors[rank] = value
         if errors:
             # one failure is enough (peers may be blocked waiting for the failed rank); take the reports
-            # already on their way, so each failing rank is named with its own error
-            while len(outs) + len(errors) < world_size:
+            # already on their way, so each failing rank is named with its own error. A failure to join (fn
+            # never ran) waits longer for the others: on a loaded machine the rank whose port was taken may
+            # report after its peer's "connection closed", and only its report says to retry on another port.
+            joining = any(str(v).startswith(_JOINING) for v in errors.values())
+            until = time.monotonic() + (10.0 if joining else 1.0)
+            while len(outs) + len(errors) < world_size and time.monotonic() < until:
                 try:
                     rank, status, value = results.get(timeout=1.0)
                 except queue.Empty:
-                    break
+                    alive = [p for r, p in enumerate(procs) if r not in outs and r not in errors and p.is_alive()]
+                    if not joining or not alive:
+                        break
+                    continue
                 if status == "ok":
                     outs[rank] = pickle.loads(value)
                 else:

@@ -2,6 +2,7 @@
 
 python scripts/benchmark.py --quick                       # peer vs 1f1b-vocab-2, one V, < 2 min
 python scripts/benchmark.py --json out.json --plots docs/img --markdown out.md
+python scripts/benchmark.py --quick --against main       # this checkout / main, round-robin (bench/against.py)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 import time
 from dataclasses import replace
 
+from vp_accelerate.bench.against import against_main
 from vp_accelerate.bench.config import ALL_METHODS, DEFAULT_VOCABS, QUICK_METHODS, BenchConfig
 from vp_accelerate.bench.methods import get_method
 from vp_accelerate.bench.report import Row, build_rows, markdown_table, write_json
@@ -86,6 +88,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the result rows to this JSON file")
     ap.add_argument("--markdown", help="write the markdown table to this file (it is printed either way)")
     ap.add_argument("--plots", help="write bench_*.png plots into this directory")
+    ap.add_argument(
+        "--against",
+        metavar="REF",
+        help="compare with git commit REF (checked out in a temporary worktree): each method runs as one process "
+        "per side, alternating current / REF, and the table gives tokens/s current / REF and its spread",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="with --against: processes per method and side")
     return ap.parse_args(argv)
 
 
@@ -112,6 +121,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     """Entry point of `vp-accelerate bench`; returns the exit status."""
     a = parse_args(argv)
     cfg = config_from_args(a)
+    if a.against:
+        return against_main(cfg, a)
     t0 = time.perf_counter()
 
     def progress(rows: list[Row]) -> None:

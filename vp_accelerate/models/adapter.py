@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .masks import MASK_BUILDERS
+
 log = logging.getLogger(__name__)
 
 
-#: Attention-mask kinds a decoder layer may need, by `config.layer_types` entry.
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: Attention-mask kinds a decoder layer may need, by `config.layer_types` entry: those with a builder.
+SUPPORTED_LAYER_TYPES = tuple(MASK_BUILDERS)
 
 
 class UnsupportedModelError(ValueError):
@@ -181,7 +183,7 @@ def _layer_types(config, n: int) -> tuple[str, ...]:
     if bad:
         raise UnsupportedModelError(
             f"layer types {bad} of model_type={config.model_type!r} are not supported "
-            f"(supported: {SUPPORTED_LAYER_TYPES}); add the mask builder in models/stage.py"
+            f"(supported: {SUPPORTED_LAYER_TYPES}); add the mask builder to MASK_BUILDERS in models/masks.py"
         )
     return types
 

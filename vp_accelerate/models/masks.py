@@ -11,12 +11,22 @@ decides on the host, from the caller's host tensors, which of three cases a micr
   own builder on the host tensors (where reading values costs nothing) and moved to the device;
 - padded (a 2D mask with zeros): the same, from the 2D mask.
 A mask already 4D is returned as-is by HF's builders, so every layer of every chunk uses the one built.
+
+`MASK_BUILDERS` is the one table of the mask kinds a decoder layer may ask for (`config.layer_types`):
+a model with any other kind is refused when its parts are found (models/adapter.py).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.masking_utils import find_packed_sequence_indices
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
+)
+
+MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+"""`config.layer_types` entry -> HF's builder of that layer's mask; the layer types a model may have."""
 
 
 class MicrobatchMasks:

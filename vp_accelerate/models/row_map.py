@@ -62,13 +62,6 @@ class RowMap:
         kind = self.kind[start:end]
         return {name: int((kind == k).sum()) for k, name in KIND_NAMES.items()}
 
-    def is_identity(self) -> bool:
-        return (
-            self.num_rows == self.source_rows
-            and bool((self.kind == COPY).all())
-            and np.array_equal(self.idx, np.arange(self.num_rows))
-        )
-
     def sources_of(self, start: int, end: int) -> np.ndarray:
         """Sorted unique source rows that new rows [start, end) need (without the overall mean)."""
         end = min(end, self.num_rows)

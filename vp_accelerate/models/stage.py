@@ -18,14 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from vp_accelerate import modes
 
 from .adapter import PartNames
-from .masks import MicrobatchMasks
-
-_MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+from .masks import MASK_BUILDERS, MicrobatchMasks
 
 
 def default_position_ids(hidden: torch.Tensor) -> torch.Tensor:
@@ -116,7 +113,7 @@ class StageChunk(nn.Module):
             cache=None,
             position_ids=position_ids,
         )
-        return {t: _MASK_BUILDERS[t](**kwargs) for t in (kinds or sorted(set(self.layer_types)))}
+        return {t: MASK_BUILDERS[t](**kwargs) for t in (kinds or sorted(set(self.layer_types)))}
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         """Rotary (cos, sin) for the layers: one pair, or one per layer type (Gemma-3 / Olmo-3 rotary takes the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Protocol
@@ -138,6 +139,11 @@ class SafetensorsSource:
                 f"{self.path} has neither model.safetensors nor model.safetensors.index.json "
                 "(only safetensors checkpoints are read)"
             )
+        for fname in set(weight_map.values()):  # a file of this folder only, whatever the index says
+            if not isinstance(fname, str) or os.path.basename(fname) != fname or fname in ("", ".", ".."):
+                raise ValueError(
+                    f"{index} names the weight file {str(fname)[:80]!r}, which is not a file in {self.path}"
+                )
         self.weight_map: dict[str, str] = weight_map
         self._open = safe_open
         self._handles: dict[str, object] = {}

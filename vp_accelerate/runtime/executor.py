@@ -256,18 +256,18 @@ class Executor:
             st.send_batches.append(batch)
 
     def _drop_completed_sends(self) -> None:
-        """Let go of the send-only batches that completed: their Works hold the sent tensors until waited."""
-        st = self.state
-        if not st.send_batches:
-            return
-        pending = []
-        for batch in st.send_batches:
-            if batch.is_completed():
-                batch.wait()  # returns at once; releases the Works and with them the tensors
-                st.meter.release_comm(("p2p", id(batch)))
-            else:
-                pending.append(batch)
-        st.send_batches = pending
+        """Let go of the send-only batches that completed: their Works hold the sent tensors until waited.
+
+        Only the oldest batches are polled, stopping at the first one still in flight: a rank's batches on
+        the pipeline group complete in issue order (one NCCL stream per communicator; one worker per group
+        under the emulation), so a later batch is never done before an earlier one, and each batch is polled
+        a bounded number of times in all rather than once per pass (plain gloo's send Works report
+        completion only once waited on, and rescanning the whole list every pass cost O(sends^2) a step)."""
+        queue = self.state.send_batches
+        while queue and queue[0].is_completed():
+            batch = queue.popleft()
+            batch.wait()  # returns at once; releases the Works and with them the tensors
+            self.state.meter.release_comm(("p2p", id(batch)))
 
     def _complete_receive(self, key) -> bool:
         """Complete a posted receive now (its whole batch: `Batch.wait` is idempotent); True if it was
@@ -375,6 +375,8 @@ class Executor:
             label_smoothing=self.out_opts.label_smoothing,
         )
         if mb.loss_fn is not None:  # a sequence loss: its g from the detached CE, its value as the loss
+            if getattr(mb.loss_fn, "wants_mean_logits", False):  # its metrics' logits/* (TRL's)
+                mb.loss_fn.record_mean_logits(logits.detach().mean(dim=-1).reshape(-1))
             g, value = mb.loss_fn(per_token.detach())
             surrogate = (per_token * g.to(per_token.dtype)).sum()
             return surrogate - surrogate.detach() + value.to(per_token.dtype)

@@ -37,7 +37,7 @@ from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Executor, Microbatch
 from vp_accelerate.runtime.groups import build_groups, warm_up
 from vp_accelerate.runtime.microbatches import make_microbatches
-from vp_accelerate.runtime.preference import LogpRecorder, PairLoss, Preference, reward_metrics
+from vp_accelerate.runtime.preference import REWARD_SUMS, LogpRecorder, PairLoss, Preference, reward_metrics
 from vp_accelerate.runtime.rank_parts import build_rank_parts
 from vp_accelerate.runtime.step_run import bubble_rate, finish_loss, nonfinite_microbatches, run_schedule
 from vp_accelerate.runtime.zero import ZeroOptimizer
@@ -66,8 +66,9 @@ class StepResult:
     loss_scale: float = 1.0
     """The fp16 loss scale this step ran with (1 otherwise)."""
     rewards: dict[str, float] | None = None
-    """Preference steps: TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins (means
-    over the step's pairs, the same on every rank); None for a token-loss step."""
+    """Preference steps: TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+    logps/rejected (means over the step's pairs), logits/chosen, logits/rejected (the completions' mean logit per
+    token); the same on every rank; None for a token-loss step."""
     tokens_per_s: float = 0.0
     """num_tokens / step_time_s: the pipeline's throughput on this step (the trainer's perf/tokens_per_s
     also counts the optimizer step)."""
@@ -381,7 +382,7 @@ class PipelineModel:
         """The step's reward means on every rank (the baseline knows them on its last stage only)."""
         if not pair_losses:
             return None
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(REWARD_SUMS, dtype=torch.float64, device=self.device)
         for pl in pair_losses:
             if pl.logps is not None:
                 totals += pl.rewards()

@@ -81,7 +81,16 @@ class PairLoss:
     loss_scale: float = 1.0
     """fp16's loss scale: g and the loss term carry it, as the token loss's grad_scale does."""
     logps: torch.Tensor | None = field(default=None, repr=False)
-    """After a call: [rows] float64 log π of this step's policy (length-normalised under IPO)."""
+    """After a call: [rows] float64 log π of this step's policy (sums over the row's tokens, as TRL logs them)."""
+    mean_logits: torch.Tensor | None = field(default=None, repr=False)
+    """[rows x seq] each position's logits averaged over the vocabulary (TRL's logits/* metrics), when recorded."""
+
+    wants_mean_logits = True  # the output layer (or the baseline) hands them over: `record_mean_logits`
+
+    def record_mean_logits(self, mean_logits: torch.Tensor) -> None:
+        """Keep each position's mean logit over the whole vocabulary (under vocabulary parallelism its sum
+        rode on C1's first all-reduce)."""
+        self.mean_logits = mean_logits.detach().to(torch.float64).reshape(self.labels.shape)
 
     def _tokens(self) -> torch.Tensor:
         return (self.labels != -100).sum(dim=1).to(torch.float64).clamp(min=1)
@@ -93,7 +102,8 @@ class PairLoss:
     def __call__(self, token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.labels.shape[0]
         ce = token_loss.detach().to(torch.float64).reshape(rows, -1)
-        logps = self.normalise(-ce.sum(dim=1))
+        self.logps = -ce.sum(dim=1)
+        logps = self.normalise(self.logps)
         ref = self.normalise(self.ref_logps.to(device=ce.device, dtype=torch.float64))
         ratio = logps - ref
         m = ratio[0::2] - ratio[1::2]
@@ -104,17 +114,33 @@ class PairLoss:
         valid = self.labels.to(ce.device) != -100
         scale = self.loss_scale / self.pairs
         g = torch.where(valid, (dce * scale)[:, None], 0.0)
-        self.logps = logps
         return g.reshape(-1).to(token_loss.dtype), losses.sum() * scale
 
     def rewards(self) -> torch.Tensor:
-        """[4] sums over this microbatch's pairs of: chosen reward, rejected reward, chosen > rejected, margin
-        (reward = β (log π − log π_ref), as TRL logs them)."""
-        ref = self.normalise(self.ref_logps.to(device=self.logps.device, dtype=torch.float64))
+        """[REWARD_SUMS] sums over this microbatch's pairs of: chosen reward, rejected reward, chosen > rejected,
+        margin, chosen log π, rejected log π; then Σ of the chosen / rejected completions' mean logits and their
+        token counts. As TRL logs them: reward = β (log π − log π_ref) of the summed log-probabilities whatever
+        the loss (IPO normalises its loss only)."""
+        ref = self.ref_logps.to(device=self.logps.device, dtype=torch.float64)
         r = self.beta * (self.logps - ref)
         chosen, rejected = r[0::2], r[1::2]
+        valid = (self.labels != -100).to(self.logps.device)
+        mean = self.mean_logits if self.mean_logits is not None else torch.zeros(valid.shape, dtype=r.dtype)
+        logit_sums = torch.where(valid, mean.to(self.logps.device), 0.0).sum(dim=1)
+        tokens = valid.sum(dim=1).to(r.dtype)
         return torch.stack(
-            [chosen.sum(), rejected.sum(), (chosen > rejected).to(r.dtype).sum(), (chosen - rejected).sum()]
+            [
+                chosen.sum(),
+                rejected.sum(),
+                (chosen > rejected).to(r.dtype).sum(),
+                (chosen - rejected).sum(),
+                self.logps[0::2].sum(),
+                self.logps[1::2].sum(),
+                logit_sums[0::2].sum(),
+                logit_sums[1::2].sum(),
+                tokens[0::2].sum(),
+                tokens[1::2].sum(),
+            ]
         )
 
 
@@ -131,9 +157,27 @@ class LogpRecorder:
         return torch.zeros_like(token_loss), torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
 
 
-REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+REWARD_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+)
+"""TRL's DPOTrainer metric names: six means over pairs, then the completions' mean logit per token."""
+
+REWARD_SUMS = 10
+"""Entries of `PairLoss.rewards`: the six metrics' sums over pairs, Σ mean logits and tokens of each side."""
 
 
 def reward_metrics(totals: torch.Tensor, pairs: int) -> dict[str, float]:
-    """TRL's logged means from the step's [4] sums over its pairs."""
-    return {name: float(v) / max(pairs, 1) for name, v in zip(REWARD_METRICS, totals.tolist())}
+    """TRL's logged means from the step's [REWARD_SUMS] sums (`PairLoss.rewards`): per pair, and the logits per
+    completion token (TRL: Σ over the batch's completion tokens of the mean logit / their count)."""
+    t = totals.tolist()
+    out = {name: t[k] / max(pairs, 1) for k, name in enumerate(REWARD_METRICS[:6])}
+    out["logits/chosen"] = t[6] / t[8] if t[8] else 0.0
+    out["logits/rejected"] = t[7] / t[9] if t[9] else 0.0
+    return out

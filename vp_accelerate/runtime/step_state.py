@@ -9,6 +9,7 @@ Keys: `(mb, chunk)` for chunk values, `mb` for vocabulary values, `(op, mb, chun
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -81,8 +82,9 @@ class StepState:
     """Receives whose batch may still be in flight."""
     received: dict[P2PKey, torch.Tensor] = field(default_factory=dict)
     """Receives complete (their pass waited for them) and not yet taken."""
-    send_batches: list[Batch] = field(default_factory=list)
-    """Batches with sends and no receive, until they complete (polled between passes)."""
+    send_batches: deque[Batch] = field(default_factory=deque)
+    """Batches with sends and no receive, in issue order, until they complete (the oldest polled between
+    passes)."""
 
     # input embedding (vocabulary parallel)
     embed_partials: dict[int, torch.Tensor] = field(default_factory=dict)

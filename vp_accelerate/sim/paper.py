@@ -98,18 +98,48 @@ def ratio_cells(p: int = 8, m: int = 128) -> list[dict]:
     return cells
 
 
-def ratio_table(p: int = 8, m: int = 128) -> str:
+def ratio_table(p: int = 8, m: int = 128, cells: list[dict] | None = None) -> str:
     lines = [
         "| seq | V | method | sim MFU % (baseline) | sim / baseline | paper / baseline | error |",
         "|---|---|---|---|---|---|---|",
     ]
-    for c in ratio_cells(p, m):
+    for c in ratio_cells(p, m) if cells is None else cells:
         lines.append(
             f"| {c['seq']} | {c['vocab'] // 1000}k | {c['method']} | {c['sim_mfu']:.1f} "
             f"({c['sim_baseline_mfu']:.1f}) | {c['sim_ratio']:.3f} | {c['paper_ratio']:.3f} | "
             f"{c['error'] * 100:+.1f}% |"
         )
     return "\n".join(lines)
+
+
+def residuals(cells: list[dict] | None = None) -> dict:
+    """How far the simulator is from the paper's public 8-GPU table: ratio cells (a method's MFU over the
+    baseline's of its row) and absolute MFU cells (every method, the baseline included) within 10%, and
+    the worst of each."""
+    cells = ratio_cells() if cells is None else cells
+    absolute = {(c["seq"], c["vocab"], c["method"]): c["sim_mfu"] for c in cells}
+    absolute |= {(c["seq"], c["vocab"], "baseline"): c["sim_baseline_mfu"] for c in cells}
+    abs_err = {key: sim / PAPER_MFU[key[0]][key[2]][VOCABS.index(key[1])] - 1 for key, sim in sorted(absolute.items())}
+    worst_ratio = max(cells, key=lambda c: abs(c["error"]))
+    worst_abs = max(abs_err, key=lambda k: abs(abs_err[k]))
+    return {
+        "ratio_within_10": sum(abs(c["error"]) <= 0.10 for c in cells),
+        "ratio_cells": len(cells),
+        "worst_ratio": (worst_ratio["seq"], worst_ratio["vocab"], worst_ratio["method"], worst_ratio["error"]),
+        "mfu_within_10": sum(abs(e) <= 0.10 for e in abs_err.values()),
+        "mfu_cells": len(abs_err),
+        "worst_mfu": (*worst_abs, abs_err[worst_abs]),
+    }
+
+
+def residual_line(cells: list[dict] | None = None) -> str:
+    r = residuals(cells)
+    (rs, rv, rm, re), (ms, mv, mm, me) = r["worst_ratio"], r["worst_mfu"]
+    return (
+        f"ratio to the baseline within 10%: {r['ratio_within_10']}/{r['ratio_cells']} (worst {rm} at {rv // 1000}k, "
+        f"seq {rs}: {re * 100:+.1f}%); absolute MFU within 10%: {r['mfu_within_10']}/{r['mfu_cells']} "
+        f"(worst {mm} at {mv // 1000}k, seq {ms}: {me * 100:+.1f}%)"
+    )
 
 
 def vocab_scaling_table(seq: int = 2048) -> str:
@@ -206,7 +236,10 @@ def images(out_dir: Path) -> list[str]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = Path(argv[0] if argv else "docs")
-    print(ratio_table())
+    cells = ratio_cells()
+    print(ratio_table(cells=cells))
+    print()
+    print(residual_line(cells))
     print()
     print(vocab_scaling_table())
     print()

@@ -90,7 +90,7 @@ class _LMHeadLoss(torch.autograd.Function):
         state = ctx.state
         grad_w = torch.zeros(state.weight.shape, dtype=torch.float32, device=state.weight.device)
         t_pass(state, grad_w)
-        if state.opts.algorithm == "vocab-1":
+        if state.opts.spec.grad_x_in_t:
             c2(state, ctx.group, async_op=False)
         ctx.state = None
         grad_x = state.grad_x * grad_loss.to(state.grad_x.dtype)

@@ -39,7 +39,24 @@ from .comm import Pending, global_rank, submit
 from .logits import chunk_logit_derivative, chunk_logits, chunk_ranges, target_columns
 from .partition import VocabPartition
 
-ALGORITHMS = ("naive", "vocab-1", "vocab-2")
+
+@dataclass(frozen=True)
+class Algorithm:
+    """Where an output-layer algorithm computes ∇x, the one thing the three differ in."""
+
+    grad_x_from_s: bool
+    """vocab-2: S also accumulates a_i = softmax_i W_i and c_i, so C1 delivers ∇x (one barrier)."""
+    grad_x_in_t: bool
+    """vocab-1: T computes the shard's ∇x_i and C2 sums them (two barriers)."""
+    # neither (naive): C1's third barrier computes and sums ∇x_i from the stored logits
+
+
+ALGORITHMS = {
+    "naive": Algorithm(grad_x_from_s=False, grad_x_in_t=False),
+    "vocab-1": Algorithm(grad_x_from_s=False, grad_x_in_t=True),
+    "vocab-2": Algorithm(grad_x_from_s=True, grad_x_in_t=False),
+}
+"""Algorithm name -> what it does; every branch on the algorithm asks this table."""
 
 # (per-token loss [N], 0 at ignored tokens) -> (g = dL/dloss_n [N], the microbatch's loss term, 0-dim).
 # After C1 the per-token loss is complete and the same on every rank, so a loss of whole sequences (a
@@ -69,9 +86,14 @@ class OutputLayerOptions:
     check_inputs: bool = True
     """Check label ids are in range in S (costs a host sync on GPU; turn off once the data is known good)."""
 
+    @property
+    def spec(self) -> Algorithm:
+        """The table entry of `algorithm`."""
+        return ALGORITHMS[self.algorithm]
+
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+            raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, got {self.algorithm!r}")
         if self.memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}")
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -133,6 +155,9 @@ class OutputState:
     loss_fn: SequenceLossFn | None = None
     """A loss of whole sequences (DPO): called in C1 with the per-token loss [N], returns (g [N], loss_sum);
     its g replaces grad_scale before ∇x and T use it. None = the token loss Σ_n g_n loss_n."""
+    local_logit_sum: torch.Tensor | None = None
+    """[N] Σ of this shard's logits per token, kept for a `loss_fn` that logs mean logits (`wants_mean_logits`,
+    TRL's logits/* metrics); summed in C1's first all-reduce, riding along with the target logit."""
     c1_done: bool = False
     t_done: bool = False
 
@@ -263,7 +288,8 @@ def s_pass(
     m = torch.full((n,), float("-inf"), dtype=sd, device=x.device)
     s = torch.zeros(n, dtype=sd, device=x.device)
     t = torch.zeros(n, dtype=sd, device=x.device)
-    two = opts.algorithm == "vocab-2"
+    two = opts.spec.grad_x_from_s
+    zsum = torch.zeros(n, dtype=sd, device=x.device) if getattr(loss_fn, "wants_mean_logits", False) else None
     a = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
     c = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
     stored: list[torch.Tensor] | None = [] if modes.memory_mode(opts.memory).keeps_logits else None
@@ -283,6 +309,8 @@ def s_pass(
         t += (1.0 - eps) * hitf * z.gather(1, col[:, None]).squeeze(1)
         if eps:
             t += (eps / V) * z.sum(dim=1)
+        if zsum is not None:
+            zsum += z.sum(dim=1)
         if two:
             w_chunk = weight[lo:hi]
             fprime = chunk_logit_derivative(z, opts.softcap, opts.logit_scale)
@@ -318,6 +346,7 @@ def s_pass(
         local_a=a,
         local_c=c,
         loss_fn=loss_fn,
+        local_logit_sum=zsum,
     )
 
 
@@ -329,10 +358,15 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _finish_loss(state: OutputState, row_max: torch.Tensor, row_sum: torch.Tensor, target: torch.Tensor) -> None:
+def _finish_loss(
+    state: OutputState, row_max: torch.Tensor, row_sum: torch.Tensor, target: torch.Tensor, logit_sum=None
+) -> None:
     state.row_max, state.row_sum = row_max, row_sum
     valid = state.labels != state.opts.ignore_index
     state.loss = torch.where(valid, torch.log(row_sum) + row_max - target, 0.0)
+    if logit_sum is not None:  # the whole vocabulary's Σ logits per token, for the loss's metrics
+        state.loss_fn.record_mean_logits(logit_sum / state.partition.vocab_size)
+        state.local_logit_sum = None
     if state.loss_fn is not None:  # g from the sequences' own losses: before ∇x (C1) and T read it
         g, state.loss_sum = state.loss_fn(state.loss)
         state.grad_scale = torch.where(valid, g.reshape(-1).to(state.stat_dtype), 0.0)
@@ -356,43 +390,54 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
     """
     if state.c1_done:
         raise RuntimeError("c1 already ran for this microbatch state")
-    algo = state.opts.algorithm
+    spec = state.opts.spec
     inputs = [state.local_max, state.local_sum, state.local_target]
-    if algo == "vocab-2":
+    if spec.grad_x_from_s:
         inputs += [state.local_a, state.local_c]
+
+    zsum = state.local_logit_sum  # rides along with Σ t_i (one more column, no more collectives)
+    extra = [] if zsum is None else [zsum[:, None]]
+    if zsum is not None:
+        inputs.append(zsum)
 
     def chain() -> OutputState:
         mx = state.local_max.clone()
         works = [dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group, async_op=True)]
-        if algo == "vocab-2":
+        if spec.grad_x_from_s:
             # Σ c_i and Σ t_i do not need the max: they ride along with it.
-            ct = torch.cat([state.local_c, state.local_target[:, None]], dim=1)
+            ct = torch.cat([state.local_c, state.local_target[:, None], *extra], dim=1)
             works.append(dist.all_reduce(ct, group=group, async_op=True))
-        elif algo == "vocab-1":
-            tt = state.local_target.clone()
+        elif spec.grad_x_in_t:
+            tt = torch.stack([state.local_target, zsum], dim=1) if extra else state.local_target.clone()
             works.append(dist.all_reduce(tt, group=group, async_op=True))
         for w in works:
             w.wait()
+        logit_sum = None
+        if extra and spec.grad_x_from_s:
+            logit_sum, ct = ct[:, -1].clone(), ct[:, :-1]
+        elif extra and spec.grad_x_in_t:
+            logit_sum, tt = tt[:, 1].clone(), tt[:, 0].contiguous()
         state.row_max = mx
         w = _shard_weight(state)
-        if algo == "vocab-2":
+        if spec.grad_x_from_s:
             sa = torch.cat([(state.local_sum * w)[:, None], state.local_a * w[:, None]], dim=1)
             dist.all_reduce(sa, group=group)
             # its own storage: a view would keep the whole [N, h+1] all-reduce buffer alive until T
             row_sum = sa[:, 0].clone()
-            _finish_loss(state, mx, row_sum, ct[:, -1])
+            _finish_loss(state, mx, row_sum, ct[:, -1], logit_sum)
             grad = sa[:, 1:] / row_sum[:, None] - ct[:, :-1]
             del sa, ct  # the [N, h+1] buffers: nothing below reads them
             state.grad_x = _own_storage((state.grad_scale[:, None] * grad).to(state.x.dtype).reshape(state.x_shape))
             state.local_a = state.local_c = None
-        elif algo == "vocab-1":
+        elif spec.grad_x_in_t:
             row_sum = state.local_sum * w
             dist.all_reduce(row_sum, group=group)
-            _finish_loss(state, mx, row_sum, tt)
+            _finish_loss(state, mx, row_sum, tt, logit_sum)
         else:  # naive: barrier 2 (sum and target), then local ∇x_i and barrier 3
-            st = torch.stack([state.local_sum * w, state.local_target], dim=1)
+            st = torch.stack([state.local_sum * w, state.local_target, *([zsum] if extra else [])], dim=1)
             dist.all_reduce(st, group=group)
-            _finish_loss(state, mx, st[:, 0].contiguous(), st[:, 1].contiguous())
+            logit_sum = st[:, 2].contiguous() if extra else None
+            _finish_loss(state, mx, st[:, 0].contiguous(), st[:, 1].contiguous(), logit_sum)
             gx = torch.zeros(state.x.shape, dtype=state.stat_dtype, device=state.x.device)
             for i, (lo, hi) in enumerate(state.chunks()):
                 grad = state.logit_grad(state.chunk_z(i, lo, hi), lo, hi)
@@ -403,7 +448,9 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
         state.c1_done = True
         return state
 
-    if algo == "naive":  # its third barrier needs the logits and the weight shard too
+    if not (
+        spec.grad_x_from_s or spec.grad_x_in_t
+    ):  # naive: its third barrier needs the logits and the weight shard too
         inputs += [state.x, state.weight] + list(state.logits or [])
     return submit(chain, group, state.local_max.device, inputs, "C1", async_op)
 
@@ -425,7 +472,7 @@ def t_pass(state: OutputState, weight_grad: torch.Tensor | None, bias_grad: torc
         raise ValueError(
             f"weight_grad {tuple(weight_grad.shape)} must have the shard's shape {tuple(state.weight.shape)}"
         )
-    one = state.opts.algorithm == "vocab-1"
+    one = state.opts.spec.grad_x_in_t
     gx = torch.zeros(state.x.shape, dtype=state.stat_dtype, device=state.x.device) if one else None
     for i, (lo, hi) in enumerate(state.chunks() if one or weight_grad is not None or bias_grad is not None else ()):
         grad = state.logit_grad(state.chunk_z(i, lo, hi), lo, hi).to(state.x.dtype)
@@ -442,7 +489,7 @@ def t_pass(state: OutputState, weight_grad: torch.Tensor | None, bias_grad: torc
 
 def c2(state: OutputState, group: dist.ProcessGroup | None = None, async_op: bool = True) -> Pending:
     """C2 (vocab-1 only): all-reduce the shards' ∇x_i into `state.grad_x` (on the communication engine)."""
-    if state.opts.algorithm != "vocab-1":
+    if not state.opts.spec.grad_x_in_t:
         raise ValueError(f"c2 exists only for vocab-1; {state.opts.algorithm} has grad_x after c1")
     if not state.t_done:
         raise RuntimeError("c2 needs ∇x_i from t_pass: run t_pass first")
@@ -475,6 +522,6 @@ def run_output_layer(
     state = s_pass(x, labels, grad_scale, weight, partition, rank, opts, bias, loss_fn)
     c1(state, group, async_op=False)
     t_pass(state, weight_grad, bias_grad)
-    if opts.algorithm == "vocab-1":
+    if opts.spec.grad_x_in_t:
         c2(state, group, async_op=False)
     return state

@@ -127,7 +127,7 @@ def verify_case(case: VerifyCase, seed: int, group: dist.ProcessGroup | None = N
         pend.wait()
     for k in mbs:
         t_pass(states[k], w_grad, b_grad)
-    if o.algorithm == "vocab-1":
+    if o.spec.grad_x_in_t:
         for pend in [c2(states[k], group, async_op=True) for k in mbs]:
             pend.wait()
     for k in mbs:  # IB: the root broadcasts ∂L/∂emb (= ∂L/∂X here), every rank scatter-adds

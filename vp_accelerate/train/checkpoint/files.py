@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
+import zipfile
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..data.identity import content_hash as digest
@@ -82,17 +85,47 @@ def _present(path: str) -> None:
         raise _damaged(path, "is empty (0 bytes)")
 
 
+MAX_JSON_BYTES = 64 << 20
+"""The largest meta.json / files.json read (a real one is kilobytes): a bigger one is damage, not read."""
+
+
 def read_json(path: str) -> dict:
     """A JSON file of a checkpoint (meta.json, files.json) as a dict."""
     _present(path)
+    if os.path.getsize(path) > MAX_JSON_BYTES:
+        raise _damaged(path, f"is {os.path.getsize(path):,} bytes, not the few kilobytes such a file holds")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise _damaged(path, f"is not valid JSON ({type(e).__name__}: {' '.join(str(e).split())})") from None
+    except RecursionError:  # json's parser recurses per level
+        raise _damaged(path, "is not valid JSON (nested deeper than the parser's limit)") from None
     if not isinstance(data, dict):
         raise _damaged(path, f"holds a JSON {type(data).__name__}, not an object")
     return data
+
+
+def inside(folder: str, name, record: str) -> str:
+    """`folder`/`name` for a file name a checkpoint's record gives (meta.json, files.json, an index): only a
+    relative path that stays inside `folder` (no absolute path, no `..`), else CheckpointError naming the
+    record; nothing outside a checkpoint is ever opened, stat'ed or hashed because a record names it."""
+    parts = name.replace("\\", "/").split("/") if isinstance(name, str) else []
+    if not parts or not name or name.startswith("/") or ".." in parts or "\x00" in name or os.path.isabs(name):
+        raise _damaged(record, f"names {str(name)[:80]!r}, which is not a file inside {folder}")
+    return os.path.join(folder, name)
+
+
+def check_record(entries, record: str) -> dict:
+    """A {file name: {"size", "xxh3_128"}} record (files.json, meta.json's `files`) with the types it must have."""
+    if not isinstance(entries, dict):
+        raise _damaged(record, f"holds a {type(entries).__name__} where a record of files belongs")
+    for name, entry in entries.items():
+        ok = isinstance(entry, dict) and isinstance(entry.get("xxh3_128"), str)
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise _damaged(record, f"records {str(name)[:80]!r} as {str(entry)[:80]}, not {{size, xxh3_128}}")
+    return entries
 
 
 def check_file(path: str, expected: dict | None) -> None:
@@ -118,21 +151,50 @@ def load_safetensors(path: str, expected: dict | None = None) -> dict:
         raise _damaged(path, f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from None
 
 
-def load_torch(path: str, expected: dict | None = None):
-    """A `torch.save` file (weights_only: tensors and plain containers, no code), checked against the record."""
+def load_torch(path: str, expected: dict | None = None, mmap: bool = False):
+    """A `torch.save` file (weights_only: tensors and plain containers, no code), checked against the record.
+    A file holding anything else (a pickle with code) is refused in one line naming it; torch's own advice
+    (retry with weights_only=False, i.e. run the file's code) is not passed on."""
     check_file(path, expected)
+    mmap = mmap and zipfile.is_zipfile(path)  # only torch.save's zip files map; any other is read to be refused
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - zip reader RuntimeError, EOFError, UnpicklingError (refused code), ...
-        raise _damaged(path, f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from None
+        return torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
+    except pickle.UnpicklingError:  # weights_only refused a global: the file would run code
+        raise _damaged(
+            path, "holds Python objects other than tensors (a pickle that would run code): refused"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - zip reader RuntimeError, EOFError, ...
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    return " ".join(str(e).split("\n\n")[0].split())[:300]
+
+
+def open_safetensors(path: str):
+    """`safe_open(path)` (tensors read on demand), CheckpointError naming the file when its header is not one
+    (a header length past the file, garbled JSON, offsets past the end: safetensors checks them before reading)."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: {_first_line(e)})") from None
 
 
 def rank_record(rank_dir: str) -> dict | None:
-    """A rank folder's files.json (None for a checkpoint saved before it was written)."""
+    """A rank folder's files.json (None for a checkpoint saved before it was written: its meta.json records no
+    `files` either; where meta.json does, a missing files.json is damage)."""
     path = os.path.join(rank_dir, MANIFEST)
     if not os.path.exists(path):
+        meta = os.path.join(os.path.dirname(rank_dir), "meta.json")
+        if os.path.isfile(meta) and "files" in read_json(meta):
+            raise _damaged(path, "is missing (the checkpoint records its files since it was saved)")
         return None
-    return read_json(path)
+    entries = check_record(read_json(path), path)
+    for name in entries:
+        if "/" in name or "\\" in name:
+            raise _damaged(path, f"names {name[:80]!r}, which is not a file of the rank folder {rank_dir}")
+        inside(rank_dir, name, path)
+    return entries
 
 
 def check_all(step_dir: str, meta: dict) -> None:

@@ -79,6 +79,12 @@ def checkpoint_model_files(path: str, trust_remote_code: bool = False):
             f"{model_dir} holds a model with its own Python code (auto_map in config.json); export runs it only "
             f"when asked: if you trust where this checkpoint came from, add --trust-remote-code"
         ) from None
+    saved = meta.get("vocab_size", getattr(config, "vocab_size", None))
+    if saved != getattr(config, "vocab_size", saved):  # the vocabulary matrices are sized by it: never trust it alone
+        raise ckpt.CheckpointError(
+            f"checkpoint file {os.path.join(path, 'meta.json')}: vocab_size {saved} differs from model/config.json's "
+            f"{config.vocab_size}; the checkpoint is damaged or was altered: {ckpt.files.fix(os.path.join(path, 'meta.json'))}"
+        )
     return config, tokenizer, meta
 
 

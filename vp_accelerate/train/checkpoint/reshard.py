@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 
 import torch
-from safetensors import safe_open
 
 from vp_accelerate.runtime.zero import FORMAT as ZERO_FORMAT
 from vp_accelerate.runtime.zero import ZeroOptimizer
@@ -124,10 +123,10 @@ class SavedTensors:
         for r in sorted(meta["ranks"], key=lambda r: (r["dp_rank"], r["pp_rank"])):
             rdir = os.path.join(path, ckpt.rank_dir_name(r["rank"]))
             if kind == "model":
-                f = safe_open(os.path.join(rdir, "model.safetensors"), "pt")
+                f = ckpt.files.open_safetensors(os.path.join(rdir, "model.safetensors"))
                 items = [(n, f.get_slice(n).get_shape(), (lambda f=f, n=n: f.get_slice(n))) for n in f.keys()]
             else:
-                state = torch.load(os.path.join(rdir, "optimizer.pt"), weights_only=True, mmap=True, map_location="cpu")
+                state = ckpt.files.load_torch(os.path.join(rdir, "optimizer.pt"), mmap=True)
                 if not is_named(state):
                     raise ckpt.CheckpointError(
                         f"checkpoint {path} keeps its optimizer state by index (saved before checkpoints "
@@ -196,9 +195,7 @@ def reshard_model(pipe, path: str, meta: dict) -> None:
 def reshard_optimizer_state(pipe, path: str, meta: dict) -> dict:
     """This rank's optimizer state (`named_optimizer_state`'s form) from checkpoint `path` of any layout."""
     saved = SavedTensors(path, meta, "optimizer")
-    first = torch.load(
-        os.path.join(path, ckpt.rank_dir_name(0), "optimizer.pt"), weights_only=True, mmap=True, map_location="cpu"
-    )
+    first = ckpt.files.load_torch(os.path.join(path, ckpt.rank_dir_name(0), "optimizer.pt"), mmap=True)
     state = {}
     for name, p in pipe.named_parameters():
         if not p.requires_grad:

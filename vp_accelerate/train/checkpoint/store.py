@@ -3,11 +3,13 @@
 Layout of `<dir>`:
 
     step_00000100/
-      meta.json                 step, layout fingerprint, recipe, per-rank (pp_rank, dp_rank)
+      meta.json                 step, layout fingerprint, recipe, per-rank (pp_rank, dp_rank), model/'s record
+      meta.record.json          meta.json's size and hash
       model/                    config.json + tokenizer files (what `export` needs besides weights)
       rank_00000/model.safetensors    this rank's parameters (HF-style names, vocabulary shards as held)
       rank_00000/optimizer.pt         torch.save of the optimizer state_dict
       rank_00000/trainer_state.pt     LR scheduler, RNG states, data iterator position
+      rank_00000/files.json           the rank's files' sizes and hashes
     latest                      name of the newest complete checkpoint (updated last)
 
 Atomicity: everything is written into `step_X.tmp/`, each file fsynced and read back; once every rank's
@@ -42,6 +44,8 @@ TMP = ".tmp"
 """A step folder being written (`step_X.tmp`): never read; removed by the next save."""
 OLD = ".old"
 """A complete step folder moved aside while a re-save of its step renames the new one in."""
+META_RECORD = "meta.record.json"
+"""Beside meta.json: its size and hash ({"meta.json": {size, xxh3_128}}), written after it."""
 STEP_DIR = re.compile(r"step_\d{8}")
 
 __all__ = ["CheckpointError"]
@@ -200,7 +204,9 @@ def begin_save(
             snap.ready()  # the device -> host copies have landed
         writer.write_rank_files(rdir, model_state, optimizer_state, trainer_state, _crash_after)
         if rank == 0:
-            writer.write_json(os.path.join(tmp, META), {**meta, "step": step, "files": recorded})
+            writer.write_json(os.path.join(tmp, META), {**meta, "step": step, "files": recorded, "recorded": True})
+            # meta.json is checked like the rest: its size and hash beside it
+            writer.write_json(os.path.join(tmp, META_RECORD), files.record(tmp, [META]))
             writer.fsync_dir(tmp)
             writer.crash("rank0_files", _crash_after)
 
@@ -338,7 +344,12 @@ def read_latest(ckpt_dir: str) -> str | None:
     if not os.path.isfile(pointer):
         return None
     with open(pointer, encoding="utf-8", errors="replace") as f:
-        name = f.read().strip()
+        name = f.read(4096).strip()
+    if not STEP_DIR.fullmatch(name):  # only a folder of this directory: never `../x` or an absolute path
+        raise CheckpointError(
+            f"{pointer} names {name[:80]!r}, not a checkpoint folder of {ckpt_dir} (step_ and 8 digits); "
+            f"resume with --resume STEP, or delete {pointer} to start afresh"
+        )
     path = os.path.join(ckpt_dir, name)
     if os.path.isfile(os.path.join(path, META)):
         return path
@@ -356,9 +367,10 @@ def read_best(ckpt_dir: str) -> str | None:
     pointer = os.path.join(ckpt_dir, BEST)
     if not os.path.isfile(pointer):
         return None
-    with open(pointer) as f:
-        path = os.path.join(ckpt_dir, f.read().strip())
-    return path if os.path.isfile(os.path.join(path, META)) else None
+    with open(pointer, encoding="utf-8", errors="replace") as f:
+        name = f.read(4096).strip()
+    path = os.path.join(ckpt_dir, name)
+    return path if STEP_DIR.fullmatch(name) and os.path.isfile(os.path.join(path, META)) else None
 
 
 def resolve(path: str) -> str:
@@ -379,6 +391,8 @@ def resume_path(ckpt_dir: str | None, which: str = "latest") -> str | None:
         return read_latest(ckpt_dir) if ckpt_dir and os.path.isdir(ckpt_dir) else None
     if which.isdigit():
         path = os.path.join(ckpt_dir or "", step_dir_name(int(which)))
+        if not os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path + OLD, META)):
+            return path + OLD  # a re-save stopped after moving this step aside (as read_latest finds it)
         if not os.path.isfile(os.path.join(path, META)):
             have = (
                 sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))
@@ -393,8 +407,61 @@ def resume_path(ckpt_dir: str | None, which: str = "latest") -> str | None:
 
 
 def read_meta(path: str) -> dict:
-    """A checkpoint's meta.json (CheckpointError naming the file and the fix when it cannot be read)."""
-    return files.read_json(os.path.join(path, META))
+    """A checkpoint's meta.json, checked against its record (meta.record.json: its size and hash) and for the
+    keys and types the loaders read (`check_meta`); CheckpointError naming the file and the fix otherwise."""
+    meta_path, record_path = os.path.join(path, META), os.path.join(path, META_RECORD)
+    if os.path.exists(record_path):
+        record = files.check_record(files.read_json(record_path), record_path)
+        files.check_file(meta_path, record.get(META))
+    meta = files.read_json(meta_path)
+    if meta.get("recorded") and not os.path.exists(record_path):
+        raise CheckpointError(
+            f"checkpoint file {record_path} is missing (meta.json says it was written); {files.fix(record_path)}"
+        )
+    return check_meta(meta, meta_path)
+
+
+MAX_RANKS = 1 << 20
+"""More saved ranks than this in a meta.json is damage (the loaders would loop over them)."""
+
+MAX_VOCAB = 1 << 31
+"""A vocab_size past this in meta.json is damage (export would size the vocabulary matrices by it)."""
+
+
+def _int(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def check_meta(meta: dict, meta_path: str) -> dict:
+    """meta.json has the keys the loaders read, of their types and within sane sizes (checked before anything is
+    sized by them): `step`, `fingerprint`, `ranks`, `vocab_size`, `sharded_names`, `files`."""
+
+    def bad(key: str, what: str) -> CheckpointError:
+        value = " ".join(str(meta.get(key))[:80].split())
+        return CheckpointError(f"checkpoint file {meta_path}: `{key}` is {value!r}, {what}; {files.fix(meta_path)}")
+
+    if not _int(meta.get("step"), 0, 1 << 62):
+        raise bad("step", "not a step number")
+    if not isinstance(meta.get("fingerprint"), dict):
+        raise bad("fingerprint", "not the layout's record (an object)")
+    if "ranks" in meta:
+        ranks = meta["ranks"]
+        keys = ("rank", "pp_rank", "dp_rank")
+        if not isinstance(ranks, list) or not ranks or len(ranks) > MAX_RANKS:
+            raise bad("ranks", "not a list of the saved ranks")
+        if not all(isinstance(r, dict) and all(_int(r.get(k), 0, MAX_RANKS) for k in keys) for r in ranks):
+            raise bad("ranks", "not a list of {rank, pp_rank, dp_rank} numbers")
+        if len({r["rank"] for r in ranks}) != len(ranks):
+            raise bad("ranks", "naming a rank twice")
+    if "vocab_size" in meta and not _int(meta["vocab_size"], 1, MAX_VOCAB):
+        raise bad("vocab_size", "not a vocabulary size")
+    names = meta.get("sharded_names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise bad("sharded_names", "not a list of tensor names")
+    if "files" in meta:
+        for rel in files.check_record(meta["files"], meta_path):
+            files.inside(os.path.dirname(meta_path), rel, meta_path)
+    return meta
 
 
 def check_fingerprint(saved: dict, current: dict, path: str) -> None:
@@ -473,5 +540,6 @@ def check_rank_files(path: str, rank: int) -> None:
 
 def check_model_files(path: str, meta: dict) -> None:
     """model/'s files (config, tokenizer) are whole and unchanged since the save (meta.json's record)."""
-    for rel, expected in sorted((meta.get("files") or {}).items()):
-        files.check_file(os.path.join(path, rel), expected)
+    record = os.path.join(path, META)
+    for rel, expected in sorted(files.check_record(meta.get("files") or {}, record).items()):
+        files.check_file(files.inside(path, rel, record), expected)

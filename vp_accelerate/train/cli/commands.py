@@ -118,10 +118,12 @@ def _checked_recipe(args) -> tuple:
 
 def _run(recipe, args) -> tuple | int:
     """(the run, its summary), or the exit code when it stopped: 2 for a user error at the start, 3 for bad data,
-    a bad checkpoint or NaN/inf (the same decision on every rank: each says why)."""
+    a bad checkpoint or NaN/inf (the same decision on every rank: each says why), 75 for a stop signal (after the
+    checkpoint was written: resume with --resume)."""
     from ..checkpoint.files import CheckpointError
     from ..data import DataError  # after parse_args, as above
     from ..run.nonfinite import NonFiniteError
+    from ..run.preemption import EXIT_PREEMPTED, Preempted
     from ..run.run_lock import release_all
     from ..run.trainer import setup, train
     from ..run.user_errors import USER_ERRORS, leave, report
@@ -141,6 +143,9 @@ def _run(recipe, args) -> tuple | int:
         return 3
     try:
         summary = train(recipe, resume=args.resume, stop_at=args.stop_at, run=run)
+    except Preempted as e:  # a stop signal: the checkpoint is written, every rank says so and exits 75
+        print(str(e), file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     except (CheckpointError, DataError, NonFiniteError) as e:
         print(f"training stopped: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 3

@@ -5,13 +5,20 @@ accelerate's multi-process launcher (torch elastic) answers any rank that exits 
 traceback and a ChildFailedError report of its own (~40 lines) and exit code 1, whatever the rank said; a
 launched process cannot change that. This runs the same launcher in this process and, when the first rank
 to fail exited with 2 (a user error: the rank has said it in one line) or 3 (training stopped: NaN/inf,
-checkpoint mismatch), exits with that code and adds nothing. Any other failure (a bug, a signal) keeps
-torch elastic's full report.
+checkpoint mismatch) or 75 (stopped by a signal after saving a checkpoint), exits with that code and adds
+nothing. Any other failure (a bug, a signal) keeps torch elastic's full report.
+
+Preemption: the launcher passes SIGTERM (and, set here, SIGUSR1) on to its ranks, which finish their step, save
+and exit 75 (`train/run/preemption.py`); torch elastic kills ranks that take longer than
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 unless set), so this sets it to preemption.SHUTDOWN_TIMEOUT_S when
+it is not set: a save of a large model takes longer than 30 s.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 
@@ -22,8 +29,23 @@ USAGE = (
     "model source: said in one line), 3 when training stopped, the launcher's report for anything else"
 )
 
-RUN_CODES = (2, 3)
-"""Exit codes a rank chooses (user error, training stopped): passed on without the launcher's report."""
+RUN_CODES = (2, 3, 75)
+"""Exit codes a rank chooses (user error, training stopped, stopped by a signal after saving): passed on without
+the launcher's report."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""Signals a scheduler sends to stop a job that the launcher answers with 75 (its ranks saved first)."""
+
+
+def _signal_of(code) -> signal.Signals | None:
+    """The stop signal an exit code 128 + N stands for (SIGTERM, SIGUSR1, ...), None for any other code."""
+    if isinstance(code, int) and code > 128:
+        try:
+            return signal.Signals(code - 128)
+        except ValueError:
+            return None
+    return None
 
 
 def launch_main(argv: list[str] | None = None) -> int:
@@ -33,14 +55,30 @@ def launch_main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     # accelerate and torch: only a launch loads them, not the usage answer above
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from ..run.preemption import EXIT_PREEMPTED, SHUTDOWN_TIMEOUT_S
 
     at = argv.index("train")
     args = launch_command_parser().parse_args([*argv[:at], "--module", "vp_accelerate", *argv[at:]])
     # elastic's own log lines repeat what its report (kept for real failures) says
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))  # time to save after a signal
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     try:
         launch_command(args)
+    except (SignalException, SystemExit) as e:  # accelerate turns the agent's SignalException into exit 128 + sig
+        sig = e.sigval if isinstance(e, SignalException) else _signal_of(e.code)
+        if sig not in STOP_SIGNALS:  # Ctrl-C (130) and the like keep their usual exit
+            raise
+        # the agent has given its ranks the signal and waited for them (they save, or are killed at the limit)
+        print(
+            f"launcher stopped by {sig.name}: its ranks were asked to save and stop (each says the step); "
+            f"resume with --resume",
+            file=sys.stderr,
+        )
+        return EXIT_PREEMPTED
     except ChildFailedError as e:
         _, failure = e.get_first_failure()
         if failure.exitcode in RUN_CODES:

@@ -35,7 +35,7 @@ from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
-from ..recipe.presets import PRESETS, preset_config
+from ..recipe.presets import PRESETS, preset_config, uses_pretrained_weights
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import (
     model_tokenizer_source,
@@ -72,17 +72,45 @@ def _json_file(path: str, key: str) -> dict:
 
 
 def check_weight_files(src: str) -> None:
-    """Every safetensors shard a local model's index names is there (else the first rank to read it fails)."""
+    """The safetensors files of a local model are there and readable: every shard its index names (names inside
+    the model folder only: never `../` or an absolute path), each with a valid safetensors header (its length,
+    JSON and offsets within the file). Else the first rank to read one fails with a traceback."""
     index = os.path.join(src, "model.safetensors.index.json")
-    if not os.path.isfile(index):
+    if os.path.isfile(index):
+        weight_map = _json_file(index, "model.source").get("weight_map") or {}
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise RecipeError(f"model.source: {index}: weight_map is not an object of tensor name -> file name")
+        shards = sorted(set(weight_map.values()))
+        for name in shards:
+            parts = name.replace("\\", "/").split("/")
+            if not name or os.path.isabs(name) or ".." in parts or len(parts) > 1:
+                raise RecipeError(
+                    f"model.source: {index} names the weight file {name[:80]!r}, which is not a file in {src}; "
+                    f"copy the model again"
+                )
+        missing = [name for name in shards if not os.path.isfile(os.path.join(src, name))]
+        if missing:
+            raise RecipeError(
+                f"model.source: {src} is missing {len(missing)} of the {len(shards)} weight files its "
+                f"model.safetensors.index.json names ({', '.join(missing[:3])}); copy the model again"
+            )
+    elif os.path.isfile(os.path.join(src, "model.safetensors")):
+        shards = ["model.safetensors"]
+    else:
         return
-    shards = sorted(set((_json_file(index, "model.source").get("weight_map") or {}).values()))
-    missing = [name for name in shards if not os.path.isfile(os.path.join(src, name))]
-    if missing:
-        raise RecipeError(
-            f"model.source: {src} is missing {len(missing)} of the {len(shards)} weight files its "
-            f"model.safetensors.index.json names ({', '.join(missing[:3])}); copy the model again"
-        )
+    from safetensors import safe_open  # reads a file's header only
+
+    for name in shards:
+        path = os.path.join(src, name)
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - SafetensorError (header too large, bad JSON, offsets), OSError
+            why = " ".join(str(e).split())[:200]
+            raise RecipeError(
+                f"model.source: {path} is not a readable safetensors file ({type(e).__name__}: {why}); copy the "
+                f"model again"
+            ) from None
 
 
 def check_config_types(config, overrides: dict) -> None:
@@ -223,7 +251,7 @@ def vocab_decision(recipe, config, full: bool = True, found: dict | None = None)
     if tokenizer is None:
         return None
     m = recipe.model
-    pretrained = m.pretrained_weights and m.source not in PRESETS
+    pretrained = uses_pretrained_weights(m)
     own = model_tokenizer_source(m.source) if pretrained else None
     model_tokenizer = None
     if own is not None:
@@ -288,7 +316,7 @@ def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> l
     """Check where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
     write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
     `--resume` must name a complete checkpoint saved with this run's optimizer, schedule and data (or
-    `--override` says to apply this run's: `run/resume_check.py`). Returns notes for `--check`."""
+    `--override` says to apply this run's: `checkpoint/resume_check.py`). Returns notes for `--check`."""
     out = recipe.logging.output_dir
     for key, folder in (("logging.output_dir", out), ("checkpoint.dir", recipe.checkpoint.dir)):
         if folder and os.path.exists(folder) and not os.path.isdir(folder):

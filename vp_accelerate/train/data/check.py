@@ -18,7 +18,15 @@ import os
 from ..recipe import Recipe, finish_steps
 from ..recipe.schema import DataSection
 from .formats import sample_format
-from .prepare import EVAL_OFF, PreparedData, empty_turns_line, no_eval_message, prepare_data
+from .prepare import (
+    EVAL_OFF,
+    PAIRS_EVAL_OFF,
+    PreparedData,
+    empty_turns_line,
+    holdout_every,
+    no_eval_message,
+    prepare_data,
+)
 from .read import DataError, first_record_columns
 from .sources import builder_for, expand_files
 from .stats import SplitStats
@@ -52,6 +60,39 @@ def _packing_line(s: SplitStats, seq_len: int) -> str:
         f"{s.sequences:,} packed sequences, {s.padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry loss"
     )
     return f"data.seq_len {seq_len}: " + "; ".join(parts)
+
+
+def _pairs(n: int) -> str:
+    return f"{n:,} pair{'' if n == 1 else 's'}"
+
+
+def _pair_lines(s: SplitStats, held_out: int, seq_len: int) -> list[str]:
+    """What reading preference pairs found, in pairs (train.global_batch counts pairs)."""
+    skipped = f" ({s.bad:,} invalid, skipped: data.skip_invalid)" if s.bad else ""
+    held = f", {held_out:,} held out for evaluation" if held_out else ""
+    lines = [
+        f"{s.source}: {_rows(s.rows)}{skipped}, {_pairs(s.documents)} for training{held}; {s.tokens:,} tokens, "
+        f"the longest row {s.longest:,}"
+    ]
+    parts = []
+    if s.truncated:
+        parts.append(f"{_pairs(s.truncated)} cut to it (keep_start, as TRL; {s.cut_tokens:,} tokens cut)")
+    if s.dropped:
+        parts.append(
+            f"{_pairs(s.dropped)} dropped (the prompt fills data.seq_len; keeping them needs data.seq_len >= "
+            f"{s.dropped_need:,})"
+        )
+    parts.append(
+        f"{s.sequences:,} sequences (2 a pair), {s.padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry loss"
+    )
+    lines.append(f"data.seq_len {seq_len}: " + "; ".join(parts))
+    if s.same:
+        more = f" (and {s.same - len(s.same_examples):,} more)" if s.same > len(s.same_examples) else ""
+        lines.append(
+            f"warning: {_pairs(s.same)} with chosen == rejected (no preference, so no gradient): "
+            f"{'; '.join(s.same_examples)}{more}"
+        )
+    return lines
 
 
 def _empty_turns_line(s: SplitStats) -> str | None:
@@ -88,8 +129,9 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
         )
     else:
         s = prepared.stats["train"]
-        held = prepared.stats["eval"].documents if not d.eval_files else 0
-        lines += [_rows_line(s, held), _packing_line(s, d.seq_len)]
+        held = prepared.stats["eval"].documents if holdout_every(prepared.cfg) else 0
+        pairs = prepared.fmt == "preference"
+        lines += _pair_lines(s, held, d.seq_len) if pairs else [_rows_line(s, held), _packing_line(s, d.seq_len)]
         if (keys := _keys_line(s)) is not None:
             lines.append(keys)
         if (empty := _empty_turns_line(s)) is not None:
@@ -125,6 +167,20 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
     if len(ev) == 0:
         raise DataError(no_eval_message(d))
     s = prepared.stats["eval"]
+    if prepared.fmt == "preference":  # whole global batches of pairs, as the run's PairEvalBatches
+        if prepared.pairs_short(t.global_batch):  # an explicit source was refused by check_sizes
+            lines.append(PAIRS_EVAL_OFF % (len(ev), t.global_batch))
+            return lines, prepared, recipe
+        batches = len(ev) // t.global_batch
+        used = batches if e.batches is None else min(batches, e.batches)
+        which = "eval.batches: all" if e.batches is None else f"eval.batches: {e.batches}"
+        lines.append(
+            f"evaluation: {s.source}: {_pairs(len(ev))} ({s.loss_tokens:,} tokens carry loss), {used:,} "
+            f"batch{'' if used == 1 else 'es'} of train.global_batch ({t.global_batch} pairs) per evaluation ({which})"
+        )
+        if s.truncated or s.dropped or s.same:
+            lines += ["evaluation " + line for line in _pair_lines(s, 0, d.seq_len)[1:]]
+        return lines, prepared, recipe
     batches = -(-len(ev) // t.global_batch)
     used = batches if e.batches is None else min(batches, e.batches)
     which = "eval.batches: all" if e.batches is None else f"eval.batches: {e.batches}"

@@ -5,6 +5,10 @@ Three sample formats (`data.format`):
   chat               a `messages` column: a list of {"role", "content"} turns rendered with the tokenizer's
                      chat template (or a ChatML default when it has none); loss on assistant turns only.
   prompt_completion  `prompt` and `completion` columns; loss on the completion (+ EOS) only.
+Text and prompt/completion rows are tokenized as TRL's SFTTrainer does: the whole row at once with the
+tokenizer's own special tokens (a BOS where its settings add one), EOS appended as text; the completion
+starts where the prompt tokenized alone stops matching the row. Chat rows carry the special tokens their
+template writes (TRL's apply_chat_template adds none of its own).
 With `train_on_inputs: true` every token of a row carries loss instead.
 
 Assistant spans are found by prefix rendering: the template renders the conversation up to turn i with
@@ -26,6 +30,7 @@ import json
 import numpy as np
 
 from ..recipe.schema import DataSection
+from . import long_text
 from .read import DataError
 
 SAMPLE_FORMATS = ("text", "chat", "prompt_completion")
@@ -195,21 +200,48 @@ def encode_chat(tokenizer, template: str, messages, train_on_inputs: bool = Fals
     return text, ids, mask
 
 
+def with_eos(tokenizer, text: str) -> str:
+    """`text` ending in the tokenizer's EOS (TRL appends it as text, unless the text already ends with it, and
+    tokenizes the whole)."""
+    eos = tokenizer.eos_token
+    return text if not eos or text.endswith(eos) else text + eos
+
+
+def encode_text(tokenizer, text: str, add_eos: bool) -> list[int]:
+    """The ids of a text row as TRL's SFTTrainer makes them: the tokenizer's own special tokens (a BOS where its
+    settings add one), EOS appended as text."""
+    # a long row is encoded in verified pieces (long_text): one call on a 10 MB row would take ~2 GB
+    return long_text.encode_text(tokenizer, with_eos(tokenizer, text) if add_eos else text, add_special_tokens=True)
+
+
+def common_prefix_length(ids, other) -> int:
+    """Leading tokens two sequences share (where a prompt's own tokenization stops matching the whole row's)."""
+    n = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def encode_prompt_completion(
-    tokenizer, prompt, completion, add_eos: bool, train_on_inputs: bool = False
+    tokenizer, prompt, completion, add_eos: bool, train_on_inputs: bool = False, field: str = "completion"
 ) -> tuple[str, list[int], list[int]]:
-    """(text, ids, loss mask): prompt and completion tokenized separately (a clean boundary), EOS after."""
-    for name, value in (("prompt", prompt), ("completion", completion)):
+    """(text, ids, loss mask) as TRL's SFTTrainer: prompt + completion (+ EOS) tokenized as one text with the
+    tokenizer's special tokens, loss from where the prompt tokenized alone stops matching it (a prompt ending in
+    a space gives its space to the completion's first token, as it would be generated)."""
+    for name, value in (("prompt", prompt), (field, completion)):
         if not isinstance(value, str):
             raise FormatError(f"{name!r} must be a string, got {short(value)}")
     if not completion:
-        raise FormatError("'completion' is empty, so no token would carry loss")
-    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    if add_eos:
-        c = c + [tokenizer.eos_token_id]
-    mask = [int(train_on_inputs)] * len(p) + [1] * len(c)
-    return prompt + completion, p + c, mask
+        raise FormatError(f"{field!r} is empty, so no token would carry loss")
+    text = prompt + (with_eos(tokenizer, completion) if add_eos else completion)
+    ids = list(tokenizer(text)["input_ids"])
+    n = common_prefix_length(tokenizer(prompt)["input_ids"], ids)
+    if n == len(ids):
+        raise FormatError(f"{field!r} adds no token after the prompt, so no token would carry loss")
+    mask = [int(train_on_inputs)] * n + [1] * (len(ids) - n)
+    return text, ids, mask
 
 
 def row_text_for_hash(fmt: str, row: dict, fields: dict) -> str:

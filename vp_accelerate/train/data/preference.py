@@ -5,8 +5,12 @@ TRL's shapes: standard (`prompt`, `chosen`, `rejected` strings: the completion f
 it with data.add_eos) and conversational (`prompt` a list of turns, `chosen` / `rejected` lists holding the
 assistant's turn(s), rendered with the chat template as chat rows are); without a `prompt` column, `chosen`
 and `rejected` are whole conversations sharing their first turns (TRL's implicit prompt: loss on the last
-assistant turn). Only the completion's tokens carry loss. A pair whose longer sequence exceeds data.seq_len is
-dropped (counted; a cut completion would be compared with an uncut one).
+assistant turn). Each row is tokenized as TRL's DPOTrainer does it: prompt + completion as one text with the
+tokenizer's special tokens (a BOS where its settings add one; conversations carry their template's), the
+completion starting where the prompt tokenized alone stops matching either row; only the completion's tokens
+carry loss. A row longer than data.seq_len is cut to it (TRL's truncation_mode keep_start, counted and warned);
+a pair whose prompt alone fills data.seq_len is dropped (counted and warned: no completion token is left).
+Pairs whose chosen equals rejected are warned with their rows (their loss has no gradient).
 
 `PairSequences` holds row 2k = pair k's chosen, row 2k + 1 its rejected; its length and its batches count
 pairs (train.global_batch is pairs per step, as TRL's batch sizes), and a batch carries each row's reference
@@ -36,6 +40,8 @@ class PairSequences(Sequences):
 
     ref_logps: np.ndarray | None = None
     """[2 x pairs] float64 log π_ref of each row, once the trainer has computed (or loaded) them."""
+    held_out: bool = False
+    """Evaluation pairs held out of the training data (data.eval_holdout), not an evaluation source of their own."""
 
     def __len__(self) -> int:
         return len(self.ids) // 2
@@ -75,24 +81,50 @@ def _turns(value, name: str) -> list:
     return value
 
 
+def _chat_ids(tokenizer, template, messages: list, generation_prompt: bool = False) -> list[int]:
+    """A conversation's ids as TRL tokenizes it: apply_chat_template(tokenize=True), whose special tokens are the
+    template's own (it adds none)."""
+    out = tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+    )
+    return list(out["input_ids"])
+
+
+def _joint(prompt_ids: list, chosen_ids: list, rejected_ids: list) -> tuple[list, list, list, list]:
+    """TRL's DPOTrainer split: each whole row tokenized at once; the completions start where the prompt tokenized
+    alone stops matching either row (a prompt ending in a space gives it to the completion's first token)."""
+    n = min(
+        formats.common_prefix_length(prompt_ids, chosen_ids), formats.common_prefix_length(prompt_ids, rejected_ids)
+    )
+    out = []
+    for ids in (chosen_ids, rejected_ids):
+        out += [ids, [0] * n + [1] * (len(ids) - n)]
+    return tuple(out)
+
+
 def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple[list, list, list, list]:
-    """(chosen ids, chosen loss mask, rejected ids, rejected loss mask) of one row; FormatError if malformed."""
+    """(chosen ids, chosen loss mask, rejected ids, rejected loss mask) of one row, tokenized as TRL's DPOTrainer
+    (the tokenizer's special tokens for strings, the template's for turns); FormatError if malformed."""
     prompt = row.get(cfg.prompt_field)
     chosen, rejected = row.get(cfg.chosen_field), row.get(cfg.rejected_field)
-    if chosen is None or rejected is None:
-        raise formats.FormatError(f"a preference row needs {cfg.chosen_field!r} and {cfg.rejected_field!r}")
+    for name, value in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
+        if value is None:
+            raise formats.FormatError(f"a preference row needs {cfg.chosen_field!r} and {cfg.rejected_field!r}")
+        if isinstance(value, str) and not value.strip():
+            raise formats.FormatError(f"{name!r} is empty: a pair compares two completions; fill it or drop the row")
     if isinstance(chosen, str) or isinstance(rejected, str):  # standard: strings after a string prompt
         if not isinstance(prompt, str):
             raise formats.FormatError(
                 f"{cfg.prompt_field!r} must be a string when {cfg.chosen_field!r} / {cfg.rejected_field!r} are "
                 f"strings, got {formats.short(prompt)}"
             )
-        out = []
-        for completion in (chosen, rejected):
-            _, ids, mask = formats.encode_prompt_completion(tokenizer, prompt, completion, cfg.add_eos)
-            out += [ids, mask]
-        return tuple(out)
-    # conversational: the prompt's turns, then each completion's; loss on the completion's assistant turns
+        for name, value in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
+            if not isinstance(value, str):
+                raise formats.FormatError(f"{name!r} must be a string, got {formats.short(value)}")
+        ends = [formats.with_eos(tokenizer, c) if cfg.add_eos else c for c in (chosen, rejected)]
+        rows = [tokenizer(prompt + c)["input_ids"] for c in ends]
+        return _joint(list(tokenizer(prompt)["input_ids"]), list(rows[0]), list(rows[1]))
+    # conversational: the prompt's turns, then each completion's; loss on the completion's tokens
     if prompt is None:  # implicit prompt: the turns the two conversations share
         chosen, rejected = _turns(chosen, cfg.chosen_field), _turns(rejected, cfg.rejected_field)
         n = 0
@@ -100,24 +132,16 @@ def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple
             n += 1
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     prompt = _turns(prompt, cfg.prompt_field)
-    out = []
+    rows = []
     for name, completion in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
         messages, _ = chat_rows.normalize(prompt + _turns(completion, name), keys, "the chat template")
         formats.check_messages(messages)
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        found = formats.assistant_spans(tokenizer, template, messages)
-        if found is None:
-            raise formats.FormatError(
-                "the chat template renders earlier turns differently once later turns are added, so the "
-                "completion's tokens cannot be located; use the standard (string) preference shape"
-            )
-        text, spans = found
-        in_prompt = sum(m["role"] == "assistant" for m in prompt)  # the prompt's own answers carry no loss
-        ids, mask = formats._mask_from_spans(tokenizer, text, spans[in_prompt:])
-        if not any(mask):
+        if not any(m["role"] == "assistant" for m in messages[len(prompt) :]):
             raise formats.FormatError(f"{name!r} has no assistant turn, so no token would carry loss")
-        out += [ids, mask]
-    return tuple(out)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        rows.append(_chat_ids(tokenizer, template, messages))
+    prompt_ids = _chat_ids(tokenizer, template, messages[: len(prompt)], generation_prompt=True)
+    return _joint(prompt_ids, rows[0], rows[1])
 
 
 def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int) -> PairSequences:
@@ -169,11 +193,19 @@ def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, ever
                 f"tokenizer.resize_vocab: {place} has a token id >= the model's vocab size {vocab_size}; set "
                 f"tokenizer.resize_vocab: true or use the model's own tokenizer"
             )
+        if row.get(cfg.chosen_field) == row.get(cfg.rejected_field):
+            stats.same += 1
+            if len(stats.same_examples) < BAD_ROWS_LISTED:
+                stats.same_examples.append(place)
         longest = max(len(pair[0]), len(pair[2]))
         if longest > cfg.seq_len:
-            stats.dropped += 1
-            stats.dropped_need = max(stats.dropped_need, longest)
-            continue
+            if 1 not in pair[1][: cfg.seq_len] or 1 not in pair[3][: cfg.seq_len]:  # the prompt fills seq_len
+                stats.dropped += 1
+                stats.dropped_need = max(stats.dropped_need, pair[1].index(1) + 1, pair[3].index(1) + 1)
+                continue
+            stats.truncated += 1  # TRL's truncation_mode keep_start: each row cut to max_length
+            stats.cut_tokens += max(len(pair[0]) - cfg.seq_len, 0) + max(len(pair[2]) - cfg.seq_len, 0)
+            pair = tuple(part[: cfg.seq_len] for part in pair)
         text = f"{row.get(cfg.prompt_field)}\x00{row.get(cfg.chosen_field)}\x00{row.get(cfg.rejected_field)}"
         (held if is_heldout(text, every) else train).append(pair)
     stats.bad, stats.bad_examples = len(bad), bad[:BAD_ROWS_LISTED]
@@ -190,9 +222,10 @@ def _count(stats: SplitStats, pairs: list, seqs: PairSequences) -> None:
     stats.loss_tokens = int(seqs.target_counts().sum()) if len(pairs) else 0
 
 
-def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int):
+def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test: str | None = None):
     """(train PairSequences, eval PairSequences, pad id, {"train", "eval"} -> SplitStats) of a preference data
-    section (no cache: preference sets are small, and every rank reads them the same)."""
+    section (no cache: preference sets are small, and every rank reads them the same); `test`: the split of
+    data.hub_id that holds the evaluation pairs (`sources.eval_split`), if any."""
     if cfg.streaming:
         raise DataError("data.streaming: preference pairs are read whole; set data.streaming: false")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -204,6 +237,13 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int):
     stats = {"train": SplitStats(source)}
     train, held, bad = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every, stats["train"])
     stats["eval"] = SplitStats(f"{source} (held out: 1 pair in {every})" if every else source)
+    if test:
+        eval_docs = load_documents(None, cfg.hub_id, test, "auto", False, cfg.hub_name, cfg.hub_revision)
+        stats["eval"] = SplitStats(f"dataset {cfg.hub_id} split {test!r}")
+        held, _, eval_bad = _read_pairs(
+            eval_docs, cfg, tokenizer, vocab_size, lambda i: f"{stats['eval'].source}, row {i + 1}", 0, stats["eval"]
+        )
+        bad = bad + eval_bad
     if cfg.eval_files:
         eval_paths = nonempty_paths(cfg.eval_files, "data.eval_files")
         eval_builder = builder_for(eval_paths, cfg)
@@ -220,12 +260,28 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int):
     dropped = stats["train"].dropped + stats["eval"].dropped
     if dropped:
         need = max(stats["train"].dropped_need, stats["eval"].dropped_need)
-        warn("%s: dropped %d pair(s) longer than data.seq_len=%d (%d keeps them)", source, dropped, cfg.seq_len, need)
+        warn(
+            "%s: dropped %d pair(s) whose prompt fills data.seq_len=%d, leaving no completion token (%d keeps them)",
+            source,
+            dropped,
+            cfg.seq_len,
+            need,
+        )
+    truncated = stats["train"].truncated + stats["eval"].truncated
+    if truncated:
+        warn(
+            "%s: %d pair(s) longer than data.seq_len=%d cut to it (keep_start, as TRL)", source, truncated, cfg.seq_len
+        )
+    same = stats["train"].same + stats["eval"].same
+    if same:
+        first = (stats["train"].same_examples + stats["eval"].same_examples)[:3]
+        warn("%s: %d pair(s) have chosen == rejected (no preference, no gradient): %s", source, same, "; ".join(first))
     if not train:
         raise DataError(f"{source}: no preference pair fits (invalid or longer than data.seq_len={cfg.seq_len})")
     out = []
     for name, pairs in (("train", train), ("eval", held)):
         seqs = _pairs_to_sequences(pairs, cfg.seq_len, pad_id)
+        seqs.held_out = name == "eval" and every > 0
         _count(stats[name], pairs, seqs)
         out.append(seqs)
     return out[0], out[1], pad_id, stats

@@ -20,6 +20,7 @@ also carry `position_ids` that restart at 0 for every document: the model builds
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ from .formats import document_boundaries, sample_format, with_data_fields
 from .pack import encoded, quiet, to_sequences, warn
 from .preference import PairEvalBatches, PairSequences, prepare_pairs
 from .read import DataError, RowLocator, load_rows
-from .sources import builder_for, data_columns, load_documents, nonempty_paths
+from .sources import builder_for, data_columns, eval_split, load_documents, nonempty_paths
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column, count_split
 from .tokenize import RowTokenizer, tokenize_rows, without
 
@@ -79,6 +80,14 @@ class PreparedData:
             )
         if eval_batches != 0 and self.eval is not None and len(self.eval) == 0 and not self.eval_off():
             raise DataError(no_eval_message(self.cfg))
+        if eval_batches != 0 and self.pairs_short(global_batch) and not self.eval.held_out:
+            raise DataError(pairs_short_message(len(self.eval), global_batch))
+
+    def pairs_short(self, global_batch: int) -> bool:
+        """Whether the evaluation preference pairs fill no global batch (evaluation counts whole batches of
+        pairs): an error for an explicit source, evaluation off (warned) for pairs held out of the training
+        data."""
+        return isinstance(self.eval, PairSequences) and len(self.eval) < global_batch
 
     def eval_off(self) -> bool:
         """True when `data.eval_holdout` could hold out no evaluation sequence from data too small for one:
@@ -114,11 +123,11 @@ class PreparedData:
                     break
             seqs = Sequences(np.asarray(rows, dtype=np.int64).reshape(-1, cfg.seq_len), pad_id=self.pad_id)
         if isinstance(seqs, PairSequences):  # DPO: whole batches of pairs
-            if len(seqs) < global_batch:
-                raise DataError(
-                    f"train.global_batch: the evaluation data has {len(seqs)} preference pairs, fewer than one "
-                    f"global batch ({global_batch}); add pairs (data.eval_files, data.eval_holdout) or set eval.batches: 0"
-                )
+            if self.pairs_short(global_batch):
+                if not seqs.held_out:
+                    raise DataError(pairs_short_message(len(seqs), global_batch))
+                warn(PAIRS_EVAL_OFF, len(seqs), global_batch)
+                return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=0)
             return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=eval_batches)
         if len(seqs) == 0 and not self.eval_off():
             raise DataError(no_eval_message(cfg))
@@ -132,6 +141,20 @@ EVAL_OFF = (
     "evaluation is off for this run (set data.eval_files, or eval.batches: 0 to say so)"
 )
 """The warning when the data is too small to hold out an evaluation sequence."""
+
+PAIRS_EVAL_OFF = (
+    "data.eval_holdout: the %d held-out preference pair(s) fill no global batch of %d pairs: evaluation is off "
+    "for this run (set data.eval_files, raise data.eval_holdout, or set eval.batches: 0 to say so)"
+)
+"""The warning when the pairs held out of the training data fill no global batch."""
+
+
+def pairs_short_message(pairs: int, global_batch: int) -> str:
+    return (
+        f"train.global_batch: the evaluation data has {pairs} preference pairs, fewer than one global batch "
+        f"({global_batch}); add pairs (data.eval_files) or set eval.batches: 0"
+    )
+
 
 STREAM_EVAL_BATCHES = 4
 """Evaluation batches read from a stream's held-out documents when eval.batches is null (a stream has no end
@@ -161,9 +184,14 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
     Raises DataError naming the key, file and row and the fix: invalid rows (`BadRowsError`, unless
     data.skip_invalid), every conversation dropped by data.seq_len, too little data for one sequence.
     """
+    test = eval_split(cfg.hub_id, cfg.hub_split, cfg.hub_name, cfg.hub_revision) if cfg.hub_id else None
+    if test and not cfg.eval_files and not cfg.streaming:  # the dataset's own evaluation split, no hold-out
+        cfg = dataclasses.replace(cfg, eval_holdout=0)
+    else:
+        test = None
     every = holdout_every(cfg)
     if cfg.format == "preference":  # pairs, not packed rows (data/preference.py)
-        train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every)
+        train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every, test)
         return PreparedData(cfg, "preference", "set by data.format", train, eval_seqs, stats, None, pad_id)
     source = f"data.files {cfg.files}" if cfg.files else f"dataset {cfg.hub_id}"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -207,9 +235,16 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
     )
     eval_tok = eval_stats = None
     eval_bad = np.zeros(0, dtype=np.int64)
+    eval_key = "data.eval_files"
     if cfg.eval_files:
         eval_tok, eval_stats, eval_bad = _eval_rows(cfg, tokenizer, vocab_size, fmt, cache)
-    _stop_or_skip(cfg, [(source, train_stats, bad), ("data.eval_files", eval_stats, eval_bad)])
+    elif test:
+        eval_key = f"dataset {cfg.hub_id} split {test!r}"
+        eval_docs = load_documents(None, cfg.hub_id, test, "auto", False, cfg.hub_name, cfg.hub_revision)
+        eval_tok, eval_stats, eval_bad = tokenize_rows(
+            eval_docs, cfg, tokenizer, vocab_size, fmt, eval_key, [], "auto", 0, cache
+        )
+    _stop_or_skip(cfg, [(source, train_stats, bad), (eval_key, eval_stats, eval_bad)])
     tokenized = without(tokenized, bad)
     if train_stats.rows == train_stats.bad:
         raise DataError(f"{source}: no valid row (all {train_stats.rows} skipped as invalid, data.skip_invalid)")

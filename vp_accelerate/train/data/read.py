@@ -55,6 +55,11 @@ def _array_of(path: str) -> list:
     with open(path, encoding="utf-8") as f:
         try:
             records = json.load(f)
+        except RecursionError:  # json's parser recurses per level
+            raise DataError(
+                f"data.files: {path} is not valid JSON (nested deeper than the parser's limit); a .json data file "
+                f"is one array of records or one record per line"
+            ) from None
         except json.JSONDecodeError as e:
             raise DataError(
                 f"data.files: {path} is not valid JSON ({e.msg} at line {e.lineno}, column "
@@ -211,7 +216,7 @@ def first_record_columns(path: str, fmt: str) -> list[str] | None:
                 continue
             try:
                 record = json.loads(line.lstrip("\ufeff"))
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue  # a bad line is reported as a bad row by the data check; the columns come from a good one
             if isinstance(record, dict):
                 return sorted(record)

@@ -7,6 +7,7 @@ from `data.file_format` or the extensions; `load_documents` reads the rows as wr
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 from ..recipe.schema import DataSection
@@ -106,6 +107,30 @@ def saved_dataset_dir(path: str) -> bool:
     dataset_dict.json)."""
     path = os.path.expanduser(path)
     return any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
+
+
+EVAL_SPLITS = ("test", "validation")
+"""A DatasetDict's splits that serve as evaluation data when the recipe names no data.eval_files (as TRL's
+scripts pass dataset[test_split] as eval_dataset)."""
+
+
+def eval_split(hub_id: str, split: str, name: str | None = None, revision: str | None = None) -> str | None:
+    """The split of `hub_id` (a save_to_disk DatasetDict folder, or a hub-style dataset) that holds its
+    evaluation rows (`EVAL_SPLITS`, first found), or None when it has none besides the training `split`."""
+    path = os.path.expanduser(hub_id)
+    try:
+        if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+            with open(os.path.join(path, "dataset_dict.json")) as f:
+                names = json.load(f).get("splits", [])
+        elif os.path.isfile(os.path.join(path, "state.json")):
+            return None  # a single Dataset
+        else:
+            from datasets import get_dataset_split_names  # see load_documents
+
+            names = get_dataset_split_names(hub_id, name, revision=revision)
+    except Exception:  # out of reach or not a DatasetDict: the training split's own read names the problem
+        return None
+    return next((s for s in EVAL_SPLITS if s in names and s != split), None)
 
 
 def load_saved(path: str, split: str, streaming: bool):

@@ -49,6 +49,10 @@ class SplitStats:
     """Chat rows with an assistant turn whose content is empty (trained to answer nothing: warned, not refused)."""
     empty_turn_examples: list = field(default_factory=list)
     """The first BAD_ROWS_LISTED of them, "FILE, line N"."""
+    same: int = 0
+    """Preference pairs whose chosen equals rejected (warned: no preference, so no gradient)."""
+    same_examples: list = field(default_factory=list)
+    """The first BAD_ROWS_LISTED of them, "FILE, line N"."""
 
 
 def arrow_column(ds, column: str):

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..recipe.schema import DataSection
-from . import chat_rows, formats
+from . import chat_rows, formats, long_text
 from .identity import files_identity
 from .read import RAW, WHERE, DataError, RowLocator
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column
@@ -40,6 +40,8 @@ def json_record(line: str) -> tuple[dict | None, str]:
         record = json.loads(line.lstrip("\ufeff"))  # a UTF-8 byte-order mark opens some editors' files: read it
     except json.JSONDecodeError as e:
         return None, f"not valid JSON ({e.msg} at column {e.colno})"
+    except RecursionError:  # json's parser recurses per level: 100k nested brackets exhaust the stack
+        return None, "not valid JSON (nested deeper than the parser's limit)"
     if not isinstance(record, dict):
         return None, f"a record must be a JSON object, got {type(record).__name__} {formats.short(record)}"
     return record, ""
@@ -82,8 +84,7 @@ class RowTokenizer:
                 raise formats.FormatError(f"column {f['text']!r} must be a string, got {formats.short(text)}")
             if cfg.response_template is not None:  # completion-only loss: a prompt / completion split at it
                 return (*self._after_response_template(text), [])
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return text, ids + [self.tokenizer.eos_token_id] if cfg.add_eos else ids, None, []
+            return text, formats.encode_text(self.tokenizer, text, cfg.add_eos), None, []
         if self.fmt == "chat":
             messages, dropped = chat_rows.normalize(row[f["messages"]], self.keys, self.template_name)
             if cfg.system_prompt is not None and messages[0]["role"] != "system":
@@ -98,7 +99,7 @@ class RowTokenizer:
 
     def _after_response_template(self, text: str) -> tuple[str, list, list]:
         """(text, ids, loss mask) of a text row whose loss starts after data.response_template: the text up to
-        and including it and the rest tokenized apart (a clean boundary, as prompt_completion), EOS after."""
+        and including it as the prompt, the rest as the completion (tokenized as prompt_completion), EOS after."""
         template = self.cfg.response_template
         at = text.find(template)
         if at < 0:
@@ -176,9 +177,10 @@ def _empty_assistant_turn(messages) -> bool:
 
 
 def _code_version() -> str:
-    """A hash of the code that turns rows into cached columns (this module, formats.py, chat_rows.py): a change
-    to any of them gives new cache keys, so no cached result of older code is reused (no hand-kept version)."""
-    source = "".join(inspect.getsource(m) for m in (RowTokenizer, formats, chat_rows))
+    """A hash of the code that turns rows into cached columns (this module, formats.py, chat_rows.py,
+    long_text.py): a change to any of them gives new cache keys, so no cached result of older code is reused (no
+    hand-kept version)."""
+    source = "".join(inspect.getsource(m) for m in (RowTokenizer, formats, chat_rows, long_text))
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 

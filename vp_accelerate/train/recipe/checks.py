@@ -12,6 +12,7 @@ import glob
 import importlib.util
 import math
 import os
+import signal
 
 from .convert import RecipeError
 from .schema import Recipe
@@ -72,6 +73,10 @@ def check(recipe: Recipe) -> Recipe:
             f"replicas x pipeline.microbatches={p.microbatches} equal microbatches (a multiple of {unit}); use "
             f"{near}, or set train.micro_batch_size (sequences per microbatch) instead of global_batch"
         )
+    for key, folder in (("logging.output_dir", recipe.logging.output_dir), ("checkpoint.dir", recipe.checkpoint.dir)):
+        if folder is not None and not str(folder).strip():  # "" would write the run into the current directory
+            raise RecipeError(f"{key}: is empty; name a folder for the run (e.g. outputs/run), or drop the key")
+    recipe.checkpoint.stop_signals = _stop_signals(recipe.checkpoint.stop_signals)
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise RecipeError(f"optimizer.betas: expected two values in [0, 1), got {o.betas}")
     for key in ("lr", "eps", "weight_decay", "grad_clip"):
@@ -120,6 +125,20 @@ _DEMO_DATA = {
     "demo_chat": "python scripts/make_demo_chat.py --out {dir}",
     "demo_preference": "python scripts/make_demo_chat.py --preference --conversations 1000 --out {dir}",
 }
+
+
+def _stop_signals(names) -> list[str]:
+    """checkpoint.stop_signals as signal-module names (SIGTERM, not term); RecipeError naming a bad one."""
+    out = []
+    for name in names:
+        full = str(name).strip().upper()
+        full = full if full.startswith("SIG") else f"SIG{full}"
+        if full in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, full, None), signal.Signals):
+            raise RecipeError(
+                f"checkpoint.stop_signals: {name!r} is not a signal a run can catch (e.g. SIGTERM, SIGUSR1)"
+            )
+        out.append(full)
+    return out
 
 
 def _make_hint(pattern: str) -> str:

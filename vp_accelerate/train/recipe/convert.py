@@ -23,11 +23,12 @@ class RecipeError(ValueError):
 def unknown_key(path: str, name: str, names: list[str]) -> RecipeError:
     """The error for key `name` at `path`: another tool's name for a key (schema.KEY_ALIASES) points at
     ours, else the closest known name, else the known names."""
-    from .schema import KEY_ALIASES  # the recipe's own table; this module converts any dataclass
+    from .schema import KEY_ALIASES, KEY_NOTES  # the recipe's own tables; this module converts any dataclass
 
     ours = KEY_ALIASES.get(name)
     if ours is not None:  # an unknown key here, so never the key it names
-        return RecipeError(f"{path}: unknown key; did you mean {ours}? ({name} is its name in transformers/TRL)")
+        note = KEY_NOTES.get(name, f"{name} is its name in transformers/TRL")
+        return RecipeError(f"{path}: unknown key; did you mean {ours}? ({note})")
     hint = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     more = f"; did you mean {hint[0]}?" if hint else f"; known keys: {', '.join(names)}"
     return RecipeError(f"{path}: unknown key{more}")

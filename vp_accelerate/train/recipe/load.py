@@ -37,6 +37,52 @@ def recipe_from_dict(data: dict, overrides: list[str] = ()) -> Recipe:
     return check(recipe)
 
 
+MAX_RECIPE_VALUES = 100_000
+"""Values a recipe may hold once its YAML aliases are expanded: real recipes hold a few hundred; a file whose
+aliases multiply past this (a "billion laughs" file) is refused before anything is expanded."""
+
+
+def _expanded_size(root, path: str) -> int:
+    """How many values the YAML node graph `root` becomes once aliases are expanded, counted over the graph
+    (each node once, its size remembered), so an alias bomb is measured without being expanded."""
+    sizes: dict[int, int] = {}
+    stack = [(root, False)]
+    while stack:  # post-order without recursion: a deeply nested file must not exhaust the stack here either
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = []
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        if not done:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), MAX_RECIPE_VALUES + 1)
+    total = sizes[id(root)]
+    if total > MAX_RECIPE_VALUES:
+        raise RecipeError(
+            f"{path}: its YAML aliases (&name / *name) expand to more than {MAX_RECIPE_VALUES:,} values; a recipe "
+            f"holds a few hundred: write the repeated values out instead of nesting aliases"
+        )
+    return total
+
+
+def _safe_load(f, path: str):
+    """yaml.safe_load, with the node graph measured (`_expanded_size`) before any alias is expanded."""
+    loader = yaml.SafeLoader(f)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node, path)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     """Read a YAML recipe (yaml.safe_load), apply overrides, validate. Raises RecipeError."""
     if os.path.isdir(path):
@@ -45,7 +91,7 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
         )
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = _safe_load(f, path) or {}
     except FileNotFoundError:
         raise RecipeError(f"recipe file {path!r} not found") from None
     except UnicodeDecodeError as e:
@@ -54,6 +100,8 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
         ) from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: invalid YAML: {e}") from None
+    except RecursionError:  # PyYAML's composer recurses per nesting level
+        raise RecipeError(f"{path}: nested deeper than a YAML reader allows; a recipe is a few levels deep") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
     return recipe_from_dict(data, overrides)
@@ -70,7 +118,8 @@ def key_lines(path: str) -> dict[str, int]:
     try:
         with open(path) as f:
             root = yaml.compose(f)
-    except (OSError, yaml.YAMLError):
+        _expanded_size(root, path)  # the walk below follows aliases: not through a bomb
+    except (OSError, yaml.YAMLError, RecursionError, RecipeError):
         return {}
     lines: dict[str, int] = {}
 

@@ -81,10 +81,6 @@ PRESETS: dict[str, tuple[str, dict]] = {
 }
 
 
-def is_local_dir(source: str) -> bool:
-    return os.path.isdir(os.path.expanduser(source))
-
-
 def preset_config(name: str, overrides: dict | None = None):
     """A transformers config for preset `name` with `overrides` applied."""
     if name not in PRESETS:
@@ -122,14 +118,19 @@ def local_model_dir(source: str) -> str:
     return snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
 
 
+def uses_pretrained_weights(model_section) -> bool:
+    """Whether a run starts from the source's weights: `pretrained_weights` asks for them, and only a
+    checkpoint has them (a preset is a config; its model starts from random weights either way)."""
+    return bool(model_section.pretrained_weights) and model_section.source not in PRESETS
+
+
 def model_source(model_section, config, plan=None, path: str | None = None):
     """What to hand PipelineModel: a config (random init) or a `CheckpointSource` (pretrained weights).
 
     `plan`: the run's `VocabPlan` (rows and where each comes from); `path`: the local dir of the weights
     (`local_model_dir`). Nothing is loaded here: each rank reads only its own tensors and rows.
     """
-    pretrained = model_section.pretrained_weights and model_section.source not in PRESETS
-    if not pretrained:
+    if not uses_pretrained_weights(model_section):
         if plan is not None:
             config.vocab_size = plan.rows_after
         return config

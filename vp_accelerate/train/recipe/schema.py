@@ -10,7 +10,7 @@ from typing import Literal, Optional
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 
-__all__ = ["AdapterConfig", "KEY_ALIASES", "PipelineConfig", "Recipe"]
+__all__ = ["AdapterConfig", "KEY_ALIASES", "KEY_NOTES", "PipelineConfig", "Recipe"]
 
 KEY_ALIASES = {
     "max_grad_norm": "optimizer.grad_clip",
@@ -39,9 +39,30 @@ KEY_ALIASES = {
     "lora_alpha": "adapter.alpha",
     "lora_dropout": "adapter.dropout",
     "trainable_token_indices": "adapter.trainable_tokens",
+    "lora_target_modules": "adapter.target_modules",
+    "bf16": "pipeline.mixed_precision",
+    "fp16": "pipeline.mixed_precision",
+    "beta": "preference.beta",
+    "loss_type": "preference.loss_type",
+    "max_prompt_length": "data.seq_len",
+    "truncation_mode": "data.seq_len",
+    "rpo_alpha": "preference.loss_type",
+    "precompute_ref_log_probs": "data.format",
 }
 """Names from transformers' TrainingArguments, TRL, peft and axolotl -> this recipe's key: a recipe that uses one
-(in any section) fails with a message naming the key to write instead."""
+(in any section) fails with a message naming the key to write instead (and `KEY_NOTES`' word on how)."""
+
+KEY_NOTES = {
+    "bf16": "bf16: true is pipeline.mixed_precision: bf16",
+    "fp16": "fp16: true is pipeline.mixed_precision: fp16",
+    "max_prompt_length": "TRL 1.16 has no prompt limit: a row longer than data.seq_len (its max_length) is cut "
+    "keep_start, and a pair whose prompt fills it is dropped and counted",
+    "truncation_mode": "rows are cut keep_start (TRL's default) at data.seq_len",
+    "rpo_alpha": "TRL 1.16 writes RPO as loss_type: [sigmoid, sft] with loss_weights: [1, rpo_alpha]",
+    "precompute_ref_log_probs": "with data.format: preference the reference log-probabilities are always computed "
+    "once before training (ref_logps.pt); remove the key",
+}
+"""Why an alias in `KEY_ALIASES` is not one key for one key: appended to its error."""
 
 
 @dataclass
@@ -164,11 +185,13 @@ class DataSection:
     pre-training packing, documents separated by EOS only)."""
 
     eval_files: list[str] = field(default_factory=list)
-    """Held-out files for evaluation. When empty, `eval_holdout` of the packed training sequences is held out."""
+    """Held-out files for evaluation. When empty, the `test` (or `validation`) split of a `hub_id` DatasetDict,
+    else `eval_holdout` of the packed training sequences is held out."""
 
     eval_holdout: float = 0.02
-    """Fraction of packed sequences held out for evaluation when `eval_files` is empty. When streaming,
-    the first `eval.batches` batches of the stream are held out instead."""
+    """Fraction of packed sequences held out for evaluation when `eval_files` is empty and `hub_id` has no
+    `test` / `validation` split. When streaming, the first `eval.batches` batches of the stream are held out
+    instead."""
 
     streaming: bool = False
     """Stream the corpus instead of tokenizing it up front (large corpora). Order is deterministic per
@@ -333,6 +356,11 @@ class CheckpointSection:
 
     hub_private: bool = True
     """With push_to_hub: create the repo private (an existing repo keeps its visibility)."""
+
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that end the run at the next step boundary with a checkpoint and exit code 75 (preemption: SLURM
+    sends SIGTERM before it kills a job, and SIGUSR1 ahead of the time limit with `--signal=USR1@SECONDS`);
+    [] keeps the default (the process dies at once)."""
 
     def resolved_dir(self, output_dir: str) -> Optional[str]:
         """Where checkpoints go: `dir`, else `<output_dir>/checkpoints`; None when disabled."""

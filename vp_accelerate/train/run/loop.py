@@ -324,8 +324,11 @@ def maybe_eval(run: Run, state: LoopState, step: int, say: Callable[[str], None]
             )
 
 
-def maybe_save(run: Run, step: int) -> None:
-    """Every checkpoint.every steps (and the last): a checkpoint of every rank's state, if checkpoint.dir is set."""
+def maybe_save(run: Run, step: int) -> bool:
+    """Every checkpoint.every steps (and the last): a checkpoint of every rank's state, if checkpoint.dir is set.
+    Whether it saved."""
     c = run.recipe.checkpoint
     if c.dir and ((c.every and step % c.every == 0) or step == run.end_step):
         save_run(run, step)
+        return True
+    return False

@@ -28,11 +28,18 @@ _HELD: dict[str, int] = {}
 
 
 def _holder(fd: int) -> dict:
+    """Who holds the lock, as its file says; {} for a record that is unreadable or not ours (the message then
+    says "?" rather than failing on it)."""
     try:
         os.lseek(fd, 0, os.SEEK_SET)
-        return json.loads(os.read(fd, 4096).decode() or "{}")
+        who = json.loads(os.read(fd, 4096).decode() or "{}")
     except (OSError, ValueError):
         return {}
+    if not isinstance(who, dict):
+        return {}
+    if not isinstance(who.get("since"), (int, float)) or isinstance(who.get("since"), bool):
+        who.pop("since", None)
+    return {k: v for k, v in who.items() if k == "since" or isinstance(v, (str, int))}
 
 
 def acquire(folder: str, what: str = "logging.output_dir") -> str:
@@ -44,8 +51,14 @@ def acquire(folder: str, what: str = "logging.output_dir") -> str:
         return path
     try:
         os.makedirs(folder, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a lock file that is a symlink would have its target truncated by the record written below.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
+        if os.path.islink(path):
+            raise RecipeError(
+                f"{what}: the lock file {path} is a symbolic link (to {os.readlink(path)!r}); a run writes its own "
+                f"record there, so remove the link"
+            ) from None
         raise RecipeError(
             f"{what}: cannot create the lock file {path}: {e.strerror}; choose a writable {what}"
         ) from None
@@ -54,7 +67,10 @@ def acquire(folder: str, what: str = "logging.output_dir") -> str:
     except OSError:
         who = _holder(fd)
         os.close(fd)
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who["since"])) if "since" in who else "?"
+        try:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who["since"])) if "since" in who else "?"
+        except (OverflowError, OSError, ValueError):
+            since = "?"
         raise RecipeError(
             f"{what}: another run is writing into {folder} (host {who.get('host', '?')}, pid {who.get('pid', '?')}, "
             f"started {since}); wait for it to end or give this run another {what}. The lock ({path}) is released "

@@ -259,15 +259,16 @@ def _resume_mode(run, path: str, meta: dict) -> str:
     )
 
 
-def _check_files_share(path: str, meta: dict, rank: int, world: int) -> None:
+def _check_files_share(path: str, meta: dict, rank: int, world: int, weights_only: bool = False) -> None:
     """Check this rank's share of the checkpoint's files against their recorded sizes and hashes: the saved
     rank folders k with k % world == rank (each file read by one rank, whatever the new layout), and model/'s
-    files on rank 0. CheckpointError names a missing, damaged or changed file and the fix."""
+    files on rank 0; `weights_only`: of the rank folders, only the weights (model.init_from reads nothing else).
+    CheckpointError names a missing, damaged or changed file and the fix."""
     if rank == 0:
         ckpt.check_model_files(path, meta)
     for k in ckpt.saved_ranks(path, meta):
         if k % world == rank:
-            ckpt.check_rank_files(path, k)
+            (ckpt.check_weight_file if weights_only else ckpt.check_rank_files)(path, k)
 
 
 def _stop_on_any(outcomes: list, cdir) -> None:
@@ -292,19 +293,32 @@ _WEIGHT_KEYS = ("model", "adapter")
 
 def init_weights_from(run, source: str) -> None:
     """model.init_from: this rank's weights from a training checkpoint and nothing else (the optimizer, LR
-    schedule, data order and step count start afresh). Each rank reads only its own shard file."""
+    schedule, data order and step count start afresh). As `resume_run` does, every rank first checks its share of
+    the files it will read against their recorded sizes and hashes (a damaged shard is named, on every rank,
+    before any weight loads); then each rank reads only the rows it holds."""
     pipe = run.pipe
-    path = ckpt.resolve(os.path.expanduser(source))
-    meta = ckpt.read_meta(path)
-    saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
-    current = as_saved(saved, run.fingerprint, run.layout)
+    problem, found = None, None
     try:
-        ckpt.check_fingerprint({k: saved.get(k) for k in _WEIGHT_KEYS}, {k: current.get(k) for k in _WEIGHT_KEYS}, path)
-    except ckpt.CheckpointError as e:
-        raise ckpt.CheckpointError(
-            f"model.init_from: {e}\nFor a checkpoint of another model or layout, export it "
-            f"(vp-accelerate export {source} DIR) and set model.source: DIR"
-        ) from None
+        path = ckpt.resolve(os.path.expanduser(source))
+        meta = ckpt.read_meta(path)
+        saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
+        current = as_saved(saved, run.fingerprint, run.layout)
+        try:
+            ckpt.check_fingerprint(
+                {k: saved.get(k) for k in _WEIGHT_KEYS}, {k: current.get(k) for k in _WEIGHT_KEYS}, path
+            )
+        except ckpt.CheckpointError as e:
+            raise ckpt.CheckpointError(
+                f"model.init_from: {e}\nFor a checkpoint of another model or layout, export it "
+                f"(vp-accelerate export {source} DIR) and set model.source: DIR"
+            ) from None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        _check_files_share(path, meta, pipe.rank, world, weights_only=True)
+        found = (path, meta)
+    except (ckpt.CheckpointError, RecipeError) as e:
+        problem = (type(e).__name__, str(e))
+    _stop_on_any(gather((problem, None if found is None else int(found[1]["step"]))), source)
+    path, meta = found
     reshard_model(pipe, path, meta)
     if pipe.rank == 0:
         log.info(

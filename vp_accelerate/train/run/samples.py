@@ -30,7 +30,8 @@ log = logging.getLogger("vp_accelerate.train")
 
 def prompt_ids(tokenizer, prompt: str, fmt: str, system: str | None = None) -> list[int]:
     """Token ids a prompt is completed from: a user turn with the generation prompt (chat; after the `system`
-    turn, data.system_prompt, as training saw it), or the text."""
+    turn, data.system_prompt, as training saw it; the template's special tokens only), or the text with the
+    tokenizer's own special tokens (a BOS where it adds one, as training rows start)."""
     if fmt == "chat":
         turns = [{"role": "system", "content": system}] if system is not None else []
         text = tokenizer.apply_chat_template(
@@ -40,7 +41,7 @@ def prompt_ids(tokenizer, prompt: str, fmt: str, system: str | None = None) -> l
             add_generation_prompt=True,
         )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
 
 
 def hf_model(config, state: dict, dtype: torch.dtype = torch.float32):

@@ -46,12 +46,14 @@ from .final_export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer
+from .preemption import Preempted, StopSignals, signal_name
 from .run_state import (
     complete_pending_save,
     fingerprint,
     init_weights_from,
     poll_pending_save,
     resume_run,
+    save_run,
     settle_pending_save,
 )
 from .tracking import Tracker, gather, plot_measured_timeline
@@ -309,6 +311,7 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         desc="train",
         dynamic_ncols=True,
     )
+    stop = StopSignals(tuple(recipe.checkpoint.stop_signals)).install()  # preemption: save, then exit 75
     try:
         for step in range(run.start_step + 1, run.end_step + 1):
             out = train_step_once(run, state, step)
@@ -320,7 +323,14 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
             bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
             log_step(run, state, out)
             maybe_eval(run, state, step, say=bar.write)
-            maybe_save(run, step)
+            saved = maybe_save(run, step)
+            if stop.names and (signum := stop.agreed()):  # every rank stops after this same step
+                if not saved and recipe.checkpoint.dir:
+                    save_run(run, step)
+                complete_pending_save(run)  # decided together: the last save is `latest` before the exit
+                bar.close()
+                finish(run)
+                raise Preempted(signal_name(signum), step, saved=bool(recipe.checkpoint.dir))
             if run.stopped_early:  # eval.patience: end_step is this step now
                 break
     except NonFiniteError:  # decided on every rank together: the checkpoint written meanwhile becomes `latest`
@@ -329,6 +339,8 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     except BaseException:  # maybe this rank's alone: its write finishes, no collective, `latest` stays
         settle_pending_save(run)
         raise
+    finally:
+        stop.restore()
     complete_pending_save(run)  # the last checkpoint, before the final export reads it
     bar.close()
     finish(run)

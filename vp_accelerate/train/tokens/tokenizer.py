@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from ..data.read import DataError
 from ..data.sources import expand_files
 
 EOS = "<|endoftext|>"
@@ -27,14 +28,27 @@ def _iter_texts(files: list[str], text_field: str = "text"):
     for path in files:
         if path.endswith((".json", ".jsonl")):
             with open(path, encoding="utf-8") as f:
-                for line in f:
+                for n, line in enumerate(f, 1):
                     if line.strip():
-                        yield json.loads(line)[text_field]
+                        yield _text_of(line, text_field, f"{path}, line {n}")
         elif path.endswith(".parquet"):
             yield from pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
         else:
             with open(path, encoding="utf-8") as f:
                 yield from f
+
+
+def _text_of(line: str, text_field: str, where: str) -> str:
+    """The text of one JSON Lines record; DataError naming the line when it has none."""
+    try:
+        record = json.loads(line.lstrip("\ufeff"))
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: brackets nested past the parser's limit
+        why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deep"
+        raise DataError(f"{where}: not valid JSON ({why}); fix the line or leave the file out") from None
+    text = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise DataError(f"{where}: no string field {text_field!r}; pass the field that holds the text (--text-field)")
+    return text
 
 
 def train_bpe(
