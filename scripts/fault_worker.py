@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 def install(fault: dict) -> None:
     from vp_accelerate.runtime import pipeline
     from vp_accelerate.runtime.executor import Executor
-    from vp_accelerate.train.checkpoint import store as checkpoint
+    from vp_accelerate.train.checkpoint import writer as checkpoint_writer
 
     state = {"step": 0}
     original_train_step = pipeline.PipelineModel.train_step
@@ -100,14 +100,14 @@ def install(fault: dict) -> None:
 
     delay = float(fault.get("slow_fsync_s", 0.0))
     if delay or sig:
-        original_fsync = checkpoint._fsync_file
+        original_fsync = checkpoint_writer.fsync_file
 
         def slow_fsync(path):
             time.sleep(delay)
             signal_here("save", int(os.environ.get("RANK", "0")))
             original_fsync(path)
 
-        checkpoint._fsync_file = slow_fsync
+        checkpoint_writer.fsync_file = slow_fsync
 
 
 def pipeline_main(steps: int = 3, stall_s: float = 600.0) -> int:

@@ -61,11 +61,15 @@ def shard_file_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], metadata: dict | None = None) -> int:
+def write_safetensors(
+    path: str | os.PathLike | None, entries: Sequence[Entry], metadata: dict | None = None, *, sink=None
+) -> int:
     """Write a safetensors file one tensor at a time; returns the bytes of tensor data written.
 
     Each entry's tensor is produced only when it is written and dropped right after, so the memory this
-    adds is one tensor (plus its host copy / cast), whatever the file's size."""
+    adds is one tensor (plus its host copy / cast), whatever the file's size. `sink`: an open binary file
+    object to write to instead of `path` (the caller fsyncs it); else `path` is written through `<path>.tmp`,
+    fsynced and renamed."""
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for name, shape, dtype, _ in entries:
@@ -74,20 +78,29 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], metadat
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
+    if sink is not None:
+        _write_body(sink, raw, entries)
+        return offset
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for name, shape, dtype, produce in entries:
-            t = produce().detach().to(device="cpu", dtype=dtype).contiguous()
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{name}: produced shape {tuple(t.shape)}, planned {tuple(shape)}")
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            del t
+        _write_body(f, raw, entries)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return offset
+
+
+def _write_body(f, raw: bytes, entries: Sequence[Entry]) -> None:
+    """The header length, the header, then each entry's bytes as it is produced."""
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    for name, shape, dtype, produce in entries:
+        t = produce().detach().to(device="cpu", dtype=dtype).contiguous()
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}: produced shape {tuple(t.shape)}, planned {tuple(shape)}")
+        if t.numel():
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        del t
 
 
 def vocab_owner(sharded: Sequence[str], pp_size: int) -> dict[str, int]:

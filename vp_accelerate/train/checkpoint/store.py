@@ -12,8 +12,10 @@ Layout of `<dir>`:
       rank_00000/files.json           the rank's files' sizes and hashes
     latest                      name of the newest complete checkpoint (updated last)
 
-Atomicity: everything is written into `step_X.tmp/`, each file fsynced; after a barrier rank 0
-renames the directory to `step_X/` and only then replaces `latest` (write + fsync + rename). A crash at
+Atomicity: everything is written into `step_X.tmp/`, each file fsynced and read back; once every rank's
+write is verified (`complete_save`, an agreement of all ranks: a run's next save, or its end) rank 0
+renames the directory to `step_X/` and only then replaces `latest` (write + fsync + rename). A run writes
+in the background while it trains on (`begin_save`, `writer.py`). A crash at
 any point leaves `latest` naming the previous complete checkpoint; stale `.tmp` dirs are ignored and
 removed by the next save. Loading uses safetensors and `torch.load(weights_only=True)` only.
 """
@@ -26,14 +28,13 @@ import os
 import random
 import re
 import shutil
-import signal
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
-from . import files, space
+from . import files, space, writer
 from .files import CheckpointError
 
 LATEST = "latest"
@@ -42,9 +43,9 @@ META = "meta.json"
 TMP = ".tmp"
 """A step folder being written (`step_X.tmp`): never read; removed by the next save."""
 OLD = ".old"
+"""A complete step folder moved aside while a re-save of its step renames the new one in."""
 META_RECORD = "meta.record.json"
 """Beside meta.json: its size and hash ({"meta.json": {size, xxh3_128}}), written after it."""
-"""A complete step folder moved aside while a re-save of its step renames the new one in."""
 STEP_DIR = re.compile(r"step_\d{8}")
 
 __all__ = ["CheckpointError"]
@@ -56,26 +57,6 @@ def step_dir_name(step: int) -> str:
 
 def rank_dir_name(rank: int) -> str:
     return f"rank_{rank:05d}"
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def config_fingerprint(config) -> str:
@@ -114,66 +95,151 @@ def set_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------- saving
-class _SimulatedCrash(RuntimeError):
-    """Raised by `_crash_after` (tests): never taken for a write error."""
+def _write_model_files(tmp: str, write_model_files) -> dict:
+    """model/ (config, tokenizer) in the step folder being written; their sizes and hashes for meta.json."""
+    if write_model_files is None:
+        return {}
+    mdir = os.path.join(tmp, "model")
+    os.makedirs(mdir, exist_ok=True)
+    write_model_files(mdir)
+    for name in os.listdir(mdir):
+        writer.fsync_file(os.path.join(mdir, name))
+    return {f"model/{n}": v for n, v in files.record(mdir, sorted(os.listdir(mdir))).items()}
 
 
-def _crash(stage: str, at: str | None) -> None:
-    if at == stage:
-        raise _SimulatedCrash(f"simulated crash after {stage}")
-    if at == f"kill:{stage}":  # tests: die as a SIGKILL would, with nothing cleaned up
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _save_rank_files(rdir: str, model_state: dict, optimizer_state: dict, trainer_state: dict, crash) -> None:
-    """One rank's shard, optimizer and trainer state, each fsynced, then their sizes and hashes (files.json)."""
-    os.makedirs(rdir, exist_ok=True)
-    weights = os.path.join(rdir, "model.safetensors")
-    # safetensors refuses shared/non-contiguous storage; tied shards are saved once per name anyway.
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, weights)
-    _fsync_file(weights)
-    _crash("weights", crash)
-    for name, obj in (("optimizer.pt", optimizer_state), ("trainer_state.pt", trainer_state)):
-        path = os.path.join(rdir, name)
-        torch.save(obj, path)
-        _fsync_file(path)
-    names = ["model.safetensors", "optimizer.pt", "trainer_state.pt"]
-    _write_json(os.path.join(rdir, files.MANIFEST), files.record(rdir, names))
-    _fsync_dir(rdir)
-
-
-def _write_rank0_files(ckpt_dir: str, step: int, tmp: str, meta: dict, write_model_files, crash) -> None:
-    """model/ (config, tokenizer), meta.json (with model/'s sizes and hashes), then the re-save without a
-    window: new folder written -> the old one renamed aside -> the new one renamed in -> `latest` -> the old
-    one deleted. `latest` names a complete folder after a kill at any point (`read_latest` takes the aside
-    copy while the new one is not in yet)."""
+def _promote(ckpt_dir: str, step: int, tmp: str, crash) -> None:
+    """The re-save without a window: new folder written -> the old one renamed aside -> the new one renamed in
+    -> `latest` -> the old one deleted. `latest` names a complete folder after a kill at any point
+    (`read_latest` takes the aside copy while the new one is not in yet)."""
     final = os.path.join(ckpt_dir, step_dir_name(step))
     aside = final + OLD
-    recorded = {}
-    if write_model_files is not None:
-        mdir = os.path.join(tmp, "model")
-        os.makedirs(mdir, exist_ok=True)
-        write_model_files(mdir)
-        for name in os.listdir(mdir):
-            _fsync_file(os.path.join(mdir, name))
-        recorded = {f"model/{n}": v for n, v in files.record(mdir, sorted(os.listdir(mdir))).items()}
-    _write_json(os.path.join(tmp, META), {**meta, "step": step, "files": recorded, "recorded": True})
-    _write_json(os.path.join(tmp, META_RECORD), files.record(tmp, [META]))  # meta.json is checked like the rest
-    _fsync_dir(tmp)
-    _crash("rank0_files", crash)
     if os.path.lexists(final):  # re-saving a step (e.g. after a resume): the complete one goes aside first
         if os.path.lexists(aside):
             shutil.rmtree(aside)  # a re-save's leftover: `final` is complete, so nothing reads it
         os.rename(final, aside)
-        _fsync_dir(ckpt_dir)
-        _crash("aside", crash)
+        writer.fsync_dir(ckpt_dir)
+        writer.crash("aside", crash)
     os.rename(tmp, final)
-    _fsync_dir(ckpt_dir)
-    _crash("rename", crash)
+    writer.fsync_dir(ckpt_dir)
+    writer.crash("rename", crash)
     _write_pointer(ckpt_dir, LATEST, step_dir_name(step))
-    _crash("latest", crash)
+    writer.crash("latest", crash)
     if os.path.lexists(aside):
         shutil.rmtree(aside)
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint every rank has begun (`begin_save`) and whose files may still be being written; only
+    `complete_save` moves `latest` to it."""
+
+    ckpt_dir: str
+    """The run's checkpoint root."""
+    step: int
+    """The step saved."""
+    rank: int
+    """This process's global rank (0 promotes the folder)."""
+    write: writer.RankWrite
+    """This rank's files (and on rank 0 meta.json), written in the background or already written."""
+    keep: int
+    """checkpoint.keep: how many recent checkpoints stay."""
+    best: bool
+    """This one becomes `best`'s."""
+    keep_best: bool
+    """The checkpoint `best` names is never pruned."""
+    crash: str | None
+    """Tests: the stage to stop at (`writer.crash`)."""
+
+    @property
+    def tmp(self) -> str:
+        return os.path.join(self.ckpt_dir, step_dir_name(self.step)) + TMP
+
+
+def begin_save(
+    ckpt_dir: str,
+    step: int,
+    *,
+    rank: int,
+    model_state: dict,
+    optimizer_state: dict,
+    trainer_state: dict,
+    meta: dict,
+    barrier: Callable[[], None],
+    write_model_files: Callable[[str], None] | None = None,
+    keep: int = 2,
+    best: bool = False,
+    keep_best: bool = False,
+    background: bool = True,
+    _crash_after: str | None = None,
+) -> PendingSave:
+    """Collective (one barrier): start checkpoint `step`. Rank 0 makes the step's `.tmp` folder and writes
+    model/; then, `background`, this rank's state is copied to host memory (`writer.Snapshot`) and a thread
+    writes, fsyncs and verifies its files (rank 0's meta.json last) while the caller trains on; else they are
+    written before this returns. `latest` does not move: `complete_save` does that once every rank's write is
+    verified; the previous `begin_save` must be completed first. See `save_checkpoint` for the arguments."""
+    final = os.path.join(ckpt_dir, step_dir_name(step))
+    tmp = final + TMP
+    recorded, problem = {}, None
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by a crashed save (one writer per output dir: `run_lock.py`)
+        os.makedirs(tmp)
+        try:
+            recorded = _write_model_files(tmp, write_model_files)
+        except (OSError, RuntimeError) as e:  # said by every rank at `complete_save`, as a write problem
+            problem = space.write_problem(e, tmp, ckpt_dir, 0, rank)
+    barrier()
+    rdir = os.path.join(tmp, rank_dir_name(rank))
+    need = space.state_bytes(model_state) + space.state_bytes(optimizer_state) + space.state_bytes(trainer_state)
+    snap = None
+    if background:  # the previous save is complete (the caller waits for it): its pinned buckets are reused
+        snap = writer.Snapshot(_pinned.setdefault(rank, []))
+        model_state, optimizer_state, trainer_state, meta = snap.copy(
+            (model_state, optimizer_state, trainer_state, meta)
+        )
+
+    def work() -> None:
+        if snap is not None:
+            snap.ready()  # the device -> host copies have landed
+        writer.write_rank_files(rdir, model_state, optimizer_state, trainer_state, _crash_after)
+        if rank == 0:
+            writer.write_json(os.path.join(tmp, META), {**meta, "step": step, "files": recorded, "recorded": True})
+            # meta.json is checked like the rest: its size and hash beside it
+            writer.write_json(os.path.join(tmp, META_RECORD), files.record(tmp, [META]))
+            writer.fsync_dir(tmp)
+            writer.crash("rank0_files", _crash_after)
+
+    write = writer.RankWrite(work, ckpt_dir, rdir, need, rank, background, problem)
+    return PendingSave(ckpt_dir, step, rank, write, keep, best, keep_best, _crash_after)
+
+
+_pinned: dict[int, list] = {}
+"""Per rank: the pinned host buckets of its last snapshot (CUDA), which the next one reuses."""
+
+
+def complete_save(
+    pending: PendingSave, barrier: Callable[[], None], agree: Callable[[object], list] | None = None
+) -> str:
+    """Collective, on the main thread: wait for this rank's write, agree that every rank's verified (a write
+    error on any rank stops every rank with one line naming the file, nothing lost), and only then rank 0
+    renames the folder in, moves `latest` (and `best`) and prunes. Returns the checkpoint's path."""
+    gather_all = agree or (lambda x: (barrier(), [x])[1])
+    p = pending
+    problem = p.write.wait()
+    _stop_on(gather_all(problem), p.ckpt_dir, p.tmp, p.rank)
+    if p.rank == 0:
+        try:
+            _promote(p.ckpt_dir, p.step, p.tmp, p.crash)
+            if p.best:
+                _write_pointer(p.ckpt_dir, BEST, step_dir_name(p.step))
+            _prune(p.ckpt_dir, p.keep, read_best(p.ckpt_dir) if p.keep_best else None)
+        except writer.SimulatedCrash:
+            raise
+        except (OSError, RuntimeError) as e:
+            problem = space.write_problem(e, p.tmp, p.ckpt_dir, 0, p.rank)
+    _stop_on(gather_all(problem), p.ckpt_dir, p.tmp, p.rank)
+    return os.path.join(p.ckpt_dir, step_dir_name(p.step))
 
 
 def save_checkpoint(
@@ -193,7 +259,8 @@ def save_checkpoint(
     agree: Callable[[object], list] | None = None,
     _crash_after: str | None = None,
 ) -> str:
-    """Collective: every rank calls it with its own state. Returns the final checkpoint path.
+    """Collective: every rank calls it with its own state; the files are written before it returns (a run
+    writes in the background: `begin_save`, then `complete_save`). Returns the final checkpoint path.
 
     `meta` (rank 0's is written) must hold the layout fingerprint; `write_model_files(dir)` (rank 0)
     writes config/tokenizer files for export. `best`: this one becomes the `best` pointer's; `keep_best`: the
@@ -201,38 +268,23 @@ def save_checkpoint(
     rank's): a write error on any rank (a full disk) stops every rank with one line naming the file, nothing
     lost. `_crash_after` is for tests: raise after that stage ("kill:STAGE": SIGKILL this process there).
     """
-    gather_all = agree or (lambda x: (barrier(), [x])[1])
-    final = os.path.join(ckpt_dir, step_dir_name(step))
-    tmp = final + TMP
-    if rank == 0:
-        os.makedirs(ckpt_dir, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # left by a crashed save (one writer per output dir: `run_lock.py`)
-        os.makedirs(tmp)
-    barrier()
-    rdir = os.path.join(tmp, rank_dir_name(rank))
-    need = space.state_bytes(model_state) + space.state_bytes(optimizer_state) + space.state_bytes(trainer_state)
-    problem = space.too_full(ckpt_dir, need, rank)
-    if problem is None:
-        try:
-            _save_rank_files(rdir, model_state, optimizer_state, trainer_state, _crash_after)
-        except _SimulatedCrash:
-            raise
-        except (OSError, RuntimeError) as e:  # torch.save's C++ writer says `basic_ios::clear` on a full disk
-            problem = space.write_problem(e, rdir, ckpt_dir, need, rank)
-    _stop_on(gather_all(problem), ckpt_dir, tmp, rank)
-    if rank == 0:
-        try:
-            _write_rank0_files(ckpt_dir, step, tmp, meta, write_model_files, _crash_after)
-            if best:
-                _write_pointer(ckpt_dir, BEST, step_dir_name(step))
-            _prune(ckpt_dir, keep, read_best(ckpt_dir) if keep_best else None)
-        except _SimulatedCrash:
-            raise
-        except (OSError, RuntimeError) as e:
-            problem = space.write_problem(e, tmp, ckpt_dir, 0, rank)
-    _stop_on(gather_all(problem), ckpt_dir, tmp, rank)
-    return final
+    pending = begin_save(
+        ckpt_dir,
+        step,
+        rank=rank,
+        model_state=model_state,
+        optimizer_state=optimizer_state,
+        trainer_state=trainer_state,
+        meta=meta,
+        barrier=barrier,
+        write_model_files=write_model_files,
+        keep=keep,
+        best=best,
+        keep_best=keep_best,
+        background=False,
+        _crash_after=_crash_after,
+    )
+    return complete_save(pending, barrier, agree)
 
 
 def _stop_on(problems: list, ckpt_dir: str, tmp: str, rank: int) -> None:
@@ -264,7 +316,7 @@ def _write_pointer(ckpt_dir: str, name: str, target: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(ckpt_dir, name))
-    _fsync_dir(ckpt_dir)
+    writer.fsync_dir(ckpt_dir)
 
 
 def ours(ckpt_dir: str, name: str) -> bool:

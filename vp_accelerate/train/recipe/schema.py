@@ -335,6 +335,12 @@ class CheckpointSection:
     keep: int = 2
     """How many recent checkpoints to keep (older ones are deleted after a new one is complete)."""
 
+    background: bool = True
+    """Write checkpoints while training goes on: a save copies this rank's state to host memory (pinned buffers
+    on a GPU) and returns; a thread writes, fsyncs and verifies the files, and `latest` moves to it once every
+    rank's write is verified (at the first step after, at the latest at the next save or the end). Costs one host copy of a rank's weights and
+    optimizer state; false: each save writes before training goes on."""
+
     keep_best: bool = False
     """Also keep the checkpoint with the lowest eval loss (`best` names it) however old, and export that one as
     the final model. Needs evaluation at every checkpoint: checkpoint.every a multiple of eval.every."""

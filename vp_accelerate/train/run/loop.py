@@ -81,6 +81,9 @@ class Run:
     """The prepared data (`data.PreparedData`: sizes for the run's data/ metrics)."""
     setup_s: dict = field(default_factory=dict)
     """Seconds `setup` spent on each part (model and tokenizer, data, pipeline, ...), said with the first step."""
+    pending_save: object = None
+    """The checkpoint being written in the background (`checkpoint.store.PendingSave`), until the next save or
+    the end of the run completes it (`run_state.complete_pending_save`)."""
 
     @property
     def tokens_per_step(self) -> int:

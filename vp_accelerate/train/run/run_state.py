@@ -67,8 +67,50 @@ def must_match(fingerprint: dict) -> dict:
     return {k: v for k, v in fingerprint.items() if k not in LAYOUT_KEYS}
 
 
+def _barrier():
+    return (lambda: dist.barrier(group=host_group())) if dist.is_initialized() else (lambda: None)
+
+
+def complete_pending_save(run) -> None:
+    """Collective: the checkpoint `run` is writing in the background, waited for and agreed on by every rank,
+    then named by `latest` (a write error on any rank: CheckpointError on every rank). Every rank calls it at
+    the same point: each save (before the next one starts), the end of training, a stop every rank decides
+    together. Nothing to do without a pending save."""
+    pending, run.pending_save = getattr(run, "pending_save", None), None
+    if pending is None:
+        return
+    path = ckpt.complete_save(pending, _barrier(), agree=gather)
+    if run.pipe.rank == 0:
+        log.info("saved checkpoint %s", path)
+
+
+def poll_pending_save(run) -> None:
+    """Collective, once per step while a save is pending: every rank says whether its write has finished (a
+    small all-gather); when all have, the save is completed (`complete_pending_save`) and `latest` moves, so a
+    run killed between saves loses no more than a synchronous save would. The same answer on every rank: all
+    complete it together, or none does."""
+    pending = getattr(run, "pending_save", None)
+    if pending is not None and all(gather(pending.write.done())):
+        complete_pending_save(run)
+
+
+def settle_pending_save(run) -> None:
+    """This rank's background write waited for, no collective (a failure some ranks may not share): its files
+    are whole or named a problem, and `latest` stays at the checkpoint before it."""
+    pending, run.pending_save = getattr(run, "pending_save", None), None
+    if pending is not None:
+        try:
+            pending.write.wait()
+        except Exception:  # noqa: BLE001 - the run is already stopping on another error, which is the one said
+            pass
+
+
 def save_run(run, step: int) -> None:
-    """Checkpoint `run` after `step` into recipe.checkpoint.dir (keeping checkpoint.keep of them)."""
+    """Checkpoint `run` after `step` into recipe.checkpoint.dir (keeping checkpoint.keep of them). The previous
+    checkpoint is completed first; with checkpoint.background this one is written while training goes on, and
+    becomes `latest` at the first step after every rank's write finished (`poll_pending_save`), at the latest
+    at the next save or the end (`complete_pending_save`)."""
+    complete_pending_save(run)  # the next save waits for the previous one
     pipe = run.pipe
     mods = getattr(pipe, "mods", None)
     rank_info = gather(
@@ -109,9 +151,8 @@ def save_run(run, step: int) -> None:
     best = getattr(run, "best", {})
     if best.get("step") == step:  # this step's evaluation is the best so far
         meta["eval_loss"] = best["loss"]
-    barrier = (lambda: dist.barrier(group=host_group())) if dist.is_initialized() else (lambda: None)
     c = run.recipe.checkpoint
-    path = ckpt.save_checkpoint(
+    run.pending_save = ckpt.begin_save(
         c.dir,
         step,
         rank=pipe.rank,
@@ -119,15 +160,15 @@ def save_run(run, step: int) -> None:
         optimizer_state=optimizer_state,
         trainer_state=trainer_state,
         meta=meta,
-        barrier=barrier,
+        barrier=_barrier(),
         write_model_files=write_model_files,
         keep=c.keep,
         best=c.keep_best and best.get("step") == step,
         keep_best=c.keep_best,
-        agree=gather,  # a write error on any rank (a full disk) stops every rank with the same line
+        background=c.background,
     )
-    if pipe.rank == 0:
-        log.info("saved checkpoint %s", path)
+    if not c.background:
+        complete_pending_save(run)  # a write error on any rank (a full disk) stops every rank with the same line
 
 
 def resume_run(run, which: str = "latest", override=()) -> int:

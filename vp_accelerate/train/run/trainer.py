@@ -44,9 +44,18 @@ from ..tokens.vocab_plan import (
 from . import reference_logps, run_lock
 from .final_export import export_final
 from .loop import LoopState, Run, evaluate, log_step, maybe_eval, maybe_save, train_step_once
+from .nonfinite import NonFiniteError
 from .optim import build_optimizer
 from .preemption import Preempted, StopSignals, signal_name
-from .run_state import fingerprint, init_weights_from, resume_run, save_run
+from .run_state import (
+    complete_pending_save,
+    fingerprint,
+    init_weights_from,
+    poll_pending_save,
+    resume_run,
+    save_run,
+    settle_pending_save,
+)
 from .tracking import Tracker, gather, plot_measured_timeline
 from .user_errors import main_process_first
 
@@ -306,6 +315,7 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     try:
         for step in range(run.start_step + 1, run.end_step + 1):
             out = train_step_once(run, state, step)
+            poll_pending_save(run)  # a checkpoint written meanwhile becomes `latest` once every rank's is
             losses[step] = out.loss
             if step == run.start_step + 1 and run.accelerator.is_main_process:
                 bar.write(first_step_line(run.setup_s, out.step_time_s))
@@ -317,13 +327,21 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
             if stop.names and (signum := stop.agreed()):  # every rank stops after this same step
                 if not saved and recipe.checkpoint.dir:
                     save_run(run, step)
+                complete_pending_save(run)  # decided together: the last save is `latest` before the exit
                 bar.close()
                 finish(run)
                 raise Preempted(signal_name(signum), step, saved=bool(recipe.checkpoint.dir))
             if run.stopped_early:  # eval.patience: end_step is this step now
                 break
+    except NonFiniteError:  # decided on every rank together: the checkpoint written meanwhile becomes `latest`
+        complete_pending_save(run)
+        raise
+    except BaseException:  # maybe this rank's alone: its write finishes, no collective, `latest` stays
+        settle_pending_save(run)
+        raise
     finally:
         stop.restore()
+    complete_pending_save(run)  # the last checkpoint, before the final export reads it
     bar.close()
     finish(run)
     hf_dir = export_final(run)
