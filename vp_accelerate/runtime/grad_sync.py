@@ -13,7 +13,11 @@ runs, and the extra memory stays at a few buckets rather than a second copy of e
 Overlap (`DPReducer`): a decoder chunk's gradients are final after the rank's last B or W pass of that
 chunk (`final_after`), so its buckets are issued right then, while the rest of the pipeline's backward
 passes still run; the vocabulary / embedding / head gradients (written by T, IB and the tied sum) follow
-after the step. With `reduce_dtype=torch.bfloat16` each bucket travels in bf16 (half the bytes; the sum is
+after the step. Buckets complete lazily: a pass never waits for a reduce it (or an earlier pass) issued;
+each later pass only retires the buckets whose reduce has already completed (`work.is_completed()`, no
+wait), and `finish` waits for the rest at the step's end. Each bucket's flat buffer stays alive until it
+is retired, so the extra memory is at most the decoder gradients' size (one flat copy), traded for a reduce
+that runs while the remaining backward passes compute. With `reduce_dtype=torch.bfloat16` each bucket travels in bf16 (half the bytes; the sum is
 rounded to bf16, then added back into the fp32 gradients).
 """
 
@@ -112,16 +116,26 @@ class DPReducer:
         self.pending: list[tuple] = []  # (work, flat, members) in issue order
         self.calls = 0
         """All-reduce calls issued (for tests)."""
+        self.waits = 0
+        """Buckets still in flight when `finish` waited for them (the rest were retired by `poll`)."""
 
     def after_pass(self, a) -> None:
-        """The executor's hook after each compute pass: issue the buckets that pass made final."""
+        """The executor's hook after each compute pass: retire the buckets already reduced (no wait),
+        then issue the buckets that pass made final."""
+        self.poll()
         params = self.final_after.get((a.op, a.mb, a.chunk))
         if params:
             self.reduce(params)
 
+    def poll(self) -> None:
+        """Retire, in issue order, the buckets whose reduce has completed; never waits."""
+        while self.pending and self.pending[0][0].is_completed():
+            self._complete(*self.pending.pop(0))
+
     @torch.no_grad()
     def reduce(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Issue the all-reduce of these parameters' gradients (zeros where none), in flat buckets."""
+        """Issue the all-reduce of these parameters' gradients (zeros where none), in flat buckets; they
+        complete later (`poll`, `finish`), so issuing never waits for an earlier bucket."""
         grads = []
         for p in params:
             if id(p) in self.done:
@@ -138,15 +152,16 @@ class DPReducer:
             else:
                 flat = torch.cat([t.reshape(-1) for t in members])
                 target = flat = flat.to(self.reduce_dtype) if cast else flat
+            # the flat buffer lives in `pending` until the bucket is retired
             self.pending.append((dist.all_reduce(target, group=self.group, async_op=True), flat, members))
             self.calls += 1
-            if len(self.pending) > IN_FLIGHT:  # bounded extra memory: a few buckets, not a copy of everything
-                self._complete(*self.pending.pop(0))
 
     def finish(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Issue the remaining parameters (those not made final by a pass) and complete every bucket."""
+        """Issue the remaining parameters (those not made final by a pass) and complete every bucket:
+        the step's only waits for the reduce."""
         self.reduce(params)
         while self.pending:
+            self.waits += 1
             self._complete(*self.pending.pop(0))
 
     @staticmethod
