@@ -29,6 +29,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.runtime import p2p
+
 BUCKET_BYTES = 25 * 2**20
 """Largest flat buffer packed for one all-reduce."""
 IN_FLIGHT = 2
@@ -85,7 +87,8 @@ def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = B
         else:
             flat = torch.cat([t.reshape(-1) for t in members])
             target = flat
-        pending.append((dist.all_reduce(target, group=group, async_op=True), flat, members))
+        work = p2p.collective(dist.all_reduce, target, group, "data-parallel bucket all-reduce", async_op=True)
+        pending.append((work, flat, members))
         calls += 1
         if len(pending) >= IN_FLIGHT:
             finish(*pending.pop(0))
@@ -153,7 +156,8 @@ class DPReducer:
                 flat = torch.cat([t.reshape(-1) for t in members])
                 target = flat = flat.to(self.reduce_dtype) if cast else flat
             # the flat buffer lives in `pending` until the bucket is retired
-            self.pending.append((dist.all_reduce(target, group=self.group, async_op=True), flat, members))
+            work = p2p.collective(dist.all_reduce, target, self.group, "data-parallel bucket all-reduce", async_op=True)
+            self.pending.append((work, flat, members))
             self.calls += 1
 
     def finish(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -193,7 +197,7 @@ def sync_grads(
     if tied_param is not None and tied_param.requires_grad:  # a frozen (LoRA) vocabulary has no gradient to add
         if tied_param.grad is None:
             tied_param.grad = torch.zeros_like(tied_param)
-        dist.all_reduce(tied_param.grad, group=tied_group)
+        p2p.collective(dist.all_reduce, tied_param.grad, tied_group, "tied gradient sum")
     if reducer is not None:
         reducer.finish(trainable)
     elif dp_group is not None:
@@ -216,7 +220,7 @@ def clip_grad_norm(named_params, is_duplicate, max_norm: float, device: torch.de
         params.append(p)
         if p.grad is not None and not is_duplicate(name):
             sq += p.grad.detach().double().pow(2).sum()
-    dist.all_reduce(sq, group=pp_group)
+    p2p.collective(dist.all_reduce, sq, pp_group, "gradient norm sum")
     norm = math.sqrt(float(sq.item()))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
