@@ -101,3 +101,58 @@ def test_pp2_dp2_overlapped_bucket_reduce_gives_the_same_losses_and_weights(kind
         assert issued and all(n > 0 for n in issued)  # overlapped: issued before the step ended
         assert l2 == pytest.approx(l0, rel=2e-2)  # bf16 buckets: sums rounded to bf16, losses close
         assert l2[1:] != l0[1:]  # the option is in effect: the updated weights differ slightly
+
+
+def _pp2_dp2_wait_positions():
+    """One pp2 x dp2 step with 4 KiB buckets (many per chunk): for each bucket, the pass that issued it and
+    the pass during which the rank waited for it (None: at the step's end)."""
+    from helpers.tiny import tiny_llama
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel, grad_sync
+
+    R = grad_sync.DPReducer
+    real = (R.__init__, R.after_pass, R._complete, dist.all_reduce)
+    state = {"pass": None, "n": 0}
+    issued: dict[int, int] = {}
+    seen: list[tuple] = []
+
+    def init(self, *args, **kwargs):
+        real[0](self, *args, **kwargs)
+        self.bucket_bytes = 4096
+
+    def after_pass(self, a):
+        state["pass"], state["n"] = state["n"], state["n"] + 1
+        try:
+            real[1](self, a)
+        finally:
+            state["pass"] = None
+
+    def all_reduce(tensor, *args, **kwargs):
+        work = real[3](tensor, *args, **kwargs)
+        if state["pass"] is not None:
+            issued[id(work)] = state["pass"]
+        return work
+
+    def complete(work, flat, members):
+        seen.append((issued.get(id(work)), state["pass"]))
+        real[2](work, flat, members)
+
+    R.__init__, R.after_pass, R._complete, dist.all_reduce = init, after_pass, staticmethod(complete), all_reduce
+    try:
+        cfg = PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, pp_size=2, dp_size=2)
+        pipe = PipelineModel(tiny_llama(101, num_layers=4), cfg, seed=3)
+        ids = torch.randint(3, 101, (4, 10), generator=torch.Generator().manual_seed(pipe.dp_rank))
+        pipe.train_step(ids, ids)
+        pipe.close()
+    finally:
+        R.__init__, R.after_pass, R._complete, dist.all_reduce = real[0], real[1], staticmethod(real[2]), real[3]
+    return seen
+
+
+def test_pp2_dp2_bucket_reduce_is_never_waited_for_in_the_pass_that_issued_it():
+    """A pass issues its chunk's buckets and returns: a bucket is retired at a later pass (only once its
+    reduce completed) or at the step's end, so the reduce runs while the later passes compute. (Before,
+    issuing bucket k waited for bucket k-2 inside the same pass: this failed.)"""
+    for seen in spawn(_pp2_dp2_wait_positions, 4, timeout_s=120):
+        from_passes = [(i, w) for i, w in seen if i is not None]
+        assert len(from_passes) > 2  # several buckets issued by the backward passes
+        assert all(w is None or w > i for i, w in from_passes), from_passes

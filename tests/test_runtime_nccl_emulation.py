@@ -157,3 +157,51 @@ def test_a_sent_tensor_is_freed_once_its_receive_completed(monkeypatch, ckpt):
     res = spawn(_sent_tensors_alive_after_receives, 2, ckpt)
     assert sum(checked for _, checked in res) > 0  # the schedule has send-only batches to watch
     assert [alive for alive, _ in res] == [0, 0]
+
+
+def _collective_threads_under_serial():
+    """One pp2 x dp2 step and ZeRO-1 optimizer step under VP_STRICT_P2P=serial, every all-reduce and
+    broadcast on the data-parallel group watched: the names of the threads they ran on."""
+    import os
+    import threading
+
+    from helpers.tiny import tiny_llama
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.vocab import comm
+
+    os.environ["VP_STRICT_P2P"] = "serial"
+    real = dist.all_reduce, dist.broadcast
+    seen: list[tuple[str, bool]] = []
+    pipe = PipelineModel(
+        tiny_llama(101, num_layers=4),
+        PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, pp_size=2, dp_size=2, zero=1),
+    )
+    opt = pipe.make_optimizer(lr=1e-3)
+
+    def watch(fn, what):
+        def call(tensor, *args, group=None, **kwargs):
+            if group is pipe.groups.dp_group:
+                seen.append((what, threading.current_thread() is threading.main_thread()))
+            return fn(tensor, *args, group=group, **kwargs)
+
+        return call
+
+    dist.all_reduce, dist.broadcast = watch(real[0], "all_reduce"), watch(real[1], "broadcast")
+    try:
+        ids = torch.randint(3, 101, (4, 10), generator=torch.Generator().manual_seed(pipe.dp_rank))
+        pipe.train_step(ids, ids)
+        opt.step()
+    finally:
+        dist.all_reduce, dist.broadcast = real
+    pipe.close()
+    comm.close_workers()
+    return seen
+
+
+def test_serial_emulation_runs_the_data_parallel_reduce_and_zero_broadcast_on_the_worker():
+    """Under `serial` every collective on a device group progresses on the one communication worker, in
+    issue order with the p2p batches: the DP bucket all-reduce and ZeRO-1's broadcast too (they ran on the
+    main thread before, so the emulation said nothing about their order: this failed)."""
+    for seen in spawn(_collective_threads_under_serial, 4, timeout_s=120):
+        assert {what for what, _ in seen} == {"all_reduce", "broadcast"}
+        assert not any(on_main for _, on_main in seen), seen

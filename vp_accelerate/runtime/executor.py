@@ -193,8 +193,9 @@ class Executor:
             getattr(self, f"_do_{action.op.value}")(action)
             if self.after_pass is not None:  # e.g. the data-parallel reduce of gradients this pass made final
                 self.after_pass(action)
-            clock.span(action.op.value, action.mb, action.chunk, begin, clock.mark())
-            progress.finished()
+            end = clock.mark()
+            clock.span(action.op.value, action.mb, action.chunk, begin, end)
+            progress.finished(end)  # a CUDA event: the watchdog polls when the device got there
         self._finish_communication()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # a sum of m small terms
         for loss in st.losses.values():

@@ -13,7 +13,11 @@ runs, and the extra memory stays at a few buckets rather than a second copy of e
 Overlap (`DPReducer`): a decoder chunk's gradients are final after the rank's last B or W pass of that
 chunk (`final_after`), so its buckets are issued right then, while the rest of the pipeline's backward
 passes still run; the vocabulary / embedding / head gradients (written by T, IB and the tied sum) follow
-after the step. With `reduce_dtype=torch.bfloat16` each bucket travels in bf16 (half the bytes; the sum is
+after the step. Buckets complete lazily: a pass never waits for a reduce it (or an earlier pass) issued;
+each later pass only retires the buckets whose reduce has already completed (`work.is_completed()`, no
+wait), and `finish` waits for the rest at the step's end. Each bucket's flat buffer stays alive until it
+is retired, so the extra memory is at most the decoder gradients' size (one flat copy), traded for a reduce
+that runs while the remaining backward passes compute. With `reduce_dtype=torch.bfloat16` each bucket travels in bf16 (half the bytes; the sum is
 rounded to bf16, then added back into the fp32 gradients).
 """
 
@@ -24,6 +28,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+
+from vp_accelerate.runtime import p2p
 
 BUCKET_BYTES = 25 * 2**20
 """Largest flat buffer packed for one all-reduce."""
@@ -81,7 +87,8 @@ def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = B
         else:
             flat = torch.cat([t.reshape(-1) for t in members])
             target = flat
-        pending.append((dist.all_reduce(target, group=group, async_op=True), flat, members))
+        work = p2p.collective(dist.all_reduce, target, group, "data-parallel bucket all-reduce", async_op=True)
+        pending.append((work, flat, members))
         calls += 1
         if len(pending) >= IN_FLIGHT:
             finish(*pending.pop(0))
@@ -112,16 +119,26 @@ class DPReducer:
         self.pending: list[tuple] = []  # (work, flat, members) in issue order
         self.calls = 0
         """All-reduce calls issued (for tests)."""
+        self.waits = 0
+        """Buckets still in flight when `finish` waited for them (the rest were retired by `poll`)."""
 
     def after_pass(self, a) -> None:
-        """The executor's hook after each compute pass: issue the buckets that pass made final."""
+        """The executor's hook after each compute pass: retire the buckets already reduced (no wait),
+        then issue the buckets that pass made final."""
+        self.poll()
         params = self.final_after.get((a.op, a.mb, a.chunk))
         if params:
             self.reduce(params)
 
+    def poll(self) -> None:
+        """Retire, in issue order, the buckets whose reduce has completed; never waits."""
+        while self.pending and self.pending[0][0].is_completed():
+            self._complete(*self.pending.pop(0))
+
     @torch.no_grad()
     def reduce(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Issue the all-reduce of these parameters' gradients (zeros where none), in flat buckets."""
+        """Issue the all-reduce of these parameters' gradients (zeros where none), in flat buckets; they
+        complete later (`poll`, `finish`), so issuing never waits for an earlier bucket."""
         grads = []
         for p in params:
             if id(p) in self.done:
@@ -138,15 +155,17 @@ class DPReducer:
             else:
                 flat = torch.cat([t.reshape(-1) for t in members])
                 target = flat = flat.to(self.reduce_dtype) if cast else flat
-            self.pending.append((dist.all_reduce(target, group=self.group, async_op=True), flat, members))
+            # the flat buffer lives in `pending` until the bucket is retired
+            work = p2p.collective(dist.all_reduce, target, self.group, "data-parallel bucket all-reduce", async_op=True)
+            self.pending.append((work, flat, members))
             self.calls += 1
-            if len(self.pending) > IN_FLIGHT:  # bounded extra memory: a few buckets, not a copy of everything
-                self._complete(*self.pending.pop(0))
 
     def finish(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Issue the remaining parameters (those not made final by a pass) and complete every bucket."""
+        """Issue the remaining parameters (those not made final by a pass) and complete every bucket:
+        the step's only waits for the reduce."""
         self.reduce(params)
         while self.pending:
+            self.waits += 1
             self._complete(*self.pending.pop(0))
 
     @staticmethod
@@ -178,7 +197,7 @@ def sync_grads(
     if tied_param is not None and tied_param.requires_grad:  # a frozen (LoRA) vocabulary has no gradient to add
         if tied_param.grad is None:
             tied_param.grad = torch.zeros_like(tied_param)
-        dist.all_reduce(tied_param.grad, group=tied_group)
+        p2p.collective(dist.all_reduce, tied_param.grad, tied_group, "tied gradient sum")
     if reducer is not None:
         reducer.finish(trainable)
     elif dp_group is not None:
@@ -201,7 +220,7 @@ def clip_grad_norm(named_params, is_duplicate, max_norm: float, device: torch.de
         params.append(p)
         if p.grad is not None and not is_duplicate(name):
             sq += p.grad.detach().double().pow(2).sum()
-    dist.all_reduce(sq, group=pp_group)
+    p2p.collective(dist.all_reduce, sq, pp_group, "gradient norm sum")
     norm = math.sqrt(float(sq.item()))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)

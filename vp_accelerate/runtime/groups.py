@@ -130,10 +130,17 @@ def connect_host_group():
         ) from e
 
 
+WARM_UP_LARGE_BYTES = 32 * 2**20
+"""Bytes of the warm-up's large all-reduce on each communicator (above NCCL's small-message protocols,
+the size of a gradient bucket)."""
+
+
 def warm_up(g: Groups, device: torch.device, tied_group=None) -> None:
     """Connect every communicator this rank will use before the first step, in one fixed order on every
-    rank: a one-element all-reduce on the pipeline, vocabulary, data-parallel and tied groups (each rank
-    on the ones it belongs to), then one p2p round with both pipeline neighbours (send to and receive
+    rank: on the pipeline, vocabulary, data-parallel and tied groups (each rank on the ones it belongs to)
+    a one-element all-reduce, a broadcast from the group's first rank and one all-reduce of
+    `WARM_UP_LARGE_BYTES` (a large message takes NCCL's other protocols and buffers, which a one-element
+    one never touches), then one p2p round with both pipeline neighbours (send to and receive
     from rank +-1 around the ring, which covers every stage edge of every layout, as
     torch.distributed.pipelining's `_init_p2p_neighbors`), synchronising the device after each, so no
     communicator is created while another one's operation is in flight."""
@@ -146,6 +153,12 @@ def warm_up(g: Groups, device: torch.device, tied_group=None) -> None:
     for group in (g.pp_group, g.vocab_group, g.dp_group, tied_group):
         if group is not None:
             dist.all_reduce(torch.zeros(1, device=device), group=group)
+            sync()
+            dist.broadcast(torch.zeros(1, device=device), group_src=0, group=group)
+            sync()
+            # gloo has no protocols to warm: 1 MiB there keeps every CPU launch (and test) cheap
+            large = WARM_UP_LARGE_BYTES if device.type == "cuda" else 2**20
+            dist.all_reduce(torch.zeros(large // 4, device=device), group=group)
             sync()
     if g.pp_size > 1:
         nxt, prv = g.global_rank((g.pp_rank + 1) % g.pp_size), g.global_rank((g.pp_rank - 1) % g.pp_size)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.models.masks import MicrobatchMasks
+from vp_accelerate.runtime import p2p
 from vp_accelerate.runtime.executor import Microbatch
 from vp_accelerate.vocab.labels import shift_labels
 
@@ -86,7 +87,7 @@ def make_microbatches(
     valid = shifted != -100
     n_valid = valid.sum().to(torch.float64).reshape(1).cpu()
     if dp_group is not None:  # host data: summed on the replicas' gloo group, never through the device
-        dist.all_reduce(n_valid, group=dp_group)
+        p2p.collective(dist.all_reduce, n_valid, dp_group, "valid-token count")
     n_total = int(n_valid.item())
     # g in at least float32 (float64 models keep float64: 1/N in float32 would cost 1e-8 relative)
     # (fp16: times the loss scale, a power of two, so the backward runs on S x loss exactly)

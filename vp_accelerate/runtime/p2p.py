@@ -16,8 +16,9 @@ emulation (the test suite runs under it):
   Each batch's one Work holds its tensors until it is waited on, as torch's Works do (a send's tensor
   stays alive until the sender waits, however early the receiver got it).
 - `serial`: as `strict`, and every group of the rank shares one worker (vocab/comm.py), so the p2p
-  batches and the vocabulary collectives progress in one issue order (NCCL with
-  CUDA_DEVICE_MAX_CONNECTIONS=1).
+  batches, the vocabulary collectives and every other collective the runtime issues on a device group
+  (`collective`: the data-parallel bucket all-reduce, ZeRO-1's broadcasts, the tied and loss sums, the
+  norm) progress in one issue order (NCCL with CUDA_DEVICE_MAX_CONNECTIONS=1).
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def post(ops: list[dist.P2POp], label: str) -> Batch:
 
 
 _POSTING: list = [None]  # the actions of the batch being posted (torch's signature has no room for them)
+
+
+def collective(fn, tensor: torch.Tensor, group, label: str, async_op: bool = False, **kwargs):
+    """Issue `fn(tensor, group=group, **kwargs)` (dist.all_reduce, dist.broadcast), a collective on a device
+    group outside the vocabulary chains. Under VP_STRICT_P2P=serial on gloo it runs on the rank's one
+    communication worker, in issue order with the p2p batches and the vocabulary chains (NCCL with one
+    connection); elsewhere it is torch's own call. With `async_op` returns a Work (`wait`,
+    `is_completed`), else waits."""
+    if comm.strict_mode() == "serial" and dist.get_backend(group) == "gloo":
+        job = comm.worker(group).submit(lambda: fn(tensor, group=group, **kwargs))
+        work = _JobWork(job, f"rank {dist.get_rank()}: {label}", strict_timeout_s(), [tensor])
+    else:
+        work = fn(tensor, group=group, async_op=True, **kwargs)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def strict_timeout_s() -> float:

@@ -329,7 +329,7 @@ class PipelineModel:
             else torch.zeros(input_ids.shape[0], dtype=torch.float64, device=self.device)
         )
         if not self.vocab:
-            dist.all_reduce(logps, group=self.groups.pp_group)
+            p2p.collective(dist.all_reduce, logps, self.groups.pp_group, "sequence log-prob sum")
         return logps.cpu()
 
     def _run_eval(self, mbs: list[Microbatch], seq: int):
@@ -393,9 +393,9 @@ class PipelineModel:
             if pl.logps is not None:
                 totals += pl.rewards()
         if not self.vocab:
-            dist.all_reduce(totals, group=self.groups.pp_group)
+            p2p.collective(dist.all_reduce, totals, self.groups.pp_group, "evaluation sums")
         if self.groups.dp_group is not None:
-            dist.all_reduce(totals, group=self.groups.dp_group)
+            p2p.collective(dist.all_reduce, totals, self.groups.dp_group, "evaluation sums")
         pairs = pair_losses[0].pairs
         return reward_metrics(totals.cpu(), pairs)
 

@@ -39,6 +39,7 @@ from transformers.pytorch_utils import Conv1D
 
 from vp_accelerate import modes
 from vp_accelerate.models.stage import FullHead
+from vp_accelerate.runtime import p2p
 
 
 def resolve(mode: str | None) -> str:
@@ -211,7 +212,7 @@ def unscale_and_check(params, scale: float, device: torch.device, group) -> bool
     if grads and scale != 1.0:
         torch._foreach_mul_(grads, 1.0 / scale)
     if group is not None and dist.is_initialized():
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        p2p.collective(dist.all_reduce, found, group, "overflow check", op=dist.ReduceOp.MAX)
     return bool(found.item() > 0)
 
 

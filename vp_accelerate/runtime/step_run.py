@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vp_accelerate.runtime import precision
+from vp_accelerate.runtime import p2p, precision
 from vp_accelerate.runtime.clock import Clock
 from vp_accelerate.runtime.executor import Executor, Microbatch, StepOutput
 from vp_accelerate.runtime.groups import Groups
@@ -37,9 +37,9 @@ def finish_loss(loss_sum: torch.Tensor, vocab_parallel: bool, last_stage: bool, 
     if not vocab_parallel:  # only the last stage computed it
         if not last_stage:
             loss.zero_()
-        dist.all_reduce(loss, group=groups.pp_group)
+        p2p.collective(dist.all_reduce, loss, groups.pp_group, "loss sum")
     if groups.dp_group is not None:  # g used the global token count: replicas' parts add up
-        dist.all_reduce(loss, group=groups.dp_group)
+        p2p.collective(dist.all_reduce, loss, groups.dp_group, "loss sum")
     return float(loss.item())
 
 

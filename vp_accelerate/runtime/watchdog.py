@@ -16,6 +16,14 @@ finished a pass for `stall_after_s` (a hang: a peer stuck in a kernel, a collect
 join, a deadlocked order), the first rank to see it prints every rank's pass and what it waits for, and
 the job ends as for a failure (every rank exits non-zero). A rank that waits long in one pass while its
 peers still progress is not stalled.
+
+On a GPU the host runs ahead of the device: `end_step` comes before the step's only host wait, so a hang
+inside a kernel or NCCL would show every rank "between steps". Each pass therefore hands its end mark
+(the step clock's CUDA event, runtime/clock.py) to `Progress.finished`; the watchdog polls
+`event.query()` (never blocks), and while marks are outstanding the rank counts as busy: the report names
+the last pass the device finished and the one it is still on, also between steps. On CPU the host is the
+device (the host clock's marks are plain numbers, nothing to track); a test hands in marks that complete
+later, or never.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 
 import torch.distributed as dist
 
@@ -44,6 +53,13 @@ class Progress:
         self.passes_done = 0
         self.last_done = time.monotonic()
         """When the last pass finished (or the step began)."""
+        self.device_pending: deque = deque()
+        """(pass, mark) the device has not finished yet, in issue order (marks with `query()`)."""
+        self.device_last = ""
+        """The last pass the device finished (as last polled)."""
+        self.device_done = 0
+        self.device_since = time.monotonic()
+        """When the device was last seen finishing a pass (or was handed one while idle)."""
 
     def begin_step(self) -> None:
         self.current, self.waits_for, self.last_done, self.in_step = "", "", time.monotonic(), True
@@ -54,24 +70,56 @@ class Progress:
     def waiting(self, what: str) -> None:
         self.waits_for = what
 
-    def finished(self) -> None:
+    def finished(self, mark=None) -> None:
+        """The host finished the running pass; `mark` is its end on the device (a CUDA event: tracked
+        until `query()` says the device got there; anything else: the host is the device)."""
+        if mark is not None and hasattr(mark, "query"):
+            if not self.device_pending:
+                self.device_since = time.monotonic()
+            self.device_pending.append((self.current, mark))
         self.passes_done += 1
         self.current, self.waits_for, self.last_done = "", "", time.monotonic()
+
+    def poll_device(self) -> None:
+        """Retire the device marks that completed, in order (never blocks; the watchdog's thread)."""
+        while self.device_pending:
+            name, mark = self.device_pending[0]
+            if not mark.query():
+                return
+            self.device_pending.popleft()
+            self.device_last, self.device_done, self.device_since = name, self.device_done + 1, time.monotonic()
+
+    def device_busy(self) -> bool:
+        return bool(self.device_pending)
+
+    def describe_device(self) -> str:
+        if not self.device_pending:
+            return ""
+        last = self.device_last or "nothing yet"
+        return f"; device: last finished {last}, still on {self.device_pending[0][0]}"
 
     def end_step(self) -> None:
         self.in_step = False
         self.current = self.waits_for = ""
 
     def describe(self) -> str:
+        self.poll_device()
         if not self.in_step:
-            return f"between steps ({self.passes_done} passes done)"
+            return f"between steps ({self.passes_done} passes done){self.describe_device()}"
         where = f"in {self.current}" if self.current else "between passes"
         what = f"waits for {self.waits_for}" if self.waits_for else "computing"
-        return f"{where}, {what} ({self.passes_done} passes done)"
+        return f"{where}, {what} ({self.passes_done} passes done){self.describe_device()}"
 
     def stalled_for(self) -> float:
-        """Seconds since a pass of the running step last finished; 0 between steps."""
-        return time.monotonic() - self.last_done if self.in_step else 0.0
+        """Seconds since a pass last finished: on the host inside a step, on the device while it still has
+        passes to finish (also between steps); 0 when neither works."""
+        self.poll_device()
+        now = time.monotonic()
+        host = now - self.last_done if self.in_step else None
+        device = now - self.device_since if self.device_pending else None
+        if host is None and device is None:
+            return 0.0
+        return min(x for x in (host, device) if x is not None)
 
 
 class Watchdog:
@@ -135,14 +183,15 @@ class Watchdog:
             try:
                 self._beats += 1
                 # the beat carries this rank's count of finished passes: a stall is no pass on ANY rank
-                self.store.set(f"{self.key}/beat/{self.rank}", f"{self._beats} {self.progress.passes_done}")
+                done = self.progress.passes_done + self.progress.device_done  # host and device passes
+                self.store.set(f"{self.key}/beat/{self.rank}", f"{self._beats} {done}")
                 self._publish_progress()
                 if self.store.check([f"{self.key}/failed"]):
                     note = self.store.get(f"{self.key}/failed").decode()
                     if not note.startswith(f"rank {self.rank}:"):
                         self._exit(f"peer failed — {note}")
                 now = time.monotonic()
-                counts = {self.rank: self.progress.passes_done}
+                counts = {self.rank: self.progress.passes_done + self.progress.device_done}
                 for r, (last, since) in list(seen.items()):
                     if self.store.check([f"{self.key}/done/{r}"]):
                         del seen[r]  # finished normally

@@ -28,6 +28,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.runtime import p2p
 from vp_accelerate.runtime.grad_sync import IN_FLIGHT, plan_buckets, unflatten_into
 
 FORMAT = "zero-1"
@@ -68,7 +69,8 @@ def broadcast_buckets(tensors: list[torch.Tensor], src: int, group, is_src: bool
         else:
             flat = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
             target = flat
-        pending.append((dist.broadcast(target, src=src, group=group, async_op=True), flat, members))
+        work = p2p.collective(dist.broadcast, target, group, "ZeRO-1 parameter broadcast", async_op=True, src=src)
+        pending.append((work, flat, members))
         calls += 1
         if len(pending) >= IN_FLIGHT:
             finish(*pending.pop(0))
