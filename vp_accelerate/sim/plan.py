@@ -48,7 +48,7 @@ from vp_accelerate.cost.data_parallel import (
     optimizer_shards,
     optimizer_step_time,
 )
-from vp_accelerate.cost.memory import rank_memory
+from vp_accelerate.cost.memory import COMMUNICATOR_BYTES, CONTEXT_BYTES, FRAGMENTATION, rank_memory
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, check_pair
@@ -596,7 +596,10 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
         f"broadcast of the updated parameters) after the step, not overlapped",
         f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
         f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (flash-attention layer "
-        f"count, Korthikanti et al.; checkpointed layers keep their input only)",
+        f"count, Korthikanti et al., with HF RMSNorm's fp32 copies; checkpointed layers keep their bf16 input only) + a "
+        f"reserve of {CONTEXT_BYTES / 1e9:g} GB CUDA context, {COMMUNICATOR_BYTES / 1e9:g} GB NCCL buffers per "
+        f"communicator and {FRAGMENTATION:.0%} fragmentation (cost/memory.py); plans within {HEADROOM_TIE:.0%} of the "
+        f"fastest ranked by memory left, above {TIGHT:.0%} of the GPU flagged tight",
         f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
         f"torch.optim.AdamW(fused=True), which the trainer builds on CUDA)",
     ]
