@@ -139,13 +139,17 @@ class ModelShape:
 
     def _upcast_bytes(self, norms: int, probs: bool = False) -> float:
         """What a 16-bit run keeps beyond the 16-bit count: HF's RMSNorm computes in fp32, so each norm keeps
-        an fp32 copy of its input (Nh at 4 bytes where the count has 2) and rsqrt (N) in fp32; eager attention
+        an fp32 copy of its input (Nh at 4 bytes where the count has 2) and rsqrt (N) in fp32, and each linear
+        that reads a norm's fp32 output keeps its own 16-bit cast of it (q, k, v; gate, up); eager attention
         keeps the fp32 softmax [b, a, s, s] besides its 16-bit copy. Nothing in fp32 runs (no copies)."""
         extra = self.stat_bytes - self.dtype_bytes
         if extra <= 0:
             return 0.0
         n = self.tokens
         b = norms * (n * self.hidden + n) * extra
+        if norms == 2:  # a layer: autocast casts the norms' fp32 output once per linear that reads it (q, k, v;
+            # gate and up), where the count has one 16-bit copy per norm
+            b += (2 + (self.mlp_matrices == 3)) * n * self.hidden * self.dtype_bytes
         if probs and self.attention == "eager":
             b += self.microbatch_size * self.heads * self.seq * self.seq * self.stat_bytes
         return b
