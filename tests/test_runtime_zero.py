@@ -163,3 +163,38 @@ def test_zero1_pp2_x_dp2_exact(tmp_path):
 @pytest.mark.slow
 def test_zero1_pp2_x_dp4_exact(tmp_path):
     _check(8, [("1f1b", "vocab-2", None, False)], tmp_path)
+
+
+def test_state_dict_copies_each_moment_to_the_host_and_clones_nothing_on_the_device():
+    """A save adds no device memory: every owned moment goes to the host on its own (`_to_copy` to cpu), none is
+    cloned in place (the old `clone()` on the device added the whole owned m and v at save time), and the saved
+    values are the live ones, bit for bit, in storage of their own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vp_accelerate.runtime.zero import ZeroOptimizer
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((func, kwargs or {}))
+            return out
+
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    opt = ZeroOptimizer(
+        [{"params": params}], torch.optim.AdamW, None, 0, [0], {p: f"p{i}" for i, p in enumerate(params)}
+    )
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.inner.step()
+    with Ops() as ops:
+        sd = opt.state_dict()
+    assert not [f for f, _ in ops.seen if f is torch.ops.aten.clone.default]
+    assert all(kw.get("device") == torch.device("cpu") for f, kw in ops.seen if f is torch.ops.aten._to_copy.default)
+    for p, name in zip(params, ["p0", "p1"]):
+        for k in ("exp_avg", "exp_avg_sq"):
+            live, saved = opt.inner.state[p][k], sd["state"][name][k]
+            assert torch.equal(live, saved) and saved.data_ptr() != live.data_ptr()

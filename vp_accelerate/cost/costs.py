@@ -232,16 +232,17 @@ class CostModel:
 
     def stash_bytes(self) -> float:
         """VP: what one microbatch keeps on every rank from S to T: the shard's softmax p_i (at least fp32),
-        X, and for vocab-1 the local input gradient until C2."""
+        X (fp32 under mixed precision: the parameters' dtype), and for vocab-1 the local input gradient until C2."""
         if not self.vocab_parallel:
             return 0.0
         s = self.shape
+        x = s.tokens * s.hidden * s.stat_bytes  # X: the last chunk's output, in the parameters' fp32 (executor)
         if not modes.memory_mode(
             self.output_memory
         ).keeps_logits:  # X and three statistics per token; T recomputes the logits
-            b = 3 * s.tokens * s.stat_bytes + s.hidden_bytes()
+            b = 3 * s.tokens * s.stat_bytes + x
         else:
-            b = s.tokens * self.shard_rows * s.stat_bytes + s.hidden_bytes()
+            b = s.tokens * self.shard_rows * s.stat_bytes + x
         if self.spec.input_grad_in_t:
             b += s.tokens * s.hidden * s.stat_bytes
         return b

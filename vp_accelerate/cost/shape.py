@@ -133,9 +133,26 @@ class ModelShape:
         19*sbh in the MLP, which we scale by ffn/4h). "eager" / "sdpa": `_hf_layer_elements()` elements.
         """
         if self.attention != "flash":
-            return self._hf_layer_elements() * self.dtype_bytes
+            return self._hf_layer_elements() * self.dtype_bytes + self._upcast_bytes(norms=2, probs=True)
         sbh = self.tokens * self.hidden
-        return sbh * (15 + 19 * self.ffn / (4 * self.hidden)) * self.dtype_bytes / 2
+        return sbh * (15 + 19 * self.ffn / (4 * self.hidden)) * self.dtype_bytes / 2 + self._upcast_bytes(norms=2)
+
+    def _upcast_bytes(self, norms: int, probs: bool = False) -> float:
+        """What a 16-bit run keeps beyond the 16-bit count: HF's RMSNorm computes in fp32, so each norm keeps
+        an fp32 copy of its input (Nh at 4 bytes where the count has 2) and rsqrt (N) in fp32, and each linear
+        that reads a norm's fp32 output keeps its own 16-bit cast of it (q, k, v; gate, up); eager attention
+        keeps the fp32 softmax [b, a, s, s] besides its 16-bit copy. Nothing in fp32 runs (no copies)."""
+        extra = self.stat_bytes - self.dtype_bytes
+        if extra <= 0:
+            return 0.0
+        n = self.tokens
+        b = norms * (n * self.hidden + n) * extra
+        if norms == 2:  # a layer: autocast casts the norms' fp32 output once per linear that reads it (q, k, v;
+            # gate and up), where the count has one 16-bit copy per norm
+            b += (2 + (self.mlp_matrices == 3)) * n * self.hidden * self.dtype_bytes
+        if probs and self.attention == "eager":
+            b += self.microbatch_size * self.heads * self.seq * self.seq * self.stat_bytes
+        return b
 
     def _hf_layer_elements(self) -> float:
         """What autograd saves in an HF pre-norm decoder layer (N tokens, a heads of size d, k kv heads):
@@ -157,13 +174,14 @@ class ModelShape:
         return norms + attn + mlp
 
     def chunk_extra_bytes(self, last: bool, rotary: bool = True) -> float:
-        """Per microbatch and chunk, beyond its layers (0 for "flash"): rotary cos and sin [b, s, d], and on
-        the chunk that ends the model the final norm (3Nh + N; its output is X)."""
+        """Per microbatch and chunk, beyond its layers: rotary cos and sin [b, s, d], and on the chunk that ends
+        the model the final norm (3Nh + N; its output is X); "flash" counts only the final norm's fp32 copy."""
+        final_norm = self._upcast_bytes(norms=1) if last else 0.0
         if self.attention == "flash":
-            return 0.0
+            return final_norm
         n, h = self.tokens, self.hidden
         cos_sin = 2 * n * (h // self.heads) if rotary else 0  # not saved when every layer recomputes
-        return (cos_sin + (3 * n * h + n if last else 0)) * self.dtype_bytes
+        return (cos_sin + (3 * n * h + n if last else 0)) * self.dtype_bytes + final_norm
 
     @property
     def stat_bytes(self) -> int:

@@ -90,9 +90,10 @@ class Executor:
         # S passes skip the check, which on a GPU is a device->host sync per pass
         self.out_opts = replace(out_opts, check_inputs=False)
         self.hidden_size = hidden_size
-        self.param_dtype = param_dtype  # what a chunk's residual stream runs in (the parameters')
+        self.param_dtype = param_dtype  # the parameters' (the last chunk's output, the loss)
         self.compute_dtype = compute_dtype  # mixed precision (runtime/precision.py); None = the parameters' dtype
-        # what stages exchange (p2p, C0, IB): the compute dtype under mixed precision
+        # what stages exchange (p2p, C0, IB) and the residual stream runs in: the compute dtype under mixed
+        # precision
         self.exchange_dtype = compute_dtype or param_dtype
         self.device = device
         self.weight_grads = weight_grads
@@ -343,9 +344,11 @@ class Executor:
         if not self.schedule.forward_only:
             st.chunk_inputs[(a.mb, a.chunk)] = x
             st.microbatches_in_flight.add(self.chunk_weight.get(a.chunk, 1.0))
-        # The chunk starts from the parameters' dtype (a received activation arrives in the exchange
-        # dtype), and from a non-leaf: autocast would cache a cast of a leaf for the whole step.
-        x_in = x.to(self.param_dtype) if x.dtype != self.param_dtype else x.view_as(x)
+        # The residual stream runs in the exchange dtype (the compute dtype under mixed precision, as
+        # Megatron and torchtitan run it): a received activation is used as it arrives and every checkpointed
+        # layer input is kept at 2 bytes. It starts from a non-leaf: autocast would cache a cast of a leaf
+        # for the whole step.
+        x_in = x.to(self.exchange_dtype) if x.dtype != self.exchange_dtype else x.view_as(x)
         with precision.autocast(self.device, self.compute_dtype), precision.swapped(st.casts.frozen(a.chunk)):
             out = self.modules.chunks[a.chunk](x_in, mb.position_ids, mb.attention_mask)
             # what goes to the next chunk travels in the exchange dtype (the receive buffers'); the last

@@ -79,6 +79,11 @@ def broadcast_buckets(tensors: list[torch.Tensor], src: int, group, is_src: bool
     return calls
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t` (a new tensor on a CPU run too: the saved state must not alias the live one)."""
+    return t.detach().to("cpu", copy=True)
+
+
 def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
@@ -142,11 +147,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """{"format": "zero-1", "param_groups": [hyperparameters and parameter names of each group],
-        "state": {name: state of each parameter this replica owns}}."""
+        "state": {name: state of each parameter this replica owns}}, its tensors on the host.
+
+        Each owned moment is copied to host memory on its own (a device->host copy allocates nothing on the
+        device), so a save adds no device memory: a device clone of the whole shard would add the owned
+        m and v (8 bytes per owned parameter) at save time. The values are the device's, bit for bit."""
         state = {}
         if self.inner is not None:
             for p, s in self.inner.state.items():
-                state[self.names[p]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+                state[self.names[p]] = {k: (_to_host(v) if torch.is_tensor(v) else v) for k, v in s.items()}
         return {
             "format": FORMAT,
             "param_groups": [{**_hyper(g), "params": [self.names[p] for p in g["params"]]} for g in self.param_groups],

@@ -48,6 +48,7 @@ from vp_accelerate.cost.data_parallel import (
     optimizer_shards,
     optimizer_step_time,
 )
+from vp_accelerate.cost.memory import COMMUNICATOR_BYTES, CONTEXT_BYTES, FRAGMENTATION, rank_memory
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, check_pair
@@ -66,6 +67,11 @@ pipeline; the simulator models neither (sim/cluster.py prices each group's links
 
 MEMORY_MODES = tuple(modes.MEMORY_MODES)
 """Output-layer memory modes the planner tries, cheapest first (store, recompute)."""
+HEADROOM_TIE = 0.01
+"""Plans within 1% of the fastest one's tokens/s are as fast as it (the simulator's error is larger): among
+them the planner picks the one with the most memory left (the least peak on its fullest rank)."""
+TIGHT = 0.95
+"""A plan whose fullest rank needs more than 95% of the GPU's memory (reserve included) is flagged tight."""
 CHECKPOINTING = ("none", "selective", "full")
 """Activation-checkpointing modes the planner tries, cheapest first (modes.CHECKPOINTING)."""
 
@@ -136,8 +142,9 @@ class Plan:
     bubble: float
     """Idle fraction of rank time (nan when not timed)."""
     peak_memory_gb: tuple[float, ...]
-    """Per pipeline rank: parameters + gradients + optimizer state + peak activations, GB (a layout
-    dropped on its static memory alone: that + one microbatch's activations, a lower bound)."""
+    """Per pipeline rank: parameters + gradients + optimizer state + peak activations + the reserve (CUDA
+    context, NCCL buffers, fragmentation; cost/memory.py `rank_memory`), GB (a layout dropped on its static
+    memory alone: that + one microbatch's activations + the reserve, a lower bound)."""
     fits: bool
     """Every rank's peak fits in the request's memory per GPU."""
     zero: int = 0
@@ -155,9 +162,10 @@ class Plan:
     bounds)."""
 
     def pipeline_section(self) -> dict:
-        """The recipe `pipeline:` keys (runtime.PipelineConfig fields) this plan sets. (`zero` is not
-        one: the runtime has no ZeRO-1 yet, and `pipeline.schedule: auto` plans with zero = 0.)"""
+        """The recipe `pipeline:` keys (runtime.PipelineConfig fields) this plan sets, ZeRO stage included
+        (runtime/zero.py shards Adam's m and v over dp as priced)."""
         return {
+            "zero": self.zero,
             "schedule": self.schedule,
             "method": self.method,
             "microbatches": self.microbatches,
@@ -351,7 +359,10 @@ def search(config, req: PlanRequest) -> Search:
                     continue
                 model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
                 # at least one microbatch's activations of its first chunk are held on every rank
-                static = [model.static_bytes(r) + model.activation_bytes(layout.chunk_rank.index(r)) for r in range(pp)]
+                static = [
+                    rank_memory(model, r, model.activation_bytes(layout.chunk_rank.index(r)), dp).total
+                    for r in range(pp)
+                ]
                 if max(static) > limit:  # dropped before any order is built
                     peak = static
                     bound = True
@@ -359,7 +370,7 @@ def search(config, req: PlanRequest) -> Search:
                 else:
                     bound = False
                     grid = grid or _grid(kind, method, pp, min(m, 2 * pp))
-                    peak = order_peak_memory(grid.schedule, model, grid.events)
+                    peak = _with_reserve(model, order_peak_memory(grid.schedule, model, grid.events), dp)
                 fits = max(peak) <= limit
                 plan_ = Plan(
                     schedule=kind,
@@ -414,7 +425,30 @@ def search(config, req: PlanRequest) -> Search:
         timed.append(step + after)
         plans.append(_with_step(plan_, req, shape, step + after, bubble))
     plans.sort(key=_rank)
-    return Search(plans, considered, dominated, bounded)
+    return Search(_headroom_first(plans), considered, dominated, bounded)
+
+
+def _with_reserve(model: CostModel, peaks: list[float], dp: int) -> list[float]:
+    """`order_peak_memory`'s peaks (static + activations) as `rank_memory` totals (reserve added)."""
+    return [rank_memory(model, r, p - model.static_bytes(r), dp).total for r, p in enumerate(peaks)]
+
+
+def _headroom_first(plans: list[Plan]) -> list[Plan]:
+    """`plans` (ranked) with the fitting ones within HEADROOM_TIE of the fastest reordered by their fullest
+    rank's peak, least first: equally fast, the one with more memory left is the safer run."""
+    fitting = [p for p in plans if p.fits and p.simulated]
+    if not fitting:
+        return plans
+    lead = _rank(fitting[0])[1]  # minus the (node-margined) tokens/s of the fastest
+    tied = [p for p in plans if p.fits and p.simulated and _rank(p)[1] <= lead * (1 - HEADROOM_TIE)]
+    tied.sort(key=lambda p: (round(max(p.peak_memory_gb), 1), _rank(p)))
+    ids = {id(p) for p in tied}
+    return tied + [p for p in plans if id(p) not in ids]
+
+
+def tight(p: Plan, req: PlanRequest) -> bool:
+    """The plan's fullest rank needs more than TIGHT of the GPU's memory."""
+    return max(p.peak_memory_gb) > TIGHT * req.memory_gb
 
 
 def _refine_needs(plans: list[Plan], pruned: list) -> None:
@@ -427,7 +461,7 @@ def _refine_needs(plans: list[Plan], pruned: list) -> None:
         if bound >= least:
             break
         grid = _grid(kind, method, pp, min(m, 2 * pp))
-        peak = order_peak_memory(grid.schedule, model, grid.events)
+        peak = _with_reserve(model, order_peak_memory(grid.schedule, model, grid.events), plans[i].dp)
         plans[i] = replace(plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak), memory_bound=False)
         least = min(least, max(peak))
 
@@ -475,10 +509,19 @@ def why(found: Search, req: PlanRequest) -> str:
     if not fitting:
         return "no layout fits"
     best_ = fitting[0]
-    parts = [f"picked {best_.describe()}: the fastest of {len(fitting)} layouts that fit"]
-    if len(fitting) > 1:
-        ahead = best_.tokens_per_s / fitting[1].tokens_per_s - 1
-        parts.append(f"{ahead:.1%} ahead of the next ({fitting[1].describe()})")
+    fastest = max(fitting, key=lambda p: p.tokens_per_s)
+    if fastest is best_ or fastest.tokens_per_s <= best_.tokens_per_s:
+        parts = [f"picked {best_.describe()}: the fastest of {len(fitting)} layouts that fit"]
+        if len(fitting) > 1:
+            ahead = best_.tokens_per_s / fitting[1].tokens_per_s - 1
+            parts.append(f"{ahead:.1%} ahead of the next ({fitting[1].describe()})")
+    else:
+        behind = 1 - best_.tokens_per_s / fastest.tokens_per_s
+        parts = [
+            f"picked {best_.describe()} at {max(best_.peak_memory_gb):.1f} GB: within {HEADROOM_TIE:.0%} of the "
+            f"fastest of {len(fitting)} layouts that fit ({behind:.1%} behind {fastest.describe()}, which needs "
+            f"{max(fastest.peak_memory_gb):.1f} GB), with more memory left"
+        ]
     needs = []
     if best_.activation_checkpointing != "none":
         plain = [p for p in found.plans if _same_layout(p, best_) and p.activation_checkpointing == "none"]
@@ -510,6 +553,8 @@ def why(found: Search, req: PlanRequest) -> str:
                 f"{faster[0].describe()} across nodes is predicted {gain:.1%} faster, within the "
                 f"{NODE_MARGIN:.0%} preference for in-node pipelines"
             )
+    if tight(best_, req):
+        parts.append(f"TIGHT: its fullest rank needs {max(best_.peak_memory_gb):.1f} GB, over {TIGHT:.0%} of the GPU's")
     return "; ".join(parts)
 
 
@@ -551,7 +596,10 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
         f"broadcast of the updated parameters) after the step, not overlapped",
         f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
         f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (flash-attention layer "
-        f"count, Korthikanti et al.; checkpointed layers keep their input only)",
+        f"count, Korthikanti et al., with HF RMSNorm's fp32 copies; checkpointed layers keep their bf16 input only) + a "
+        f"reserve of {CONTEXT_BYTES / 1e9:g} GB CUDA context, {COMMUNICATOR_BYTES / 1e9:g} GB NCCL buffers per "
+        f"communicator and {FRAGMENTATION:.0%} fragmentation (cost/memory.py); plans within {HEADROOM_TIE:.0%} of the "
+        f"fastest ranked by memory left, above {TIGHT:.0%} of the GPU flagged tight",
         f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
         f"torch.optim.AdamW(fused=True), which the trainer builds on CUDA)",
     ]

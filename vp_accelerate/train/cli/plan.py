@@ -13,7 +13,7 @@ from pathlib import Path
 from vp_accelerate.cost import GPU_PRESETS, Hardware
 from vp_accelerate.cost.data_parallel import ZERO_LEVELS
 from vp_accelerate.sim.cluster import INTERNODE_BANDWIDTH
-from vp_accelerate.sim.plan import CHECKPOINTING, PlanRequest, as_dict, assumptions, best, search, why
+from vp_accelerate.sim.plan import CHECKPOINTING, TIGHT, PlanRequest, as_dict, assumptions, best, search, tight, why
 
 COLUMNS = """columns:
   schedule/method   pipeline schedule and where the vocabulary layers live (vocab-1/-2: sharded over the
@@ -136,7 +136,8 @@ def request_from_args(args):
     )
 
 
-def table(plans, top: int) -> str:
+def table(plans, top: int, req: PlanRequest | None = None) -> str:
+    """The first `top` plans, one line each; a plan above TIGHT of `req`'s memory ends in "tight"."""
     lines = [
         f"{'#':>2}  {'schedule/method':<22} {'pp':>3} {'dp':>3} {'mbs':>4} {'m':>4} {'memory':<9} "
         f"{'zero':>4} {'ckpt':<9} {'x-node':<6} {'tokens/s':>10} {'MFU':>6} {'bubble':>7} {'peak GB per rank'}"
@@ -147,7 +148,7 @@ def table(plans, top: int) -> str:
             f"{i:>2}  {p.label:<22} {p.pp:>3} {p.dp:>3} {p.microbatch_size:>4} "
             f"{p.microbatches:>4} {p.memory:<9} {p.zero:>4} {p.activation_checkpointing:<9} "
             f"{'yes' if p.pipeline_crosses_nodes else 'no':<6} {p.tokens_per_s:>10.0f} {p.mfu * 100:>5.1f}% "
-            f"{p.bubble * 100:>6.1f}% {mem}"
+            f"{p.bubble * 100:>6.1f}% {mem}" + (f"  tight (> {TIGHT:.0%} of memory)" if req and tight(p, req) else "")
         )
     return "\n".join(lines)
 
@@ -180,7 +181,7 @@ def plan_main(argv: list[str] | None = None) -> int:
                     "fitting": len(fitting),
                     "why": why(found, req),
                     "seconds": round(seconds, 1),
-                    "plans": [as_dict(p) for p in fitting[: args.top]],
+                    "plans": [{**as_dict(p), "tight": tight(p, req)} for p in fitting[: args.top]],
                 }
             )
         )
@@ -198,7 +199,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         f"theirs fits; {seconds:.1f} s)"
     )
     print("\n".join(f"  {line}" for line in header))
-    print(table(fitting, args.top))
+    print(table(fitting, args.top, req))
     print(why(found, req))
     return 0
 
@@ -237,7 +238,7 @@ def resolve_auto(recipe, world_size: int | None):
         seq=recipe.data.seq_len,
         global_batch=recipe.train.global_batch,
         hardware=Hardware(peak_flops=peak),
-        zero=(0,),  # the runtime has no ZeRO-1 yet
+        zero=(p.zero,),  # what the runtime will run: `vp-accelerate plan`'s request with the recipe's stage
     )
     try:
         plan = best(config.to_dict() if hasattr(config, "to_dict") else config, req)

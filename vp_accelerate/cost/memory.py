@@ -1,0 +1,90 @@
+"""One rank's device memory as the planner prices it, term by term (`rank_memory`), and the headroom it
+reserves beyond what the caching allocator's tensors hold (`reserve_bytes`).
+
+The planner (sim/plan.py) ranks and screens layouts on `RankMemory.total`; a dry run of the runtime can
+call `rank_memory` per rank and compare term by term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costs import CostModel
+from .data_parallel import SHARDED_BYTES
+
+CONTEXT_BYTES = 1.0e9
+"""The CUDA context and the kernels' modules loaded on the device: outside PyTorch's allocator (PyTorch's
+"CUDA memory management" notes: memory the allocator does not report includes the context), measured at
+0.5-1 GB on H100 with CUDA 12; the planner reserves the upper figure."""
+
+COMMUNICATOR_BYTES = 0.25e9
+"""NCCL buffers per communicator a rank belongs to: NCCL_BUFFSIZE (4 MiB by default, NCCL's environment
+variables) per channel and peer, both directions, up to 32 channels on NVLink: 4 MiB x 32 x 2 = 256 MiB."""
+
+FRAGMENTATION = 0.05
+"""Fraction of the allocator's bytes lost to fragmentation (blocks rounded up, split blocks that cannot
+be reused for a larger request): reserved minus allocated in PyTorch's memory stats, typically a few
+percent over a training step."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Device bytes of one pipeline rank at its peak."""
+
+    parameters: float
+    """The fp32 parameters (the master copy) and the step's 16-bit weight copy under mixed precision."""
+    gradients: float
+    """fp32 gradients (CostModel.grad_bytes per parameter)."""
+    optimizer: float
+    """Adam's m and v (sharded over the dp replicas under ZeRO-1) and any further optimizer bytes."""
+    activation_peak: float
+    """The most activations (and VP output-layer states, and the transfer buffers) held at once in a step."""
+    save_extra: float
+    """What saving a checkpoint adds on the device: 0, since model and ZeRO state stream to the host one
+    tensor at a time (runtime/zero.py `ZeroOptimizer.state_dict`), and a save runs between steps, when no
+    activation is held."""
+    reserve: float
+    """Outside the tensors: the CUDA context, NCCL buffers per communicator, allocator fragmentation."""
+
+    @property
+    def static(self) -> float:
+        """Parameters + gradients + optimizer state."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        """The rank's peak: static state, the larger of the step's activations and the save's extra, reserve."""
+        return self.static + max(self.activation_peak, self.save_extra) + self.reserve
+
+    def largest_term(self) -> str:
+        """The name of the largest term (for a one-line error when a layout does not fit)."""
+        terms = {k: getattr(self, k) for k in ("parameters", "gradients", "optimizer", "activation_peak", "reserve")}
+        return max(terms, key=terms.get)
+
+
+def communicators(pp: int, dp: int, vocab_parallel: bool) -> int:
+    """NCCL communicators a rank holds: the world's, the pipeline's p2p (pp > 1), the vocabulary group's
+    (VP), the data-parallel group's (dp > 1)."""
+    return 1 + (pp > 1) + (vocab_parallel and pp > 1) + (dp > 1)
+
+
+def reserve_bytes(allocated: float, pp: int, dp: int, vocab_parallel: bool) -> float:
+    """Headroom beyond `allocated` tensor bytes: CONTEXT_BYTES + COMMUNICATOR_BYTES per communicator +
+    FRAGMENTATION of the allocated bytes."""
+    return CONTEXT_BYTES + COMMUNICATOR_BYTES * communicators(pp, dp, vocab_parallel) + FRAGMENTATION * allocated
+
+
+def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1) -> RankMemory:
+    """The memory of `rank` under `model` (its optimizer_shards = the ZeRO-1 dp size, or 1), given the
+    activation peak read off the rank's order of passes (sim.simulate.order_peak_memory minus the static
+    bytes, or a simulation's peak_activation_bytes). Terms in bytes: parameters (16-bit weight copy + fp32
+    master), gradients, optimizer (Adam's m and v, sharded under ZeRO-1), activation_peak, save_extra,
+    reserve (context, NCCL, fragmentation); `total` is their peak sum."""
+    n = model.rank_params(rank)
+    whole = model.optimizer_bytes - min(SHARDED_BYTES, model.optimizer_bytes)  # the fp32 master copy (CostModel)
+    parameters = n * (model.shape.dtype_bytes + whole)
+    gradients = n * model.grad_bytes
+    optimizer = n * (model.bytes_per_param() - model.shape.dtype_bytes - whole - model.grad_bytes)
+    allocated = parameters + gradients + optimizer + activation_peak
+    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel)
+    return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
