@@ -237,13 +237,13 @@ def close_worker(group: dist.ProcessGroup | None) -> None:
         w.close()
 
 
-def close_workers() -> int:
-    """Stop every communication worker (e.g. before destroying the process groups); returns how many
-    did not end (stuck in a collective)."""
+def close_workers(timeout_s: float = 5.0) -> int:
+    """Stop every communication worker (e.g. before destroying the process groups), each after the chains
+    already queued, waiting up to `timeout_s` for each; returns how many did not end (stuck in a collective)."""
     with _WORKERS_LOCK:
         workers = list(_WORKERS.values())
         _WORKERS.clear()
-    return sum(not w.close() for w in workers)
+    return sum(not w.close(timeout_s) for w in workers)
 
 
 _STREAMS: dict[torch.device, Any] = {}
