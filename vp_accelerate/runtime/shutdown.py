@@ -28,7 +28,7 @@ import torch.distributed as dist
 from vp_accelerate.runtime import watchdog
 from vp_accelerate.vocab import comm
 
-WAIT_S = 300.0
+WAIT_S = comm.CLOSE_WAIT_S
 """How long the exit waits for a communication worker's queued chains, and for the watchdog's thread."""
 
 _REGISTERED = False
