@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 import warnings
@@ -25,6 +26,22 @@ from vp_accelerate.bench.coverage import FamilyResult, check_families, write_tab
 from vp_accelerate.models.families import decoder_families  # noqa: E402
 
 
+def crash_reason(family: str, error: Exception, lines: int = 3) -> str:
+    """One line for a family whose 2-rank spawn failed: the family, and each failing rank's last lines
+    (`RankFailed` names every rank: "rank N failed: ..." followed by its traceback)."""
+    text = str(error).strip()
+    ranks = re.split(r"^(?=rank \d+ failed: )", text, flags=re.M)
+    parts = []
+    for chunk in ranks:
+        if chunk.startswith("rank "):
+            who, body = chunk.split(" failed: ", 1)
+            tail = [line.strip() for line in body.strip().splitlines() if line.strip()][-lines:]
+            parts.append(f"{who}: " + " / ".join(tail))
+    return f"{family}: {type(error).__name__}: " + (
+        " || ".join(parts) if parts else " / ".join(text.splitlines()[-lines:])
+    )
+
+
 def run(families: list[str], batch: int) -> list[FamilyResult]:
     out: list[FamilyResult] = []
     for i in range(0, len(families), batch):
@@ -34,11 +51,11 @@ def run(families: list[str], batch: int) -> list[FamilyResult]:
             res = check_families(group)
         except Exception as e:  # one family broke the spawn: rerun each alone
             if len(group) == 1:
-                res = [FamilyResult(group[0], "crash", f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}")]
+                res = [FamilyResult(group[0], "crash", crash_reason(group[0], e))]
             else:
                 res = [r for mt in group for r in run([mt], 1)]
         for r in res:
-            print(f"{r.model_type:24s} {r.status:8s} {r.reason[:150]}", flush=True)
+            print(f"{r.model_type:24s} {r.status:8s} {r.reason[: 600 if r.status == 'crash' else 150]}", flush=True)
         print(f"  ({len(group)} families, {time.perf_counter() - t0:.0f} s)", flush=True)
         out += res
     return out

@@ -10,6 +10,7 @@ dropout 0.1 equals HF's `model.eval()` loss. The whole walk (docs/models.md) is 
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,24 @@ def test_verified_list_is_the_documented_table():
     assert len(passing) >= 30
     documented = {row.split("|")[1].strip() for row in table.splitlines() if row.startswith("| ") and "|---" not in row}
     assert set(decoder_families()) <= documented | {"family"}, "a family of the installed transformers is missing"
+
+
+def test_a_crashed_spawn_names_the_family_and_each_ranks_last_lines():
+    """scripts/model_coverage.py's line for a family whose spawn failed: the family and every failing rank's
+    last lines (before: only the error's last line, e.g. "rank 1 failed: process exited ..." without the family)."""
+    import importlib.util
+
+    from vp_accelerate.distributed import RankFailed
+
+    spec = importlib.util.spec_from_file_location(
+        "model_coverage", Path(__file__).resolve().parents[1] / "scripts" / "model_coverage.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    err = RankFailed(
+        "2 of 2 ranks failed\nrank 0 failed: RuntimeError: boom\nTraceback (most recent call last):\n"
+        '  File "x.py", line 3, in f\nRuntimeError: boom\nrank 1 failed: process exited with code -6 without reporting'
+    )
+    line = mod.crash_reason("gpt_neox", err)
+    assert line.startswith("gpt_neox: RankFailed: rank 0: ")
+    assert "RuntimeError: boom" in line and "rank 1: process exited with code -6" in line

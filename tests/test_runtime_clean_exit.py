@@ -59,3 +59,35 @@ def test_scripts_without_close_exit_0_on_every_rank(tmp_path):
 @pytest.mark.slow
 def test_scripts_without_close_exit_0_on_every_rank_many_times(tmp_path):
     _check_runs(tmp_path, 40)
+
+
+LATE_PEER = textwrap.dedent("""
+    import os, time
+    import torch
+    import torch.distributed as dist
+    from vp_accelerate.runtime import shutdown
+    from vp_accelerate.vocab import comm
+
+    dist.init_process_group("gloo")
+    shutdown.register()  # as PipelineModel does
+    rank, buf = dist.get_rank(), torch.zeros(4)
+    if rank == 0:  # the last chain of this rank still waits on its peer when the script ends
+        comm.worker(None).submit(lambda: (dist.recv(buf, src=1), print("received", buf.sum().item(), flush=True)))
+    else:  # the peer is late (a loaded machine), past any few-second wait
+        time.sleep(float(os.environ["LATE_S"]))
+        dist.send(torch.ones(4), dst=0)
+""")
+
+
+def test_a_chain_waiting_on_a_late_peer_at_exit_ends_before_the_interpreter(tmp_path):
+    """A rank whose communication worker is still inside a collective when its script ends (its peer is 8 s
+    late) waits for that chain, then exits 0. Before, the exit waited 5 s and left the thread in the gloo
+    call: it returned while the interpreter finalized and aborted the process ("terminate called without
+    an active exception", exit 134), or the process was gone before the receive ended."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_PEER)
+    outs = env_ranks([sys.executable, str(script)], 2, env={"LATE_S": "8"}, timeout_s=120)
+    assert outs is not None, "a rank did not exit"
+    for rank, (code, out, err) in enumerate(outs):
+        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err[-3000:]}"
+    assert "received 4.0" in outs[0][1]

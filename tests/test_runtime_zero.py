@@ -198,3 +198,62 @@ def test_state_dict_copies_each_moment_to_the_host_and_clones_nothing_on_the_dev
         for k in ("exp_avg", "exp_avg_sq"):
             live, saved = opt.inner.state[p][k], sd["state"][name][k]
             assert torch.equal(live, saved) and saved.data_ptr() != live.data_ptr()
+
+
+def _fused_resume(saved_step_dtype):
+    """Two replicas (dp 2, gloo) of fused AdamW: 3 steps straight, and 2 steps + a resume from the merged
+    name-keyed state (as a checkpoint, read on the CPU) + 1 step. Returns both results and the restored
+    `step` values' (type, dtype, device) next to the ones torch's own AdamW(fused=True).load_state_dict makes."""
+    from vp_accelerate.runtime.zero import ZeroOptimizer
+
+    torch.manual_seed(0)  # the same parameters and gradients on both replicas (grad_sync's result)
+    shapes = [(6, 5), (5,), (4, 6), (3,)]
+    init = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    group, rank = torch.distributed.group.WORLD, torch.distributed.get_rank()
+
+    def make(values):
+        params = [torch.nn.Parameter(t.detach().clone()) for t in values]
+        names = {p: f"w{i}" for i, p in enumerate(params)}
+        groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+        return params, ZeroOptimizer(groups, torch.optim.AdamW, group, rank, [0, 1], names, lr=1e-2, fused=True)
+
+    def steps(params, opt, which):
+        for k in which:
+            for p, g in zip(params, grads[k]):
+                p.grad = g.clone()
+            opt.step()
+
+    params, opt = make(init)
+    steps(params, opt, range(3))
+    straight = [p.detach().clone() for p in params]
+
+    params, opt = make(init)
+    steps(params, opt, range(2))
+    merged = {"format": "zero-1", "state": {}}
+    for part in _all_gather(opt.state_dict()):
+        merged["param_groups"] = part["param_groups"]
+        for name, s in part["state"].items():  # the saving run's scalar dtype (float64 under a float64 default)
+            merged["state"][name] = {**s, "step": s["step"].to(saved_step_dtype)}
+    params, opt = make(params)  # the weights as saved, a fresh optimizer
+    opt.load_state_dict(merged)
+    got = [(type(s["step"]), s["step"].dtype, s["step"].device) for s in opt.inner.state.values()]
+    assert got, "this replica owns no parameter"
+    ref = torch.optim.AdamW(list(opt.inner.state), lr=1e-2, fused=True)
+    ref_groups = [{**ref.param_groups[0], "params": list(range(len(opt.inner.state)))}]
+    ref.load_state_dict(
+        {"state": {i: merged["state"][opt.names[p]] for i, p in enumerate(opt.inner.state)}, "param_groups": ref_groups}
+    )
+    want = [(type(s["step"]), s["step"].dtype, s["step"].device) for s in ref.state.values()]
+    steps(params, opt, [2])
+    return straight, [p.detach().clone() for p in params], got, want
+
+
+def test_zero1_resume_with_fused_adamw():
+    """A ZeRO-1 resume under fused AdamW (fused runs on the CPU too) puts each `step` where torch's fused
+    kernels read it: a float32 tensor on the parameter's device, as torch's own load_state_dict does, and
+    continues the run exactly. Before, the step stayed as read from the checkpoint (a CPU scalar of the
+    saving run's dtype), which fused CUDA kernels cannot use."""
+    for straight, resumed, got, want in spawn(_fused_resume, 2, torch.float64, timeout_s=120):
+        assert got and got == want
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))

@@ -181,12 +181,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         for inner, i in zip(self.inner.param_groups, self._inner_of):
             inner.update(_hyper(self.param_groups[i]))
-        self.inner.state.clear()
-        for p in self.owned():
-            s = by_name.get(self.names[p])
-            if s is not None:
-                # moments in the parameter's dtype and device; `step` stays as saved (a CPU scalar)
-                self.inner.state[p] = {
-                    k: (v.to(device=p.device, dtype=p.dtype) if torch.is_tensor(v) and k != "step" else v)
-                    for k, v in s.items()
-                }
+        # through the inner optimizer's own load_state_dict (index-keyed, its groups' order): torch then puts
+        # every value where its kernels read it. Moments go to the parameter's dtype and device; `step`
+        # stays a CPU scalar for the plain kernels but goes to the parameter's device as float32 for fused
+        # or capturable AdamW (a checkpoint is read with map_location cpu; fused CUDA kernels read the step
+        # on the GPU, and expect float32 whatever dtype the saving run's scalars had).
+        order = [p for g in self.inner.param_groups for p in g["params"]]
+        state = {i: by_name[self.names[p]] for i, p in enumerate(order) if self.names[p] in by_name}
+        groups, i = [], 0
+        for g in self.inner.param_groups:
+            groups.append({**_hyper(g), "params": list(range(i, i + len(g["params"])))})
+            i += len(g["params"])
+        self.inner.load_state_dict({"state": state, "param_groups": groups})

@@ -164,6 +164,12 @@ def fail(message: str) -> None:
         _FATAL.append(message)
 
 
+CLOSE_WAIT_S = 300.0
+"""How long closing a worker waits for its queued chains. Long: on a loaded machine a peer can be many
+seconds late, and a chain left inside its collective either meets the next model's collectives on the same
+group out of order or returns while the interpreter finalizes, which aborts the process."""
+
+
 class CommWorker:
     """A single daemon thread that runs submitted chains one after another, in submission order."""
 
@@ -184,9 +190,9 @@ class CommWorker:
                 return
             job.run()
 
-    def close(self, timeout_s: float = 5.0) -> bool:
-        """Stop after the chains already queued; True if the thread ended (a daemon thread stuck in a
-        collective is left behind)."""
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
+        """Stop after the chains already queued, waiting up to `timeout_s` for them; True if the thread ended
+        (a daemon thread stuck in a collective is left behind)."""
         self._queue.put(None)
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
@@ -237,13 +243,13 @@ def close_worker(group: dist.ProcessGroup | None) -> None:
         w.close()
 
 
-def close_workers() -> int:
-    """Stop every communication worker (e.g. before destroying the process groups); returns how many
-    did not end (stuck in a collective)."""
+def close_workers(timeout_s: float = CLOSE_WAIT_S) -> int:
+    """Stop every communication worker (e.g. before destroying the process groups), each after the chains
+    already queued, waiting up to `timeout_s` for each; returns how many did not end (stuck in a collective)."""
     with _WORKERS_LOCK:
         workers = list(_WORKERS.values())
         _WORKERS.clear()
-    return sum(not w.close() for w in workers)
+    return sum(not w.close(timeout_s) for w in workers)
 
 
 _STREAMS: dict[torch.device, Any] = {}
