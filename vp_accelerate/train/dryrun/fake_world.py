@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -230,7 +231,9 @@ def fake_rank(rank: int, world_size: int):
     torch.utils.swap_tensors = swap
     comm.CommWorker.submit = _inline_submit
     try:
-        with recording(rec):
+        with recording(rec), warnings.catch_warnings():
+            # the runtime's own activation meter keys storages by data_ptr, which fake tensors do not have
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
             counter = AllocCounter(rec)
             with FakeTensorMode(allow_non_fake_inputs=True), counter:
