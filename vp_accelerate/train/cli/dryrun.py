@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     lay.add_argument("--memory", help="output-layer S->T state: store or recompute (default store)")
     lay.add_argument("--zero", type=int, choices=(0, 1), help="ZeRO stage over dp (default 1)")
     lay.add_argument("--checkpointing", help="activation checkpointing: none, selective or full (default none)")
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="ranks run at once, each in its own process (default 1; up to the cores)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -116,7 +119,7 @@ def dryrun_main(argv: list[str] | None = None) -> int:
             f"seq {args.seq}, global batch {args.global_batch}; running pipeline ranks 0..{cfg.pp_size - 1} "
             f"(replicas 1..{cfg.dp_size - 1} run the same programs on their own groups)"
         )
-    result = dry_run_world(hf, cfg, args.world_size, args.global_batch, args.seq, log=log)
+    result = dry_run_world(hf, cfg, args.world_size, args.global_batch, args.seq, log=log, jobs=args.jobs)
     result.planned_bytes = planned_bytes(config, req, cfg)
     limit = req.memory_gb * 1e9
     rows = []

@@ -181,8 +181,12 @@ class AllocCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
-            with unset_fake_temporarily():  # host data (the batch, its masks): real values, host memory
+        host_data = tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors)
+        meta_factory = not tensors and str(kwargs.get("device")) == "meta"
+        if host_data or meta_factory:
+            # host data (the batch, its masks): real values in host memory; a module made on the meta device
+            # stays real meta, so that materialising it swaps in fake tensors (nn.Module._apply)
+            with unset_fake_temporarily():
                 return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
             t = args[0]

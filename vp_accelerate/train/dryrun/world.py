@@ -5,7 +5,9 @@ each rank's measured peak."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from vp_accelerate.runtime.config import PipelineConfig
@@ -48,17 +50,32 @@ def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
     return [None] * cfg.pp_size
 
 
-def dry_run_world(source, cfg: PipelineConfig, world_size: int, global_batch: int, seq: int, log=None) -> WorldResult:
-    """Run pipeline ranks 0 .. pp-1 of replica 0 and replay the world of `cfg.dp_size` replicas."""
+def dry_run_world(
+    source, cfg: PipelineConfig, world_size: int, global_batch: int, seq: int, log=None, jobs: int = 1
+) -> WorldResult:
+    """Run pipeline ranks 0 .. pp-1 of replica 0 and replay the world of `cfg.dp_size` replicas. `jobs` > 1
+    runs that many ranks at once, each in a fresh process (the ranks share nothing)."""
     t0 = time.perf_counter()
     pp, dp = cfg.pp_size, cfg.dp_size
-    mems, programs = [], {}
-    for s in range(pp):
-        mem, program = run_rank(source, cfg, s, world_size, global_batch // dp, seq)
-        mems.append(mem)
-        programs[s] = program
+    args = [(source, cfg, s, world_size, global_batch // dp, seq) for s in range(pp)]
+    results: dict[int, tuple] = {}
+
+    def done(s: int, out) -> None:
+        results[s] = out
         if log is not None:
+            mem, program = out
             log(f"rank {s}: {mem.seconds:.1f} s, peak {mem.peak_bytes / 1e9:.2f} GB, {len(program)} operations")
-    world = {d * pp + s: replica_program(programs[s], pp, d) for d in range(dp) for s in range(pp)}
+
+    if jobs > 1:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no fake world leaks between ranks
+        with ProcessPoolExecutor(max_workers=min(jobs, pp), mp_context=ctx) as pool:
+            futures = {pool.submit(run_rank, *a): a[2] for a in args}
+            for f in as_completed(futures):
+                done(futures[f], f.result())
+    else:
+        for a in args:
+            done(a[2], run_rank(*a))
+    mems = [results[s][0] for s in range(pp)]
+    world = {d * pp + s: replica_program(results[s][1], pp, d) for d in range(dp) for s in range(pp)}
     deadlock = replay_world(world)
     return WorldResult(mems, [None] * pp, deadlock, sum(len(p) for p in world.values()), time.perf_counter() - t0)
