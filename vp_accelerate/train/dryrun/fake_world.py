@@ -145,6 +145,17 @@ def recording(rec: Recorder):
             setattr(dist, n, f)
 
 
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (one level of lists: aten ops take no deeper nesting)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
 class AllocCounter(TorchDispatchMode):
     """Live and peak bytes of tensor storages as an allocator sees them: a storage counts from the op that
     made it until its last reference dies. Also answers host reads of fake values (True / 1) and records
@@ -180,7 +191,7 @@ class AllocCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         host_data = tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors)
         meta_factory = not tensors and str(kwargs.get("device")) == "meta"
         if host_data or meta_factory:
@@ -195,10 +206,8 @@ class AllocCounter(TorchDispatchMode):
                 return True
             return 1.0 if t.is_floating_point() else 1
         out = func(*args, **kwargs)
-        flat, _ = tree_flatten(out)
-        for t in flat:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
+        for t in _tensors(out if isinstance(out, (tuple, list)) else (out,), {}):
+            self._track(t)
         return out
 
 
