@@ -91,8 +91,9 @@ def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int
 
 
 def replica_program(program: list[Op], pp_size: int, d: int) -> list[Op]:
-    """Replica 0's program of a pipeline rank as replica `d` issues it: the replica's groups and peers moved by
-    d * pp_size (the data-parallel, world and host-world groups are the same)."""
+    """Replica 0's program of a pipeline rank as replica `d` issues it: the groups inside replica 0 (pipeline,
+    vocabulary, tied ends) and the p2p peers moved by d * pp_size; the data-parallel and world groups, which
+    span replicas, are the same."""
 
     def move(r: int) -> int:
         return r + d * pp_size if r < pp_size else r
@@ -100,12 +101,9 @@ def replica_program(program: list[Op], pp_size: int, d: int) -> list[Op]:
     out = []
     for op in program:
         c = op.comm
-        if c and ":(" in c:
-            kind, rest = c.split(":", 1)
-            ranks_s, k = rest.rsplit("#", 1)
-            ranks = eval(ranks_s)  # noqa: S307 - a tuple of ints this module wrote
-            if ranks == tuple(range(pp_size)):
-                c = f"{kind}:{tuple(r + d * pp_size for r in ranks)}#{k}"
+        if c and all(r < pp_size for r in op.members()):  # a group of replica 0 (pipeline, vocabulary, tied ends)
+            kind, k = c.split(":", 1)[0], c.rsplit("#", 1)[1]
+            c = f"{kind}:{tuple(move(r) for r in op.members())}#{k}"
         p2p = tuple((x, move(p), nb) for x, p, nb in op.p2p)
         out.append(dataclasses.replace(op, comm=c, p2p=p2p))
     return out
