@@ -26,6 +26,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "plan_main",
         "the fastest layouts of a model on N GPUs (schedule, method, pp x dp, microbatches, memory)",
     ),
+    "dryrun": (
+        "vp_accelerate.train.cli.dryrun",
+        "dryrun_main",
+        "a layout's real runtime on this CPU with fake tensors: memory per rank, the world's NCCL replay",
+    ),
     "bench": ("vp_accelerate.bench.run", "bench_main", "benchmark methods side by side on local ranks"),
 }
 

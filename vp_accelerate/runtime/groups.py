@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 _HOST_GROUP = None  # the world's gloo side group, shared by every Groups of this process
+HOST_BACKEND = "gloo"
+"""Backend of the host side groups; the dry run (runtime/dryrun) sets "fake", whose world has no gloo."""
 
 
 @dataclass(frozen=True)
@@ -89,14 +91,14 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
         ranks = list(range(d * pp_size, (d + 1) * pp_size))
         pp_group = dist.new_group(ranks)
         vocab_group = dist.new_group(ranks)
-        pp_host_group = dist.new_group(ranks, backend="gloo")
+        pp_host_group = dist.new_group(ranks, backend=HOST_BACKEND)
         if d == dp_rank:
             mine.update(pp_ranks=tuple(ranks), pp_group=pp_group, vocab_group=vocab_group, pp_host_group=pp_host_group)
     dp_group = dp_host_group = None
     for s in range(pp_size):
         ranks = [d * pp_size + s for d in range(dp_size)]
         group = dist.new_group(ranks) if dp_size > 1 else None
-        host = dist.new_group(ranks, backend="gloo") if dp_size > 1 else None
+        host = dist.new_group(ranks, backend=HOST_BACKEND) if dp_size > 1 else None
         if s == pp_rank:
             dp_group, dp_host_group = group, host
     return Groups(
@@ -179,7 +181,7 @@ def host_group():
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if _HOST_GROUP is None or _HOST_GROUP_WORLD is not dist.group.WORLD:
-        _set_host_group(dist.new_group(backend="gloo"))
+        _set_host_group(dist.new_group(backend=HOST_BACKEND))
     return _HOST_GROUP
 
 

@@ -1,0 +1,258 @@
+"""One rank of a fake world: torch's fake process group and FakeTensorMode, an allocator counter, and the
+recording of every operation on every communicator.
+
+The runtime runs unchanged; the seams it needs are set here and undone on exit:
+- host side groups use the fake backend (`groups.HOST_BACKEND`): the fake world has no gloo;
+- the meta skeleton of the HF model is built outside fake mode (fake meta parameters cannot be swapped into
+  real modules by `nn.Module._apply`), and `torch.utils.swap_tensors` falls back to `.data` for fake
+  parameters that hold weak references;
+- the vocabulary collective chains run inline in issue order (on a GPU they are issued on a side stream at
+  submit time; the CPU worker thread would hide them from the counter);
+- a host read of a device value (`.item()`, `bool(t)`) is answered (True / 1) and recorded as a sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from vp_accelerate.models import build as model_build
+from vp_accelerate.runtime import groups as runtime_groups
+from vp_accelerate.runtime import p2p
+from vp_accelerate.schedule.world import CommOp as Op
+from vp_accelerate.vocab import comm
+
+
+@dataclass
+class Recorder:
+    """The ordered program of the rank being run, and the names of the groups it created."""
+
+    ops: list[Op] = field(default_factory=list)
+    names: dict = field(default_factory=dict)  # id(group) -> name
+    counts: dict = field(default_factory=dict)  # (kind, ranks) -> groups made so far
+    phase: str = "build"
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def name(self, group) -> str:
+        if group is None or group is dist.group.WORLD:
+            return f"dev:{tuple(range(dist.get_world_size()))}#world"
+        return self.names.get(id(group), f"dev:unknown{id(group)}")
+
+    def add(self, op: Op) -> None:
+        with self.lock:
+            self.ops.append(op)
+
+
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+)
+
+
+def _bytes(args) -> int:
+    flat, _ = tree_flatten(list(args))
+    return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+
+
+def _group_arg(fn_name: str, args, kwargs):
+    if "group" in kwargs:
+        return kwargs["group"]
+    # positional group: all_reduce(t, op, group), broadcast(t, src, group), all_gather(l, t, group), ...
+    pos = {"barrier": 0, "all_gather_object": 2, "gather_object": 3, "broadcast_object_list": 2}.get(fn_name, 2)
+    return args[pos] if len(args) > pos else None
+
+
+@contextlib.contextmanager
+def recording(rec: Recorder):
+    """Patch torch.distributed's calls to append each one to `rec` (then run it on the fake group)."""
+    saved = {}
+    host_kinds = {"gloo", "fake"}
+
+    def new_group(*args, **kwargs):
+        g = saved["new_group"](*args, **kwargs)
+        ranks = kwargs.get("ranks", args[0] if args else None)
+        ranks = tuple(range(dist.get_world_size())) if ranks is None else tuple(sorted(ranks))
+        kind = "host" if kwargs.get("backend") in host_kinds else "dev"
+        k = rec.counts.get((kind, ranks), 0)
+        rec.counts[(kind, ranks)] = k + 1
+        rec.names[id(g)] = f"{kind}:{ranks}#{k}"
+        return g
+
+    def collective(fn_name):
+        def call(*args, **kwargs):
+            name = rec.name(_group_arg(fn_name, args, kwargs))
+            rec.add(Op(name.split(":")[0], name, fn_name, nbytes=_bytes(args[:2]), label=rec.phase))
+            return saved[fn_name](*args, **kwargs)
+
+        return call
+
+    def batch(p2p_op_list):
+        rank = dist.get_rank()
+        ops = []
+        for o in p2p_op_list:
+            d = "send" if o.op is dist.isend else "recv"
+            ops.append((d, o.peer if o.peer is not None else o.group_peer, o.tensor.numel() * o.tensor.element_size()))
+        name = rec.name(p2p_op_list[0].group)
+        del rank
+        rec.add(Op(name.split(":")[0], name, "batch_isend_irecv", p2p=tuple(ops), label=rec.phase))
+        return saved["batch_isend_irecv"](p2p_op_list)
+
+    def single(fn_name, d):
+        def call(tensor, peer=None, group=None, tag=0, **kwargs):
+            name = rec.name(group)
+            peer = peer if peer is not None else kwargs.get("group_peer")
+            nb = tensor.numel() * tensor.element_size()
+            rec.add(Op(name.split(":")[0], name, fn_name, p2p=((d, peer, nb),), label=rec.phase))
+            return saved[fn_name](tensor, peer, group, tag, **kwargs)
+
+        return call
+
+    patches = {"new_group": new_group, "batch_isend_irecv": batch}
+    patches.update({n: collective(n) for n in _COLLECTIVES})
+    # isend / irecv stay unpatched: P2POp checks its op by identity (the runtime batches them)
+    patches.update({"send": single("send", "send"), "recv": single("recv", "recv")})
+    for n, f in patches.items():
+        saved[n] = getattr(dist, n)
+        setattr(dist, n, f)
+    original_p2p, p2p._ORIGINAL = p2p._ORIGINAL, batch  # p2p.install() puts torch's own back
+    try:
+        yield rec
+    finally:
+        p2p._ORIGINAL = original_p2p
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (one level of lists: aten ops take no deeper nesting)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+class AllocCounter(TorchDispatchMode):
+    """Live and peak bytes of tensor storages as an allocator sees them: a storage counts from the op that
+    made it until its last reference dies. Also answers host reads of fake values (True / 1) and records
+    each as a sync in the rank's program."""
+
+    def __init__(self, rec: Recorder):
+        super().__init__()
+        self.rec = rec
+        self.live = 0
+        self.peak = 0
+        self._seen: dict[int, weakref.finalize] = {}
+
+    def reset_peak(self) -> int:
+        self.peak = self.live
+        return self.live
+
+    def _track(self, t: torch.Tensor) -> None:
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = id(s)
+        if key in self._seen and self._seen[key].alive:
+            return
+        nbytes = s.nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self._seen[key] = weakref.finalize(s, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = _tensors(args, kwargs)
+        host_data = tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors)
+        meta_factory = not tensors and str(kwargs.get("device")) == "meta"
+        if host_data or meta_factory:
+            # host data (the batch, its masks): real values in host memory; a module made on the meta device
+            # stays real meta, so that materialising it swaps in fake tensors (nn.Module._apply)
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            self.rec.add(Op("sync", "", "read", label=self.rec.phase))
+            if t.dtype == torch.bool:
+                return True
+            return 1.0 if t.is_floating_point() else 1
+        out = func(*args, **kwargs)
+        for t in _tensors(out if isinstance(out, (tuple, list)) else (out,), {}):
+            self._track(t)
+        return out
+
+
+def _inline_submit(self, chain):
+    job = comm._ThreadJob(chain)
+    job.run()
+    return job
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world_size: int):
+    """This process as `rank` of a fake world of `world_size`: yields (Recorder, AllocCounter); every
+    tensor made inside is fake (allocations counted, no memory used)."""
+    rec = Recorder()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    runtime_groups._HOST_GROUP = None
+    saved = (runtime_groups.HOST_BACKEND, model_build.meta_model, torch.utils.swap_tensors, comm.CommWorker.submit)
+    real_meta, real_swap = saved[1], saved[2]
+
+    def meta_model(*args, **kwargs):
+        with unset_fake_temporarily():
+            return real_meta(*args, **kwargs)
+
+    def swap(t1, t2):
+        try:
+            real_swap(t1, t2)
+        except RuntimeError:
+            with torch.no_grad():
+                t1.data = t2.data
+
+    runtime_groups.HOST_BACKEND = "fake"
+    model_build.meta_model = meta_model
+    torch.utils.swap_tensors = swap
+    comm.CommWorker.submit = _inline_submit
+    try:
+        with recording(rec), warnings.catch_warnings():
+            # the runtime's own activation meter keys storages by data_ptr, which fake tensors do not have
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+            counter = AllocCounter(rec)
+            with FakeTensorMode(allow_non_fake_inputs=True), counter:
+                yield rec, counter
+    finally:
+        runtime_groups.HOST_BACKEND, model_build.meta_model, torch.utils.swap_tensors, comm.CommWorker.submit = saved
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        runtime_groups._HOST_GROUP = None

@@ -1,0 +1,109 @@
+"""Run one rank of a layout under the fake world (`fake_world.fake_rank`): build + load, one training step,
+the optimizer step (ZeRO-1 when dp > 1), a checkpoint's state_dicts and an eval step, with the bytes the
+allocator would hold at each phase; then the distinct ranks of a whole layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vp_accelerate.runtime.config import PipelineConfig
+from vp_accelerate.schedule.world import CommOp as Op
+
+from .fake_world import fake_rank
+
+
+@dataclass
+class RankMemory:
+    """One rank's bytes, as the CUDA allocator would count them (storages alive at once)."""
+
+    rank: int
+    """Global rank that was run."""
+    param_bytes: int
+    """Parameters after build + load."""
+    grad_bytes: int
+    """Gradients after the training step."""
+    optimizer_bytes: int
+    """Optimizer state after its first step (this rank's ZeRO-1 share when dp > 1)."""
+    activation_peak_bytes: int
+    """Peak during the training step above what was alive before it (activations, stashes, buffers, grads)."""
+    save_bytes: int
+    """Peak while building the checkpoint's state_dicts above what was alive before."""
+    eval_peak_bytes: int
+    """Peak during the eval step above what was alive before."""
+    peak_bytes: int
+    """The largest live total of the whole run."""
+    seconds: float
+    """Host time of this rank's dry run."""
+
+    def largest_term(self) -> tuple[str, int]:
+        terms = {
+            "parameters": self.param_bytes,
+            "gradients": self.grad_bytes,
+            "optimizer state": self.optimizer_bytes,
+            "activations": self.activation_peak_bytes - self.grad_bytes,
+            "checkpoint save": self.save_bytes,
+        }
+        name = max(terms, key=terms.get)
+        return name, terms[name]
+
+
+def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int, seq: int):
+    """(RankMemory, program) of `rank`: the real PipelineModel, step, optimizer, save and eval on fake tensors."""
+    t0 = time.perf_counter()
+    cfg = dataclasses.replace(cfg, watchdog_dead_after_s=None, watchdog_stall_s=None)
+    with torch.device("cpu"):
+        ids = torch.randint(0, 2, (batch, seq))  # real host tokens: the data loader's, not the device's
+    from vp_accelerate.runtime.pipeline import PipelineModel
+
+    with fake_rank(rank, world_size) as (rec, counter):
+        pipe = PipelineModel(source, cfg)
+        param_bytes = pipe.param_bytes()
+        rec.phase = "train_step"
+        before = counter.reset_peak()
+        pipe.train_step(ids, ids)
+        act_peak = counter.peak - before
+        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in pipe.parameters() if p.grad is not None)
+        rec.phase = "optimizer"
+        opt = pipe.make_optimizer(lr=1e-4)
+        before_opt = counter.live
+        pipe.step(opt)
+        opt_bytes = counter.live - before_opt
+        pipe.zero_grad()
+        rec.phase = "save"
+        before = counter.reset_peak()
+        sd = (pipe.state_dict(), opt.state_dict())
+        save_bytes = counter.peak - before
+        del sd
+        rec.phase = "eval"
+        before = counter.reset_peak()
+        pipe.eval_step(ids, ids)
+        eval_peak = counter.peak - before
+        peak = max(counter.peak, param_bytes + act_peak, param_bytes + grad_bytes + opt_bytes + save_bytes)
+        pipe.close() if hasattr(pipe, "close") else None
+    mem = RankMemory(
+        rank, param_bytes, grad_bytes, opt_bytes, act_peak, save_bytes, eval_peak, peak, time.perf_counter() - t0
+    )
+    return mem, list(rec.ops)
+
+
+def replica_program(program: list[Op], pp_size: int, d: int) -> list[Op]:
+    """Replica 0's program of a pipeline rank as replica `d` issues it: the groups inside replica 0 (pipeline,
+    vocabulary, tied ends) and the p2p peers moved by d * pp_size; the data-parallel and world groups, which
+    span replicas, are the same."""
+
+    def move(r: int) -> int:
+        return r + d * pp_size if r < pp_size else r
+
+    out = []
+    for op in program:
+        c = op.comm
+        if c and all(r < pp_size for r in op.members()):  # a group of replica 0 (pipeline, vocabulary, tied ends)
+            kind, k = c.split(":", 1)[0], c.rsplit("#", 1)[1]
+            c = f"{kind}:{tuple(move(r) for r in op.members())}#{k}"
+        p2p = tuple((x, move(p), nb) for x, p, nb in op.p2p)
+        out.append(dataclasses.replace(op, comm=c, p2p=p2p))
+    return out

@@ -1,0 +1,81 @@
+"""A whole layout's dry run: the distinct ranks run once each (`run.run_rank`), the other replicas' programs
+derived from them, the world replayed under NCCL's rules (`schedule/world.py`), the planner's figure beside
+each rank's measured peak."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+
+from vp_accelerate.runtime.config import PipelineConfig
+from vp_accelerate.schedule.world import Deadlock, replay_world
+
+from .run import RankMemory, replica_program, run_rank
+
+
+@dataclass
+class WorldResult:
+    """Per pipeline rank of replica 0 its memory; the world's replay."""
+
+    ranks: list[RankMemory]
+    """Ranks 0 .. pp-1 (replica 0); replica d's rank d * pp + s runs the same program on its own groups."""
+    planned_bytes: list[int | None]
+    """The planner's per-rank figure for the same layout (None when it has none)."""
+    deadlock: Deadlock | None
+    """None when the whole world's programs finish under NCCL's rules."""
+    ops: int
+    """Operations replayed, all ranks together."""
+    seconds: float
+    """Host time of the whole dry run."""
+
+
+def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
+    """The planner's per-pipeline-rank memory (bytes) of the layout `cfg`: the one place the dry run reads
+    the planner's memory model, so a new model plugs in here. [None] * pp when the planner has no such plan."""
+    from vp_accelerate.sim.plan import search
+
+    narrowed = dataclasses.replace(
+        req,
+        schedules=(cfg.schedule,),
+        methods=(cfg.method,),
+        zero=(cfg.zero if cfg.dp_size > 1 else 0,),
+        checkpointing=(cfg.activation_checkpointing,),
+    )
+    for p in search(config, narrowed).plans:
+        if (p.pp, p.dp, p.microbatches, p.memory) == (cfg.pp_size, cfg.dp_size, cfg.microbatches, cfg.memory):
+            return [int(g * 1e9) for g in p.peak_memory_gb]
+    return [None] * cfg.pp_size
+
+
+def dry_run_world(
+    source, cfg: PipelineConfig, world_size: int, global_batch: int, seq: int, log=None, jobs: int = 1
+) -> WorldResult:
+    """Run pipeline ranks 0 .. pp-1 of replica 0 and replay the world of `cfg.dp_size` replicas. `jobs` > 1
+    runs that many ranks at once, each in a fresh process (the ranks share nothing)."""
+    t0 = time.perf_counter()
+    pp, dp = cfg.pp_size, cfg.dp_size
+    args = [(source, cfg, s, world_size, global_batch // dp, seq) for s in range(pp)]
+    results: dict[int, tuple] = {}
+
+    def done(s: int, out) -> None:
+        results[s] = out
+        if log is not None:
+            mem, program = out
+            log(f"rank {s}: {mem.seconds:.1f} s, peak {mem.peak_bytes / 1e9:.2f} GB, {len(program)} operations")
+
+    if jobs > 1:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no fake world leaks between ranks
+        with ProcessPoolExecutor(max_workers=min(jobs, pp), mp_context=ctx) as pool:
+            futures = {pool.submit(run_rank, *a): a[2] for a in args}
+            for f in as_completed(futures):
+                done(futures[f], f.result())
+    else:
+        for a in args:
+            done(a[2], run_rank(*a))
+    mems = [results[s][0] for s in range(pp)]
+    world = {d * pp + s: replica_program(results[s][1], pp, d) for d in range(dp) for s in range(pp)}
+    deadlock = replay_world(world)
+    return WorldResult(mems, [None] * pp, deadlock, sum(len(p) for p in world.values()), time.perf_counter() - t0)
