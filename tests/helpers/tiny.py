@@ -1,4 +1,5 @@
-"""Tiny configs of every supported family, for the tests (nothing is downloaded).
+"""Tiny configs of every supported family, and the small corpus, BPE and training recipe the tests share
+(`corpus`, `bpe`, `word_tokenizer`, `recipe_file`); nothing is downloaded.
 
 Each config turns on the family's special pieces with values that actually change the output at
 tiny scale: sliding windows shorter than the test sequences, Gemma-2 softcapping near the logit
