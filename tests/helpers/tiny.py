@@ -121,9 +121,10 @@ def bpe(files, folder, size: int = 300, *, name: str = "tok", min_frequency: int
     return train_bpe([str(f) for f in files], size, str(Path(folder) / name), min_frequency=min_frequency, **kw)
 
 
-def recipe(tokenizer, files, **sections) -> dict:
+def recipe(tokenizer, files, /, **sections) -> dict:
     """A small training recipe: the `llama-tiny` preset, the BPE in directory `tokenizer`, `files` as the data,
-    wandb off; each keyword updates its section (a dict) of that base."""
+    wandb off; each keyword updates its section (a dict) of that base (`tokenizer=` too: the first arguments
+    are positional only)."""
     data: dict = {
         "model": {"source": "llama-tiny"},
         "tokenizer": {"source": f"bpe:{tokenizer}"},
@@ -135,7 +136,7 @@ def recipe(tokenizer, files, **sections) -> dict:
     return data
 
 
-def recipe_file(path, tokenizer, files, **sections) -> str:
+def recipe_file(path, tokenizer, files, /, **sections) -> str:
     """`recipe(tokenizer, files, **sections)` written as YAML to `path`; returns the path as a string."""
     import yaml
 
