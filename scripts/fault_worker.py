@@ -23,7 +23,7 @@ VP_FAULT (JSON) says what to break:
 - `signal`: at step `step`, rank `rank` (every rank when absent) sends itself the signal `name` (default
   SIGTERM), a real one delivered by the kernel: inside its first chunk's forward (`"during": "step"`, the
   default) or inside the checkpoint write of that step (`"during": "save"`, at its first fsync): a preemption.
-Used by tests/test_reliability_faults.py, tests/test_runtime_faults.py (`--pipeline`) and scripts/fault_*.py.
+Used by tests/test_faults_training.py, tests/test_runtime_faults.py (`--pipeline`) and scripts/fault_*.py.
 """
 
 from __future__ import annotations

@@ -124,25 +124,27 @@ def _setup_and_compare(recipe):
 
 
 def test_setup_leaves_the_callers_recipe_unchanged(tmp_path, monkeypatch):
+    from helpers.tiny import bpe
+    from helpers.tiny import recipe as tiny_recipe
     from vp_accelerate.distributed import spawn
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds_cache"))  # the spawned rank inherits it
     words = "alpha beta gamma delta paris france".split()
     with open(tmp_path / "train.jsonl", "w") as f:
         for i in range(64):
             f.write(json.dumps({"text": " ".join(words[(i + k) % 6] for k in range(12))}) + "\n")
-    train_bpe([str(tmp_path / "train.jsonl")], 300, str(tmp_path / "tok"), min_frequency=1)
+    bpe([tmp_path / "train.jsonl"], tmp_path)
     recipe = recipe_from_dict(
-        {
-            "model": {"source": "llama-tiny", "config": {"hidden_size": 32, "intermediate_size": 64}},
-            "tokenizer": {"source": f"bpe:{tmp_path / 'tok'}"},
-            "data": {"files": [str(tmp_path / "train.jsonl")], "seq_len": 16},
-            "pipeline": {"microbatches": 2},
-            "train": {"epochs": 1, "global_batch": 4},
-            "eval": {"batches": 0},
-            "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "out")},
-        }
+        tiny_recipe(
+            tmp_path / "tok",
+            [tmp_path / "train.jsonl"],
+            model={"config": {"hidden_size": 32, "intermediate_size": 64}},
+            data={"seq_len": 16},
+            pipeline={"microbatches": 2},
+            train={"epochs": 1, "global_batch": 4},
+            eval={"batches": 0},
+            logging={"output_dir": str(tmp_path / "out")},
+        )
     )
     assert recipe.pipeline.mixed_precision is None and recipe.checkpoint.dir is None and recipe.train.steps is None
     (unchanged, new, mode, cdir, steps, logged, dtypes, compute) = spawn(_setup_and_compare, 1, recipe)[0]

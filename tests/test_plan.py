@@ -6,7 +6,6 @@ import random
 from dataclasses import replace
 
 import pytest
-import yaml
 
 from vp_accelerate.sim.plan import HEADROOM_TIE, PlanRequest, best, plan
 from vp_accelerate.train.cli.plan import model_config, plan_main
@@ -96,25 +95,21 @@ def test_plan_command_prints_the_top_plans_as_json(tmp_path, capsys):
 
 
 def test_a_recipe_with_schedule_auto_takes_the_best_plan(tmp_path, capsys):
+    from helpers.tiny import bpe, corpus, recipe_file
     from vp_accelerate.train.cli.commands import train_main
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
-    rng = random.Random()
-    with open(tmp_path / "train.jsonl", "w") as f:
-        for _ in range(100):
-            f.write(json.dumps({"text": " ".join(rng.choices(["alpha", "beta", "gamma", "delta"], k=20))}) + "\n")
-    train_bpe([str(tmp_path / "train.jsonl")], 300, str(tmp_path / "tok"), min_frequency=1)
-    recipe = {
-        "model": {"source": "llama-tiny"},
-        "tokenizer": {"source": f"bpe:{tmp_path / 'tok'}"},
-        "data": {"files": [str(tmp_path / "train.jsonl")], "seq_len": 64},
-        "pipeline": {"schedule": "auto", "plan_memory_gb": 4},
-        "train": {"global_batch": 8},
-        "eval": {"batches": 0},
-    }  # 100 random rows may hold none out; evaluation is not what this tests
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    code = train_main([str(path), "--check", "--world-size", "2"])
+    text = corpus(tmp_path, ["alpha", "beta", "gamma", "delta"], lines=100, per_line=20, seed=random.Random())
+    bpe([text], tmp_path)
+    path = recipe_file(
+        tmp_path / "r.yaml",
+        tmp_path / "tok",
+        [text],
+        data={"seq_len": 64},
+        pipeline={"schedule": "auto", "plan_memory_gb": 4},
+        train={"global_batch": 8},
+        eval={"batches": 0},
+    )  # 100 random rows may hold none out; evaluation is not what this tests
+    code = train_main([path, "--check", "--world-size", "2"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     expected = best(

@@ -20,43 +20,36 @@ ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 def test_chat_lora_run_exports_merged_and_adapter(tmp_path, monkeypatch):
     pytest.importorskip("peft")
     pytest.importorskip("babel")
-    import yaml
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from helpers.tiny import TINY_MODEL, bpe, recipe_file
     from vp_accelerate.demo.chat import make_demo_chat
     from vp_accelerate.train.cli.commands import export_main
     from vp_accelerate.train.data import build_data
     from vp_accelerate.train.recipe import load_recipe
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     make_demo_chat(str(tmp_path / "chat"), conversations=400, seed=1)
     text = tmp_path / "tok.txt"
     with open(text, "w") as f:
         for line in open(tmp_path / "chat" / "train.jsonl"):
             f.write(" ".join(m["content"] for m in json.loads(line)["messages"]) + "\n")
-    train_bpe([str(text)], 512, str(tmp_path / "tok"), min_frequency=1)
-    recipe = {
-        "model": {
-            "source": "llama-tiny",
-            "config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
-        },
-        "tokenizer": {"source": f"bpe:{tmp_path / 'tok'}"},
-        "data": {
-            "files": [str(tmp_path / "chat" / "train.jsonl")],
-            "eval_files": [str(tmp_path / "chat" / "eval.jsonl")],
-            "seq_len": 128,
-        },
-        "pipeline": {"schedule": "vhalf", "method": "vocab-1", "microbatches": 4},
-        "adapter": {"type": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
-        "optimizer": {"lr": 1e-2},
-        "train": {"steps": 4, "global_batch": 8},
-        "eval": {"batches": 2},
-        "checkpoint": {"dir": str(tmp_path / "ckpt")},
-        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run"), "log_every": 1},
-    }
+    bpe([text], tmp_path, 512)
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    recipe_file(
+        path,
+        tmp_path / "tok",
+        [tmp_path / "chat" / "train.jsonl"],
+        model={"config": {**TINY_MODEL["config"], "hidden_size": 64, "intermediate_size": 128}},
+        data={"eval_files": [str(tmp_path / "chat" / "eval.jsonl")], "seq_len": 128},
+        pipeline={"schedule": "vhalf", "method": "vocab-1", "microbatches": 4},
+        adapter={"type": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+        optimizer={"lr": 1e-2},
+        train={"steps": 4, "global_batch": 8},
+        eval={"batches": 2},
+        checkpoint={"dir": str(tmp_path / "ckpt")},
+        logging={"output_dir": str(tmp_path / "run"), "log_every": 1},
+    )
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.tiny import bpe
 from vp_accelerate.train.data import BatchIterator, DataError, Sequences, build_data, is_heldout, pack, pad_rows
 from vp_accelerate.train.recipe import DataSection
-from vp_accelerate.train.tokens.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def corpus(tmp_path_factory):
             f.write(json.dumps({"body": t}, ensure_ascii=False) + "\n")
     (d / "train.txt").write_text("\n".join(docs) + "\n")
     (d / "empty.jsonl").write_text("")
-    tok = train_bpe([str(d / "train.txt")], 300, str(d / "tok"), min_frequency=1)
+    tok = bpe([d / "train.txt"], d)
     return d, tok
 
 

@@ -13,6 +13,7 @@ import torch
 
 from helpers.launch import BIN, CPU_2PROC, run_env, train_ranks
 from helpers.launch import launch as run
+from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
 
 VP_ACCELERATE = os.path.join(BIN, "vp-accelerate")
 STEPS = 6
@@ -20,8 +21,6 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
     d = tmp_path_factory.mktemp("e2e")
     try:
         from vp_accelerate.demo.corpus import make_demo_corpus
@@ -34,34 +33,24 @@ def setup(tmp_path_factory):
         words = "alpha beta gamma delta мир дом 世界 你好 données λόγος".split()
         os.makedirs(d / "corpus")
         for split, n in (("train", 2000), ("eval", 60)):
-            with open(d / "corpus" / f"{split}.jsonl", "w") as f:
-                for _ in range(n):
-                    f.write(json.dumps({"text": " ".join(rng.choices(words, k=40))}) + "\n")
-    train_bpe([str(d / "corpus" / "train.jsonl")], 512, str(d / "tok"), min_frequency=1)
-    recipe = {
-        "model": {
-            "source": "llama-tiny",
-            "config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
-        },
-        "tokenizer": {"source": f"bpe:{d / 'tok'}", "resize_vocab": True},
-        "data": {
-            "files": [str(d / "corpus" / "train.jsonl")],
-            "eval_files": [str(d / "corpus" / "eval.jsonl")],
-            "seq_len": 32,
-        },
-        "pipeline": {"schedule": "1f1b", "method": "vocab-2", "microbatches": 4},
-        "optimizer": {"lr": 3e-3},
-        "lr": {"warmup_steps": 2, "decay": "cosine"},
-        "train": {"steps": STEPS, "global_batch": 8, "seed": 0},
-        "eval": {"every": 3, "batches": 2},
-        "checkpoint": {"every": 3, "keep": 3},
-        "logging": {"wandb_mode": "offline", "log_every": 1, "peak_tflops": 1.0},
-    }
-    path = d / "recipe.yaml"
-    import yaml
-
-    path.write_text(yaml.safe_dump(recipe))
-    return d, str(path)
+            corpus(d / "corpus", words, lines=n, per_line=40, seed=rng, name=f"{split}.jsonl")
+    bpe([d / "corpus" / "train.jsonl"], d, 512)
+    path = recipe_file(
+        d / "recipe.yaml",
+        d / "tok",
+        [d / "corpus" / "train.jsonl"],
+        model={"config": {**TINY_MODEL["config"], "hidden_size": 64, "intermediate_size": 128}},
+        tokenizer={"resize_vocab": True},
+        data={"eval_files": [str(d / "corpus" / "eval.jsonl")], "seq_len": 32},
+        pipeline={"schedule": "1f1b", "method": "vocab-2", "microbatches": 4},
+        optimizer={"lr": 3e-3},
+        lr={"warmup_steps": 2, "decay": "cosine"},
+        train={"steps": STEPS, "global_batch": 8, "seed": 0},
+        eval={"every": 3, "batches": 2},
+        checkpoint={"every": 3, "keep": 3},
+        logging={"wandb_mode": "offline", "log_every": 1, "peak_tflops": 1.0},
+    )
+    return d, path
 
 
 def launch(setup, name, *extra, check=True):

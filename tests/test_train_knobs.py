@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from helpers.launch import run_env, train_ranks
+from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
 from vp_accelerate.train.recipe import RecipeError, finish_steps, recipe_from_dict
 
 RNG = random.Random()
@@ -170,38 +171,28 @@ def test_logged_loss_is_the_window_mean_and_counters_add_up(tmp_path):
 # ----------------------------------------------------------------------------------- one 2-rank run
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    import yaml
-
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
     d = tmp_path_factory.mktemp("knobs")
     rng = random.Random(RNG.random())
     words = "alpha beta gamma delta paris france capital hello world".split()
-    with open(d / "train.jsonl", "w") as f:
-        for _ in range(400):
-            f.write(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(8, 30)))}) + "\n")
-    with open(d / "eval.jsonl", "w") as f:
-        for _ in range(20):
-            f.write(json.dumps({"text": " ".join(rng.choices(words, k=20))}) + "\n")
-    train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
+    text = corpus(d, words, lines=400, per_line=(8, 30), seed=rng)
+    held = corpus(d, words, lines=20, per_line=20, seed=rng, name="eval.jsonl")
+    bpe([text], d)
     prompts = [" ".join(rng.choices(words, k=3)) for _ in range(2)]
-    recipe = {
-        "model": {
-            "source": "llama-tiny",
-            "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
-        },
-        "tokenizer": {"source": f"bpe:{d / 'tok'}"},
-        "data": {"files": [str(d / "train.jsonl")], "eval_files": [str(d / "eval.jsonl")], "seq_len": 32},
-        "pipeline": {"microbatches": 2},
-        "optimizer": {"lr": 1e-2},
-        "lr": {"warmup_ratio": 0.2},
-        "train": {"epochs": 3, "global_batch": 4},
+    recipe_file(
+        d / "r.yaml",
+        d / "tok",
+        [text],
+        model=TINY_MODEL,
+        data={"eval_files": [str(held)], "seq_len": 32},
+        pipeline={"microbatches": 2},
+        optimizer={"lr": 1e-2},
+        lr={"warmup_ratio": 0.2},
+        train={"epochs": 3, "global_batch": 4},
         # min_delta far above any change: the second evaluation ends the run (the best is the lower of the two)
-        "eval": {"every": 2, "patience": 1, "min_delta": 100.0, "prompts": prompts, "max_new_tokens": 6},
-        "checkpoint": {"every": 2, "keep": 1, "keep_best": True},
-        "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out"), "log_every": 1},
-    }
-    (d / "r.yaml").write_text(yaml.safe_dump(recipe))
+        eval={"every": 2, "patience": 1, "min_delta": 100.0, "prompts": prompts, "max_new_tokens": 6},
+        checkpoint={"every": 2, "keep": 1, "keep_best": True},
+        logging={"output_dir": str(d / "out"), "log_every": 1},
+    )
     # 2 ranks forked as the launcher starts them (tests/helpers/launch.py); `vp-accelerate launch` itself
     # runs in tests/test_train_e2e.py and tests/test_train_launch_errors.py
     out = train_ranks([str(d / "r.yaml")], d, run_env(d / "ds_cache"), timeout_s=600)
@@ -293,12 +284,10 @@ def test_lora_samples_match_generate_on_the_merged_export(tmp_path):
 
     from helpers.tiny import tiny_llama
     from vp_accelerate.distributed import spawn
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
 
     rng = random.Random(RNG.random())
     words = "alpha beta gamma delta paris france capital hello world".split()
-    (tmp_path / "t.txt").write_text("\n".join(" ".join(rng.choices(words, k=12)) for _ in range(100)) + "\n")
-    tok = train_bpe([str(tmp_path / "t.txt")], 280, str(tmp_path / "tok"), min_frequency=1)
+    tok = bpe([corpus(tmp_path, words, lines=100, seed=rng, name="t.txt")], tmp_path, 280)
     torch.manual_seed(rng.randrange(1000))
     AutoModelForCausalLM.from_config(tiny_llama(len(tok), num_layers=4)).save_pretrained(str(tmp_path / "m"))
     prompts = [" ".join(rng.choices(words, k=3)) for _ in range(2)]

@@ -12,10 +12,10 @@ import os
 import random
 
 import pytest
-import yaml
 
 from helpers.launch import BIN, CPU_2PROC, accelerate_train, run_env, train_ranks
 from helpers.launch import launch as run
+from helpers.tiny import bpe, recipe_file
 from vp_accelerate.distributed import spawn
 
 RNG = random.Random()
@@ -48,8 +48,6 @@ def test_an_error_on_the_main_process_stops_every_rank(kind):
 
 @pytest.fixture(scope="module")
 def bad_run(tmp_path_factory):
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
     d = tmp_path_factory.mktemp("launch")
     rng = random.Random(RNG.random())
     words = ["alpha", "beta", "gamma", "delta", "paris"]
@@ -66,17 +64,18 @@ def bad_run(tmp_path_factory):
     rows[line - 1]["messages"][1]["role"] = "bot"
     (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "t.txt").write_text(" ".join(words * 20) + "\n")
-    train_bpe([str(d / "t.txt")], 280, str(d / "tok"), min_frequency=1)
-    recipe = {
-        "model": {"source": "llama-tiny"},
-        "tokenizer": {"source": str(d / "tok")},
-        "data": {"files": [str(d / "chat.jsonl")], "seq_len": 64},
-        "pipeline": {"microbatches": 2},
-        "train": {"global_batch": 4, "steps": 2},
-        "eval": {"batches": 0},
-        "logging": {"wandb_mode": "disabled", "output_dir": str(d / "out")},
-    }
-    (d / "r.yaml").write_text(yaml.safe_dump(recipe))
+    bpe([d / "t.txt"], d, 280)
+    recipe_file(
+        d / "r.yaml",
+        d / "tok",
+        [d / "chat.jsonl"],
+        tokenizer={"source": str(d / "tok")},
+        data={"seq_len": 64},
+        pipeline={"microbatches": 2},
+        train={"global_batch": 4, "steps": 2},
+        eval={"batches": 0},
+        logging={"output_dir": str(d / "out")},
+    )
     env = run_env(d / "ds_cache")
     # `python -m vp_accelerate train --check` as one plain process forked from the preloaded fork server
     check = train_ranks([str(d / "r.yaml"), "--check"], d, env, nprocs=1, mixed_precision=None)

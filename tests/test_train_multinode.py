@@ -63,34 +63,25 @@ PORT_TAKEN = re.compile(r"utilizing it|already in use|EADDRINUSE", re.I)
 @pytest.fixture(scope="module")
 def tiny_recipe(tmp_path_factory):
     """A 4-layer h32 Llama with a 300-token BPE, PP2 x DP2, 4 steps with a checkpoint and an eval."""
-    import random
-
-    import yaml
-
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
+    from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
 
     d = tmp_path_factory.mktemp("multinode")
-    rng = random.Random(0)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa мир 世界 λόγος".split()
-    with open(d / "train.jsonl", "w") as f:
-        for _ in range(400):
-            f.write(json.dumps({"text": " ".join(rng.choices(words, k=40))}) + "\n")
-    train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
-    recipe = {
-        "model": {
-            "source": "llama-tiny",
-            "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
-        },
-        "tokenizer": {"source": f"bpe:{d / 'tok'}"},
-        "data": {"files": [str(d / "train.jsonl")], "seq_len": 16},
-        "pipeline": {"schedule": "1f1b", "method": "vocab-2", "microbatches": 2, "dp_size": 2},
-        "optimizer": {"lr": 3e-3},
-        "train": {"steps": 4, "global_batch": 8, "seed": 0},
-        "eval": {"every": 0, "batches": 2},
-        "checkpoint": {"every": 2, "keep": 1},
-        "logging": {"wandb_mode": "disabled", "log_every": 1},
-    }
-    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    text = corpus(d, words, lines=400, per_line=40)
+    bpe([text], d)
+    recipe_file(
+        d / "recipe.yaml",
+        d / "tok",
+        [text],
+        model=TINY_MODEL,
+        data={"seq_len": 16},
+        pipeline={"schedule": "1f1b", "method": "vocab-2", "microbatches": 2, "dp_size": 2},
+        optimizer={"lr": 3e-3},
+        train={"steps": 4, "global_batch": 8, "seed": 0},
+        eval={"every": 0, "batches": 2},
+        checkpoint={"every": 2, "keep": 1},
+        logging={"log_every": 1},
+    )
     return d
 
 

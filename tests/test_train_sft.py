@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.tiny import WORDS, word_tokenizer
 from vp_accelerate.train.data import DataError, build_data, pack_documents
 from vp_accelerate.train.data import formats as sft
 from vp_accelerate.train.recipe import DataSection
-from vp_accelerate.train.tokens.tokenizer import train_bpe
-
-WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello", "world"]
 
 # A Llama-3-like template (BOS + headers), and one that is not prefix-stable (the last turn renders
 # differently) but marks assistant turns with {% generation %} for HF's assistant mask.
@@ -29,10 +27,9 @@ GENERATION_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    rng = np.random.default_rng(0)
-    (d / "t.txt").write_text("\n".join(" ".join(rng.choice(WORDS, size=12)) for _ in range(200)) + "\n")
-    return train_bpe([str(d / "t.txt")], 300, str(d / "tok"), min_frequency=1)
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(word_tokenizer(tmp_path_factory.mktemp("tok"))))
 
 
 def _chat(rng, turns=2):

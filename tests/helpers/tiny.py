@@ -1,4 +1,5 @@
-"""Tiny configs of every supported family, for the tests (nothing is downloaded).
+"""Tiny configs of every supported family, and the small corpus, BPE and training recipe the tests share
+(`corpus`, `bpe`, `word_tokenizer`, `recipe_file`); nothing is downloaded.
 
 Each config turns on the family's special pieces with values that actually change the output at
 tiny scale: sliding windows shorter than the test sequences, Gemma-2 softcapping near the logit
@@ -6,6 +7,10 @@ magnitude, Granite multipliers away from 1, Qwen2 mixed full / sliding layers.
 """
 
 from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
 
 import numpy as np
 
@@ -79,9 +84,61 @@ WORDS = ["alpha", "beta", "gamma", "delta", "paris", "france", "capital", "hello
 def word_tokenizer(folder, words=WORDS, tail: str = "\n"):
     """A 300-token byte-level BPE trained on 200 seeded lines of `words` (12 a line) in `folder`/t.txt; returns
     the tokenizer's directory (`folder`/tok). `tail` ends the text (a test may add a token it needs)."""
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
     rng = np.random.default_rng(0)
     (folder / "t.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(200)) + tail)
-    train_bpe([str(folder / "t.txt")], 300, str(folder / "tok"), min_frequency=1)
+    bpe([folder / "t.txt"], folder)
     return folder / "tok"
+
+
+TINY_MODEL = {
+    "source": "llama-tiny",
+    "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+}
+"""A recipe's model section for a 4-layer h32 Llama (the `llama-tiny` preset made smaller)."""
+
+
+def corpus(folder, words=WORDS, *, lines: int = 200, per_line=12, seed=0, name: str = "train.jsonl") -> Path:
+    """`lines` lines of `per_line` words (an int, or (lo, hi) for a random count) drawn from `words` with
+    `random.Random(seed)` (or `seed` itself when it is a `random.Random`, so a caller's stream goes on) in
+    `folder`/`name`: `{"text": ...}` rows for a .jsonl name, plain lines otherwise. Returns the file."""
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
+    rows = []
+    for _ in range(lines):
+        k = rng.randint(*per_line) if isinstance(per_line, tuple) else per_line
+        rows.append(" ".join(rng.choices(words, k=k)))
+    path = Path(folder) / name
+    if name.endswith(".jsonl"):
+        rows = [json.dumps({"text": r}) for r in rows]
+    path.write_text("".join(r + "\n" for r in rows))
+    return path
+
+
+def bpe(files, folder, size: int = 300, *, name: str = "tok", min_frequency: int = 1, **kw):
+    """A byte-level BPE of `size` tokens trained on `files` (paths), saved in `folder`/`name`; returns the
+    tokenizer (`train_bpe`'s answer)."""
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
+
+    return train_bpe([str(f) for f in files], size, str(Path(folder) / name), min_frequency=min_frequency, **kw)
+
+
+def recipe(tokenizer, files, /, **sections) -> dict:
+    """A small training recipe: the `llama-tiny` preset, the BPE in directory `tokenizer`, `files` as the data,
+    wandb off; each keyword updates its section (a dict) of that base (`tokenizer=` too: the first arguments
+    are positional only)."""
+    data: dict = {
+        "model": {"source": "llama-tiny"},
+        "tokenizer": {"source": f"bpe:{tokenizer}"},
+        "data": {"files": [str(f) for f in files]},
+        "logging": {"wandb_mode": "disabled"},
+    }
+    for key, value in sections.items():
+        data.setdefault(key, {}).update(value)
+    return data
+
+
+def recipe_file(path, tokenizer, files, /, **sections) -> str:
+    """`recipe(tokenizer, files, **sections)` written as YAML to `path`; returns the path as a string."""
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(recipe(tokenizer, files, **sections)))
+    return str(path)

@@ -11,7 +11,7 @@ fails mid-step under a real `accelerate launch`.
 - one rank raises mid-step inside the trainer: every rank exits non-zero, in bounded time, and the peer
   names the failing rank (SIGKILL of one rank: slow; runtime-level versions: tests/test_runtime_faults.py).
 Kill during a checkpoint write and kill + resume are scripts/fault_checkpoint_kill.py and
-scripts/fault_kill_resume.py (minutes; tests/test_reliability_scripts.py, slow).
+scripts/fault_kill_resume.py (minutes; tests/test_faults_scripts.py, slow).
 """
 
 import json
@@ -23,37 +23,29 @@ import torch
 
 from helpers.launch import ACCELERATE, CPU_2PROC, FAULT_WORKER, fault_json, run_env, train_ranks
 from helpers.launch import launch as run
+from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
 
 RNG = random.Random()  # fresh each run: which microbatch / step gets poisoned varies
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    import yaml
-
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
     d = tmp_path_factory.mktemp("faults")
     words = "alpha beta gamma delta epsilon мир дом 世界 你好 données λόγος".split()
-    rng = random.Random(RNG.random())
-    with open(d / "train.jsonl", "w") as f:
-        for _ in range(600):
-            f.write(json.dumps({"text": " ".join(rng.choices(words, k=30))}) + "\n")
-    train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
-    recipe = {
-        "model": {
-            "source": "llama-tiny",
-            "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
-        },
-        "tokenizer": {"source": f"bpe:{d / 'tok'}"},
-        "data": {"files": [str(d / "train.jsonl")], "seq_len": 16, "eval_holdout": 0.05},
-        "pipeline": {"microbatches": 4},
-        "train": {"steps": 4, "global_batch": 8, "seed": RNG.randrange(1000)},
-        "eval": {"every": 0, "batches": 1},
-        "checkpoint": {"every": 1, "keep": 10},
-        "logging": {"wandb_mode": "disabled", "log_every": 1, "timeline_image": False},
-    }
-    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    text = corpus(d, words, lines=600, per_line=30, seed=RNG.random())
+    bpe([text], d)
+    recipe_file(
+        d / "recipe.yaml",
+        d / "tok",
+        [text],
+        model=TINY_MODEL,
+        data={"seq_len": 16, "eval_holdout": 0.05},
+        pipeline={"microbatches": 4},
+        train={"steps": 4, "global_batch": 8, "seed": RNG.randrange(1000)},
+        eval={"every": 0, "batches": 1},
+        checkpoint={"every": 1, "keep": 10},
+        logging={"log_every": 1, "timeline_image": False},
+    )
     return d
 
 

@@ -7,17 +7,17 @@ import shutil
 
 import pytest
 
+from helpers.tiny import bpe
 from vp_accelerate.train.data import build_data
 from vp_accelerate.train.data.identity import file_identity, identity_differences
 from vp_accelerate.train.recipe import DataSection
-from vp_accelerate.train.tokens.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     (d / "t.txt").write_text("alpha beta gamma delta\nALPHA BETA GAMMA DELTA\n" * 20)
-    return train_bpe([str(d / "t.txt")], 300, str(d / "tok"), min_frequency=1)
+    return bpe([d / "t.txt"], d)
 
 
 def _write_keeping_mtime(path, text, stat=None):

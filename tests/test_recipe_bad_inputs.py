@@ -16,6 +16,8 @@ import pytest
 import torch
 import yaml
 
+from helpers import tiny
+from helpers.tiny import bpe, corpus
 from vp_accelerate.train.cli.commands import train_main
 
 RNG = random.Random()
@@ -24,31 +26,21 @@ RNG = random.Random()
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     """A ~300-token byte-level BPE and a small corpus (2 s)."""
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
     d = tmp_path_factory.mktemp("tok")
-    rng = random.Random(RNG.random())
-    with open(d / "train.jsonl", "w") as f:
-        for _ in range(200):
-            f.write(json.dumps({"text": " ".join(rng.choices(["alpha", "beta", "мир", "世界", "λόγος"], k=20))}) + "\n")
-    train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
+    bpe([corpus(d, ["alpha", "beta", "мир", "世界", "λόγος"], per_line=20, seed=RNG.random())], d)
     return d
 
 
 def recipe_file(tmp_path, tok_dir, **sections):
-    data = {
-        "model": {"source": "llama-tiny"},
-        "tokenizer": {"source": f"bpe:{tok_dir / 'tok'}"},
-        "data": {"files": [str(tok_dir / "train.jsonl")], "seq_len": 64},
+    base = {
+        "data": {"seq_len": 64},
         "pipeline": {"microbatches": 4},
         "train": {"global_batch": 8},
         "eval": {"batches": 0},
     }
-    for key, value in sections.items():
-        data.setdefault(key, {}).update(value)
+    merged = {key: {**base.get(key, {}), **sections.get(key, {})} for key in {**base, **sections}}
     path = tmp_path / f"r{RNG.randrange(10**6)}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    return tiny.recipe_file(path, tok_dir / "tok", [tok_dir / "train.jsonl"], **merged)
 
 
 def check(capsys, path, world_size=2, *sets):

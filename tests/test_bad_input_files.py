@@ -6,40 +6,34 @@ import json
 import os
 
 import pytest
-import yaml
 from safetensors.torch import save_file
 
+from helpers import tiny
+from helpers.tiny import bpe
 from vp_accelerate.train.cli.commands import train_main
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from vp_accelerate.train.tokens.tokenizer import train_bpe
-
     d = tmp_path_factory.mktemp("tok")
     words = ["alpha", "beta", "gamma", "мир", "世界"]
     with open(d / "train.jsonl", "w") as f:
         for i in range(200):
             f.write(json.dumps({"text": " ".join(words[(i + k) % 5] for k in range(20))}, ensure_ascii=False) + "\n")
-    train_bpe([str(d / "train.jsonl")], 300, str(d / "tok"), min_frequency=1)
+    bpe([d / "train.jsonl"], d)
     return d
 
 
 def recipe_file(tmp_path, tok_dir, **sections):
-    data = {
-        "model": {"source": "llama-tiny"},
-        "tokenizer": {"source": f"bpe:{tok_dir / 'tok'}"},
-        "data": {"files": [str(tok_dir / "train.jsonl")], "seq_len": 64},
+    base = {
+        "data": {"seq_len": 64},
         "pipeline": {"microbatches": 4},
         "train": {"global_batch": 8},
         "eval": {"batches": 0},
-        "logging": {"output_dir": str(tmp_path / "out"), "wandb_mode": "disabled"},
+        "logging": {"output_dir": str(tmp_path / "out")},
     }
-    for key, value in sections.items():
-        data.setdefault(key, {}).update(value)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    merged = {key: {**base.get(key, {}), **sections.get(key, {})} for key in {**base, **sections}}
+    return tiny.recipe_file(tmp_path / "recipe.yaml", tok_dir / "tok", [tok_dir / "train.jsonl"], **merged)
 
 
 def check(capsys, path, *sets, resume=None):

@@ -1,6 +1,6 @@
 """The long fault injections (scripts/fault_*.py), each a few real 2-process launches: marked slow.
 
-pytest -m slow tests/test_reliability_scripts.py      # ~2-3 min on a 2-core box
+pytest -m slow tests/test_faults_scripts.py      # ~2-3 min on a 2-core box
 """
 
 import os
