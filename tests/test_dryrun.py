@@ -106,3 +106,14 @@ def test_cli_layout_that_does_not_fit_exits_2(tmp_path, capsys):
     assert dryrun_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: rank ") and "largest term" in err[0]
+
+
+def test_the_planners_figure_is_compared_without_its_reserve():
+    """The dry run counts tensors only; the planner's figure beside it is its total less the reserve it adds for
+    the CUDA context, NCCL buffers and fragmentation (`allocated_of` inverts `rank_memory`'s reserve)."""
+    from vp_accelerate.cost.memory import allocated_of, reserve_bytes
+
+    for pp, dp, vp in ((16, 2, True), (4, 1, False), (1, 8, True)):
+        allocated = 37.5e9
+        total = allocated + reserve_bytes(allocated, pp, dp, vp)
+        assert abs(allocated_of(total, pp, dp, vp) - allocated) < 1.0

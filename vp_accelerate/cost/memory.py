@@ -74,6 +74,11 @@ def reserve_bytes(allocated: float, pp: int, dp: int, vocab_parallel: bool) -> f
     return CONTEXT_BYTES + COMMUNICATOR_BYTES * communicators(pp, dp, vocab_parallel) + FRAGMENTATION * allocated
 
 
+def allocated_of(total: float, pp: int, dp: int, vocab_parallel: bool) -> float:
+    """The tensor bytes of a `rank_memory` total (its reserve taken off): what an allocator counter sees."""
+    return (total - CONTEXT_BYTES - COMMUNICATOR_BYTES * communicators(pp, dp, vocab_parallel)) / (1 + FRAGMENTATION)
+
+
 def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1) -> RankMemory:
     """The memory of `rank` under `model` (its optimizer_shards = the ZeRO-1 dp size, or 1), given the
     activation peak read off the rank's order of passes (sim.simulate.order_peak_memory minus the static

@@ -29,7 +29,8 @@ class RankMemory:
     optimizer_bytes: int
     """Optimizer state after its first step (this rank's ZeRO-1 share when dp > 1)."""
     activation_peak_bytes: int
-    """Peak during the training step above what was alive before it (activations, stashes, buffers, grads)."""
+    """Peak during the training step above what was alive before it (activations, stashes, buffers, the step's
+    16-bit weight copies, grads)."""
     save_bytes: int
     """Peak while building the checkpoint's state_dicts above what was alive before."""
     eval_peak_bytes: int
@@ -82,7 +83,9 @@ def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int
         before = counter.reset_peak()
         pipe.eval_step(ids, ids)
         eval_peak = counter.peak - before
-        peak = max(counter.peak, param_bytes + act_peak, param_bytes + grad_bytes + opt_bytes + save_bytes)
+        # the first step ran before the optimizer existed; every later step runs with its state alive, so the
+        # steady-state peak is the parameters + the optimizer state + the step's own peak
+        peak = max(counter.peak, param_bytes + opt_bytes + act_peak, param_bytes + grad_bytes + opt_bytes + save_bytes)
         pipe.close() if hasattr(pipe, "close") else None
     mem = RankMemory(
         rank, param_bytes, grad_bytes, opt_bytes, act_peak, save_bytes, eval_peak, peak, time.perf_counter() - t0

@@ -33,8 +33,11 @@ class WorldResult:
 
 
 def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
-    """The planner's per-pipeline-rank memory (bytes) of the layout `cfg`: the one place the dry run reads
-    the planner's memory model, so a new model plugs in here. [None] * pp when the planner has no such plan."""
+    """The planner's per-pipeline-rank bytes of the layout `cfg` as the dry run counts them: its peak less the
+    reserve it adds for what no tensor holds (CUDA context, NCCL buffers, fragmentation: cost/memory.py), the
+    one place the dry run reads the planner's memory model. [None] * pp when the planner has no such plan."""
+    from vp_accelerate.cost.memory import allocated_of
+    from vp_accelerate.schedule.registry import method
     from vp_accelerate.sim.plan import search
 
     narrowed = dataclasses.replace(
@@ -44,9 +47,10 @@ def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
         zero=(cfg.zero if cfg.dp_size > 1 else 0,),
         checkpointing=(cfg.activation_checkpointing,),
     )
+    vocab_parallel = method(cfg.method).vocab_parallel
     for p in search(config, narrowed).plans:
         if (p.pp, p.dp, p.microbatches, p.memory) == (cfg.pp_size, cfg.dp_size, cfg.microbatches, cfg.memory):
-            return [int(g * 1e9) for g in p.peak_memory_gb]
+            return [int(allocated_of(g * 1e9, p.pp, p.dp, vocab_parallel)) for g in p.peak_memory_gb]
     return [None] * cfg.pp_size
 
 
