@@ -85,7 +85,9 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     assert set(results) == set(PARTS) and all(r["status"] == "pass" and r["tiny"] for r in ran.values()), results
     assert results["quickstart_bf16"]["status"] == "not run"
     streams = results["streams_1gpu"]
-    assert len(streams["races"]) == len(supported_pairs()) and streams["sync_debug"] == "skipped (no CUDA)"
+    assert len(streams["races"]) == len(supported_pairs())
+    assert streams["sync_debug"]["mode"] == "off (no CUDA)" and streams["sync_debug"]["syncs"] == 0
+    assert streams["sync_debug"]["checked_steps"] == len(supported_pairs())
     assert len(streams["step_time"]) == 3
     assert all(r["criterion"] and r["checks"] for r in ran.values())
     schedules = results["schedules_ws1"]
@@ -129,6 +131,57 @@ def test_the_output_layer_part_fails_when_its_numbers_are_off():
     assert gc.judge_output_layer(rows(drop=("vocab-2", 4)), size, tiny=True) == ["vocab-2 p=4 not measured"]
     assert gc.judge_output_layer(rows(eff=0.4), size, tiny=True) == []  # tiny CPU timings are noise: not judged
     assert gc.judge_output_layer(rows()[1:], size, tiny=False) == ["the full-vocabulary reference was not measured"]
+
+
+def test_a_sync_is_named_by_its_frames_in_hf_and_in_our_code(tmp_path):
+    """The sync-debug part's attribution (it used to stop the step at the first sync, with no place named):
+    the innermost frame in each package's folder, None where the stack never enters it; a sync warning
+    raised under record_syncs is recorded with the stack that raised it, not printed, and other warnings
+    still show; summarize_syncs reports the first sync and the first one in HF code."""
+    import traceback
+
+    gc = _module()
+    hf, ours = tmp_path / "site-packages" / "transformers", tmp_path / "vp_accelerate"
+    stack = traceback.StackSummary.from_list(
+        [
+            (str(ours / "runtime" / "pipeline.py"), 230, "train_step", ""),
+            (str(ours / "models" / "chunk.py"), 88, "forward", ""),
+            (str(hf / "models" / "llama" / "modeling_llama.py"), 400, "forward", ""),
+            (str(hf / "masking_utils.py"), 120, "sdpa_mask", ""),
+            (str(tmp_path / "torch" / "functional.py"), 9, "any", ""),
+        ]
+    )
+    roots = {"transformers": hf, "vp_accelerate": ours}
+    assert gc.sync_site(stack, roots) == {
+        "transformers": "transformers/masking_utils.py:120 in sdpa_mask",
+        "vp_accelerate": "vp_accelerate/models/chunk.py:88 in forward",
+    }
+    assert gc.sync_site(stack[:2], roots) == {
+        "transformers": None,
+        "vp_accelerate": "vp_accelerate/models/chunk.py:88 in forward",
+    }
+
+    def blocking_call():
+        import warnings
+
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+
+    sites = []
+    here = {"tests": Path(__file__).parent}
+    with pytest.warns(UserWarning, match="something else"):
+        with gc.record_syncs(sites, here):
+            blocking_call()
+            blocking_call()
+    line = blocking_call.__code__.co_firstlineno + 3
+    assert sites == [{"tests": f"tests/test_gpu_check.py:{line} in blocking_call"}] * 2
+    found = [("1f1b/baseline plain", {"transformers": None, "vp_accelerate": "a.py:1 in f"})]
+    found += [("vhalf/vocab-1 padded", gc.sync_site(stack, roots))] * 2
+    figures = gc.summarize_syncs(found)
+    assert figures["syncs"] == 3 and figures["first"]["run"] == "1f1b/baseline plain"
+    assert figures["first_in_transformers"]["transformers"] == "transformers/masking_utils.py:120 in sdpa_mask"
+    assert [s["count"] for s in figures["sites"]] == [1, 2]
+    assert "first in HF at transformers/masking_utils.py:120" in gc._syncs_line({"checked_steps": 4, **figures})
 
 
 def test_summary_names_what_did_not_run_and_quotes_table_3(tmp_path):
