@@ -98,6 +98,23 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     assert f"| schedules_ws1 | pass | {len(supported_pairs())} schedule x method on gloo at world size 1" in summary
 
 
+def _streams_without_time(out: str) -> int:
+    os.environ.update(CUDA_VISIBLE_DEVICES="", GPU_CHECK_LIMIT_S="0")  # as gpu_check.sh sets it, all spent
+    return _module().main(["--part", "streams_1gpu", "--out", out, "--tiny"])
+
+
+def test_the_streams_part_out_of_time_skips_its_runs_and_still_reports(tmp_path):
+    """With no time left of its limit the streams part starts no schedule x method model (it used to start
+    all of them and be killed by its limit with no JSON), names what it skipped, still measures the step
+    time, and writes its figures."""
+    assert spawn(_streams_without_time, 1, str(tmp_path), timeout_s=300)[0] == 1
+    result = json.loads((tmp_path / "streams_1gpu.json").read_text())
+    assert result["status"] == "fail" and result["races"] == [] and len(result["step_time"]) == 3, result
+    assert result["why"].startswith("out of time, not run: 1f1b/baseline float64, "), result["why"]
+    assert result["sync_debug"]["checked_steps"] == 0
+    assert "races: 0 steps" in _module()._one_line("streams_1gpu", result)
+
+
 def test_the_output_layer_part_fails_when_its_numbers_are_off():
     gc = _module()
     size = {"ranks": (1, 2, 4, 8), "algorithms": ("vocab-1", "vocab-2")}
