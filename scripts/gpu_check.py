@@ -607,6 +607,23 @@ def part_streams_1gpu(tiny: bool, out: Path) -> dict:
         checked += 1
         return res
 
+    def figures_so_far(last: str) -> dict:
+        """This part's JSON as it stands, written after each model so a kill by the limit leaves it."""
+        fig = {
+            "status": "fail",
+            "why": f"stopped part-way (its time limit, a hang or a crash; see its log) after {last}",
+            "device": str(dev),
+            "races": races,
+            "worst_race_error": max((r["rel_error"] for r in races), default=float("nan")),  # nan: none ran
+            "delays_injected": cuda,
+            "sync_debug": {"mode": "warn" if cuda else "off (no CUDA)", "checked_steps": checked}
+            | summarize_syncs(found),
+            "step_time": [],
+        }
+        if last:
+            write_result(out, "streams_1gpu", tiny, fig)
+        return fig
+
     # (a) + (b): per schedule x method one float64 model; per batch kind a step without delays (also the
     # warm-up: first-use allocations, library handles), then the same step with the delays under sync
     # debug mode: only a race changes a bit beyond rounding, and no sync is left unnamed
@@ -635,6 +652,7 @@ def part_streams_1gpu(tiny: bool, out: Path) -> dict:
                 if not err <= TOLERANCE["race"]:
                     problems.append(f"race: {schedule}/{method} {name} moved by {err:.1e} with the delays")
             pipe.close()
+            figures_so_far(f"{schedule}/{method} float64")
         # (b) the mixed-precision paths, after a warm-up step per batch kind
         for schedule, method, mp in SYNC_MIXED if cuda else ():
             if left() < STREAMS_RESERVE_S:
@@ -648,9 +666,10 @@ def part_streams_1gpu(tiny: bool, out: Path) -> dict:
                 checked_step(pipe, f"{schedule}/{method} {mp} {name}", batches[name])
                 pipe.zero_grad()
             pipe.close()
+            figures_so_far(f"{schedule}/{method} {mp}")
     finally:
         pipeline.finish_loss, precision.unscale_and_check = real_finish, real_unscale
-    syncs = {"checked_steps": checked, **summarize_syncs(found)}
+    syncs = figures_so_far("")["sync_debug"]
     if skipped:
         problems.append(f"out of time, not run: {', '.join(skipped)}")
     # (c) reported step time beside CUDA events around train_step, on a model big enough to be GPU-bound
@@ -694,7 +713,7 @@ def part_streams_1gpu(tiny: bool, out: Path) -> dict:
         "races": races,
         "worst_race_error": max((r["rel_error"] for r in races), default=float("nan")),  # nan: none ran
         "delays_injected": cuda,
-        "sync_debug": {"mode": "warn" if cuda else "off (no CUDA)", **syncs},
+        "sync_debug": syncs,
         "step_time": timing,
     }
 
@@ -871,6 +890,23 @@ def _one_line(part: str, r: dict) -> str:
     return ""
 
 
+def write_result(out: Path, part: str, tiny: bool, result: dict, seconds: float | None = None) -> None:
+    """<part>.json: the result with what the summary reads beside it (checks, criterion, `seconds` (default:
+    since the process started), size, device). Also written part-way (status fail) so a part killed by its limit or
+    a hang leaves the figures it had."""
+    import torch
+
+    result.update(
+        part=part,
+        checks=CHECKS[part],
+        criterion=CRITERIA[part],
+        seconds=round(time.monotonic() - _STARTED if seconds is None else seconds, 1),
+        tiny=tiny,
+        device_name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
+    )
+    (out / f"{part}.json").write_text(json.dumps(result, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for <part>.json, results.json and summary.md")
@@ -886,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r["status"] == "pass" for r in results.values()) else 1
     if not args.part:
         ap.error("give --part or --summarize")
-    import torch
+    import torch  # noqa: F401 - imported before t0: the seconds leave out its import, as before
 
     t0 = time.perf_counter()
     try:
@@ -895,15 +931,7 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         result = {"status": "fail", "why": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    result.update(
-        part=args.part,
-        checks=CHECKS[args.part],
-        criterion=CRITERIA[args.part],
-        seconds=round(time.perf_counter() - t0, 1),
-        tiny=args.tiny,
-        device_name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
-    )
-    (out / f"{args.part}.json").write_text(json.dumps(result, indent=1))
+    write_result(out, args.part, args.tiny, result, time.perf_counter() - t0)
     print(f"{args.part}: {result['status']} ({result['seconds']} s)", flush=True)
     return 0 if result["status"] != "fail" else 1
 

@@ -115,6 +115,42 @@ def test_the_streams_part_out_of_time_skips_its_runs_and_still_reports(tmp_path)
     assert "races: 0 steps" in _module()._one_line("streams_1gpu", result)
 
 
+def _streams_killed_after_one_model(out: str) -> None:
+    """The streams part as a kill by its limit leaves it: stopped while its second model closes."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    gc = _module()
+    from vp_accelerate.runtime import pipeline
+
+    class Killed(BaseException):  # not an Exception: main() does not turn it into a result
+        pass
+
+    real_close, calls = pipeline.PipelineModel.close, []
+
+    def close(self):
+        real_close(self)
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+
+    pipeline.PipelineModel.close = close
+    try:
+        gc.main(["--part", "streams_1gpu", "--out", out, "--tiny"])
+    except Killed:
+        pass
+
+
+def test_a_streams_part_killed_part_way_leaves_its_figures(tmp_path):
+    """Killed after its second model (a time limit, a hang, a crash), the streams part has left a JSON with
+    the races of the models it ran and why it is incomplete (it used to leave nothing), and the summary
+    reads it."""
+    spawn(_streams_killed_after_one_model, 1, str(tmp_path), timeout_s=300)
+    result = json.loads((tmp_path / "streams_1gpu.json").read_text())
+    assert result["status"] == "fail" and len(result["races"]) == 1, result
+    assert result["why"].startswith("stopped part-way") and result["why"].endswith("after 1f1b/baseline float64")
+    _, text = _module().summarize(tmp_path)
+    assert "| streams_1gpu | fail | races: 1 steps" in text
+
+
 def test_the_output_layer_part_fails_when_its_numbers_are_off():
     gc = _module()
     size = {"ranks": (1, 2, 4, 8), "algorithms": ("vocab-1", "vocab-2")}
