@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_STARTED = time.monotonic()  # the part's process started about now: its time limit counts from here
 PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu", "streams_1gpu", "quickstart_bf16")
 CHECKS = {
     "vocab_ws1": "the vocabulary layers' CUDA compute (S, T, input-layer IF/IB; naive, vocab-1, vocab-2 x store, "
@@ -40,13 +41,15 @@ CHECKS = {
     "its memory falls as V/p shrinks. Communication is not in it, so it is not the paper's "
     "multi-GPU scaling figure (Table 3)",
     "streams_1gpu": "GPU-only bugs of one rank's step, at world size 1: (a) stream races: every schedule x method "
-    "trained one step in float64 twice, the second with torch.cuda._sleep injected on the compute stream before "
-    "every pass (each producer) and on the communication stream at the start of every vocabulary chain, so a "
-    "missing event wait reads stale data and changes the gradients; (b) host syncs: one step of every schedule "
-    "x method on plain, packed and padded batches (bf16, and fp16 once) under "
-    "torch.cuda.set_sync_debug_mode('error'), the loss read and fp16's found-inf flag excepted; (c) the "
-    "reported step time beside CUDA events around train_step (a larger bf16 model). p2p, the data-parallel "
-    "reduce and collectives that move data need two ranks: not here",
+    "trained one step in float64 twice on plain, packed and padded batches, the second with torch.cuda._sleep "
+    "injected on the compute stream before every pass (each producer) and on the communication stream at the "
+    "start of every vocabulary chain, so a missing event wait reads stale data and changes the gradients; (b) "
+    "host syncs: those delayed steps, and after a warm-up one step of V-Half + vocab-1 and interleaved + "
+    "baseline in bf16 and 1F1B + vocab-2 in fp16 on each batch, under torch.cuda.set_sync_debug_mode('warn'), "
+    "the loss read and fp16's found-inf flag excepted: each sync is named by its innermost frame in "
+    "transformers (the HF line that blocks) and in vp_accelerate (ours that led there); (c) the reported "
+    "step time beside CUDA events around train_step (a larger bf16 model). p2p, the data-parallel reduce "
+    "and collectives that move data need two ranks: not here",
     "quickstart_bf16": "the quickstart recipe end to end on the GPU: demo corpus, BPE tokenizer, then a "
     "one-process `accelerate launch --mixed_precision bf16` of recipes/quickstart.yaml (a short run)",
 }
@@ -66,9 +69,12 @@ CRITERIA = {
     f"at p = 8 <= {MEMORY_AT_8:g} x its peak at p = 1 (tiny CPU run: rows measured and finite "
     "only, CPU timings of a 128-token problem are noise)",
     "streams_1gpu": f"(a) every pair's gradients and loss with the delays within relative {TOLERANCE['race']:g} of "
-    f"those without (float64: only a race moves them); (b) no step raises under sync debug mode 'error'; (c) "
+    f"those without (float64: only a race moves them); (b) every step ran under sync debug mode 'warn' (its "
+    f"syncs are figures: count, first site in HF and in vp_accelerate, each distinct site; they do not fail "
+    f"the part); (c) "
     f"reported / event step time within {STEP_TIME_BAND[0]:g}-{STEP_TIME_BAND[1]:g} on each of 3 steps (tiny "
-    "CPU run: no CUDA, so (a) runs without delays, (b) is skipped and (c) only checks the times are positive)",
+    "CPU run: no CUDA, so (a) runs without delays, (b) sees no syncs and (c) only checks the times are positive); "
+    "every run started in time (none skipped for the limit)",
     "quickstart_bf16": "the launch (--mixed_precision bf16) exits 0, its metrics hold a finite train/loss for every "
     "logged step, the last loss is below the first, and they hold the CUDA allocator's figures (the run was on "
     "the GPU) (tiny CPU run: 3 steps of a tiny corpus on the CPU, precision no, losses finite only)",
@@ -80,6 +86,16 @@ PAPER_TABLE3 = {
     2048: {"output vocab-1": (91.3, 84.2, 80.6), "output vocab-2": (86.7, 79.8, 75.9), "input": (40.0, 28.9, 15.2)},
     4096: {"output vocab-1": (93.2, 88.0, 85.2), "output vocab-2": (88.4, 83.4, 79.7), "input": (27.7, 15.5, 8.4)},
 }
+
+
+STREAMS_RESERVE_S = 25  # streams_1gpu starts no new model with less of its limit left: (c) and the JSON still fit
+
+
+def _time_left():
+    """Seconds left of this part's limit (GPU_CHECK_LIMIT_S, set by gpu_check.sh; none: unlimited), as a
+    function of no arguments."""
+    limit = float(os.environ.get("GPU_CHECK_LIMIT_S") or "inf")
+    return lambda: limit - (time.monotonic() - _STARTED)
 
 
 def _device():
@@ -438,9 +454,111 @@ def _mask_batches(g, batch: int, seq: int, vocab: int) -> dict:
     return {"plain": (ids, ids, None, None), "packed": (ids, ids, None, packed), "padded": (ids, ids, padded, None)}
 
 
+SYNC_WARNING = "synchronizing CUDA operation"  # torch's sync-debug warning text (c10/cuda warn_or_error_on_sync)
+SYNC_SITES_KEPT = 40  # distinct sync sites in the JSON, in order of first appearance (the count covers all)
+
+
+def _package_roots() -> dict:
+    """The folders of the packages a blocking call is attributed to: HF's code, then ours."""
+    import transformers
+
+    import vp_accelerate
+
+    return {"transformers": Path(transformers.__file__).parent, "vp_accelerate": Path(vp_accelerate.__file__).parent}
+
+
+def sync_site(stack, roots: dict) -> dict:
+    """Where a blocking call sits in `stack` (traceback.extract_stack(), outermost frame first): for each
+    package in `roots` (name -> its folder) the innermost frame inside it, as "name/path.py:line in function"
+    (for transformers: the HF line that blocks; for vp_accelerate: our line that led there), or None."""
+    site = {}
+    for name, root in roots.items():
+        site[name] = None
+        for frame in reversed(stack):
+            try:
+                rel = Path(frame.filename).resolve().relative_to(Path(root).resolve())
+            except ValueError:
+                continue
+            site[name] = f"{name}/{rel.as_posix()}:{frame.lineno} in {frame.name}"
+            break
+    return site
+
+
+def record_syncs(sites: list, roots: dict | None = None):
+    """A context: torch.cuda.set_sync_debug_mode("warn") (on CUDA), and each sync warning, from any thread,
+    appended to `sites` as sync_site() of the stack that raised it instead of being printed. A sync then
+    names its place and the step runs on ("error" would stop the step at the first one)."""
+    import contextlib
+    import traceback
+    import warnings
+
+    import torch
+
+    @contextlib.contextmanager
+    def recording():
+        where = roots if roots is not None else _package_roots()
+        with warnings.catch_warnings():  # restores showwarning and the filters on exit
+            warnings.simplefilter("always")  # every sync, not once per line
+            shown = warnings.showwarning
+
+            def hook(message, category, filename, lineno, file=None, line=None):
+                if SYNC_WARNING in str(message):
+                    sites.append(sync_site(traceback.extract_stack()[:-1], where))
+                else:
+                    shown(message, category, filename, lineno, file, line)
+
+            warnings.showwarning = hook
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+
+    return recording()
+
+
+def summarize_syncs(found: list[tuple[str, dict]]) -> dict:
+    """(run, site) pairs -> the figures: how many, the first one (its transformers and vp_accelerate
+    frames), and each distinct site with its count and the first run it showed in."""
+    distinct: dict = {}
+    for run, site in found:
+        key = (site["transformers"], site["vp_accelerate"])
+        if key not in distinct:
+            distinct[key] = {**site, "count": 0, "first_run": run}
+        distinct[key]["count"] += 1
+    first = {"run": found[0][0], **found[0][1]} if found else None
+    in_hf = next(({"run": r, **s} for r, s in found if s["transformers"]), None)
+    sites = list(distinct.values())[:SYNC_SITES_KEPT]
+    return {"syncs": len(found), "first": first, "first_in_transformers": in_hf, "sites": sites}
+
+
+def _syncs_line(syncs: dict) -> str:
+    if not syncs["syncs"]:
+        return f"{syncs['checked_steps']} steps, no host sync"
+    hf = syncs["first_in_transformers"]
+    first = hf or syncs["first"]
+    return f"{syncs['syncs']} host syncs in {syncs['checked_steps']} steps at {len(syncs['sites'])} sites, first " + (
+        f"in HF at {hf['transformers']} (from {hf['vp_accelerate']})" if hf else f"at {first['vp_accelerate']}"
+    )
+
+
+# part (b)'s mixed-precision runs: the fp64 runs of (a) cover every schedule x method, these add the casts
+# and the loss scaler (split backward + vocab-1, two chunks + baseline, and fp16's found-inf)
+SYNC_MIXED = (("vhalf", "vocab-1", "bf16"), ("interleaved", "baseline", "bf16"), ("1f1b", "vocab-2", "fp16"))
+
+
 def part_streams_1gpu(tiny: bool, out: Path) -> dict:
-    """(a) stream races by injected delays, (b) host syncs under sync debug mode 'error', (c) step time by
-    CUDA events: CHECKS / CRITERIA["streams_1gpu"]."""
+    """(a) stream races by injected delays, (b) host syncs under sync debug mode 'warn', each named by its
+    frames, (c) step time by CUDA events: CHECKS / CRITERIA["streams_1gpu"].
+
+    Budget (100 s limit; 13 models, was 20): start, CUDA and NCCL ~15 s; (a)+(b) one float64 model per
+    schedule x method (9), 3 batches x 2 steps each, the delayed step also the sync-debug step, ~30 s;
+    (b) 3 mixed-precision models x 3 batches x 2 steps ~8 s; (c) one h2048 model, 5 steps ~10 s: ~65 s.
+    Past STREAMS_RESERVE_S before the limit the remaining runs are skipped and named, so the figures so
+    far come back."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -453,73 +571,107 @@ def part_streams_1gpu(tiny: bool, out: Path) -> dict:
     dev = _device()
     cuda = dev.type == "cuda"
     problems: list[str] = []
+    left = _time_left()
     torch.manual_seed(0)
     small = out / "streams_model"
     AutoModelForCausalLM.from_config(_llama(1000, 64 if tiny else 128, 4)).save_pretrained(small)
     g = torch.Generator().manual_seed(5)
     batches = _mask_batches(g, 4, 32 if tiny else 96, 1000)
+    kinds = ("plain",) if tiny else ("plain", "packed", "padded")  # tiny: the plumbing, on the CPU
+    found: list[tuple[str, dict]] = []  # (run, sync site) of every host sync seen
+    checked, skipped = 0, []
+    real_finish, real_unscale = pipeline.finish_loss, precision.unscale_and_check
 
-    # (a) the same step with and without delays, float64: only a race changes a bit beyond rounding
+    def allowed(fn):  # the loss read and fp16's found-inf flag are the step's allowed syncs
+        def run(*a, **k):
+            if not cuda:
+                return fn(*a, **k)
+            mode = torch.cuda.get_sync_debug_mode()  # "warn" in a checked step, off in the others
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+
+        return run
+
+    def checked_step(pipe, run, batch):
+        """One step under sync debug mode 'warn': its syncs recorded with their place, none raised."""
+        nonlocal checked
+        sites: list = []
+        if cuda:
+            torch.cuda.synchronize()
+        with record_syncs(sites):
+            res = pipe.train_step(*batch)
+        found.extend((run, s) for s in sites)
+        checked += 1
+        return res
+
+    def figures_so_far(last: str) -> dict:
+        """This part's JSON as it stands, written after each model so a kill by the limit leaves it."""
+        fig = {
+            "status": "fail",
+            "why": f"stopped part-way (its time limit, a hang or a crash; see its log) after {last}",
+            "device": str(dev),
+            "races": races,
+            "worst_race_error": max((r["rel_error"] for r in races), default=float("nan")),  # nan: none ran
+            "delays_injected": cuda,
+            "sync_debug": {"mode": "warn" if cuda else "off (no CUDA)", "checked_steps": checked}
+            | summarize_syncs(found),
+            "step_time": [],
+        }
+        if last:
+            write_result(out, "streams_1gpu", tiny, fig)
+        return fig
+
+    # (a) + (b): per schedule x method one float64 model; per batch kind a step without delays (also the
+    # warm-up: first-use allocations, library handles), then the same step with the delays under sync
+    # debug mode: only a race changes a bit beyond rounding, and no sync is left unnamed
     races = []
-    for schedule, method in supported_pairs():
-        cfg = PipelineConfig(schedule=schedule, method=method, microbatches=4)
-        pipe = PipelineModel(str(small), cfg, dtype=torch.float64, device=dev)
-        for name in ("plain",) if tiny else ("plain", "packed"):  # tiny: the plumbing, on the CPU
-            res = pipe.train_step(*batches[name])
-            ref = {n: p.grad.detach().clone() for n, p in pipe.named_parameters()}
-            pipe.zero_grad()
-            with _stream_delays(SLEEP_CYCLES):
-                res2 = pipe.train_step(*batches[name])
-            err = max(
-                float((p.grad.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
-                for n, p in pipe.named_parameters()
-            )
-            err = max(err, abs(res2.loss - res.loss) / abs(res.loss))
-            pipe.zero_grad()
-            races.append({"schedule": schedule, "method": method, "batch": name, "rel_error": err})
-            if not err <= TOLERANCE["race"]:
-                problems.append(f"race: {schedule}/{method} {name} moved by {err:.1e} with the delays")
-        pipe.close()
-
-    # (b) one step per pair and batch kind under sync debug mode "error" (after one warm-up step each)
-    syncs = {"checked_steps": 0, "errors": []}
-    if cuda:
-        real_finish, real_unscale = pipeline.finish_loss, precision.unscale_and_check
-
-        def allowed(fn):  # the loss read and fp16's found-inf flag are the step's allowed syncs
-            def run(*a, **k):
-                torch.cuda.set_sync_debug_mode(0)
-                try:
-                    return fn(*a, **k)
-                finally:
-                    torch.cuda.set_sync_debug_mode("error")
-
-            return run
-
-        pipeline.finish_loss, precision.unscale_and_check = allowed(real_finish), allowed(real_unscale)
-        try:
-            runs = [(s_, m_, "bf16") for s_, m_ in supported_pairs()] + [("1f1b", "vocab-2", "fp16")]
-            for schedule, method, mp in runs:
-                cfg = PipelineConfig(schedule=schedule, method=method, microbatches=4, mixed_precision=mp)
-                pipe = PipelineModel(str(small), cfg, device=dev)
-                for name, batch in batches.items():
-                    pipe.train_step(*batch)  # warm-up: first-use allocations and library handles
-                    pipe.zero_grad()
-                    torch.cuda.synchronize()
-                    torch.cuda.set_sync_debug_mode("error")
-                    try:
-                        pipe.train_step(*batch)
-                        syncs["checked_steps"] += 1
-                    except RuntimeError as e:
-                        syncs["errors"].append(f"{schedule}/{method} {mp} {name}: {str(e).splitlines()[0][:200]}")
-                    finally:
-                        torch.cuda.set_sync_debug_mode(0)
-                    pipe.zero_grad()
-                pipe.close()
-        finally:
-            pipeline.finish_loss, precision.unscale_and_check = real_finish, real_unscale
-        problems += [f"host sync: {e}" for e in syncs["errors"]]
-
+    pipeline.finish_loss, precision.unscale_and_check = allowed(real_finish), allowed(real_unscale)
+    try:
+        for schedule, method in supported_pairs():
+            if left() < STREAMS_RESERVE_S:
+                skipped.append(f"{schedule}/{method} float64")
+                continue
+            cfg = PipelineConfig(schedule=schedule, method=method, microbatches=4)
+            pipe = PipelineModel(str(small), cfg, dtype=torch.float64, device=dev)
+            for name in kinds:
+                res = pipe.train_step(*batches[name])
+                ref = {n: p.grad.detach().clone() for n, p in pipe.named_parameters()}
+                pipe.zero_grad()
+                with _stream_delays(SLEEP_CYCLES):
+                    res2 = checked_step(pipe, f"{schedule}/{method} float64 {name}", batches[name])
+                err = max(
+                    float((p.grad.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+                    for n, p in pipe.named_parameters()
+                )
+                err = max(err, abs(res2.loss - res.loss) / abs(res.loss))
+                pipe.zero_grad()
+                races.append({"schedule": schedule, "method": method, "batch": name, "rel_error": err})
+                if not err <= TOLERANCE["race"]:
+                    problems.append(f"race: {schedule}/{method} {name} moved by {err:.1e} with the delays")
+            pipe.close()
+            figures_so_far(f"{schedule}/{method} float64")
+        # (b) the mixed-precision paths, after a warm-up step per batch kind
+        for schedule, method, mp in SYNC_MIXED if cuda else ():
+            if left() < STREAMS_RESERVE_S:
+                skipped.append(f"{schedule}/{method} {mp}")
+                continue
+            cfg = PipelineConfig(schedule=schedule, method=method, microbatches=4, mixed_precision=mp)
+            pipe = PipelineModel(str(small), cfg, device=dev)
+            for name in kinds:
+                pipe.train_step(*batches[name])
+                pipe.zero_grad()
+                checked_step(pipe, f"{schedule}/{method} {mp} {name}", batches[name])
+                pipe.zero_grad()
+            pipe.close()
+            figures_so_far(f"{schedule}/{method} {mp}")
+    finally:
+        pipeline.finish_loss, precision.unscale_and_check = real_finish, real_unscale
+    syncs = figures_so_far("")["sync_debug"]
+    if skipped:
+        problems.append(f"out of time, not run: {', '.join(skipped)}")
     # (c) reported step time beside CUDA events around train_step, on a model big enough to be GPU-bound
     hidden, seq, vocab = (64, 32, 1000) if tiny else (2048, 1024, 32000)
     big = _llama(vocab, hidden, 4, heads=4 if tiny else 16)  # seeded init from the config: nothing on disk
@@ -559,9 +711,9 @@ def part_streams_1gpu(tiny: bool, out: Path) -> dict:
         **({"why": "; ".join(problems)[:1500]} if problems else {}),
         "device": str(dev),
         "races": races,
-        "worst_race_error": max(r["rel_error"] for r in races),
+        "worst_race_error": max((r["rel_error"] for r in races), default=float("nan")),  # nan: none ran
         "delays_injected": cuda,
-        "sync_debug": syncs if cuda else "skipped (no CUDA)",
+        "sync_debug": syncs,
         "step_time": timing,
     }
 
@@ -722,7 +874,7 @@ def _one_line(part: str, r: dict) -> str:
     if part == "streams_1gpu":
         ratios = ", ".join(f"{t['ratio']:.2f}" for t in r["step_time"])
         syncs = r["sync_debug"]
-        checked = f"{syncs['checked_steps']} steps clean" if isinstance(syncs, dict) else syncs
+        checked = _syncs_line(syncs) if syncs["mode"] == "warn" else f"off (no CUDA), {syncs['checked_steps']} steps"
         return (
             f"races: {len(r['races'])} steps, worst {r['worst_race_error']:.1e} (delays "
             f"{'on' if r['delays_injected'] else 'off: no CUDA'}); sync debug: {checked}; reported / event step "
@@ -736,6 +888,23 @@ def _one_line(part: str, r: dict) -> str:
             f"{r['last_loss']:.3f}" + (f"; {r['why']}" if r.get("why") else "")
         )
     return ""
+
+
+def write_result(out: Path, part: str, tiny: bool, result: dict, seconds: float | None = None) -> None:
+    """<part>.json: the result with what the summary reads beside it (checks, criterion, `seconds` (default:
+    since the process started), size, device). Also written part-way (status fail) so a part killed by its limit or
+    a hang leaves the figures it had."""
+    import torch
+
+    result.update(
+        part=part,
+        checks=CHECKS[part],
+        criterion=CRITERIA[part],
+        seconds=round(time.monotonic() - _STARTED if seconds is None else seconds, 1),
+        tiny=tiny,
+        device_name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
+    )
+    (out / f"{part}.json").write_text(json.dumps(result, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -753,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r["status"] == "pass" for r in results.values()) else 1
     if not args.part:
         ap.error("give --part or --summarize")
-    import torch
+    import torch  # noqa: F401 - imported before t0: the seconds leave out its import, as before
 
     t0 = time.perf_counter()
     try:
@@ -762,15 +931,7 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         result = {"status": "fail", "why": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    result.update(
-        part=args.part,
-        checks=CHECKS[args.part],
-        criterion=CRITERIA[args.part],
-        seconds=round(time.perf_counter() - t0, 1),
-        tiny=args.tiny,
-        device_name=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
-    )
-    (out / f"{args.part}.json").write_text(json.dumps(result, indent=1))
+    write_result(out, args.part, args.tiny, result, time.perf_counter() - t0)
     print(f"{args.part}: {result['status']} ({result['seconds']} s)", flush=True)
     return 0 if result["status"] != "fail" else 1
 

@@ -27,8 +27,17 @@ fi
 echo "gpu_check: $(command -v "$PY" || echo "$PY")"
 mkdir -p "$OUT"
 export PYTHONPATH="$HERE/..${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# seconds per part: 45 + 60 + 60 + 180 + 90 + 120 = 555 s, plus 5 s grace each: < 10 minutes with the summary
-LIMITS=(vocab_ws1:45 schedules_ws1:60 bf16_ws1:60 output_layer_1gpu:180 streams_1gpu:90 quickstart_bf16:120)
+# Seconds per part (limit; what it is expected to take on one H200, each part a fresh process: Python,
+# torch, transformers and CUDA ~10-15 s):
+#   vocab_ws1          45  (~20: the selftest at V=8000, float64 reference on the CPU; first part: cold caches)
+#   schedules_ws1      60  (~35: 9 float64 models, one step each, V=32000)
+#   bf16_ws1           50  (~30: 2 x 50 steps of a 4-layer h256 model)
+#   output_layer_1gpu 120  (~60: 9 configurations, each its own process of ~6 s, 6 repetitions each)
+#   streams_1gpu      100  (~65: 13 models, 72 steps, the h2048 step-time model; it stops starting models
+#                          25 s before its limit and names what it skipped, so its figures come back)
+#   quickstart_bf16    75  (~45: corpus, tokenizer, then a launch of 40 steps of a 4-layer h128 model)
+# 450 s, plus 5 s grace each: 480 s = 8 minutes, with the summary within a 10-minute lease.
+LIMITS=(vocab_ws1:45 schedules_ws1:60 bf16_ws1:50 output_layer_1gpu:120 streams_1gpu:100 quickstart_bf16:75)
 KNOWN=" ${LIMITS[*]%%:*} "
 for part in "$@"; do
   if [ "${KNOWN/ $part /}" = "$KNOWN" ]; then echo "gpu_check: unknown part '$part'; parts:$KNOWN" >&2; exit 2; fi
@@ -38,7 +47,7 @@ for spec in "${LIMITS[@]}"; do rm -f "$OUT/${spec%%:*}.json"; done  # the summar
 for spec in "${LIMITS[@]}"; do
   part=${spec%%:*}; limit=${spec##*:}
   if [ $# -gt 0 ] && [ "${WANT/ $part /}" = "$WANT" ]; then continue; fi
-  timeout --kill-after=5 "$limit" "$PY" "$HERE/gpu_check.py" --part "$part" --out "$OUT" "${EXTRA[@]}" \
+  GPU_CHECK_LIMIT_S=$limit timeout --kill-after=5 "$limit" "$PY" "$HERE/gpu_check.py" --part "$part" --out "$OUT" "${EXTRA[@]}" \
     >"$OUT/$part.log" 2>&1
   rc=$?
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "$part: stopped after its $limit s limit" >>"$OUT/$part.log"; fi

@@ -85,7 +85,9 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     assert set(results) == set(PARTS) and all(r["status"] == "pass" and r["tiny"] for r in ran.values()), results
     assert results["quickstart_bf16"]["status"] == "not run"
     streams = results["streams_1gpu"]
-    assert len(streams["races"]) == len(supported_pairs()) and streams["sync_debug"] == "skipped (no CUDA)"
+    assert len(streams["races"]) == len(supported_pairs())
+    assert streams["sync_debug"]["mode"] == "off (no CUDA)" and streams["sync_debug"]["syncs"] == 0
+    assert streams["sync_debug"]["checked_steps"] == len(supported_pairs())
     assert len(streams["step_time"]) == 3
     assert all(r["criterion"] and r["checks"] for r in ran.values())
     schedules = results["schedules_ws1"]
@@ -94,6 +96,59 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "Tiny sizes on the CPU" in summary and "| quickstart_bf16 | not run |" in summary
     assert f"| schedules_ws1 | pass | {len(supported_pairs())} schedule x method on gloo at world size 1" in summary
+
+
+def _streams_without_time(out: str) -> int:
+    os.environ.update(CUDA_VISIBLE_DEVICES="", GPU_CHECK_LIMIT_S="0")  # as gpu_check.sh sets it, all spent
+    return _module().main(["--part", "streams_1gpu", "--out", out, "--tiny"])
+
+
+def test_the_streams_part_out_of_time_skips_its_runs_and_still_reports(tmp_path):
+    """With no time left of its limit the streams part starts no schedule x method model (it used to start
+    all of them and be killed by its limit with no JSON), names what it skipped, still measures the step
+    time, and writes its figures."""
+    assert spawn(_streams_without_time, 1, str(tmp_path), timeout_s=300)[0] == 1
+    result = json.loads((tmp_path / "streams_1gpu.json").read_text())
+    assert result["status"] == "fail" and result["races"] == [] and len(result["step_time"]) == 3, result
+    assert result["why"].startswith("out of time, not run: 1f1b/baseline float64, "), result["why"]
+    assert result["sync_debug"]["checked_steps"] == 0
+    assert "races: 0 steps" in _module()._one_line("streams_1gpu", result)
+
+
+def _streams_killed_after_one_model(out: str) -> None:
+    """The streams part as a kill by its limit leaves it: stopped while its second model closes."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    gc = _module()
+    from vp_accelerate.runtime import pipeline
+
+    class Killed(BaseException):  # not an Exception: main() does not turn it into a result
+        pass
+
+    real_close, calls = pipeline.PipelineModel.close, []
+
+    def close(self):
+        real_close(self)
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+
+    pipeline.PipelineModel.close = close
+    try:
+        gc.main(["--part", "streams_1gpu", "--out", out, "--tiny"])
+    except Killed:
+        pass
+
+
+def test_a_streams_part_killed_part_way_leaves_its_figures(tmp_path):
+    """Killed after its second model (a time limit, a hang, a crash), the streams part has left a JSON with
+    the races of the models it ran and why it is incomplete (it used to leave nothing), and the summary
+    reads it."""
+    spawn(_streams_killed_after_one_model, 1, str(tmp_path), timeout_s=300)
+    result = json.loads((tmp_path / "streams_1gpu.json").read_text())
+    assert result["status"] == "fail" and len(result["races"]) == 1, result
+    assert result["why"].startswith("stopped part-way") and result["why"].endswith("after 1f1b/baseline float64")
+    _, text = _module().summarize(tmp_path)
+    assert "| streams_1gpu | fail | races: 1 steps" in text
 
 
 def test_the_output_layer_part_fails_when_its_numbers_are_off():
@@ -129,6 +184,57 @@ def test_the_output_layer_part_fails_when_its_numbers_are_off():
     assert gc.judge_output_layer(rows(drop=("vocab-2", 4)), size, tiny=True) == ["vocab-2 p=4 not measured"]
     assert gc.judge_output_layer(rows(eff=0.4), size, tiny=True) == []  # tiny CPU timings are noise: not judged
     assert gc.judge_output_layer(rows()[1:], size, tiny=False) == ["the full-vocabulary reference was not measured"]
+
+
+def test_a_sync_is_named_by_its_frames_in_hf_and_in_our_code(tmp_path):
+    """The sync-debug part's attribution (it used to stop the step at the first sync, with no place named):
+    the innermost frame in each package's folder, None where the stack never enters it; a sync warning
+    raised under record_syncs is recorded with the stack that raised it, not printed, and other warnings
+    still show; summarize_syncs reports the first sync and the first one in HF code."""
+    import traceback
+
+    gc = _module()
+    hf, ours = tmp_path / "site-packages" / "transformers", tmp_path / "vp_accelerate"
+    stack = traceback.StackSummary.from_list(
+        [
+            (str(ours / "runtime" / "pipeline.py"), 230, "train_step", ""),
+            (str(ours / "models" / "chunk.py"), 88, "forward", ""),
+            (str(hf / "models" / "llama" / "modeling_llama.py"), 400, "forward", ""),
+            (str(hf / "masking_utils.py"), 120, "sdpa_mask", ""),
+            (str(tmp_path / "torch" / "functional.py"), 9, "any", ""),
+        ]
+    )
+    roots = {"transformers": hf, "vp_accelerate": ours}
+    assert gc.sync_site(stack, roots) == {
+        "transformers": "transformers/masking_utils.py:120 in sdpa_mask",
+        "vp_accelerate": "vp_accelerate/models/chunk.py:88 in forward",
+    }
+    assert gc.sync_site(stack[:2], roots) == {
+        "transformers": None,
+        "vp_accelerate": "vp_accelerate/models/chunk.py:88 in forward",
+    }
+
+    def blocking_call():
+        import warnings
+
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+
+    sites = []
+    here = {"tests": Path(__file__).parent}
+    with pytest.warns(UserWarning, match="something else"):
+        with gc.record_syncs(sites, here):
+            blocking_call()
+            blocking_call()
+    line = blocking_call.__code__.co_firstlineno + 3
+    assert sites == [{"tests": f"tests/test_gpu_check.py:{line} in blocking_call"}] * 2
+    found = [("1f1b/baseline plain", {"transformers": None, "vp_accelerate": "a.py:1 in f"})]
+    found += [("vhalf/vocab-1 padded", gc.sync_site(stack, roots))] * 2
+    figures = gc.summarize_syncs(found)
+    assert figures["syncs"] == 3 and figures["first"]["run"] == "1f1b/baseline plain"
+    assert figures["first_in_transformers"]["transformers"] == "transformers/masking_utils.py:120 in sdpa_mask"
+    assert [s["count"] for s in figures["sites"]] == [1, 2]
+    assert "first in HF at transformers/masking_utils.py:120" in gc._syncs_line({"checked_steps": 4, **figures})
 
 
 def test_summary_names_what_did_not_run_and_quotes_table_3(tmp_path):
