@@ -184,6 +184,7 @@ def test_a_stop_signal_saves_the_step_and_exits_75_on_every_rank(setup, during, 
     assert trained == list(range(1, 5)), trained  # each step once: none lost, none repeated
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_launched_job_saves_and_exits_75(setup):
     """SLURM's preemption as it happens: SIGTERM to every process of a real `vp-accelerate launch` job (the
     launcher and its ranks) while it trains: the ranks finish their step and save, the launcher exits 75."""

@@ -79,6 +79,7 @@ LATE_PEER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~13 s idle: a peer 8 s late
 def test_a_chain_waiting_on_a_late_peer_at_exit_ends_before_the_interpreter(tmp_path):
     """A rank whose communication worker is still inside a collective when its script ends (its peer is 8 s
     late) waits for that chain, then exits 0. Before, the exit waited 5 s and left the thread in the gloo

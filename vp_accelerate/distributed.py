@@ -225,7 +225,9 @@ def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> li
             # already on their way, so each failing rank is named with its own error. A failure to join (fn
             # never ran) waits longer for the others: on a loaded machine the rank whose port was taken may
             # report after its peer's "connection closed", and only its report says to retry on another port.
-            joining = any(str(v).startswith(_JOINING) for v in errors.values())
+            joining = any(str(v).startswith(_JOINING) for v in errors.values()) and not any(
+                _PORT_TAKEN.search(str(v)) for v in errors.values()
+            )  # a taken port already said: nothing to wait for
             until = time.monotonic() + (10.0 if joining else 1.0)
             while len(outs) + len(errors) < world_size and time.monotonic() < until:
                 try:
