@@ -184,16 +184,31 @@ def test_long_pairs_are_cut_keep_start_as_the_collator_and_prompt_filling_ones_c
             assert data.train.labels[row, 1:length].tolist() == labels.tolist()
 
 
-def test_empty_chosen_names_its_field_and_identical_pairs_are_warned_with_their_line(tok, tmp_path, caplog):
+def test_empty_chosen_names_its_field_and_identical_pairs_are_warned_with_their_line(tok, tmp_path, monkeypatch):
     with pytest.raises(formats.FormatError, match="'chosen' is empty"):
         _ours_pair(tok, {"prompt": "Answer: ", "chosen": "", "rejected": "2. world"})
     rows = [{"prompt": p, "chosen": c, "rejected": "delta hello"} for p in PROMPTS for c in COMPLETIONS]
     rows[5]["rejected"] = rows[5]["chosen"]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with caplog.at_level("WARNING"):
+    # the data warnings' own logger, heard directly: another module's test in this worker may have changed the
+    # root logger's handlers or this logger's level, and only rank 0 warns
+    import logging
+
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("vp_accelerate.train")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    monkeypatch.setattr(logger, "disabled", False)  # a dictConfig elsewhere disables existing loggers
+    logger.addHandler(handler)
+    try:
         data = prepare_data(
             DataSection(files=[str(path)], format="preference", seq_len=32, eval_holdout=0), tok, len(tok)
         )
+    finally:
+        logger.removeHandler(handler)
     assert data.stats["train"].same == 1 and data.stats["train"].same_examples == [f"{path}, line 6"]
-    assert "chosen == rejected" in caplog.text and "line 6" in caplog.text
+    text = "\n".join(said)
+    assert "chosen == rejected" in text and "line 6" in text
