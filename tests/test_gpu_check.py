@@ -48,6 +48,7 @@ def _other_parts(out: str, parts=QUICK[1:]) -> list[int]:
     return [gc.main(["--part", p, "--out", out, "--tiny"]) for p in parts] + [gc.main(["--summarize", "--out", out])]
 
 
+@pytest.mark.slow  # ~19 s: every part's CPU path; the parts' own tests stay in the suite
 def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     """A copy of the scripts outside the repository (no .venv next to it) and a PATH whose only Python is
     `python3`: the script picks it and runs its first part in its own process under its time limit, and

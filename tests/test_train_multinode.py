@@ -145,6 +145,7 @@ def _ranks_in(log: str) -> set[int]:
     return {int(r) for r in re.findall(r"^\[[\d:]+ rank (\d+)\]", log, re.M)}
 
 
+@pytest.mark.slow  # ~35 s: two real launchers; the rank layout and SLURM script checks stay in the suite
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
 def test_two_machines_on_loopback_train_like_one_machine(tiny_recipe):
     """`--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1`, 2 processes each: machine 0 runs
