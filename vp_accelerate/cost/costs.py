@@ -230,6 +230,55 @@ class CostModel:
                 b += s.hidden_bytes()  # X (the HF count has it in the final norm's)
         return b
 
+    def input_bytes(self) -> float:
+        """VP: the embedding output of one microbatch, [N, h] in the parameters' fp32 (the IF partials are
+        sums of one shard's rows): the first stage's rank holds it from its IF reduce (up to
+        `list_schedule.IF_AHEAD` ahead of F) through F, where it is the chunk's input, to B, which takes its
+        gradient for IB. Other ranks hold their partial only while its reduce runs (`transient_bytes`)."""
+        return self.shape.tokens * self.shape.hidden * self.shape.stat_bytes if self.vocab_parallel else 0.0
+
+    def transient_bytes(self, op: str, chunk: int) -> float:
+        """What a pass allocates and frees within itself, above what its rank holds when it starts; the
+        planner's peak is the larger of what is held between passes and that plus this during one.
+
+        B: under mixed precision every trainable weight's 16-bit gradient of the chunk until the backward
+        ends: the step shares one autocast cast of each weight among its microbatches (runtime/precision.py
+        `step_weight_casts`), and autograd runs that cast's backward (the conversion into the fp32 .grad) by
+        node age, so after the first microbatch it runs last, when every layer's 16-bit weight gradient
+        exists; plus, when layers recompute, one layer's activations rebuilt (split backward: the weight
+        gradients wait for W instead). F: a recomputing layer's activations before it drops them. S (VP):
+        the baseline's last chunk: the cross-entropy's backward makes [N, V] gradients (fp32 of the
+        log-probabilities, 16-bit of the logits). S (VP): the shard's logits once more in fp32 beside the ones S keeps (recompute mode: twice, none kept).
+        T (VP): the logits' 16-bit gradient, the shard weight's 16-bit gradient and its fp32 copy (recompute
+        mode: and the logits again). IF (VP): the partial embedding until its reduce ran."""
+        s = self.shape
+        ckpt = self.checkpointed_layers(chunk) if chunk is not None else 0
+        layer = s.layer_activation_bytes() if ckpt else 0.0
+        if op == "F":
+            return layer
+        if op == "B":
+            pending = 0.0
+            if s.dtype_bytes < self.grad_bytes and not self.split_backward:
+                pending = s.dtype_bytes * self.chunk_layers[chunk] * s.layer_params()
+            if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
+                # the loss's backward: the fp32 gradient of the log-probabilities, then of the 16-bit logits (the
+                # saved log-probabilities go as their backward runs)
+                pending += s.tokens * s.vocab * (s.stat_bytes + s.dtype_bytes)
+            return pending + layer
+        if not self.vocab_parallel:
+            return 0.0
+        keeps = modes.memory_mode(self.output_memory).keeps_logits
+        logits = s.tokens * self.shard_rows * s.stat_bytes
+        if op == "S":
+            cast = s.tokens * self.shard_rows * s.dtype_bytes if self.spec.barriers == 1 and s.dtype_bytes < 4 else 0
+            return logits * (1 if keeps else 2) + cast  # vocab-2 (∂X in S): the 16-bit softmax that ∂X's matmul reads
+        if op == "T":
+            grads = s.tokens * self.shard_rows * s.dtype_bytes + self.shard_rows * s.hidden * (s.dtype_bytes + 4)
+            return grads + (0.0 if keeps else logits)
+        if op == "IF":
+            return self.input_bytes()
+        return 0.0
+
     def stash_bytes(self) -> float:
         """VP: what one microbatch keeps on every rank from S to T: the shard's softmax p_i (at least fp32),
         X (fp32 under mixed precision: the parameters' dtype), and for vocab-1 the local input gradient until C2."""
@@ -260,6 +309,28 @@ class CostModel:
         if rank == self.chunk_rank[-1] and not (s.tied and self.chunk_rank[0] == rank):
             n += s.vocab * s.hidden
         return n
+
+    def grad_arrivals(self, rank: int) -> dict[tuple[str, int], float]:
+        """(pass, chunk) -> the gradient bytes that pass allocates the first time it runs in a step: the
+        runtime frees every gradient after the optimizer step (`PipelineModel.zero_grad` sets them to None),
+        so a chunk's appear at its first B (W when the backward is split), VP's vocabulary shards at the
+        first T, the baseline's embedding and head with the B of their chunk. The values sum to the rank's
+        `rank_params` x `grad_bytes`."""
+        s, g = self.shape, self.grad_bytes
+        out: dict[tuple[str, int], float] = {}
+        weight_op = "W" if self.split_backward else "B"
+        for c, r in enumerate(self.chunk_rank):
+            if r == rank:
+                out[weight_op, c] = out.get((weight_op, c), 0.0) + self.chunk_layers[c] * s.layer_params() * g
+        if self.vocab_parallel:
+            out["T", 0] = (1 if s.tied else 2) * self.shard_rows * s.hidden * g
+            return out
+        first, last = 0, len(self.chunk_rank) - 1
+        if rank == self.chunk_rank[first]:
+            out[weight_op, first] = out.get((weight_op, first), 0.0) + s.vocab * s.hidden * g
+        if rank == self.chunk_rank[last] and not (s.tied and self.chunk_rank[first] == rank):
+            out[weight_op, last] = out.get((weight_op, last), 0.0) + s.vocab * s.hidden * g
+        return out
 
     def static_bytes(self, rank: int) -> float:
         """Parameters + gradients + optimizer state of `rank` in bytes (under mixed precision: the step's

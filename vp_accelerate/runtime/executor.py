@@ -89,6 +89,8 @@ class Executor:
         # ids and labels were checked on the host before the step (PipelineModel._microbatches): the IF and
         # S passes skip the check, which on a GPU is a device->host sync per pass
         self.out_opts = replace(out_opts, check_inputs=False)
+        # forward-only steps (evaluation) never run T: S keeps no logits for it, whatever `memory` says
+        self.s_opts = replace(self.out_opts, memory="recompute") if schedule.forward_only else self.out_opts
         self.hidden_size = hidden_size
         self.param_dtype = param_dtype  # the parameters' (the last chunk's output, the loss)
         self.compute_dtype = compute_dtype  # mixed precision (runtime/precision.py); None = the parameters' dtype
@@ -192,6 +194,8 @@ class Executor:
                 begin = now
                 progress.waiting("")  # computing
             getattr(self, f"_do_{action.op.value}")(action)
+            if self.schedule.forward_only:
+                self._drop_finished_c1()
             if self.after_pass is not None:  # e.g. the data-parallel reduce of gradients this pass made final
                 self.after_pass(action)
             end = clock.mark()
@@ -510,7 +514,7 @@ class Executor:
                 weight,
                 self.partition,
                 self.groups.pp_rank,
-                self.out_opts,
+                self.s_opts,
                 bias=bias,
                 loss_fn=mb.loss_fn,
             )
@@ -559,6 +563,17 @@ class Executor:
         if kind is Op.C2:
             st.output_states.pop(mb, None)
         return True
+
+    def _drop_finished_c1(self) -> None:
+        """Forward-only steps: take the loss of every C1 that has finished and let go of its microbatch's
+        output-layer state (no T will read it); without this each state waits for the step's end, m of them at
+        once. Polls without waiting (a CUDA event query, or the worker's flag)."""
+        st = self.state
+        for kind, mb in [k for k, p in st.output_chains.items() if k[0] is Op.C1 and p.ready()]:
+            self._complete_chain(kind, mb)
+            st.output_states.pop(mb, None)
+            st.meter.release(("S", mb))
+            st.stashes.remove()
 
     def _do_T(self, a: Action) -> None:
         st = self.state

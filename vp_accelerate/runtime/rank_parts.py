@@ -52,6 +52,25 @@ class RankParts:
     """Split-backward schedules (V-Half): where B leaves the weight-gradient work W runs; else None."""
 
 
+def rank_schedules(hf_config, cfg: PipelineConfig, pp_size: int, device_type: str):
+    """(training schedule, evaluation schedule, layout) every rank of `cfg` runs on a `device_type` device
+    ("cuda" or "cpu": the pass costs the order is built from differ)."""
+
+    def schedules(costs=None) -> tuple[Schedule, Schedule]:
+        common = dict(chunks_per_rank=cfg.chunks_per_rank, costs=costs)
+        return (
+            build_schedule(cfg.schedule, cfg.method, pp_size, cfg.microbatches, **common),
+            build_schedule(cfg.schedule, cfg.method, pp_size, cfg.microbatches, forward_only=True, **common),
+        )
+
+    grid, _ = schedules()  # the unit-grid order: enough to place the layers
+    layout = plan_layout(hf_config, grid, cfg.layers_per_stage)
+    # each rank's order from the cost model's pass times (schedule/list_schedule.py); every rank computes
+    # the same order from the same inputs
+    costs = layout_costs(hf_config, grid, layout, cfg.activation_checkpointing, device=device_type)
+    return (*schedules(costs), layout)
+
+
 def build_rank_parts(
     source,
     cfg: PipelineConfig,
@@ -64,20 +83,7 @@ def build_rank_parts(
     """Schedules, layout, vocabulary shard and modules of this rank (`groups.pp_rank`) for `cfg`."""
     g = groups
     hf_config = resolve_config(source)
-
-    def schedules(costs=None) -> tuple[Schedule, Schedule]:
-        common = dict(chunks_per_rank=cfg.chunks_per_rank, costs=costs)
-        return (
-            build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches, **common),
-            build_schedule(cfg.schedule, cfg.method, g.pp_size, cfg.microbatches, forward_only=True, **common),
-        )
-
-    grid, _ = schedules()  # the unit-grid order: enough to place the layers
-    layout = plan_layout(hf_config, grid, cfg.layers_per_stage)
-    # each rank's order from the cost model's pass times (schedule/list_schedule.py); every rank computes
-    # the same order from the same inputs
-    costs = layout_costs(hf_config, grid, layout, cfg.activation_checkpointing, device=device.type)
-    schedule, eval_schedule = schedules(costs)
+    schedule, eval_schedule, layout = rank_schedules(hf_config, cfg, g.pp_size, device.type)
     vocab = schedule.method.vocab_parallel
     partition = VocabPartition(hf_config.vocab_size, g.pp_size, cfg.pad_multiple) if vocab else None
     mods = build_rank(

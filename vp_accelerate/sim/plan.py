@@ -332,7 +332,10 @@ def search(config, req: PlanRequest) -> Search:
     fit simulated and ranked by tokens/s, the others with their memory need."""
     if req.gpus_per_node is not None and req.gpus % req.gpus_per_node and req.gpus > req.gpus_per_node:
         raise ValueError(f"--gpus {req.gpus} is not a whole number of nodes of {req.gpus_per_node} GPUs")
-    base = shape_from_hf_config(config, seq=req.seq)
+    # activations as the runtime keeps them: HF's decoder layers under SDPA (the flash kernel on a GPU, but
+    # the module's own saved tensors: fp32 norm inputs, q / k / v, the MLP's four [N, ffn]), not the
+    # paper's fused-kernel count (34sbh), which is a third lower
+    base = shape_from_hf_config(config, seq=req.seq, attention="sdpa")
     cluster = req.cluster
     limit = req.memory_gb * 1e9
     plans: list[Plan] = []
@@ -426,6 +429,18 @@ def search(config, req: PlanRequest) -> Search:
         plans.append(_with_step(plan_, req, shape, step + after, bubble))
     plans.sort(key=_rank)
     return Search(_headroom_first(plans), considered, dominated, bounded)
+
+
+def schedule_memory(
+    config, schedule: Schedule, chunk_layers, seq: int, microbatch_size: int, ckpt: str, memory: str, zero: int, dp: int
+) -> list[float]:
+    """Per rank, the tensor bytes (no reserve) the planner's memory model gives `schedule` in the order it
+    is (e.g. the cost-aware order a GPU rank runs, which the dry run replays), rather than the block's grid
+    order the search screens with: what `vp-accelerate dryrun` compares its measured peaks with."""
+    shape = replace(shape_from_hf_config(config, seq=seq, attention="sdpa"), microbatch_size=microbatch_size)
+    model = for_schedule(shape, schedule, activation_checkpointing=ckpt, chunk_layers=tuple(chunk_layers))
+    model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
+    return order_peak_memory(schedule, model)
 
 
 def _with_reserve(model: CostModel, peaks: list[float], dp: int) -> list[float]:

@@ -40,11 +40,13 @@ class SimResult:
     peak_stash_microbatches: list[int]
     """Per rank, peak number of microbatches whose VP S->T state is held."""
     peak_activation_bytes: list[float]
-    """Per rank, peak bytes of activations + VP stash (needs a shape-based cost model; else 0)."""
+    """Per rank, peak bytes of activations + VP stash held between passes (needs a shape-based cost model;
+    else 0)."""
     static_bytes: list[float]
     """Per rank, parameter + gradient + optimizer bytes (shape-based cost model; else 0)."""
     peak_memory_bytes: list[float]
-    """static_bytes + peak_activation_bytes."""
+    """static_bytes + the peak of what is held plus what the pass running at that moment makes and frees
+    within itself (`CostModel.transient_bytes`): at least static_bytes + peak_activation_bytes."""
     mfu: float
     """Model FLOPs utilisation given the peak FLOP rate (0 without a shape-based model)."""
     timeline: list[TimedAction] = field(repr=False)
@@ -83,7 +85,7 @@ def _summarise(schedule: Schedule, costs, timeline: list[TimedAction], peak_flop
         if t.op in COMPUTE_OPS:
             busy[t.rank] += t.end - t.start
     model = costs if hasattr(costs, "activation_bytes") else getattr(costs, "model", None)
-    act_mb, stash_mb, act_bytes = _memory(schedule, timeline, model)
+    act_mb, stash_mb, act_bytes, all_bytes = _memory(schedule, timeline, model)
     static = [model.static_bytes(r) if model else 0.0 for r in range(p)]
     mfu = 0.0
     if model is not None:
@@ -97,7 +99,7 @@ def _summarise(schedule: Schedule, costs, timeline: list[TimedAction], peak_flop
         peak_stash_microbatches=stash_mb,
         peak_activation_bytes=act_bytes,
         static_bytes=static,
-        peak_memory_bytes=[s + a for s, a in zip(static, act_bytes)],
+        peak_memory_bytes=[s + a for s, a in zip(static, all_bytes)],
         mfu=mfu,
         timeline=timeline,
     )
@@ -113,8 +115,23 @@ def _memory(schedule: Schedule, timeline: list[TimedAction], model):
     layers = getattr(model, "chunk_layers", None) or (1,) * schedule.num_chunks
     for c, r in enumerate(schedule.chunk_rank):
         rank_layers[r] += layers[c]
+    emb = model.input_bytes() if model else 0.0
+    root = schedule.chunk_rank[0]
+    arrivals = [{} if model is None or schedule.forward_only else model.grad_arrivals(r) for r in range(p)]
+    grads_after = [-sum(a.values()) for a in arrivals]  # gradients are not held before their first pass
     for t in timeline:
         r = t.rank
+        if t.lane != "compute":
+            continue
+        arrived = arrivals[r].pop((t.op, t.chunk), 0.0)
+        if arrived:
+            events[r].append((t.start, 1, 0.0, 0, 0.0, arrived))
+        if model is not None and not schedule.forward_only and t.op in ("F", "B", "W", "S", "T", "IF"):
+            tr = model.transient_bytes(t.op, t.chunk)  # held during the pass alone (order_peak_memory's rule)
+            if t.op == "IF" and r == root:  # kept (a communication buffer, then chunk 0's input) until its B
+                events[r].append((t.start, 1, 0.0, 0, 0.0, emb))
+            elif tr:  # within the pass: in the peak of memory, not in the activations held between passes
+                events[r] += [(t.start, 1, 0.0, 0, 0.0, tr), (t.end, 0, 0.0, 0, 0.0, -tr)]
         if t.op == "F" and not schedule.forward_only:
             w = layers[t.chunk] / rank_layers[r] if rank_layers[r] else 0.0  # a stage may hold no layer (paper redis)
             b = model.activation_bytes(t.chunk) if model else 0.0
@@ -123,6 +140,8 @@ def _memory(schedule: Schedule, timeline: list[TimedAction], model):
             w = layers[t.chunk] / rank_layers[r] if rank_layers[r] else 0.0  # a stage may hold no layer (paper redis)
             b = model.activation_bytes(t.chunk) if model else 0.0
             events[r].append((t.end, 0, -w, 0, -b))
+            if t.chunk == 0 and r == root and emb and not schedule.forward_only:
+                events[r].append((t.end, 0, 0.0, 0, 0.0, -emb))
         elif t.op == "S":
             b = model.stash_bytes() if model else 0.0
             events[r].append((t.start, 1, 0.0, 1, b))
@@ -131,40 +150,65 @@ def _memory(schedule: Schedule, timeline: list[TimedAction], model):
         elif t.op == "T":
             b = model.stash_bytes() if model else 0.0
             events[r].append((t.end, 0, 0.0, -1, -b))
-    act_mb, stash_mb, act_bytes = [], [], []
+    act_mb, stash_mb, act_bytes, all_bytes = [], [], [], []
     for r in range(p):
-        cur = [0.0, 0, 0.0]
-        peak = [0.0, 0, 0.0]
-        for _, _, w, n, b in sorted(events[r], key=lambda e: (e[0], e[1])):
-            cur = [cur[0] + w, cur[1] + n, cur[2] + b]
+        cur = [0.0, 0, 0.0, grads_after[r]]
+        peak = [0.0, 0, 0.0, grads_after[r]]
+        for e in sorted(events[r], key=lambda e: (e[0], e[1])):
+            w, n, b = e[2], e[3], e[4]
+            tr = e[5] if len(e) > 5 else 0.0
+            cur = [cur[0] + w, cur[1] + n, cur[2] + b, cur[3] + b + tr]
             peak = [max(x, y) for x, y in zip(peak, cur)]
         act_mb.append(round(peak[0], 6))
         stash_mb.append(peak[1])
         act_bytes.append(peak[2])
-    return act_mb, stash_mb, act_bytes
+        all_bytes.append(peak[3])
+    return act_mb, stash_mb, act_bytes, all_bytes
 
 
 def order_peak_memory(schedule: Schedule, model, events=None) -> list[float]:
     """Per rank, the peak bytes of `simulate(schedule, model).peak_memory_bytes` without timing the
     step: a rank runs its passes one after another in list order, so what it holds at any moment follows
-    from that order alone (allocated at an F or S, freed after the B / W or T), whatever the pass times.
-    The planner screens layouts for memory with it before it times any. `events`: `memory_events(schedule)`
-    when the caller keeps it for many models."""
+    from that order alone (allocated at an F or S, freed after the B / W or T; during each pass its
+    `transient_bytes` on top), whatever the pass times. The planner screens layouts for memory with it
+    before it times any. `events`: `memory_events(schedule)` when the caller keeps it for many models."""
     act = [model.activation_bytes(c) for c in range(schedule.num_chunks)]
     stash = model.stash_bytes()
+    emb = model.input_bytes()
+    root = schedule.chunk_rank[0]
+    free_op = "W" if schedule.split_backward else "B"
+    trans = {
+        (op, c): (0.0 if schedule.forward_only else model.transient_bytes(op, c))
+        for op in ("F", free_op, "B", "S", "T", "IF")
+        for c in range(schedule.num_chunks)
+    }
+    kinds = {0: "F", 1: free_op, 2: "S", 3: "T", 5: "B"}
     peaks = []
     for r, rank_events in enumerate(events or memory_events(schedule)):
-        cur = peak = 0.0
+        # gradients are allocated in the step, by the first pass that writes them (CostModel.grad_arrivals)
+        arrivals = {} if schedule.forward_only else model.grad_arrivals(r)
+        cur = peak = -sum(arrivals.values())
         for kind, chunk in rank_events:
+            cur += arrivals.pop((kinds.get(kind), chunk), 0.0)
             if kind == 0:  # F: the chunk's activations
                 cur += act[chunk]
+                peak = max(peak, cur + trans["F", chunk])
             elif kind == 1:  # B (W when split): freed
-                cur -= act[chunk]
+                peak = max(peak, cur + trans[free_op, chunk])
+                cur -= act[chunk] + (emb if chunk == 0 and r == root else 0.0)
             elif kind == 2:  # S: the VP stash (forward-only: held during S alone)
-                peak = max(peak, cur + stash)
+                peak = max(peak, cur + stash + trans["S", chunk])
                 cur += 0.0 if schedule.forward_only else stash
-            else:  # T
+            elif kind == 3:  # T
+                peak = max(peak, cur + trans["T", chunk])
                 cur -= stash
+            elif kind == 4:  # IF: the first stage's rank keeps the reduced embedding until chunk 0's B
+                if r == root and not schedule.forward_only:
+                    cur += emb
+                else:
+                    peak = max(peak, cur + trans["IF", 0])
+            else:  # B of a split backward: recompute, no weight gradients yet
+                peak = max(peak, cur + trans["B", chunk])
             peak = max(peak, cur)
         peaks.append(model.static_bytes(r) + peak)
     return peaks
@@ -173,5 +217,10 @@ def order_peak_memory(schedule: Schedule, model, events=None) -> list[float]:
 def memory_events(schedule: Schedule) -> list[list[tuple[int, int]]]:
     """Per rank, (0 alloc / 1 free / 2 stash / 3 unstash, chunk) of its passes that hold memory, in order."""
     free_op = "W" if schedule.split_backward else "B"
-    kinds = {"S": 2, "T": 3} if schedule.forward_only else {"F": 0, free_op: 1, "S": 2, "T": 3}
+    if schedule.forward_only:
+        kinds = {"S": 2, "T": 3}
+    else:
+        kinds = {"F": 0, free_op: 1, "S": 2, "T": 3, "IF": 4}
+        if schedule.split_backward:
+            kinds["B"] = 5
     return [[(kinds[a.op.value], a.chunk) for a in actions if a.op.value in kinds] for actions in schedule.actions]

@@ -62,6 +62,14 @@ class Pending:
         was taken, so it may outlive the result (runtime/clock.py reads it after the step)."""
         return self._job if isinstance(self._job, (_ThreadJob, _StreamJob)) else None
 
+    def ready(self) -> bool:
+        """True when `wait()` would not block: the chain has finished (polled, never waited for)."""
+        if self._done:
+            return True
+        if self._job is not None:
+            return self._job.ready()
+        return all(w.is_completed() for w in self._works)
+
     def wait(self) -> Any:
         """Wait for the chain and return its result (idempotent); re-raises the chain's error."""
         if not self._done:
@@ -136,6 +144,9 @@ class _ThreadJob:
             self.chain = None
             self.end = time.perf_counter()
             self.finished.set()
+
+    def ready(self) -> bool:
+        return self.finished.is_set()
 
     def result(self) -> Any:
         """The chain's value (once: the job lets go of it so that it can be kept as a timer)."""
@@ -292,6 +303,9 @@ class _StreamJob:
             self.value = chain()
         self.done = torch.cuda.Event(enable_timing=True)
         self.done.record(comm)
+
+    def ready(self) -> bool:
+        return self.done.query()
 
     def result(self) -> Any:
         consumer = torch.cuda.current_stream(self.device)

@@ -50,11 +50,16 @@ def if_reduce(
     partial: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> Pending:
     """IF (collective): sum the partials in place into group rank `dst`; its `wait()` returns the tensor
-    (the full embedding output on `dst`, unspecified elsewhere). Runs on the communication engine."""
+    (the full embedding output) on `dst`, None elsewhere. Runs on the communication engine."""
 
-    def chain() -> torch.Tensor:
-        dist.reduce(partial, global_rank(group, dst), op=dist.ReduceOp.SUM, group=group)
-        return partial
+    root = global_rank(group, dst)
+    keep = dist.get_rank() == root
+
+    def chain() -> torch.Tensor | None:
+        dist.reduce(partial, root, op=dist.ReduceOp.SUM, group=group)
+        # elsewhere the sum is unspecified and nobody reads it: the handle must not hold [N, h] until the
+        # step's end (m of them on every rank but the root); CUDA's record_stream keeps it until the reduce ran
+        return partial if keep else None
 
     return submit(chain, group, partial.device, [partial], "IF_REDUCE", async_op)
 

@@ -8,7 +8,12 @@ The runtime runs unchanged; the seams it needs are set here and undone on exit:
   parameters that hold weak references;
 - the vocabulary collective chains run inline in issue order (on a GPU they are issued on a side stream at
   submit time; the CPU worker thread would hide them from the counter);
-- a host read of a device value (`.item()`, `bool(t)`) is answered (True / 1) and recorded as a sync.
+- a host read of a device value (`.item()`, `bool(t)`) is answered (True / 1) and recorded as a sync;
+- the schedule's order is the one a GPU rank builds (`rank_parts.rank_schedules` with the GPU's pass
+  costs), not the order a CPU device would get;
+- transformers' mask builder does not take a fake padding mask for a traced one: on a GPU a batch without
+  padding gets no mask (SDPA's is_causal, and grouped-query attention without repeating k and v), and the
+  dry run counts that path, not the materialised [b, 1, s, s] mask and repeated k / v of a traced graph.
 """
 
 from __future__ import annotations
@@ -239,6 +244,14 @@ def fake_rank(rank: int, world_size: int):
             with torch.no_grad():
                 t1.data = t2.data
 
+    from transformers import masking_utils
+
+    from vp_accelerate.runtime import rank_parts
+
+    saved_schedules = rank_parts.rank_schedules
+    rank_parts.rank_schedules = lambda config, cfg, pp, _device: saved_schedules(config, cfg, pp, "cuda")
+    saved_tracing = masking_utils.is_tracing
+    masking_utils.is_tracing = lambda tensor=None: saved_tracing(None)  # fakeness is not tracing here
     runtime_groups.HOST_BACKEND = "fake"
     model_build.meta_model = meta_model
     torch.utils.swap_tensors = swap
@@ -253,6 +266,8 @@ def fake_rank(rank: int, world_size: int):
                 yield rec, counter
     finally:
         runtime_groups.HOST_BACKEND, model_build.meta_model, torch.utils.swap_tensors, comm.CommWorker.submit = saved
+        masking_utils.is_tracing = saved_tracing
+        rank_parts.rank_schedules = saved_schedules
         if dist.is_initialized():
             dist.destroy_process_group()
         runtime_groups._HOST_GROUP = None

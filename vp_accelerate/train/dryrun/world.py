@@ -4,7 +4,6 @@ each rank's measured peak."""
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -33,25 +32,24 @@ class WorldResult:
 
 
 def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
-    """The planner's per-pipeline-rank bytes of the layout `cfg` as the dry run counts them: its peak less the
-    reserve it adds for what no tensor holds (CUDA context, NCCL buffers, fragmentation: cost/memory.py), the
-    one place the dry run reads the planner's memory model. [None] * pp when the planner has no such plan."""
-    from vp_accelerate.cost.memory import allocated_of
-    from vp_accelerate.schedule.registry import method
-    from vp_accelerate.sim.plan import search
+    """The planner's memory model of the layout `cfg`, per pipeline rank, as the dry run counts it (tensor
+    bytes: no CUDA context, NCCL buffers or fragmentation), on the order a GPU rank runs (the cost-aware
+    schedule `runtime.rank_parts.rank_schedules` builds; the planner's search screens with the block's grid
+    order, an upper bound on it). The one place the dry run reads the planner's memory model."""
+    from transformers import AutoConfig
 
-    narrowed = dataclasses.replace(
-        req,
-        schedules=(cfg.schedule,),
-        methods=(cfg.method,),
-        zero=(cfg.zero if cfg.dp_size > 1 else 0,),
-        checkpointing=(cfg.activation_checkpointing,),
+    from vp_accelerate.runtime.rank_parts import rank_schedules
+    from vp_accelerate.sim.plan import schedule_memory
+
+    hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
+    schedule, _, layout = rank_schedules(hf, cfg, cfg.pp_size, "cuda")
+    counts = [end - start for start, end in layout.chunk_layers]
+    mbs = req.global_batch // (cfg.dp_size * cfg.microbatches)
+    zero = cfg.zero if cfg.dp_size > 1 else 0
+    peaks = schedule_memory(
+        config, schedule, counts, req.seq, mbs, cfg.activation_checkpointing, cfg.memory, zero, cfg.dp_size
     )
-    vocab_parallel = method(cfg.method).vocab_parallel
-    for p in search(config, narrowed).plans:
-        if (p.pp, p.dp, p.microbatches, p.memory) == (cfg.pp_size, cfg.dp_size, cfg.microbatches, cfg.memory):
-            return [int(allocated_of(g * 1e9, p.pp, p.dp, vocab_parallel)) for g in p.peak_memory_gb]
-    return [None] * cfg.pp_size
+    return [int(x) for x in peaks]
 
 
 def dry_run_world(
