@@ -610,8 +610,9 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
         f"bandwidth, {hw.latency * 1e6:g} us per call; {nodes}; data-parallel gradient all-reduce (and ZeRO-1's "
         f"broadcast of the updated parameters) after the step, not overlapped",
         f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
-        f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (flash-attention layer "
-        f"count, Korthikanti et al., with HF RMSNorm's fp32 copies; checkpointed layers keep their bf16 input only) + a "
+        f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (what HF's SDPA decoder "
+        f"layers save under bf16 autocast; checkpointed layers keep their bf16 input only) + each pass's own work "
+        f"(16-bit weight gradients, logits, a recomputed layer) + a "
         f"reserve of {CONTEXT_BYTES / 1e9:g} GB CUDA context, {COMMUNICATOR_BYTES / 1e9:g} GB NCCL buffers per "
         f"communicator and {FRAGMENTATION:.0%} fragmentation (cost/memory.py); plans within {HEADROOM_TIE:.0%} of the "
         f"fastest ranked by memory left, above {TIGHT:.0%} of the GPU flagged tight",
