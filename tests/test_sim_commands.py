@@ -62,3 +62,21 @@ def test_plot_timeline_accepts_plain_records(tmp_path):
     for i, data in enumerate((recs, per_rank)):
         plot_timeline(data, tmp_path / f"{i}.png", title="x")
         assert (tmp_path / f"{i}.png").exists()
+
+
+def test_simulate_prices_held_sms_and_the_softmax_bytes(capsys):
+    """--comm-sm-fraction slows VP (its collectives hold SMs), not the baseline (none); --logit-bytes makes
+    the baseline's softmax dearer. (New flags: fails on a simulator without them.)"""
+
+    def mfu(method, *extra):
+        args = SHAPE + ["--vocab", "128000", "--pp", "4", "--microbatches", "8", "--method", method, "--json"]
+        assert simulate_main(args + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)["mfu"]
+
+    assert mfu("vocab-2", "--comm-sm-fraction", "0.2") < mfu("vocab-2") * 0.99
+    assert mfu("baseline", "--comm-sm-fraction", "0.2") == mfu("baseline")
+    assert mfu("baseline", "--logit-bytes", "26") < mfu("baseline") * 0.99
+    assert (
+        simulate_main(SHAPE + ["--vocab", "128000", "--pp", "4", "--microbatches", "8", "--comm-sm-fraction", "1"]) == 2
+    )
+    assert "--comm-sm-fraction" in capsys.readouterr().err

@@ -46,6 +46,10 @@ class Hardware:
     """Seconds of fixed cost per communication call."""
     sms: int = 108
     """Streaming multiprocessors, for the GEMM efficiency model's wave quantisation (A100: 108, H100: 132)."""
+    comm_sm_fraction: float = 0.0
+    """Fraction of the SMs a rank's collective kernels hold from its issue of a collective to the
+    collective's completion (NCCL: one thread block per channel); compute overlapping that window runs on
+    the rest (sim/simulate.py). 0: collectives cost compute nothing."""
 
 
 CPU_HARDWARE = Hardware(

@@ -57,6 +57,19 @@ def _parser(prog: str, with_out: bool) -> argparse.ArgumentParser:
     )
     ap.add_argument("--bandwidth-gbs", type=float, default=100.0, help="p2p and collective bandwidth, GB/s")
     ap.add_argument(
+        "--logit-bytes",
+        type=float,
+        default=Hardware.logit_bytes,
+        help="HBM bytes per logit per pass of the softmax cross-entropy (Megatron-LM's fp32 one: 26)",
+    )
+    ap.add_argument(
+        "--comm-sm-fraction",
+        type=float,
+        default=Hardware.comm_sm_fraction,
+        help="fraction of the SMs a rank's pending collectives hold, slowing the compute they overlap "
+        "(the paper's setup: 0.12; default: none)",
+    )
+    ap.add_argument(
         "--blocking-collectives",
         action="store_true",
         help="every rank waits for each collective chain; default: chains overlap compute, as the "
@@ -118,8 +131,15 @@ def _shape(args) -> ModelShape:
 def _run(args):
     shape = _shape(args)
     bw = args.bandwidth_gbs * 1e9
+    if not 0 <= args.comm_sm_fraction < 1:
+        raise ValueError(f"--comm-sm-fraction must be in [0, 1), got {args.comm_sm_fraction}")
     hw = Hardware(
-        peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency, p2p_bandwidth=bw, collective_bandwidth=bw
+        peak_flops=args.peak_tflops * 1e12,
+        efficiency=args.efficiency,
+        p2p_bandwidth=bw,
+        collective_bandwidth=bw,
+        logit_bytes=args.logit_bytes,
+        comm_sm_fraction=args.comm_sm_fraction,
     )
     measured = (lambda model: MeasuredCosts.from_json(args.measured, model)) if args.measured else None
     if args.order == "grid":
