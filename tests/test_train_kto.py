@@ -257,3 +257,50 @@ def test_demo_unpaired_rows_alternate_own_and_other_answers(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert {tuple(r) for r in rows} == {("prompt", "completion", "label")}
     assert abs(sum(r["label"] for r in rows) - len(rows) / 2) <= 1
+
+
+def test_a_kto_run_learns_and_logs_ktotrainers_metrics(tmp_path, tok):
+    """The trainer on 2 ranks: reference pass over the rows and the KL rows (saved), z per microbatch, the loss
+    from 0.5 (σ(0) at the reference, z = 0) down on repeated rows; KTOTrainer's names logged, train and eval."""
+    import yaml
+
+    from helpers.launch import run_env, train_ranks
+    from helpers.tiny import TINY_MODEL
+
+    rng = random.Random(1)
+    rows = [
+        {
+            "prompt": " ".join(rng.choices(WORDS, k=3)),
+            "completion": " " + " ".join(rng.choices(WORDS, k=2)),
+            "label": i % 2 == 0,
+        }
+        for i in range(8)
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = {
+        "model": TINY_MODEL,
+        "tokenizer": {"source": f"bpe:{tok.name_or_path}"},
+        "data": {"files": [str(path)], "eval_files": [str(path)], "format": "unpaired_preference", "seq_len": 16},
+        "preference": {"beta": 0.5, "loss_type": "kto"},
+        "pipeline": {"schedule": "1f1b", "method": "vocab-1", "microbatches": 2},
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "train": {"steps": 12, "global_batch": 8},
+        "eval": {"every": 12, "batches": 1},
+        "checkpoint": {"every": 0, "export_hf": False},
+        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run"), "timeline_image": False},
+    }
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    out = train_ranks([str(tmp_path / "r.yaml")], tmp_path, run_env(tmp_path / "ds_cache"), timeout_s=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in logged if "train/loss" in r]
+    # the policy is the reference at step 1 (fp32 on the CPU: the same rows in other batches differ by ~1e-7)
+    assert train[0]["train/loss"] == pytest.approx(0.5, abs=1e-4) and train[0]["kl"] == pytest.approx(0, abs=1e-4)
+    assert train[-1]["train/loss"] < 0.45 and train[-1]["rewards/margins"] > 0
+    assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl"} <= set(train[-1])
+    assert "rewards/accuracies" not in train[-1]
+    final = [r for r in logged if "eval/loss" in r][-1]
+    assert final["eval/loss"] < 0.5 and "eval/kl" in final
+    saved = torch.load(tmp_path / "run" / "ref_logps.pt", weights_only=True)
+    assert set(saved) == {"train", "train_kl", "eval", "eval_kl"}
