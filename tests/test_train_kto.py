@@ -304,3 +304,37 @@ def test_a_kto_run_learns_and_logs_ktotrainers_metrics(tmp_path, tok):
     assert final["eval/loss"] < 0.5 and "eval/kl" in final
     saved = torch.load(tmp_path / "run" / "ref_logps.pt", weights_only=True)
     assert set(saved) == {"train", "train_kl", "eval", "eval_kl"}
+
+
+def _dp_ranks(ckpt, batch, ref_kl):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+
+    cfg = PipelineConfig(schedule="1f1b", method="vocab-1", microbatches=MICRO, dp_size=2, attn_implementation="eager")
+    pipe = PipelineModel(ckpt, cfg, dtype=torch.float64)
+    per = len(ref_kl) // 2
+    part = slice(pipe.dp_rank * per, (pipe.dp_rank + 1) * per)
+    z = pipe.kl_estimate(batch["kl_input_ids"][part], batch["kl_labels"][part], ref_kl[part])
+    pipe.close()
+    return z
+
+
+@pytest.mark.slow
+def test_the_kl_estimate_is_averaged_over_replicas(tok, tmp_path):
+    """Two data-parallel replicas: each microbatch's z is the mean of the replicas' estimates, as TRL gathers every
+    device's before the clamp."""
+    batch = _ours(tok, tmp_path, _rows(3))
+    ckpt = str(tmp_path / "ckpt")
+    AutoModelForCausalLM.from_config(tiny_llama(len(tok), tied=False, attn_implementation="eager")).save_pretrained(
+        ckpt
+    )
+    ref_kl = torch.linspace(-3.0, 1.0, MICRO * ROWS, dtype=torch.float64)
+    z = spawn(_dp_ranks, 2, ckpt, batch, ref_kl, timeout_s=300)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
+    with torch.no_grad():
+        own = _token_logps(model, batch["kl_input_ids"], batch["kl_labels"]).sum(1) - ref_kl
+    per = ROWS // 2  # rows of a replica's microbatch
+    expected = [
+        max(0.0, (own[k * per : (k + 1) * per].mean() + own[4 + k * per : 4 + (k + 1) * per].mean()).item() / 2)
+        for k in range(MICRO)
+    ]
+    assert z[0] == z[1] and list(z[0]) == pytest.approx(expected, rel=1e-9, abs=1e-12)
