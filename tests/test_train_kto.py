@@ -303,7 +303,8 @@ def test_a_kto_run_learns_and_logs_ktotrainers_metrics(tmp_path, tok):
     final = [r for r in logged if "eval/loss" in r][-1]
     assert final["eval/loss"] < 0.5 and "eval/kl" in final
     saved = torch.load(tmp_path / "run" / "ref_logps.pt", weights_only=True)
-    assert set(saved) == {"train", "train_kl", "eval", "eval_kl"}
+    assert set(saved) == {"train", "train_kl", "eval", "eval_kl", "train_kl_group", "eval_kl_group"}
+    assert int(saved["train_kl_group"]) == 4  # a resume with other microbatches is refused (KL rows differ)
 
 
 def _dp_ranks(ckpt, batch, ref_kl):
@@ -338,3 +339,32 @@ def test_the_kl_estimate_is_averaged_over_replicas(tok, tmp_path):
         for k in range(MICRO)
     ]
     assert z[0] == z[1] and list(z[0]) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_a_resume_with_other_kl_rows_is_refused(tok, tmp_path):
+    from vp_accelerate.train.run import reference_logps
+
+    batch_rows = _rows(0)
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in batch_rows))
+    recipe = recipe_from_dict(
+        {
+            "data": {"files": [str(path)], "format": "unpaired_preference", "seq_len": SEQ},
+            "preference": {"loss_type": "kto"},
+        }
+    )
+    recipe.logging.output_dir = str(tmp_path / "run")
+    data = prepare_data(
+        DataSection(files=[str(path)], format="unpaired_preference", seq_len=SEQ, eval_holdout=0), tok, len(tok)
+    )
+    data.group_rows(2)
+    n = len(data.train.ids)
+    (tmp_path / "run").mkdir()
+    ref = torch.zeros(n, dtype=torch.float64)
+    torch.save({"train": ref, "train_kl": ref, "train_kl_group": torch.tensor(4)}, tmp_path / "run" / "ref_logps.pt")
+    run = SimpleNamespace(data=SimpleNamespace(train=data.train, eval=None), recipe=recipe, pipe=None)
+    with pytest.raises(RecipeError, match="built for microbatches of 4 rows, this run's have 2"):
+        reference_logps.attach(run, resuming=True)
+    data.group_rows(4)
+    reference_logps.attach(run, resuming=True)
+    assert data.train.ref_kl_logps.tolist() == [0.0] * n

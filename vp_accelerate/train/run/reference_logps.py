@@ -96,6 +96,13 @@ def attach(run, resuming: bool) -> None:
             )
         saved = torch.load(path, weights_only=True, map_location="cpu")
         for name, seqs in splits.items():
+            group = saved.get(name + "_kl_group")
+            if isinstance(seqs, UnpairedSequences) and (group is None or int(group) != seqs.chunk):
+                raise RecipeError(
+                    f"{path}: its KTO KL rows were built for microbatches of {None if group is None else int(group)} "
+                    f"rows, this run's have {seqs.chunk}: keep train.global_batch, pipeline.microbatches and "
+                    f"dp_size as the run started, or start the run again"
+                )
             for suffix in _saved(seqs):
                 ref = saved.get(name + suffix)
                 if ref is None or ref.shape != (len(seqs.ids),):
@@ -110,5 +117,8 @@ def attach(run, resuming: bool) -> None:
     if run.accelerator.is_main_process:
         os.makedirs(recipe.logging.output_dir, exist_ok=True)
         saved = {name + k: torch.from_numpy(v) for name, seqs in splits.items() for k, v in _saved(seqs).items()}
+        for name, seqs in splits.items():  # KTO: the KL rows depend on the microbatch size
+            if isinstance(seqs, UnpairedSequences):
+                saved[name + "_kl_group"] = torch.tensor(seqs.chunk)
         torch.save(saved, path)
         log.info("DPO: reference log-probabilities of %d training pairs -> %s", len(splits["train"]), path)
