@@ -3,6 +3,7 @@
 
     python scripts/make_demo_chat.py --out outputs/demo_chat --conversations 4000 --seed 0
     python scripts/make_demo_chat.py --preference --conversations 1000 --out outputs/demo_preference  # DPO pairs
+    python scripts/make_demo_chat.py --unpaired --conversations 1000 --out outputs/demo_unpaired  # KTO rows
 
 Offline and deterministic for a seed and package versions; needs `pip install faker babel` (the `demo`
 extra). See vp_accelerate/demo/chat.py for what the conversations are.
@@ -25,9 +26,17 @@ def main(argv=None) -> int:
         action="store_true",
         help="write preference pairs (prompt, chosen, rejected: another conversation's answer) instead",
     )
+    ap.add_argument(
+        "--unpaired",
+        action="store_true",
+        help="write KTO's unpaired rows (prompt, completion, label: the own answer true, another's false) instead",
+    )
     args = ap.parse_args(argv)
-    make = make_demo_preference if args.preference else make_demo_chat
-    counts = make(args.out, args.conversations, args.seed)
+    if args.unpaired:
+        counts = make_demo_preference(args.out, args.conversations, args.seed, unpaired=True)
+    else:
+        make = make_demo_preference if args.preference else make_demo_chat
+        counts = make(args.out, args.conversations, args.seed)
     print(json.dumps(counts), f"-> {args.out}/train.jsonl, {args.out}/eval.jsonl")
     return 0
 

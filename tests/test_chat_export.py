@@ -233,7 +233,11 @@ def test_the_adapter_folder_names_the_model_source_only_when_it_is_the_runs_base
     same = {"model": {"source": str(snapshot), "pretrained_weights": True}, "adapter": lora}
     assert adapter_base(same, len(tok), tok)[0] == "org/tiny-model"
     assert adapter_base({"model": {"source": "llama-tiny"}}, len(tok), tok)[0] is None  # a fresh model
-    assert adapter_base(same, len(tok) + 2, tok) == (None, "the run resized the vocabulary")
+    base, why, _ = adapter_base(same, len(tok) + 2, tok)  # rows past the tokenizer: peft cannot grow the base so
+    assert base is None and "neither" in why
+    grown = load(toks, "tok_a")
+    grown.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})  # resized to the tokenizer: the hub id,
+    assert adapter_base(same, len(grown), grown) == ("org/tiny-model", adapter_base(same, len(grown), grown)[1], True)
     chat_tok = load(toks, "tok_a")
     prepare_chat(chat_tok, chat_data=True)  # ChatML tokens added: not the source's vocabulary
     assert adapter_base(same, len(tok), chat_tok)[0] is None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .costs import CostModel
 from .data_parallel import SHARDED_BYTES
+from .shape import ModelShape
 
 CONTEXT_BYTES = 1.0e9
 """The CUDA context and the kernels' modules loaded on the device: outside PyTorch's allocator (PyTorch's
@@ -93,3 +94,66 @@ def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1
     allocated = parameters + gradients + optimizer + activation_peak
     reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel)
     return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
+
+
+LORA_TARGETS = ("q_proj", "v_proj")
+"""peft's default LoRA targets for the Llama family (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`),
+what the runtime adapts when adapter.target_modules is null."""
+
+
+def _linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in, out) features of a Llama-style decoder layer's linear modules, by their HF names."""
+    h, kv, f = shape.hidden, shape.kv_width(), shape.ffn
+    out = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "up_proj": (h, f)}
+    out["down_proj"] = (f, h)
+    if shape.mlp_matrices == 3:
+        out["gate_proj"] = (h, f)
+    return out
+
+
+def lora_layer_params(shape: ModelShape, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+    """Adapter parameters of one decoder layer: r x (in + out) per adapted linear (A: r x in, B: out x r).
+    `targets` are HF module names ("all-linear": every one); ValueError for a name the shape has no size for."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    linears = _linear_shapes(shape)
+    names = tuple(linears) if tuple(targets) == ("all-linear",) else tuple(targets)
+    unknown = [t for t in names if t not in linears]
+    if unknown:
+        raise ValueError(
+            f"LoRA targets {unknown}: the planner knows the sizes of {sorted(linears)} (or all-linear); "
+            f"name those, or plan without --lora-rank"
+        )
+    return sum(rank * sum(linears[t]) for t in names)
+
+
+def lora_rank_memory(
+    model: CostModel, rank: int, activation_peak: float, lora_rank: int, dp: int = 1, targets=LORA_TARGETS
+) -> RankMemory:
+    """`rank_memory` of a LoRA run (models/lora.py, adapter.frozen_in_compute_dtype): the frozen decoder weights
+    held in the compute dtype (2 bytes each: no fp32 copy, no gradient, no optimizer state); the frozen vocabulary
+    shards (embedding, output layer) in fp32 with the step's 16-bit copy; each adapter parameter as a trained one
+    (16-bit copy + fp32 master, fp32 gradient, Adam's m and v, sharded under ZeRO-1)."""
+    s = model.shape
+    layers = sum(n for c, n in enumerate(model.chunk_layers) if model.chunk_rank[c] == rank)
+    frozen = layers * s.layer_params()
+    vocab = model.rank_params(rank) - frozen
+    adapters = layers * lora_layer_params(s, lora_rank, targets)
+    sharded = min(SHARDED_BYTES, model.optimizer_bytes)
+    master = model.optimizer_bytes - sharded  # the fp32 master copy
+    parameters = frozen * s.dtype_bytes + vocab * (s.dtype_bytes + 4) + adapters * (s.dtype_bytes + master)
+    gradients = adapters * model.grad_bytes
+    optimizer = adapters * sharded / model.optimizer_shards
+    allocated = parameters + gradients + optimizer + activation_peak
+    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel)
+    return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
+
+
+def run_memory(
+    model: CostModel, rank: int, activation_peak: float, dp: int = 1, lora_rank: int | None = None, targets=LORA_TARGETS
+) -> RankMemory:
+    """The rank's memory for the run: full training (`rank_memory`), or LoRA of rank `lora_rank` on `targets`
+    (`lora_rank_memory`)."""
+    if lora_rank is None:
+        return rank_memory(model, rank, activation_peak, dp)
+    return lora_rank_memory(model, rank, activation_peak, lora_rank, dp, targets)

@@ -214,10 +214,15 @@ def make_demo_chat(out_dir: str, conversations: int = 4000, seed: int = 0, eval_
     return counts
 
 
-def make_demo_preference(out_dir: str, conversations: int = 4000, seed: int = 0, eval_every: int = 20) -> dict:
+def make_demo_preference(
+    out_dir: str, conversations: int = 4000, seed: int = 0, eval_every: int = 20, unpaired: bool = False
+) -> dict:
     """Write preference pairs (TRL's conversational shape: `prompt` turns, `chosen` / `rejected` assistant turns)
     as `train.jsonl` and `eval.jsonl` to `out_dir`: the chosen answer is the conversation's own last answer, the
-    rejected one the last answer of another conversation (a seeded derangement), so the pairs are made offline."""
+    rejected one the last answer of another conversation (a seeded derangement), so the pairs are made offline.
+    `unpaired`: KTO's rows instead (`prompt`, `completion`, `label`): one per conversation, its own answer
+    (label true) for every other conversation and the other conversation's (label false) for the rest — one row
+    per prompt, so a microbatch's KL rows (a prompt with another row's completion) are all mismatched."""
     convs = list(iter_conversations(conversations, seed))
     order = random.Random(seed).sample(range(len(convs)), len(convs))
     other = {order[i]: order[(i + 1) % len(order)] for i in range(len(order))}  # never itself (n > 1)
@@ -230,6 +235,9 @@ def make_demo_preference(out_dir: str, conversations: int = 4000, seed: int = 0,
             last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
             rejected = [m for m in convs[other[i]] if m["role"] == "assistant"][-1]
             row = {"prompt": messages[:last], "chosen": [messages[last]], "rejected": [rejected]}
+            if unpaired:
+                good = i % 2 == 0
+                row = {"prompt": messages[:last], "completion": [messages[last] if good else rejected], "label": good}
             split = "eval" if i % eval_every == eval_every - 1 else "train"
             files[split].write(json.dumps(row, ensure_ascii=False) + "\n")
             counts[split] += 1

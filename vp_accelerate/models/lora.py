@@ -42,20 +42,22 @@ def target_modules_for(config, target_modules) -> list[str]:
     return list(found)
 
 
-def lora_config(config, adapter, transposed: bool = False, tokens: bool = True):
+def lora_config(config, adapter, transposed: bool = False, tokens: bool = True, vocab: bool = False):
     """The `peft.LoraConfig` of an `AdapterConfig` (what the adapter folder records): adapter.trainable_tokens
     become peft's `trainable_token_indices`, a list (the input embedding, its tied output layer following) for a
     tied model, else `{embedding module: ids, output module: ids}`; adapter.train_vocab makes the embedding and
     output modules peft's `modules_to_save` (whole trained copies). tokens=False: without them (injecting the
-    adapters into a stage chunk, which has no vocabulary modules: the runtime trains those rows itself)."""
+    adapters into a stage chunk, which has no vocabulary modules: the runtime trains those rows itself).
+    vocab=True: the vocabulary modules are `modules_to_save` whatever trained (the adapter carries a vocabulary
+    its named base does not have; their trained rows are in them, so no token indices)."""
     from peft import LoraConfig  # optional dependency (the `lora` extra)
 
     indices = save = None
-    if tokens and getattr(adapter, "trainable_tokens", None):
+    if tokens and getattr(adapter, "trainable_tokens", None) and not vocab:
         ids = list(adapter.trainable_tokens)
         embed, head = vocab_module_names(config)
         indices = ids if _tied(config) else {embed.rsplit(".", 1)[-1]: ids, head.rsplit(".", 1)[-1]: ids}
-    if tokens and adapter.train_vocab:  # the whole trained matrices, as peft's modules_to_save (tied: one)
+    if tokens and (adapter.train_vocab or vocab):  # the whole trained matrices, as peft's modules_to_save (tied: one)
         embed, head = vocab_module_names(config)
         save = [m.rsplit(".", 1)[-1] for m in ((embed,) if _tied(config) else (embed, head))]
     return LoraConfig(
@@ -222,21 +224,24 @@ def save_adapter(
     out_dir,
     base_model_name_or_path: str | None = None,
     tokenizer=None,
+    vocab: bool = False,
 ) -> Path:
     """Write a peft adapter folder (adapter_config.json + adapter_model.safetensors, and the tokenizer when
     given: `AutoPeftModelForCausalLM` reads it from the folder instead of asking the hub).
 
     `base_model_name_or_path` is what `AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads the base from
-    (a hub id or a directory; without it, only `PeftModel.from_pretrained(base, out_dir)` works)."""
+    (a hub id or a directory; without it, only `PeftModel.from_pretrained(base, out_dir)` works). `vocab`: the
+    folder carries the run's embedding and output layer whole (peft's modules_to_save), for a base whose
+    vocabulary the run resized or rebuilt (`lora_config`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = lora_config(config, adapter, transposed=bool(transposed))
+    cfg = lora_config(config, adapter, transposed=bool(transposed), vocab=vocab)
     cfg.base_model_name_or_path = base_model_name_or_path
     cfg.save_pretrained(str(out))
     tensors = adapter_state_dict(state)
-    if getattr(adapter, "trainable_tokens", None):  # peft's trainable_token_indices: the rows as trained
+    if getattr(adapter, "trainable_tokens", None) and not vocab:  # peft's trainable_token_indices: the rows
         tensors.update(token_rows_from_state(state, config, adapter.trainable_tokens))
-    if adapter.train_vocab:  # peft's modules_to_save: the trained modules whole, under their own names
+    if adapter.train_vocab or vocab:  # peft's modules_to_save: the modules whole, under their own names
         embed, head = vocab_module_names(config)
         for module in (embed, head):  # tied: the output layer's copy is the embedding (peft loads both)
             for leaf in ("weight", "bias"):

@@ -332,6 +332,27 @@ class PipelineModel:
             p2p.collective(dist.all_reduce, logps, self.groups.pp_group, "sequence log-prob sum")
         return logps.cpu()
 
+    @torch.no_grad()
+    def kl_estimate(
+        self,
+        kl_input_ids: torch.Tensor,
+        kl_labels: torch.Tensor,
+        ref_kl_logps: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[float, ...]:
+        """KTO's KL estimate z of each microbatch, as TRL 1.16's KTOTrainer computes it per micro-step: the mean over
+        the microbatch's mismatched rows (`kl_input_ids`: a prompt with another row's completion) of log π − log
+        π_ref, averaged over the data-parallel replicas (TRL gathers every device's), clamped at 0; detached. One
+        forward-only pass (`sequence_logps`), and with dp > 1 one all-reduce of `microbatches` numbers."""
+        logps = self.sequence_logps(kl_input_ids, kl_labels, attention_mask, position_ids)
+        diff = (logps - ref_kl_logps.to(torch.float64)).reshape(self.cfg.microbatches, -1).mean(dim=1)
+        if self.groups.dp_group is not None:
+            diff = diff.to(self.device)
+            p2p.collective(dist.all_reduce, diff, self.groups.dp_group, "KTO KL estimate")
+            diff = diff.cpu() / self.dp_size
+        return tuple(diff.clamp(min=0).tolist())
+
     def _run_eval(self, mbs: list[Microbatch], seq: int):
         training = self.mods.container.training
         self.mods.eval()
@@ -376,6 +397,8 @@ class PipelineModel:
                 ref_logps=None if ref is None else ref[part].to(self.device, torch.float64),
                 preference=preference,
                 pairs=batch // 2 * self.dp_size,
+                rows=batch * self.dp_size,
+                kl=preference.kl_of(k),
                 dp_size=self.dp_size,
                 chosen_tokens=chosen_tokens,
                 desirable=None if preference.desirable is None else preference.desirable[part].to(self.device),
@@ -396,8 +419,8 @@ class PipelineModel:
             p2p.collective(dist.all_reduce, totals, self.groups.pp_group, "evaluation sums")
         if self.groups.dp_group is not None:
             p2p.collective(dist.all_reduce, totals, self.groups.dp_group, "evaluation sums")
-        pairs = pair_losses[0].pairs
-        return reward_metrics(totals.cpu(), pairs)
+        first = pair_losses[0]
+        return reward_metrics(totals.cpu(), first.pairs, first.rows if first.desirable is not None else None)
 
     def _run(self, schedule, mbs: list[Microbatch], step_clock, after_pass=None):
         key = (id(schedule), self.dtype, self.compute_dtype, self.device)

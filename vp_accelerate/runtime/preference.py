@@ -54,6 +54,8 @@ class _Rows:
     """Label tokens per row (≥ 1)."""
     desirable: torch.Tensor | None
     """KTO: [rows] bool; None for pairs."""
+    kl: float = 0.0
+    """KTO: this microbatch's KL estimate z (`Preference.kl_of`)."""
 
 
 def _margin(r: _Rows) -> torch.Tensor:
@@ -94,7 +96,7 @@ def _orpo(r: _Rows, p: Preference) -> torch.Tensor:
 
 
 def _kto(r: _Rows, p: Preference) -> torch.Tensor:
-    ratio, z = r.logps - r.ref, max(p.kl, 0.0)
+    ratio, z = r.logps - r.ref, max(r.kl, 0.0)
     d = r.desirable
     return torch.where(
         d,
@@ -165,9 +167,10 @@ class Preference:
     """γ of `simpo`: the target margin (CPO's `simpo_gamma`)."""
     desirable: torch.Tensor | None = None
     """KTO: [batch] bool, True for a desirable row (TRL's `label`); needed by `kto` / `apo_zero_unpaired`."""
-    kl: float = 0.0
-    """KTO's KL estimate z (a constant of the step: mean over mismatched prompt/completion rows of log π −
-    log π_ref, from `PipelineModel.sequence_logps`; TRL clamps it at 0 and so does the loss)."""
+    kl: float | tuple[float, ...] = 0.0
+    """KTO's KL estimate z: one for the step, or one per microbatch as TRL's KTOTrainer has one per gradient-
+    accumulation micro-step (`PipelineModel.kl_estimate`: mean over a microbatch's mismatched prompt/completion
+    rows of log π − log π_ref, averaged over the replicas; a constant, clamped at 0 as TRL does)."""
     desirable_weight: float = 1.0
     """KTO's weight of desirable rows' losses."""
     undesirable_weight: float = 1.0
@@ -180,6 +183,10 @@ class Preference:
     @property
     def weights(self) -> tuple[float, ...]:
         return tuple(self.loss_weights) if self.loss_weights is not None else (1.0,) * len(self.types)
+
+    def kl_of(self, microbatch: int) -> float:
+        """z of one microbatch."""
+        return float(self.kl) if isinstance(self.kl, (int, float)) else float(self.kl[microbatch])
 
     @property
     def unpaired(self) -> bool:
@@ -206,6 +213,8 @@ class Preference:
         if self.unpaired:
             if self.desirable is None or tuple(self.desirable.shape) != (batch,):
                 raise ValueError(f"loss_type {types} needs `desirable`, a [batch] = [{batch}] bool per row")
+            if not isinstance(self.kl, (int, float)) and len(self.kl) != microbatches:
+                raise ValueError(f"kl: one value per microbatch ({microbatches}) or one for the step, got {self.kl}")
         elif (batch // microbatches) % 2:
             raise ValueError(
                 f"a preference batch of {batch} rows in {microbatches} microbatches puts {batch // microbatches} "
@@ -226,8 +235,12 @@ class PairLoss:
     preference: Preference
     """The step's losses and their settings."""
     pairs: int
-    """P: pairs in the whole step, over every data-parallel replica (pair losses are their mean; KTO's row
-    losses the mean over 2P rows)."""
+    """P: pairs in the whole step, over every data-parallel replica (pair losses are their mean)."""
+    rows: int = 0
+    """Rows in the whole step, over every replica: KTO's row losses are their mean (TRL: each micro-step's
+    mean, averaged over micro-steps and replicas, the same for equal microbatches)."""
+    kl: float = 0.0
+    """KTO: this microbatch's KL estimate z."""
     dp_size: int = 1
     """Data-parallel replicas: `sft`'s token mean is a replica's, averaged over replicas (as DDP does)."""
     chosen_tokens: torch.Tensor | None = None
@@ -262,7 +275,7 @@ class PairLoss:
         p = self.preference
         leaf = logps.detach().to(torch.float64).requires_grad_()
         desirable = None if self.desirable is None else self.desirable.to(leaf.device)
-        rows = _Rows(leaf, self._ref(leaf.device), self._tokens().to(leaf.device), desirable)
+        rows = _Rows(leaf, self._ref(leaf.device), self._tokens().to(leaf.device), desirable, self.kl)
         with torch.enable_grad():
             total = leaf.new_zeros(())
             for name, weight in zip(p.types, p.weights):
@@ -272,7 +285,7 @@ class PairLoss:
                     denom = self.chosen_tokens.to(leaf.device, torch.float64).clamp(min=1) * self.dp_size
                     total = total + weight * value / denom
                 else:
-                    items = 2 * self.pairs if kind.unpaired else self.pairs
+                    items = self.rows if kind.unpaired else self.pairs
                     total = total + weight * value.sum() / items
             (grad,) = torch.autograd.grad(total, leaf)
         return total.detach(), grad
@@ -314,7 +327,8 @@ class PairLoss:
             first[0::2] = True
             second = ~first
         chosen, rejected = r[first], r[second]
-        accurate = (chosen > rejected).to(r.dtype).sum() if self.desirable is None else r.new_zeros(())
+        # KTO logs no accuracy: the slot counts the desirable rows (TRL's rewards are per-class means)
+        accurate = (chosen > rejected).to(r.dtype).sum() if self.desirable is None else first.to(r.dtype).sum()
         return torch.stack(
             [
                 chosen.sum(),
@@ -360,11 +374,34 @@ REWARD_SUMS = 10
 """Entries of `PairLoss.rewards`: the six metrics' sums over pairs, Σ mean logits and tokens of each side."""
 
 
-def reward_metrics(totals: torch.Tensor, pairs: int) -> dict[str, float]:
+def reward_metrics(totals: torch.Tensor, pairs: int, rows: int | None = None) -> dict[str, float]:
     """TRL's logged means from the step's [REWARD_SUMS] sums (`PairLoss.rewards`): per pair, and the logits per
-    completion token (TRL: Σ over the batch's completion tokens of the mean logit / their count)."""
+    completion token (TRL: Σ over the batch's completion tokens of the mean logit / their count). `rows`: KTO's
+    unpaired rows (`kto_metrics`)."""
     t = totals.tolist()
+    if rows is not None:
+        return kto_metrics(t, rows)
     out = {name: t[k] / max(pairs, 1) for k, name in enumerate(REWARD_METRICS[:6])}
     out["logits/chosen"] = t[6] / t[8] if t[8] else 0.0
     out["logits/rejected"] = t[7] / t[9] if t[9] else 0.0
+    return out
+
+
+def kto_metrics(t: list[float], rows: int) -> dict[str, float]:
+    """KTOTrainer's names and means: rewards/ and logps/ of the desirable ("chosen") rows over their count and of
+    the undesirable ("rejected") over theirs, each only when the step has such rows, rewards/margins when it has
+    both, logits/ per completion token; no accuracy (the trainer adds `kl`)."""
+    n_d = t[2]
+    n_u = rows - n_d
+    out = {}
+    if n_d:
+        out["rewards/chosen"], out["logps/chosen"] = t[0] / n_d, t[4] / n_d
+    if n_u:
+        out["rewards/rejected"], out["logps/rejected"] = t[1] / n_u, t[5] / n_u
+    if n_d and n_u:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    if t[8]:
+        out["logits/chosen"] = t[6] / t[8]
+    if t[9]:
+        out["logits/rejected"] = t[7] / t[9]
     return out

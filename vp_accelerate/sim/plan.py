@@ -48,7 +48,13 @@ from vp_accelerate.cost.data_parallel import (
     optimizer_shards,
     optimizer_step_time,
 )
-from vp_accelerate.cost.memory import COMMUNICATOR_BYTES, CONTEXT_BYTES, FRAGMENTATION, rank_memory
+from vp_accelerate.cost.memory import (
+    COMMUNICATOR_BYTES,
+    CONTEXT_BYTES,
+    FRAGMENTATION,
+    LORA_TARGETS,
+    run_memory,
+)
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, check_pair
@@ -107,6 +113,11 @@ class PlanRequest:
     top: int = 5
     """Fitting plans that come out simulated and exactly ranked; the others that fit are simulated only
     when their lower bound (the busiest rank's work) does not already rank them below these."""
+    lora_rank: int | None = None
+    """LoRA of this rank instead of full training: memory priced by cost/memory.py `lora_rank_memory` (frozen
+    base in the compute dtype, adapters trained); None = every parameter trains."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """The adapted linear modules (HF names, or "all-linear") when `lora_rank` is set."""
 
     @property
     def cluster(self) -> Cluster:
@@ -363,7 +374,7 @@ def search(config, req: PlanRequest) -> Search:
                 model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
                 # at least one microbatch's activations of its first chunk are held on every rank
                 static = [
-                    rank_memory(model, r, model.activation_bytes(layout.chunk_rank.index(r)), dp).total
+                    _rank_total(model, r, model.activation_bytes(layout.chunk_rank.index(r)), dp, req)
                     for r in range(pp)
                 ]
                 if max(static) > limit:  # dropped before any order is built
@@ -373,7 +384,7 @@ def search(config, req: PlanRequest) -> Search:
                 else:
                     bound = False
                     grid = grid or _grid(kind, method, pp, min(m, 2 * pp))
-                    peak = _with_reserve(model, order_peak_memory(grid.schedule, model, grid.events), dp)
+                    peak = _with_reserve(model, _peaks(grid, model, req), dp, req)
                 fits = max(peak) <= limit
                 plan_ = Plan(
                     schedule=kind,
@@ -405,7 +416,7 @@ def search(config, req: PlanRequest) -> Search:
                 else:
                     plans.append(plan_)
     if not candidates:  # nothing fits: the smallest need is exact, not a bound
-        _refine_needs(plans, pruned)
+        _refine_needs(plans, pruned, req)
     # time the fitting layouts, least work first, until `top` timed ones are faster than what any other
     # could be: a step is never shorter than its busiest rank's passes plus what follows the pipeline
     candidates.sort(key=lambda c: c[0])
@@ -443,9 +454,25 @@ def schedule_memory(
     return order_peak_memory(schedule, model)
 
 
-def _with_reserve(model: CostModel, peaks: list[float], dp: int) -> list[float]:
-    """`order_peak_memory`'s peaks (static + activations) as `rank_memory` totals (reserve added)."""
-    return [rank_memory(model, r, p - model.static_bytes(r), dp).total for r, p in enumerate(peaks)]
+def _with_reserve(model: CostModel, peaks: list[float], dp: int, req: PlanRequest | None = None) -> list[float]:
+    """`order_peak_memory`'s peaks (static + activations) as `run_memory` totals (reserve added)."""
+    held = _held(model, req)
+    return [_rank_total(model, r, p - held.static_bytes(r), dp, req) for r, p in enumerate(peaks)]
+
+
+def _held(model: CostModel, req: PlanRequest | None) -> CostModel:
+    """The model whose gradients arrive during the step: under LoRA the frozen base gets none (the adapters'
+    few are counted from the start), so the activation peak is read without them."""
+    return replace(model, grad_bytes=0) if req is not None and req.lora_rank is not None else model
+
+
+def _peaks(grid, model: CostModel, req: PlanRequest) -> list[float]:
+    return order_peak_memory(grid.schedule, _held(model, req), grid.events)
+
+
+def _rank_total(model: CostModel, r: int, activations: float, dp: int, req: PlanRequest | None) -> float:
+    lora = None if req is None else req.lora_rank
+    return run_memory(model, r, activations, dp, lora, req.lora_targets if req is not None else LORA_TARGETS).total
 
 
 def _headroom_first(plans: list[Plan]) -> list[Plan]:
@@ -466,7 +493,7 @@ def tight(p: Plan, req: PlanRequest) -> bool:
     return max(p.peak_memory_gb) > TIGHT * req.memory_gb
 
 
-def _refine_needs(plans: list[Plan], pruned: list) -> None:
+def _refine_needs(plans: list[Plan], pruned: list, req: PlanRequest) -> None:
     """Give the layouts dropped on a memory bound their peak from the order, least bound first, until the
     least exact peak is below every remaining bound (so `Search.smallest_need_gb` is exact)."""
     dropped = {x[1] for x in pruned}
@@ -476,7 +503,7 @@ def _refine_needs(plans: list[Plan], pruned: list) -> None:
         if bound >= least:
             break
         grid = _grid(kind, method, pp, min(m, 2 * pp))
-        peak = _with_reserve(model, order_peak_memory(grid.schedule, model, grid.events), plans[i].dp)
+        peak = _with_reserve(model, _peaks(grid, model, req), plans[i].dp, req)
         plans[i] = replace(plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak), memory_bound=False)
         least = min(least, max(peak))
 
@@ -618,6 +645,16 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
         f"fastest ranked by memory left, above {TIGHT:.0%} of the GPU flagged tight",
         f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
         f"torch.optim.AdamW(fused=True), which the trainer builds on CUDA)",
+    ] + _lora_line(req)
+
+
+def _lora_line(req: PlanRequest) -> list[str]:
+    if req.lora_rank is None:
+        return []
+    return [
+        f"LoRA r={req.lora_rank} on {', '.join(req.lora_targets)}: frozen decoder weights held in bf16 (2 bytes "
+        f"per parameter, no gradient or optimizer state), frozen vocabulary shards fp32 + the step's bf16 copy, "
+        f"adapters as trained parameters (cost/memory.py lora_rank_memory); step time priced as full training"
     ]
 
 

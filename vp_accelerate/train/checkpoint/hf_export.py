@@ -15,10 +15,14 @@ alpha/r·BA, a plain HF model); the peft adapter folder (`adapter_dir`, or `adap
 the tokenizer and `base_model_name_or_path`, never a path of the training machine: the model's hub id when
 the run's frozen base is exactly that model (model.source a hub id, or a directory of the hub's cache), else
 the frozen base itself, written into `<adapter>/base` and named `base`, relative to the folder — a fresh
-model, a local directory, a vocabulary the run resized or swapped, config overrides, other special-token
-ids. So the folder loads wherever it is copied: `AutoPeftModelForCausalLM.from_pretrained(".")` inside it
-(peft resolves the name from the working directory), or `PeftModel.from_pretrained(
-AutoModelForCausalLM.from_pretrained("adapter/base"), "adapter")` from anywhere.
+model, a local directory, config overrides, other special-token ids. So the folder loads wherever it is copied:
+`AutoPeftModelForCausalLM.from_pretrained(".")` inside it (peft resolves the name from the working directory),
+or `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("adapter/base"), "adapter")` from anywhere.
+A hub model whose vocabulary the run resized (to the tokenizer, new rows grown) or rebuilt (a swapped
+tokenizer) is still named by its hub id, since no relative name loads from every working directory: the folder
+then carries the run's embedding and output layer whole (peft's `modules_to_save`), which
+`AutoPeftModelForCausalLM.from_pretrained(folder)` puts over the hub model it first resizes to the folder's
+tokenizer — from any directory, the same weights as the merged export.
 """
 
 from __future__ import annotations
@@ -123,37 +127,43 @@ BASE_DIR = "base"
 `base_model_name_or_path` that names it (relative to the folder: it loads wherever the folder is copied)."""
 
 
-def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, str]:
-    """(what the adapter folder names as its base model, why): the model source when the run's frozen base
-    is exactly that model with this tokenizer's ids, else None (the base is written beside the adapter)."""
+def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, str, bool]:
+    """(what the adapter folder names as its base model, why, whether the folder carries the vocabulary): the
+    model source's hub id when the run's frozen base is exactly that model with this tokenizer's ids (False), or
+    that model but for a vocabulary peft can put back (True: rows grown to the tokenizer, which
+    AutoPeftModelForCausalLM resizes the base to, or as many rows as the model's); else None (the base is written
+    beside the adapter)."""
     m = (recipe or {}).get("model") or {}
     source = m.get("source")
     if not source or not uses_pretrained_weights(
         SimpleNamespace(**{"pretrained_weights": True, **m, "source": source})
     ):
-        return None, "the run started from a fresh model, which exists nowhere else"
+        return None, "the run started from a fresh model, which exists nowhere else", False
     if m.get("config") or m.get("init_from"):
-        return None, "model.config / model.init_from: the run's base is not model.source's weights"
+        return None, "model.config / model.init_from: the run's base is not model.source's weights", False
     if tokenizer is None:
-        return None, "no tokenizer to compare with the model's"
+        return None, "no tokenizer to compare with the model's", False
     local = os.path.expanduser(source)
     if not os.path.isdir(local) and (source.startswith((".", "/", "~")) or source.count("/") != 1):
-        return None, f"model.source {source!r} is not a directory here"
+        return None, f"model.source {source!r} is not a directory here", False
     hub_id = cached_hub_id(local) if os.path.isdir(local) else source
     if hub_id is None:  # a path on this machine would not load where the folder is copied to
-        return None, f"model.source {source!r} is a directory on this machine, not a hub id"
+        return None, f"model.source {source!r} is a directory on this machine, not a hub id", False
     where = os.path.abspath(local) if os.path.isdir(local) else source
     try:
-        if AutoConfig.from_pretrained(where).vocab_size != vocab_size:
-            return None, "the run resized the vocabulary"
-        if not same_vocabulary(AutoTokenizer.from_pretrained(where), tokenizer):
-            return None, "the run's tokenizer differs from the model's (a swap, or chat tokens added)"
+        rows = AutoConfig.from_pretrained(where).vocab_size
         stops = GenerationConfig.from_pretrained(where).eos_token_id
         if _ids(stops) != _ids(generation_eos(tokenizer)):
-            return None, f"{where} stops generation at {stops}, the run's tokenizer at {generation_eos(tokenizer)}"
+            why = f"{where} stops generation at {stops}, the run's tokenizer at {generation_eos(tokenizer)}"
+            return None, why, False
+        if rows == vocab_size and same_vocabulary(AutoTokenizer.from_pretrained(where), tokenizer):
+            return hub_id, f"the frozen base is {hub_id}", False
     except (OSError, ValueError) as e:
-        return None, f"cannot read {where} offline ({type(e).__name__})"
-    return hub_id, f"the frozen base is {hub_id}"
+        return None, f"cannot read {where} offline ({type(e).__name__})", False
+    # AutoPeftModelForCausalLM grows the base's rows to len(tokenizer) (never shrinks), then loads modules_to_save
+    if vocab_size == rows >= len(tokenizer) or vocab_size == len(tokenizer) > rows:
+        return hub_id, f"the frozen base is {hub_id}; the run's vocabulary ({vocab_size} rows) is in the folder", True
+    return None, f"the run's {vocab_size} vocabulary rows are neither {hub_id}'s {rows} nor the tokenizer's", False
 
 
 def write_exports(
@@ -172,7 +182,7 @@ def write_exports(
     if adapter_dir is not None:
         if adapter is None:
             raise ckpt.CheckpointError("no LoRA adapter to export alone (adapter.type is null); export the full model")
-        base, why = adapter_base(recipe, config.vocab_size, tokenizer)
+        base, why, vocab = adapter_base(recipe, config.vocab_size, tokenizer)
         if base is None:
             where = os.path.join(adapter_dir, BASE_DIR)
             save_hf(
@@ -180,7 +190,7 @@ def write_exports(
             )
             base = BASE_DIR  # relative: never a path of this machine
             why = f"the frozen base is written to {where} and named {BASE_DIR!r}, relative to the folder: {why}"
-        save_adapter(state, config, adapter, transposed, adapter_dir, base, tokenizer=tokenizer)
+        save_adapter(state, config, adapter, transposed, adapter_dir, base, tokenizer=tokenizer, vocab=vocab)
         log.info("LoRA adapter folder %s (AutoPeftModelForCausalLM.from_pretrained); %s", adapter_dir, why)
     if out_dir is not None:
         if adapter is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vp_accelerate.cost import GPU_PRESETS, Hardware
 from vp_accelerate.cost.data_parallel import ZERO_LEVELS
+from vp_accelerate.cost.memory import LORA_TARGETS
 from vp_accelerate.sim.cluster import INTERNODE_BANDWIDTH
 from vp_accelerate.sim.plan import CHECKPOINTING, TIGHT, PlanRequest, as_dict, assumptions, best, search, tight, why
 
@@ -104,6 +105,19 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         help="activation-checkpointing mode(s) to try (default: all)",
     )
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        metavar="R",
+        help="plan a LoRA run of rank R: the frozen base held in bf16 (2 bytes per parameter), only the adapters "
+        "with gradients and optimizer state (default: full training)",
+    )
+    ap.add_argument(
+        "--lora-targets",
+        nargs="+",
+        metavar="MODULE",
+        help="with --lora-rank: the adapted linear modules (default: q_proj v_proj, peft's for Llama; or all-linear)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -133,6 +147,8 @@ def request_from_args(args):
         zero=tuple(args.zero or ZERO_LEVELS),
         checkpointing=tuple(args.checkpointing or CHECKPOINTING),
         top=max(1, args.top),
+        lora_rank=args.lora_rank,
+        lora_targets=tuple(args.lora_targets or LORA_TARGETS),
     )
 
 
@@ -213,6 +229,13 @@ def _memory_gb(world_size: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / world_size
 
 
+def _lora_request(adapter) -> dict:
+    """PlanRequest's LoRA fields for a recipe's adapter section: its rank and targets (null: peft's default)."""
+    if adapter.type != "lora":
+        return {}
+    return {"lora_rank": adapter.r, "lora_targets": tuple(adapter.target_modules or LORA_TARGETS)}
+
+
 def resolve_auto(recipe, world_size: int | None):
     """(recipe, plan): with `pipeline.schedule: auto` the recipe with the best plan's layout filled in,
     else (recipe, None). Every rank computes the same plan from the same inputs. Raises RecipeError."""
@@ -239,6 +262,7 @@ def resolve_auto(recipe, world_size: int | None):
         global_batch=recipe.train.global_batch,
         hardware=Hardware(peak_flops=peak),
         zero=(p.zero,),  # what the runtime will run: `vp-accelerate plan`'s request with the recipe's stage
+        **_lora_request(recipe.adapter),
     )
     try:
         plan = best(config.to_dict() if hasattr(config, "to_dict") else config, req)

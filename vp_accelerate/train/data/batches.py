@@ -95,7 +95,10 @@ class BatchIterator:
         return self.epoch + self.step / self.steps_per_epoch
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.seqs))
+        # KTO's rows come in groups that must stay one microbatch (their KL rows: data/unpaired.py); else 1
+        keep = getattr(self.seqs, "chunk", 1)
+        groups = np.random.default_rng([self.seed, epoch]).permutation(len(self.seqs) // keep)
+        return (groups[:, None] * keep + np.arange(keep)).reshape(-1)
 
     def __iter__(self) -> Iterator[dict]:
         return self

@@ -71,7 +71,10 @@ def data_format(d) -> str:
     for a hub chat set checked offline)."""
     if d.format in SAMPLE_FORMATS:
         return d.format
-    if d.format == "preference":  # conversational pairs (lists of turns) are rendered with the chat template
+    if d.format in (
+        "preference",
+        "unpaired_preference",
+    ):  # conversational pairs / rows (lists of turns) are rendered with the chat template
         return "chat" if conversational(d) else "prompt_completion"
     try:
         if d.hub_id:

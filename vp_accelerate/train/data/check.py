@@ -181,7 +181,11 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
         if s.truncated or s.dropped or s.same:
             lines += ["evaluation " + line for line in _pair_lines(s, 0, d.seq_len)[1:]]
         return lines, prepared, recipe
-    batches = -(-len(ev) // t.global_batch)
+    if prepared.pairs_short(t.global_batch):  # KTO's rows: whole global batches, as the run's
+        lines.append(PAIRS_EVAL_OFF % (len(ev), t.global_batch))
+        return lines, prepared, recipe
+    whole = prepared.fmt == "unpaired_preference"
+    batches = len(ev) // t.global_batch if whole else -(-len(ev) // t.global_batch)
     used = batches if e.batches is None else min(batches, e.batches)
     which = "eval.batches: all" if e.batches is None else f"eval.batches: {e.batches}"
     lines.append(

@@ -271,8 +271,8 @@ def fields(cfg: DataSection) -> dict:
 def sample_format(cfg: DataSection, columns, where: str | None = None) -> tuple[str, str]:
     """(text | chat | prompt_completion, how it was decided) for a recipe's data section and the data's columns
     (`where`: the file they were read from, named when the format cannot be told)."""
-    if cfg.format == "preference":  # pairs (data/preference.py): declared, never detected
-        return "preference", "set by data.format"
+    if cfg.format in ("preference", "unpaired_preference"):  # data/preference.py, unpaired.py: never detected
+        return cfg.format, "set by data.format"
     declared = cfg.format if cfg.format in SAMPLE_FORMATS else "auto"
     f = fields(with_data_fields(cfg, columns))
     try:

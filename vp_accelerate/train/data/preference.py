@@ -72,7 +72,10 @@ def conversational(cfg: DataSection) -> bool:
         first = _record(next(iter(docs), None) or {})[0] or {}
     except Exception:  # unreadable or out of reach: the data check names it; strings need no template
         return False
-    return any(isinstance(first.get(f), list) for f in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field))
+    columns = (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
+    if cfg.format == "unpaired_preference":
+        columns = (cfg.prompt_field, cfg.completion_field)
+    return any(isinstance(first.get(f), list) for f in columns)
 
 
 def _turns(value, name: str) -> list:

@@ -34,6 +34,7 @@ from .read import DataError, RowLocator, load_rows
 from .sources import builder_for, data_columns, eval_split, load_documents, nonempty_paths
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column, count_split
 from .tokenize import RowTokenizer, tokenize_rows, without
+from .unpaired import UnpairedSequences, prepare_unpaired
 
 
 class BadRowsError(DataError):
@@ -83,11 +84,17 @@ class PreparedData:
         if eval_batches != 0 and self.pairs_short(global_batch) and not self.eval.held_out:
             raise DataError(pairs_short_message(len(self.eval), global_batch))
 
+    def group_rows(self, rows: int) -> None:
+        """KTO: build each split's KL rows for microbatches of `rows` rows (`UnpairedSequences.group`)."""
+        for seqs in (self.train, self.eval):
+            if isinstance(seqs, UnpairedSequences):
+                seqs.group(rows)
+
     def pairs_short(self, global_batch: int) -> bool:
         """Whether the evaluation preference pairs fill no global batch (evaluation counts whole batches of
         pairs): an error for an explicit source, evaluation off (warned) for pairs held out of the training
         data."""
-        return isinstance(self.eval, PairSequences) and len(self.eval) < global_batch
+        return isinstance(self.eval, (PairSequences, UnpairedSequences)) and len(self.eval) < global_batch
 
     def eval_off(self) -> bool:
         """True when `data.eval_holdout` could hold out no evaluation sequence from data too small for one:
@@ -122,7 +129,7 @@ class PreparedData:
                 if len(rows) == n_eval:
                     break
             seqs = Sequences(np.asarray(rows, dtype=np.int64).reshape(-1, cfg.seq_len), pad_id=self.pad_id)
-        if isinstance(seqs, PairSequences):  # DPO: whole batches of pairs
+        if isinstance(seqs, (PairSequences, UnpairedSequences)):  # DPO, KTO: whole batches
             if self.pairs_short(global_batch):
                 if not seqs.held_out:
                     raise DataError(pairs_short_message(len(seqs), global_batch))
@@ -193,6 +200,9 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
     if cfg.format == "preference":  # pairs, not packed rows (data/preference.py)
         train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every, test)
         return PreparedData(cfg, "preference", "set by data.format", train, eval_seqs, stats, None, pad_id)
+    if cfg.format == "unpaired_preference":  # KTO's rows and their KL rows (data/unpaired.py)
+        train, eval_seqs, pad_id, stats = prepare_unpaired(cfg, tokenizer, vocab_size, every, test)
+        return PreparedData(cfg, "unpaired_preference", "set by data.format", train, eval_seqs, stats, None, pad_id)
     source = f"data.files {cfg.files}" if cfg.files else f"dataset {cfg.hub_id}"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     paths = nonempty_paths(cfg.files) if not cfg.hub_id else []

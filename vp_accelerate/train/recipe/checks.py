@@ -105,9 +105,13 @@ def check(recipe: Recipe) -> Recipe:
     return recipe
 
 
+UNPAIRED_LOSSES = ("kto", "apo_zero_unpaired")
+"""runtime/preference.py's losses of unpaired rows (no torch import here)."""
+
+
 def _check_preference(recipe: Recipe) -> None:
-    """DPO (data.format: preference): what its loss and its pairs need."""
-    if recipe.data.format != "preference":
+    """DPO (data.format: preference) and KTO (unpaired_preference): what the loss and its rows need."""
+    if recipe.data.format not in ("preference", "unpaired_preference"):
         return
     if not recipe.preference.beta > 0:
         raise RecipeError(f"preference.beta: must be > 0, got {recipe.preference.beta}")
@@ -119,6 +123,23 @@ def _check_preference(recipe: Recipe) -> None:
         raise RecipeError(
             f"preference.loss_weights: {len(pref.loss_weights)} weights for {len(types)} loss types {types}; "
             f"give one weight per loss_type entry"
+        )
+    unpaired = recipe.data.format == "unpaired_preference"
+    kto = [t for t in types if t in UNPAIRED_LOSSES]
+    if unpaired and len(kto) != len(types):
+        raise RecipeError(
+            f"preference.loss_type: data.format unpaired_preference trains {list(UNPAIRED_LOSSES)} (KTO), got "
+            f"{types}; set preference.loss_type: kto"
+        )
+    if not unpaired and kto:
+        raise RecipeError(
+            f"preference.loss_type: {kto} train on unpaired rows; set data.format: unpaired_preference (rows of "
+            f"prompt, completion, label), or use a pair loss such as sigmoid"
+        )
+    if min(pref.desirable_weight, pref.undesirable_weight) <= 0:
+        raise RecipeError(
+            f"preference.desirable_weight / undesirable_weight: must be > 0, got {pref.desirable_weight} / "
+            f"{pref.undesirable_weight}"
         )
     if "robust" in types and not 0 <= pref.label_smoothing < 0.5:
         raise RecipeError(f"preference.label_smoothing: robust needs it in [0, 0.5), got {pref.label_smoothing}")
@@ -135,6 +156,7 @@ _DEMO_DATA = {
     "demo_corpus": "python scripts/make_demo_corpus.py --out {dir}",
     "demo_chat": "python scripts/make_demo_chat.py --out {dir}",
     "demo_preference": "python scripts/make_demo_chat.py --preference --conversations 1000 --out {dir}",
+    "demo_unpaired": "python scripts/make_demo_chat.py --unpaired --conversations 1000 --out {dir}",
 }
 
 

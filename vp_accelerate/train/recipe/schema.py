@@ -132,13 +132,17 @@ class DataSection:
     hub_revision: Optional[str] = None
     """A branch, tag or commit of `hub_id` (pins the corpus); None = the default branch."""
 
-    format: Literal["auto", "text", "chat", "prompt_completion", "preference", "json", "parquet"] = "auto"
+    format: Literal[
+        "auto", "text", "chat", "prompt_completion", "preference", "unpaired_preference", "json", "parquet"
+    ] = "auto"
     """Sample format: `text` (loss on every token), `chat` (a `messages_field` list of {role, content} turns
     rendered with the tokenizer's chat template, or ChatML when it has none; loss on assistant turns) or
     `prompt_completion` (loss on the completion). `auto` detects it from the columns (`--check` says which).
     `json`/`parquet` are the older spelling of `file_format` and keep working (sample format then `auto`).
     `preference`: pairs of `prompt_field`, `chosen_field` and `rejected_field` (TRL's shapes) for DPO (the
-    `preference` section; never detected)."""
+    `preference` section; never detected). `unpaired_preference`: KTO's rows of `prompt_field`,
+    `completion_field` and a boolean `label_field` (desirable or not), with preference.loss_type kto or
+    apo_zero_unpaired (never detected)."""
 
     file_format: Literal["auto", "text", "json", "parquet"] = "auto"
     """File format; `auto` picks it from the file extension (.txt/.text, .json/.jsonl, .parquet)."""
@@ -170,6 +174,10 @@ class DataSection:
 
     rejected_field: str = "rejected"
     """preference: the dispreferred completion's column (a string, or a list of turns)."""
+
+    label_field: str = "label"
+    """unpaired_preference: the column saying whether a row's completion is desirable (true / false, TRL's
+    `label`)."""
 
     train_on_inputs: bool = False
     """chat / prompt_completion: also put loss on the prompt and non-assistant turns (False = loss on what
@@ -393,8 +401,10 @@ class LoggingSection:
     """Log the measured pipeline timeline of the last step as an image (needs vp_accelerate.sim.plot)."""
 
 
-PairLossName = Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "sft", "simpo", "orpo"]
-"""The paired losses of runtime/preference.py a recipe can name."""
+PairLossName = Literal[
+    "sigmoid", "ipo", "hinge", "robust", "apo_zero", "sft", "simpo", "orpo", "kto", "apo_zero_unpaired"
+]
+"""The losses of runtime/preference.py a recipe can name (the last two on data.format: unpaired_preference)."""
 
 
 @dataclass
@@ -418,6 +428,12 @@ class PreferenceSection:
 
     simpo_gamma: float = 0.5
     """SimPO's target reward margin γ (CPO's `simpo_gamma`); used by `simpo` only."""
+
+    desirable_weight: float = 1.0
+    """KTO (`kto`, `apo_zero_unpaired`): the weight of a desirable row's loss (KTOConfig's `desirable_weight`)."""
+
+    undesirable_weight: float = 1.0
+    """KTO: the weight of an undesirable row's loss (KTOConfig's `undesirable_weight`)."""
 
 
 @dataclass

@@ -141,8 +141,9 @@ def _rows_of(train_it, batch_rows: int, microbatches: int) -> Callable[[int], st
     return lambda mb: train_it.describe_rows(mb * per_mb, (mb + 1) * per_mb)
 
 
-def preference_of(section, batch: dict) -> Preference:
-    """The runtime's `Preference` for a batch of pairs from the recipe's `preference` section."""
+def preference_of(section, batch: dict, kl: tuple[float, ...] | float = 0.0) -> Preference:
+    """The runtime's `Preference` for a batch of pairs (or KTO's rows, with their desirable flags and each
+    microbatch's KL estimate `kl`) from the recipe's `preference` section."""
     return Preference(
         batch["ref_logps"],
         beta=section.beta,
@@ -150,19 +151,38 @@ def preference_of(section, batch: dict) -> Preference:
         loss_weights=tuple(section.loss_weights) if section.loss_weights else None,
         label_smoothing=section.label_smoothing,
         simpo_gamma=section.simpo_gamma,
+        desirable=batch.get("desirable"),
+        kl=kl,
+        desirable_weight=section.desirable_weight,
+        undesirable_weight=section.undesirable_weight,
+    )
+
+
+def kto_kl(pipe, section, batch: dict) -> tuple[float, ...] | float:
+    """KTO's z per microbatch (`PipelineModel.kl_estimate` on the batch's KL rows), 0 for a loss without the KL
+    term (apo_zero_unpaired, as TRL's calculate_KL) or a batch of pairs."""
+    types = [section.loss_type] if isinstance(section.loss_type, str) else list(section.loss_type)
+    if "kl_input_ids" not in batch or "kto" not in types:
+        return 0.0
+    return pipe.kl_estimate(
+        batch["kl_input_ids"], batch["kl_labels"], batch["ref_kl_logps"], batch.get("kl_attention_mask")
     )
 
 
 def _forward_backward(run: Run, batch: dict, step: int):
     pipe = run.pipe
     pref = run.recipe.preference
-    preference = (  # DPO pairs carry their reference log-probabilities
-        preference_of(pref, batch) if "ref_logps" in batch else None
-    )
     try:
-        return pipe.train_step(
+        kl = kto_kl(pipe, pref, batch)  # KTO: one forward-only pass over the KL rows first
+        preference = (  # DPO pairs and KTO rows carry their reference log-probabilities
+            preference_of(pref, batch, kl) if "ref_logps" in batch else None
+        )
+        res = pipe.train_step(
             batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids"), preference
         )
+        if "desirable" in batch and res.rewards is not None:  # KTOTrainer's `kl`: the mean of its micro-steps'
+            res.rewards["kl"] = sum(kl) / len(kl) if isinstance(kl, tuple) else float(kl)
+        return res
     except ValueError as e:  # bad ids/labels/shape: checked before any communication, on every rank
         rows = run.train_it.describe_rows(0, len(batch["input_ids"])) if hasattr(run.train_it, "describe_rows") else ""
         if pipe.watchdog is not None:  # data-parallel peers with other rows may already be waiting on us
@@ -285,11 +305,13 @@ def evaluate(pipe, batches, preference=None, rewards: dict | None = None) -> flo
     for b, w in zip(batches, weights):
         pref = None
         if "ref_logps" in b:
-            pref = preference_of(preference, b)
+            kl = kto_kl(pipe, preference, b)
+            pref = preference_of(preference, b, kl)
         loss = pipe.eval_step(b["input_ids"], b["labels"], b.get("attention_mask"), b.get("position_ids"), pref)
         if w:
             total, count = total + loss * w, count + w
-            for k, v in (pipe.last_eval_rewards or {}).items() if pref is not None else ():
+            extra = {"kl": sum(kl) / len(kl) if isinstance(kl, tuple) else float(kl)} if "desirable" in b else {}
+            for k, v in {**(pipe.last_eval_rewards or {}), **extra}.items() if pref is not None else ():
                 sums[k] = sums.get(k, 0.0) + v * w
     if rewards is not None and count:
         rewards.update({k: v / count for k, v in sums.items()})

@@ -6,6 +6,7 @@ training pairs (`PipelineModel.sequence_logps`), one number per sequence, kept w
 them rather than scoring with trained weights. Under LoRA the reference is the base with the adapter off,
 which a resumed run can compute again. Each replica scores every pair (the set is small; no exchange).
 Losses that need no reference (`sft`, `simpo`, `orpo` alone) skip the pass: their pairs carry zeros.
+KTO's rows (`UnpairedSequences`) are scored with their KL rows (kept as `<split>_kl` in the file).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 
 from vp_accelerate.runtime.preference import LOSSES
 
+from ..data.batches import Sequences
 from ..data.preference import PairSequences
+from ..data.unpaired import UnpairedSequences
 from ..recipe import RecipeError
 
 log = logging.getLogger("vp_accelerate.train")
@@ -41,11 +44,40 @@ def compute(pipe, seqs: PairSequences, pairs_per_batch: int, adapter_off: bool) 
     return np.concatenate(out).astype(np.float64)
 
 
+def compute_rows(pipe, seqs: Sequences, rows_per_batch: int, adapter_off: bool) -> np.ndarray:
+    """[rows] log π_ref of every row of plain sequences (KTO's rows, or their KL rows), in batches of
+    `rows_per_batch` (the last one filled with row 0)."""
+    out = []
+    n = len(seqs.ids)
+    for start in range(0, n, rows_per_batch):
+        rows = np.arange(start, start + rows_per_batch)
+        rows[rows >= n] = 0
+        b = Sequences.batch(seqs, rows)
+        logps = pipe.sequence_logps(b["input_ids"], b["labels"], b.get("attention_mask"), adapter_off=adapter_off)
+        out.append(logps[: min(start + rows_per_batch, n) - start].numpy())
+    return np.concatenate(out).astype(np.float64) if out else np.zeros(0)
+
+
+def _score(pipe, seqs, per_replica: int, adapter_off: bool) -> None:
+    if isinstance(seqs, UnpairedSequences):
+        seqs.ref_logps = compute_rows(pipe, seqs, per_replica, adapter_off)
+        seqs.ref_kl_logps = compute_rows(pipe, seqs.kl, per_replica, adapter_off)
+    else:
+        seqs.ref_logps = compute(pipe, seqs, per_replica, adapter_off) if len(seqs) else np.zeros(0)
+
+
+def _saved(seqs) -> dict:
+    if isinstance(seqs, UnpairedSequences):
+        return {"": seqs.ref_logps, "_kl": seqs.ref_kl_logps}
+    return {"": seqs.ref_logps}
+
+
 def attach(run, resuming: bool) -> None:
     """Set `ref_logps` of the run's training and evaluation pairs (computed, or read back on a resume of a full
     fine-tune)."""
     data, recipe, pipe = run.data, run.recipe, run.pipe
-    splits = {k: v for k, v in (("train", data.train), ("eval", data.eval)) if isinstance(v, PairSequences)}
+    kinds = (PairSequences, UnpairedSequences)
+    splits = {k: v for k, v in (("train", data.train), ("eval", data.eval)) if isinstance(v, kinds)}
     if not splits:
         return
     types = recipe.preference.loss_type
@@ -64,15 +96,29 @@ def attach(run, resuming: bool) -> None:
             )
         saved = torch.load(path, weights_only=True, map_location="cpu")
         for name, seqs in splits.items():
-            ref = saved.get(name)
-            if ref is None or ref.shape != (len(seqs.ids),):
-                raise RecipeError(f"{path}: no {name} values for its {len(seqs.ids)} sequences; the data changed")
-            seqs.ref_logps = ref.numpy()
+            group = saved.get(name + "_kl_group")
+            if isinstance(seqs, UnpairedSequences) and (group is None or int(group) != seqs.chunk):
+                raise RecipeError(
+                    f"{path}: its KTO KL rows were built for microbatches of {None if group is None else int(group)} "
+                    f"rows, this run's have {seqs.chunk}: keep train.global_batch, pipeline.microbatches and "
+                    f"dp_size as the run started, or start the run again"
+                )
+            for suffix in _saved(seqs):
+                ref = saved.get(name + suffix)
+                if ref is None or ref.shape != (len(seqs.ids),):
+                    raise RecipeError(
+                        f"{path}: no {name + suffix} values for its {len(seqs.ids)} sequences; the data changed"
+                    )
+                setattr(seqs, "ref_kl_logps" if suffix else "ref_logps", ref.numpy())
         return
-    pairs = recipe.train.global_batch // pipe.dp_size
+    per_replica = recipe.train.global_batch // pipe.dp_size  # pairs, or KTO's rows
     for seqs in splits.values():
-        seqs.ref_logps = compute(pipe, seqs, pairs, adapter_off=lora) if len(seqs) else np.zeros(0)
+        _score(pipe, seqs, per_replica, adapter_off=lora)
     if run.accelerator.is_main_process:
         os.makedirs(recipe.logging.output_dir, exist_ok=True)
-        torch.save({name: torch.from_numpy(seqs.ref_logps) for name, seqs in splits.items()}, path)
+        saved = {name + k: torch.from_numpy(v) for name, seqs in splits.items() for k, v in _saved(seqs).items()}
+        for name, seqs in splits.items():  # KTO: the KL rows depend on the microbatch size
+            if isinstance(seqs, UnpairedSequences):
+                saved[name + "_kl_group"] = torch.tensor(seqs.chunk)
+        torch.save(saved, path)
         log.info("DPO: reference log-probabilities of %d training pairs -> %s", len(splits["train"]), path)

@@ -241,6 +241,7 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     with main_process_first("preparing the data"):  # tokenized once into the datasets cache (as --check did)
         data = prepare_data(recipe.data, tokenizer, planned[1].rows_after)
         data.check_sizes(recipe.train.global_batch, recipe.eval.batches)
+        data.group_rows(recipe.train.global_batch // (recipe.pipeline.dp_size * recipe.pipeline.microbatches))
     clock.lap("data (read, tokenize, pack)")
     if recipe.train.steps is None:  # train.epochs: the run's length is known now, set on copies of the sections
         recipe = finish_steps(recipe, len(data.train) // recipe.train.global_batch)
