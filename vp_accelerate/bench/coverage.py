@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -108,6 +109,19 @@ OVERRIDES: dict[str, dict] = {
     "granite": dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3),
     "cohere": dict(logit_scale=0.5),
     "phi": dict(partial_rotary_factor=0.5),
+    # sparse "indexed" layers every other layer, as the released config has them every fifth (4 layers here)
+    "kolibri1_1": dict(
+        head_dim=16,
+        sliding_window=5,
+        layer_types=["sliding_attention", "indexed_attention"] * 2,
+        index_layers=[1, 3],
+        index_num_heads=2,
+        index_topk=4,
+        index_pool_size=16,
+        index_compression=4,
+        index_num_local_tokens=2,
+        index_num_sink_tokens=1,
+    ),
 }
 
 #: Config fields that are dropout probabilities (zeroed: an exact comparison needs dropout off).
@@ -442,7 +456,8 @@ def check_families(
 HEADER = """# Model families
 
 Every decoder-only causal LM of the installed transformers that declares a `base_model_pp_plan` (and
-GPT-2, which has an adapter), as `scripts/model_coverage.py` last found it. **pass**: a tiny config
+GPT-2, which has an adapter), as `scripts/model_coverage.py` last found it (transformers {version}, the
+version the `dev` extra pins). **pass**: a tiny config
 saved with `save_pretrained`, loaded by `PipelineModel` from that directory and from the config, trained
 one step on 2 gloo ranks with vocab-2 and with the baseline placement: the loss and every parameter
 gradient equal the Hugging Face model's in one process (float64, within 1e-5 relative; the column is
@@ -467,7 +482,11 @@ Notes:
 
 def write_table(results: list[FamilyResult], path: str | Path) -> None:
     """docs/models.md: the header above and one row per family (family, status, worst error / reason)."""
-    lines = [HEADER, "| family | status | worst rel. error / reason |", "|---|---|---|"]
+    lines = [
+        HEADER.replace("{version}", transformers.__version__),
+        "| family | status | worst rel. error / reason |",
+        "|---|---|---|",
+    ]
     for r in sorted(results, key=lambda r: (r.status != "pass", r.model_type)):
         detail = f"{max(r.worst.values()):.1e}" if r.status == "pass" else r.reason.replace("|", "/")
         lines.append(f"| {r.model_type} | {r.status} | {' '.join(detail.split())} |")
