@@ -55,4 +55,6 @@ def test_a_microbatch_holds_only_its_statistics_from_c1_to_t():
             assert nbytes < n * HIDDEN * 4, (rank, held)
         # the meter counts communication buffers too: at least one [1, N, h] fp32 buffer (C0's X, a receive)
         assert comm >= n * HIDDEN * 4, (rank, comm)
-        assert activations < total <= activations + comm, (rank, total, activations, comm)
+        # (whether a buffer is still alive at the activation peak depends on when its async work completed:
+        # equal is a correct count too, so only the bounds are checked)
+        assert activations <= total <= activations + comm, (rank, total, activations, comm)

@@ -56,3 +56,40 @@ def test_w_reaches_the_parameter_under_saved_tensor_hooks():
     store.key = None
     store.flush((0, 0))
     assert m[0].weight.grad is not None and m[3].weight.grad is not None
+
+
+def test_w_adds_a_16bit_gradient_into_the_fp32_grad_without_an_fp32_copy():
+    """Under bf16 mixed precision ∂W is a bf16 GEMM; W adds it into the fp32 grad as it is read. Casting it
+    first made an fp32 temporary of the weight's size next to it (1.4 GB at a 70B layer's MLP, at the step's
+    peak on the ranks whose peak falls in a W pass). The sums are the same bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.made.append((func, out.dtype, tuple(out.shape)))
+            return out
+
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 32, bias=False)
+    store = WeightGradStore()
+    install(nn.Sequential(lin), store)
+    x, gy = torch.randn(2, 5, 16), torch.randn(2, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lin(x.requires_grad_())
+    store.key = (0, 0)
+    out.backward(gy.to(out.dtype))
+    store.key = None
+    lin.weight.grad = torch.randn(32, 16)  # an earlier microbatch's sum
+    (xq, gq, _) = store.queues[(0, 0)][0]
+    expected = lin.weight.grad + gq.reshape(-1, 32).t().mm(xq.reshape(-1, 16)).float()
+    with Outputs() as seen:
+        store.flush((0, 0))
+    fp32_copies = [m for m in seen.made if m[1] == torch.float32 and m[2] == (32, 16) and "add_" not in str(m[0])]
+    assert fp32_copies == [], fp32_copies
+    assert torch.equal(lin.weight.grad, expected)

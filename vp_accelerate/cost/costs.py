@@ -234,6 +234,11 @@ class CostModel:
                 b += s.hidden_bytes()  # X (the HF count has it in the final norm's)
         return b
 
+    def weight_grad_queue_bytes(self, chunk: int) -> float:
+        """Split backward: what a microbatch keeps on the chunk's rank from its B to its W instead of its
+        activations (B frees those; the W queue holds each linear's input and output gradient)."""
+        return self.chunk_layers[chunk] * self.shape.weight_grad_queue_bytes() if self.split_backward else 0.0
+
     def input_bytes(self) -> float:
         """VP: the embedding output of one microbatch, [N, h] in the parameters' fp32 (the IF partials are
         sums of one shard's rows): the first stage's rank holds it from its IF reduce (up to
@@ -254,12 +259,17 @@ class CostModel:
         the baseline's last chunk: the cross-entropy's backward makes [N, V] gradients (fp32 of the
         log-probabilities, 16-bit of the logits). S (VP): the shard's logits once more in fp32 beside the ones S keeps (recompute mode: twice, none kept).
         T (VP): the logits' 16-bit gradient, the shard weight's 16-bit gradient and its fp32 copy (recompute
-        mode: and the logits again). IF (VP): the partial embedding until its reduce ran."""
+        mode: and the logits again). IF (VP): the partial embedding until its reduce ran. A split backward
+        under mixed precision also casts one linear's weight at a time in F and B, and W makes one 16-bit
+        weight gradient at a time (`largest_cast_bytes`)."""
         s = self.shape
         ckpt = self.checkpointed_layers(chunk) if chunk is not None else 0
         layer = s.layer_activation_bytes() if ckpt else 0.0
+        cast = self.largest_cast_bytes() if chunk is not None and self.chunk_layers[chunk] else 0.0
         if op == "F":
-            return layer
+            return layer + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
+        if op == "W":
+            return cast
         if op == "B":
             pending = 0.0
             if s.dtype_bytes < self.grad_bytes and not self.split_backward:
@@ -268,7 +278,7 @@ class CostModel:
                 # the loss's backward: the fp32 gradient of the log-probabilities, then of the 16-bit logits (the
                 # saved log-probabilities go as their backward runs)
                 pending += s.tokens * s.vocab * (s.stat_bytes + s.dtype_bytes)
-            return pending + layer
+            return pending + layer + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
         if not self.vocab_parallel:
             return 0.0
         keeps = modes.memory_mode(self.output_memory).keeps_logits
@@ -339,7 +349,27 @@ class CostModel:
     def static_bytes(self, rank: int) -> float:
         """Parameters + gradients + optimizer state of `rank` in bytes (under mixed precision: the step's
         low-precision weight copy, fp32 gradients, fp32 parameters and Adam's m and v; see optimizer_bytes)."""
-        return self.rank_params(rank) * self.bytes_per_param()
+        n = self.rank_params(rank)
+        return n * (self.bytes_per_param() - self.shape.dtype_bytes) + self.copied_params(rank) * self.shape.dtype_bytes
+
+    def copied_params(self, rank: int) -> float:
+        """Parameters of `rank` whose low-precision copy the step holds: all of them (autocast caches each
+        weight's cast for the step), except a split backward's decoder layers under mixed precision, whose
+        linears cast their weight at each call and drop it (runtime/weight_grad.py `_DeferredLinear`); the
+        vocabulary matrices keep their step copy (runtime/step_casts.py). In fp32 the term is the parameter."""
+        n = self.rank_params(rank)
+        if self.split_backward and self.shape.dtype_bytes < self.grad_bytes:
+            n -= (
+                sum(c for i, c in enumerate(self.chunk_layers) if self.chunk_rank[i] == rank)
+                * self.shape.layer_params()
+            )
+        return n
+
+    def largest_cast_bytes(self) -> float:
+        """A split backward's transient under mixed precision: one linear's weight cast (F, B) or its 16-bit
+        weight gradient before W adds it into the fp32 grad; the largest is an MLP matrix."""
+        s = self.shape
+        return s.hidden * max(s.hidden, s.ffn) * s.dtype_bytes if self.split_backward else 0.0
 
     def bytes_per_param(self) -> float:
         """Static bytes per parameter: 16-bit weights + fp32 gradient + fp32 master + Adam's m and v (sharded

@@ -88,7 +88,7 @@ def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1
     reserve (context, NCCL, fragmentation); `total` is their peak sum."""
     n = model.rank_params(rank)
     whole = model.optimizer_bytes - min(SHARDED_BYTES, model.optimizer_bytes)  # the fp32 master copy (CostModel)
-    parameters = n * (model.shape.dtype_bytes + whole)
+    parameters = n * whole + model.copied_params(rank) * model.shape.dtype_bytes
     gradients = n * model.grad_bytes
     optimizer = n * (model.bytes_per_param() - model.shape.dtype_bytes - whole - model.grad_bytes)
     allocated = parameters + gradients + optimizer + activation_peak

@@ -192,6 +192,20 @@ class ModelShape:
         """One [N, h] activation tensor (what p2p, C0, IF_REDUCE and IB_BCAST move)."""
         return self.tokens * self.hidden * self.dtype_bytes
 
+    def weight_grad_queue_bytes(self) -> float:
+        """What one layer's deferred weight gradients keep from a split backward's B to its W
+        (runtime/weight_grad.py): each linear's input and output gradient [N, in] + [N, out] in the compute
+        dtype. Under mixed precision every linear casts its own input (q, k and v each a copy of the fp32
+        norm's output, gate and up too); in the parameters' dtype the linears that read one tensor share it."""
+        h, kv, f, n = self.hidden, self.kv_width(), self.ffn, self.tokens
+        mlp_in = self.mlp_matrices - 1  # gate and up (or up alone) read the norm's output; down reads [N, ffn]
+        if self.dtype_bytes < 4:
+            inputs = 3 * h + h + mlp_in * h + f
+        else:
+            inputs = h + h + h + f
+        outputs = h + 2 * kv + h + mlp_in * f + h
+        return n * (inputs + outputs) * self.dtype_bytes
+
 
 def shape_from_hf_config(
     config, seq: int, vocab: int | None = None, microbatch_size: int = 1, dtype_bytes: int = 2, attention: str = "flash"

@@ -30,10 +30,12 @@ class WeightGradStore:
     def flush(self, key: tuple[int, int]) -> None:
         """Run the W pass of `key`: accumulate every queued weight gradient."""
         for x, gy, weight in self.queues.pop(key, ()):
-            gw = gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            gw = gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
             if weight.grad is None:
-                weight.grad = gw
+                weight.grad = gw.to(weight.dtype)
             else:
+                # a 16-bit ∂W is added into the fp32 grad as it is read (the same sums as casting it first,
+                # the cast being exact), so no fp32 copy of the weight's size exists next to it
                 weight.grad.add_(gw)
 
     def pending_bytes(self) -> int:

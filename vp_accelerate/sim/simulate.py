@@ -213,9 +213,15 @@ def _memory(schedule: Schedule, timeline: list[TimedAction], model):
             w = layers[t.chunk] / rank_layers[r] if rank_layers[r] else 0.0  # a stage may hold no layer (paper redis)
             b = model.activation_bytes(t.chunk) if model else 0.0
             events[r].append((t.start, 1, w, 0, b))
+        elif t.op == "B" and schedule.split_backward and model is not None:
+            # the weight-gradient queue grows during B; its activations go at B's end (order_peak_memory)
+            queue = model.weight_grad_queue_bytes(t.chunk)
+            events[r] += [(t.start, 1, 0.0, 0, queue), (t.end, 0, 0.0, 0, -model.activation_bytes(t.chunk))]
         elif t.op == free_op:
             w = layers[t.chunk] / rank_layers[r] if rank_layers[r] else 0.0  # a stage may hold no layer (paper redis)
             b = model.activation_bytes(t.chunk) if model else 0.0
+            if schedule.split_backward and model is not None:
+                b = model.weight_grad_queue_bytes(t.chunk)  # W frees the queue; B freed the activations
             events[r].append((t.end, 0, -w, 0, -b))
             if t.chunk == 0 and r == root and emb and not schedule.forward_only:
                 events[r].append((t.end, 0, 0.0, 0, 0.0, -emb))
@@ -250,6 +256,8 @@ def order_peak_memory(schedule: Schedule, model, events=None) -> list[float]:
     `transient_bytes` on top), whatever the pass times. The planner screens layouts for memory with it
     before it times any. `events`: `memory_events(schedule)` when the caller keeps it for many models."""
     act = [model.activation_bytes(c) for c in range(schedule.num_chunks)]
+    # split backward: B frees a microbatch's activations and leaves its weight-gradient queue until W
+    queue = [model.weight_grad_queue_bytes(c) if schedule.split_backward else 0.0 for c in range(schedule.num_chunks)]
     stash = model.stash_bytes()
     emb = model.input_bytes()
     root = schedule.chunk_rank[0]
@@ -272,7 +280,8 @@ def order_peak_memory(schedule: Schedule, model, events=None) -> list[float]:
                 peak = max(peak, cur + trans["F", chunk])
             elif kind == 1:  # B (W when split): freed
                 peak = max(peak, cur + trans[free_op, chunk])
-                cur -= act[chunk] + (emb if chunk == 0 and r == root else 0.0)
+                held = queue[chunk] if schedule.split_backward else act[chunk]
+                cur -= held + (emb if chunk == 0 and r == root else 0.0)
             elif kind == 2:  # S: the VP stash (forward-only: held during S alone)
                 peak = max(peak, cur + stash + trans["S", chunk])
                 cur += 0.0 if schedule.forward_only else stash
@@ -284,8 +293,9 @@ def order_peak_memory(schedule: Schedule, model, events=None) -> list[float]:
                     cur += emb
                 else:
                     peak = max(peak, cur + trans["IF", 0])
-            else:  # B of a split backward: recompute, no weight gradients yet
-                peak = max(peak, cur + trans["B", chunk])
+            else:  # B of a split backward: recompute, the weight gradients queued for W
+                peak = max(peak, cur + trans["B", chunk] + queue[chunk])
+                cur += queue[chunk] - act[chunk]
             peak = max(peak, cur)
         peaks.append(model.static_bytes(r) + peak)
     return peaks
