@@ -93,3 +93,41 @@ def test_w_adds_a_16bit_gradient_into_the_fp32_grad_without_an_fp32_copy():
     fp32_copies = [m for m in seen.made if m[1] == torch.float32 and m[2] == (32, 16) and "add_" not in str(m[0])]
     assert fp32_copies == [], fp32_copies
     assert torch.equal(lin.weight.grad, expected)
+
+
+def test_the_planner_prices_a_layers_weight_gradient_queue_as_the_store_holds_it():
+    """ModelShape.weight_grad_queue_bytes (what a split backward keeps from B to W) equals the distinct storage
+    bytes an HF Llama layer queues, in fp32 and under bf16 autocast (where q, k, v, gate and up each cast
+    their own copy of the norm's fp32 output)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from vp_accelerate.cost.shape import ModelShape
+
+    cfg = LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
+    )
+    cfg._attn_implementation = "sdpa"
+    layer, rotary = LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg)
+    store = WeightGradStore()
+    install(layer, store)
+    n = 24
+    for dtype_bytes in (4, 2):
+        x = torch.randn(1, n, 64, requires_grad=True)
+        pos = torch.arange(n)[None]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_bytes == 2):
+            y = layer(x, position_embeddings=rotary(x, pos), attention_mask=None, position_ids=pos)
+        y = y[0] if isinstance(y, tuple) else y
+        store.key = (0, 0)
+        y.backward(torch.randn_like(y))
+        store.key = None
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for item in store.queues[(0, 0)]
+            for t in item[:2]
+        }
+        shape = ModelShape(
+            hidden=64, layers=1, heads=4, ffn=96, vocab=10, seq=n, mlp_matrices=3, kv_heads=2, dtype_bytes=dtype_bytes
+        )
+        assert sum(storages.values()) == shape.weight_grad_queue_bytes(), dtype_bytes
+        store.flush((0, 0))
