@@ -419,6 +419,10 @@ class Executor:
             st.local_grads[key] = x.grad
         if not self.schedule.split_backward:
             self._release(key)
+        else:  # autograd freed what the forward saved; until W the microbatch holds its weight-gradient queue
+            st.meter.release(key)
+            if self.weight_grads is not None:
+                st.meter.add(key, storage_bytes(self.weight_grads.queued(key), st.meter.exclude))
 
     def _do_W(self, a: Action) -> None:
         key = (a.mb, a.chunk)

@@ -38,6 +38,10 @@ class WeightGradStore:
                 # the cast being exact), so no fp32 copy of the weight's size exists next to it
                 weight.grad.add_(gw)
 
+    def queued(self, key: tuple[int, int]) -> list[torch.Tensor]:
+        """The tensors `key`'s W pass will read (each linear's input and output gradient)."""
+        return [t for x, gy, _ in self.queues.get(key, ()) for t in (x, gy)]
+
     def pending_bytes(self) -> int:
         return sum(
             x.numel() * x.element_size() + gy.numel() * gy.element_size()

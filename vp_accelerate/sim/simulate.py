@@ -214,9 +214,12 @@ def _memory(schedule: Schedule, timeline: list[TimedAction], model):
             b = model.activation_bytes(t.chunk) if model else 0.0
             events[r].append((t.start, 1, w, 0, b))
         elif t.op == "B" and schedule.split_backward and model is not None:
-            # the weight-gradient queue grows during B; its activations go at B's end (order_peak_memory)
-            queue = model.weight_grad_queue_bytes(t.chunk)
-            events[r] += [(t.start, 1, 0.0, 0, queue), (t.end, 0, 0.0, 0, -model.activation_bytes(t.chunk))]
+            # the weight-gradient queue grows while autograd frees the activations; after B only the queue
+            # is held (order_peak_memory's rule)
+            queue, act = model.weight_grad_queue_bytes(t.chunk), model.activation_bytes(t.chunk)
+            grow = max(0.0, queue - act)
+            events[r] += [(t.start, 1, 0.0, 0, 0.0, grow), (t.end, 0, 0.0, 0, 0.0, -grow)]
+            events[r] += [(t.end, 0, 0.0, 0, -act), (t.end, 1, 0.0, 0, queue)]
         elif t.op == free_op:
             w = layers[t.chunk] / rank_layers[r] if rank_layers[r] else 0.0  # a stage may hold no layer (paper redis)
             b = model.activation_bytes(t.chunk) if model else 0.0
@@ -293,8 +296,8 @@ def order_peak_memory(schedule: Schedule, model, events=None) -> list[float]:
                     cur += emb
                 else:
                     peak = max(peak, cur + trans["IF", 0])
-            else:  # B of a split backward: recompute, the weight gradients queued for W
-                peak = max(peak, cur + trans["B", chunk] + queue[chunk])
+            else:  # B of a split backward: autograd frees the activations as the W queue grows
+                peak = max(peak, cur + trans["B", chunk] + max(0.0, queue[chunk] - act[chunk]))
                 cur += queue[chunk] - act[chunk]
             peak = max(peak, cur)
         peaks.append(model.static_bytes(r) + peak)
