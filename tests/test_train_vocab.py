@@ -281,3 +281,26 @@ def test_a_hub_model_is_snapshotted_once_then_read_per_rank(tmp_path, monkeypatc
     assert calls[0][0] == "org/model" and {"*.json", "*.safetensors"} <= set(calls[0][1])
     assert local_model_dir(str(tmp_path / "snap")) == str(tmp_path / "snap") and len(calls) == 1
     assert tokenizer_source(recipe("org/model")) == "org/model"  # the model's own tokenizer, by its hub id
+
+
+def test_pretrained_weights_refuse_a_config_vocab_size_wherever_the_config_is_read(tmp_path, corpora):
+    """`model.config.vocab_size` with pretrained weights is one error at --check, in the trainer and in the
+    planner (`presets.with_overrides`); the trainer used to replace the value silently by the checkpoint's."""
+    from vp_accelerate.train.cli.plan import resolve_auto
+    from vp_accelerate.train.cli.preflight import _model_config
+    from vp_accelerate.train.run.trainer import plan_model
+
+    d, tok_a, *_ = corpora
+    save_model(tmp_path / "m", tok_a)
+    r = recipe(tmp_path / "m")
+    r.model.config = {"vocab_size": len(tok_a) + 64}
+    r.pipeline.schedule = "auto"
+    for read in (
+        lambda: _model_config(r),
+        lambda: plan_model(r, tok_a, str(tmp_path / "m")),
+        lambda: resolve_auto(r, 2),
+    ):
+        with pytest.raises(RecipeError, match="model.config.vocab_size: the rows of pretrained weights follow"):
+            read()
+    r.model.pretrained_weights = False  # a fresh model takes the override
+    assert _model_config(r).vocab_size == len(tok_a) + 64

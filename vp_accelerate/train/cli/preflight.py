@@ -35,7 +35,7 @@ from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
-from ..recipe.presets import PRESETS, preset_config, uses_pretrained_weights
+from ..recipe.presets import PRESETS, preset_config, uses_pretrained_weights, with_overrides
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import (
     model_tokenizer_source,
@@ -193,21 +193,14 @@ def _model_config(recipe, full: bool = True):
         src = src or m.source
     if os.path.isfile(os.path.join(src, "config.json")):
         _json_file(os.path.join(src, "config.json"), "model.source")
-        if m.pretrained_weights:
+        if uses_pretrained_weights(m):
             check_weight_files(src)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as e:
         raise RecipeError(f"model.source: cannot read the config of {src}: {str(e).splitlines()[0]}") from None
     check_config_types(config, m.config)
-    if "vocab_size" in m.config and m.pretrained_weights:
-        raise RecipeError(
-            "model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
-            "resize_vocab / allow_shrink / pad_to_multiple_of), not a config override"
-        )
-    for key, value in m.config.items():
-        setattr(config, key, value)
-    return config
+    return with_overrides(config, m.config, uses_pretrained_weights(m))
 
 
 def _local_tokenizer(recipe):

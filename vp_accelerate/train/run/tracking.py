@@ -149,7 +149,7 @@ class Tracker:
         self.metrics_path = os.path.join(out, "metrics.jsonl")
         if self.is_main:
             os.makedirs(out, exist_ok=True)
-            self.rotated = start_metrics(self.metrics_path, resumed_step)
+            start_metrics(self.metrics_path, resumed_step)
         if self.enabled:
             init = {"mode": recipe.logging.wandb_mode, "dir": out}
             if recipe.logging.run_name:

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig
 
 from vp_accelerate import modes
 from vp_accelerate.distributed import init_from_env
@@ -144,10 +143,8 @@ def plan_model(recipe: Recipe, tokenizer, model_dir: str | None = None, model_to
     """(the model config, the vocabulary decision `VocabPlan`): what the pipeline and the data need to know of the
     model before it is built (the data check compares token ids with `plan.rows_after`)."""
     m = recipe.model
-    config = recipe_model_config(model_dir or m.source, m.config, m.trust_remote_code)
     pretrained = uses_pretrained_weights(m)
-    if pretrained and model_dir is not None:
-        config.vocab_size = AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code).vocab_size
+    config = recipe_model_config(model_dir or m.source, m.config, m.trust_remote_code, pretrained)
     return config, plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, chat=chat)
 
 
