@@ -100,23 +100,54 @@ def recipe_model_config(
     """The model config of a recipe's `model.source` (preset, local dir, or hub id), overrides applied.
     `pretrained`: the run reads the source's weights (`uses_pretrained_weights`), see `with_overrides`."""
     if source in PRESETS:
+        check_config_types(preset_config(source), overrides or {})
         return preset_config(source, overrides)
     config = AutoConfig.from_pretrained(os.path.expanduser(source), trust_remote_code=trust_remote_code)
     return with_overrides(config, overrides, pretrained)
 
 
 def with_overrides(config, overrides: dict | None, pretrained: bool):
-    """`config` with a recipe's `model.config` keys set. Pretrained weights refuse a vocab_size: their rows
-    follow the tokenizer, and a config value would be silently replaced by the checkpoint's row count."""
+    """`config` with a recipe's `model.config` keys set, each of the type it replaces. Pretrained weights refuse
+    a vocab_size: their rows follow the tokenizer, and a config value would be silently replaced by the
+    checkpoint's row count."""
     overrides = overrides or {}
+    check_config_types(config, overrides)
     if pretrained and "vocab_size" in overrides:
         raise RecipeError(
             "model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
             "resize_vocab / allow_shrink / pad_to_multiple_of), not a config override; remove it"
         )
     for key, value in overrides.items():
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except (TypeError, ValueError) as e:  # a config property that checks its value
+            raise RecipeError(f"model.config.{key}: {e}") from None
     return config
+
+
+def check_config_types(config, overrides: dict) -> None:
+    """model.config overrides have the type of the value they replace (an integer stays an integer)."""
+    for key, value in overrides.items():
+        old = getattr(config, key, None)
+        if old is None or value is None:
+            continue
+        kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+        want = type(old)
+        ok = (
+            isinstance(value, bool)
+            if want is bool
+            else isinstance(value, int) and not isinstance(value, bool)
+            if want is int
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if want is float
+            else isinstance(value, str)
+            if want is str
+            else True
+        )
+        if not ok:
+            raise RecipeError(
+                f"model.config.{key}: expects {kinds.get(want, want.__name__)} (the model's is {old!r}), got {value!r}"
+            )
 
 
 def padded_vocab(n: int, multiple: int) -> int:
