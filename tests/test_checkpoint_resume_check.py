@@ -220,3 +220,32 @@ def test_override_optimizer_applies_every_hyperparameter_of_the_run():
     resume_check.apply_hyperparameters(run, sched, fresh)
     group = run.param_groups[0]
     assert (group["amsgrad"], group["weight_decay"], group["lr"]) == (True, 0.5, 0.1)
+
+
+def test_every_optimizer_key_reaches_what_override_applies():
+    """Each field of the recipe's optimizer section is either a parameter-group value of the built optimizer
+    (what `fresh_hyperparameters` carries, so `--override optimizer` applies it) or one of `NOT_RESTORED` (read
+    from the recipe at every step): a new key cannot keep the checkpoint's value unnoticed."""
+    import dataclasses
+
+    from vp_accelerate.train.checkpoint.resume_check import NOT_RESTORED, fresh_hyperparameters
+    from vp_accelerate.train.recipe.schema import OptimizerSection
+
+    params = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
+    pipe = SimpleNamespace(
+        named_parameters=lambda: [("w", params[0]), ("b", params[1])],
+        make_optimizer=lambda groups, cls, **kw: cls(groups, **kw),
+    )
+
+    def groups(cfg):
+        return fresh_hyperparameters(build_optimizer(pipe, cfg), None)["groups"]
+
+    base = OptimizerSection()
+    fields = {f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerSection)}
+    assert NOT_RESTORED <= fields, "NOT_RESTORED names a key the optimizer section does not have"
+    for f in dataclasses.fields(OptimizerSection):
+        if f"optimizer.{f.name}" in NOT_RESTORED:
+            continue
+        value = getattr(base, f.name)
+        other = [v / 2 for v in value] if isinstance(value, list) else value / 2
+        assert groups(dataclasses.replace(base, **{f.name: other})) != groups(base), f.name

@@ -132,3 +132,17 @@ def test_a_crashed_spawn_names_the_family_and_each_ranks_last_lines():
     line = mod.crash_reason("gpt_neox", err)
     assert line.startswith("gpt_neox: RankFailed: rank 0: ")
     assert "RuntimeError: boom" in line and "rank 1: process exited with code -6" in line
+
+
+def test_layer_types_are_the_mask_builders_keys(monkeypatch):
+    """The layer types a model may have are `masks.MASK_BUILDERS`' keys, read where they are checked: the error
+    names that set, and a kind given a builder there is accepted with no second list to edit."""
+    from vp_accelerate.models import adapter, masks
+
+    cfg = tiny_family_config("qwen3_5_text")
+    kinds = tuple(sorted(set(cfg.layer_types)))
+    with pytest.raises(UnsupportedModelError, match="linear_attention") as err:
+        adapter._layer_types(cfg, len(cfg.layer_types))
+    assert f"(supported: {tuple(masks.MASK_BUILDERS)})" in str(err.value)
+    monkeypatch.setitem(masks.MASK_BUILDERS, "linear_attention", masks.MASK_BUILDERS["full_attention"])
+    assert set(adapter._layer_types(cfg, len(cfg.layer_types))) == set(kinds)

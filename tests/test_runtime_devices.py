@@ -36,7 +36,7 @@ def _cycle(ckpt: str, out_dir: str, seed: int, vocab: int, configs):
     from helpers.device_audit import CollectiveAudit, audit
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.train.run.nonfinite import check_weights_before_save
-    from vp_accelerate.train.run.tracking import gather, world_mean
+    from vp_accelerate.train.run.tracking import gather
 
     report = {}
     for schedule, method, dp in configs:
@@ -62,7 +62,6 @@ def _cycle(ckpt: str, out_dir: str, seed: int, vocab: int, configs):
             opt.step()
             pipe.zero_grad()
             eval_loss = pipe.eval_step(ids[rows], labels[rows])
-            mean = world_mean(eval_loss)
             lines = gather(pipe.describe())
             check_weights_before_save(1, pipe.state_dict(), opt.state_dict())
             with torch.no_grad():  # a NaN weight: the step names its microbatches through a collective
@@ -77,7 +76,7 @@ def _cycle(ckpt: str, out_dir: str, seed: int, vocab: int, configs):
             "backends": backends,
             "groups_used": sorted({r["group"] for r in rec.records}),
             "n": len(rec.records),
-            "finite": math.isfinite(res.loss) and math.isfinite(norm) and math.isfinite(mean),
+            "finite": math.isfinite(res.loss) and math.isfinite(norm) and math.isfinite(eval_loss),
             "nonfinite_found": bool(bad.nonfinite_microbatches),
             "lines": len(lines),
         }

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.tiny import bpe
+from helpers.tiny import bpe, recipe_file
 from vp_accelerate.train.data import BatchIterator, DataError, Sequences, build_data, is_heldout, pack, pad_rows
 from vp_accelerate.train.recipe import DataSection
 
@@ -203,15 +203,8 @@ def test_the_text_field_is_checked_at_check_time(tmp_path, corpus, capsys):
             for i in range(64)
         )
     )
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(
-        json.dumps(
-            {
-                "tokenizer": {"source": f"bpe:{d / 'tok'}"},
-                "eval": {"batches": 0},
-                "data": {"files": [str(tmp_path / "chat.jsonl")], "seq_len": 32},
-            }
-        )
+    recipe = recipe_file(
+        tmp_path / "r.yaml", d / "tok", [tmp_path / "chat.jsonl"], data={"seq_len": 32}, eval={"batches": 0}
     )
     assert train_main([str(recipe), "--check"]) == 0
     assert "data format chat" in capsys.readouterr().err

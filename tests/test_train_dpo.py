@@ -9,10 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from helpers.launch import run_env, train_ranks
-from helpers.tiny import WORDS, word_tokenizer
+from helpers.tiny import TINY_MODEL, WORDS, recipe_file, word_tokenizer
 from vp_accelerate.train.data import DataError, chat_rows, formats, prepare_data
 from vp_accelerate.train.data.preference import PairSequences, encode_pair
 from vp_accelerate.train.recipe import DataSection, RecipeError, recipe_from_dict
@@ -139,27 +138,20 @@ def _dpo_run(tok_dir, tmp_path, preference):
         }
         for _ in range(8)
     ]
-    recipe = {
-        "model": {
-            "source": "llama-tiny",
-            "config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
-        },
-        "tokenizer": {"source": f"bpe:{tok_dir}"},
-        "data": {
-            "files": [_write(tmp_path / "train.jsonl", rows)],
-            "eval_files": [_write(tmp_path / "eval.jsonl", rows[:4])],
-            "format": "preference",
-            "seq_len": 16,
-        },
-        "preference": preference,
-        "pipeline": {"schedule": "1f1b", "method": "vocab-1", "microbatches": 2},
-        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
-        "train": {"steps": 12, "global_batch": 4},
-        "eval": {"every": 12, "batches": 1},
-        "checkpoint": {"every": 0, "export_hf": False},
-        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run"), "timeline_image": False},
-    }
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    recipe_file(
+        tmp_path / "r.yaml",
+        tok_dir,
+        [_write(tmp_path / "train.jsonl", rows)],
+        model=TINY_MODEL,
+        data={"eval_files": [_write(tmp_path / "eval.jsonl", rows[:4])], "format": "preference", "seq_len": 16},
+        preference=preference,
+        pipeline={"schedule": "1f1b", "method": "vocab-1", "microbatches": 2},
+        optimizer={"lr": 3e-3, "weight_decay": 0.0},
+        train={"steps": 12, "global_batch": 4},
+        eval={"every": 12, "batches": 1},
+        checkpoint={"every": 0, "export_hf": False},
+        logging={"output_dir": str(tmp_path / "run"), "timeline_image": False},
+    )
     out = train_ranks([str(tmp_path / "r.yaml")], tmp_path, run_env(tmp_path / "ds_cache"), timeout_s=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

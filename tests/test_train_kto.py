@@ -262,10 +262,8 @@ def test_demo_unpaired_rows_alternate_own_and_other_answers(tmp_path):
 def test_a_kto_run_learns_and_logs_ktotrainers_metrics(tmp_path, tok):
     """The trainer on 2 ranks: reference pass over the rows and the KL rows (saved), z per microbatch, the loss
     from 0.5 (σ(0) at the reference, z = 0) down on repeated rows; KTOTrainer's names logged, train and eval."""
-    import yaml
-
     from helpers.launch import run_env, train_ranks
-    from helpers.tiny import TINY_MODEL
+    from helpers.tiny import TINY_MODEL, recipe_file
 
     rng = random.Random(1)
     rows = [
@@ -278,19 +276,20 @@ def test_a_kto_run_learns_and_logs_ktotrainers_metrics(tmp_path, tok):
     ]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = {
-        "model": TINY_MODEL,
-        "tokenizer": {"source": f"bpe:{tok.name_or_path}"},
-        "data": {"files": [str(path)], "eval_files": [str(path)], "format": "unpaired_preference", "seq_len": 16},
-        "preference": {"beta": 0.5, "loss_type": "kto"},
-        "pipeline": {"schedule": "1f1b", "method": "vocab-1", "microbatches": 2},
-        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
-        "train": {"steps": 12, "global_batch": 8},
-        "eval": {"every": 12, "batches": 1},
-        "checkpoint": {"every": 0, "export_hf": False},
-        "logging": {"wandb_mode": "disabled", "output_dir": str(tmp_path / "run"), "timeline_image": False},
-    }
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    recipe_file(
+        tmp_path / "r.yaml",
+        tok.name_or_path,
+        [path],
+        model=TINY_MODEL,
+        data={"eval_files": [str(path)], "format": "unpaired_preference", "seq_len": 16},
+        preference={"beta": 0.5, "loss_type": "kto"},
+        pipeline={"schedule": "1f1b", "method": "vocab-1", "microbatches": 2},
+        optimizer={"lr": 3e-3, "weight_decay": 0.0},
+        train={"steps": 12, "global_batch": 8},
+        eval={"every": 12, "batches": 1},
+        checkpoint={"every": 0, "export_hf": False},
+        logging={"output_dir": str(tmp_path / "run"), "timeline_image": False},
+    )
     out = train_ranks([str(tmp_path / "r.yaml")], tmp_path, run_env(tmp_path / "ds_cache"), timeout_s=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

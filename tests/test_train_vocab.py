@@ -281,3 +281,55 @@ def test_a_hub_model_is_snapshotted_once_then_read_per_rank(tmp_path, monkeypatc
     assert calls[0][0] == "org/model" and {"*.json", "*.safetensors"} <= set(calls[0][1])
     assert local_model_dir(str(tmp_path / "snap")) == str(tmp_path / "snap") and len(calls) == 1
     assert tokenizer_source(recipe("org/model")) == "org/model"  # the model's own tokenizer, by its hub id
+
+
+def test_pretrained_weights_refuse_a_config_vocab_size_wherever_the_config_is_read(tmp_path, corpora):
+    """`model.config.vocab_size` with pretrained weights is one error at --check, in the trainer and in the
+    planner (`presets.with_overrides`); the trainer used to replace the value silently by the checkpoint's."""
+    from vp_accelerate.train.cli.plan import resolve_auto
+    from vp_accelerate.train.cli.preflight import _model_config
+    from vp_accelerate.train.run.trainer import plan_model
+
+    d, tok_a, *_ = corpora
+    save_model(tmp_path / "m", tok_a)
+    r = recipe(tmp_path / "m")
+    r.model.config = {"vocab_size": len(tok_a) + 64}
+    r.pipeline.schedule = "auto"
+    for read in (
+        lambda: _model_config(r),
+        lambda: plan_model(r, tok_a, str(tmp_path / "m")),
+        lambda: resolve_auto(r, 2),
+    ):
+        with pytest.raises(RecipeError, match="model.config.vocab_size: the rows of pretrained weights follow"):
+            read()
+    r.model.pretrained_weights = False  # a fresh model takes the override
+    assert _model_config(r).vocab_size == len(tok_a) + 64
+
+
+def test_preflight_and_trainer_read_one_model_config_and_model_tokenizer(tmp_path, corpora):
+    """`presets.recipe_model_config` and `vocab_plan.model_tokenizer_of` are what preflight and the trainer both
+    call: a mistyped `model.config` value is the same error in both (the trainer used to take it), and the model's
+    own tokenizer is read only when the run starts from the model's weights."""
+    from vp_accelerate.train.cli.preflight import _model_config
+    from vp_accelerate.train.run.trainer import plan_model
+    from vp_accelerate.train.tokens.vocab_plan import model_tokenizer_of
+
+    d, tok_a, tok_b, _ = corpora
+    save_model(tmp_path / "m", tok_a)
+    for source in ("llama-tiny", str(tmp_path / "m")):
+        r = recipe(source, "x")
+        r.model.config = {"num_hidden_layers": "2"}
+        errors = []
+        for read in (
+            lambda: _model_config(r),
+            lambda: plan_model(r, tok_a, None if source == "llama-tiny" else source),
+        ):
+            with pytest.raises(RecipeError, match="model.config.num_hidden_layers: expects an integer") as err:
+                read()
+            errors.append(str(err.value))
+        assert errors[0] == errors[1]
+    r = recipe(tmp_path / "m", "other")
+    assert model_tokenizer_of(r, tok_b, "other", lambda own: ("read", own)) == ("read", str(tmp_path / "m"))
+    assert model_tokenizer_of(r, tok_a, str(tmp_path / "m"), None) is tok_a  # the run's tokenizer is the model's
+    r.model.pretrained_weights = False
+    assert model_tokenizer_of(r, tok_b, "other", lambda own: ("read", own)) is None

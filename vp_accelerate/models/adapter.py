@@ -23,10 +23,6 @@ from .masks import MASK_BUILDERS
 log = logging.getLogger(__name__)
 
 
-#: Attention-mask kinds a decoder layer may need, by `config.layer_types` entry: those with a builder.
-SUPPORTED_LAYER_TYPES = tuple(MASK_BUILDERS)
-
-
 class UnsupportedModelError(ValueError):
     """The model cannot be split: names the missing part and how to add an adapter."""
 
@@ -179,11 +175,11 @@ def _layer_types(config, n: int) -> tuple[str, ...]:
         types = ("sliding_attention",) * n
     else:
         types = ("full_attention",) * n
-    bad = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
+    bad = sorted(set(types) - set(MASK_BUILDERS))  # the kinds with a mask builder are the supported ones
     if bad:
         raise UnsupportedModelError(
             f"layer types {bad} of model_type={config.model_type!r} are not supported "
-            f"(supported: {SUPPORTED_LAYER_TYPES}); add the mask builder to MASK_BUILDERS in models/masks.py"
+            f"(supported: {tuple(MASK_BUILDERS)}); add the mask builder to MASK_BUILDERS in models/masks.py"
         )
     return types
 

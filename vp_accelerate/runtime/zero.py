@@ -117,10 +117,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._inner_of.append(i)
         self.inner = optimizer_class(inner_groups, **defaults) if inner_groups else None
 
-    def owned(self) -> list[torch.nn.Parameter]:
-        """This replica's parameters (the ones whose state it keeps)."""
-        return [p for g in self.param_groups for p in g["params"] if self.owner[p] == self.dp_rank]
-
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:

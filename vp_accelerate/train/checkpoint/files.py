@@ -195,14 +195,3 @@ def rank_record(rank_dir: str) -> dict | None:
             raise _damaged(path, f"names {name[:80]!r}, which is not a file of the rank folder {rank_dir}")
         inside(rank_dir, name, path)
     return entries
-
-
-def check_all(step_dir: str, meta: dict) -> None:
-    """Every recorded file of a checkpoint (model/ and each rank folder) is there, whole and unchanged."""
-    for rel, expected in sorted((meta.get("files") or {}).items()):
-        check_file(os.path.join(step_dir, rel), expected)
-    for name in sorted(os.listdir(step_dir)):
-        if name.startswith("rank_") and os.path.isdir(os.path.join(step_dir, name)):
-            found = rank_record(os.path.join(step_dir, name)) or {}
-            for file, expected in sorted(found.items()):
-                check_file(os.path.join(step_dir, name, file), expected)

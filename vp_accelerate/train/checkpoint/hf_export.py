@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-from types import SimpleNamespace
 
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -40,7 +39,7 @@ from vp_accelerate.models.lora import merge_lora, save_adapter
 from vp_accelerate.models.stream_export import export_rank_files
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 
-from ..recipe.presets import uses_pretrained_weights
+from ..recipe.presets import starts_from_weights
 from ..tokens.token_map import same_vocabulary
 from . import store as ckpt
 
@@ -135,9 +134,7 @@ def adapter_base(recipe: dict, vocab_size: int, tokenizer) -> tuple[str | None, 
     beside the adapter)."""
     m = (recipe or {}).get("model") or {}
     source = m.get("source")
-    if not source or not uses_pretrained_weights(
-        SimpleNamespace(**{"pretrained_weights": True, **m, "source": source})
-    ):
+    if not source or not starts_from_weights(source, m.get("pretrained_weights", True)):
         return None, "the run started from a fresh model, which exists nowhere else", False
     if m.get("config") or m.get("init_from"):
         return None, "model.config / model.init_from: the run's base is not model.source's weights", False

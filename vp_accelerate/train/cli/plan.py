@@ -241,7 +241,7 @@ def resolve_auto(recipe, world_size: int | None):
     else (recipe, None). Every rank computes the same plan from the same inputs. Raises RecipeError."""
     # presets and recipe load transformers and the models; commands.py imports this module before --help is read
     from ..recipe import RecipeError, check
-    from ..recipe.presets import recipe_model_config
+    from ..recipe.presets import recipe_model_config, uses_pretrained_weights
 
     p = recipe.pipeline
     if p.schedule != "auto":
@@ -252,7 +252,7 @@ def resolve_auto(recipe, world_size: int | None):
             "--world-size N with --check)"
         )
     m = recipe.model
-    config = recipe_model_config(m.source, m.config, m.trust_remote_code)
+    config = recipe_model_config(m.source, m.config, m.trust_remote_code, uses_pretrained_weights(m))
     memory = p.plan_memory_gb or _memory_gb(world_size)
     peak = recipe.logging.peak_tflops * 1e12 or Hardware.peak_flops  # only MFU's scale; the ranking is the same
     req = PlanRequest(

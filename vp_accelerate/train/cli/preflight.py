@@ -15,7 +15,6 @@ import json
 import os
 
 from huggingface_hub import try_to_load_from_cache
-from transformers import AutoConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from vp_accelerate.cost import plan_layout
@@ -35,10 +34,10 @@ from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
-from ..recipe.presets import PRESETS, preset_config, uses_pretrained_weights
+from ..recipe.presets import PRESETS, recipe_model_config, uses_pretrained_weights
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import (
-    model_tokenizer_source,
+    model_tokenizer_of,
     plan_vocab,
     prepare_tokenizers,
     tokenizer_source,
@@ -113,31 +112,6 @@ def check_weight_files(src: str) -> None:
             ) from None
 
 
-def check_config_types(config, overrides: dict) -> None:
-    """model.config overrides have the type of the value they replace (an integer stays an integer)."""
-    for key, value in overrides.items():
-        old = getattr(config, key, None)
-        if old is None or value is None:
-            continue
-        kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-        want = type(old)
-        ok = (
-            isinstance(value, bool)
-            if want is bool
-            else isinstance(value, int) and not isinstance(value, bool)
-            if want is int
-            else isinstance(value, (int, float)) and not isinstance(value, bool)
-            if want is float
-            else isinstance(value, str)
-            if want is str
-            else True
-        )
-        if not ok:
-            raise RecipeError(
-                f"model.config.{key}: expects {kinds.get(want, want.__name__)} (the model's is {old!r}), got {value!r}"
-            )
-
-
 def _check_remote_code(recipe) -> None:
     """Custom modelling/tokenizer code (`auto_map`) runs only where the recipe says so."""
     if recipe.model.trust_remote_code:
@@ -167,10 +141,12 @@ def _model_config(recipe, full: bool = True):
     """The model config the run will use, or None when it cannot be read before launch (a hub id not yet in the
     local cache, on a launched rank: full=False; `--check` reads its config from the hub)."""
     m = recipe.model
+    pretrained = uses_pretrained_weights(m)
     if m.source in PRESETS:
-        check_config_types(preset_config(m.source, {}), m.config)
         try:
-            return preset_config(m.source, m.config)
+            return recipe_model_config(m.source, m.config, pretrained=pretrained)
+        except RecipeError:
+            raise
         except (TypeError, ValueError) as e:
             raise RecipeError(f"model.config: {e}") from None
     src = _local_dir(m.source)
@@ -193,21 +169,14 @@ def _model_config(recipe, full: bool = True):
         src = src or m.source
     if os.path.isfile(os.path.join(src, "config.json")):
         _json_file(os.path.join(src, "config.json"), "model.source")
-        if m.pretrained_weights:
+        if pretrained:
             check_weight_files(src)
-    try:
-        config = AutoConfig.from_pretrained(src, trust_remote_code=m.trust_remote_code)
+    try:  # as the trainer reads it (`plan_model`)
+        return recipe_model_config(src, m.config, m.trust_remote_code, pretrained)
+    except RecipeError:
+        raise
     except (OSError, ValueError) as e:
         raise RecipeError(f"model.source: cannot read the config of {src}: {str(e).splitlines()[0]}") from None
-    check_config_types(config, m.config)
-    if "vocab_size" in m.config and m.pretrained_weights:
-        raise RecipeError(
-            "model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
-            "resize_vocab / allow_shrink / pad_to_multiple_of), not a config override"
-        )
-    for key, value in m.config.items():
-        setattr(config, key, value)
-    return config
 
 
 def _local_tokenizer(recipe):
@@ -250,12 +219,10 @@ def vocab_decision(recipe, config, full: bool = True, found: dict | None = None)
     tokenizer = _load_local_tokenizer(recipe, source, convert=full)
     if tokenizer is None:
         return None
-    m = recipe.model
-    pretrained = uses_pretrained_weights(m)
-    own = model_tokenizer_source(m.source) if pretrained else None
-    model_tokenizer = None
-    if own is not None:
-        model_tokenizer = tokenizer if own == source else _load_local_tokenizer(recipe, own, convert=full)
+    pretrained = uses_pretrained_weights(recipe.model)
+    model_tokenizer = model_tokenizer_of(
+        recipe, tokenizer, source, lambda own: _load_local_tokenizer(recipe, own, convert=full)
+    )
     chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, pretrained)  # the tokens it adds need rows
     if found is not None:
         found["tokenizer"] = tokenizer

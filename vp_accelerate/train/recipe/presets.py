@@ -17,6 +17,8 @@ from transformers import AutoConfig
 from vp_accelerate.models.checkpoint_source import CheckpointSource
 from vp_accelerate.models.row_map import RowMap
 
+from .convert import RecipeError
+
 
 def _shape(
     model_type: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int, **extra
@@ -92,14 +94,60 @@ def preset_config(name: str, overrides: dict | None = None):
     return AutoConfig.for_model(model_type, **copy.deepcopy({**kwargs, **(overrides or {})}))
 
 
-def recipe_model_config(source: str, overrides: dict | None = None, trust_remote_code: bool = False):
-    """The model config of a recipe's `model.source` (preset, local dir, or hub id), overrides applied."""
+def recipe_model_config(
+    source: str, overrides: dict | None = None, trust_remote_code: bool = False, pretrained: bool = False
+):
+    """The model config of a recipe's `model.source` (preset, local dir, or hub id), overrides applied.
+    `pretrained`: the run reads the source's weights (`uses_pretrained_weights`), see `with_overrides`."""
     if source in PRESETS:
+        check_config_types(preset_config(source), overrides or {})
         return preset_config(source, overrides)
     config = AutoConfig.from_pretrained(os.path.expanduser(source), trust_remote_code=trust_remote_code)
-    for key, value in (overrides or {}).items():
-        setattr(config, key, value)
+    return with_overrides(config, overrides, pretrained)
+
+
+def with_overrides(config, overrides: dict | None, pretrained: bool):
+    """`config` with a recipe's `model.config` keys set, each of the type it replaces. Pretrained weights refuse
+    a vocab_size: their rows follow the tokenizer, and a config value would be silently replaced by the
+    checkpoint's row count."""
+    overrides = overrides or {}
+    check_config_types(config, overrides)
+    if pretrained and "vocab_size" in overrides:
+        raise RecipeError(
+            "model.config.vocab_size: the rows of pretrained weights follow the tokenizer (tokenizer."
+            "resize_vocab / allow_shrink / pad_to_multiple_of), not a config override; remove it"
+        )
+    for key, value in overrides.items():
+        try:
+            setattr(config, key, value)
+        except (TypeError, ValueError) as e:  # a config property that checks its value
+            raise RecipeError(f"model.config.{key}: {e}") from None
     return config
+
+
+def check_config_types(config, overrides: dict) -> None:
+    """model.config overrides have the type of the value they replace (an integer stays an integer)."""
+    for key, value in overrides.items():
+        old = getattr(config, key, None)
+        if old is None or value is None:
+            continue
+        kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+        want = type(old)
+        ok = (
+            isinstance(value, bool)
+            if want is bool
+            else isinstance(value, int) and not isinstance(value, bool)
+            if want is int
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if want is float
+            else isinstance(value, str)
+            if want is str
+            else True
+        )
+        if not ok:
+            raise RecipeError(
+                f"model.config.{key}: expects {kinds.get(want, want.__name__)} (the model's is {old!r}), got {value!r}"
+            )
 
 
 def padded_vocab(n: int, multiple: int) -> int:
@@ -119,9 +167,14 @@ def local_model_dir(source: str) -> str:
 
 
 def uses_pretrained_weights(model_section) -> bool:
-    """Whether a run starts from the source's weights: `pretrained_weights` asks for them, and only a
-    checkpoint has them (a preset is a config; its model starts from random weights either way)."""
-    return bool(model_section.pretrained_weights) and model_section.source not in PRESETS
+    """Whether a run starts from the source's weights (`model_section`: the recipe's model section)."""
+    return starts_from_weights(model_section.source, model_section.pretrained_weights)
+
+
+def starts_from_weights(source: str, pretrained_weights: bool = True) -> bool:
+    """The rule itself, for a source and flag as a saved recipe writes them: `pretrained_weights` asks for the
+    weights, and only a checkpoint has them (a preset is a config; its model starts from random weights)."""
+    return bool(pretrained_weights) and source not in PRESETS
 
 
 def model_source(model_section, config, plan=None, path: str | None = None):

@@ -28,15 +28,6 @@ def gather(obj) -> list:
     return out
 
 
-def world_mean(value: float) -> float:
-    """Mean of a float over all ranks (replicas' eval losses are averaged this way)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, group=host_group())  # a host number: the gloo side group
-    return float(t.item()) / dist.get_world_size()
-
-
 _CUDA_RUN_PEAK = 0  # the allocator's peak over the run (its own counter is reset at every log)
 
 
@@ -149,7 +140,7 @@ class Tracker:
         self.metrics_path = os.path.join(out, "metrics.jsonl")
         if self.is_main:
             os.makedirs(out, exist_ok=True)
-            self.rotated = start_metrics(self.metrics_path, resumed_step)
+            start_metrics(self.metrics_path, resumed_step)
         if self.enabled:
             init = {"mode": recipe.logging.wandb_mode, "dir": out}
             if recipe.logging.run_name:

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig
 
 from vp_accelerate import modes
 from vp_accelerate.distributed import init_from_env
@@ -35,7 +34,7 @@ from ..recipe.lr_schedule import build_scheduler
 from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config, uses_pretrained_weights
 from ..tokens.tokenizer import load_tokenizer
 from ..tokens.vocab_plan import (
-    model_tokenizer_source,
+    model_tokenizer_of,
     plan_vocab,
     prepare_tokenizers,
     tokenizer_source,
@@ -128,14 +127,13 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
             tokenizer = load_tokenizer(source, recipe.tokenizer.cache_dir, m.trust_remote_code)
         except (OSError, ValueError) as e:
             raise RecipeError(f"tokenizer.source: cannot load {source!r}: {str(e).splitlines()[0]}") from None
-        model_tokenizer = None
-        own = model_tokenizer_source(model_dir) if model_dir is not None and m.pretrained_weights else None
-        if own is not None:
-            model_tokenizer = (
-                tokenizer
-                if os.path.abspath(own) == os.path.abspath(source)
-                else load_tokenizer(own, recipe.tokenizer.cache_dir, m.trust_remote_code)
-            )
+        model_tokenizer = model_tokenizer_of(
+            recipe,
+            tokenizer,
+            source,
+            lambda own: load_tokenizer(own, recipe.tokenizer.cache_dir, m.trust_remote_code),
+            model_dir,
+        )
     chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, uses_pretrained_weights(m))
     return model_dir, tokenizer, model_tokenizer, chat
 
@@ -144,10 +142,8 @@ def plan_model(recipe: Recipe, tokenizer, model_dir: str | None = None, model_to
     """(the model config, the vocabulary decision `VocabPlan`): what the pipeline and the data need to know of the
     model before it is built (the data check compares token ids with `plan.rows_after`)."""
     m = recipe.model
-    config = recipe_model_config(model_dir or m.source, m.config, m.trust_remote_code)
     pretrained = uses_pretrained_weights(m)
-    if pretrained and model_dir is not None:
-        config.vocab_size = AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code).vocab_size
+    config = recipe_model_config(model_dir or m.source, m.config, m.trust_remote_code, pretrained)
     return config, plan_vocab(recipe, config.vocab_size, tokenizer, pretrained, model_tokenizer, chat=chat)
 
 

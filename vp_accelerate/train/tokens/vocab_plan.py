@@ -22,7 +22,7 @@ from vp_accelerate.models.row_map import RowMap
 
 from ..data.chat_template import data_format, prepare_chat
 from ..recipe.convert import RecipeError
-from ..recipe.presets import PRESETS, padded_vocab
+from ..recipe.presets import PRESETS, padded_vocab, uses_pretrained_weights
 from .token_map import build_row_map, same_vocabulary
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -58,6 +58,20 @@ def tokenizer_source(recipe) -> str:
             f"tokenizer, e.g. tokenizer.source: bpe:outputs/demo_tokenizer"
         )
     return own
+
+
+def model_tokenizer_of(recipe, tokenizer, source: str, load, model_dir: str | None = None):
+    """The model's own tokenizer when the run starts from the model's weights (what a swap is decided against and
+    composes rows from), else None; preflight and the trainer both ask here. `tokenizer`: the run's, read from
+    `source`; `model_dir`: the model's files on disk (a hub id's snapshot), else `model.source` is asked;
+    `load(own)`: reads the model's tokenizer where it is another one (None: it cannot be read now)."""
+    if not uses_pretrained_weights(recipe.model):
+        return None
+    own = model_tokenizer_source(model_dir or recipe.model.source)
+    if own is None:
+        return None
+    same = os.path.abspath(os.path.expanduser(own)) == os.path.abspath(os.path.expanduser(source))
+    return tokenizer if same else load(own)
 
 
 @dataclass

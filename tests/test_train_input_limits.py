@@ -11,7 +11,7 @@ import os
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from helpers.tiny import word_tokenizer
+from helpers.tiny import recipe_file, word_tokenizer
 from vp_accelerate.train.cli.commands import train_main
 from vp_accelerate.train.data import long_text
 from vp_accelerate.train.data.tokenize import json_record
@@ -129,10 +129,15 @@ def test_the_text_format_encodes_a_long_row_in_pieces(tmp_path, capsys, monkeypa
     tok = word_tokenizer(tmp_path)
     rows = [{"text": " ".join(["alpha beta gamma"] * 20)}] * 50 + [{"text": " ".join(["paris france"] * 5000)}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "r.yaml").write_text(
-        f"model: {{source: llama-tiny}}\ntokenizer: {{source: 'bpe:{tok}'}}\n"
-        f"data: {{files: ['{tmp_path / 'd.jsonl'}'], seq_len: 64}}\npipeline: {{microbatches: 2}}\n"
-        f"train: {{global_batch: 2}}\neval: {{batches: 0}}\nlogging: {{output_dir: '{tmp_path / 'out'}'}}\n"
+    recipe_file(
+        tmp_path / "r.yaml",
+        tok,
+        [tmp_path / "d.jsonl"],
+        data={"seq_len": 64},
+        pipeline={"microbatches": 2},
+        train={"global_batch": 2},
+        eval={"batches": 0},
+        logging={"output_dir": str(tmp_path / "out")},
     )
     monkeypatch.setattr(long_text, "PIECE_CHARS", 3000)
     seen = []
