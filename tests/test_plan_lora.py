@@ -103,3 +103,34 @@ def test_a_recipe_with_a_lora_section_plans_with_it(monkeypatch, tmp_path):
     with pytest.raises(RecipeError, match="auto: x"):
         cli_plan.resolve_auto(recipe, 2)
     assert seen and seen[0].lora_rank == 4 and seen[0].lora_targets == ("q_proj", "down_proj")
+
+
+def test_a_lora_step_computes_no_weight_gradient_of_the_frozen_weights():
+    """With frozen weights a W pass costs nothing and an unsplit B only its input gradients (plus the layer's
+    recompute), the output layer's T / B drop the ∂W product; the data-parallel sync and optimizer step are the
+    adapters'. Before, a LoRA layout was timed as full training."""
+    from vp_accelerate.schedule.ir import Op
+    from vp_accelerate.sim.plan import _after_pipeline
+
+    full = shape_from_hf_config(LLAMA3_70B, seq=4096, attention="sdpa")
+    lora = replace(full, frozen_weights=True)
+    for kind, method in (("vhalf", "vocab-2"), ("1f1b", "baseline")):
+        sched = build_schedule(kind, method, 4, 4)
+        m_full, m_lora = for_schedule(full, sched), for_schedule(lora, sched)
+        last = len(sched.chunk_rank) - 1
+        if kind == "vhalf":
+            assert m_full.pass_time(0, Op.W, 0) > 0 and m_lora.pass_time(0, Op.W, 0) == 0
+            assert m_lora.pass_time(0, Op.B, 0) == m_full.pass_time(0, Op.B, 0)  # input gradients either way
+            assert m_lora.pass_time(0, Op.T, last) < m_full.pass_time(0, Op.T, last)
+        else:
+            b_full, b_lora = m_full.pass_time(0, Op.B, 0), m_lora.pass_time(0, Op.B, 0)
+            assert b_lora < 0.7 * b_full  # about half: ∂x without ∂W
+        assert m_lora.pass_time(0, Op.F, 0) == m_full.pass_time(0, Op.F, 0)
+    hw, memory = GPU_PRESETS["h100"]
+    req = PlanRequest(gpus=32, memory_gb=memory, seq=4096, global_batch=32, hardware=hw, gpus_per_node=8, lora_rank=16)
+    req = replace(req, schedules=("1f1b",), methods=("vocab-2",), microbatch_sizes=(1,), zero=(0,), top=1)
+    plan_ = search(LLAMA3_70B, req).fitting[0]
+    model = for_schedule(lora, build_schedule(plan_.schedule, plan_.method, plan_.pp, 2 * plan_.pp))
+    after_lora = _after_pipeline(plan_, req, model)
+    after_full = _after_pipeline(plan_, replace(req, lora_rank=None), model)
+    assert after_lora < after_full / 10

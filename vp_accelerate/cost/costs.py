@@ -154,12 +154,16 @@ class CostModel:
         return self.hw.peak_flops * self.hw.efficiency
 
     def _layer_time(self, op: str) -> float:
+        if op == "W" and self.shape.frozen_weights:
+            return 0.0  # a frozen layer computes no weight gradient (LoRA's adapters: negligible)
         if self.gemm is None:
             return self._flops_time(dict(zip("FBW", self.shape.layer_flops()))[op])
         return eff.layer_time(self.shape, op, self._rate(), self.hw.mem_bandwidth, self.gemm)
 
     def _out_time(self, rows: int, *parts: str) -> float:
         """Output-layer products over `rows` vocabulary rows (see efficiency.output_gemm_time)."""
+        if self.shape.frozen_weights:  # a frozen output layer computes no weight gradient
+            parts = tuple(p for p in parts if p != "weight_grad")
         if self.gemm is None:
             return self._flops_time(len(parts) * self.shape.output_matmul_flops(rows))
         return sum(eff.output_gemm_time(self.shape, rows, part, self._rate(), self.gemm) for part in parts)
@@ -237,7 +241,9 @@ class CostModel:
     def weight_grad_queue_bytes(self, chunk: int) -> float:
         """Split backward: what a microbatch keeps on the chunk's rank from its B to its W instead of its
         activations (B frees those; the W queue holds each linear's input and output gradient)."""
-        return self.chunk_layers[chunk] * self.shape.weight_grad_queue_bytes() if self.split_backward else 0.0
+        if not self.split_backward or self.shape.frozen_weights:  # LoRA: only the small adapters' (left out)
+            return 0.0
+        return self.chunk_layers[chunk] * self.shape.weight_grad_queue_bytes()
 
     def input_bytes(self) -> float:
         """VP: the embedding output of one microbatch, [N, h] in the parameters' fp32 (the IF partials are

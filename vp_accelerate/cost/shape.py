@@ -75,6 +75,9 @@ class ModelShape:
     layer with flash attention, Korthikanti et al.'s count); "eager" or "sdpa" is a Hugging Face pre-norm
     decoder layer (RMSNorm, rotary attention) as this project's runtime runs it with that
     `attn_implementation`, counted tensor by tensor."""
+    frozen_weights: bool = False
+    """The decoder and vocabulary weights get no gradient (a LoRA run): no weight-gradient GEMMs for them
+    (W passes and the unsplit backward's ∂W part cost nothing; a rank-r adapter's own are r/h of them)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:

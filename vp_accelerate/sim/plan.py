@@ -53,6 +53,7 @@ from vp_accelerate.cost.memory import (
     CONTEXT_BYTES,
     FRAGMENTATION,
     LORA_TARGETS,
+    lora_layer_params,
     run_memory,
 )
 from vp_accelerate.schedule import build_schedule
@@ -346,7 +347,9 @@ def search(config, req: PlanRequest) -> Search:
     # activations as the runtime keeps them: HF's decoder layers under SDPA (the flash kernel on a GPU, but
     # the module's own saved tensors: fp32 norm inputs, q / k / v, the MLP's four [N, ffn]), not the
     # paper's fused-kernel count (34sbh), which is a third lower
-    base = shape_from_hf_config(config, seq=req.seq, attention="sdpa")
+    base = replace(
+        shape_from_hf_config(config, seq=req.seq, attention="sdpa"), frozen_weights=req.lora_rank is not None
+    )
     cluster = req.cluster
     limit = req.memory_gb * 1e9
     plans: list[Plan] = []
@@ -512,6 +515,10 @@ def _after_pipeline(p: Plan, req: PlanRequest, model: CostModel) -> float:
     """Seconds after the pipeline drains: the data-parallel gradient sync and the optimizer step, for the
     rank with the most parameters."""
     params = max(model.rank_params(r) for r in range(p.pp))
+    if req.lora_rank is not None:  # only the adapters have gradients to sync and state to step
+        per_layer = lora_layer_params(model.shape, req.lora_rank, req.lora_targets)
+        params = max(sum(n for c, n in enumerate(model.chunk_layers) if model.chunk_rank[c] == r) for r in range(p.pp))
+        params *= per_layer
     dp_bw = req.cluster.dp_bandwidth(req.hardware, p.pp, p.dp)
     sync = grad_sync_time(params, p.dp, p.zero, dp_bw, req.hardware.latency, model.grad_bytes, model.shape.dtype_bytes)
     return sync + optimizer_step_time(params, p.dp, p.zero, req.hardware.mem_bandwidth)
@@ -654,7 +661,9 @@ def _lora_line(req: PlanRequest) -> list[str]:
     return [
         f"LoRA r={req.lora_rank} on {', '.join(req.lora_targets)}: frozen decoder weights held in bf16 (2 bytes "
         f"per parameter, no gradient or optimizer state), frozen vocabulary shards fp32 + the step's bf16 copy, "
-        f"adapters as trained parameters (cost/memory.py lora_rank_memory); step time priced as full training"
+        f"adapters as trained parameters (cost/memory.py lora_rank_memory); step time without the frozen weights' "
+        f"gradient GEMMs (W passes free, the backward's input gradients only), the adapters' gradient sync and "
+        f"optimizer step"
     ]
 
 
