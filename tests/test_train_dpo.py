@@ -218,16 +218,17 @@ def test_check_and_launch_agree_on_evaluation_pairs(tok, tmp_path):
     lines, prepared, _ = data_report(recipe, tok, len(tok))
     held = len(prepared.eval)
     assert 0 < held < 4 and f"{held} held out for evaluation" in lines[0], lines
-    assert f"the {held} held-out preference pair(s) fill no global batch of 4 pairs: evaluation is off" in lines[-1]
+    noun = "pair" if held == 1 else "pairs"
+    assert f"the {held} held-out preference {noun} fill no global batch of 4 pairs: evaluation is off" in lines[-1]
     _, evals = prepared.iterators(0, 4, eval_batches=None)  # the launch: no error, no evaluation batch
     assert len(evals) == 0
     one = _write(tmp_path / "e.jsonl", rows[:1])
     recipe = recipe_from_dict(
         {"data": {"files": [f], "eval_files": [one], "format": "preference", "seq_len": 16}} | base
     )
-    with pytest.raises(DataError, match="evaluation data has 1 preference pairs, fewer than one global batch"):
+    with pytest.raises(DataError, match="evaluation data has 1 preference pair, fewer than one global batch"):
         data_report(recipe, tok, len(tok))
-    with pytest.raises(DataError, match="evaluation data has 1 preference pairs, fewer than one global batch"):
+    with pytest.raises(DataError, match="evaluation data has 1 preference pair, fewer than one global batch"):
         prepare_data(recipe.data, tok, len(tok)).iterators(0, 4, eval_batches=None)
     recipe = recipe_from_dict({"data": {"files": [f], "eval_files": [f], "format": "preference", "seq_len": 16}} | base)
     lines, _, _ = data_report(recipe, tok, len(tok))
@@ -294,3 +295,24 @@ def test_the_recipe_preference_section_reaches_the_runtime_loss(tmp_path):
         recipe_from_dict({"data": data, "preference": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1]}})
     with pytest.raises(RecipeError, match="preference.label_smoothing: robust needs it in"):
         recipe_from_dict({"data": data, "preference": {"loss_type": "robust", "label_smoothing": 0.5}})
+
+
+def test_check_counts_kto_rows_as_rows_not_packed_sequences_or_pairs(tok, tmp_path):
+    """KTO's data (unpaired_preference) is reported in rows, one unpacked sequence each, and a held-out part too
+    small for a global batch turns evaluation off in rows (before: "packed sequences" and "preference pair(s)")."""
+    from vp_accelerate.train.data.check import data_report
+
+    words = [w for w in WORDS[:6] for _ in range(2)]
+    rows = [{"prompt": f"hello {w} {i}", "completion": f" {w}", "label": i % 2 == 0} for i, w in enumerate(words)]
+    f = _write(tmp_path / "u.jsonl", rows)
+    base = {"train": {"global_batch": 4}, "pipeline": {"microbatches": 2}, "preference": {"loss_type": "kto"}}
+    recipe = recipe_from_dict(
+        {"data": {"files": [f], "format": "unpaired_preference", "seq_len": 16, "eval_holdout": 0.25}} | base
+    )
+    lines, prepared, _ = data_report(recipe, tok, len(tok))
+    text = "\n".join(lines)
+    assert "rows for training" in lines[0] and "pair" not in text and "packed sequences" not in text, text
+    assert "sequences (1 a row, not packed)" in lines[1], lines
+    held = len(prepared.eval)
+    noun = "row" if held == 1 else "rows"
+    assert f"the {held} held-out preference {noun} fill no global batch of 4 rows: evaluation is off" in lines[-1]

@@ -20,11 +20,11 @@ from ..recipe.schema import DataSection
 from .formats import sample_format
 from .prepare import (
     EVAL_OFF,
-    PAIRS_EVAL_OFF,
     PreparedData,
     empty_turns_line,
     holdout_every,
     no_eval_message,
+    pairs_eval_off,
     prepare_data,
 )
 from .read import DataError, first_record_columns
@@ -62,28 +62,30 @@ def _packing_line(s: SplitStats, seq_len: int) -> str:
     return f"data.seq_len {seq_len}: " + "; ".join(parts)
 
 
-def _pairs(n: int) -> str:
-    return f"{n:,} pair{'' if n == 1 else 's'}"
+def _pairs(n: int, unit: str = "pair") -> str:
+    return f"{n:,} {unit}{'' if n == 1 else 's'}"
 
 
-def _pair_lines(s: SplitStats, held_out: int, seq_len: int) -> list[str]:
-    """What reading preference pairs found, in pairs (train.global_batch counts pairs)."""
+def _pair_lines(s: SplitStats, held_out: int, seq_len: int, unit: str = "pair") -> list[str]:
+    """What reading preference pairs (KTO: labelled rows, `unit` "row") found, in the unit train.global_batch
+    counts."""
     skipped = f" ({s.bad:,} invalid, skipped: data.skip_invalid)" if s.bad else ""
     held = f", {held_out:,} held out for evaluation" if held_out else ""
     lines = [
-        f"{s.source}: {_rows(s.rows)}{skipped}, {_pairs(s.documents)} for training{held}; {s.tokens:,} tokens, "
-        f"the longest row {s.longest:,}"
+        f"{s.source}: {_rows(s.rows)}{skipped}, {_pairs(s.documents, unit)} for training{held}; {s.tokens:,} "
+        f"tokens, the longest row {s.longest:,}"
     ]
     parts = []
     if s.truncated:
-        parts.append(f"{_pairs(s.truncated)} cut to it (keep_start, as TRL; {s.cut_tokens:,} tokens cut)")
+        parts.append(f"{_pairs(s.truncated, unit)} cut to it (keep_start, as TRL; {s.cut_tokens:,} tokens cut)")
     if s.dropped:
         parts.append(
-            f"{_pairs(s.dropped)} dropped (the prompt fills data.seq_len; keeping them needs data.seq_len >= "
+            f"{_pairs(s.dropped, unit)} dropped (the prompt fills data.seq_len; keeping them needs data.seq_len >= "
             f"{s.dropped_need:,})"
         )
+    per = "2 a pair" if unit == "pair" else "1 a row, not packed"
     parts.append(
-        f"{s.sequences:,} sequences (2 a pair), {s.padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry loss"
+        f"{s.sequences:,} sequences ({per}), {s.padding * 100:.1f}% padding, {s.loss_tokens:,} tokens carry loss"
     )
     lines.append(f"data.seq_len {seq_len}: " + "; ".join(parts))
     if s.same:
@@ -130,8 +132,10 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
     else:
         s = prepared.stats["train"]
         held = prepared.stats["eval"].documents if holdout_every(prepared.cfg) else 0
-        pairs = prepared.fmt == "preference"
-        lines += _pair_lines(s, held, d.seq_len) if pairs else [_rows_line(s, held), _packing_line(s, d.seq_len)]
+        if prepared.fmt in ("preference", "unpaired_preference"):  # whole pairs / rows, never packed
+            lines += _pair_lines(s, held, d.seq_len, "pair" if prepared.fmt == "preference" else "row")
+        else:
+            lines += [_rows_line(s, held), _packing_line(s, d.seq_len)]
         if (keys := _keys_line(s)) is not None:
             lines.append(keys)
         if (empty := _empty_turns_line(s)) is not None:
@@ -169,7 +173,7 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
     s = prepared.stats["eval"]
     if prepared.fmt == "preference":  # whole global batches of pairs, as the run's PairEvalBatches
         if prepared.pairs_short(t.global_batch):  # an explicit source was refused by check_sizes
-            lines.append(PAIRS_EVAL_OFF % (len(ev), t.global_batch))
+            lines.append(pairs_eval_off(len(ev), t.global_batch))
             return lines, prepared, recipe
         batches = len(ev) // t.global_batch
         used = batches if e.batches is None else min(batches, e.batches)
@@ -182,7 +186,7 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
             lines += ["evaluation " + line for line in _pair_lines(s, 0, d.seq_len)[1:]]
         return lines, prepared, recipe
     if prepared.pairs_short(t.global_batch):  # KTO's rows: whole global batches, as the run's
-        lines.append(PAIRS_EVAL_OFF % (len(ev), t.global_batch))
+        lines.append(pairs_eval_off(len(ev), t.global_batch, "row"))
         return lines, prepared, recipe
     whole = prepared.fmt == "unpaired_preference"
     batches = len(ev) // t.global_batch if whole else -(-len(ev) // t.global_batch)
@@ -193,7 +197,11 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
         f"loss), {used:,} batches of train.global_batch per evaluation ({which})"
     )
     if s.dropped or s.truncated:
-        lines.append("evaluation " + _packing_line(s, d.seq_len))
+        lines += (
+            ["evaluation " + line for line in _pair_lines(s, 0, d.seq_len, "row")[1:]]
+            if whole
+            else ["evaluation " + _packing_line(s, d.seq_len)]
+        )
     return lines, prepared, recipe
 
 

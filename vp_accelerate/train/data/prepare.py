@@ -82,7 +82,12 @@ class PreparedData:
         if eval_batches != 0 and self.eval is not None and len(self.eval) == 0 and not self.eval_off():
             raise DataError(no_eval_message(self.cfg))
         if eval_batches != 0 and self.pairs_short(global_batch) and not self.eval.held_out:
-            raise DataError(pairs_short_message(len(self.eval), global_batch))
+            raise DataError(pairs_short_message(len(self.eval), global_batch, self.unit))
+
+    @property
+    def unit(self) -> str:
+        """What train.global_batch counts for a preference format: pairs (DPO and co.) or rows (KTO)."""
+        return "row" if self.fmt == "unpaired_preference" else "pair"
 
     def group_rows(self, rows: int) -> None:
         """KTO: build each split's KL rows for microbatches of `rows` rows (`UnpairedSequences.group`)."""
@@ -132,8 +137,8 @@ class PreparedData:
         if isinstance(seqs, (PairSequences, UnpairedSequences)):  # DPO, KTO: whole batches
             if self.pairs_short(global_batch):
                 if not seqs.held_out:
-                    raise DataError(pairs_short_message(len(seqs), global_batch))
-                warn(PAIRS_EVAL_OFF, len(seqs), global_batch)
+                    raise DataError(pairs_short_message(len(seqs), global_batch, self.unit))
+                warn(pairs_eval_off(len(seqs), global_batch, self.unit))
                 return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=0)
             return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=eval_batches)
         if len(seqs) == 0 and not self.eval_off():
@@ -149,17 +154,20 @@ EVAL_OFF = (
 )
 """The warning when the data is too small to hold out an evaluation sequence."""
 
-PAIRS_EVAL_OFF = (
-    "data.eval_holdout: the %d held-out preference pair(s) fill no global batch of %d pairs: evaluation is off "
-    "for this run (set data.eval_files, raise data.eval_holdout, or set eval.batches: 0 to say so)"
-)
-"""The warning when the pairs held out of the training data fill no global batch."""
 
-
-def pairs_short_message(pairs: int, global_batch: int) -> str:
+def pairs_eval_off(pairs: int, global_batch: int, unit: str = "pair") -> str:
+    """The warning when the pairs (KTO: rows) held out of the training data fill no global batch."""
     return (
-        f"train.global_batch: the evaluation data has {pairs} preference pairs, fewer than one global batch "
-        f"({global_batch}); add pairs (data.eval_files) or set eval.batches: 0"
+        f"data.eval_holdout: the {pairs} held-out preference {unit}{'' if pairs == 1 else 's'} fill no global "
+        f"batch of {global_batch} {unit}s: evaluation is off for this run (set data.eval_files, raise "
+        f"data.eval_holdout, or set eval.batches: 0 to say so)"
+    )
+
+
+def pairs_short_message(pairs: int, global_batch: int, unit: str = "pair") -> str:
+    return (
+        f"train.global_batch: the evaluation data has {pairs} preference {unit}{'' if pairs == 1 else 's'}, "
+        f"fewer than one global batch ({global_batch}); add {unit}s (data.eval_files) or set eval.batches: 0"
     )
 
 
