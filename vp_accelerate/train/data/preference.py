@@ -69,7 +69,7 @@ def conversational(cfg: DataSection) -> bool:
         else:
             paths = nonempty_paths(cfg.files)
             docs = load_documents(paths[:1], None, "train", builder_for(paths, cfg), True, None, None)
-        first = _record(next(iter(docs), None) or {})[0] or {}
+        first = record_of(next(iter(docs), None) or {})[0] or {}
     except Exception:  # unreadable or out of reach: the data check names it; strings need no template
         return False
     columns = (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
@@ -78,13 +78,14 @@ def conversational(cfg: DataSection) -> bool:
     return any(isinstance(first.get(f), list) for f in columns)
 
 
-def _turns(value, name: str) -> list:
+def turns_of(value, name: str) -> list:
+    """`value` as a non-empty list of turns (a conversational field), or a FormatError naming `name`."""
     if not isinstance(value, list) or not value:
         raise formats.FormatError(f"{name!r} must be a non-empty list of turns, got {formats.short(value)}")
     return value
 
 
-def _chat_ids(tokenizer, template, messages: list, generation_prompt: bool = False) -> list[int]:
+def chat_ids(tokenizer, template, messages: list, generation_prompt: bool = False) -> list[int]:
     """A conversation's ids as TRL tokenizes it: apply_chat_template(tokenize=True), whose special tokens are the
     template's own (it adds none)."""
     out = tokenizer.apply_chat_template(
@@ -129,21 +130,21 @@ def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple
         return _joint(list(tokenizer(prompt)["input_ids"]), list(rows[0]), list(rows[1]))
     # conversational: the prompt's turns, then each completion's; loss on the completion's tokens
     if prompt is None:  # implicit prompt: the turns the two conversations share
-        chosen, rejected = _turns(chosen, cfg.chosen_field), _turns(rejected, cfg.rejected_field)
+        chosen, rejected = turns_of(chosen, cfg.chosen_field), turns_of(rejected, cfg.rejected_field)
         n = 0
         while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
             n += 1
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-    prompt = _turns(prompt, cfg.prompt_field)
+    prompt = turns_of(prompt, cfg.prompt_field)
     rows = []
     for name, completion in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
-        messages, _ = chat_rows.normalize(prompt + _turns(completion, name), keys, "the chat template")
+        messages, _ = chat_rows.normalize(prompt + turns_of(completion, name), keys, "the chat template")
         formats.check_messages(messages)
         if not any(m["role"] == "assistant" for m in messages[len(prompt) :]):
             raise formats.FormatError(f"{name!r} has no assistant turn, so no token would carry loss")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        rows.append(_chat_ids(tokenizer, template, messages))
-    prompt_ids = _chat_ids(tokenizer, template, messages[: len(prompt)], generation_prompt=True)
+        rows.append(chat_ids(tokenizer, template, messages))
+    prompt_ids = chat_ids(tokenizer, template, messages[: len(prompt)], generation_prompt=True)
     return _joint(prompt_ids, rows[0], rows[1])
 
 
@@ -163,7 +164,7 @@ def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int) -> PairSequences
     return PairSequences(ids, mask=mask, labels=labels, lengths=lengths, pad_id=pad_id)
 
 
-def _record(row: dict) -> tuple[dict | None, str]:
+def record_of(row: dict) -> tuple[dict | None, str]:
     """A row as its record: JSON read as written (`read.py`) is parsed here, other builders' rows are records."""
     if RAW in row:
         if not row[RAW].strip():
@@ -179,7 +180,7 @@ def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, ever
     keys = chat_rows.template_keys(template)
     train, held, bad = [], [], []
     for index, raw in enumerate(docs):
-        row, reason = _record(raw)
+        row, reason = record_of(raw)
         if row is None and not reason:
             continue
         stats.rows += 1

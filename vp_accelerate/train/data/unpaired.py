@@ -28,7 +28,7 @@ from ..recipe.schema import DataSection
 from . import chat_rows, formats
 from .batches import Sequences
 from .pack import warn
-from .preference import _chat_ids, _record, _turns
+from .preference import chat_ids, record_of, turns_of
 from .read import WHERE, DataError, RowLocator
 from .sources import builder_for, load_documents, nonempty_paths
 from .stats import BAD_ROWS_LISTED, SplitStats
@@ -126,14 +126,16 @@ def encode_unpaired(tokenizer, template, keys, row: dict, cfg: DataSection) -> t
         prompt_ids = list(tokenizer(prompt)["input_ids"])
         whole = list(tokenizer(prompt + text)["input_ids"])
     else:  # conversational: the prompt's turns with the generation prompt, then the whole conversation
-        prompt = _turns(prompt, cfg.prompt_field)
-        messages, _ = chat_rows.normalize(prompt + _turns(completion, cfg.completion_field), keys, "the chat template")
+        prompt = turns_of(prompt, cfg.prompt_field)
+        messages, _ = chat_rows.normalize(
+            prompt + turns_of(completion, cfg.completion_field), keys, "the chat template"
+        )
         formats.check_messages(messages)
         if not any(m["role"] == "assistant" for m in messages[len(prompt) :]):
             raise formats.FormatError(f"{cfg.completion_field!r} has no assistant turn, so no token would carry loss")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        prompt_ids = _chat_ids(tokenizer, template, messages[: len(prompt)], generation_prompt=True)
-        whole = _chat_ids(tokenizer, template, messages)
+        prompt_ids = chat_ids(tokenizer, template, messages[: len(prompt)], generation_prompt=True)
+        whole = chat_ids(tokenizer, template, messages)
     n = formats.common_prefix_length(prompt_ids, whole)
     return prompt_ids[:n], whole[n:], label
 
@@ -144,7 +146,7 @@ def _read(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, every: int
     keys = chat_rows.template_keys(template)
     train, held, bad = [], [], []
     for index, raw in enumerate(docs):
-        row, reason = _record(raw)
+        row, reason = record_of(raw)
         if row is None and not reason:
             continue
         stats.rows += 1
