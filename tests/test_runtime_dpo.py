@@ -278,6 +278,7 @@ FOUR = [("1f1b", "vocab-1", 1), ("interleaved", "vocab-2", 1), ("vhalf", "baseli
 DP = [("1f1b", "vocab-2", 2), ("1f1b", "baseline", 2)]
 
 
+@pytest.mark.slow  # 4 processes; the 2-rank test covers every schedule and method in the suite
 def test_dpo_methods_and_schedules_on_4_ranks_tied_and_dp(tmp_path):
     _check(4, vocab=103, tied=True, configs=FOUR + DP, tmp_path=tmp_path)
 

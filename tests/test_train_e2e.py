@@ -168,6 +168,7 @@ def test_resume_equals_uninterrupted(setup, full_run):
     assert resumed_eval[STEPS] == full_eval[STEPS]
 
 
+@pytest.mark.slow  # two more launches (one of 4 processes); tests/test_reshard.py loads across layouts exactly
 def test_resume_into_another_schedule_and_data_parallel_size(setup, full_run):
     """The step-3 checkpoint of the 1f1b run resumes into vhalf on 2 ranks and into pp 2 x dp 2 (ZeRO-1) on 4:
     the same step, LR, data position and counters, and the losses of the uninterrupted run up to the layouts'
