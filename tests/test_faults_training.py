@@ -135,7 +135,10 @@ def test_inf_gradient_stops_every_rank_and_keeps_the_last_checkpoint(setup):
     assert finite_checkpoints(cdir) == [f"step_{s:08d}" for s in range(1, step)]
 
 
-@pytest.mark.parametrize("how", ["raise", pytest.param("kill", marks=pytest.mark.slow)])
+# slow: a full `accelerate launch` each (~15 s); tests/test_runtime_faults.py stops a failed rank's peers in the suite
+@pytest.mark.parametrize(
+    "how", [pytest.param("raise", marks=pytest.mark.slow), pytest.param("kill", marks=pytest.mark.slow)]
+)
 def test_a_rank_failing_mid_step_stops_the_trainer_everywhere(setup, how):
     import time
 
