@@ -50,7 +50,10 @@ def test_world8_memory_terms_and_replay(world8):
         assert m.grad_bytes == m.param_bytes > 0
         assert 0 < m.optimizer_bytes <= 2 * m.param_bytes
         assert m.peak_bytes >= m.param_bytes + m.grad_bytes
-        assert m.activation_peak_bytes > 0 and m.save_bytes > 0
+        assert m.activation_peak_bytes > 0
+        # the checkpoint's state_dict streams the ZeRO moments to the host one tensor at a time: no device
+        # copy of them (the dry run counted the host copies as device bytes before, +optimizer_bytes at save)
+        assert m.save_bytes < m.optimizer_bytes / 100
     kinds = {(o.comm.split("#")[0], o.kind) for o in programs[1]}
     assert ("dev:(1, 5)", "all_reduce") in kinds  # the replicas' gradient buckets
     assert ("dev:(1, 5)", "broadcast") in kinds  # ZeRO-1's updated parameters from their owner

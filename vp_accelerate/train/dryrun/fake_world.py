@@ -13,7 +13,9 @@ The runtime runs unchanged; the seams it needs are set here and undone on exit:
   costs), not the order a CPU device would get;
 - transformers' mask builder does not take a fake padding mask for a traced one: on a GPU a batch without
   padding gets no mask (SDPA's is_causal, and grouped-query attention without repeating k and v), and the
-  dry run counts that path, not the materialised [b, 1, s, s] mask and repeated k / v of a traced graph.
+  dry run counts that path, not the materialised [b, 1, s, s] mask and repeated k / v of a traced graph;
+- while the checkpoint's state_dict is taken, a copy to "cpu" is the host copy it is on a GPU (the ZeRO
+  moments streamed to the host) and is not counted as device memory.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from vp_accelerate.models import build as model_build
@@ -161,17 +162,23 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
     return out
 
 
-class AllocCounter(TorchDispatchMode):
-    """Live and peak bytes of tensor storages as an allocator sees them: a storage counts from the op that
-    made it until its last reference dies. Also answers host reads of fake values (True / 1) and records
-    each as a sync in the rank's program."""
+_DEVICE = torch.ops.prim.device.default
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+class AllocCounter(FakeTensorMode):
+    """The fake tensor mode of a rank, counting the live and peak bytes of tensor storages as an allocator
+    sees them: a storage counts from the op that made it until its last reference dies. Also answers host
+    reads of fake values (True / 1) and records each as a sync in the rank's program. One mode, not a mode
+    over FakeTensorMode: every op of a step passes one Python dispatch layer instead of two."""
 
     def __init__(self, rec: Recorder):
-        super().__init__()
+        super().__init__(allow_non_fake_inputs=True)
         self.rec = rec
         self.live = 0
         self.peak = 0
         self._seen: dict[int, weakref.finalize] = {}
+        self._inside = False  # dispatching an op: nested ops are its implementation, not the runtime's
 
     def reset_peak(self) -> int:
         self.peak = self.live
@@ -195,6 +202,9 @@ class AllocCounter(TorchDispatchMode):
         self._seen.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and isinstance(args[0], FakeTensor):
+            # `t.device` (over half the calls a step makes): answered here, not through the fake mode below
+            return args[0].fake_device
         kwargs = kwargs or {}
         tensors = _tensors(args, kwargs)
         host_data = tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors)
@@ -210,7 +220,15 @@ class AllocCounter(TorchDispatchMode):
             if t.dtype == torch.bool:
                 return True
             return 1.0 if t.is_floating_point() else 1
-        out = func(*args, **kwargs)
+        if self._inside:  # an op the fake mode runs to implement another (a decomposition): the outer one is
+            return super().__torch_dispatch__(func, types, args, kwargs)  # the kernel a GPU runs, counted alone
+        self._inside = True
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._inside = False
+        if self.rec.phase == "save" and func is _TO_COPY and str(kwargs.get("device")) == "cpu":
+            return out  # the checkpoint's copy to the host (`.to("cpu")`): host memory, not the device's
         for t in _tensors(out if isinstance(out, (tuple, list)) else (out,), {}):
             self._track(t)
         return out
@@ -262,7 +280,7 @@ def fake_rank(rank: int, world_size: int):
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
             counter = AllocCounter(rec)
-            with FakeTensorMode(allow_non_fake_inputs=True), counter:
+            with counter:
                 yield rec, counter
     finally:
         runtime_groups.HOST_BACKEND, model_build.meta_model, torch.utils.swap_tensors, comm.CommWorker.submit = saved
