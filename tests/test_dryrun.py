@@ -184,3 +184,54 @@ def test_the_planners_memory_agrees_with_the_dry_run(schedule, method, ckpt):
     req = PlanRequest(gpus=2, memory_gb=80.0, seq=seq, global_batch=batch, hardware=GPU_PRESETS["h100"][0])
     for mem, planned in zip(result.ranks, planned_bytes(conf, req, cfg)):
         assert planned == pytest.approx(mem.peak_bytes, rel=0.06), (mem.rank, planned, mem.peak_bytes)
+
+
+def test_a_recipe_is_a_model_with_its_layout_shape_and_lora(tmp_path, capsys):
+    """MODEL as a training recipe: the dry run takes the model (model.config applied), data.seq_len,
+    train.global_batch, the pipeline section (world size pp x dp) and the LoRA adapter from it: the frozen base
+    is held in bf16 (2 bytes a weight, no gradient), only the adapters train, and the planner's LoRA figure is
+    beside it; `plan` reads the same recipe. A flag overrides the recipe (--global-batch)."""
+    import json
+
+    from helpers.tiny import recipe_file, word_tokenizer
+    from vp_accelerate.train.cli.dryrun import dryrun_main
+    from vp_accelerate.train.cli.plan import plan_main
+
+    tok = word_tokenizer(tmp_path)
+    path = recipe_file(
+        tmp_path / "r.yaml",
+        tok,
+        [tmp_path / "t.txt"],
+        model={
+            "config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+        },
+        data={"seq_len": 32},
+        train={"global_batch": 8},
+        pipeline={"schedule": "vhalf", "method": "vocab-1", "pp_size": 2, "microbatches": 4, "mixed_precision": "bf16"},
+        adapter={"type": "lora", "r": 4},
+    )
+    assert dryrun_main([path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    lay = out["layout"]
+    assert (out["world_size"], lay["schedule"], lay["method"], lay["pp_size"], lay["microbatches"]) == (
+        2,
+        "vhalf",
+        "vocab-1",
+        2,
+        4,
+    )
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128  # q, o; k, v (2 kv heads of 16); gate, up, down
+    adapters = 4 * (64 + 64) + 4 * (64 + 32)  # r x (in + out) of q_proj and v_proj
+    for r in out["ranks"]:
+        assert not out["deadlock"]
+        # 2 of the 4 decoder layers a rank: frozen weights in bf16 (the vocabulary shards fp32) and the adapters'
+        # fp32 gradients only
+        assert r["grad_bytes"] == 2 * adapters * 4, r
+        assert r["param_bytes"] >= 2 * layer * 2 + 2 * adapters * 4, r
+        assert r["planned_bytes"] == pytest.approx(r["peak_bytes"], rel=0.25), r
+    assert dryrun_main([path, "--global-batch", "3"]) == 2  # 3 rows do not divide into 4 microbatches
+    assert "does not divide" in capsys.readouterr().err
+    assert plan_main([path, "--gpus", "2", "--gpu", "h100", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["seq"], plan["global_batch"]) == (32, 8)
+    assert any("LoRA r=4" in line for line in plan["assumptions"])

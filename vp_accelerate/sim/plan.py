@@ -446,15 +446,35 @@ def search(config, req: PlanRequest) -> Search:
 
 
 def schedule_memory(
-    config, schedule: Schedule, chunk_layers, seq: int, microbatch_size: int, ckpt: str, memory: str, zero: int, dp: int
+    config,
+    schedule: Schedule,
+    chunk_layers,
+    seq: int,
+    microbatch_size: int,
+    ckpt: str,
+    memory: str,
+    zero: int,
+    dp: int,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> list[float]:
     """Per rank, the tensor bytes (no reserve) the planner's memory model gives `schedule` in the order it
     is (e.g. the cost-aware order a GPU rank runs, which the dry run replays), rather than the block's grid
-    order the search screens with: what `vp-accelerate dryrun` compares its measured peaks with."""
+    order the search screens with: what `vp-accelerate dryrun` compares its measured peaks with. With
+    `lora_rank`: a LoRA run's (`lora_rank_memory`: frozen base in bf16, the adapters trained)."""
     shape = replace(shape_from_hf_config(config, seq=seq, attention="sdpa"), microbatch_size=microbatch_size)
+    shape = replace(shape, frozen_weights=lora_rank is not None)
     model = for_schedule(shape, schedule, activation_checkpointing=ckpt, chunk_layers=tuple(chunk_layers))
     model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
-    return order_peak_memory(schedule, model)
+    if lora_rank is None:
+        return order_peak_memory(schedule, model)
+    held = replace(model, grad_bytes=0)  # the frozen base gets no gradient; the adapters' few are static
+    peaks = order_peak_memory(schedule, held)
+    out = []
+    for r, p in enumerate(peaks):
+        m = run_memory(model, r, p - held.static_bytes(r), dp, lora_rank, lora_targets)
+        out.append(m.static + m.activation_peak)
+    return out
 
 
 def _with_reserve(model: CostModel, peaks: list[float], dp: int, req: PlanRequest | None = None) -> list[float]:

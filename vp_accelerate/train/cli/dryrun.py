@@ -11,7 +11,7 @@ import sys
 
 from vp_accelerate.cost import GPU_PRESETS
 
-from .plan import model_config
+from .plan import model_arg, run_shape
 
 LAYOUT_FLAGS = ("schedule", "method", "pp", "microbatches", "memory", "zero", "checkpointing")
 
@@ -25,13 +25,22 @@ def _parser() -> argparse.ArgumentParser:
         "count it, the planner's figure beside it, and whether the world's communication finishes under "
         "NCCL's rules. Exit 2 when a rank does not fit.",
     )
-    ap.add_argument("model", help="a preset name, a local model directory or an HF config.json (its config only)")
-    ap.add_argument("--world-size", type=int, required=True, help="GPUs in all (pp x dp)")
+    ap.add_argument(
+        "model",
+        help="a preset name, a local model directory or an HF config.json (its config only), or a training recipe "
+        "(.yaml: its model, data.seq_len, train.global_batch, pipeline layout unless auto, precision, attention "
+        "and LoRA adapter; flags override them)",
+    )
+    ap.add_argument("--world-size", type=int, help="GPUs in all (pp x dp; a recipe with pipeline.pp_size gives it)")
     ap.add_argument("--gpus-per-node", type=int, help="GPUs per node (for the plan's layout)")
     ap.add_argument("--gpu", choices=tuple(GPU_PRESETS), default="h100", help="device preset (default h100)")
     ap.add_argument("--memory-gb", type=float, help="memory per GPU, GB (default: the preset's)")
-    ap.add_argument("--seq", type=int, required=True, help="sequence length")
-    ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    ap.add_argument("--seq", type=int, help="sequence length (required unless MODEL is a recipe)")
+    ap.add_argument("--global-batch", type=int, help="sequences per optimizer step (required unless MODEL is a recipe)")
+    ap.add_argument("--lora-rank", type=int, metavar="R", help="a LoRA run of rank R (default: full training)")
+    ap.add_argument(
+        "--lora-targets", nargs="+", metavar="MODULE", help="with --lora-rank: the adapted modules (peft's default)"
+    )
     lay = ap.add_argument_group("layout (default: the plan's; give --schedule, --method, --pp and --microbatches)")
     lay.add_argument("--schedule", help="pipeline schedule (PipelineConfig.schedule)")
     lay.add_argument("--method", help="vocabulary method (PipelineConfig.method)")
@@ -48,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _request(args):
+    from vp_accelerate.cost.memory import LORA_TARGETS
     from vp_accelerate.sim.plan import PlanRequest
 
     hw, memory = GPU_PRESETS[args.gpu]
@@ -58,14 +68,62 @@ def _request(args):
         global_batch=args.global_batch,
         hardware=hw,
         gpus_per_node=args.gpus_per_node,
+        lora_rank=args.lora_rank,
+        lora_targets=tuple(args.lora_targets or LORA_TARGETS),
     )
 
 
-def layout(args, config: dict, req):
-    """The PipelineConfig to run: the explicit flags, or the plan's best layout. ValueError on a bad one."""
+def _recipe_pipeline(recipe):
+    """A recipe's own pipeline section (None when it asks for `auto` or has no recipe)."""
+    if recipe is None or recipe.pipeline.schedule == "auto":
+        return None
+    return recipe.pipeline
+
+
+def world_size(args, recipe) -> int:
+    """--world-size, or a recipe's pipeline.pp_size x dp_size; ValueError when neither gives it or they differ."""
+    p = _recipe_pipeline(recipe)
+    given = [f for f in LAYOUT_FLAGS if getattr(args, f) is not None]
+    from_recipe = p.pp_size * p.dp_size if p is not None and p.pp_size is not None and not given else None
+    if args.world_size is None:
+        if from_recipe is None:
+            raise ValueError("give --world-size (a recipe gives it only with pipeline.pp_size)")
+        return from_recipe
+    if from_recipe is not None and from_recipe != args.world_size:
+        raise ValueError(
+            f"--world-size {args.world_size} is not the recipe's pipeline.pp_size x dp_size = {from_recipe}; "
+            f"drop --world-size, or give the layout flags"
+        )
+    return args.world_size
+
+
+def adapter(args, recipe):
+    """The AdapterConfig of the run: the recipe's LoRA section, --lora-rank / --lora-targets on top; None for
+    full training."""
+    from vp_accelerate.runtime.adapter_config import AdapterConfig
+
+    base = recipe.adapter if recipe is not None and recipe.adapter.type == "lora" else None
+    if args.lora_rank is None:
+        return base
+    out = base or AdapterConfig(type="lora")
+    return dataclasses.replace(out, r=args.lora_rank, target_modules=list(args.lora_targets or []) or None)
+
+
+def layout(args, config: dict, req, recipe=None):
+    """The PipelineConfig to run: the explicit flags, the recipe's pipeline section, or the plan's best
+    layout. ValueError on a bad one."""
     from vp_accelerate.runtime.config import PipelineConfig
 
     given = [f for f in LAYOUT_FLAGS if getattr(args, f) is not None]
+    own = _recipe_pipeline(recipe)
+    if own is not None and not given:
+        cfg = dataclasses.replace(
+            own,
+            pp_size=own.pp_size or args.world_size // own.dp_size,
+            mixed_precision=own.mixed_precision or "bf16",  # accelerate's flag otherwise; a GPU run's usual
+            attn_implementation=own.attn_implementation or "sdpa",
+        )
+        return _checked(cfg, args)
     if given:
         missing = [f for f in ("schedule", "method", "pp", "microbatches") if getattr(args, f) is None]
         if missing:
@@ -87,8 +145,13 @@ def layout(args, config: dict, req):
 
         p = best(config, req)
         section = dict(p.pipeline_section(), zero=p.zero)
-    cfg = PipelineConfig(**section, mixed_precision="bf16", attn_implementation="sdpa")
+    return _checked(PipelineConfig(**section, mixed_precision="bf16", attn_implementation="sdpa"), args)
+
+
+def _checked(cfg, args):
     cfg.check()
+    if cfg.pp_size * cfg.dp_size != args.world_size:
+        raise ValueError(f"pp {cfg.pp_size} x dp {cfg.dp_size} is not --world-size {args.world_size}")
     if args.global_batch % (cfg.dp_size * cfg.microbatches):
         raise ValueError(
             f"--global-batch {args.global_batch} does not divide into {cfg.dp_size} replicas x "
@@ -100,9 +163,15 @@ def layout(args, config: dict, req):
 def dryrun_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = model_config(args.model)
+        model = model_arg(args.model)
+        run_shape(args, model)
+        args.world_size = world_size(args, model.recipe)
+        config = model.config
+        lora = adapter(args, model.recipe)
+        if lora is not None:
+            args.lora_rank, args.lora_targets = lora.r, lora.target_modules
         req = _request(args)
-        cfg = layout(args, config, req)
+        cfg = layout(args, config, req, model.recipe)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -119,7 +188,7 @@ def dryrun_main(argv: list[str] | None = None) -> int:
             f"seq {args.seq}, global batch {args.global_batch}; running pipeline ranks 0..{cfg.pp_size - 1} "
             f"(replicas 1..{cfg.dp_size - 1} run the same programs on their own groups)"
         )
-    result = dry_run_world(hf, cfg, args.world_size, args.global_batch, args.seq, log=log, jobs=args.jobs)
+    result = dry_run_world(hf, cfg, args.world_size, args.global_batch, args.seq, log=log, jobs=args.jobs, adapter=lora)
     result.planned_bytes = planned_bytes(config, req, cfg)
     limit = req.memory_gb * 1e9
     rows = []

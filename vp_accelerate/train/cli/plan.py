@@ -50,6 +50,52 @@ def model_config(source: str):
     raise AssertionError("unreachable")
 
 
+@dataclasses.dataclass
+class ModelArg:
+    """What a command's MODEL argument gives: the model's config, and when MODEL is a training recipe the run's
+    own settings, which the command's flags override."""
+
+    config: object
+    """The HF config (a dict read from config.json, or a PretrainedConfig)."""
+    seq: int | None = None
+    """The recipe's data.seq_len."""
+    global_batch: int | None = None
+    """The recipe's train.global_batch."""
+    recipe: object | None = None
+    """The loaded Recipe (its pipeline and adapter sections), or None."""
+
+
+def is_recipe(source: str) -> bool:
+    return source.endswith((".yaml", ".yml")) and Path(os.path.expanduser(source)).is_file()
+
+
+def model_arg(source: str) -> ModelArg:
+    """MODEL as `plan` and `dryrun` take it: a preset, a model directory, a config.json, or a training recipe
+    (its model.source with model.config applied, as the run reads it; the model's weights are not read)."""
+    if not is_recipe(source):
+        return ModelArg(model_config(source))
+    from ..recipe import load_recipe
+    from ..recipe.presets import recipe_model_config, uses_pretrained_weights
+
+    recipe = load_recipe(os.path.expanduser(source))
+    m = recipe.model
+    config = recipe_model_config(m.source, m.config, m.trust_remote_code, uses_pretrained_weights(m))
+    return ModelArg(config, recipe.data.seq_len, recipe.train.global_batch, recipe)
+
+
+def run_shape(args, model: ModelArg) -> None:
+    """Fill --seq, --global-batch and the LoRA flags from a recipe where the command line left them out;
+    ValueError naming the flag when neither gives one."""
+    for flag, value in (("seq", model.seq), ("global_batch", model.global_batch)):
+        if getattr(args, flag) is None:
+            if value is None:
+                raise ValueError(f"give --{flag.replace('_', '-')} (or a recipe as MODEL)")
+            setattr(args, flag, value)
+    if args.lora_rank is None and model.recipe is not None and model.recipe.adapter.type == "lora":
+        args.lora_rank = model.recipe.adapter.r
+        args.lora_targets = args.lora_targets or model.recipe.adapter.target_modules
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="vp-accelerate plan",
@@ -59,7 +105,11 @@ def _parser() -> argparse.ArgumentParser:
         epilog=COLUMNS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("model", help="a preset name, a local model directory, or an HF config.json")
+    ap.add_argument(
+        "model",
+        help="a preset name, a local model directory, an HF config.json, or a training recipe (.yaml: its model, "
+        "data.seq_len, train.global_batch and LoRA adapter; flags override them)",
+    )
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (pp x dp)")
     ap.add_argument(
         "--gpu",
@@ -69,8 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         "paper's A100 as the simulator is calibrated (312 TFLOP/s, 100 GB/s links)",
     )
     ap.add_argument("--memory-gb", type=float, help="memory per GPU, GB (required without --gpu)")
-    ap.add_argument("--seq", type=int, required=True, help="sequence length")
-    ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    ap.add_argument("--seq", type=int, help="sequence length (required unless MODEL is a recipe)")
+    ap.add_argument("--global-batch", type=int, help="sequences per optimizer step (required unless MODEL is a recipe)")
     ap.add_argument("--top", type=int, default=5, help="how many plans to print")
     ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak per device, for MFU (default 312, A100)")
     ap.add_argument(
@@ -172,7 +222,9 @@ def table(plans, top: int, req: PlanRequest | None = None) -> str:
 def plan_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = model_config(args.model)
+        model = model_arg(args.model)
+        run_shape(args, model)
+        config = model.config
         req = request_from_args(args)
         start = time.perf_counter()
         found = search(config, req)

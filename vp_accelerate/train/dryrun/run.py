@@ -52,8 +52,9 @@ class RankMemory:
         return name, terms[name]
 
 
-def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int, seq: int):
-    """(RankMemory, program) of `rank`: the real PipelineModel, step, optimizer, save and eval on fake tensors."""
+def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int, seq: int, adapter=None):
+    """(RankMemory, program) of `rank`: the real PipelineModel, step, optimizer, save and eval on fake tensors.
+    `adapter`: an AdapterConfig (a LoRA run: the frozen base in the compute dtype, the adapters trained)."""
     t0 = time.perf_counter()
     cfg = dataclasses.replace(cfg, watchdog_dead_after_s=None, watchdog_stall_s=None)
     with torch.device("cpu"):
@@ -61,7 +62,7 @@ def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int
     from vp_accelerate.runtime.pipeline import PipelineModel
 
     with fake_rank(rank, world_size) as (rec, counter):
-        pipe = PipelineModel(source, cfg)
+        pipe = PipelineModel(source, cfg, adapter=adapter)
         param_bytes = pipe.param_bytes()
         rec.phase = "train_step"
         before = counter.reset_peak()

@@ -46,20 +46,21 @@ def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
     counts = [end - start for start, end in layout.chunk_layers]
     mbs = req.global_batch // (cfg.dp_size * cfg.microbatches)
     zero = cfg.zero if cfg.dp_size > 1 else 0
+    lora = dict(lora_rank=req.lora_rank, lora_targets=req.lora_targets) if req.lora_rank is not None else {}
     peaks = schedule_memory(
-        config, schedule, counts, req.seq, mbs, cfg.activation_checkpointing, cfg.memory, zero, cfg.dp_size
+        config, schedule, counts, req.seq, mbs, cfg.activation_checkpointing, cfg.memory, zero, cfg.dp_size, **lora
     )
     return [int(x) for x in peaks]
 
 
 def dry_run_world(
-    source, cfg: PipelineConfig, world_size: int, global_batch: int, seq: int, log=None, jobs: int = 1
+    source, cfg: PipelineConfig, world_size: int, global_batch: int, seq: int, log=None, jobs: int = 1, adapter=None
 ) -> WorldResult:
     """Run pipeline ranks 0 .. pp-1 of replica 0 and replay the world of `cfg.dp_size` replicas. `jobs` > 1
     runs that many ranks at once, each in a fresh process (the ranks share nothing)."""
     t0 = time.perf_counter()
     pp, dp = cfg.pp_size, cfg.dp_size
-    args = [(source, cfg, s, world_size, global_batch // dp, seq) for s in range(pp)]
+    args = [(source, cfg, s, world_size, global_batch // dp, seq, adapter) for s in range(pp)]
     results: dict[int, tuple] = {}
 
     def done(s: int, out) -> None:
