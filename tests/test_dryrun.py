@@ -210,6 +210,9 @@ def test_a_recipe_is_a_model_with_its_layout_shape_and_lora(tmp_path, capsys):
         pipeline={"schedule": "vhalf", "method": "vocab-1", "pp_size": 2, "microbatches": 4, "mixed_precision": "bf16"},
         adapter={"type": "lora", "r": 4},
     )
+    from vp_accelerate.train.cli.plan import model_arg
+
+    assert model_arg(path).config.vocab_size == 300  # the rows the run gives its 300-token BPE (preset: 4096)
     assert dryrun_main([path, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     lay = out["layout"]

@@ -71,15 +71,21 @@ def is_recipe(source: str) -> bool:
 
 def model_arg(source: str) -> ModelArg:
     """MODEL as `plan` and `dryrun` take it: a preset, a model directory, a config.json, or a training recipe
-    (its model.source with model.config applied, as the run reads it; the model's weights are not read)."""
+    (its model.source with model.config applied and the vocabulary rows its tokenizer gets, as the run reads
+    them; the model's weights are not read)."""
     if not is_recipe(source):
         return ModelArg(model_config(source))
     from ..recipe import load_recipe
     from ..recipe.presets import recipe_model_config, uses_pretrained_weights
 
+    from .preflight import vocab_decision
+
     recipe = load_recipe(os.path.expanduser(source))
     m = recipe.model
     config = recipe_model_config(m.source, m.config, m.trust_remote_code, uses_pretrained_weights(m))
+    vocab = vocab_decision(recipe, config, full=False)  # the rows the run gives the tokenizer (a swap, a resize)
+    if vocab is not None:
+        config.vocab_size = vocab.rows_after
     return ModelArg(config, recipe.data.seq_len, recipe.train.global_batch, recipe)
 
 
