@@ -77,7 +77,6 @@ def model_arg(source: str) -> ModelArg:
         return ModelArg(model_config(source))
     from ..recipe import load_recipe
     from ..recipe.presets import recipe_model_config, uses_pretrained_weights
-
     from .preflight import vocab_decision
 
     recipe = load_recipe(os.path.expanduser(source))
