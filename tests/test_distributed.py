@@ -49,6 +49,22 @@ def test_spawn_stops_when_a_rank_dies_without_reporting():
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
 
 
+def _abort_on_rank1():
+    import os
+
+    if dist.get_rank() == 1:
+        os.write(2, b"rank 1 says its last words\n")
+        os.abort()  # as std::terminate does: SIGABRT, no report
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+
+
+def test_a_rank_that_dies_without_reporting_is_named_with_its_last_lines():
+    # model_coverage's crash line names the family and these lines (before: only the exit code)
+    with pytest.raises(RankFailed, match=r"rank 1 failed: process exited with code -6 .*rank 1 says its last words"):
+        spawn(_abort_on_rank1, 2, timeout_s=120)
+
+
 def _count_calls(path: str) -> int:
     with open(path, "a") as f:
         f.write("x")

@@ -127,11 +127,13 @@ def test_a_crashed_spawn_names_the_family_and_each_ranks_last_lines():
     spec.loader.exec_module(mod)
     err = RankFailed(
         "2 of 2 ranks failed\nrank 0 failed: RuntimeError: boom\nTraceback (most recent call last):\n"
-        '  File "x.py", line 3, in f\nRuntimeError: boom\nrank 1 failed: process exited with code -6 without reporting'
+        '  File "x.py", line 3, in f\nRuntimeError: boom\nrank 1 failed: process exited with code -6 without reporting; its last lines: '
+        "terminate called without an active exception"
     )
     line = mod.crash_reason("gpt_neox", err)
     assert line.startswith("gpt_neox: RankFailed: rank 0: ")
     assert "RuntimeError: boom" in line and "rank 1: process exited with code -6" in line
+    assert "terminate called without an active exception" in line  # the rank's own last lines (spawn's)
 
 
 def test_layer_types_are_the_mask_builders_keys(monkeypatch):

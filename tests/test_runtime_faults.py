@@ -46,6 +46,9 @@ def test_a_killed_rank_stops_every_rank():
     assert outs[1][0] != 0
     code, out, err = outs[0]
     assert code != 0, f"rank 0 exited 0\n{out}\n{err}"
+    # the survivor says it in the watchdog's one line (before: gloo's "Connection reset by peer" traceback)
+    assert "[vp-accelerate] rank 0 stops: a peer's connection closed in the middle of a step" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
 
 
 def test_a_stalled_rank_is_reported_with_every_rank_pass_and_the_job_ends():

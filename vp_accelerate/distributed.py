@@ -19,6 +19,8 @@ import pickle
 import queue
 import re
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -91,9 +93,15 @@ def _worker(
     threads: int,
     results,
     env: dict,
+    log: str,
 ) -> None:
     os.environ.clear()  # the caller's environment now, not the fork server's of when it started
     os.environ.update(env)
+    # this rank's stderr into a file the parent echoes: a rank that dies without reporting (an abort, the OOM
+    # killer) is named with its last lines, C++'s included ("terminate called ..."), which go to fd 2 directly
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -181,6 +189,29 @@ def spawn(
 
 
 def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> list[Any]:
+    with tempfile.TemporaryDirectory(prefix="vp-spawn-") as logs:
+        paths = [os.path.join(logs, f"rank{r}.stderr") for r in range(world_size)]
+        try:
+            return _run_ranks(fn, world_size, args, kwargs, backend, timeout_s, threads, paths)
+        finally:
+            for path in paths:  # each rank's stderr, rank 0 first, as if it had written here
+                if os.path.exists(path):
+                    with open(path, errors="replace") as f:
+                        sys.stderr.write(f.read())
+            sys.stderr.flush()
+
+
+def _last_lines(path: str, lines: int = 5) -> str:
+    """The last `lines` non-empty lines a rank wrote to stderr, joined by " / " ("" if none)."""
+    try:
+        with open(path, errors="replace") as f:
+            tail = [line.strip() for line in f.read().splitlines() if line.strip()][-lines:]
+    except OSError:
+        return ""
+    return " / ".join(tail)
+
+
+def _run_ranks(fn, world_size, args, kwargs, backend, timeout_s, threads, logs) -> list[Any]:
     ctx = process_context()
     results = ctx.Queue()
     port = free_port()
@@ -188,7 +219,10 @@ def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> li
         ctx.Process(
             target=_worker,
             daemon=True,
-            args=(r, world_size, port, fn, args, kwargs, backend, timeout_s, threads, results, dict(os.environ)),
+            args=(
+                *(r, world_size, port, fn, args, kwargs, backend, timeout_s, threads, results),
+                *(dict(os.environ), logs[r]),
+            ),
         )
         for r in range(world_size)
     ]
@@ -208,7 +242,7 @@ def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> li
                 if not p.is_alive() and p.exitcode not in (0, None) and r not in outs and r not in errors
             ]
             for r in dead:
-                errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                errors[r] = _died(procs[r].exitcode, logs[r])
             if errors:
                 break  # a dead rank (killed, out of memory) leaves its peers blocked: stop them too
             if time.monotonic() - start > deadline_s:
@@ -246,7 +280,7 @@ def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> li
         p.join(timeout=5.0 if not errors else 0.5)
     for r, p in enumerate(procs):  # name ranks that died silently (killed, out of memory) before we stop the rest
         if r not in outs and r not in errors and not p.is_alive() and p.exitcode not in (0, None):
-            errors[r] = f"process exited with code {p.exitcode} without reporting"
+            errors[r] = _died(p.exitcode, logs[r])
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -255,6 +289,12 @@ def _spawn_once(fn, world_size, args, kwargs, backend, timeout_s, threads) -> li
         lines = [f"rank {r} failed: {msg}" for r, msg in sorted(errors.items())]
         raise RankFailed(f"{len(errors)} of {world_size} ranks failed\n" + "\n".join(lines))
     return [outs[r] for r in range(world_size)]
+
+
+def _died(code: int, log: str) -> str:
+    """What a rank that exited without reporting left: its exit code and its last lines on stderr."""
+    tail = _last_lines(log)
+    return f"process exited with code {code} without reporting" + (f"; its last lines: {tail}" if tail else "")
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:

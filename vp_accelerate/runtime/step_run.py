@@ -28,6 +28,8 @@ def run_schedule(
     except BaseException as e:
         if watchdog is not None:
             watchdog.report_failure(e)
+            if watchdog.lost_peer(e):  # a peer was killed: say so in one line, not with gloo's traceback
+                watchdog.stop_for_lost_peer(e)
         raise
 
 

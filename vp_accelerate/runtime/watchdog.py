@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 import threading
 import time
@@ -38,6 +39,8 @@ from collections import deque
 import torch.distributed as dist
 
 _PREFIX = "vp_watchdog"
+_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Connection refused", re.I)
+"""How gloo (and the store) say that the other end of a connection went away."""
 
 
 class Progress:
@@ -171,8 +174,36 @@ class Watchdog:
         except Exception:  # noqa: BLE001
             pass
 
+    @staticmethod
+    def lost_peer(error: BaseException) -> bool:
+        """Whether `error` (or what caused it) is a connection a peer closed: the peer died (killed, out of
+        memory) or left."""
+        while error is not None:
+            if _LOST.search(str(error)):
+                return True
+            error = error.__cause__ or error.__context__
+        return False
+
+    def stop_for_lost_peer(self, error: BaseException) -> None:
+        """End this rank with one line after a peer's connection closed under it: the peer's own failure note
+        when it left one (it raised), else the connection that was lost (killed: no note). Never returns."""
+        note = None
+        try:
+            if self.store.check([f"{self.key}/failed"]):
+                note = self.store.get(f"{self.key}/failed").decode()
+        except Exception:  # noqa: BLE001 - the store went with rank 0 (killed): no note to read
+            pass
+        if note and not note.startswith(f"rank {self.rank}:"):
+            self._exit(f"peer failed — {note}")
+        match = _LOST.search(str(error)) or _LOST.search(str(error.__cause__ or error.__context__))
+        self._exit(
+            f"a peer's connection closed in the middle of a step ({match.group(0) if match else error}): "
+            "the peer was killed, ran out of memory or crashed; its own log says why"
+        )
+
     def _exit(self, why: str) -> None:
         print(f"[vp-accelerate] rank {self.rank} stops: {why}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
         os._exit(1)
 
     def _run(self) -> None:
