@@ -135,3 +135,27 @@ def test_push_to_hub_refused_offline_exits_2_with_one_line(bad_run):
         "unset it where the hub is reachable, or drop push_to_hub (the export stays in <output_dir>/hf) "
         "(--set checkpoint.push_to_hub=me/model)"
     ], out.stderr[-3000:]
+
+
+EXIT_SCRIPT = """
+import atexit, sys
+from vp_accelerate.train.run.user_errors import exit_launched
+atexit.register(print, "teardown ran")
+print("recipe error: said before the exit")  # buffered: stdout is a pipe
+exit_launched(int(sys.argv[1]))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("world, code", [("2", 2), ("1", 2), ("2", 3)])
+def test_a_launched_user_error_exits_without_teardown(world, code):
+    """A launched rank's exit 2 skips the interpreter's teardown (where a native object aborted the process
+    under the launcher), its output flushed; an unlaunched process or another code takes the usual exit."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WORLD_SIZE": world}
+    p = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(code)], env=env, capture_output=True, timeout=120)
+    said = "recipe error: said before the exit\n"
+    assert p.returncode == code
+    assert p.stdout.decode() == (said if (world, code) == ("2", 2) else said + "teardown ran\n")

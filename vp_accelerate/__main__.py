@@ -4,4 +4,9 @@ import sys
 
 from vp_accelerate.cli import main
 
-sys.exit(main())
+code = main()
+if code == 2:  # a launched rank's user error ends without native teardown (user_errors.exit_launched says why)
+    from vp_accelerate.train.run.user_errors import exit_launched
+
+    exit_launched(code)
+sys.exit(code)
