@@ -149,7 +149,7 @@ def test_held_memory_does_not_grow_with_the_microbatch_count():
 def test_the_planners_memory_agrees_with_the_dry_run(schedule, method, ckpt):
     """The planner's memory model (cost/costs.py terms on the order a GPU rank runs) against the dry run's
     allocator count, per rank, on a 22M-parameter Llama (GQA, 32k vocabulary) at seq 512: within 6% both ways
-    (measured: -3.5% .. +5.2%). Before: the planner missed what a pass makes and frees within itself (the
+    (measured: -3.5% .. +5.7%). Before: the planner missed what a pass makes and frees within itself (the
     16-bit weight gradients autograd converts last, the loss's [N, V] backward, S's and T's logit-sized
     work), the first stage's held embeddings, and priced gradients as held from the step's start: -10.5% on
     rank 1 of 1F1B + vocab-2 with full checkpointing."""

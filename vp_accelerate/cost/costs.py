@@ -232,6 +232,13 @@ class CostModel:
         kept = self.chunk_layers[chunk] - ckpt
         # the rotary cos/sin are saved by the layers that keep their activations (none when all recompute)
         b = kept * s.layer_activation_bytes() + ckpt * s.hidden_bytes() + s.chunk_extra_bytes(last, rotary=kept > 0)
+        # the executor holds what no layer saves: a received input until its gradient leaves (with checkpointing
+        # it is the first layer's saved input, counted above; chunk 0's is input_bytes; one from this rank's
+        # previous chunk is that chunk's output, below) and the output until B runs backward from it
+        if chunk > 0 and ckpt == 0 and self.chunk_rank[chunk - 1] != self.chunk_rank[chunk]:
+            b += s.hidden_bytes()
+        if not last:
+            b += s.hidden_bytes()
         if not self.vocab_parallel and last:
             b += s.tokens * s.vocab * s.stat_bytes  # log-probabilities of the loss (at least fp32)
             if s.attention == "flash":

@@ -338,6 +338,14 @@ class Executor:
                 self._forward(a)
         finally:
             chunk.on_checkpoint_input = None
+        # held by the step whether a layer saved them or not (counted once): a received input until its gradient
+        # leaves (one from this rank's previous chunk is that chunk's output) and the output until B
+        x = self.state.chunk_inputs.get((a.mb, a.chunk))
+        if a.chunk > 0 and x is not None and not self._is_local(a.chunk - 1):
+            pack(x)
+        out = self.state.chunk_outputs.get((a.mb, a.chunk))
+        if a.chunk != self.last_chunk and out is not None:
+            pack(out)
 
     def _forward(self, a: Action) -> None:
         st = self.state
