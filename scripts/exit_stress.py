@@ -80,7 +80,9 @@ def lock_refusal_setup(work: str) -> list[str]:
     from vp_accelerate.train.run import run_lock
 
     py = dict(check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": ROOT})
-    subprocess.run([sys.executable, f"{ROOT}/scripts/make_demo_corpus.py", "--out", f"{work}/corpus", "--size-mb", "0.3"], **py)
+    subprocess.run(
+        [sys.executable, f"{ROOT}/scripts/make_demo_corpus.py", "--out", f"{work}/corpus", "--size-mb", "0.3"], **py
+    )
     tok = [f"{ROOT}/scripts/train_tokenizer.py", "--vocab-size", "512", "--out", f"{work}/tok"]
     subprocess.run([sys.executable, *tok, f"{work}/corpus/train.jsonl"], **py)
     with open(f"{ROOT}/recipes/quickstart.yaml") as f:
