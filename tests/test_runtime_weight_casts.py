@@ -266,3 +266,74 @@ def test_the_step_region_holds_one_cast_and_runs_cuda_backward_on_the_calling_th
     with step_weight_casts(torch.device("cuda"), torch.bfloat16):
         assert not torch._C._is_multithreading_enabled()
     assert torch._C._is_multithreading_enabled()
+
+
+class _Bf16WeightShaped(torch.utils._python_dispatch.TorchDispatchMode):
+    """Live and peak bytes of the bf16 tensors shaped like a weight (the step's weight copies and the 16-bit
+    weight gradients), each storage from the op that made it until it dies."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.live, self.peak, self.seen = shapes, 0, 0, {}
+
+    def _free(self, key, nbytes):
+        self.live -= nbytes
+        self.seen.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and tuple(t.shape) in self.shapes:
+                s = t.untyped_storage()
+                if id(s) not in self.seen:
+                    self.live += s.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    self.seen[id(s)] = weakref.finalize(s, self._free, id(s), s.nbytes())
+        return out
+
+
+def _one_step(autocast_cache: bool, seed: int):
+    """A 2-rank 1F1B bf16 step (no split backward); `autocast_cache`: the trainable weights' copies left to
+    autocast's cache as before (StepCasts.trainable makes none). Returns (gradients, peak bf16 bytes shaped
+    like a weight, one bf16 copy of the rank's decoder weights)."""
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.step_casts import StepCasts
+
+    made = StepCasts.trainable
+    if autocast_cache:
+        StepCasts.trainable = lambda self, chunk: []
+    try:
+        torch.manual_seed(seed)
+        cfg = PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4, mixed_precision="bf16")
+        pipe = PipelineModel(tiny_llama(VOCAB, num_layers=4), cfg)
+        linears = [m.weight for c in pipe.mods.chunks.values() for m in c.modules() if isinstance(m, torch.nn.Linear)]
+        count = _Bf16WeightShaped({tuple(w.shape) for w in linears})
+        # 20 tokens a microbatch: no activation is shaped like a weight (dims 16, 32, 64)
+        ids = torch.randint(0, VOCAB, (4, 20), generator=torch.Generator().manual_seed(seed))
+        with count:
+            pipe.train_step(ids, labels=ids)
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        pipe.close()
+    finally:
+        StepCasts.trainable = made
+    return grads, count.peak, 2 * sum(w.numel() for w in linears)
+
+
+def _both(seed: int):
+    return _one_step(True, seed), _one_step(False, seed)
+
+
+def test_a_weight_gradient_goes_into_the_fp32_grad_as_soon_as_it_is_made():
+    """1F1B under bf16: each trainable linear's 16-bit gradient is added into its fp32 .grad as soon as autograd
+    has it (the step's copies are leaves with a hook: `StepCasts.trainable`), bit for bit the gradients of
+    autocast's cached cast, whose conversion autograd ran last in each backward, with the whole chunk's
+    16-bit weight gradients alive until then. Measured as the peak of weight-shaped bf16 tensors: before, the
+    step's copies plus all their gradients (about 2 copies of the rank's weights); now the copies plus about
+    one weight's gradient."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    for rank, ((grads_before, peak_before, copy), (grads_now, peak_now, _)) in enumerate(spawn(_both, 2, seed)):
+        assert grads_before.keys() == grads_now.keys()
+        for name, g in grads_before.items():
+            assert torch.equal(g, grads_now[name]), (rank, name)
+        assert peak_before >= 1.9 * copy, (rank, peak_before, copy)
+        assert peak_now <= 1.4 * copy, (rank, peak_now, copy)

@@ -263,12 +263,10 @@ class CostModel:
         """What a pass allocates and frees within itself, above what its rank holds when it starts; the
         planner's peak is the larger of what is held between passes and that plus this during one.
 
-        B: under mixed precision every trainable weight's 16-bit gradient of the chunk until the backward
-        ends: the step shares one autocast cast of each weight among its microbatches (runtime/precision.py
-        `step_weight_casts`), and autograd runs that cast's backward (the conversion into the fp32 .grad) by
-        node age, so after the first microbatch it runs last, when every layer's 16-bit weight gradient
-        exists; plus, when layers recompute, one layer's activations rebuilt (split backward: the weight
-        gradients wait for W instead). F: a recomputing layer's activations before it drops them. S (VP):
+        B: when layers recompute, one layer's activations rebuilt; under mixed precision one weight's 16-bit
+        gradient at a time (the step's weight copies are leaves whose gradient goes into the fp32 .grad as
+        soon as it is complete: runtime/step_casts.py `trainable`; split backward: the weight gradients wait
+        for W instead). F: a recomputing layer's activations before it drops them. S (VP):
         the baseline's last chunk: the cross-entropy's backward makes [N, V] gradients (fp32 of the
         log-probabilities, 16-bit of the logits). S (VP): the shard's logits once more in fp32 beside the ones S keeps (recompute mode: twice, none kept).
         T (VP): the logits' 16-bit gradient, the shard weight's 16-bit gradient and its fp32 copy (recompute
@@ -285,8 +283,6 @@ class CostModel:
             return cast
         if op == "B":
             pending = 0.0
-            if s.dtype_bytes < self.grad_bytes and not self.split_backward:
-                pending = s.dtype_bytes * self.chunk_layers[chunk] * s.layer_params()
             if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
                 # the loss's backward: the fp32 gradient of the log-probabilities, then of the 16-bit logits (the
                 # saved log-probabilities go as their backward runs)

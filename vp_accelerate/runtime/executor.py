@@ -165,7 +165,10 @@ class Executor:
         meter = ActivationMeter(exclude={p.untyped_storage().data_ptr() for _, p in self.modules.named_parameters()})
         b, s = mbs[0].input_ids.shape
         self.state = StepState(
-            mbs, (b, s, self.hidden_size), meter, StepCasts(self.modules, self.compute_dtype, self.last_chunk, meter)
+            mbs,
+            (b, s, self.hidden_size),
+            meter,
+            StepCasts(self.modules, self.compute_dtype, self.last_chunk, meter, self.schedule.split_backward),
         )
         self.progress.begin_step()
         try:
@@ -361,7 +364,7 @@ class Executor:
         # layer input is kept at 2 bytes. It starts from a non-leaf: autocast would cache a cast of a leaf
         # for the whole step.
         x_in = x.to(self.exchange_dtype) if x.dtype != self.exchange_dtype else x.view_as(x)
-        with precision.autocast(self.device, self.compute_dtype), precision.swapped(st.casts.frozen(a.chunk)):
+        with precision.autocast(self.device, self.compute_dtype), precision.swapped(st.casts.swaps(a.chunk)):
             out = self.modules.chunks[a.chunk](x_in, mb.position_ids, mb.attention_mask)
             # what goes to the next chunk travels in the exchange dtype (the receive buffers'); the last
             # chunk's output stays here (the baseline loss, or C0, which casts it itself)
@@ -415,7 +418,8 @@ class Executor:
         if self.weight_grads is not None and self.schedule.split_backward:
             self.weight_grads.key = key
         try:
-            torch.autograd.backward(out, grad)
+            with precision.swapped(st.casts.swaps(a.chunk)):  # a checkpointed layer recomputes with the copies
+                torch.autograd.backward(out, grad)
         finally:
             if self.weight_grads is not None:
                 self.weight_grads.key = None

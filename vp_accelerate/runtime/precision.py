@@ -4,7 +4,8 @@ optimizer state, and a dynamic loss scaler for fp16.
 Where the low precision is used (the executor applies it):
 - decoder chunks run their forward under `torch.autocast(device_type, dtype)`; backward follows the
   dtypes autocast recorded, and the weight gradients land in the fp32 `.grad` (autocast's casts are
-  differentiable), so microbatches accumulate in fp32;
+  differentiable; the linears' step copies of `StepCasts.trainable` add theirs through a hook as soon as
+  each is made), so microbatches accumulate in fp32;
 - the vocabulary passes cast X and their weight shard to the low dtype for the matmuls; the softmax
   statistics (max, sum, target logit) and the loss stay fp32, and ∇W accumulates into the fp32 grad;
 - activations and gradients between stages, C0's X and IB's embedding gradient travel in the compute
@@ -125,6 +126,33 @@ def frozen_matmul_weights(module: torch.nn.Module) -> list[tuple[torch.nn.Module
         if w is not None and not w.requires_grad and w.dtype == torch.float32:
             found.append((sub, "weight", w))
     return found
+
+
+def trainable_matmul_weights(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """(owner, name, parameter) of every trainable fp32 `weight` of an nn.Linear, GPT-2 Conv1D or full lm_head
+    under `module` (a decoder chunk's linears, LoRA's adapters, the baseline's head): the weights whose step
+    copy `StepCasts.trainable` makes itself rather than leaving it to autocast's cache."""
+    found = []
+    for sub in module.modules():
+        if isinstance(sub, (torch.nn.Linear, Conv1D, FullHead)):
+            w = sub._parameters.get("weight")
+            if w is not None and w.requires_grad and w.dtype == torch.float32:
+                found.append((sub, "weight", w))
+    return found
+
+
+def into_master_grad(master: torch.nn.Parameter):
+    """A post-accumulate-grad hook for a low-precision leaf copy of `master`: add the copy's gradient into
+    master's fp32 `.grad` (what autograd's cast backward would do) and drop it at once."""
+
+    def hook(copy: torch.Tensor) -> None:
+        g, copy.grad = copy.grad, None
+        if master.grad is None:
+            master.grad = g.to(master.dtype)
+        else:
+            master.grad.add_(g)
+
+    return hook
 
 
 def hold_frozen(chunks, dtype: torch.dtype) -> int:
