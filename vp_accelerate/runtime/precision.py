@@ -143,10 +143,17 @@ def trainable_matmul_weights(module: torch.nn.Module) -> list[tuple[torch.nn.Mod
 
 def into_master_grad(master: torch.nn.Parameter):
     """A post-accumulate-grad hook for a low-precision leaf copy of `master`: add the copy's gradient into
-    master's fp32 `.grad` (what autograd's cast backward would do) and drop it at once."""
+    master's fp32 `.grad` (what autograd's cast backward would do) and drop it at once. Hooks registered on
+    the master itself (`Tensor.register_hook`) still see each microbatch's gradient in master's dtype first,
+    as they did when it flowed through the cast."""
 
     def hook(copy: torch.Tensor) -> None:
         g, copy.grad = copy.grad, None
+        if master._backward_hooks:
+            g = g.to(master.dtype)
+            for user_hook in master._backward_hooks.values():
+                out = user_hook(g)
+                g = g if out is None else out
         if master.grad is None:
             master.grad = g.to(master.dtype)
         else:
