@@ -292,7 +292,7 @@ class _Bf16WeightShaped(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _one_step(autocast_cache: bool, seed: int):
+def _one_step(autocast_cache: bool, seed: int, schedule: str = "1f1b", method: str = "vocab-2", ckpt: str = "none"):
     """A 2-rank 1F1B bf16 step (no split backward); `autocast_cache`: the trainable weights' copies left to
     autocast's cache as before (StepCasts.trainable makes none). Returns (gradients, peak bf16 bytes shaped
     like a weight, one bf16 copy of the rank's decoder weights)."""
@@ -304,8 +304,10 @@ def _one_step(autocast_cache: bool, seed: int):
         StepCasts.trainable = lambda self, chunk: []
     try:
         torch.manual_seed(seed)
-        cfg = PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=4, mixed_precision="bf16")
-        pipe = PipelineModel(tiny_llama(VOCAB, num_layers=4), cfg)
+        cfg = PipelineConfig(
+            schedule=schedule, method=method, microbatches=4, mixed_precision="bf16", activation_checkpointing=ckpt
+        )
+        pipe = PipelineModel(tiny_llama(VOCAB, num_layers=4 if schedule == "1f1b" else 8), cfg)
         linears = [m.weight for c in pipe.mods.chunks.values() for m in c.modules() if isinstance(m, torch.nn.Linear)]
         count = _Bf16WeightShaped({tuple(w.shape) for w in linears})
         # 20 tokens a microbatch: no activation is shaped like a weight (dims 16, 32, 64)
@@ -319,8 +321,8 @@ def _one_step(autocast_cache: bool, seed: int):
     return grads, count.peak, 2 * sum(w.numel() for w in linears)
 
 
-def _both(seed: int):
-    return _one_step(True, seed), _one_step(False, seed)
+def _both(seed: int, *layout):
+    return _one_step(True, seed, *layout), _one_step(False, seed, *layout)
 
 
 def test_a_weight_gradient_goes_into_the_fp32_grad_as_soon_as_it_is_made():
@@ -337,3 +339,13 @@ def test_a_weight_gradient_goes_into_the_fp32_grad_as_soon_as_it_is_made():
             assert torch.equal(g, grads_now[name]), (rank, name)
         assert peak_before >= 1.9 * copy, (rank, peak_before, copy)
         assert peak_now <= 1.4 * copy, (rank, peak_now, copy)
+
+
+def test_weight_copies_recompute_and_the_baseline_head_give_the_same_gradients():
+    """The same bit-for-bit gradients where the copies are also swapped in for B (interleaved, every layer
+    recomputed under full checkpointing) and where the baseline's full lm_head gets one."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    for rank, ((before, _, _), (now, _, _)) in enumerate(spawn(_both, 2, seed, "interleaved", "baseline", "full")):
+        assert before.keys() == now.keys()
+        for name, g in before.items():
+            assert torch.equal(g, now[name]), (rank, name)
