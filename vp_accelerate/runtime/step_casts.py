@@ -9,10 +9,9 @@ never as an activation.
 
 A third, for a backward that is not split (1F1B, interleaved): the chunks' trainable linear weights (and the
 baseline's full lm_head). Other trainable weights (biases, fused expert tensors) are cast by autocast, whose
-cache keeps that cast for the step (`precision.step_weight_casts`). Left
-to autocast's cache, each weight's cast is one node made at the step's first forward, and autograd runs
-the oldest ready node last, so in every later microbatch's backward that cast's gradient conversion waited
-until the backward's end: every 16-bit weight gradient of the chunk was alive at once (at 70B, 2 bytes per
+cache keeps that cast for the step (`precision.step_weight_casts`). Left to autocast's cache, each
+weight's cast is one node made at the step's first forward, and autograd runs the oldest ready node last,
+so in every later microbatch's backward that cast's gradient conversion waited until the backward's end: every 16-bit weight gradient of the chunk was alive at once (at 70B, 2 bytes per
 parameter of the chunk: ~1.7 GB a layer). Made here as leaves (`trainable`), each copy's gradient goes into
 the fp32 `.grad` as soon as it is complete (autograd runs a leaf's accumulation first; a hook adds it into
 the master and drops it), the same sum in the same order. A split backward casts per call instead
@@ -74,9 +73,8 @@ class StepCasts:
 
     def trainable(self, chunk: int) -> list:
         """(module, name, low-precision leaf copy) of the chunk's trainable linear weights (and the full
-        lm_head's on the last chunk) for
-        `precision.swapped`, each copy's gradient added into its fp32 master's `.grad` as soon as autograd
-        has it; [] without mixed precision or under a split backward."""
+        lm_head's on the last chunk) for `precision.swapped`, each copy's gradient added into its fp32
+        master's `.grad` as soon as autograd has it; [] without mixed precision or under a split backward."""
         if self.compute_dtype is None or self.split_backward:
             return []
         if chunk not in self._trainable:
