@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from vp_accelerate.train.checkpoint import store  # noqa: E402
+from vp_accelerate.train.persist import store  # noqa: E402
 
 
 def train(model, opt, batch, steps: int, every: int, mode: str, root: str) -> float:

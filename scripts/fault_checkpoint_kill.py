@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     spec = spec_from(args)
     prepare(spec)
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     finish(start(spec, "reference"), "the reference run")
     ref = metrics(spec, "reference")

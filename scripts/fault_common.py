@@ -190,7 +190,7 @@ def metrics(spec: RunSpec, name: str) -> dict[int, dict]:
 
 def final_weights(spec: RunSpec, name: str) -> dict[int, dict]:
     """rank -> model state of the latest checkpoint of a run (safetensors)."""
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     path = ckpt.read_latest(os.path.join(spec.work, name, "ckpt"))
     return {rank: ckpt.load_rank(path, rank)[0] for rank in (0, 1)}

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     spec = spec_from(args)
     kill_at = args.kill_at or random.randrange(spec.every + 1, spec.steps)
     prepare(spec)
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     finish(start(spec, "reference"), "the reference run")
     ref = metrics(spec, "reference")

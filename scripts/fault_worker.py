@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 def install(fault: dict) -> None:
     from vp_accelerate.runtime import pipeline
     from vp_accelerate.runtime.executor import Executor
-    from vp_accelerate.train.checkpoint import writer as checkpoint_writer
+    from vp_accelerate.train.persist import writer as checkpoint_writer
 
     state = {"step": 0}
     original_train_step = pipeline.PipelineModel.train_step

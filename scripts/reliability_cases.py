@@ -147,7 +147,7 @@ def _model(**kw):
 def _saved(work: str, steps=(1, 2), meta_extra=None, model_files=None) -> str:
     import torch
 
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     root = os.path.join(work, "ckpt")
     path = ""
@@ -170,7 +170,7 @@ def _saved(work: str, steps=(1, 2), meta_extra=None, model_files=None) -> str:
 
 def _damaged(rel: str, how: str):
     def run(work):
-        from vp_accelerate.train.checkpoint import store as ckpt
+        from vp_accelerate.train.persist import store as ckpt
 
         path = _saved(work)
         target = os.path.join(path, rel)
@@ -199,7 +199,7 @@ def _dangling_latest(work):
 
 
 def _resume_changed(work):
-    from vp_accelerate.train.checkpoint.resume_check import data_identity
+    from vp_accelerate.train.persist.resume_check import data_identity
     from vp_accelerate.train.recipe import load_recipe, recipe_to_dict
 
     recipe = load_recipe(_recipe(work))
@@ -252,7 +252,7 @@ def _export_remote_code(work):
 
 
 def _full_disk(work):
-    from vp_accelerate.train.checkpoint import space as ckpt_space
+    from vp_accelerate.train.persist import space as ckpt_space
 
     real = ckpt_space.free_bytes
     ckpt_space.free_bytes = lambda path: 4096
@@ -274,7 +274,7 @@ def _prune_foreign(work):
 def _resave_window(work):
     import multiprocessing
 
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     def killed(stage):
         import torch
@@ -370,8 +370,8 @@ def _sigterm(during: str):
 def _rewrite_meta(path: str, change) -> None:
     """meta.json changed (`change(meta)` edits it, or returns its new text), its record made to match: a crafted
     checkpoint, so the record alone does not catch it."""
-    from vp_accelerate.train.checkpoint import files as ckpt_files
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import files as ckpt_files
+    from vp_accelerate.train.persist import store as ckpt
 
     meta_path = os.path.join(path, ckpt.META)
     meta = json.loads(open(meta_path).read())
@@ -385,8 +385,8 @@ def _crafted(change=None, rank_file=None, data=b"", load="meta"):
     was crafted; then read as a resume reads it."""
 
     def run(work):
-        from vp_accelerate.train.checkpoint import files as ckpt_files
-        from vp_accelerate.train.checkpoint import store as ckpt
+        from vp_accelerate.train.persist import files as ckpt_files
+        from vp_accelerate.train.persist import store as ckpt
 
         path = _saved(work, steps=(1,), meta_extra={"ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}]})
         _write(os.path.join(work, "outside.txt"), b"secret")
@@ -415,7 +415,7 @@ def _crafted(change=None, rank_file=None, data=b"", load="meta"):
 
 
 def _meta_edited(work):
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     path = _saved(work)
     size = os.path.getsize(os.path.join(path, ckpt.META))
@@ -425,8 +425,8 @@ def _meta_edited(work):
 
 
 def _files_json_outside(work):
-    from vp_accelerate.train.checkpoint import files as ckpt_files
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import files as ckpt_files
+    from vp_accelerate.train.persist import store as ckpt
 
     path = _saved(work, steps=(1,))
     rdir = os.path.join(path, "rank_00000")
@@ -437,7 +437,7 @@ def _files_json_outside(work):
 
 
 def _files_json_missing(work):
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     path = _saved(work, steps=(1,))
     os.remove(os.path.join(path, "rank_00000", "files.json"))
@@ -462,7 +462,7 @@ def _safetensors(header: bytes, body: bytes = b"", length: int | None = None) ->
 
 
 def _resave_old_by_step(work):
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     path = _saved(work, steps=(1, 2))
     os.rename(path, path + ckpt.OLD)  # a re-save of step 2 killed after it moved the old folder aside

@@ -37,7 +37,7 @@ def test_a_resized_vocabulary_adapter_loads_from_any_directory(tmp_path, tie):
     from peft import LoraConfig, inject_adapter_in_model
 
     from vp_accelerate.models.export import save_hf
-    from vp_accelerate.train.checkpoint.hf_export import write_exports
+    from vp_accelerate.train.persist.hf_export import write_exports
 
     tok = AutoTokenizer.from_pretrained(str(word_tokenizer(tmp_path)))
     cache = tmp_path / "hub"

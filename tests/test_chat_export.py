@@ -219,7 +219,7 @@ def test_a_swap_keeps_the_models_chat_template(toks, tmp_path):
 
 
 def test_the_adapter_folder_names_the_model_source_only_when_it_is_the_runs_base(toks, tmp_path):
-    from vp_accelerate.train.checkpoint.hf_export import adapter_base
+    from vp_accelerate.train.persist.hf_export import adapter_base
 
     tok = load(toks, "tok_a")
     save_model(tmp_path / "m", tok)

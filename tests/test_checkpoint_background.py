@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (train/checkpoint/writer.py, `store.begin_save` / `complete_save`): the
+"""Checkpoints written in the background (train/persist/writer.py, `store.begin_save` / `complete_save`): the
 save returns while its files are written, holds the state of its step whatever training changes meanwhile,
 `latest` moves only once every rank's write is verified, and a kill at any point leaves `latest` loadable.
 
@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from vp_accelerate.train.checkpoint import files, writer
-from vp_accelerate.train.checkpoint import store as ckpt
+from vp_accelerate.train.persist import files, writer
+from vp_accelerate.train.persist import store as ckpt
 
 
 def state(seed: int):

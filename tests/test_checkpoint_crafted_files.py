@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers.checkpoints import save_one_rank
-from vp_accelerate.train.checkpoint import files
-from vp_accelerate.train.checkpoint import store as ckpt
+from vp_accelerate.train.persist import files
+from vp_accelerate.train.persist import store as ckpt
 
 
 def _saved(tmp_path):

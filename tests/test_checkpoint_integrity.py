@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from helpers.checkpoints import save_one_rank
-from vp_accelerate.train.checkpoint import space as ckpt_space
-from vp_accelerate.train.checkpoint import store as ckpt
+from vp_accelerate.train.persist import space as ckpt_space
+from vp_accelerate.train.persist import store as ckpt
 from vp_accelerate.train.run import run_lock
 
 

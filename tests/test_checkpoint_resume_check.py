@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vp_accelerate.train.checkpoint import store as ckpt
-from vp_accelerate.train.checkpoint.resume_check import data_identity
 from vp_accelerate.train.cli.preflight import check_run_dirs
+from vp_accelerate.train.persist import store as ckpt
+from vp_accelerate.train.persist.resume_check import data_identity
 from vp_accelerate.train.recipe import RecipeError, load_recipe, recipe_to_dict
 from vp_accelerate.train.recipe.lr_schedule import build_scheduler
 from vp_accelerate.train.run.optim import build_optimizer
@@ -208,7 +208,7 @@ def test_override_optimizer_applies_every_hyperparameter_of_the_run():
     hyperparameter outside the old list of five (here `amsgrad`) is this run's after the resume too."""
     import torch
 
-    from vp_accelerate.train.checkpoint import resume_check
+    from vp_accelerate.train.persist import resume_check
 
     p = torch.nn.Parameter(torch.zeros(2))
     run = torch.optim.AdamW([p], lr=0.1, weight_decay=0.5, amsgrad=True)
@@ -228,7 +228,7 @@ def test_every_optimizer_key_reaches_what_override_applies():
     from the recipe at every step): a new key cannot keep the checkpoint's value unnoticed."""
     import dataclasses
 
-    from vp_accelerate.train.checkpoint.resume_check import NOT_RESTORED, fresh_hyperparameters
+    from vp_accelerate.train.persist.resume_check import NOT_RESTORED, fresh_hyperparameters
     from vp_accelerate.train.recipe.schema import OptimizerSection
 
     params = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]

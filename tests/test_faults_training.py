@@ -117,7 +117,7 @@ def test_resume_with_another_model_is_refused(setup, skipped_run):
 
 
 def test_inf_gradient_stops_every_rank_and_keeps_the_last_checkpoint(setup):
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     step = RNG.randrange(2, 4)
     out = train_forked(
@@ -167,7 +167,7 @@ def test_a_stop_signal_saves_the_step_and_exits_75_on_every_rank(setup, during, 
     """A real SIGTERM (preemption) reaching one rank mid-step, or every rank inside a checkpoint write: both ranks
     finish the step, the checkpoint of that step is written once and complete, every rank says so and exits 75;
     --resume goes on from the next step. Before: exit 143 on the signalled rank, nothing saved."""
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     step = RNG.randrange(2, 4)
     fault = {"signal": {"step": step, "during": during, **({"rank": 1} if during == "step" else {})}}
@@ -196,7 +196,7 @@ def test_sigterm_to_a_launched_job_saves_and_exits_75(setup):
     import time
 
     from helpers.launch import BIN
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     name = "preempt_launch"
     cmd = [os.path.join(BIN, "vp-accelerate"), "launch", "--config_file", CPU_2PROC, "train"]

@@ -76,7 +76,7 @@ class _Evil:
 def test_a_checkpoint_with_a_malicious_pickle_is_refused(tmp_path, victim):
     from safetensors.torch import save_file
 
-    from vp_accelerate.train.checkpoint.store import load_rank
+    from vp_accelerate.train.persist.store import load_rank
 
     marker = tmp_path / f"pwned{random.randrange(10**6)}"
     rdir = tmp_path / "step_00000001" / "rank_00000"
@@ -91,7 +91,7 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused(tmp_path, victim):
 
 def test_weights_are_read_with_safetensors_not_pickle(tmp_path):
     """A pickle renamed model.safetensors is not executed either: safetensors refuses its header."""
-    from vp_accelerate.train.checkpoint.store import load_rank
+    from vp_accelerate.train.persist.store import load_rank
 
     marker = tmp_path / "pwned"
     rdir = tmp_path / "ck" / "rank_00000"

@@ -158,7 +158,7 @@ def test_lora_matches_single_process_peft(tmp_path, monkeypatch):
         # folder, whose fresh base (exists nowhere else) goes to adapter/base; AutoPeftModel loads it as it is
         from peft import AutoPeftModelForCausalLM
 
-        from vp_accelerate.train.checkpoint.hf_export import write_exports
+        from vp_accelerate.train.persist.hf_export import write_exports
 
         recipe = {
             "model": {"source": "llama-tiny"},
@@ -254,7 +254,7 @@ def test_trainable_token_rows_match_peft_trainable_token_indices(tmp_path, tied)
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from vp_accelerate.models.lora import init_lora_weights, lora_modules
-    from vp_accelerate.train.checkpoint.hf_export import write_exports
+    from vp_accelerate.train.persist.hf_export import write_exports
 
     seed = random.randrange(2**31)
     rng = random.Random(seed)

@@ -280,7 +280,7 @@ def test_vocab_smaller_than_ranks_in_the_runtime():
 
 # ------------------------------------------------------------------------------------------- checkpoints
 def test_checkpoint_of_another_layout_lists_every_difference():
-    from vp_accelerate.train.checkpoint.store import CheckpointError, check_fingerprint
+    from vp_accelerate.train.persist.store import CheckpointError, check_fingerprint
 
     saved = {"model": "abc", "world_size": 2, "method": "vocab-2", "seed": 0}
     now = {**saved, "world_size": 4, "model": "def"}
@@ -292,7 +292,7 @@ def test_checkpoint_of_another_layout_lists_every_difference():
 
 
 def test_checkpoint_shapes_of_another_vocab_are_refused():
-    from vp_accelerate.train.checkpoint.store import CheckpointError, check_shapes
+    from vp_accelerate.train.persist.store import CheckpointError, check_shapes
 
     v = RNG.randrange(10, 100)
     with pytest.raises(CheckpointError, match=rf"lm_head.weight: saved \({v}, 8\), expected \({v + 1}, 8\)"):

@@ -1,4 +1,4 @@
-"""Checkpoints reshard (train/checkpoint/reshard.py): a checkpoint saved by one layout loads into another — pipeline
+"""Checkpoints reshard (train/persist/reshard.py): a checkpoint saved by one layout loads into another — pipeline
 size, data-parallel size with ZeRO-1, schedule — with exactly the same global weights and AdamW moments (every
 element, vocabulary shards compared as rows of the full matrix), and training goes on as the saved layout's
 own uninterrupted run (float64, so the layouts' different summation orders stay far below the check).
@@ -58,7 +58,7 @@ def _train(pipe, opt, batches):
 def _global_state(pipe, opt):
     """Every weight and moment by global name, vocabulary shards joined and cut to the vocabulary (replica 0's
     pipeline ranks; ZeRO's moments from the replica that owns them)."""
-    from vp_accelerate.train.checkpoint.reshard import named_optimizer_state
+    from vp_accelerate.train.persist.reshard import named_optimizer_state
 
     mine = {n: t.detach().clone() for n, t in pipe.mods.state_dict().items()}
     moments = {
@@ -88,8 +88,8 @@ def _global_state(pipe, opt):
 
 
 def _save(pipe, opt, path, step):
-    from vp_accelerate.train.checkpoint import store as ckpt
-    from vp_accelerate.train.checkpoint.reshard import rank_checkpoint_state
+    from vp_accelerate.train.persist import store as ckpt
+    from vp_accelerate.train.persist.reshard import rank_checkpoint_state
 
     model_state, optimizer_state = rank_checkpoint_state(pipe, opt)  # as the trainer saves (run_state.save_run)
     ranks = [None] * dist.get_world_size()
@@ -108,8 +108,8 @@ def _save(pipe, opt, path, step):
 
 
 def _resume(pipe, opt, path):
-    from vp_accelerate.train.checkpoint import store as ckpt
-    from vp_accelerate.train.checkpoint.reshard import (
+    from vp_accelerate.train.persist import store as ckpt
+    from vp_accelerate.train.persist.reshard import (
         load_named_optimizer_state,
         reshard_model,
         reshard_optimizer_state,
@@ -196,8 +196,8 @@ def test_resharding_resumes(tmp_path):
 def test_an_index_keyed_checkpoint_is_refused_with_the_conversion(tmp_path):
     """A checkpoint from before the optimizer state was keyed by name cannot reshard: the error says how to
     convert it (resume once on its own layout)."""
-    from vp_accelerate.train.checkpoint import store as ckpt
-    from vp_accelerate.train.checkpoint.reshard import SavedTensors
+    from vp_accelerate.train.persist import store as ckpt
+    from vp_accelerate.train.persist.reshard import SavedTensors
 
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([w])

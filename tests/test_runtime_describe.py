@@ -96,7 +96,7 @@ def test_placement_survives_json_and_sees_layout_changes(layouts):
 
 def test_old_checkpoints_fingerprint_still_matches():
     """Checkpoints written when the layout was recorded as describe()'s text (without the size) resume."""
-    from vp_accelerate.train.checkpoint.store import CheckpointError, check_fingerprint
+    from vp_accelerate.train.persist.store import CheckpointError, check_fingerprint
     from vp_accelerate.train.run.run_state import as_saved
 
     rank = RankLayout(

@@ -101,7 +101,7 @@ def test_chat_lora_run_exports_merged_and_adapter(tmp_path, monkeypatch):
 
     from vp_accelerate.models.export import assemble_state_dict, save_hf
     from vp_accelerate.models.lora import merge_lora
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     step = ckpt.resolve(str(tmp_path / "ckpt"))
     meta = ckpt.read_meta(step)

@@ -9,7 +9,7 @@ import torch
 
 from helpers.checkpoints import save_one_rank
 from vp_accelerate.distributed import spawn
-from vp_accelerate.train.checkpoint import store as ckpt
+from vp_accelerate.train.persist import store as ckpt
 
 
 def state(seed: int):
@@ -117,13 +117,13 @@ def test_collective_save_two_ranks(tmp_path):
 
 
 def test_checkpoint_package_sits_below_the_run():
-    """train/checkpoint/ imports nothing of train/run/ (ARCHITECTURE.md: cli -> run -> checkpoint -> tokens)."""
+    """train/persist/ imports nothing of train/run/ (ARCHITECTURE.md: cli -> run -> persist -> tokens)."""
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "vp_accelerate" / "train" / "checkpoint"
+    root = pathlib.Path(__file__).resolve().parents[1] / "vp_accelerate" / "train" / "persist"
     up = re.compile(
         r"^\s*from\s+(\.\.run\b|vp_accelerate\.train\.run\b)|^\s*import\s+vp_accelerate\.train\.run\b", re.M
     )
     offenders = [p.name for p in sorted(root.glob("*.py")) if up.search(p.read_text())]
-    assert not offenders, f"train/checkpoint/ modules importing train/run/: {offenders}"
+    assert not offenders, f"train/persist/ modules importing train/run/: {offenders}"

@@ -197,7 +197,7 @@ def test_resume_into_another_schedule_and_data_parallel_size(setup, full_run):
 
 
 def test_checkpoint_records_the_layout(full_run):
-    from vp_accelerate.train.checkpoint import store as ckpt
+    from vp_accelerate.train.persist import store as ckpt
 
     run_dir, _ = full_run
     meta = ckpt.read_meta(ckpt.read_latest(str(run_dir / "checkpoints")))

@@ -348,7 +348,7 @@ def test_push_to_hub_uploads_the_export_and_refuses_offline(tmp_path, tok_dir, c
     HF_HUB_OFFLINE=1 the recipe is refused before launch, naming the key."""
     from huggingface_hub import HfApi
 
-    from vp_accelerate.train.checkpoint.hub_push import push_export
+    from vp_accelerate.train.persist.hub_push import push_export
 
     repo = f"someone/model-{RNG.randrange(10**6)}"
     rows = tmp_path / "d.jsonl"

@@ -204,8 +204,8 @@ def launched(tmp_path_factory):
 def test_early_stopping_keeps_and_exports_the_best(launched):
     from transformers import AutoModelForCausalLM
 
-    from vp_accelerate.train.checkpoint import store as ckpt
     from vp_accelerate.train.cli.commands import export_main
+    from vp_accelerate.train.persist import store as ckpt
 
     d, _, out, rows = launched
     evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vp_accelerate.train.checkpoint import store as ckpt
+from vp_accelerate.train.persist import store as ckpt
 from vp_accelerate.train.run.tracking import start_metrics
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from vp_accelerate.train.checkpoint import store as ckpt
+from vp_accelerate.train.persist import store as ckpt
 
 
 def save_one_rank(root, step: int, state: tuple, crash=None, keep: int = 2) -> str:

@@ -117,7 +117,7 @@ def export_hf(
     max_shard_size: int | str = "5GB",
 ) -> Path | None:
     """Write one HF model directory: the one place that decides whether an export streams or gathers, for a
-    live pipeline (`runtime/model_io.py`, a collective) and a checkpoint (`train/checkpoint/hf_export.py`)
+    live pipeline (`runtime/model_io.py`, a collective) and a checkpoint (`train/persist/hf_export.py`)
     alike.
 
     It streams (`stream(dtype)`: every rank, or every rank file, writes its own tensors, `models/stream_export.py`)

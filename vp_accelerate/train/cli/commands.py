@@ -120,8 +120,8 @@ def _run(recipe, args) -> tuple | int:
     """(the run, its summary), or the exit code when it stopped: 2 for a user error at the start, 3 for bad data,
     a bad checkpoint or NaN/inf (the same decision on every rank: each says why), 75 for a stop signal (after the
     checkpoint was written: resume with --resume)."""
-    from ..checkpoint.files import CheckpointError
     from ..data import DataError  # after parse_args, as above
+    from ..persist.files import CheckpointError
     from ..run.nonfinite import NonFiniteError
     from ..run.preemption import EXIT_PREEMPTED, Preempted
     from ..run.run_lock import release_all
@@ -246,8 +246,8 @@ def export_main(argv: list[str] | None = None) -> int:
     # imported once the arguments parsed: they load torch and transformers, which `export --help` does without
     import torch
 
-    from ..checkpoint.files import CheckpointError
-    from ..checkpoint.hf_export import export_checkpoint
+    from ..persist.files import CheckpointError
+    from ..persist.hf_export import export_checkpoint
 
     try:
         out = export_checkpoint(

@@ -23,13 +23,13 @@ from vp_accelerate.models.layout import LayoutError
 from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.registry import METHODS
 
-from ..checkpoint import resume_check
-from ..checkpoint import store as ckpt
-from ..checkpoint.hub_push import check_push
 from ..data.check import check_columns
 from ..data.formats import chat_template_of, document_boundaries, sample_format
 from ..data.read import DataError, first_record_columns
 from ..data.sources import builder_for, expand_files
+from ..persist import resume_check
+from ..persist import store as ckpt
+from ..persist.hub_push import check_push
 from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
@@ -283,7 +283,7 @@ def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> l
     """Check where checkpoints go (`checkpoint.dir`, default `<output_dir>/checkpoints`) and that this run may
     write there: a new run never mixes its checkpoints with an earlier run's (that needs `--resume`), and
     `--resume` must name a complete checkpoint saved with this run's optimizer, schedule and data (or
-    `--override` says to apply this run's: `checkpoint/resume_check.py`). Returns notes for `--check`."""
+    `--override` says to apply this run's: `persist/resume_check.py`). Returns notes for `--check`."""
     out = recipe.logging.output_dir
     for key, folder in (("logging.output_dir", out), ("checkpoint.dir", recipe.checkpoint.dir)):
         if folder and os.path.exists(folder) and not os.path.isdir(folder):

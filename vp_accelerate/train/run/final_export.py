@@ -1,14 +1,14 @@
 """A completed run's final export: its model as an HF directory in `<output_dir>/hf` (and a LoRA run's adapter
 folder), then `checkpoint.push_to_hub`. Read from the final checkpoint when the run saves them, else gathered
-from the ranks (`checkpoint/hf_export.py` and `runtime/model_io.py` write it)."""
+from the ranks (`persist/hf_export.py` and `runtime/model_io.py` write it)."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-from ..checkpoint.hf_export import export_checkpoint, write_exports
-from ..checkpoint.hub_push import push_export
+from ..persist.hf_export import export_checkpoint, write_exports
+from ..persist.hub_push import push_export
 from .run_state import final_checkpoint
 from .tracking import gather
 

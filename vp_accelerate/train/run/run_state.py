@@ -1,5 +1,5 @@
 """Save and resume a training run's whole state (model, optimizer, LR schedule, data position, RNG)
-through the checkpoint format of `train/checkpoint/store.py`. Both are collectives: every rank calls them."""
+through the checkpoint format of `train/persist/store.py`. Both are collectives: every rank calls them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 from vp_accelerate.runtime.groups import host_group
 
-from ..checkpoint import resume_check
-from ..checkpoint import store as ckpt
-from ..checkpoint.reshard import (
+from ..persist import resume_check
+from ..persist import store as ckpt
+from ..persist.reshard import (
     BY_NAME,
     LAYOUT_KEYS,
     load_named_optimizer_state,
