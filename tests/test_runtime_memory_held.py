@@ -14,35 +14,46 @@ from vp_accelerate.distributed import spawn
 HIDDEN, SEQ = 32, 16
 
 
-def _held_before_t():
+def _step_watching(name: str, watch, method: str) -> dict:
+    """One 2-microbatch 1F1B step of a tiny Llama with `Executor.<name>` replaced by `watch(original)`
+    (restored afterwards); returns the pipeline's stats."""
     from transformers import LlamaConfig
 
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.runtime.executor import Executor
-    from vp_accelerate.runtime.memory import storage_bytes
 
-    inputs = {"opts", "partition", "rank", "x", "x_shape", "weight", "bias", "labels", "logits"}
-    held = []
-    do_t = Executor._do_T
-
-    def measured_t(self, a):
-        self._await_inputs(a)  # C1 done: what the state holds now is what it held since C1
-        state = self.state.output_states[a.mb]
-        held.append(storage_bytes(v for k, v in vars(state).items() if k not in inputs))
-        return do_t(self, a)
-
-    Executor._do_T = measured_t
+    original = getattr(Executor, name)
+    setattr(Executor, name, watch(original))
     try:
         config = LlamaConfig(
             vocab_size=67, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
         )
-        pipe = PipelineModel(config, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2))
+        pipe = PipelineModel(config, PipelineConfig(schedule="1f1b", method=method, microbatches=2))
         ids = torch.randint(0, 67, (2, SEQ), generator=torch.Generator().manual_seed(0))
         pipe.train_step(ids, ids)
         stats = pipe.stats()
         pipe.close()
     finally:
-        Executor._do_T = do_t
+        setattr(Executor, name, original)
+    return stats
+
+
+def _held_before_t():
+    from vp_accelerate.runtime.memory import storage_bytes
+
+    inputs = {"opts", "partition", "rank", "x", "x_shape", "weight", "bias", "labels", "logits"}
+    held = []
+
+    def watch(do_t):
+        def measured_t(self, a):
+            self._await_inputs(a)  # C1 done: what the state holds now is what it held since C1
+            state = self.state.output_states[a.mb]
+            held.append(storage_bytes(v for k, v in vars(state).items() if k not in inputs))
+            return do_t(self, a)
+
+        return measured_t
+
+    stats = _step_watching("_do_T", watch, "vocab-2")
     return held, stats["peak_comm_bytes"], stats["peak_held_bytes"], stats["peak_activation_bytes"]
 
 
@@ -61,35 +72,22 @@ def test_a_microbatch_holds_only_its_statistics_from_c1_to_t():
 
 
 def _counted_after_f():
-    from transformers import LlamaConfig
-
-    from vp_accelerate.runtime import PipelineConfig, PipelineModel
-    from vp_accelerate.runtime.executor import Executor
-
     seen = []
-    do_f = Executor._do_F
 
-    def checked_f(self, a):
-        do_f(self, a)
-        st, key = self.state, (a.mb, a.chunk)
-        counted = st.meter.seen.get(key, set())
-        ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
-        if a.chunk != self.last_chunk:
-            seen.append(("output", a.chunk, ptr(st.chunk_outputs[key]) in counted))
-        if a.chunk > 0:
-            seen.append(("input", a.chunk, ptr(st.chunk_inputs[key]) in counted))
+    def watch(do_f):
+        def checked_f(self, a):
+            do_f(self, a)
+            st, key = self.state, (a.mb, a.chunk)
+            counted = st.meter.seen.get(key, set())
+            ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+            if a.chunk != self.last_chunk:
+                seen.append(("output", a.chunk, ptr(st.chunk_outputs[key]) in counted))
+            if a.chunk > 0:
+                seen.append(("input", a.chunk, ptr(st.chunk_inputs[key]) in counted))
 
-    Executor._do_F = checked_f
-    try:
-        config = LlamaConfig(
-            vocab_size=67, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
-        )
-        pipe = PipelineModel(config, PipelineConfig(schedule="1f1b", method="baseline", microbatches=2))
-        ids = torch.randint(0, 67, (2, SEQ), generator=torch.Generator().manual_seed(0))
-        pipe.train_step(ids, ids)
-        pipe.close()
-    finally:
-        Executor._do_F = do_f
+        return checked_f
+
+    _step_watching("_do_F", watch, "baseline")
     return seen
 
 

@@ -112,33 +112,29 @@ def step_weight_casts(device: torch.device, dtype: torch.dtype | None):
         torch.clear_autocast_cache()
 
 
-def frozen_matmul_weights(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-    """(owner, name, parameter) of every frozen fp32 matmul weight under `module`: the `weight` of each
-    nn.Linear, GPT-2 Conv1D and full lm_head whose weight does not require grad (a LoRA base layer, a
-    frozen vocabulary). autocast casts these for every call without caching them (it caches only
-    tensors that require grad), so the executor casts each once per step and swaps the copy in for the
-    forward passes (`swapped`). Embeddings and norms are left alone: autocast does not cast them."""
+def matmul_weights(module: torch.nn.Module, trainable: bool) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """(owner, name, parameter) of every fp32 matmul weight under `module` (the `weight` of each nn.Linear,
+    GPT-2 Conv1D and full lm_head) that requires grad (`trainable`) or does not. Embeddings and norms are left
+    alone: autocast does not cast them.
+
+    Frozen ones (a LoRA base layer, a frozen vocabulary): autocast casts these for every call without caching
+    them (it caches only tensors that require grad), so the executor casts each once per step and swaps the
+    copy in (`swapped`). Trainable ones (a decoder chunk's linears, LoRA's adapters, the baseline's head): under
+    a backward that is not split the executor makes their step copies itself too (`StepCasts.trainable`), as
+    leaves whose gradient goes into the fp32 .grad as soon as it is made."""
     found = []
     for sub in module.modules():
         if not isinstance(sub, (torch.nn.Linear, Conv1D, FullHead)):
             continue
         w = sub._parameters.get("weight")
-        if w is not None and not w.requires_grad and w.dtype == torch.float32:
+        if w is not None and w.requires_grad == trainable and w.dtype == torch.float32:
             found.append((sub, "weight", w))
     return found
 
 
-def trainable_matmul_weights(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-    """(owner, name, parameter) of every trainable fp32 `weight` of an nn.Linear, GPT-2 Conv1D or full lm_head
-    under `module` (a decoder chunk's linears, LoRA's adapters, the baseline's head): the weights whose step
-    copy `StepCasts.trainable` makes itself rather than leaving it to autocast's cache."""
-    found = []
-    for sub in module.modules():
-        if isinstance(sub, (torch.nn.Linear, Conv1D, FullHead)):
-            w = sub._parameters.get("weight")
-            if w is not None and w.requires_grad and w.dtype == torch.float32:
-                found.append((sub, "weight", w))
-    return found
+def frozen_matmul_weights(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """`matmul_weights(module, trainable=False)`."""
+    return matmul_weights(module, trainable=False)
 
 
 def into_master_grad(master: torch.nn.Parameter):

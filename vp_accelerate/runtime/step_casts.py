@@ -63,13 +63,15 @@ class StepCasts:
         if self.compute_dtype is None:
             return []
         if chunk not in self._frozen:
-            mods = [self.modules.chunks[chunk]]
-            if chunk == self.last_chunk and self.modules.head is not None:
-                mods.append(self.modules.head)
-            self._frozen[chunk] = [
-                (owner, name, self.weight(w)) for m in mods for owner, name, w in precision.frozen_matmul_weights(m)
-            ]
+            self._frozen[chunk] = [(owner, name, self.weight(w)) for owner, name, w in self._weights(chunk, False)]
         return self._frozen[chunk]
+
+    def _weights(self, chunk: int, trainable: bool) -> list:
+        """`precision.matmul_weights` of the chunk (and of the full lm_head on the last chunk)."""
+        mods = [self.modules.chunks[chunk]]
+        if chunk == self.last_chunk and self.modules.head is not None:
+            mods.append(self.modules.head)
+        return [t for m in mods for t in precision.matmul_weights(m, trainable)]
 
     def trainable(self, chunk: int) -> list:
         """(module, name, low-precision leaf copy) of the chunk's trainable linear weights (and the full
@@ -78,10 +80,8 @@ class StepCasts:
         if self.compute_dtype is None or self.split_backward:
             return []
         if chunk not in self._trainable:
-            copies, mods = [], [self.modules.chunks[chunk]]
-            if chunk == self.last_chunk and self.modules.head is not None:
-                mods.append(self.modules.head)
-            for owner, name, w in (t for m in mods for t in precision.trainable_matmul_weights(m)):
+            copies = []
+            for owner, name, w in self._weights(chunk, True):
                 copy = w.detach().to(self.compute_dtype).requires_grad_(True)
                 copy.register_post_accumulate_grad_hook(precision.into_master_grad(w))
                 self.meter.add_weight_copy(copy)
