@@ -219,7 +219,7 @@ class Watchdog:
             error = error.__cause__ or error.__context__
         return False
 
-    def stop_for_lost_peer(self, error: BaseException) -> None:
+    def stop_for_lost_peer(self, error: BaseException, where: str = "in the middle of a step") -> None:
         """End this rank with one line after a peer's connection closed under it: the peer's own failure note
         when it left one (it raised), else the connection that was lost (killed: no note). Never returns."""
         note = None
@@ -232,11 +232,11 @@ class Watchdog:
             self._exit(f"peer failed — {note}")
         match = _LOST.search(str(error)) or _LOST.search(str(error.__cause__ or error.__context__))
         self._exit(
-            f"a peer's connection closed in the middle of a step ({match.group(0) if match else error}): "
+            f"a peer's connection closed {where} ({match.group(0) if match else error}): "
             "the peer was killed, ran out of memory or crashed; its own log says why"
         )
 
-    def stop_for_peer_failure(self, error: BaseException, wait_s: float | None = None) -> None:
+    def stop_for_peer_failure(self, error: BaseException, label: str = "", wait_s: float | None = None) -> None:
         """After a collective failed under this rank: a peer's failure note (it may still be on its way: wait
         up to two heartbeats) or a lost connection ends this rank with one line (never returns); an error
         of this rank's own returns, to be raised."""
@@ -255,7 +255,7 @@ class Watchdog:
                 break
             time.sleep(0.1)
         if self.lost_peer(error):
-            self.stop_for_lost_peer(error)
+            self.stop_for_lost_peer(error, f"in {label}" if label else "in a collective")
 
     def _exit(self, why: str) -> None:
         print(f"[vp-accelerate] rank {self.rank} stops: {why}", file=sys.stderr, flush=True)
@@ -389,6 +389,6 @@ def waiting(label: str, device=None):
         yield
     except Exception as e:
         dog.progress.end_wait(own)
-        dog.stop_for_peer_failure(e)
+        dog.stop_for_peer_failure(e, label)
         raise
     dog.progress.end_wait(own, _device_mark(device) if dog.progress.track_device else None)
