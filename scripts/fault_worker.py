@@ -19,6 +19,12 @@ VP_FAULT (JSON) says what to break:
 - `stall`: at step `step`, rank `rank` sleeps `seconds` inside its first chunk's forward of microbatch 1
   (a hang: its peer waits for it, nobody raises); with `--pipeline`, `watchdog_stall_s` (default 600) is
   the PipelineConfig's, so the watchdog's stall report ends the job.
+- `stall_end`: at step `step`, rank `rank` sleeps `seconds` inside the step's end (`DPReducer.finish`, before
+  its data-parallel buckets complete): a hang after the schedule's last pass; with `--pipeline` set `dp_size` 2.
+- `fail_between`: at step `step`, rank `rank` raises right after its train_step returned (between steps), while
+  its peers enter the next collective (the clip norm).
+- `dp_size`, `clip`: with `--pipeline`, the PipelineConfig's dp_size (pp_size = world / dp_size) and whether each
+  step clips the gradient norm (a collective after the step).
 - `slow_fsync_s`: sleep this long before each checkpoint fsync, so a kill lands inside the write.
 - `signal`: at step `step`, rank `rank` (every rank when absent) sends itself the signal `name` (default
   SIGTERM), a real one delivered by the kernel: inside its first chunk's forward (`"during": "step"`, the
@@ -49,6 +55,9 @@ def install(fault: dict) -> None:
     def train_step(self, *args, **kwargs):
         state["step"] += 1
         res = original_train_step(self, *args, **kwargs)
+        between = fault.get("fail_between")
+        if between and state["step"] == between["step"] and self.rank == between.get("rank", 0):
+            raise RuntimeError(f"injected failure between steps at step {state['step']}")
         bad = fault.get("poison_grad")
         if bad and state["step"] == bad["step"] and self.rank == bad.get("rank", 0):
             grad = self.parameters()[bad.get("param", 0)].grad
@@ -56,6 +65,20 @@ def install(fault: dict) -> None:
         return res
 
     pipeline.PipelineModel.train_step = train_step
+
+    stall_end = fault.get("stall_end")
+    if stall_end:
+        from vp_accelerate.runtime import grad_sync
+
+        original_finish = grad_sync.DPReducer.finish
+
+        def finish(self, params):
+            rank = int(os.environ.get("RANK", "0"))
+            if state["step"] == stall_end["step"] and rank == stall_end.get("rank", 0):
+                time.sleep(float(stall_end.get("seconds", 60)))
+            return original_finish(self, params)
+
+        grad_sync.DPReducer.finish = finish
 
     fail, stall, sig = fault.get("fail"), fault.get("stall"), fault.get("signal")
 
@@ -110,7 +133,7 @@ def install(fault: dict) -> None:
         checkpoint_writer.fsync_file = slow_fsync
 
 
-def pipeline_main(steps: int = 3, stall_s: float = 600.0) -> int:
+def pipeline_main(steps: int = 3, stall_s: float = 600.0, dp_size: int = 1, clip: bool = False) -> int:
     """Train a tiny 2-rank pipeline with `PipelineModel` alone; rendezvous from the environment."""
     import torch
     from transformers import LlamaConfig
@@ -127,10 +150,15 @@ def pipeline_main(steps: int = 3, stall_s: float = 600.0) -> int:
         num_key_value_heads=2,
     )
     # a short watchdog deadline: a peer that stops answering is declared dead within seconds
-    pipe = PipelineModel(config, PipelineConfig(microbatches=2, watchdog_dead_after_s=5.0, watchdog_stall_s=stall_s))
+    pipe = PipelineModel(
+        config,
+        PipelineConfig(microbatches=2, dp_size=dp_size, watchdog_dead_after_s=5.0, watchdog_stall_s=stall_s),
+    )
     ids = torch.randint(0, 128, (2, 16))
     for _ in range(steps):
         pipe.train_step(ids, ids)
+        if clip:
+            pipe.clip_grad_norm_(1.0)
     print(f"finished {steps} steps", flush=True)
     return 0
 
@@ -139,7 +167,11 @@ def main() -> int:
     fault = json.loads(os.environ.get("VP_FAULT", "{}"))
     install(fault)
     if sys.argv[1:] == ["--pipeline"]:
-        return pipeline_main(stall_s=float(fault.get("watchdog_stall_s", 600.0)))
+        return pipeline_main(
+            stall_s=float(fault.get("watchdog_stall_s", 600.0)),
+            dp_size=int(fault.get("dp_size", 1)),
+            clip=bool(fault.get("clip", False)),
+        )
     from vp_accelerate.train.cli.commands import train_main
 
     return train_main(sys.argv[1:])

@@ -132,11 +132,11 @@ def _pp2_dp2_wait_positions():
             issued[id(work)] = state["pass"]
         return work
 
-    def complete(work, flat, members):
+    def complete(self, work, flat, members):
         seen.append((issued.get(id(work)), state["pass"]))
-        real[2](work, flat, members)
+        real[2](self, work, flat, members)
 
-    R.__init__, R.after_pass, R._complete, dist.all_reduce = init, after_pass, staticmethod(complete), all_reduce
+    R.__init__, R.after_pass, R._complete, dist.all_reduce = init, after_pass, complete, all_reduce
     try:
         cfg = PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, pp_size=2, dp_size=2)
         pipe = PipelineModel(tiny_llama(101, num_layers=4), cfg, seed=3)
@@ -144,7 +144,7 @@ def _pp2_dp2_wait_positions():
         pipe.train_step(ids, ids)
         pipe.close()
     finally:
-        R.__init__, R.after_pass, R._complete, dist.all_reduce = real[0], real[1], staticmethod(real[2]), real[3]
+        R.__init__, R.after_pass, R._complete, dist.all_reduce = real
     return seen
 
 

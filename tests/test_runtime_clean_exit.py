@@ -92,3 +92,49 @@ def test_a_chain_waiting_on_a_late_peer_at_exit_ends_before_the_interpreter(tmp_
     for rank, (code, out, err) in enumerate(outs):
         assert code == 0, f"rank {rank} exited {code}\n{out}\n{err[-3000:]}"
     assert "received 4.0" in outs[0][1]
+
+
+ORDER_SCRIPT = textwrap.dedent("""
+    import torch.distributed as dist
+    from vp_accelerate.runtime import shutdown, watchdog
+    from vp_accelerate.vocab import comm
+
+    class Store:
+        def __init__(self):
+            self.kv = {}
+        def set(self, k, v):
+            self.kv[k] = v
+        def check(self, keys):
+            return all(k in self.kv for k in keys)
+        def get(self, k):
+            return str(self.kv[k]).encode()
+
+    dist.distributed_c10d._get_default_store = lambda: Store()
+    dist.get_rank, dist.get_world_size = (lambda: 0), (lambda: 2)
+    close_workers, stop = comm.close_workers, watchdog.Watchdog.stop
+
+    def close_workers_said(timeout_s):
+        print("workers drained", flush=True)
+        return close_workers(timeout_s=timeout_s)
+
+    def stop_said(self):
+        if not self.stopped:
+            print("watchdog stopped", flush=True)
+        stop(self)
+
+    comm.close_workers, watchdog.Watchdog.stop = close_workers_said, stop_said
+    shutdown.register()  # as PipelineModel does, before it starts the watchdog
+    watchdog.start(dead_after_s=60.0)
+""")
+
+
+def test_at_exit_the_workers_drain_before_the_watchdog_stops(tmp_path):
+    # shutdown.py's order: a peer that dies while this rank's last chains drain is still seen by the watchdog.
+    # Before, watchdog.start registered its own exit hook, which atexit ran first (the last registered first).
+    import subprocess
+
+    script = tmp_path / "order.py"
+    script.write_text(ORDER_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["workers drained", "watchdog stopped"], out.stdout

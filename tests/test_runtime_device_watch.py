@@ -8,9 +8,10 @@ failed."""
 
 from __future__ import annotations
 
+import threading
 import time
 
-from vp_accelerate.runtime.watchdog import Progress
+from vp_accelerate.runtime.watchdog import Progress, Watchdog
 
 
 class _Mark:
@@ -34,8 +35,14 @@ def _run_passes(progress: Progress, names: list[str]) -> list[_Mark]:
     return marks
 
 
-def test_a_device_still_working_between_steps_counts_as_stalled_and_is_named():
+def _watched() -> Progress:
     progress = Progress()
+    progress.track_device = True  # as the watchdog's own Progress (its thread retires the marks)
+    return progress
+
+
+def test_a_device_still_working_between_steps_counts_as_stalled_and_is_named():
+    progress = _watched()
     marks = _run_passes(progress, ["F(mb=0, chunk=0)", "B(mb=0, chunk=0)", "S(mb=0)"])
     marks[0].done = True  # the device finished the first pass, then hangs in the second
     time.sleep(0.02)
@@ -59,3 +66,57 @@ def test_host_marks_are_not_tracked_and_an_idle_rank_is_never_stalled():
     progress.end_step()
     assert progress.stalled_for() == 0.0
     assert not progress.device_busy()
+
+
+def test_without_a_watchdog_no_device_mark_is_kept():
+    # an executor's own Progress (one rank, `watchdog_dead_after_s: null`, or after close()): nobody polls,
+    # so a kept mark (a CUDA event per pass) would live as long as the process (before: 40 more per step)
+    progress = Progress()
+    for _ in range(10):
+        _run_passes(progress, ["F(mb=0, chunk=0)", "B(mb=0, chunk=0)", "S(mb=0)", "T(mb=0)"])
+    assert not progress.device_pending
+    assert progress.passes_done == 40
+
+
+def test_a_stopped_watchdog_keeps_no_mark():
+    dog = Watchdog.__new__(Watchdog)  # stop() alone: its thread, store and flags as a started one holds them
+    dog._stop, dog.interval_s, dog.progress = threading.Event(), 0.01, _watched()
+    dog._thread, dog.store, dog.key, dog.rank = threading.Thread(target=lambda: None), _NoStore(), "k", 0
+    dog._thread.start()
+    _run_passes(dog.progress, ["F(mb=0, chunk=0)"])
+    assert dog.progress.device_pending
+    dog.stop()
+    assert not dog.progress.device_pending
+    _run_passes(dog.progress, ["F(mb=1, chunk=0)"])
+    assert not dog.progress.device_pending
+
+
+class _NoStore:
+    def set(self, key, value) -> None:
+        pass
+
+
+def test_a_labelled_wait_after_the_step_is_a_pass_the_watchdog_times():
+    # the step's end (a DP bucket, the loss sum): before, stalled_for() was 0 outside a step, so a rank stuck
+    # there was never reported
+    progress = _watched()
+    _run_passes(progress, ["F(mb=0, chunk=0)"])[0].done = True
+    own = progress.begin_wait("DP bucket 2/3")
+    time.sleep(0.02)
+    assert progress.stalled_for() > 0
+    assert progress.describe().startswith("in the step's end: DP bucket 2/3, waits for its peers")
+    mark = _Mark()
+    progress.end_wait(own, mark)  # the host is past it (NCCL's wait); the device is not
+    assert progress.stalled_for() > 0 and "still on DP bucket 2/3" in progress.describe()
+    mark.done = True
+    assert progress.stalled_for() == 0.0 and progress.passes_done == 2
+
+
+def test_a_labelled_wait_inside_a_pass_is_what_the_pass_waits_for():
+    progress = _watched()
+    progress.begin_step()
+    progress.enter("S(mb=0)")
+    own = progress.begin_wait("valid-token count")
+    assert progress.describe().startswith("in S(mb=0), waits for valid-token count")
+    progress.end_wait(own)
+    assert progress.current == "S(mb=0)" and progress.passes_done == 0

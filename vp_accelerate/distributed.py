@@ -10,6 +10,11 @@ group exists: NCCL builds its communicators on the current device, so a process 
 with `device_id` (`init_kwargs`): torch then binds the group to that GPU and connects its communicator
 at once (and those of later `new_group`s at their creation) instead of at their first operation, when
 another communicator's kernels may be running (a known way to deadlock; runtime/groups.warm_up).
+
+The same holds for the helper threads (the watchdog, the communication workers, the checkpoint writer): CUDA's
+current device is per thread, and a new thread's is device 0. Their first CUDA call (an event's `query()` or
+`synchronize()`) would create a context on GPU 0 for every rank of the node (about 0.5 GB each): they are
+started with `start_thread`, which makes the starting thread's device theirs first.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import re
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -29,6 +35,21 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def start_thread(target: Callable[[], Any], name: str) -> threading.Thread:
+    """Start `target` in a daemon thread whose current CUDA device is this thread's (when CUDA is in use in
+    this process; nothing is initialised otherwise)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def free_port() -> int:

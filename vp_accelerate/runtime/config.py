@@ -108,9 +108,12 @@ class PipelineConfig:
     watchdog_dead_after_s: Optional[float] = 60.0
     """Exit every rank when a peer fails or stops heartbeating for this long; None disables the watchdog."""
 
-    watchdog_stall_s: Optional[float] = 600.0
-    """With the watchdog on: when no pass of a step has finished on a rank for this long, print every
-    rank's current pass and what it waits for, and end the job; None = never (runtime/watchdog.py)."""
+    watchdog_stall_s: Optional[float] = 300.0
+    """With the watchdog on: when no pass of a step, nor a collective of the step's end (a data-parallel
+    bucket, the loss sum, the clip norm, a ZeRO broadcast), has finished on any rank for this long, print
+    every rank's current pass and what it waits for, and end the job; None = never (runtime/watchdog.py).
+    Below the process group's own timeout (NCCL's default 600 s, gloo's 1800 s), so that this line, naming
+    the pass, comes before the collective's timeout error (a sequence number)."""
 
     def __post_init__(self):
         # canonical names, so `1F1B` and `Vocab-2` work and an unknown name fails here with the valid ones

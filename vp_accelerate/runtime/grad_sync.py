@@ -73,14 +73,17 @@ def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = B
     """Sum every tensor over `group`, in place, in flat buckets (`plan_buckets`). Returns the number of
     all-reduce calls made."""
     pending: list[tuple] = []
+    buckets = plan_buckets(tensors, bucket_bytes)
 
     def finish(work, flat, members) -> None:
-        work.wait()
+        p2p.wait_labelled(work, f"DP bucket {finish.done + 1}/{len(buckets)}", members[0].device)
+        finish.done += 1
         if flat is not None:
             unflatten_into(flat, members)
 
+    finish.done = 0
     calls = 0
-    for idx in plan_buckets(tensors, bucket_bytes):
+    for idx in buckets:
         members = [tensors[i] for i in idx]
         if len(members) == 1 and members[0].is_contiguous():
             flat, target = None, members[0]  # reduce in place: no copy
@@ -121,6 +124,8 @@ class DPReducer:
         """All-reduce calls issued (for tests)."""
         self.waits = 0
         """Buckets still in flight when `finish` waited for them (the rest were retired by `poll`)."""
+        self.completed = 0
+        """Buckets retired so far, in issue order."""
 
     def after_pass(self, a) -> None:
         """The executor's hook after each compute pass: retire the buckets already reduced (no wait),
@@ -168,9 +173,11 @@ class DPReducer:
             self.waits += 1
             self._complete(*self.pending.pop(0))
 
-    @staticmethod
-    def _complete(work, flat, members) -> None:
-        work.wait()  # NCCL: the current stream waits for the reduce (no host sync); gloo: the host waits
+    def _complete(self, work, flat, members) -> None:
+        # NCCL: the current stream waits for the reduce (no host sync); gloo: the host waits. Labelled as the
+        # bucket's place among all the step's (the watchdog names a bucket that never completes)
+        self.completed += 1
+        p2p.wait_labelled(work, f"DP bucket {self.completed}/{self.calls}", members[0].device)
         if flat is not None:
             unflatten_into(flat, members)
 

@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.runtime import watchdog
 from vp_accelerate.vocab import comm
 
 HANDSHAKE_TAG = 1  # data goes with tag 0 (P2POp's default); "receive posted" notes with this one
@@ -85,8 +86,16 @@ def collective(fn, tensor: torch.Tensor, group, label: str, async_op: bool = Fal
         work = fn(tensor, group=group, async_op=True, **kwargs)
     if async_op:
         return work
-    work.wait()
+    with watchdog.waiting(label, tensor.device):  # a rank stuck here is seen (the step's end, between steps)
+        work.wait()
     return None
+
+
+def wait_labelled(work, label: str, device) -> None:
+    """Wait for an async collective's `work` (a data-parallel bucket, a ZeRO broadcast) as `label`, so that
+    the watchdog can name it if it never completes."""
+    with watchdog.waiting(label, device):
+        work.wait()
 
 
 def strict_timeout_s() -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vp_accelerate.runtime import p2p, precision
+from vp_accelerate.runtime import p2p, precision, watchdog
 from vp_accelerate.runtime.clock import Clock
 from vp_accelerate.runtime.executor import Executor, Microbatch, StepOutput
 from vp_accelerate.runtime.groups import Groups
@@ -49,7 +49,8 @@ def bubble_rate(records: list[TimedAction], step_time: float, groups: Groups) ->
     """Mean over the pipeline's ranks of 1 - (time in compute passes) / (step time)."""
     busy = sum(r.end - r.start for r in records if r.op in COMPUTE_OPS)
     rate = torch.tensor([1.0 - busy / step_time if step_time > 0 else 0.0], dtype=torch.float64)
-    dist.all_reduce(rate, group=groups.pp_host_group)  # a host number: the gloo side group
+    with watchdog.waiting("bubble rate sum"):
+        dist.all_reduce(rate, group=groups.pp_host_group)  # a host number: the gloo side group
     return float(rate.item()) / groups.pp_size
 
 
@@ -61,5 +62,6 @@ def nonfinite_microbatches(losses: dict[int, torch.Tensor], microbatches: int, g
     for mb, value in losses.items():
         if not torch.isfinite(value).all():
             flags[groups.dp_rank * m + mb] = 1.0
-    dist.all_reduce(flags, group=groups.host_group)  # host flags of the whole world: gloo
+    with watchdog.waiting("non-finite microbatch flags"):
+        dist.all_reduce(flags, group=groups.host_group)  # host flags of the whole world: gloo
     return tuple((int(i) // m, int(i) % m) for i in flags.nonzero().flatten().tolist())

@@ -28,15 +28,17 @@ later, or never.
 
 from __future__ import annotations
 
-import atexit
 import os
 import re
 import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 
 import torch.distributed as dist
+
+from vp_accelerate.distributed import start_thread
 
 _PREFIX = "vp_watchdog"
 _LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Connection refused", re.I)
@@ -63,6 +65,12 @@ class Progress:
         self.device_done = 0
         self.device_since = time.monotonic()
         """When the device was last seen finishing a pass (or was handed one while idle)."""
+        self.track_device = False
+        """Whether device marks are kept: only while a watchdog thread polls them (`Watchdog` sets it); without
+        one a kept mark would never be retired (a CUDA event per pass, for the life of the process)."""
+        self.in_wait = ""
+        """A labelled wait outside the schedule's passes (the step's end: "DP bucket 7/18", "loss sum",
+        "ZeRO broadcast 3/5", or a collective between steps), "" when none: `begin_wait` / `end_wait`."""
 
     def begin_step(self) -> None:
         self.current, self.waits_for, self.last_done, self.in_step = "", "", time.monotonic(), True
@@ -76,12 +84,31 @@ class Progress:
     def finished(self, mark=None) -> None:
         """The host finished the running pass; `mark` is its end on the device (a CUDA event: tracked
         until `query()` says the device got there; anything else: the host is the device)."""
-        if mark is not None and hasattr(mark, "query"):
+        if mark is not None and hasattr(mark, "query") and self.track_device:
             if not self.device_pending:
                 self.device_since = time.monotonic()
             self.device_pending.append((self.current, mark))
         self.passes_done += 1
         self.current, self.waits_for, self.last_done = "", "", time.monotonic()
+
+    def begin_wait(self, label: str) -> bool:
+        """A wait on a collective begins. Inside a pass it is what the pass waits for (False: `end_wait`
+        then only restores that); outside the passes (the step's end, between steps) it counts as a pass of
+        its own, `label`, whose stall the watchdog sees like a pass's (True)."""
+        if self.in_step and self.current:
+            self.waits_for = label
+            return False
+        self.current, self.waits_for, self.in_wait, self.last_done = label, "", label, time.monotonic()
+        return True
+
+    def end_wait(self, own: bool, mark=None) -> None:
+        """The wait `begin_wait` began is over on the host; `mark` is its end on the device (a CUDA event
+        after the collective on the current stream: NCCL's wait returns before the device got there)."""
+        if not own:
+            self.waits_for = ""
+            return
+        self.in_wait = ""
+        self.finished(mark)
 
     def poll_device(self) -> None:
         """Retire the device marks that completed, in order (never blocks; the watchdog's thread)."""
@@ -107,6 +134,11 @@ class Progress:
 
     def describe(self) -> str:
         self.poll_device()
+        if self.in_wait:
+            where = "in the step's end" if not self.in_step else "in"
+            return (
+                f"{where}: {self.in_wait}, waits for its peers ({self.passes_done} passes done){self.describe_device()}"
+            )
         if not self.in_step:
             return f"between steps ({self.passes_done} passes done){self.describe_device()}"
         where = f"in {self.current}" if self.current else "between passes"
@@ -114,11 +146,11 @@ class Progress:
         return f"{where}, {what} ({self.passes_done} passes done){self.describe_device()}"
 
     def stalled_for(self) -> float:
-        """Seconds since a pass last finished: on the host inside a step, on the device while it still has
-        passes to finish (also between steps); 0 when neither works."""
+        """Seconds since a pass last finished: on the host inside a step or a labelled wait (`begin_wait`), on
+        the device while it still has passes to finish (also between steps); 0 when neither works."""
         self.poll_device()
         now = time.monotonic()
-        host = now - self.last_done if self.in_step else None
+        host = now - self.last_done if self.in_step or self.in_wait else None
         device = now - self.device_since if self.device_pending else None
         if host is None and device is None:
             return 0.0
@@ -146,8 +178,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._beats = 0
         self.store.set(f"{self.key}/beat/{self.rank}", "0")
-        self._thread = threading.Thread(target=self._run, name="vp-watchdog", daemon=True)
-        self._thread.start()
+        self.progress.track_device = True  # this thread retires the device marks
+        self._thread = start_thread(self._run, "vp-watchdog")  # on this rank's GPU (its `query()`), not GPU 0
 
     def report_failure(self, error: BaseException) -> None:
         """Tell every peer that this rank failed (call before re-raising)."""
@@ -169,6 +201,9 @@ class Watchdog:
             return
         self._stop.set()
         self._thread.join(timeout=10 * self.interval_s)
+        # nobody polls the device marks any more: keep none (an executor may run on without a watchdog)
+        self.progress.track_device = False
+        self.progress.device_pending.clear()
         try:
             self.store.set(f"{self.key}/done/{self.rank}", "1")
         except Exception:  # noqa: BLE001
@@ -184,7 +219,7 @@ class Watchdog:
             error = error.__cause__ or error.__context__
         return False
 
-    def stop_for_lost_peer(self, error: BaseException) -> None:
+    def stop_for_lost_peer(self, error: BaseException, where: str = "in the middle of a step") -> None:
         """End this rank with one line after a peer's connection closed under it: the peer's own failure note
         when it left one (it raised), else the connection that was lost (killed: no note). Never returns."""
         note = None
@@ -197,9 +232,30 @@ class Watchdog:
             self._exit(f"peer failed — {note}")
         match = _LOST.search(str(error)) or _LOST.search(str(error.__cause__ or error.__context__))
         self._exit(
-            f"a peer's connection closed in the middle of a step ({match.group(0) if match else error}): "
+            f"a peer's connection closed {where} ({match.group(0) if match else error}): "
             "the peer was killed, ran out of memory or crashed; its own log says why"
         )
+
+    def stop_for_peer_failure(self, error: BaseException, label: str = "", wait_s: float | None = None) -> None:
+        """After a collective failed under this rank: a peer's failure note (it may still be on its way: wait
+        up to two heartbeats) or a lost connection ends this rank with one line (never returns); an error
+        of this rank's own returns, to be raised."""
+        deadline = time.monotonic() + (2 * self.interval_s if wait_s is None else wait_s)
+        while True:
+            try:
+                if self.store.check([f"{self.key}/failed"]):
+                    note = self.store.get(f"{self.key}/failed").decode()
+                    if not note.startswith(f"rank {self.rank}:"):
+                        self._exit(f"peer failed — {note}")
+                    # this rank already failed or stalled (said above): its peers left the collective for that
+                    self._exit(f"after its own failure (above), a collective failed too: {_first_line(error)}")
+            except Exception:  # noqa: BLE001 - the store went with rank 0: a lost connection, said below
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if self.lost_peer(error):
+            self.stop_for_lost_peer(error, f"in {label}" if label else "in a collective")
 
     def _exit(self, why: str) -> None:
         print(f"[vp-accelerate] rank {self.rank} stops: {why}", file=sys.stderr, flush=True)
@@ -245,7 +301,7 @@ class Watchdog:
                 # The store lives with rank 0 and goes when it exits, normally at the end of a run. A rank
                 # 0 that died mid-step closes its sockets, which its peers' receives report on their own;
                 # a rank inside a pass that does not communicate (stalled) would not notice: it stops here.
-                if self.progress.in_step and not self._stop.is_set():
+                if (self.progress.in_step or self.progress.in_wait) and not self._stop.is_set():
                     self._exit("lost the launcher's key-value store (rank 0 exited) in the middle of a step")
                 return
 
@@ -277,16 +333,62 @@ class Watchdog:
         self._exit("stalled (see above)")
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
 _ACTIVE: Watchdog | None = None
 
 
 def start(dead_after_s: float, stall_after_s: float | None = None) -> Watchdog:
     """The process's watchdog, started on first use: one thread however many models a process builds
-    (the latest model's `stall_after_s` applies). It is stopped at interpreter exit if nobody stopped it
-    before."""
+    (the latest model's `stall_after_s` applies). At interpreter exit `runtime/shutdown.py`'s hook stops it,
+    after the communication workers drained (a peer that dies meanwhile is still seen): no exit hook of its
+    own, which would run first (atexit runs the last registered first)."""
     global _ACTIVE
     if _ACTIVE is None or _ACTIVE.stopped:
         _ACTIVE = Watchdog(dead_after_s=dead_after_s, stall_after_s=stall_after_s)
-        atexit.register(_ACTIVE.stop)
     _ACTIVE.stall_after_s = stall_after_s
     return _ACTIVE
+
+
+def active() -> Watchdog | None:
+    """The process's running watchdog, None when there is none (one rank, disabled, stopped)."""
+    return _ACTIVE if _ACTIVE is not None and not _ACTIVE.stopped else None
+
+
+def _device_mark(device):
+    """A CUDA event recorded now on `device`'s current stream (what a collective's wait queued), else None."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+@contextmanager
+def waiting(label: str, device=None):
+    """Wrap a wait on a collective, so the watchdog sees it. Outside the schedule's passes (the step's end:
+    the DP buckets, the tied and loss sums, the clip norm, the fp16 overflow check, the ZeRO broadcasts; a
+    collective between steps) the wait counts as a pass named `label`: a rank stuck there (or its device,
+    through a CUDA event recorded after the collective on `device`'s stream) stalls like a pass, and every
+    rank prints one line within `stall_after_s`. Inside a pass it is what the pass waits for.
+
+    A failure of the collective that a peer caused (a peer reported its own failure, or its connection
+    closed) ends this rank with the watchdog's one line, not gloo's traceback: a peer that raised between
+    steps leaves its peers in a collective it never joins (or one of another size)."""
+    dog = active()
+    if dog is None:
+        yield
+        return
+    own = dog.progress.begin_wait(label)
+    try:
+        yield
+    except Exception as e:
+        dog.progress.end_wait(own)
+        dog.stop_for_peer_failure(e, label)
+        raise
+    dog.progress.end_wait(own, _device_mark(device) if dog.progress.track_device else None)

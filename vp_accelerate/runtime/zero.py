@@ -52,14 +52,18 @@ def assign_owners(sizes: list[int], world: int) -> list[int]:
 def broadcast_buckets(tensors: list[torch.Tensor], src: int, group, is_src: bool) -> int:
     """Broadcast `tensors` from global rank `src` over `group`, in flat buckets; returns the calls made."""
     pending: list[tuple] = []
+    buckets = plan_buckets(tensors)
 
     def finish(work, flat, members) -> None:
-        work.wait()
+        finish.done += 1
+        label = f"ZeRO broadcast {finish.done}/{len(buckets)} from rank {src}"
+        p2p.wait_labelled(work, label, members[0].device)
         if flat is not None and not is_src:
             unflatten_into(flat, members)
 
+    finish.done = 0
     calls = 0
-    for idx in plan_buckets(tensors):
+    for idx in buckets:
         members = [tensors[i] for i in idx]
         if len(members) == 1 and members[0].is_contiguous():
             flat, target = None, members[0]
@@ -77,11 +81,6 @@ def broadcast_buckets(tensors: list[torch.Tensor], src: int, group, is_src: bool
     for item in pending:
         finish(*item)
     return calls
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t` (a new tensor on a CPU run too: the saved state must not alias the live one)."""
-    return t.detach().to("cpu", copy=True)
 
 
 def _hyper(group: dict) -> dict:
@@ -143,15 +142,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """{"format": "zero-1", "param_groups": [hyperparameters and parameter names of each group],
-        "state": {name: state of each parameter this replica owns}}, its tensors on the host.
+        "state": {name: state of each parameter this replica owns}}.
 
-        Each owned moment is copied to host memory on its own (a device->host copy allocates nothing on the
-        device), so a save adds no device memory: a device clone of the whole shard would add the owned
-        m and v (8 bytes per owned parameter) at save time. The values are the device's, bit for bit."""
+        Like a torch optimizer's, the state's tensors are the live ones (detached, no copy): a checkpoint's
+        snapshot (train/persist/writer.py) copies them to pinned host buffers without blocking the host, with
+        the model's, and its background writer waits for the copies. A copy here would run on the main
+        thread, a device->host transfer per moment that the host waits for, before the snapshot even began;
+        a device clone would add the owned m and v (8 bytes per owned parameter) at save time. Copy before
+        the next `step()` whatever must keep this step's values."""
         state = {}
         if self.inner is not None:
             for p, s in self.inner.state.items():
-                state[self.names[p]] = {k: (_to_host(v) if torch.is_tensor(v) else v) for k, v in s.items()}
+                state[self.names[p]] = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in s.items()}
         return {
             "format": FORMAT,
             "param_groups": [{**_hyper(g), "params": [self.names[p] for p in g["params"]]} for g in self.param_groups],

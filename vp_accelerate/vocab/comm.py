@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.distributed import start_thread
+
 
 class Pending:
     """Handle of one collective chain in flight; `wait()` completes it and returns the chain's result."""
@@ -186,8 +188,7 @@ class CommWorker:
 
     def __init__(self, name: str = "vp-comm"):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop, name)  # on this rank's GPU, not GPU 0
 
     def submit(self, chain: Callable[[], Any]) -> _ThreadJob:
         job = _ThreadJob(chain)

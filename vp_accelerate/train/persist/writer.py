@@ -19,11 +19,11 @@ import copy
 import json
 import os
 import signal
-import threading
 
 import torch
 import xxhash
 
+from vp_accelerate.distributed import start_thread
 from vp_accelerate.models.stream_export import write_safetensors
 
 from . import files, space
@@ -194,8 +194,8 @@ class RankWrite:
         self._work = work
         self._thread = None
         if background:
-            self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{rank}", daemon=True)
-            self._thread.start()
+            # on this rank's GPU: the snapshot's `event.synchronize()` must not make a context on GPU 0
+            self._thread = start_thread(self._run, f"checkpoint-writer-{rank}")
         else:
             self._run()
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.runtime import watchdog
 from vp_accelerate.runtime.groups import host_group
 
 EXIT_PREEMPTED = 75
@@ -74,7 +75,8 @@ class StopSignals:
         """The signal any rank received (0 when none): a collective, called by every rank after each step."""
         seen = torch.tensor([self.received], dtype=torch.int64)
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=host_group())
+            with watchdog.waiting("stop-signal agreement"):  # a peer that failed: its one line, no traceback
+                dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=host_group())
         return int(seen.item())
 
 

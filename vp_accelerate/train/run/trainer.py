@@ -24,7 +24,7 @@ from vp_accelerate import modes
 from vp_accelerate.distributed import init_from_env
 from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
 from vp_accelerate.models.lora import describe_adapter, parameter_counts
-from vp_accelerate.runtime import PipelineLayout, PipelineModel
+from vp_accelerate.runtime import PipelineLayout, PipelineModel, watchdog
 from vp_accelerate.runtime.groups import host_group
 
 from ..data import prepare_data
@@ -333,7 +333,9 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     except NonFiniteError:  # decided on every rank together: the checkpoint written meanwhile becomes `latest`
         complete_pending_save(run)
         raise
-    except BaseException:  # maybe this rank's alone: its write finishes, no collective, `latest` stays
+    except BaseException as e:  # maybe this rank's alone: its write finishes, no collective, `latest` stays
+        if not isinstance(e, Preempted) and (dog := watchdog.active()) is not None:
+            dog.report_failure(e)  # peers in a collective between steps say this in one line (runtime/watchdog.py)
         settle_pending_save(run)
         raise
     finally:
