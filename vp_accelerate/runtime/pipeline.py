@@ -192,6 +192,12 @@ class PipelineModel:
     def _microbatches(
         self, input_ids, labels, attention_mask, position_ids=None, loss_scale: float = 1.0
     ) -> tuple[list[Microbatch], int]:
+        tp = self.groups.tp_size
+        if tensor_parallel.sequence_parallel(self.cfg) and input_ids.shape[-1] % tp:
+            raise ValueError(
+                f"sequence length {input_ids.shape[-1]} does not split over tp_size={tp} ranks under sequence "
+                f"parallelism: pad the batch to a multiple of {tp} tokens, or set sequence_parallel=False"
+            )
         return make_microbatches(
             input_ids,
             labels,

@@ -71,16 +71,22 @@ def comm(groups: Groups) -> TPComm:
     return TPComm(size, groups.tp_rank, all_reduce, all_gather, reduce_scatter)
 
 
+# torch 2.13 renamed the tensor forms (`all_gather_single`, `reduce_scatter_single`); older releases have the old
+# names only
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gather_into(part: torch.Tensor):
     def fn(out, group=None, async_op=False):
-        return dist.all_gather_into_tensor(out, part, group=group, async_op=async_op)
+        return _ALL_GATHER(out, part, group=group, async_op=async_op)
 
     return fn
 
 
 def _scatter_from(whole: torch.Tensor):
     def fn(out, group=None, async_op=False):
-        return dist.reduce_scatter_tensor(out, whole, group=group, async_op=async_op)
+        return _REDUCE_SCATTER(out, whole, group=group, async_op=async_op)
 
     return fn
 

@@ -57,7 +57,9 @@ def replica0_files(path: str, meta: dict) -> list[tuple[str, frozenset[str]]]:
     """(model.safetensors of each rank of data-parallel replica 0, in pipeline order; names it holds as a copy
     another rank counts) of checkpoint `path`."""
     # vocabulary-rank order (pipeline order, then a stage's tensor-parallel ranks)
-    replica0 = sorted((r for r in meta["ranks"] if r["dp_rank"] == 0), key=lambda r: (r["pp_rank"], r.get("tp_rank", 0)))
+    replica0 = sorted(
+        (r for r in meta["ranks"] if r["dp_rank"] == 0), key=lambda r: (r["pp_rank"], r.get("tp_rank", 0))
+    )
     if not replica0:
         raise ckpt.CheckpointError(f"{path}: meta.json lists no ranks of data-parallel replica 0")
     for r in replica0:  # every file whole and unchanged since the save, before the export writes anything
