@@ -59,6 +59,11 @@ def check(recipe: Recipe) -> Recipe:
         if value < 0:
             raise RecipeError(f"{key}: must be >= 0, got {value}")
     if p.schedule == "auto":  # the planner chooses dp_size and microbatches; checked again once it has
+        if p.tp_size > 1:
+            raise RecipeError(
+                "pipeline.tp_size: schedule auto plans pp x dp layouts only so far; name a schedule (1f1b, vhalf, "
+                "interleaved) to train with tensor parallelism"
+            )
         if p.layers_per_stage is not None:
             raise RecipeError(
                 "pipeline.layers_per_stage: cannot be set with schedule auto (the plan splits the "
