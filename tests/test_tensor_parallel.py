@@ -203,7 +203,7 @@ def test_a_world_tp_does_not_divide_is_refused_before_any_weight(tmp_path):
         }
     )
     assert pipeline_size(recipe, 4) == 2
-    with pytest.raises(Exception, match=r"pipeline.tp_size: 3 processes cannot form 1 equal replicas"):
+    with pytest.raises(Exception, match=r"pipeline.tp_size: 3 processes cannot form 1 equal replicas of stages of 2"):
         pipeline_size(recipe, 3)
 
 
@@ -239,3 +239,39 @@ def test_bf16_mixed_precision_under_tp_matches_tp1(tmp_path):
     for name, g in one[1].items():
         rel = ((two[1][name] - g).norm() / g.norm()).item()
         assert rel < 0.05, (name, rel, seed)
+
+
+def _dpo_on_ranks(ckpt, ids, labels, noise):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.preference import Preference
+
+    out = {}
+    for name, kw in (("pp4", dict(pp_size=4)), ("pp2 x tp2", dict(pp_size=2, tp_size=2))):
+        pipe = PipelineModel(
+            ckpt, PipelineConfig(microbatches=4, attn_implementation="eager", **kw), dtype=torch.float64
+        )
+        own = pipe.sequence_logps(ids, labels)
+        pref = Preference(ref_logps=own + noise, beta=0.3, loss_type="sigmoid")
+        res = pipe.train_step(ids, labels, preference=pref)
+        out[name] = (own, res.loss, res.rewards, gathered_grads(pipe))
+        pipe.close()
+    return out
+
+
+def test_dpo_under_tp_equals_the_pipeline_without_it(tmp_path):
+    # the preference loss enters through the output layer's per-token gradient, which TP leaves alone: pp 2 x tp 2
+    # equals pp 4 (itself checked against TRL's formula, tests/test_runtime_dpo.py) in log-probs, loss, rewards and
+    # every gradient
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    ckpt = _save(tmp_path, tiny_llama(VOCAB, num_layers=4, attn_implementation="eager"))
+    ids, labels = _batch(seed, rows=8)
+    labels[:, :3] = -100  # the prompt
+    noise = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    got = spawn(_dpo_on_ranks, 4, ckpt, ids, labels, noise, timeout_s=300)[0]
+    (own4, loss4, rewards4, grads4), (own2, loss2, rewards2, grads2) = got["pp4"], got["pp2 x tp2"]
+    torch.testing.assert_close(own2, own4, rtol=0, atol=TOL)
+    assert loss2 == pytest.approx(loss4, abs=TOL)
+    assert rewards2 == pytest.approx(rewards4, abs=TOL)
+    for name, g in grads4.items():
+        torch.testing.assert_close(grads2[name], g, rtol=0, atol=TOL, msg=lambda m: f"{name}: {m} (seed {seed})")

@@ -354,15 +354,17 @@ def pipeline_size(recipe, world_size: int | None) -> int | None:
     tp = p.tp_size
     if world_size is not None:
         if p.pp_size is not None and p.pp_size * p.dp_size * tp != world_size:
+            sizes = f"pp_size={p.pp_size}{f' x tp_size={tp}' if tp > 1 else ''} x dp_size={p.dp_size}"
             raise RecipeError(
-                f"pipeline.pp_size: pp_size={p.pp_size} x tp_size={tp} x dp_size={p.dp_size} = "
-                f"{p.pp_size * tp * p.dp_size}, but {world_size} processes are launched; {_layouts(world_size, tp)}"
+                f"pipeline.pp_size: {sizes} = {p.pp_size * tp * p.dp_size}, but {world_size} processes are "
+                f"launched; {_layouts(world_size, tp)}"
             )
         if world_size % (p.dp_size * tp):
             key = "pipeline.tp_size" if world_size % tp else "pipeline.dp_size"
+            stages = f" of stages of {tp} tensor-parallel ranks" if tp > 1 else ""
             raise RecipeError(
-                f"{key}: {world_size} processes cannot form {p.dp_size} equal replicas of stages of {tp} "
-                f"tensor-parallel ranks; {_layouts(world_size, tp)}"
+                f"{key}: {world_size} processes cannot form {p.dp_size} equal replicas{stages}; "
+                f"{_layouts(world_size, tp)}"
             )
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if tp > 1 and local and local.isdigit() and int(local) % tp:
