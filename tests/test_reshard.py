@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from helpers.tiny import tiny_llama
+from helpers.tiny import tiny_config, tiny_llama
 from vp_accelerate.distributed import spawn
 
 VOCAB = 101
@@ -64,6 +64,7 @@ def _train(pipe, opt, batches):
 def _global_state(pipe, opt):
     """Every weight and moment by global name, vocabulary shards joined and cut to the vocabulary (replica 0's
     pipeline ranks; ZeRO's moments from the replica that owns them)."""
+    from vp_accelerate.models.tensor_parallel import join_packed
     from vp_accelerate.train.persist.reshard import named_optimizer_state
 
     mine = {n: t.detach().clone() for n, t in pipe.mods.state_dict().items()}
@@ -74,11 +75,20 @@ def _global_state(pipe, opt):
     }
     parts = [None] * dist.get_world_size()
     g = pipe.groups
-    mine = (g.vocab_rank, pipe.dp_rank, mine, moments, sorted(pipe.mods.sharded_names), pipe.mods.tp_sliced)
+    mine = (
+        g.vocab_rank,
+        pipe.dp_rank,
+        mine,
+        moments,
+        sorted(pipe.mods.sharded_names),
+        pipe.mods.tp_sliced,
+        pipe.mods.tp_packed,
+    )
     dist.all_gather_object(parts, mine)
     sliced = {n: d for part in parts for n, d in part[5].items()}
+    packed = {n: p for part in parts for n, p in part[6].items()}
     full = {}
-    for vr, dp, weights, moms, _, _ in sorted(parts, key=lambda x: (x[0], x[1])):
+    for vr, dp, weights, moms, *_ in sorted(parts, key=lambda x: (x[0], x[1])):
         sharded = set(parts[0][4])
         for kind, tensors in (("w", weights), ("m", moms)):
             if kind == "w" and dp > 0:
@@ -97,7 +107,10 @@ def _global_state(pipe, opt):
             continue
         pieces = [value[vr] for vr in sorted(value)]  # vocabulary-rank order: a stage's TP ranks in order
         base = key[1].split("/")[0]
-        out[key] = torch.cat(pieces, sliced[base])[:] if base in sliced else torch.cat(pieces)[:VOCAB]
+        if base in packed:
+            out[key] = join_packed(pieces, packed[base])
+        else:
+            out[key] = torch.cat(pieces, sliced[base]) if base in sliced else torch.cat(pieces)[:VOCAB]
     return out
 
 
@@ -111,14 +124,15 @@ def _save(pipe, opt, path, step):
     dist.all_gather_object(
         ranks, {"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank, "tp_rank": g.tp_rank}
     )
-    dist.all_gather_object(sliced, pipe.mods.tp_sliced)
+    dist.all_gather_object(sliced, (pipe.mods.tp_sliced, pipe.mods.tp_packed))
     meta = {
         "ranks": ranks,
         "vocab_size": VOCAB,
         "sharded_names": sorted(pipe.mods.sharded_names),
         "fingerprint": {},
         "tp_size": g.tp_size,  # as run_state.save_run writes them
-        "tp_sliced": {n: d for part in sliced for n, d in part.items()},
+        "tp_sliced": {n: d for part, _ in sliced for n, d in part.items()},
+        "tp_packed": {n: p for _, part in sliced for n, p in part.items()},
     }
     return ckpt.save_checkpoint(
         path,
@@ -230,14 +244,16 @@ def _tp_two_ranks(ckpt, batches, step_dir):
     )
 
 
-def test_tensor_parallel_checkpoints_reshard_across_tp(tmp_path):
+@pytest.mark.parametrize("family", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])
+def test_tensor_parallel_checkpoints_reshard_across_tp(tmp_path, family):
     """pp 2 x tp 2 -> pp 4 (tp 1), -> pp 2 (tp 1) and -> pp 1 x tp 2: every weight and moment equal, joined
-    along its slice's dim, and training goes on as the saved layout's (before: a TP slice was read as a whole
-    tensor)."""
+    along its slice's dim (Phi-3's fused qkv / gate_up one part at a time), and training goes on as the saved
+    layout's (before: a TP slice was read as a whole tensor)."""
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     ckpt = str(tmp_path / "hf")
-    AutoModelForCausalLM.from_config(tiny_llama(VOCAB, tied=False, num_layers=4)).save_pretrained(ckpt)
+    config = tiny_llama(VOCAB, tied=False, num_layers=4) if family == "llama" else tiny_config(family, vocab_size=VOCAB)
+    AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
     batches = _batches(seed, BEFORE + AFTER)
     step_dir, saved, losses, after, pp4 = spawn(_tp_four_ranks, 4, ckpt, batches, str(tmp_path), timeout_s=300)[0]
     pp2, tp2 = spawn(_tp_two_ranks, 2, ckpt, batches, step_dir, timeout_s=300)[0]

@@ -300,6 +300,7 @@ def _build_chunk(
     start, end = layout.chunk_layers[c]
     plan = layer_plan(model.config) if tp is not None else {}
     sliced: dict[str, int] = {}
+    packed: dict[str, list[int]] = {}
     partial: list[str] = []
     names = parts.names
     first, last = c == 0, c == layout.num_chunks - 1  # chunk 0 may hold no layer: chunk 1 then starts at 0 too
@@ -309,9 +310,10 @@ def _build_chunk(
         prefix = f"{names.layers}.{i}"
         layer = _materialize(layer, lambda k, p=prefix: f"{p}.{k}", src, model, seed, prefix, dtype)
         if tp is not None:  # the whole layer read (or initialised), then this TP rank's slices kept
-            split = shard_layer(layer, plan, tp)
+            split = shard_layer(layer, plan, tp, model.config)
             partial += [f"layers.{i}.{n}" for n in split.partial]
             sliced.update({f"layers.{i}.{n}": d for n, d in split.sliced.items()})
+            packed.update({f"layers.{i}.{n}": parts for n, parts in split.packed.items()})
         layers.append(layer.to(device))
     norm = pos = None
     if last:
@@ -340,5 +342,5 @@ def _build_chunk(
         rotary_per_layer_type=parts.rotary_per_layer_type,
     )
     if tp is not None:
-        chunk.tp, chunk.tp_sliced, chunk.tp_partial = tp, sliced, tuple(partial)
+        chunk.tp, chunk.tp_sliced, chunk.tp_partial, chunk.tp_packed = tp, sliced, tuple(partial), packed
     return chunk

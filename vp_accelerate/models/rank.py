@@ -105,6 +105,15 @@ class RankModules:
             out.update({chunk.hf_name(n): d for n, d in chunk.tp_sliced.items()})
         return out
 
+    @property
+    def tp_packed(self) -> dict[str, list[int]]:
+        """HF name -> the parts' whole sizes of a fused projection sliced one part at a time (Phi-3's qkv_proj)."""
+        out = {}
+        for c in sorted(self.chunks):
+            chunk = self.chunks[c]
+            out.update({chunk.hf_name(n): parts for n, parts in chunk.tp_packed.items()})
+        return out
+
     def tp_partial_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradient this TP rank holds only a part of (summed over TP after the backward)."""
         out = []

@@ -85,6 +85,8 @@ class StageChunk(nn.Module):
         """Local parameter name -> the dim its TP slice was cut along (0 colwise, 1 rowwise)."""
         self.tp_partial: tuple[str, ...] = ()
         """Local names of the parameters whose gradient is a partial sum over the TP group."""
+        self.tp_packed: dict[str, list[int]] = {}
+        """Local names of fused projections sliced one part at a time -> the parts' whole sizes."""
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """A key of modes.CHECKPOINTING: "none", "full" (every layer) or "selective" (every other layer:

@@ -29,6 +29,7 @@ The collectives come from the runtime (`TPComm`): this layer does not know proce
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +40,10 @@ SLICED = ("colwise", "rowwise")
 """Plan styles whose weights are sliced here."""
 REPLICATED = ("replicated_with_grad_allreduce",)
 """Plan styles kept whole on every TP rank, their gradients summed over the group."""
+PACKED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
+"""Styles transformers gives fused projections (Phi-3's qkv_proj and gate_up_proj, and the o / down layers after
+them): split here as colwise / rowwise, a fused output one part at a time (`packed_parts`), when the layer is one
+of those fused projections; elsewhere (OLMo-2's q/k/v, normalised over all heads) refused."""
 
 
 class TPError(ValueError):
@@ -94,7 +99,7 @@ def check_config(config, tp: int) -> None:
             f"pipeline.tp_size {tp}: {family} declares no tensor-parallel plan (config.base_model_tp_plan); "
             f"use tp_size 1 for it (pipeline and data parallelism still apply)"
         )
-    odd = sorted({s for s in plan.values() if s not in SLICED + REPLICATED})
+    odd = sorted({s for p, s in plan.items() if s not in SLICED + REPLICATED and not _packed_ok(config, p, s)})
     if odd:
         raise TPError(
             f"pipeline.tp_size {tp}: {family}'s tensor-parallel plan uses {', '.join(odd)}, which this runtime "
@@ -111,6 +116,36 @@ def check_config(config, tp: int) -> None:
                 f"pipeline.tp_size {tp}: {family}'s {n} {name} ({attr}) do not divide over {tp} tensor-parallel "
                 f"ranks; use a tp_size that divides {n}"
             )
+
+
+def packed_parts(config, path: str) -> list[int] | None:
+    """The output parts of a fused projection `path` (a layer-relative name), each split over TP on its own:
+    [q, k, v] rows of a fused qkv_proj, [gate, up] of a fused gate_up_proj; None for any other layer."""
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    name = path.rpartition(".")[2]
+    if name == "qkv_proj" and heads and kv and head_dim:
+        return [heads * head_dim, kv * head_dim, kv * head_dim]
+    if name == "gate_up_proj" and getattr(config, "intermediate_size", None):
+        return [config.intermediate_size, config.intermediate_size]
+    return None
+
+
+def _packed_ok(config, path: str, style: str) -> bool:
+    """A fused-projection style on a layer this module knows how to split (see `PACKED`)."""
+    if style not in PACKED:
+        return False
+    if PACKED[style] == "colwise":
+        return packed_parts(config, path) is not None
+    return path.rpartition(".")[2] in ("o_proj", "down_proj")
+
+
+def join_packed(pieces: list[torch.Tensor], parts: list[int]) -> torch.Tensor:
+    """The whole fused tensor from its TP ranks' slices (in rank order): each part's slices joined, parts in order."""
+    tp = len(pieces)
+    local = [n // tp for n in parts]
+    split = [piece.split(local) for piece in pieces]
+    return torch.cat([torch.cat([s[k] for s in split]) for k in range(len(parts))])
 
 
 def _module(root: nn.Module, path: str) -> nn.Module | None:
@@ -207,15 +242,28 @@ class LayerSplit:
     """Parameter name -> the dim its slice was cut along (0: colwise rows, 1: rowwise columns)."""
     partial: list[str]
     """Parameters whose gradient on a TP rank is a partial sum over the group."""
+    packed: dict[str, list[int]]
+    """Fused projections (sliced along dim 0 one part at a time): name -> the parts' whole sizes, in order. A rank's
+    slice is then its 1/tp of each part, concatenated (not one contiguous range of the whole)."""
+
+
+def _slice_parts(t: torch.Tensor, parts: list[int], comm: TPComm) -> torch.Tensor:
+    """This rank's 1/tp of each consecutive part of dim 0, concatenated (a fused projection's q, k, v)."""
+    out, start = [], 0
+    for n in parts:
+        out.append(_slice(t[start : start + n], 0, comm))
+        start += n
+    return torch.cat(out)
 
 
 @torch.no_grad()
-def shard_layer(layer: nn.Module, plan: dict[str, str], spec: TPSpec) -> LayerSplit:
+def shard_layer(layer: nn.Module, plan: dict[str, str], spec: TPSpec, config=None) -> LayerSplit:
     """Slice a materialised decoder layer's planned linear layers to this TP rank's part, in place, and install
     f / g around its regions (see the module docstring)."""
     comm, sp = spec.comm, spec.sequence_parallel
     sliced: set[int] = set()
     dims: dict[str, int] = {}
+    packed: dict[str, list[int]] = {}
     regions: dict[str, nn.Module] = {}
     partial: list[str] = []
     for path, style in plan.items():
@@ -226,14 +274,23 @@ def shard_layer(layer: nn.Module, plan: dict[str, str], spec: TPSpec) -> LayerSp
             continue
         if not isinstance(mod, nn.Linear):
             raise TPError(f"tensor parallelism: {path} is a {type(mod).__name__}, not a linear layer; use tp_size 1")
+        parts = packed_parts(config, path) if style in PACKED and config is not None else None
+        style = PACKED.get(style, style)
+        if parts is not None and sum(parts) != mod.weight.shape[0]:
+            raise TPError(f"tensor parallelism: {path} has {mod.weight.shape[0]} outputs, not {parts}; use tp_size 1")
         if style == "colwise":
-            mod.weight = nn.Parameter(_slice(mod.weight, 0, comm))
+            cut = (lambda t: _slice_parts(t, parts, comm)) if parts else (lambda t: _slice(t, 0, comm))
+            mod.weight = nn.Parameter(cut(mod.weight))
             if mod.bias is not None:
-                mod.bias = nn.Parameter(_slice(mod.bias, 0, comm))
+                mod.bias = nn.Parameter(cut(mod.bias))
             mod.out_features = mod.weight.shape[0]
             dims[f"{path}.weight"] = 0
             if mod.bias is not None:
                 dims[f"{path}.bias"] = 0
+            if parts:
+                packed[f"{path}.weight"] = list(parts)
+                if mod.bias is not None:
+                    packed[f"{path}.bias"] = list(parts)
             parent = path.rpartition(".")[0]
             regions.setdefault(parent, _module(layer, parent) if parent else layer)
         else:  # rowwise
@@ -256,7 +313,23 @@ def shard_layer(layer: nn.Module, plan: dict[str, str], spec: TPSpec) -> LayerSp
         if id(p) in region_params or sp:  # a norm on 1/tp of the tokens, or a per-head weight on local heads
             partial.append(name)
     _local_head_counts(layer, comm.size)
-    return LayerSplit(dims, partial)
+    for module in regions.values():
+        _local_config(module, comm.size)
+    return LayerSplit(dims, partial, packed)
+
+
+def _local_config(module: nn.Module, tp: int) -> None:
+    """An attention module that reads its head count from its config (Phi-3 finds q's end in its fused qkv output
+    by `config.num_attention_heads`) gets a copy of the config with this rank's count."""
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if config is None or not isinstance(heads, int) or not hasattr(module, "head_dim"):
+        return
+    local = copy.copy(config)
+    local.num_attention_heads = heads // tp
+    if isinstance(getattr(config, "num_key_value_heads", None), int):
+        local.num_key_value_heads = config.num_key_value_heads // tp
+    module.config = local
 
 
 def _enter_hook(comm: TPComm, sp: bool):

@@ -107,8 +107,11 @@ def checkpoint_state(path: str, trust_remote_code: bool = False):
     shards = []
     for file, skip in replica0_files(path, meta):
         shards.append({k: v for k, v in load_file(file).items() if k not in skip})
-    tp_sliced = dict(meta.get("tp_sliced", {})) if int(meta.get("tp_size", 1)) > 1 else {}
-    state = assemble_state_dict(shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())), tp_sliced)
+    tp = int(meta.get("tp_size", 1)) > 1
+    tp_sliced, tp_packed = (dict(meta.get("tp_sliced", {})), dict(meta.get("tp_packed", {}))) if tp else ({}, {})
+    state = assemble_state_dict(
+        shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())), tp_sliced, tp_packed
+    )
     return state, config, tokenizer, meta
 
 

@@ -134,6 +134,7 @@ class SavedTensors:
         self.scalars: dict[str, object] = {}  # name/key -> a non-tensor or 0-d value (AdamW's step)
         sharded = set(meta.get("sharded_names", ()))
         tp_size, tp_sliced = int(meta.get("tp_size", 1)), dict(meta.get("tp_sliced", {}))
+        tp_packed = dict(meta.get("tp_packed", {})) if tp_size > 1 else {}
         for r in sorted(meta["ranks"], key=lambda r: (r["dp_rank"], r["pp_rank"], r.get("tp_rank", 0))):
             rdir = os.path.join(path, ckpt.rank_dir_name(r["rank"]))
             if kind == "model":
@@ -157,8 +158,23 @@ class SavedTensors:
                             self.scalars.setdefault(f"{n}/{k}", v)
             for name, shape, reader in items:
                 base = name.split("/")[0]
+                if base in tp_packed:  # a fused projection: 1/tp of each part, each part a piece of its own
+                    self._packed(name, tp_packed[base], r.get("tp_rank", 0), tp_size, reader)
+                    continue
                 dim, start = piece(base, shape, r["pp_rank"], r.get("tp_rank", 0), tp_size, sharded, tp_sliced)
                 self.sources.setdefault(name, []).append((dim, start, shape[dim], reader))
+
+    def _packed(self, name: str, parts: list[int], tp_rank: int, tp_size: int, reader) -> None:
+        """Register a fused projection's saved slice as one piece per part, at that part's global rows."""
+        offset, local = 0, 0
+        for n in parts:
+            size = n // tp_size
+
+            def rows(lo=local, size=size):
+                return reader()[lo : lo + size]
+
+            self.sources.setdefault(name, []).append((0, offset + tp_rank * size, size, rows))
+            offset, local = offset + n, local + size
 
     def has(self, name: str) -> bool:
         return name in self.sources or name in self.scalars
@@ -208,6 +224,23 @@ def _cross(d: int, s0: int, n: int, dim: int, start: int, length: int, ndim: int
     return tuple(index)
 
 
+def _own_tensor(saved: SavedTensors, pipe, name: str, shape, dtype) -> torch.Tensor:
+    """This rank's tensor `name` (a weight, or a moment `name/key`) from the saved pieces: a fused projection under
+    TP part by part (its 1/tp of each part), any other by `target_part`."""
+    base = name.split("/")[0]
+    parts = pipe.mods.tp_packed.get(base)
+    if parts is not None:
+        g, out, offset = pipe.groups, [], 0
+        for n in parts:
+            size = n // g.tp_size
+            start = offset + g.tp_rank * size
+            out.append(saved.region(name, 0, start, (size, *shape[1:]), start + size, dtype))
+            offset += n
+        return torch.cat(out)
+    dim, start, valid = target_part(pipe, base, shape)
+    return saved.region(name, dim, start, tuple(shape), valid, dtype)
+
+
 def target_part(pipe, name: str, shape) -> tuple[int, int, int]:
     """(dim, global start along it, valid length of the global tensor along it) of this rank's tensor `name`."""
     if name in pipe.mods.sharded_names:
@@ -231,8 +264,7 @@ def reshard_model(pipe, path: str, meta: dict) -> None:
         if t.dim() == 0:
             state[name] = saved.sources[name][0][2]()[:]
             continue
-        dim, start, valid = target_part(pipe, name, t.shape)
-        state[name] = saved.region(name, dim, start, tuple(t.shape), valid, t.dtype)
+        state[name] = _own_tensor(saved, pipe, name, tuple(t.shape), t.dtype)
     for name, value in state.items():
         own[name].copy_(value.to(own[name].device))
 
@@ -248,13 +280,12 @@ def reshard_optimizer_state(pipe, path: str, meta: dict) -> dict:
         keys = sorted({k.split("/", 1)[1] for k in (*saved.sources, *saved.scalars) if k.split("/", 1)[0] == name})
         if not keys:
             continue  # a parameter the saved run had not stepped yet: fresh state, as there
-        dim, start, valid = target_part(pipe, name, p.shape)
         s = {}
         for k in keys:
             full = f"{name}/{k}"
             if full in saved.scalars:
                 s[k] = saved.scalars[full]
             else:
-                s[k] = saved.region(full, dim, start, tuple(p.shape), valid, p.dtype)
+                s[k] = _own_tensor(saved, pipe, full, tuple(p.shape), p.dtype)
         state[name] = s
     return {"format": BY_NAME, "param_groups": first["param_groups"], "state": state}

@@ -461,6 +461,12 @@ def check_meta(meta: dict, meta_path: str) -> dict:
     sliced = meta.get("tp_sliced", {})
     if not isinstance(sliced, dict) or not all(isinstance(n, str) and d in (0, 1) for n, d in sliced.items()):
         raise bad("tp_sliced", "not a map of tensor names to a slice dim (0 or 1)")
+    packed = meta.get("tp_packed", {})
+    if not isinstance(packed, dict) or not all(
+        isinstance(n, str) and isinstance(p, list) and 0 < len(p) <= 8 and all(_int(x, 1, 1 << 40) for x in p)
+        for n, p in packed.items()
+    ):
+        raise bad("tp_packed", "not a map of tensor names to their fused parts' sizes")
     if "vocab_size" in meta and not _int(meta["vocab_size"], 1, MAX_VOCAB):
         raise bad("vocab_size", "not a vocabulary size")
     names = meta.get("sharded_names", [])
