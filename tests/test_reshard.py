@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from helpers.tiny import tiny_llama
+from helpers.tiny import tiny_config, tiny_llama
 from vp_accelerate.distributed import spawn
 
 VOCAB = 101
@@ -27,7 +27,7 @@ def _batches(seed: int, n: int, rows: int = 8, seq: int = 8):
     return [(ids := torch.randint(0, VOCAB, (rows, seq), generator=g), ids.clone()) for _ in range(n)]
 
 
-def _pipe(ckpt, schedule, dp_size, zero=1):
+def _pipe(ckpt, schedule, dp_size, zero=1, tp_size=1, pp_size=None):
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.train.recipe import OptimizerSection
     from vp_accelerate.train.run.optim import build_optimizer
@@ -35,7 +35,13 @@ def _pipe(ckpt, schedule, dp_size, zero=1):
     pipe = PipelineModel(
         ckpt,
         PipelineConfig(
-            schedule=schedule, method="vocab-2", microbatches=4, dp_size=dp_size, attn_implementation="eager"
+            schedule=schedule,
+            method="vocab-2",
+            microbatches=4,
+            dp_size=dp_size,
+            tp_size=tp_size,
+            pp_size=pp_size,
+            attn_implementation="eager",
         ),
         dtype=torch.float64,
     )
@@ -58,6 +64,7 @@ def _train(pipe, opt, batches):
 def _global_state(pipe, opt):
     """Every weight and moment by global name, vocabulary shards joined and cut to the vocabulary (replica 0's
     pipeline ranks; ZeRO's moments from the replica that owns them)."""
+    from vp_accelerate.models.tensor_parallel import join_packed
     from vp_accelerate.train.persist.reshard import named_optimizer_state
 
     mine = {n: t.detach().clone() for n, t in pipe.mods.state_dict().items()}
@@ -67,23 +74,43 @@ def _global_state(pipe, opt):
         for k, v in s.items()
     }
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (pipe.pp_rank, pipe.dp_rank, mine, moments, sorted(pipe.mods.sharded_names)))
+    g = pipe.groups
+    mine = (
+        g.vocab_rank,
+        pipe.dp_rank,
+        mine,
+        moments,
+        sorted(pipe.mods.sharded_names),
+        pipe.mods.tp_sliced,
+        pipe.mods.tp_packed,
+    )
+    dist.all_gather_object(parts, mine)
+    sliced = {n: d for part in parts for n, d in part[5].items()}
+    packed = {n: p for part in parts for n, p in part[6].items()}
     full = {}
-    for pp, dp, weights, moms, _ in sorted(parts, key=lambda x: (x[0], x[1])):
+    for vr, dp, weights, moms, *_ in sorted(parts, key=lambda x: (x[0], x[1])):
         sharded = set(parts[0][4])
         for kind, tensors in (("w", weights), ("m", moms)):
             if kind == "w" and dp > 0:
                 continue
             for name, t in tensors.items():
-                key = (kind, name)
-                if name.split("/")[0] in sharded and t.dim() > 0:
+                key, base = (kind, name), name.split("/")[0]
+                if (base in sharded or base in sliced) and t.dim() > 0:
                     if dp == 0 or kind == "m":
-                        full.setdefault(key, {})[pp] = t
+                        full.setdefault(key, {})[vr] = t
                 else:
                     full.setdefault(key, t)
     out = {}
     for key, value in full.items():
-        out[key] = torch.cat([value[pp] for pp in sorted(value)])[:VOCAB] if isinstance(value, dict) else value
+        if not isinstance(value, dict):
+            out[key] = value
+            continue
+        pieces = [value[vr] for vr in sorted(value)]  # vocabulary-rank order: a stage's TP ranks in order
+        base = key[1].split("/")[0]
+        if base in packed:
+            out[key] = join_packed(pieces, packed[base])
+        else:
+            out[key] = torch.cat(pieces, sliced[base]) if base in sliced else torch.cat(pieces)[:VOCAB]
     return out
 
 
@@ -92,9 +119,21 @@ def _save(pipe, opt, path, step):
     from vp_accelerate.train.persist.reshard import rank_checkpoint_state
 
     model_state, optimizer_state = rank_checkpoint_state(pipe, opt)  # as the trainer saves (run_state.save_run)
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, {"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank})
-    meta = {"ranks": ranks, "vocab_size": VOCAB, "sharded_names": sorted(pipe.mods.sharded_names), "fingerprint": {}}
+    ranks, sliced = [None] * dist.get_world_size(), [None] * dist.get_world_size()
+    g = pipe.groups
+    dist.all_gather_object(
+        ranks, {"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank, "tp_rank": g.tp_rank}
+    )
+    dist.all_gather_object(sliced, (pipe.mods.tp_sliced, pipe.mods.tp_packed))
+    meta = {
+        "ranks": ranks,
+        "vocab_size": VOCAB,
+        "sharded_names": sorted(pipe.mods.sharded_names),
+        "fingerprint": {},
+        "tp_size": g.tp_size,  # as run_state.save_run writes them
+        "tp_sliced": {n: d for part, _ in sliced for n, d in part.items()},
+        "tp_packed": {n: p for _, part in sliced for n, p in part.items()},
+    }
     return ckpt.save_checkpoint(
         path,
         step,
@@ -121,9 +160,9 @@ def _resume(pipe, opt, path):
     load_named_optimizer_state(opt, pipe.named_parameters(), state, same_groups=False)
 
 
-def _saving_run(ckpt, batches, schedule, dp_size, path, zero=1):
+def _saving_run(ckpt, batches, schedule, dp_size, path, zero=1, tp_size=1):
     """The saved layout: BEFORE steps, a checkpoint, then AFTER more steps uninterrupted (the reference)."""
-    pipe, opt = _pipe(ckpt, schedule, dp_size, zero)
+    pipe, opt = _pipe(ckpt, schedule, dp_size, zero, tp_size)
     _train(pipe, opt, batches[:BEFORE])
     saved = _global_state(pipe, opt)
     step_dir = _save(pipe, opt, path, BEFORE)
@@ -133,8 +172,8 @@ def _saving_run(ckpt, batches, schedule, dp_size, path, zero=1):
     return step_dir, saved, losses, after
 
 
-def _resuming_run(ckpt, batches, schedule, dp_size, step_dir):
-    pipe, opt = _pipe(ckpt, schedule, dp_size)
+def _resuming_run(ckpt, batches, schedule, dp_size, step_dir, tp_size=1, pp_size=None):
+    pipe, opt = _pipe(ckpt, schedule, dp_size, tp_size=tp_size, pp_size=pp_size)
     _resume(pipe, opt, step_dir)
     loaded = _global_state(pipe, opt)
     losses = _train(pipe, opt, batches[BEFORE:])
@@ -191,6 +230,36 @@ def test_resharding_resumes(tmp_path):
     _same_training(pp4_from_dp2, (losses4, after4), ("pp2 x dp2 -> pp4", seed))
     _same_state(zero1_from_zero0[0], saved0, ("zero 0 -> zero 1", seed))  # replica 1 wrote no second copy
     _same_training(zero1_from_zero0, (losses0, after0), ("zero 0 -> zero 1", seed))
+
+
+def _tp_four_ranks(ckpt, batches, out):
+    step_dir, saved, losses, after = _saving_run(ckpt, batches, "1f1b", 1, f"{out}/pp2tp2", tp_size=2)
+    return step_dir, saved, losses, after, _resuming_run(ckpt, batches, "1f1b", 1, step_dir)  # pp 4, tp 1
+
+
+def _tp_two_ranks(ckpt, batches, step_dir):
+    return (
+        _resuming_run(ckpt, batches, "1f1b", 1, step_dir),  # pp 2, tp 1
+        _resuming_run(ckpt, batches, "1f1b", 1, step_dir, tp_size=2, pp_size=1),  # pp 1, tp 2
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])
+def test_tensor_parallel_checkpoints_reshard_across_tp(tmp_path, family):
+    """pp 2 x tp 2 -> pp 4 (tp 1), -> pp 2 (tp 1) and -> pp 1 x tp 2: every weight and moment equal, joined
+    along its slice's dim (Phi-3's fused qkv / gate_up one part at a time), and training goes on as the saved
+    layout's (before: a TP slice was read as a whole tensor)."""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    ckpt = str(tmp_path / "hf")
+    config = tiny_llama(VOCAB, tied=False, num_layers=4) if family == "llama" else tiny_config(family, vocab_size=VOCAB)
+    AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
+    batches = _batches(seed, BEFORE + AFTER)
+    step_dir, saved, losses, after, pp4 = spawn(_tp_four_ranks, 4, ckpt, batches, str(tmp_path), timeout_s=300)[0]
+    pp2, tp2 = spawn(_tp_two_ranks, 2, ckpt, batches, step_dir, timeout_s=300)[0]
+    for case, resumed in (("pp2 x tp2 -> pp4", pp4), ("-> pp2", pp2), ("-> pp1 x tp2", tp2)):
+        _same_state(resumed[0], saved, (case, seed))
+        _same_training(resumed, (losses, after), (case, seed))
 
 
 def test_an_index_keyed_checkpoint_is_refused_with_the_conversion(tmp_path):

@@ -33,6 +33,7 @@ from .layout import LayoutError, StageLayout
 from .rank import PLACEMENTS, RankModules
 from .row_map import RowMap
 from .stage import FullEmbedding, FullHead, StageChunk
+from .tensor_parallel import TPSpec, layer_plan, shard_layer
 from .weights import (
     ConvertedSource,
     SafetensorsSource,
@@ -192,6 +193,7 @@ def build_rank(
     vocab_size: int | None = None,
     attn_implementation: str | None = None,
     device: torch.device | str = "cpu",
+    tp: TPSpec | None = None,
 ) -> RankModules:
     """Build the modules `layout` puts on `rank`.
 
@@ -201,7 +203,9 @@ def build_rank(
     the vocabulary first (new rows = mean of old rows). attn_implementation: "eager" / "sdpa" / ...
     (default: the source model's, else transformers' default). Each decoder layer and vocabulary matrix
     is filled on CPU in `dtype` (read or initialised, cast once) and moved to `device` at once, so the
-    host holds one of them at a time.
+    host holds one of them at a time. tp: tensor parallelism (models/tensor_parallel.py): each decoder layer
+    keeps this TP rank's slices, and the vocabulary shard is `partition`'s row block of vocabulary rank
+    rank * tp + tp_rank (the partition then spans layout.num_ranks * tp ranks).
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
@@ -224,10 +228,11 @@ def build_rank(
     if placement == "vocab":
         if partition is None:
             raise ValueError('placement "vocab" needs partition=VocabPartition(vocab_size, num_ranks)')
-        if partition.vocab_size != V or partition.world_size != layout.num_ranks:
+        tp_size = tp.comm.size if tp is not None else 1
+        if partition.vocab_size != V or partition.world_size != layout.num_ranks * tp_size:
             raise ValueError(
                 f"partition is for V={partition.vocab_size} over {partition.world_size} ranks, but the "
-                f"model has V={V} and the layout {layout.num_ranks} ranks"
+                f"model has V={V} and the layout {layout.num_ranks} ranks x tp {tp_size}"
             )
     src = _weight_source(source, model)
     if isinstance(source, CheckpointSource) and vocab_size in (None, source.config.vocab_size):
@@ -235,7 +240,7 @@ def build_rank(
     else:
         row_map, means = RowMap.identity(V, source_vocab), None
 
-    chunks = {c: _build_chunk(parts, layout, c, src, model, seed, dtype, device) for c in layout.chunks_of(rank)}
+    chunks = {c: _build_chunk(parts, layout, c, src, model, seed, dtype, device, tp) for c in layout.chunks_of(rank)}
 
     # each piece goes to `device` as soon as it is filled, so the host holds one layer or one vocabulary
     # matrix at a time, not the rank's whole share before one final move
@@ -259,9 +264,11 @@ def build_rank(
         final_softcap=parts.final_softcap,
         logit_scale=parts.logit_scale,
         padding_idx=parts.padding_idx,
+        tp_rank=tp.comm.rank if tp is not None else 0,
+        tp_size=tp.comm.size if tp is not None else 1,
     )
     if placement == "vocab":
-        start, end = partition.shard_range(rank)
+        start, end = partition.shard_range(rank * kw["tp_size"] + kw["tp_rank"])
         embed_w = _new_param(rows("embed", start, end))
         head_w = embed_w if parts.tied else _new_param(rows("head", start, end))
         rm = RankModules(
@@ -288,15 +295,26 @@ def _build_chunk(
     seed: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    tp: TPSpec | None = None,
 ) -> StageChunk:
     start, end = layout.chunk_layers[c]
+    plan = layer_plan(model.config) if tp is not None else {}
+    sliced: dict[str, int] = {}
+    packed: dict[str, list[int]] = {}
+    partial: list[str] = []
     names = parts.names
     first, last = c == 0, c == layout.num_chunks - 1  # chunk 0 may hold no layer: chunk 1 then starts at 0 too
     layers = []
     for i in range(start, end):
         layer = parts.layers[i]
         prefix = f"{names.layers}.{i}"
-        layers.append(_materialize(layer, lambda k, p=prefix: f"{p}.{k}", src, model, seed, prefix, dtype).to(device))
+        layer = _materialize(layer, lambda k, p=prefix: f"{p}.{k}", src, model, seed, prefix, dtype)
+        if tp is not None:  # the whole layer read (or initialised), then this TP rank's slices kept
+            split = shard_layer(layer, plan, tp, model.config)
+            partial += [f"layers.{i}.{n}" for n in split.partial]
+            sliced.update({f"layers.{i}.{n}": d for n, d in split.sliced.items()})
+            packed.update({f"layers.{i}.{n}": parts for n, parts in split.packed.items()})
+        layers.append(layer.to(device))
     norm = pos = None
     if last:
         norm = _materialize(parts.norm, lambda k: f"{names.norm}.{k}", src, model, seed, names.norm, dtype)
@@ -323,4 +341,6 @@ def _build_chunk(
         embed_scale_in_dtype=parts.embed_scale_in_dtype,
         rotary_per_layer_type=parts.rotary_per_layer_type,
     )
+    if tp is not None:
+        chunk.tp, chunk.tp_sliced, chunk.tp_partial, chunk.tp_packed = tp, sliced, tuple(partial), packed
     return chunk

@@ -17,20 +17,30 @@ import torch.distributed as dist
 from .build import meta_model
 from .generation import generation_config_for, with_tokenizer_ids
 from .stream_export import streams
+from .tensor_parallel import join_packed
 
 
 def assemble_state_dict(
     rank_state_dicts: Sequence[dict[str, torch.Tensor]],
     vocab_size: int,
     sharded_names: frozenset[str] | set[str] = frozenset(),
+    tp_sliced: dict[str, int] | None = None,
+    tp_packed: dict[str, list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One full HF state dict from per-rank state dicts given in pipeline-rank order.
+    """One full HF state dict from per-rank state dicts given in vocabulary-rank order (pipeline-rank order
+    without tensor parallelism).
 
     `sharded_names` (a RankModules' `sharded_names`) are row shards to concatenate and cut to
-    `vocab_size` rows; every other name is taken from the first rank holding it. Works offline on
-    per-rank checkpoints.
+    `vocab_size` rows; `tp_sliced` (name -> dim) are tensor-parallel slices, joined along their dim in the
+    order the ranks hold them (a stage's TP ranks are consecutive); every other name is taken from the first
+    rank holding it; `tp_packed` (name -> parts) are fused projections whose slices hold 1/tp of each part. Works
+    offline on per-rank checkpoints.
     """
     out: dict[str, torch.Tensor] = {}
+    packed = tp_packed or {}
+    for name, dim in (tp_sliced or {}).items():
+        pieces = [sd[name].detach().cpu() for sd in rank_state_dicts if name in sd]
+        out[name] = join_packed(pieces, packed[name]) if name in packed else torch.cat(pieces, dim)
     for name in sharded_names:
         shards = [sd[name] for sd in rank_state_dicts if name in sd]
         if len(shards) != len(rank_state_dicts):
@@ -93,16 +103,19 @@ def save_hf(
 def gather_state_dict(mods, group: dist.ProcessGroup | None = None, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """Collective over the pipeline group: the full HF state dict on group rank `dst`, None elsewhere.
 
-    Group rank order must be pipeline-rank order (it is for groups built by runtime.groups). The full
+    Group rank order must be vocabulary-rank order (pipeline-rank order without tensor parallelism; it is for
+    the groups runtime.groups builds). The full
     model is held on `dst` (CPU), as writing one HF directory needs.
     """
     local = {name: t.detach().cpu() for name, t in mods.state_dict().items() if not mods.is_duplicate(name)}
     me = dist.get_rank(group)
     gathered = [None] * dist.get_world_size(group) if me == dst else None
-    dist.gather_object(local, gathered, group=group, group_dst=dst)
+    dist.gather_object((local, mods.tp_sliced, mods.tp_packed), gathered, group=group, group_dst=dst)
     if me != dst:
         return None
-    return assemble_state_dict(gathered, mods.vocab_size, mods.sharded_names)
+    sliced = {n: d for _, part, _ in gathered for n, d in part.items()}
+    packed = {n: p for _, _, part in gathered for n, p in part.items()}
+    return assemble_state_dict([sd for sd, _, _ in gathered], mods.vocab_size, mods.sharded_names, sliced, packed)
 
 
 def export_hf(

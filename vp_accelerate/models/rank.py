@@ -53,6 +53,10 @@ class RankModules:
     """Logit multiplier (Cohere logit_scale, Granite 1/logits_scaling); give it to the output layer."""
     padding_idx: int | None = None
     """HF embedding padding_idx: HF's lookup gives that row no gradient (baseline `embed` does the same)."""
+    tp_rank: int = 0
+    """Position in the stage's tensor-parallel group (models/tensor_parallel.py); 0 without TP."""
+    tp_size: int = 1
+    """Tensor-parallel ranks per stage: the chunks' planned linear layers hold 1/tp_size slices."""
     trained_rows: dict = field(default_factory=dict)
     """LoRA with adapter.trainable_tokens: id(vocabulary weight) -> (weight, mask of its rows that train)."""
     container: nn.ModuleDict = field(init=False, repr=False)
@@ -61,7 +65,7 @@ class RankModules:
     def __repr__(self) -> str:
         chunks = ", ".join(f"{c}: {layer_span(*self.layout.chunk_layers[c])}" for c in sorted(self.chunks))
         vocab = (
-            f"shard rows {self.partition.shard_range(self.rank)} of {self.partition.padded_size} padded"
+            f"shard rows {self.partition.shard_range(self.vocab_rank)} of {self.partition.padded_size} padded"
             if self.placement == "vocab"
             else f"embedding {'yes' if self.embed else 'no'}, head {'yes' if self.head else 'no'}"
         )
@@ -86,6 +90,37 @@ class RankModules:
         self.container["shards"] = shards
 
     # ---- naming ------------------------------------------------------------------------------
+
+    @property
+    def vocab_rank(self) -> int:
+        """This rank's vocabulary shard index: rank * tp_size + tp_rank."""
+        return self.rank * self.tp_size + self.tp_rank
+
+    @property
+    def tp_sliced(self) -> dict[str, int]:
+        """HF name -> the dim along which this rank holds a 1/tp_size slice of it (tensor parallelism)."""
+        out = {}
+        for c in sorted(self.chunks):
+            chunk = self.chunks[c]
+            out.update({chunk.hf_name(n): d for n, d in chunk.tp_sliced.items()})
+        return out
+
+    @property
+    def tp_packed(self) -> dict[str, list[int]]:
+        """HF name -> the parts' whole sizes of a fused projection sliced one part at a time (Phi-3's qkv_proj)."""
+        out = {}
+        for c in sorted(self.chunks):
+            chunk = self.chunks[c]
+            out.update({chunk.hf_name(n): parts for n, parts in chunk.tp_packed.items()})
+        return out
+
+    def tp_partial_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradient this TP rank holds only a part of (summed over TP after the backward)."""
+        out = []
+        for c in sorted(self.chunks):
+            chunk = self.chunks[c]
+            out += [chunk.get_parameter(n) for n in chunk.tp_partial]
+        return out
 
     @property
     def embed_name(self) -> str:
@@ -146,12 +181,23 @@ class RankModules:
         Only the baseline placement of a tied model duplicates anything: the last chunk's owner holds a
         copy of the embedding for its head (its gradient must be summed with the first rank's).
         """
+        if self.tp_rank > 0 and self._tp_replicated(name):  # its TP rank 0 counts it
+            return True
         return (
             self.placement == "baseline"
             and self.tied
             and name == self.embed_name
             and self.rank != self.layout.first_rank
         )
+
+    def _tp_replicated(self, name: str) -> bool:
+        """A decoder-chunk parameter every TP rank of the stage holds whole (a norm): not a slice, not a shard."""
+        if self.tp_size == 1 or name in self.sharded_names:
+            return False
+        if not hasattr(self, "_tp_whole"):
+            sliced = self.tp_sliced
+            self._tp_whole = {n for c in self.chunks.values() for n, _ in c.hf_named_parameters() if n not in sliced}
+        return name in self._tp_whole
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Baseline: E[ids] on chunk 0's owner (chunk 0 applies the scale / position pieces)."""

@@ -23,6 +23,7 @@ from vp_accelerate import modes
 
 from .adapter import PartNames
 from .masks import MASK_BUILDERS, MicrobatchMasks
+from .tensor_parallel import TPSpec, gather_sequence, slice_sequence
 
 
 def default_position_ids(hidden: torch.Tensor) -> torch.Tensor:
@@ -77,6 +78,15 @@ class StageChunk(nn.Module):
         self.on_checkpoint_input = None
         """Called with each checkpointed layer's input, which the checkpoint keeps until backward (the
         runtime's activation meter counts it there: inside the checkpoint nothing else is saved)."""
+        self.tp: TPSpec | None = None
+        """Tensor parallelism (models/tensor_parallel.py): the layers hold this TP rank's slices; under sequence
+        parallelism the chunk keeps 1/tp of the sequence between its first and last layer. None: whole layers."""
+        self.tp_sliced: dict[str, int] = {}
+        """Local parameter name -> the dim its TP slice was cut along (0 colwise, 1 rowwise)."""
+        self.tp_partial: tuple[str, ...] = ()
+        """Local names of the parameters whose gradient is a partial sum over the TP group."""
+        self.tp_packed: dict[str, list[int]] = {}
+        """Local names of fused projections sliced one part at a time -> the parts' whole sizes."""
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """A key of modes.CHECKPOINTING: "none", "full" (every layer) or "selective" (every other layer:
@@ -146,6 +156,8 @@ class StageChunk(nn.Module):
         else:
             masks = self.build_masks(hidden, position_ids, attention_mask)
         rope = self.position_embeddings(hidden, position_ids)
+        if self.tp is not None:  # masks and rotary tables stay the whole sequence's: attention sees all of it
+            hidden = slice_sequence(hidden, self.tp)
         for k, (layer, kind) in enumerate(zip(self.layers.values(), self.layer_types)):
             extra = {} if rope is None else {"position_embeddings": rope[kind] if self.rotary_per_layer_type else rope}
             kwargs = dict(attention_mask=masks[kind], position_ids=position_ids, **extra)
@@ -156,6 +168,8 @@ class StageChunk(nn.Module):
                 hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
             else:
                 hidden = layer(hidden, **kwargs)
+        if self.tp is not None:  # the whole sequence again before the final norm (a replicated gradient)
+            hidden = gather_sequence(hidden, self.tp)
         if self.norm is not None:
             hidden = self.norm(hidden)
         return hidden

@@ -56,6 +56,17 @@ class PipelineConfig:
     dp_size: int = 1
     """Data-parallel replicas of the pipeline."""
 
+    tp_size: int = 1
+    """Tensor-parallel ranks per pipeline stage: each stage's decoder layers are split over tp consecutive
+    ranks (Megatron's column / row split of attention and MLP, as the family's `base_model_tp_plan` says;
+    keep them inside one node), and the vocabulary over all pp_size x tp_size ranks of a replica. World size
+    = pp_size x tp_size x dp_size. 1 = no tensor parallelism."""
+
+    sequence_parallel: Optional[bool] = None
+    """With tp_size > 1: keep the norms and the residual stream between a stage's layers on 1/tp of the
+    sequence per TP rank (all-gather before attention and MLP, reduce-scatter after), so their activations
+    are not held tp times. None = on whenever tp_size > 1."""
+
     zero: int = 1
     """ZeRO stage over data parallelism: 1 shards the optimizer state (AdamW's moments) over the dp_size
     replicas, each parameter's state on one replica, which updates it and broadcasts the result (bytes
@@ -132,7 +143,7 @@ class PipelineConfig:
     def check(self) -> None:
         """Range checks that need no model or process group. Raises ValueError whose message starts with
         the field name (the recipe prefixes `pipeline.`)."""
-        for name in ("microbatches", "dp_size", "pad_multiple"):
+        for name in ("microbatches", "dp_size", "tp_size", "pad_multiple"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")

@@ -76,6 +76,12 @@ class RankLayout:
     param_bytes: int
     """Bytes of those parameters at their dtype."""
 
+    tp_rank: int = 0
+    """Position in the stage's tensor-parallel group (0 without tensor parallelism)."""
+
+    tp_size: int = 1
+    """Tensor-parallel ranks of the stage: its decoder layers hold 1/tp_size slices of the split linears."""
+
     def _vocab_text(self) -> str:
         if self.vocab_rows is not None:
             start, end = self.vocab_rows
@@ -91,9 +97,11 @@ class RankLayout:
     def text(self, params: bool = True) -> str:
         """The line a person reads; `params=False` leaves out the size (it depends on the dtype)."""
         chunks = ", ".join(f"chunk {c.chunk}: {layer_span(c.start, c.end)}" for c in self.chunks)
+        tp = f", tp {self.tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
         line = (
-            f"rank {self.rank} (pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}): "
-            f"{chunks}; {self._vocab_text()}"
+            f"rank {self.rank} (pp {self.pp_rank}/{self.pp_size}{tp}, dp {self.dp_rank}/{self.dp_size}): "
+            f"{chunks}{' (1/' + str(self.tp_size) + ' of each split layer)' if self.tp_size > 1 else ''}; "
+            f"{self._vocab_text()}"
         )
         return f"{line}; {self.param_bytes / 2**20:.1f} MiB of parameters" if params else line
 
@@ -104,6 +112,8 @@ class RankLayout:
         """Where things are, without sizes: what a checkpoint of this rank must have been saved with."""
         out = asdict(self)
         del out["param_count"], out["param_bytes"]
+        if self.tp_size == 1:  # as before tensor parallelism: older checkpoints' fingerprints still compare
+            del out["tp_rank"], out["tp_size"]
         # lists, not tuples: a fingerprint read back from JSON must compare equal
         out["chunks"] = [asdict(c) for c in self.chunks]
         out["vocab_rows"] = list(self.vocab_rows) if self.vocab_rows is not None else None

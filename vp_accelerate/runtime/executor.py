@@ -458,18 +458,22 @@ class Executor:
                 st.microbatches[a.mb].input_ids,
                 self.modules.embed_weight,
                 self.partition,
-                self.groups.pp_rank,
+                self.groups.vocab_rank,
                 check_inputs=False,  # checked on the host
             )
 
     def _do_IF_REDUCE(self, a: Action) -> None:
-        # vocabulary collectives name their root by its rank in the group, i.e. its pipeline rank;
-        # asynchronous: F of chunk 0 waits for it, other ranks only at the end of the step
+        # vocabulary collectives name their root by its rank in the group (`Groups.vocab_root`); asynchronous:
+        # F of chunk 0 waits for it, other ranks only at the end of the step. With tensor parallelism every TP
+        # rank of the first stage needs the sum: an all-reduce
         st = self.state
         partial = st.embed_partials.pop(a.mb)
-        root = self.schedule.chunk_rank[0]
-        pending = self._issue(a.op, a.mb, vemb.if_reduce(partial, root, self.groups.vocab_group, async_op=True))
-        if self.groups.rank == self._owner(0):
+        g = self.groups
+        root = None if g.tp_size > 1 else g.vocab_root(self.schedule.chunk_rank[0])
+        pending = self._issue(
+            a.op, a.mb, vemb.if_reduce(partial, root, g.vocab_group, async_op=True, keep=self._is_local(0))
+        )
+        if self._is_local(0):
             st.embed_reduces[a.mb] = pending
             st.meter.add_comm(("IF", a.mb), [partial])  # the reduced embedding output, until F takes it
         else:
@@ -477,11 +481,12 @@ class Executor:
 
     def _do_IB_BCAST(self, a: Action) -> None:
         st = self.state
-        root = self.schedule.chunk_rank[0]
-        if self.groups.pp_rank == root:
+        root = self.groups.vocab_root(self.schedule.chunk_rank[0])
+        if self.groups.vocab_rank == root:  # the first stage's TP rank 0 (its TP ranks hold the same gradient)
             # in the exchange dtype (half the bytes under mixed precision); IB accumulates it into the fp32 grad
             grad = st.embed_grads.pop(a.mb).to(self.exchange_dtype).contiguous()
         else:
+            st.embed_grads.pop(a.mb, None)
             grad = self._empty_act()
         st.meter.add_comm(("IB", a.mb), [grad])
         st.embed_grad_bcasts[a.mb] = self._issue(
@@ -498,13 +503,16 @@ class Executor:
             return
         if self.modules.padding_idx is not None:  # as HF's lookup: the padding row gets no gradient
             grad = grad * (ids != self.modules.padding_idx).unsqueeze(-1).to(grad.dtype)
-        vemb.embed_backward(ids, grad, self._grad_buffer(weight), self.partition, self.groups.pp_rank)
+        vemb.embed_backward(ids, grad, self._grad_buffer(weight), self.partition, self.groups.vocab_rank)
 
     # ---- output layer passes (vocabulary parallel) --------------------------------------------
     def _do_C0(self, a: Action) -> None:
         st = self.state
-        root = self.schedule.chunk_rank[self.last_chunk]
-        if self.groups.pp_rank == root:  # in the exchange dtype: exact under mixed precision, S multiplies in it anyway
+        root = self.groups.vocab_root(self.schedule.chunk_rank[self.last_chunk])
+        # the last stage's TP rank 0 speaks for it (its TP ranks hold the same X, the whole sequence)
+        if (
+            self.groups.vocab_rank == root
+        ):  # in the exchange dtype: exact under mixed precision, S multiplies in it anyway
             x = self._output_for_consumer(a.mb, self.last_chunk).to(self.exchange_dtype)
         else:
             x = self._empty_act()
@@ -529,7 +537,7 @@ class Executor:
                 mb.grad_scale,
                 weight,
                 self.partition,
-                self.groups.pp_rank,
+                self.groups.vocab_rank,
                 self.s_opts,
                 bias=bias,
                 loss_fn=mb.loss_fn,

@@ -1,8 +1,17 @@
-"""Process groups for PP x DP: which ranks form a pipeline, a vocabulary group, a data-parallel group.
+"""Process groups for PP x TP x DP: which ranks form a pipeline, a tensor-parallel group, a vocabulary
+group, a data-parallel group.
 
-Rank layout: global rank = dp_rank * pp_size + pp_rank, so each pipeline replica is a contiguous
-block of ranks (on a GPU node, neighbouring stages share NVLink). Every rank must create every group
-in the same order (torch.distributed.new_group is collective), which `build_groups` does.
+Rank layout: global rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank. A stage's tensor-parallel
+ranks are tp consecutive ranks (inside one node: TP's collectives run in every layer), each pipeline replica
+is a contiguous block of pp * tp ranks (neighbouring stages share NVLink when they fit a node). With
+tp_size 1 this is today's dp_rank * pp_size + pp_rank. Groups:
+- the pipeline group of a (dp, tp) coordinate: the p2p between stages, each TP rank to its counterpart;
+- the tensor-parallel group of a (dp, pp) coordinate: the collectives inside a stage's layers;
+- the vocabulary group of a replica: its pp * tp ranks, ordered by vocabulary rank pp_rank * tp + tp_rank
+  (the vocabulary is sharded over all of them, as the VP paper's Megatron code does);
+- the data-parallel group of a (pp, tp) coordinate: the gradient sums and ZeRO's broadcasts.
+Every rank must create every group in the same order (torch.distributed.new_group is collective), which
+`build_groups` does.
 
 Device groups and host groups: the pipeline, vocabulary and data-parallel groups use the default
 backend (NCCL on GPUs), which only takes tensors on the rank's device. Host-side bookkeeping (object
@@ -45,16 +54,18 @@ class Groups:
     dp_size: int
     """Data-parallel replicas of the whole pipeline."""
     pp_rank: int
-    """Position in this replica's pipeline (also this rank's vocabulary shard index)."""
+    """Position in this replica's pipeline."""
     dp_rank: int
     """Which replica this rank belongs to."""
     pp_ranks: tuple[int, ...]
-    """Global ranks of this replica's pipeline, indexed by pp_rank (torch p2p and src/dst take global ranks)."""
+    """Global ranks of this rank's pipeline (its tensor-parallel coordinate in its replica), indexed by pp_rank
+    (torch p2p and src/dst take global ranks)."""
     pp_group: object
-    """Point-to-point traffic between stages of this replica."""
+    """Point-to-point traffic between stages of this pipeline (one per replica and TP coordinate)."""
     vocab_group: object
-    """Vocabulary collectives (C0, C1, C2, IF reduce, IB broadcast) of this replica. A group of its own,
-    so collectives never interleave with point-to-point traffic on one communicator."""
+    """Vocabulary collectives (C0, C1, C2, IF reduce, IB broadcast) of this replica: its pp * tp ranks, group
+    rank = `vocab_rank`. A group of its own, so collectives never interleave with point-to-point traffic on one
+    communicator."""
     dp_group: object
     """Gradient all-reduce between the replicas of this pipeline rank (None when dp_size == 1)."""
     host_group: object = None
@@ -66,41 +77,92 @@ class Groups:
     """gloo group of this pipeline rank's replicas (None when dp_size == 1): host-side sums over the
     replicas, such as the step's valid-token count."""
 
+    tp_size: int = 1
+    """Tensor-parallel ranks per stage (the stage's decoder layers are split over them)."""
+    tp_rank: int = 0
+    """Position in this stage's tensor-parallel group."""
+    tp_group: object = None
+    """The tensor-parallel collectives inside a stage's layers (None when tp_size == 1)."""
+    replica_host_group: object = None
+    """gloo group of this replica's pp * tp ranks in vocabulary-rank order (group rank = `vocab_rank`): host-side
+    gathers of the whole replica (the model for export under tensor parallelism); the pp_host_group when
+    tp_size == 1."""
+
     def global_rank(self, pp_rank: int) -> int:
         return self.pp_ranks[pp_rank]
 
+    @property
+    def vocab_rank(self) -> int:
+        """This rank's vocabulary shard index and its rank in `vocab_group`: pp_rank * tp_size + tp_rank."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
-def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
+    @property
+    def vocab_size_ranks(self) -> int:
+        """Ranks the vocabulary is sharded over: pp_size * tp_size."""
+        return self.pp_size * self.tp_size
+
+    def vocab_root(self, pp_rank: int) -> int:
+        """The rank in `vocab_group` that speaks for stage `pp_rank` (its TP rank 0): the root of the
+        vocabulary collectives that start or end at that stage (every TP rank of a stage holds the same
+        activations)."""
+        return pp_rank * self.tp_size
+
+
+def grid_rank(dp_rank: int, pp_rank: int, tp_rank: int, pp_size: int, tp_size: int) -> int:
+    """Global rank of a (dp, pp, tp) coordinate: (dp_rank * pp_size + pp_rank) * tp_size + tp_rank."""
+    return (dp_rank * pp_size + pp_rank) * tp_size + tp_rank
+
+
+def build_groups(pp_size: int | None = None, dp_size: int = 1, tp_size: int = 1) -> Groups:
     """Create the groups for the current world (torch.distributed must be initialized)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if pp_size is None:
-        if world % dp_size:
+        if world % (dp_size * tp_size):
             raise ValueError(
-                f"world size {world} is not divisible by dp_size={dp_size}; "
-                f"launch a multiple of {dp_size} processes or change pipeline.dp_size"
+                f"world size {world} is not divisible by dp_size={dp_size} x tp_size={tp_size}; "
+                f"launch a multiple of {dp_size * tp_size} processes or change pipeline.dp_size / tp_size"
             )
-        pp_size = world // dp_size
-    if pp_size * dp_size != world:
+        pp_size = world // (dp_size * tp_size)
+    if pp_size * dp_size * tp_size != world:
         raise ValueError(
-            f"pp_size={pp_size} x dp_size={dp_size} = {pp_size * dp_size} but {world} processes "
-            f"were launched; make pp_size x dp_size equal the number of processes"
+            f"pp_size={pp_size} x tp_size={tp_size} x dp_size={dp_size} = {pp_size * tp_size * dp_size} but "
+            f"{world} processes were launched; make pp_size x tp_size x dp_size equal the number of processes"
         )
-    pp_rank, dp_rank = rank % pp_size, rank // pp_size
+    tp_rank, pp_rank, dp_rank = rank % tp_size, (rank // tp_size) % pp_size, rank // (tp_size * pp_size)
+
+    def at(d: int, s: int, t: int) -> int:
+        return grid_rank(d, s, t, pp_size, tp_size)
+
     mine = {"host_group": connect_host_group()}
     for d in range(dp_size):
-        ranks = list(range(d * pp_size, (d + 1) * pp_size))
-        pp_group = dist.new_group(ranks)
-        vocab_group = dist.new_group(ranks)
-        pp_host_group = dist.new_group(ranks, backend=HOST_BACKEND)
+        for t in range(tp_size):
+            ranks = [at(d, s, t) for s in range(pp_size)]
+            pp_group = dist.new_group(ranks)
+            pp_host_group = dist.new_group(ranks, backend=HOST_BACKEND)
+            if (d, t) == (dp_rank, tp_rank):
+                mine.update(pp_ranks=tuple(ranks), pp_group=pp_group, pp_host_group=pp_host_group)
+        # the replica's pp * tp ranks, in vocabulary-rank order (pp_rank * tp + tp_rank = their global order)
+        replica = [at(d, s, t) for s in range(pp_size) for t in range(tp_size)]
+        vocab_group = dist.new_group(replica)
+        replica_host = dist.new_group(replica, backend=HOST_BACKEND) if tp_size > 1 else None
         if d == dp_rank:
-            mine.update(pp_ranks=tuple(ranks), pp_group=pp_group, vocab_group=vocab_group, pp_host_group=pp_host_group)
+            mine["vocab_group"] = vocab_group
+            mine["replica_host_group"] = replica_host if tp_size > 1 else mine["pp_host_group"]
+    tp_group = None
+    if tp_size > 1:
+        for d in range(dp_size):
+            for s in range(pp_size):
+                group = dist.new_group([at(d, s, t) for t in range(tp_size)])
+                if (d, s) == (dp_rank, pp_rank):
+                    tp_group = group
     dp_group = dp_host_group = None
     for s in range(pp_size):
-        ranks = [d * pp_size + s for d in range(dp_size)]
-        group = dist.new_group(ranks) if dp_size > 1 else None
-        host = dist.new_group(ranks, backend=HOST_BACKEND) if dp_size > 1 else None
-        if s == pp_rank:
-            dp_group, dp_host_group = group, host
+        for t in range(tp_size):
+            ranks = [at(d, s, t) for d in range(dp_size)]
+            group = dist.new_group(ranks) if dp_size > 1 else None
+            host = dist.new_group(ranks, backend=HOST_BACKEND) if dp_size > 1 else None
+            if (s, t) == (pp_rank, tp_rank):
+                dp_group, dp_host_group = group, host
     return Groups(
         rank=rank,
         world_size=world,
@@ -110,6 +172,9 @@ def build_groups(pp_size: int | None = None, dp_size: int = 1) -> Groups:
         dp_rank=dp_rank,
         dp_group=dp_group,
         dp_host_group=dp_host_group,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        tp_group=tp_group,
         **mine,
     )
 
@@ -152,7 +217,7 @@ def warm_up(g: Groups, device: torch.device, tied_group=None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for group in (g.pp_group, g.vocab_group, g.dp_group, tied_group):
+    for group in (g.pp_group, g.vocab_group, g.tp_group, g.dp_group, tied_group):
         if group is not None:
             dist.all_reduce(torch.zeros(1, device=device), group=group)
             sync()

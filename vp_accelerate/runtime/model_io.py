@@ -43,7 +43,8 @@ def load_rank_state_dict(pipe, sd: dict[str, torch.Tensor]) -> None:
 def gather_hf_state_dict(pipe) -> dict[str, torch.Tensor] | None:
     """The whole model's HF state dict on pipeline rank 0 (None elsewhere); a collective. With LoRA the
     adapters stay separate (`...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`)."""
-    return gather_state_dict(pipe.mods, group=pipe.groups.pp_host_group, dst=0)  # host copies over gloo
+    # host copies over gloo; with tensor parallelism every TP rank's slices too (vocabulary-rank order)
+    return gather_state_dict(pipe.mods, group=pipe.groups.replica_host_group, dst=0)
 
 
 def export_hf(pipe, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> None:
@@ -79,7 +80,8 @@ def export_hf(pipe, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -
         out_dir,
         stream=stream,
         gather=gather,
-        merged=pipe.adapter.enabled,
+        # tensor-parallel slices are joined by the gather (the streaming export writes whole tensors per rank)
+        merged=pipe.adapter.enabled or g.tp_size > 1,
         dtype=dtype,
         tokenizer=tokenizer,
     )

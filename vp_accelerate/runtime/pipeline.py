@@ -30,7 +30,8 @@ from vp_accelerate.cost import shape_from_hf_config
 from vp_accelerate.distributed import init_from_env, local_device
 from vp_accelerate.models import check_supported, resolve_config
 from vp_accelerate.models.lora import lora_modules, mask_row_grads
-from vp_accelerate.runtime import clock, grad_sync, model_io, p2p, precision, shutdown, watchdog
+from vp_accelerate.models.tensor_parallel import check_config as check_tp_config
+from vp_accelerate.runtime import clock, grad_sync, model_io, p2p, precision, shutdown, tensor_parallel, watchdog
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
@@ -101,8 +102,10 @@ class PipelineModel:
         self.compute_dtype = precision.low_dtype(self.precision)
         self.loss_scaler = precision.loss_scaler_for(self.precision)
         check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
+        check_tp_config(resolve_config(source), cfg.tp_size)  # heads / MLP not dividing over tp, no TP plan
+        tensor_parallel.check_layout(cfg, self.adapter.enabled)
         init_from_env()
-        self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)
+        self.groups = g = build_groups(cfg.pp_size, cfg.dp_size, cfg.tp_size)
         shutdown.register()  # workers, watchdog and groups end cleanly at exit, close() or not
         p2p.install()  # VP_STRICT_P2P: NCCL's p2p semantics emulated on gloo
         # cuda:LOCAL_RANK (made current), also when accelerate made the group; the CPU without CUDA
@@ -155,7 +158,7 @@ class PipelineModel:
         chunks = tuple(ChunkLayers(c, *self.layout.chunk_layers[c]) for c in self.layout.chunks_of(self.pp_rank))
         rows = None
         if self.vocab:
-            start, end = self.partition.shard_range(self.pp_rank)
+            start, end = self.partition.shard_range(self.groups.vocab_rank)
             rows = (start, min(end, self.partition.vocab_size))
         first, last = self.pp_rank == self.layout.first_rank, self.pp_rank == self.layout.last_rank
         return RankLayout(
@@ -164,6 +167,8 @@ class PipelineModel:
             pp_size=self.groups.pp_size,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
+            tp_rank=self.groups.tp_rank,
+            tp_size=self.groups.tp_size,
             chunks=chunks,
             vocab_size=self.hf_config.vocab_size,
             vocab_rows=rows,
@@ -187,6 +192,12 @@ class PipelineModel:
     def _microbatches(
         self, input_ids, labels, attention_mask, position_ids=None, loss_scale: float = 1.0
     ) -> tuple[list[Microbatch], int]:
+        tp = self.groups.tp_size
+        if tensor_parallel.sequence_parallel(self.cfg) and input_ids.shape[-1] % tp:
+            raise ValueError(
+                f"sequence length {input_ids.shape[-1]} does not split over tp_size={tp} ranks under sequence "
+                f"parallelism: pad the batch to a multiple of {tp} tokens, or set sequence_parallel=False"
+            )
         return make_microbatches(
             input_ids,
             labels,
@@ -461,6 +472,9 @@ class PipelineModel:
             else (self.mods.embed.weight if self.mods.embed is not None else self.mods.head.weight)
         )
         grad_sync.sync_grads(tied, self.parts.tied_group, self.trainable_parameters(), self.groups.dp_group, reducer)
+        # tensor parallelism: the norms' (sequence parallel) and per-head norms' gradients are parts of a sum
+        partial = [p for p in self.mods.tp_partial_parameters() if p.requires_grad]
+        tensor_parallel.sum_partial_grads(partial, self.groups)
 
     # ---- optimizer-side helpers ----------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -469,9 +483,9 @@ class PipelineModel:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global L2 norm over the whole pipeline (each parameter counted once)."""
-        return grad_sync.clip_grad_norm(
-            self.named_parameters(), self.mods.is_duplicate, max_norm, self.device, self.groups.pp_group
-        )
+        g = self.groups
+        group = g.pp_group if g.tp_size == 1 else g.vocab_group  # the replica's pp x tp ranks
+        return grad_sync.clip_grad_norm(self.named_parameters(), self.mods.is_duplicate, max_norm, self.device, group)
 
     def stats(self) -> dict:
         """Measurements of the last train step on this rank."""

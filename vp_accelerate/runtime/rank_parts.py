@@ -14,7 +14,7 @@ import torch.distributed as dist
 from vp_accelerate.cost import layout_costs, plan_layout
 from vp_accelerate.models import RankModules, StageLayout, build_rank, resolve_config
 from vp_accelerate.models.lora import apply_lora
-from vp_accelerate.runtime import precision
+from vp_accelerate.runtime import precision, tensor_parallel
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.groups import Groups
@@ -85,7 +85,8 @@ def build_rank_parts(
     hf_config = resolve_config(source)
     schedule, eval_schedule, layout = rank_schedules(hf_config, cfg, g.pp_size, device.type)
     vocab = schedule.method.vocab_parallel
-    partition = VocabPartition(hf_config.vocab_size, g.pp_size, cfg.pad_multiple) if vocab else None
+    # the vocabulary over all pp x tp ranks of a replica (vocabulary rank = pp_rank * tp + tp_rank)
+    partition = VocabPartition(hf_config.vocab_size, g.vocab_size_ranks, cfg.pad_multiple) if vocab else None
     mods = build_rank(
         source,
         layout,
@@ -96,6 +97,7 @@ def build_rank_parts(
         seed=seed,
         device=device,
         attn_implementation=cfg.attn_implementation,
+        tp=tensor_parallel.spec(cfg, g),
     )
     lora_transposed: list[str] = []
     if adapter.enabled:  # before the B/W split patches the linear layers (LoRA's included)

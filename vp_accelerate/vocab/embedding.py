@@ -47,16 +47,25 @@ def embed_partial(
 
 
 def if_reduce(
-    partial: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+    partial: torch.Tensor,
+    dst: int | None,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    keep: bool = False,
 ) -> Pending:
     """IF (collective): sum the partials in place into group rank `dst`; its `wait()` returns the tensor
-    (the full embedding output) on `dst`, None elsewhere. Runs on the communication engine."""
+    (the full embedding output) on `dst`, None elsewhere. Runs on the communication engine. `dst` None: an
+    all-reduce, for when several ranks need the sum (the first stage's tensor-parallel ranks); `keep` then
+    says whether this rank is one of them."""
 
-    root = global_rank(group, dst)
-    keep = dist.get_rank() == root
+    root = None if dst is None else global_rank(group, dst)
+    keep = keep if root is None else dist.get_rank() == root
 
     def chain() -> torch.Tensor | None:
-        dist.reduce(partial, root, op=dist.ReduceOp.SUM, group=group)
+        if root is None:
+            dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+        else:
+            dist.reduce(partial, root, op=dist.ReduceOp.SUM, group=group)
         # elsewhere the sum is unspecified and nobody reads it: the handle must not hold [N, h] until the
         # step's end (m of them on every rank but the root); CUDA's record_stream keeps it until the reduce ran
         return partial if keep else None

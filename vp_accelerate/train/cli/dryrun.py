@@ -74,9 +74,15 @@ def _request(args):
 
 
 def _recipe_pipeline(recipe):
-    """A recipe's own pipeline section (None when it asks for `auto` or has no recipe)."""
+    """A recipe's own pipeline section (None when it asks for `auto` or has no recipe); ValueError for one the dry
+    run does not model yet (tensor parallelism)."""
     if recipe is None or recipe.pipeline.schedule == "auto":
         return None
+    if recipe.pipeline.tp_size > 1:
+        raise ValueError(
+            f"pipeline.tp_size {recipe.pipeline.tp_size}: the dry run and the planner model pp x dp layouts only so "
+            f"far; dry-run a copy with pipeline.tp_size: 1, or check the TP run with `train --check --world-size N`"
+        )
     return recipe.pipeline
 
 

@@ -20,6 +20,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from vp_accelerate.cost import plan_layout
 from vp_accelerate.models import unsupported_reason
 from vp_accelerate.models.layout import LayoutError
+from vp_accelerate.models.tensor_parallel import TPError
+from vp_accelerate.models.tensor_parallel import check_config as check_tp_config
+from vp_accelerate.runtime import tensor_parallel
 from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.registry import METHODS
 
@@ -348,25 +351,57 @@ def _check_resume(recipe, path: str, override: tuple) -> None:
 def pipeline_size(recipe, world_size: int | None) -> int | None:
     """Pipeline ranks of the run: pipeline.pp_size, or world size / dp_size; None when unknown."""
     p = recipe.pipeline
+    tp = p.tp_size
     if world_size is not None:
-        if p.pp_size is not None and p.pp_size * p.dp_size != world_size:
+        if p.pp_size is not None and p.pp_size * p.dp_size * tp != world_size:
+            sizes = f"pp_size={p.pp_size}{f' x tp_size={tp}' if tp > 1 else ''} x dp_size={p.dp_size}"
             raise RecipeError(
-                f"pipeline.pp_size: pp_size={p.pp_size} x dp_size={p.dp_size} = "
-                f"{p.pp_size * p.dp_size}, but {world_size} processes are launched; {_layouts(world_size)}"
+                f"pipeline.pp_size: {sizes} = {p.pp_size * tp * p.dp_size}, but {world_size} processes are "
+                f"launched; {_layouts(world_size, tp)}"
             )
-        if world_size % p.dp_size:
+        if world_size % (p.dp_size * tp):
+            key = "pipeline.tp_size" if world_size % tp else "pipeline.dp_size"
+            stages = f" of stages of {tp} tensor-parallel ranks" if tp > 1 else ""
             raise RecipeError(
-                f"pipeline.dp_size: {world_size} processes cannot form {p.dp_size} equal replicas; "
-                f"{_layouts(world_size)}"
+                f"{key}: {world_size} processes cannot form {p.dp_size} equal replicas{stages}; "
+                f"{_layouts(world_size, tp)}"
             )
-        return world_size // p.dp_size
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if tp > 1 and local and local.isdigit() and int(local) % tp:
+            raise RecipeError(
+                f"pipeline.tp_size: {tp} tensor-parallel ranks do not fit the {local} processes of a node "
+                f"(TP collectives run in every layer: keep a stage's TP ranks in one node); use a tp_size that "
+                f"divides {local}"
+            )
+        return world_size // (p.dp_size * tp)
     return p.pp_size
 
 
-def _layouts(world_size: int) -> str:
-    """The (pp_size, dp_size) pairs `world_size` processes can hold, for an error message."""
-    pairs = [f"pp_size={world_size // dp} dp_size={dp}" for dp in range(1, world_size + 1) if world_size % dp == 0]
-    return f"{world_size} processes hold " + ", ".join(pairs)
+def _layouts(world_size: int, tp: int = 1) -> str:
+    """The (pp_size, dp_size) pairs `world_size` processes can hold (with `tp` TP ranks a stage), for an error
+    message."""
+    if world_size % tp:
+        return f"tp_size must divide the {world_size} processes"
+    n = world_size // tp
+    pairs = [f"pp_size={n // dp} dp_size={dp}" for dp in range(1, n + 1) if n % dp == 0]
+    at = f" at tp_size={tp}" if tp > 1 else ""
+    return f"{world_size} processes hold{at} " + ", ".join(pairs)
+
+
+def _check_tensor_parallel(recipe, config) -> None:
+    """pipeline.tp_size against the model (plan, heads, MLP width), the method and the adapter, and the sequence
+    under sequence parallelism: one line before anything loads."""
+    p = recipe.pipeline
+    try:
+        check_tp_config(config, p.tp_size)
+        tensor_parallel.check_layout(p, recipe.adapter.enabled)
+    except TPError as e:
+        raise RecipeError(str(e)) from None
+    if tensor_parallel.sequence_parallel(p) and recipe.data.seq_len % p.tp_size:
+        raise RecipeError(
+            f"data.seq_len: {recipe.data.seq_len} tokens do not split over tp_size={p.tp_size} ranks under sequence "
+            f"parallelism; use a seq_len divisible by {p.tp_size}, or pipeline.sequence_parallel: false"
+        )
 
 
 def _check_schedule(recipe, config, pp: int) -> str:
@@ -415,6 +450,7 @@ def check_plan(recipe, world_size: int | None = None, full: bool = True, found: 
         return notes + [f"model {recipe.model.source!r} is not local: its shape was not checked before launch"]
     if (why := unsupported_reason(config)) is not None:  # a family the pipeline cannot run exactly
         raise RecipeError(f"model.source: {why}")
+    _check_tensor_parallel(recipe, config)
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and recipe.data.seq_len > max_pos:
         raise RecipeError(

@@ -56,7 +56,10 @@ def _adapter_of(recipe: dict):
 def replica0_files(path: str, meta: dict) -> list[tuple[str, frozenset[str]]]:
     """(model.safetensors of each rank of data-parallel replica 0, in pipeline order; names it holds as a copy
     another rank counts) of checkpoint `path`."""
-    replica0 = sorted((r for r in meta["ranks"] if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+    # vocabulary-rank order (pipeline order, then a stage's tensor-parallel ranks)
+    replica0 = sorted(
+        (r for r in meta["ranks"] if r["dp_rank"] == 0), key=lambda r: (r["pp_rank"], r.get("tp_rank", 0))
+    )
     if not replica0:
         raise ckpt.CheckpointError(f"{path}: meta.json lists no ranks of data-parallel replica 0")
     for r in replica0:  # every file whole and unchanged since the save, before the export writes anything
@@ -104,7 +107,11 @@ def checkpoint_state(path: str, trust_remote_code: bool = False):
     shards = []
     for file, skip in replica0_files(path, meta):
         shards.append({k: v for k, v in load_file(file).items() if k not in skip})
-    state = assemble_state_dict(shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())))
+    tp = int(meta.get("tp_size", 1)) > 1
+    tp_sliced, tp_packed = (dict(meta.get("tp_sliced", {})), dict(meta.get("tp_packed", {}))) if tp else ({}, {})
+    state = assemble_state_dict(
+        shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())), tp_sliced, tp_packed
+    )
     return state, config, tokenizer, meta
 
 
@@ -234,7 +241,8 @@ def export_checkpoint(
             out_dir,
             stream=stream,
             gather=gather,
-            merged=adapter is not None,
+            # tensor-parallel slices are joined by the gather (a streamed rank file holds whole tensors only)
+            merged=adapter is not None or int(meta.get("tp_size", 1)) > 1,
             dtype=dtype,
             tokenizer=tokenizer,
             max_shard_size=max_shard_size,

@@ -6,14 +6,17 @@ What makes a checkpoint reshardable is that every tensor in it has a global mean
 per-rank files of store.py; this module adds nothing to them but the optimizer state's keys):
 
 - a rank's `model.safetensors` holds HF-named tensors; a name in meta.json's `sharded_names` is rows
-  `[pp_rank * S, (pp_rank + 1) * S)` of the full matrix padded at the end (S its shard's rows,
-  `vocab/partition.py`), any other name the whole tensor;
+  `[v * S, (v + 1) * S)` of the full matrix padded at the end (S its shard's rows, v the rank's vocabulary
+  rank pp_rank * tp_size + tp_rank, `vocab/partition.py`), a name in `tp_sliced` (name -> dim) the rank's
+  1/tp_size slice along that dim (tensor parallelism: `[tp_rank * n, (tp_rank + 1) * n)`), any other name the
+  whole tensor;
 - a rank's `optimizer.pt` holds the optimizer state keyed by those names (`named_optimizer_state`: a plain
   AdamW's index-keyed state is renamed on save; ZeRO-1's is by name already, each parameter on one replica),
   each moment shaped as its parameter on that rank.
 
 A resuming rank therefore builds each of its tensors, for a vocabulary shard its rows of the padded matrix,
-from the overlapping rows of the saved ranks' tensors (`assemble`), reading only those rows (safetensors
+for a TP slice its part along the slice's dim, from the overlapping parts of the saved ranks' tensors (`region`),
+reading only those (safetensors
 slices; the optimizer files memory-mapped). Padding rows are zero, as a fresh shard's. Model weights are
 written by data-parallel replica 0 only; replicas store an empty model file (their weights are the same).
 
@@ -110,17 +113,29 @@ def load_named_optimizer_state(optimizer, named_parameters, state: dict, same_gr
 
 
 # ----------------------------------------------------------------------------------------- the saved pieces
+def piece(name: str, shape, pp_rank: int, tp_rank: int, tp_size: int, sharded, tp_sliced) -> tuple[int, int]:
+    """(dim, global start along it) of a rank's tensor `name` of `shape` (see the module docstring)."""
+    if name in sharded:
+        return 0, (pp_rank * tp_size + tp_rank) * shape[0]
+    dim = tp_sliced.get(name)
+    if dim is not None and tp_size > 1:
+        return dim, tp_rank * shape[dim]
+    return 0, 0
+
+
 class SavedTensors:
-    """Where each global name's rows lie in a checkpoint: (global row start, a reader of rows) per rank.
+    """Where each global name's parts lie in a checkpoint: (dim, global start, length, a reader) per rank.
 
     `kind` "model" reads the ranks' model.safetensors (slices, nothing else read), "optimizer" their
     optimizer.pt (memory-mapped), whose tensors are `name/key` (e.g. `model.norm.weight/exp_avg`)."""
 
     def __init__(self, path: str, meta: dict, kind: str):
-        self.sources: dict[str, list[tuple[int, int, object]]] = {}  # name -> [(row start, rows, reader)]
+        self.sources: dict[str, list[tuple[int, int, int, object]]] = {}  # name -> [(dim, start, length, reader)]
         self.scalars: dict[str, object] = {}  # name/key -> a non-tensor or 0-d value (AdamW's step)
         sharded = set(meta.get("sharded_names", ()))
-        for r in sorted(meta["ranks"], key=lambda r: (r["dp_rank"], r["pp_rank"])):
+        tp_size, tp_sliced = int(meta.get("tp_size", 1)), dict(meta.get("tp_sliced", {}))
+        tp_packed = dict(meta.get("tp_packed", {})) if tp_size > 1 else {}
+        for r in sorted(meta["ranks"], key=lambda r: (r["dp_rank"], r["pp_rank"], r.get("tp_rank", 0))):
             rdir = os.path.join(path, ckpt.rank_dir_name(r["rank"]))
             if kind == "model":
                 f = ckpt.files.open_safetensors(os.path.join(rdir, "model.safetensors"))
@@ -143,35 +158,98 @@ class SavedTensors:
                             self.scalars.setdefault(f"{n}/{k}", v)
             for name, shape, reader in items:
                 base = name.split("/")[0]
-                start = r["pp_rank"] * shape[0] if base in sharded else 0
-                self.sources.setdefault(name, []).append((start, shape[0], reader))
+                if base in tp_packed:  # a fused projection: 1/tp of each part, each part a piece of its own
+                    self._packed(name, tp_packed[base], r.get("tp_rank", 0), tp_size, reader)
+                    continue
+                dim, start = piece(base, shape, r["pp_rank"], r.get("tp_rank", 0), tp_size, sharded, tp_sliced)
+                self.sources.setdefault(name, []).append((dim, start, shape[dim], reader))
+
+    def _packed(self, name: str, parts: list[int], tp_rank: int, tp_size: int, reader) -> None:
+        """Register a fused projection's saved slice as one piece per part, at that part's global rows."""
+        offset, local = 0, 0
+        for n in parts:
+            size = n // tp_size
+
+            def rows(lo=local, size=size):
+                return reader()[lo : lo + size]
+
+            self.sources.setdefault(name, []).append((0, offset + tp_rank * size, size, rows))
+            offset, local = offset + n, local + size
 
     def has(self, name: str) -> bool:
         return name in self.sources or name in self.scalars
 
-    def rows(self, name: str, start: int, shape, valid: int, dtype) -> torch.Tensor:
-        """Rows [start, start + shape[0]) of global tensor `name` (rows from `valid` on are padding: zeros),
-        from the overlapping rows of the saved pieces."""
+    def region(self, name: str, dim: int, start: int, shape, valid: int, dtype) -> torch.Tensor:
+        """Indices [start, start + shape[dim]) along `dim` of global tensor `name` (from `valid` on: padding,
+        zeros), from the overlapping parts of the saved pieces; a piece cut along another dim (a TP slice saved,
+        the whole tensor wanted, or the reverse) gives its part of every index it covers."""
         out = torch.zeros(shape, dtype=dtype)
-        end = min(start + shape[0], valid)
+        end = min(start + shape[dim], valid)
         filled = max(0, end - start)
-        covered = torch.zeros(shape[0], dtype=torch.bool)
-        for s0, n, reader in self.sources.get(name, ()):
-            lo, hi = max(start, s0), min(end, s0 + n)
-            if lo >= hi or bool(covered[lo - start : hi - start].all()):
-                continue
-            out[lo - start : hi - start] = reader()[lo - s0 : hi - s0].to(dtype)
-            covered[lo - start : hi - start] = True
-        if not bool(covered[:filled].all()):
-            raise ckpt.CheckpointError(f"the checkpoint holds no rows {start}..{end} of {name}")
+        along = torch.zeros(shape[dim], dtype=torch.bool)  # indices of `dim` filled by pieces cut along it
+        across: dict[int, torch.Tensor] = {}  # other dim -> its indices filled by pieces cut along that dim
+        for d, s0, n, reader in self.sources.get(name, ()):
+            if d == dim:
+                lo, hi = max(start, s0), min(end, s0 + n)
+                if lo >= hi or bool(along[lo - start : hi - start].all()):
+                    continue
+                out[_index(dim, lo - start, hi - start)] = reader()[_index(dim, lo - s0, hi - s0)].to(dtype)
+                along[lo - start : hi - start] = True
+            else:  # cut along another dim, whole along ours: its part of every index of ours
+                seen = across.setdefault(d, torch.zeros(shape[d], dtype=torch.bool))
+                if bool(seen[s0 : s0 + n].all()):
+                    continue
+                out[_cross(d, s0, n, dim, 0, filled, len(shape))] = reader()[
+                    _cross(d, 0, n, dim, start, filled, len(shape))
+                ].to(dtype)
+                seen[s0 : s0 + n] = True
+        if not (bool(along[:filled].all()) or any(bool(seen.all()) for seen in across.values())):
+            raise ckpt.CheckpointError(f"the checkpoint holds no part {start}..{end} (dim {dim}) of {name}")
         return out
 
+    def rows(self, name: str, start: int, shape, valid: int, dtype) -> torch.Tensor:
+        """Rows [start, start + shape[0]) of global tensor `name` (rows from `valid` on are padding: zeros)."""
+        return self.region(name, 0, start, shape, valid, dtype)
 
-def target_rows(pipe, name: str, shape) -> tuple[int, int]:
-    """(global row start, valid rows of the global tensor) of this rank's tensor `name`."""
+
+def _index(dim: int, lo: int, hi: int) -> tuple:
+    """The index tuple selecting [lo, hi) along `dim`."""
+    return (slice(None),) * dim + (slice(lo, hi),)
+
+
+def _cross(d: int, s0: int, n: int, dim: int, start: int, length: int, ndim: int) -> tuple:
+    """[s0, s0 + n) along `d` and [start, start + length) along `dim` (d != dim)."""
+    index = [slice(None)] * ndim
+    index[d], index[dim] = slice(s0, s0 + n), slice(start, start + length)
+    return tuple(index)
+
+
+def _own_tensor(saved: SavedTensors, pipe, name: str, shape, dtype) -> torch.Tensor:
+    """This rank's tensor `name` (a weight, or a moment `name/key`) from the saved pieces: a fused projection under
+    TP part by part (its 1/tp of each part), any other by `target_part`."""
+    base = name.split("/")[0]
+    parts = pipe.mods.tp_packed.get(base)
+    if parts is not None:
+        g, out, offset = pipe.groups, [], 0
+        for n in parts:
+            size = n // g.tp_size
+            start = offset + g.tp_rank * size
+            out.append(saved.region(name, 0, start, (size, *shape[1:]), start + size, dtype))
+            offset += n
+        return torch.cat(out)
+    dim, start, valid = target_part(pipe, base, shape)
+    return saved.region(name, dim, start, tuple(shape), valid, dtype)
+
+
+def target_part(pipe, name: str, shape) -> tuple[int, int, int]:
+    """(dim, global start along it, valid length of the global tensor along it) of this rank's tensor `name`."""
     if name in pipe.mods.sharded_names:
-        return pipe.pp_rank * shape[0], pipe.hf_config.vocab_size
-    return 0, shape[0] if len(shape) else 1
+        return 0, pipe.mods.vocab_rank * shape[0], pipe.hf_config.vocab_size
+    dim = pipe.mods.tp_sliced.get(name)
+    if dim is not None:
+        g = pipe.groups
+        return dim, g.tp_rank * shape[dim], g.tp_size * shape[dim]
+    return 0, 0, shape[0] if len(shape) else 1
 
 
 @torch.no_grad()
@@ -186,8 +264,7 @@ def reshard_model(pipe, path: str, meta: dict) -> None:
         if t.dim() == 0:
             state[name] = saved.sources[name][0][2]()[:]
             continue
-        start, valid = target_rows(pipe, name, t.shape)
-        state[name] = saved.rows(name, start, tuple(t.shape), valid, t.dtype)
+        state[name] = _own_tensor(saved, pipe, name, tuple(t.shape), t.dtype)
     for name, value in state.items():
         own[name].copy_(value.to(own[name].device))
 
@@ -203,13 +280,12 @@ def reshard_optimizer_state(pipe, path: str, meta: dict) -> dict:
         keys = sorted({k.split("/", 1)[1] for k in (*saved.sources, *saved.scalars) if k.split("/", 1)[0] == name})
         if not keys:
             continue  # a parameter the saved run had not stepped yet: fresh state, as there
-        start, valid = target_rows(pipe, name, p.shape)
         s = {}
         for k in keys:
             full = f"{name}/{k}"
             if full in saved.scalars:
                 s[k] = saved.scalars[full]
             else:
-                s[k] = saved.rows(full, start, tuple(p.shape), valid, p.dtype)
+                s[k] = _own_tensor(saved, pipe, full, tuple(p.shape), p.dtype)
         state[name] = s
     return {"format": BY_NAME, "param_groups": first["param_groups"], "state": state}

@@ -434,7 +434,8 @@ def _int(value, low: int, high: int) -> bool:
 
 def check_meta(meta: dict, meta_path: str) -> dict:
     """meta.json has the keys the loaders read, of their types and within sane sizes (checked before anything is
-    sized by them): `step`, `fingerprint`, `ranks`, `vocab_size`, `sharded_names`, `files`."""
+    sized by them): `step`, `fingerprint`, `ranks`, `vocab_size`, `sharded_names`, `tp_size`, `tp_sliced`,
+    `files`."""
 
     def bad(key: str, what: str) -> CheckpointError:
         value = " ".join(str(meta.get(key))[:80].split())
@@ -453,6 +454,19 @@ def check_meta(meta: dict, meta_path: str) -> dict:
             raise bad("ranks", "not a list of {rank, pp_rank, dp_rank} numbers")
         if len({r["rank"] for r in ranks}) != len(ranks):
             raise bad("ranks", "naming a rank twice")
+        if not all(_int(r.get("tp_rank", 0), 0, MAX_RANKS) for r in ranks):
+            raise bad("ranks", "with a tp_rank that is not a number")
+    if not _int(meta.get("tp_size", 1), 1, MAX_RANKS):
+        raise bad("tp_size", "not a number of tensor-parallel ranks")
+    sliced = meta.get("tp_sliced", {})
+    if not isinstance(sliced, dict) or not all(isinstance(n, str) and d in (0, 1) for n, d in sliced.items()):
+        raise bad("tp_sliced", "not a map of tensor names to a slice dim (0 or 1)")
+    packed = meta.get("tp_packed", {})
+    if not isinstance(packed, dict) or not all(
+        isinstance(n, str) and isinstance(p, list) and 0 < len(p) <= 8 and all(_int(x, 1, 1 << 40) for x in p)
+        for n, p in packed.items()
+    ):
+        raise bad("tp_packed", "not a map of tensor names to their fused parts' sizes")
     if "vocab_size" in meta and not _int(meta["vocab_size"], 1, MAX_VOCAB):
         raise bad("vocab_size", "not a vocabulary size")
     names = meta.get("sharded_names", [])

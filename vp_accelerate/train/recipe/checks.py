@@ -59,6 +59,11 @@ def check(recipe: Recipe) -> Recipe:
         if value < 0:
             raise RecipeError(f"{key}: must be >= 0, got {value}")
     if p.schedule == "auto":  # the planner chooses dp_size and microbatches; checked again once it has
+        if p.tp_size > 1:
+            raise RecipeError(
+                "pipeline.tp_size: schedule auto plans pp x dp layouts only so far; name a schedule (1f1b, vhalf, "
+                "interleaved) to train with tensor parallelism"
+            )
         if p.layers_per_stage is not None:
             raise RecipeError(
                 "pipeline.layers_per_stage: cannot be set with schedule auto (the plan splits the "
@@ -237,7 +242,9 @@ def describe_batch(recipe: Recipe, pp_size: int | None = None) -> str:
     per_mb = t.global_batch // (p.dp_size * p.microbatches)
     how = "train.micro_batch_size" if t.micro_batch_size is not None else "from train.global_batch"
     accum = " (train.gradient_accumulation_steps)" if t.gradient_accumulation_steps is not None else ""
-    ranks = f"; {pp_size} pipeline ranks x {p.dp_size} replicas = {pp_size * p.dp_size} processes" if pp_size else ""
+    tp = f" x {p.tp_size} tensor-parallel ranks" if p.tp_size > 1 else ""
+    n = (pp_size or 0) * p.tp_size * p.dp_size
+    ranks = f"; {pp_size} pipeline ranks{tp} x {p.dp_size} replicas = {n} processes" if pp_size else ""
     return (
         f"batch: global_batch {t.global_batch} = {per_mb} sequences per microbatch ({how}) x "
         f"{p.microbatches} microbatches{accum} x dp_size {p.dp_size}{ranks}"

@@ -118,6 +118,7 @@ def save_run(run, step: int) -> None:
             "rank": pipe.rank,
             "pp_rank": pipe.pp_rank,
             "dp_rank": pipe.dp_rank,
+            "tp_rank": pipe.groups.tp_rank,
             "duplicates": sorted(n for n, _ in pipe.named_parameters() if mods is not None and mods.is_duplicate(n)),
         }
     )
@@ -127,6 +128,10 @@ def save_run(run, step: int) -> None:
         "ranks": rank_info,
         "vocab_size": pipe.hf_config.vocab_size,
         "sharded_names": sorted(getattr(mods, "sharded_names", ()) or ()),
+        # tensor parallelism: the pipeline stage's TP ranks hold slices of these along the dim given
+        "tp_size": pipe.groups.tp_size,
+        "tp_sliced": {n: d for part in gather(getattr(mods, "tp_sliced", {}) or {}) for n, d in part.items()},
+        "tp_packed": {n: p for part in gather(getattr(mods, "tp_packed", {}) or {}) for n, p in part.items()},
         "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names),
         "data": resume_check.data_identity(run.recipe.data),  # by content, compared by --resume
         "optimizer_state": BY_NAME,  # keyed by parameter name (reshard.py): it resumes into any layout

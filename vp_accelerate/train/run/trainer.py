@@ -249,12 +249,15 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     if accelerator.is_main_process:
         for line in vocab.lines() + [line for line in (adapter_line, rows_note) if line]:
             log.info("%s", line)
+        g = pipe.groups
+        tp = f" x tp {g.tp_size}" if g.tp_size > 1 else ""
         log.info(
-            "distributed: %s, world size %d (pp %d x dp %d)",
+            "distributed: %s, world size %d (pp %d%s x dp %d)",
             accelerator.distributed_type,
             pipe.world_size,
-            pipe.world_size // pipe.dp_size,
-            pipe.dp_size,
+            g.pp_size,
+            tp,
+            g.dp_size,
         )
         for rank in layout.ranks:
             log.info("%s", rank)
