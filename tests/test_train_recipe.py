@@ -245,3 +245,37 @@ def test_build_pipeline_passes_the_section_whole(corpus, monkeypatch):
     r = recipe_from_dict(base(corpus, pipeline={"chunk_size": 64, "memory": "recompute"}))
     build_pipeline(r, tokenizer=list(range(300)), device="cpu")
     assert seen["config"] is r.pipeline and seen["seed"] == r.train.seed
+
+
+def test_a_trl_style_recipe_gets_every_unknown_key_in_one_error():
+    # before: one error per run, the first key only (a 9-key recipe took 9 `--check` runs), and misleading hints
+    # (gradient_checkpointing -> "did you mean checkpoint?", reference_free -> "did you mean preference?")
+    from vp_accelerate.train.recipe import RecipeError, recipe_from_dict
+
+    trl = {
+        "gradient_checkpointing": True,
+        "reference_free": True,
+        "label_smoothing": 0.1,
+        "loss_weights": [1.0],
+        "simpo_gamma": 0.3,
+        "desirable_weight": 2.0,
+        "cpo_alpha": 1.0,
+        "max_completion_length": 64,
+        "per_device_eval_batch_size": 4,
+        "use_peft": True,
+    }
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict({"model": {"source": "llama-tiny"}, **trl, "pipeline": {"microbatchs": 4}})
+    problems = e.value.problems
+    assert len(problems) == len(trl) + 1
+    said = dict(p.split(":", 1) for p in problems)
+    assert "pipeline.activation_checkpointing" in said["gradient_checkpointing"]
+    assert "preference.loss_type" in said["reference_free"] and "not supported" in said["reference_free"]
+    for key in ("loss_weights", "simpo_gamma", "desirable_weight"):
+        assert f"did you mean preference.{key}?" in said[key]
+    assert "preference.label_smoothing" in said["label_smoothing"]
+    assert "loss_weights: [1, cpo_alpha]" in said["cpo_alpha"]
+    assert "adapter.type" in said["use_peft"] and "eval.batches" in said["per_device_eval_batch_size"]
+    assert "did you mean microbatches?" in said["pipeline.microbatchs"]
+    assert str(e.value).startswith("gradient_checkpointing: ")  # the first key's path: `where` points at its line
+    assert "(11 problems)" in str(e.value)

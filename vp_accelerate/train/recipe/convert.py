@@ -17,21 +17,51 @@ import yaml
 
 
 class RecipeError(ValueError):
-    """A recipe problem; the message starts with the key path it concerns."""
+    """A recipe problem; the message starts with the key path it concerns. `problems`: every problem found in one
+    pass over the recipe (the message names the first's path, then each of the others after `; also `)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
+
+    @classmethod
+    def of(cls, problems: list[str]) -> "RecipeError":
+        """One error saying every problem (a recipe with nine wrong keys is fixed in one round, not nine)."""
+        if len(problems) == 1:
+            return cls(problems[0])
+        return cls(f"{problems[0]}; also {'; also '.join(problems[1:])} ({len(problems)} problems)", problems)
 
 
 def unknown_key(path: str, name: str, names: list[str]) -> RecipeError:
     """The error for key `name` at `path`: another tool's name for a key (schema.KEY_ALIASES) points at
-    ours, else the closest known name, else the known names."""
-    from .schema import KEY_ALIASES, KEY_NOTES  # the recipe's own tables; this module converts any dataclass
+    ours, else the same key in another section (`label_smoothing` at the top is preference.label_smoothing),
+    else the closest known name, else the known names."""
+    from .schema import KEY_ALIASES, KEY_NOTES, Recipe  # the recipe's own tables; this module converts any dataclass
 
     ours = KEY_ALIASES.get(name)
     if ours is not None:  # an unknown key here, so never the key it names
         note = KEY_NOTES.get(name, f"{name} is its name in transformers/TRL")
         return RecipeError(f"{path}: unknown key; did you mean {ours}? ({note})")
+    sections = [f.name for f in dataclasses.fields(Recipe)]
+    elsewhere = [f"{sec}.{name}" for sec in sections if name in _section_fields(sec) and not path.startswith(sec + ".")]
+    if elsewhere:
+        return RecipeError(f"{path}: unknown key here; did you mean {' or '.join(elsewhere)}?")
     hint = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     more = f"; did you mean {hint[0]}?" if hint else f"; known keys: {', '.join(names)}"
     return RecipeError(f"{path}: unknown key{more}")
+
+
+_SECTIONS: dict[str, list[str]] = {}
+
+
+def _section_fields(section: str) -> list[str]:
+    """The keys of the recipe's section `section` (cached)."""
+    if section not in _SECTIONS:
+        from .schema import Recipe
+
+        cls = typing.get_type_hints(Recipe).get(section)
+        _SECTIONS[section] = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+    return _SECTIONS[section]
 
 
 # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a *string*. Accept such strings for float
@@ -141,12 +171,18 @@ def from_dict(cls, data: dict, path: str = ""):
         raise RecipeError(f"{path or 'recipe'}: expected a mapping, got {type(data).__name__}")
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
+    kwargs, problems = {}, []
+    for key, value in data.items():  # every key's problem, nested sections' included, before raising
         key_path = _join(path, str(key))
         if key not in names:
-            raise unknown_key(key_path, str(key), names)
-        kwargs[key] = convert(hints[key], value, key_path)
+            problems.append(str(unknown_key(key_path, str(key), names)))
+            continue
+        try:
+            kwargs[key] = convert(hints[key], value, key_path)
+        except RecipeError as e:
+            problems += e.problems
+    if problems:
+        raise RecipeError.of(problems)
     return cls(**kwargs)
 
 

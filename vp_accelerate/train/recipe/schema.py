@@ -48,6 +48,12 @@ KEY_ALIASES = {
     "truncation_mode": "data.seq_len",
     "rpo_alpha": "preference.loss_type",
     "precompute_ref_log_probs": "data.format",
+    "gradient_checkpointing": "pipeline.activation_checkpointing",
+    "use_peft": "adapter.type",
+    "reference_free": "preference.loss_type",
+    "cpo_alpha": "preference.loss_weights",
+    "max_completion_length": "data.seq_len",
+    "per_device_eval_batch_size": "eval.batches",
 }
 """Names from transformers' TrainingArguments, TRL, peft and axolotl -> this recipe's key: a recipe that uses one
 (in any section) fails with a message naming the key to write instead (and `KEY_NOTES`' word on how)."""
@@ -61,6 +67,16 @@ KEY_NOTES = {
     "rpo_alpha": "TRL 1.16 writes RPO as loss_type: [sigmoid, sft] with loss_weights: [1, rpo_alpha]",
     "precompute_ref_log_probs": "with data.format: preference the reference log-probabilities are always computed "
     "once before training (ref_logps.pt); remove the key",
+    "gradient_checkpointing": "gradient_checkpointing: true is pipeline.activation_checkpointing: full (selective "
+    "recomputes every other layer)",
+    "use_peft": "use_peft: true is adapter.type: lora (with adapter.r, adapter.alpha, adapter.target_modules)",
+    "reference_free": "the reference-free losses are loss_type: simpo (CPO's SimPO) and [sft, orpo] (ORPO); DPO "
+    "against a uniform reference (TRL's reference_free) is not supported",
+    "cpo_alpha": "CPO's cpo_alpha (its NLL term's weight) is loss_type: [simpo, sft] with loss_weights: [1, cpo_alpha]",
+    "max_completion_length": "a row (prompt and completion together) is cut at data.seq_len; there is no separate "
+    "completion limit",
+    "per_device_eval_batch_size": "evaluation runs the training batch shape (train.global_batch over the replicas); "
+    "eval.batches sets how many batches it runs",
 }
 """Why an alias in `KEY_ALIASES` is not one key for one key: appended to its error."""
 
