@@ -346,7 +346,7 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
             "rows": v.counts(),
         },
         "final_eval_loss": state.eval_loss,
-        "eval_on": recipe.eval.batches > 0,
+        "eval_on": recipe.eval.batches != 0,  # null: all held-out batches (loop.maybe_eval)
         "signal": signal_name(signum) if signum else None,
         "end_step": run.end_step,
         "hf_dir": hf_dir,
