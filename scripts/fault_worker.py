@@ -29,6 +29,11 @@ VP_FAULT (JSON) says what to break:
 - `signal`: at step `step`, rank `rank` (every rank when absent) sends itself the signal `name` (default
   SIGTERM), a real one delivered by the kernel: inside its first chunk's forward (`"during": "step"`, the
   default) or inside the checkpoint write of that step (`"during": "save"`, at its first fsync): a preemption.
+- `hold`: at step `step`, rank `rank` (default 0) waits inside its first chunk's forward of microbatch 1 until
+  it has received the signal `until` (default SIGTERM; from anyone: a test, a scheduler, the launcher passing it
+  on), at most `seconds` (default 120), after touching the file `mark` when given; its peers wait on it: a run
+  that cannot end before a signal reaches it, whatever the machine's speed. From step 2 on every rank has its
+  stop-signal handlers installed by then (step 1's collectives came after).
 Used by tests/test_faults_training.py, tests/test_runtime_faults.py (`--pipeline`) and scripts/fault_*.py.
 """
 
@@ -80,7 +85,7 @@ def install(fault: dict) -> None:
 
         grad_sync.DPReducer.finish = finish
 
-    fail, stall, sig = fault.get("fail"), fault.get("stall"), fault.get("signal")
+    fail, stall, sig, hold = fault.get("fail"), fault.get("stall"), fault.get("signal"), fault.get("hold")
 
     def signal_here(where: str, rank: int) -> None:
         if sig and sig.get("during", "step") == where and state["step"] == sig["step"] and not state.get("signalled"):
@@ -88,12 +93,33 @@ def install(fault: dict) -> None:
                 state["signalled"] = True
                 os.kill(os.getpid(), getattr(signal, sig.get("name", "SIGTERM")))
 
-    if fail or stall or sig:
+    def hold_here(rank: int) -> None:
+        if not hold or state["step"] != hold["step"] or state.get("held") or rank != hold.get("rank", 0):
+            return
+        state["held"] = True
+        num, got = getattr(signal, hold.get("until", "SIGTERM")), []
+        previous = signal.getsignal(num)  # the run's own handler (checkpoint.stop_signals) still records it
+
+        def note(signum, frame):
+            got.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(num, note)
+        if hold.get("mark"):
+            open(hold["mark"], "w").close()
+        deadline = time.monotonic() + float(hold.get("seconds", 120))
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.02)
+        signal.signal(num, previous)
+
+    if fail or stall or sig or hold:
         original_forward_pass = Executor._do_F
 
         def do_f(self, a):
             if a.mb == 1 and not self.schedule.forward_only:
                 signal_here("step", self.groups.rank)
+                hold_here(self.groups.rank)
             if fail and state["step"] == fail["step"] and self.groups.rank == fail.get("rank", 0) and a.mb == 1:
                 if fail.get("how", "raise") == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)

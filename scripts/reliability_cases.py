@@ -336,9 +336,9 @@ def _stale_cache(work):
 
 
 # ----------------------------------------------------------------------------------------- hostile inputs
-def _train(work: str, *sets: str, fault: dict | None = None, steps: int = 2) -> tuple[object, str]:
+def _train(work: str, *sets: str, fault: dict | None = None, steps: int = 2, extra=()) -> tuple[object, str]:
     """`vp-accelerate train` on one process (scripts/fault_worker.py: the trainer, with `fault` injected)."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "fault_worker.py"), _recipe(work)]
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "fault_worker.py"), _recipe(work), *extra]
     for item in (f"train.steps={steps}", "checkpoint.every=1", *sets):
         cmd += ["--set", item]
     env = {**os.environ, "VP_FAULT": json.dumps(fault or {}), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -360,11 +360,98 @@ def _init_from_damaged(work):
     return _train(work, f"model.init_from={path}", f"logging.output_dir={os.path.join(work, 'again')}")
 
 
+def _export_missing(work):
+    import shutil
+
+    code, out = _train(work)
+    if code != 0:
+        return code, out
+    shutil.rmtree(os.path.join(work, "out", "hf"))
+    return _train(work, extra=("--resume",))
+
+
+def _checkpoints_of_a_running_run(work):
+    """A real run held inside step 2 (step 1 saved), and a second run, in this process, whose checkpoint.dir is
+    the first's checkpoints folder, with --resume."""
+    import time
+
+    from vp_accelerate.train.cli.commands import _run
+    from vp_accelerate.train.recipe import load_recipe
+
+    mark = os.path.join(work, "held")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "fault_worker.py"), _recipe(work)]
+    cmd += ["--set", "train.steps=3", "--set", "checkpoint.every=1", "--set", "checkpoint.background=false"]
+    fault = {"hold": {"step": 2, "mark": mark}}
+    env = {**os.environ, "VP_FAULT": json.dumps(fault), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=work)
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(mark) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not os.path.exists(mark):
+            return "first run did not reach step 2", first.communicate()[0] if first.poll() is not None else ""
+        import yaml
+
+        with open(os.path.join(work, "recipe.yaml")) as f:
+            data = yaml.safe_load(f)
+        data["checkpoint"] = {"dir": os.path.join(work, "out", "checkpoints")}
+        data["logging"]["output_dir"] = os.path.join(work, "second")
+        second = os.path.join(work, "second.yaml")
+        with open(second, "w") as f:
+            yaml.safe_dump(data, f)
+        recipe = load_recipe(second)
+        args = type(
+            "Args", (), {"resume": "latest", "stop_at": None, "override": [], "recipe": second, "overrides": []}
+        )
+        return _captured(lambda: _run(recipe, args()))
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def _usr1_to_the_launcher(work):
+    """`vp-accelerate launch` on 2 ranks, rank 0 held inside step 2 until a SIGUSR1 reaches it; SIGUSR1 to the
+    launcher alone (tests/helpers/fault_site installs the hold in the launched ranks)."""
+    import signal
+    import time
+
+    mark = os.path.join(work, "held")
+    site = os.path.join(ROOT, "tests", "helpers", "fault_site")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "vp-accelerate"), "launch", "--config_file"]
+    cmd += [
+        os.path.join(ROOT, "configs", "accelerate_cpu_2proc.yaml"),
+        "train",
+        _recipe(work),
+        "--set",
+        "train.steps=3",
+    ]
+    fault = {"hold": {"step": 2, "until": "SIGUSR1", "mark": mark}}
+    env = {**os.environ, "VP_FAULT": json.dumps(fault), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([site, ROOT])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=work)
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(mark) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR1)
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    latest = os.path.join(work, "out", "checkpoints", "latest")
+    return proc.returncode, out + (f" latest: {open(latest).read().strip()}" if os.path.exists(latest) else "")
+
+
 def _sigterm(during: str):
     def run(work):
         return _train(work, fault={"signal": {"step": 2, "during": during}}, steps=4)
 
     return run
+
+
+def _sigterm_last(work):
+    return _train(work, fault={"signal": {"step": 2, "during": "step"}}, steps=2)
 
 
 def _rewrite_meta(path: str, change) -> None:
@@ -733,6 +820,45 @@ HOSTILE = [
 ]
 
 
+STOPS = [
+    Case(
+        "SIGUSR1 to the launcher alone of a `vp-accelerate launch` job (2 ranks, mid-step)",
+        "the launcher passes it on (PET_SIGNALS_TO_HANDLE); end of the step",
+        r"stopped by SIGUSR1 at step 2; resume with --resume.*launcher stopped by SIGUSR1.*latest: step_00000002",
+        _usr1_to_the_launcher,
+        75,
+    ),
+    Case(
+        "a second run with `checkpoint.dir` = a running run's checkpoints folder, and `--resume`",
+        "start (the lock on the folder's real path)",
+        r"checkpoint.dir: another run is writing into .*/out/checkpoints \(host .*, pid \d+",
+        _checkpoints_of_a_running_run,
+    ),
+    Case(
+        "SIGTERM in a run's last step",
+        "end of the run (it saves and exports)",
+        r"exported the final model to .*SIGTERM arrived in this run's last step or after it: the run ended as usual "
+        r"\(its checkpoint and the final export written\)",
+        _sigterm_last,
+        0,
+    ),
+    Case(
+        "`--resume` of a finished run whose `hf/` export is missing",
+        "end of the run (nothing to train)",
+        r"the run had finished at step 2 but its export is missing: writing it.*exported the final model to .*"
+        r"done: the run had already finished at step 2, nothing left to train; the model is in",
+        _export_missing,
+        0,
+    ),
+    Case(
+        "a run with evaluation off (`eval.batches: 0`) ends",
+        "the last line",
+        r"done: evaluation was off \(eval.batches: 0\) after step 2; the model is in",
+        lambda work: _train(work),
+        0,
+    ),
+]
+
 CASES = [
     Case(
         "`export` of a shared checkpoint whose meta.json sets `trust_remote_code` and whose model/ has an `auto_map` + code",
@@ -923,6 +1049,7 @@ CASES = [
         0,
     ),
     *HOSTILE,
+    *STOPS,
 ]
 
 

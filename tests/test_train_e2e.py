@@ -122,7 +122,8 @@ def test_checkpoints_and_the_hf_export_are_on_by_default(full_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir, out = full_run
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
+    saved = sorted(os.listdir(run_dir / "checkpoints"))  # and the run's lock on its checkpoint folder (run_lock.py)
+    assert saved == [".vp-accelerate.lock", "latest", "step_00000003", "step_00000006"]
     model = AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"))
     tok = AutoTokenizer.from_pretrained(str(run_dir / "hf"))
     assert model.config.vocab_size == len(tok) == 512

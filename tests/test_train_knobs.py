@@ -215,7 +215,8 @@ def test_early_stopping_keeps_and_exports_the_best(launched):
     # patience counts gains over min_delta, but the best is the lowest loss, whichever gain it made
     best_step = min(evals, key=evals.get)
     kept = sorted({f"step_{best_step:08d}", "step_00000004"})
-    assert sorted(os.listdir(cdir)) == ["best", "latest", *kept]  # keep 1 + the best
+    # keep 1 + the best, and the run's lock on its checkpoint folder (one writer per folder: run_lock.py)
+    assert sorted(os.listdir(cdir)) == [".vp-accelerate.lock", "best", "latest", *kept]
     assert ckpt.read_best(str(cdir)) == str(cdir / f"step_{best_step:08d}")
     assert export_main([str(cdir / f"step_{best_step:08d}"), str(d / "best_export")]) == 0
     hf = AutoModelForCausalLM.from_pretrained(str(d / "out" / "hf")).state_dict()

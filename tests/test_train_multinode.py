@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
@@ -201,6 +202,7 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 """
 FAKE_ACCELERATE = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$RECORD/machine$SLURM_NODEID"
+printf '%s\\n' "$PET_SIGNALS_TO_HANDLE" "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" > "$RECORD/signals$SLURM_NODEID"
 printf '%s %s\\n' "$NCCL_SOCKET_IFNAME" "$GLOO_SOCKET_IFNAME" > "$RECORD/ifname$SLURM_NODEID"
 """
 
@@ -250,6 +252,15 @@ def test_slurm_script_starts_one_launcher_per_node_with_its_machine_rank(tmp_pat
         }, args
         assert args[-6:] == ["-m", "vp_accelerate", "train", recipe, "--set", "pipeline.dp_size=2"]
         assert (ROOT / opts["--config_file"]).is_file() and (ROOT / recipe).is_file()
+        # what torch elastic's agent handles (and passes on to the ranks) as accelerate builds torchrun's parser
+        # from this environment: SIGUSR1 of --signal=USR1@180 too, and time to save. Before: torch's default list
+        # (the script set TORCHELASTIC_SIGNALS_TO_HANDLE, which torch overwrites), so SIGUSR1 killed the launcher
+        signals, timeout = (tmp_path / f"signals{m}").read_text().split("\n")[:2]
+        with mock.patch.dict(os.environ, {"PET_SIGNALS_TO_HANDLE": signals}):
+            from torch.distributed.run import get_args_parser
+
+            handled = get_args_parser().parse_args(["train.py"]).signals_to_handle.split(",")
+        assert {"SIGTERM", "SIGUSR1"} <= set(handled) and int(timeout) >= 600, (handled, timeout)
 
 
 def test_slurm_script_sets_the_socket_interfaces_and_names_a_missing_one(tmp_path):

@@ -174,20 +174,28 @@ def _log_end(recipe, summary: dict, stop_at: int | None) -> None:
             else "no checkpoint (checkpoint.enabled: false), so it cannot be resumed"
         )
         log.info(
-            "stopped after step %d of %d (--stop-at %s): eval loss %.4f; %s; no final export",
+            "stopped after step %d of %d (--stop-at %s): %s; %s; no final export",
             summary["end_step"],
             recipe.train.steps,
             stop_at,
-            summary["final_eval_loss"],
+            _eval_words(summary, "eval loss"),
             saved,
         )
     else:
-        log.info(
-            "done: final eval loss %.4f after step %d%s",
-            summary["final_eval_loss"],
-            summary["end_step"],
-            f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else "",
-        )
+        model = f"; the model is in {summary['hf_dir']}" if summary["hf_dir"] else ""
+        if summary.get("start_step") == summary["end_step"]:  # --resume of a finished run: nothing trained
+            log.info(
+                "done: the run had already finished at step %d, nothing left to train%s", summary["end_step"], model
+            )
+        else:
+            log.info("done: %s after step %d%s", _eval_words(summary, "final eval loss"), summary["end_step"], model)
+
+
+def _eval_words(summary: dict, what: str) -> str:
+    """`what` and the loss, or that evaluation was off (eval.batches: 0): never a "nan" that only means "none"."""
+    if not summary.get("eval_on", True):
+        return "evaluation was off (eval.batches: 0)"
+    return f"{what} {summary['final_eval_loss']:.4f}"
 
 
 def train_main(argv: list[str] | None = None) -> int:

@@ -8,10 +8,15 @@ to fail exited with 2 (a user error: the rank has said it in one line) or 3 (tra
 checkpoint mismatch) or 75 (stopped by a signal after saving a checkpoint), exits with that code and adds
 nothing. Any other failure (a bug, a signal) keeps torch elastic's full report.
 
-Preemption: the launcher passes SIGTERM (and, set here, SIGUSR1) on to its ranks, which finish their step, save
-and exit 75 (`train/run/preemption.py`); torch elastic kills ranks that take longer than
-TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 unless set), so this sets it to preemption.SHUTDOWN_TIMEOUT_S when
-it is not set: a save of a large model takes longer than 30 s.
+Preemption: the launcher (torch elastic's agent) passes the signals it handles on to its ranks, which finish
+their step, save and exit 75 (`train/run/preemption.py`). It handles the list of torchrun's
+`--signals-to-handle`, which `accelerate launch` has no option for and which torch reads from the
+PET_SIGNALS_TO_HANDLE variable (default SIGTERM, SIGINT, SIGHUP, SIGQUIT; torch then overwrites
+TORCHELASTIC_SIGNALS_TO_HANDLE with it, so setting that one does nothing). Any other signal kills the launcher
+at once and its ranks are killed mid-save or orphaned; this adds SIGUSR1 (`sbatch --signal=USR1@SECONDS`, and
+in `checkpoint.stop_signals` by default) when PET_SIGNALS_TO_HANDLE is not set. Torch elastic kills ranks that take longer than
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 unless set), so this sets it to preemption.SHUTDOWN_TIMEOUT_S when it
+is not set: a save of a large model takes longer than 30 s.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ the launcher's report."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 """Signals a scheduler sends to stop a job that the launcher answers with 75 (its ranks saved first)."""
+
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""The launcher's PET_SIGNALS_TO_HANDLE unless set: torch's default and SIGUSR1 (the ranks stop on SIGTERM and
+SIGUSR1 by default: `checkpoint.stop_signals`; a signal a rank does not handle kills it)."""
 
 
 def _signal_of(code) -> signal.Signals | None:
@@ -65,7 +74,8 @@ def launch_main(argv: list[str] | None = None) -> int:
     # elastic's own log lines repeat what its report (kept for real failures) says
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))  # time to save after a signal
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    # torchrun's --signals-to-handle, read when accelerate builds torchrun's parser (the agent passes these on)
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", SIGNALS_TO_HANDLE)
     try:
         launch_command(args)
     except (SignalException, SystemExit) as e:  # accelerate turns the agent's SignalException into exit 128 + sig

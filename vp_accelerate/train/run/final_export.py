@@ -1,11 +1,18 @@
 """A completed run's final export: its model as an HF directory in `<output_dir>/hf` (and a LoRA run's adapter
 folder), then `checkpoint.push_to_hub`. Read from the final checkpoint when the run saves them, else gathered
-from the ranks (`persist/hf_export.py` and `runtime/model_io.py` write it)."""
+from the ranks (`persist/hf_export.py` and `runtime/model_io.py` write it).
+
+Read from a checkpoint, the export is written into `hf.tmp` (`adapter.tmp`) and renamed into place once whole,
+so `hf/` is there only complete. A run killed before that (a stop signal in its last step whose launcher did
+not wait, a crash) leaves its final checkpoint; `--resume` of that finished run trains nothing and writes the
+missing export.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 from ..persist.hf_export import export_checkpoint, write_exports
 from ..persist.hub_push import push_export
@@ -13,6 +20,15 @@ from .run_state import final_checkpoint
 from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")
+
+
+TMP = ".tmp"
+"""Suffix of an export being written (renamed into place when whole)."""
+
+
+def exported(out: str, adapter_dir: str | None) -> bool:
+    """Whether the final export (and a LoRA run's adapter folder) is in place."""
+    return os.path.isdir(out) and (adapter_dir is None or os.path.isdir(adapter_dir))
 
 
 def export_final(run) -> str | None:
@@ -25,17 +41,31 @@ def export_final(run) -> str | None:
     recipe, pipe = run.recipe, run.pipe
     c = recipe.checkpoint
     done = run.end_step == recipe.train.steps or getattr(run, "stopped_early", False)  # eval.patience ends it too
-    if not (c.export_hf and done and run.start_step < run.end_step):
+    if not (c.export_hf and done):
         return None
     out = os.path.join(recipe.logging.output_dir, "hf")
     adapter = recipe.adapter if recipe.adapter.enabled else None
     adapter_dir = os.path.join(recipe.logging.output_dir, "adapter") if adapter else None
+    if run.start_step >= run.end_step:  # a resume of a finished run: export only what is missing
+        if not c.dir or exported(out, adapter_dir):
+            return out if c.dir else None
+        if pipe.rank == 0:
+            log.info("the run had finished at step %d but its export is missing: writing it", run.end_step)
     if c.dir:
         if pipe.rank == 0:  # the final checkpoint is the best one with checkpoint.keep_best
             # the run's own recipe (the caller) says whether the model's code may run, not the checkpoint's file
+            parts = [(out, out + TMP), *([(adapter_dir, adapter_dir + TMP)] if adapter_dir else [])]
+            for _, tmp in parts:
+                shutil.rmtree(tmp, ignore_errors=True)  # an export cut short
             export_checkpoint(
-                final_checkpoint(run), out, adapter_dir=adapter_dir, trust_remote_code=recipe.model.trust_remote_code
+                final_checkpoint(run),
+                out + TMP,
+                adapter_dir=adapter_dir + TMP if adapter_dir else None,
+                trust_remote_code=recipe.model.trust_remote_code,
             )
+            for final, tmp in reversed(parts):  # the adapter first: hf/ present means the export is whole
+                shutil.rmtree(final, ignore_errors=True)  # an earlier export of this output dir
+                os.replace(tmp, final)
     elif adapter is None:  # a collective: each pipeline rank of replica 0 writes its own part
         pipe.export_hf(out, run.tokenizer)
     else:

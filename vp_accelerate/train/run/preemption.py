@@ -9,9 +9,11 @@ some of them (the launcher forwards it to its own ranks, a scheduler may signal 
 arriving inside a save lets the save finish; the step it ends is then not saved twice.
 
 The process exits with `EXIT_PREEMPTED` (75, EX_TEMPFAIL of sysexits.h: "try again later") after saying
-"stopped by SIGTERM at step N; resume with --resume". Under `accelerate launch` the launcher passes the signal to
-its ranks and waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds (30 by default) before killing them:
-`vp-accelerate launch` raises that to `SHUTDOWN_TIMEOUT_S` and forwards SIGUSR1 too, unless they are set.
+"stopped by SIGTERM at step N; resume with --resume". A signal in the run's last step stops nothing: there is
+nothing to resume, so the run saves, exports and exits as usual (`trainer.py`). Under `accelerate launch` the
+launcher passes the signals named by PET_SIGNALS_TO_HANDLE (torchrun's --signals-to-handle; SIGTERM but not
+SIGUSR1 by default) to its ranks and waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds (30 by default) before
+killing them: `vp-accelerate launch` adds SIGUSR1 and raises the wait to `SHUTDOWN_TIMEOUT_S`, unless they are set.
 """
 
 from __future__ import annotations

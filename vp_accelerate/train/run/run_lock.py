@@ -1,9 +1,12 @@
-"""One writer per output dir: a second run into the same `logging.output_dir` (or `checkpoint.dir`) is refused.
+"""One writer per output dir: a second run into the same `logging.output_dir` or `checkpoint.dir` is refused.
 
 Two runs in one folder both "succeed": metrics.jsonl holds every step twice, wandb gets two runs, and one
 run's save deletes the other's `step_X.tmp` as if a crashed save had left it. So the run's rank 0 holds an
 exclusive `fcntl.flock` on `<dir>/.vp-accelerate.lock` for the run's whole life; the file says who holds it
-(host, pid, start time). The second run's ranks stop with exit 2 and one line naming the first.
+(host, pid, start time). The second run's ranks stop with exit 2 and one line naming the first. A folder is
+locked by its real path (symlinks followed), so two spellings of one folder are one lock, and the trainer locks
+the checkpoint folder itself too, not only the output dir that usually holds it: another run's checkpoint.dir
+may name it directly.
 
 Stale locks: the kernel drops a flock when its process dies (kill -9 included), so a crashed run never
 blocks the next one on the same file system; the file left behind is just overwritten. On a network file
@@ -24,7 +27,7 @@ from ..recipe import RecipeError
 LOCK_FILE = ".vp-accelerate.lock"
 
 _HELD: dict[str, int] = {}
-"""Absolute dir -> the open descriptor holding its lock (closed on exit, which releases it)."""
+"""Real path of a dir -> the open descriptor holding its lock (closed on exit, which releases it)."""
 
 
 def _holder(fd: int) -> dict:
@@ -44,13 +47,17 @@ def _holder(fd: int) -> dict:
 
 def acquire(folder: str, what: str = "logging.output_dir") -> str:
     """Hold the lock of `folder` (created if needed) for this process's life; RecipeError naming the holder
-    when another process holds it. Returns the lock file's path. Taking a lock this process holds is a no-op."""
-    folder = os.path.abspath(folder)
+    when another process holds it. Returns the lock file's path. Taking a lock this process holds is a no-op.
+    The lock is that of the folder's real path: through a symlink or `..`, one folder is one lock."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise RecipeError(f"{what}: cannot create {folder}: {e.strerror}; choose a writable {what}") from None
+    folder = os.path.realpath(folder)
     path = os.path.join(folder, LOCK_FILE)
     if folder in _HELD:
         return path
     try:
-        os.makedirs(folder, exist_ok=True)
         # O_NOFOLLOW: a lock file that is a symlink would have its target truncated by the record written below.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
@@ -86,7 +93,7 @@ def acquire(folder: str, what: str = "logging.output_dir") -> str:
 
 def release(folder: str) -> None:
     """Let go of `folder`'s lock (a run that ends in this process; exiting releases it too)."""
-    fd = _HELD.pop(os.path.abspath(folder), None)
+    fd = _HELD.pop(os.path.realpath(folder), None)
     if fd is not None:
         os.close(fd)
 

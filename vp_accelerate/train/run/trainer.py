@@ -206,15 +206,15 @@ def _adapter_line(recipe: Recipe, pipe) -> str | None:
 
 
 def lock_output(recipe: Recipe, is_main: bool) -> None:
-    """One writer per output dir (`run_lock.py`): the main process locks logging.output_dir, and checkpoint.dir
-    when it lies elsewhere; a held lock stops every rank with one line naming the run that holds it."""
+    """One writer per output dir (`run_lock.py`): the main process locks logging.output_dir and checkpoint.dir,
+    each by its real path; a held lock stops every rank with one line naming the run that holds it. The
+    checkpoint folder is locked even inside the output dir: another run's checkpoint.dir (a resume of it, or a
+    symlink to it) may name that folder alone, and two writers there would flip `latest` between their steps."""
     with main_process_first("locking the output dir"):
         if is_main:
-            out = recipe.logging.output_dir
-            run_lock.acquire(out, "logging.output_dir")
-            cdir = recipe.checkpoint.dir
-            if cdir and not os.path.abspath(cdir).startswith(os.path.abspath(out) + os.sep):
-                run_lock.acquire(cdir, "checkpoint.dir")
+            run_lock.acquire(recipe.logging.output_dir, "logging.output_dir")
+            if recipe.checkpoint.dir:
+                run_lock.acquire(recipe.checkpoint.dir, "checkpoint.dir")
 
 
 def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None = None, override: tuple = ()) -> Run:
@@ -311,44 +311,25 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
         desc="train",
         dynamic_ncols=True,
     )
-    stop = StopSignals(tuple(recipe.checkpoint.stop_signals)).install()  # preemption: save, then exit 75
+    # preemption: save, then exit 75; installed until the export is written, so a signal there lets it finish
+    stop = StopSignals(tuple(recipe.checkpoint.stop_signals)).install()
     try:
-        for step in range(run.start_step + 1, run.end_step + 1):
-            out = train_step_once(run, state, step)
-            poll_pending_save(run)  # a checkpoint written meanwhile becomes `latest` once every rank's is
-            losses[step] = out.loss
-            if step == run.start_step + 1 and run.accelerator.is_main_process:
-                bar.write(first_step_line(run.setup_s, out.step_time_s))
-            bar.update(1)
-            bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
-            log_step(run, state, out)
-            maybe_eval(run, state, step, say=bar.write)
-            saved = maybe_save(run, step)
-            if stop.names and (signum := stop.agreed()):  # every rank stops after this same step
-                if not saved and recipe.checkpoint.dir:
-                    save_run(run, step)
-                complete_pending_save(run)  # decided together: the last save is `latest` before the exit
-                bar.close()
-                finish(run)
-                raise Preempted(signal_name(signum), step, saved=bool(recipe.checkpoint.dir))
-            if run.stopped_early:  # eval.patience: end_step is this step now
-                break
-    except NonFiniteError:  # decided on every rank together: the checkpoint written meanwhile becomes `latest`
-        complete_pending_save(run)
-        raise
-    except BaseException as e:  # maybe this rank's alone: its write finishes, no collective, `latest` stays
-        if not isinstance(e, Preempted) and (dog := watchdog.active()) is not None:
-            dog.report_failure(e)  # peers in a collective between steps say this in one line (runtime/watchdog.py)
-        settle_pending_save(run)
-        raise
+        signum = _steps(run, state, bar, stop, losses)
+        complete_pending_save(run)  # the last checkpoint, before the final export reads it
+        bar.close()
+        finish(run)
+        hf_dir = export_final(run)
     finally:
         stop.restore()
-    complete_pending_save(run)  # the last checkpoint, before the final export reads it
-    bar.close()
-    finish(run)
-    hf_dir = export_final(run)
     run_lock.release_all()  # the output dir is free for the next run (in this process too)
-    if hf_dir and recipe.checkpoint.keep_best and run.pipe.rank == 0:
+    signum = signum or stop.received  # in the last step (agreed), or during the export (this rank's)
+    if signum and run.pipe.rank == 0:
+        log.info(
+            "%s arrived in this run's last step or after it: the run ended as usual (its checkpoint%s written)",
+            signal_name(signum),
+            " and the final export" if hf_dir else "",
+        )
+    if hf_dir and recipe.checkpoint.keep_best and run.pipe.rank == 0 and run.start_step < run.end_step:
         log.info(
             "checkpoint.keep_best: %s holds the checkpoint of step %d, the best eval loss (%.4f)",
             hf_dir,
@@ -368,11 +349,52 @@ def train(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
             "rows": v.counts(),
         },
         "final_eval_loss": state.eval_loss,
+        "eval_on": recipe.eval.batches != 0,  # null: all held-out batches (loop.maybe_eval)
+        "signal": signal_name(signum) if signum else None,
         "end_step": run.end_step,
         "hf_dir": hf_dir,
         "stopped_early": run.stopped_early,
         "best": dict(run.best),
     }
+
+
+def _steps(run: Run, state: LoopState, bar, stop: StopSignals, losses: dict) -> int:
+    """Train steps start_step + 1 .. end_step. A stop signal (agreed by every rank after a step) saves that step
+    and raises Preempted, unless it is the run's last step: then the run ends as usual (its checkpoint, then
+    the export) and the signal's number is returned (0: none)."""
+    recipe = run.recipe
+    try:
+        for step in range(run.start_step + 1, run.end_step + 1):
+            out = train_step_once(run, state, step)
+            poll_pending_save(run)  # a checkpoint written meanwhile becomes `latest` once every rank's is
+            losses[step] = out.loss
+            if step == run.start_step + 1 and run.accelerator.is_main_process:
+                bar.write(first_step_line(run.setup_s, out.step_time_s))
+            bar.update(1)
+            bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}")
+            log_step(run, state, out)
+            maybe_eval(run, state, step, say=bar.write)
+            saved = maybe_save(run, step)
+            if stop.names and (signum := stop.agreed()):  # every rank stops after this same step
+                if not saved and recipe.checkpoint.dir:
+                    save_run(run, step)
+                if step == run.end_step:  # nothing left to train: the run ends as usual, and exports
+                    return signum
+                complete_pending_save(run)  # decided together: the last save is `latest` before the exit
+                bar.close()
+                finish(run)
+                raise Preempted(signal_name(signum), step, saved=bool(recipe.checkpoint.dir))
+            if run.stopped_early:  # eval.patience: end_step is this step now
+                break
+    except NonFiniteError:  # decided on every rank together: the checkpoint written meanwhile becomes `latest`
+        complete_pending_save(run)
+        raise
+    except BaseException as e:  # maybe this rank's alone: its write finishes, no collective, `latest` stays
+        if not isinstance(e, Preempted) and (dog := watchdog.active()) is not None:
+            dog.report_failure(e)  # peers in a collective between steps say this in one line (runtime/watchdog.py)
+        settle_pending_save(run)
+        raise
+    return 0
 
 
 class SetupClock:
