@@ -111,6 +111,28 @@ def test_cli_layout_that_does_not_fit_exits_2(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: rank ") and "largest term" in err[0]
 
 
+def test_a_rank_whose_tensors_fit_but_not_with_the_reserve_exits_2(tmp_path, capsys):
+    # a few MB of tensors on a 1 GB card: they fit, the CUDA context and NCCL buffers beside them do not (before:
+    # the peak was checked without the reserve, and a rank with 79 GB of tensors on an 80 GB card exited 0)
+    import json
+
+    from vp_accelerate.train.cli.dryrun import dryrun_main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_llama(64, num_layers=2).to_dict()))
+    args = [str(path), "--world-size", "2", "--seq", "8", "--global-batch", "2"]
+    args += ["--pp", "2", "--schedule", "1f1b", "--method", "vocab-2", "--microbatches", "2"]
+    assert dryrun_main(args + ["--memory-gb", "1.0", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    for r in out["ranks"]:
+        assert r["peak_bytes"] < 1e9 < r["peak_bytes"] + r["reserve_bytes"]
+    err = capsys.readouterr().err
+    assert dryrun_main(args + ["--memory-gb", "1.0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GB reserve: CUDA context, NCCL buffers, fragmentation" in err[0], err
+    assert dryrun_main(args + ["--memory-gb", "3.0"]) == 0
+
+
 def test_the_planners_figure_is_compared_without_its_reserve():
     """The dry run counts tensors only; the planner's figure beside it is its total less the reserve it adds for
     the CUDA context, NCCL buffers and fragmentation (`allocated_of` inverts `rank_memory`'s reserve)."""

@@ -183,6 +183,8 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoConfig
 
+    from vp_accelerate.cost.memory import reserve_bytes
+    from vp_accelerate.schedule.registry import METHODS
     from vp_accelerate.train.dryrun.world import dry_run_world, planned_bytes
 
     hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
@@ -197,13 +199,17 @@ def dryrun_main(argv: list[str] | None = None) -> int:
     result = dry_run_world(hf, cfg, args.world_size, args.global_batch, args.seq, log=log, jobs=args.jobs, adapter=lora)
     result.planned_bytes = planned_bytes(config, req, cfg)
     limit = req.memory_gb * 1e9
+    vocab_parallel = METHODS[cfg.method].vocab_parallel
+    # what the card must also hold beside the tensors: the CUDA context, NCCL buffers, fragmentation (cost/memory.py)
+    reserve = {m.rank: int(reserve_bytes(m.peak_bytes, cfg.pp_size, cfg.dp_size, vocab_parallel)) for m in result.ranks}
     rows = []
     for mem, planned in zip(result.ranks, result.planned_bytes):
         d = dataclasses.asdict(mem)
         d["planned_bytes"] = planned
+        d["reserve_bytes"] = reserve[mem.rank]
         d["replicas"] = [dd * cfg.pp_size + mem.rank for dd in range(cfg.dp_size)]
         rows.append(d)
-    over = [m for m in result.ranks if m.peak_bytes > limit]
+    over = [m for m in result.ranks if m.peak_bytes + reserve[m.rank] > limit]
     if args.json:
         print(
             json.dumps(
@@ -230,12 +236,14 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         if result.deadlock:
             print(result.deadlock.describe())
     if over:
-        worst = max(over, key=lambda m: m.peak_bytes)
+        worst = max(over, key=lambda m: m.peak_bytes + reserve[m.rank])
         term, nbytes = worst.largest_term()
+        need = worst.peak_bytes + reserve[worst.rank]
         print(
-            f"error: rank {worst.rank} needs {worst.peak_bytes / 1e9:.1f} GB, above {limit / 1e9:g} GB per GPU; "
-            f"its largest term is {term} ({nbytes / 1e9:.1f} GB): choose a layout with more pipeline ranks, "
-            f"ZeRO-1 or activation checkpointing",
+            f"error: rank {worst.rank} needs {need / 1e9:.2f} GB ({worst.peak_bytes / 1e9:.2f} GB of tensors + "
+            f"{reserve[worst.rank] / 1e9:.2f} GB reserve: CUDA context, NCCL buffers, fragmentation), above "
+            f"{limit / 1e9:g} GB per GPU; its largest term is {term} ({nbytes / 1e9:.2f} GB): choose a layout with "
+            f"more pipeline ranks, ZeRO-1 or activation checkpointing",
             file=sys.stderr,
         )
         return 2
