@@ -1282,6 +1282,39 @@ def memory_probe(layout: dict, path: Path) -> None:
     )
 
 
+def judge_memory(dryrun: dict, probes: dict) -> tuple[list[dict], list[str]]:
+    """memory_1gpu's rows (one per allocator setting) and what is off in them (CRITERIA["memory_1gpu"]): `dryrun`
+    holds the dry run's `peak_bytes`, `probes` each probe's JSON (memory_probe)."""
+    problems = []
+    rows = []
+    for name, probe in probes.items():
+        row = {"allocator": name, "alloc_conf": probe["alloc_conf"], "seconds": probe["seconds"]}
+        if probe["cuda"]:
+            last = probe["phases"][-1]
+            row.update(
+                max_allocated=last["max_allocated"],
+                max_reserved=last["max_reserved"],
+                device_used=last["device_used"],
+                device_total=last["device_total"],
+                outside_allocator=last["device_used"] - last["reserved"],  # CUDA context, NCCL, cuBLAS handles
+                dryrun_over_allocated=dryrun["peak_bytes"] / last["max_allocated"],
+                reserved_over_allocated=last["max_reserved"] / last["max_allocated"],
+                phases=probe["phases"],
+            )
+            ratio = row["dryrun_over_allocated"]
+            if not MEMORY_BAND[0] <= ratio <= MEMORY_BAND[1]:
+                problems.append(
+                    f"{name}: the dry run's peak {dryrun['peak_bytes'] / 1e9:.2f} GB is {ratio:.3f} x "
+                    f"max_memory_allocated {last['max_allocated'] / 1e9:.2f} GB (outside {MEMORY_BAND})"
+                )
+        else:
+            row["measured"] = "skipped: no CUDA (the probe ran its steps on the CPU)"
+            if [p["phase"] for p in probe["phases"]][-1] != "second step":
+                problems.append(f"{name}: the probe stopped at {probe['phases'][-1]['phase']}")
+        rows.append(row)
+    return rows, problems
+
+
 def part_memory_1gpu(tiny: bool, out: Path) -> dict:
     """`vp-accelerate dryrun` of a 1B layout at world size 1 (on the CPU, in its own process) beside the same
     layout's steps on the GPU, once with the default allocator and once with expandable segments (each its own
@@ -1319,32 +1352,8 @@ def part_memory_1gpu(tiny: bool, out: Path) -> dict:
         return {"status": "fail", "why": f"dryrun exited {dry.returncode}: {stderr[-800:]}", "probes": probes}
     rank = json.loads(stdout)["ranks"][0]
     dryrun = {k: rank.get(k) for k in ("peak_bytes", "planned_bytes", "reserve_bytes", "activation_peak_bytes")}
-    rows = []
-    for name, probe in probes.items():
-        row = {"allocator": name, "alloc_conf": probe["alloc_conf"], "seconds": probe["seconds"]}
-        if probe["cuda"]:
-            last = probe["phases"][-1]
-            row.update(
-                max_allocated=last["max_allocated"],
-                max_reserved=last["max_reserved"],
-                device_used=last["device_used"],
-                device_total=last["device_total"],
-                outside_allocator=last["device_used"] - last["reserved"],  # CUDA context, NCCL, cuBLAS handles
-                dryrun_over_allocated=dryrun["peak_bytes"] / last["max_allocated"],
-                reserved_over_allocated=last["max_reserved"] / last["max_allocated"],
-                phases=probe["phases"],
-            )
-            ratio = row["dryrun_over_allocated"]
-            if not MEMORY_BAND[0] <= ratio <= MEMORY_BAND[1]:
-                problems.append(
-                    f"{name}: the dry run's peak {dryrun['peak_bytes'] / 1e9:.2f} GB is {ratio:.3f} x "
-                    f"max_memory_allocated {last['max_allocated'] / 1e9:.2f} GB (outside {MEMORY_BAND})"
-                )
-        else:
-            row["measured"] = "skipped: no CUDA (the probe ran its steps on the CPU)"
-            if [p["phase"] for p in probe["phases"]][-1] != "second step":
-                problems.append(f"{name}: the probe stopped at {probe['phases'][-1]['phase']}")
-        rows.append(row)
+    rows, judged = judge_memory(dryrun, probes)
+    problems += judged
     if not dryrun["peak_bytes"] or dryrun["peak_bytes"] <= 0:
         problems.append(f"the dry run gave no peak: {rank}")
     return {
