@@ -823,6 +823,17 @@ def part_quickstart_bf16(tiny: bool, out: Path) -> dict:
 
 # ---- this round's GPU paths at world size 1: fused ZeRO, Progress's device marks, persistence, memory -----------
 ZERO_STEPS = 3
+DETERMINISTIC = "import torch; torch.use_deterministic_algorithms(True, warn_only=True)"
+"""Run first in a process whose steps are compared bit for bit with another's (with CUBLAS_WORKSPACE_CONFIG)."""
+
+
+def _deterministic() -> None:
+    """Deterministic kernels in this process: CUDA's index_add_ (the embedding's backward) otherwise adds with
+    atomics in any order, so two runs of one step differ in the last bits; cuBLAS needs its workspace fixed."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as DETERMINISTIC does in a child process
 
 
 def part_zero_fused_1gpu(tiny: bool, out: Path) -> dict:
@@ -834,6 +845,7 @@ def part_zero_fused_1gpu(tiny: bool, out: Path) -> dict:
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.runtime.zero import ZeroOptimizer
 
+    _deterministic()  # two models' steps compared bit for bit: no atomics (the embedding's index_add_)
     _one_rank_env()
     init_from_env()
     dev = _device()
@@ -1063,7 +1075,8 @@ def part_persist_1gpu(tiny: bool, out: Path) -> dict:
     work = out / "persist"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    os.environ.update(HF_DATASETS_CACHE=str(work / "ds_cache"), CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    os.environ["HF_DATASETS_CACHE"] = str(work / "ds_cache")
+    _deterministic()  # both runs, so that the resumed steps can match bit for bit on CUDA too
     import torch
 
     from vp_accelerate.train.tokens.tokenizer import train_bpe
@@ -1144,7 +1157,8 @@ def part_persist_1gpu(tiny: bool, out: Path) -> dict:
         return {"status": "fail", "why": f"the uninterrupted run exited {rc} (see persist_1gpu.log)"}
     ckpt = work / "full" / "checkpoints" / f"step_{every:08d}"
     env = _own_launch_env()  # this process holds the run's 1-rank group (and its port)
-    cmd = [sys.executable, "-m", "vp_accelerate", "train", str(path), "--resume", str(ckpt)]
+    main = f"{DETERMINISTIC}; import sys; from vp_accelerate.cli import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", main, "train", str(path), "--resume", str(ckpt)]
     cmd += ["--set", f"logging.output_dir={work / 'resumed'}"]
     t0 = time.perf_counter()
     run = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=False)

@@ -9,7 +9,7 @@
 # part runs in its own process under its own time limit, so one failure or hang does not stop the others.
 # Python: $PYTHON if set, else python3 (on the lent GPU machine: the image's, which holds torch); never the
 # repository's own .venv. The first lines name the interpreter and the versions it has. The package is imported
-# from this checkout (PYTHONPATH). What the interpreter lacks of what the check needs (datasets, xxhash) is
+# from this checkout (PYTHONPATH). What the interpreter lacks of what the check needs (datasets, xxhash, faker) is
 # installed offline from wheels/ (made by scripts/gpu_wheels.sh on a machine with PyPI) into a fresh folder under
 # /tmp that goes first on PYTHONPATH: the interpreter's own environment is left as it was.
 # The whole check is held to GPU_CHECK_TOTAL_S seconds (default 510: with the start and the summary, 9 minutes;
@@ -75,7 +75,7 @@ print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, "
 PYEOF
 [ $? -eq 0 ] || { echo "gpu_check: $PY cannot import torch" >&2; exit 2; }
 # what the check imports that the interpreter may lack (module:distribution)
-NEEDED=(datasets:datasets xxhash:xxhash yaml:pyyaml)
+NEEDED=(datasets:datasets xxhash:xxhash yaml:pyyaml faker:faker babel:babel)  # babel, faker: the demo corpus
 missing=()
 for spec in "${NEEDED[@]}"; do
   "$PY" -c "import ${spec%%:*}" >/dev/null 2>&1 || missing+=("${spec##*:}")

@@ -7,7 +7,8 @@
 # tokenizers 0.23, pyarrow, numpy, huggingface-hub 1.33, fsspec, pandas, xxhash, pytest) has no datasets, wandb or
 # trl. Carried: `datasets` (the trainer's data loading) with its dependencies the image may lack or hold in a
 # version datasets refuses (dill, multiprocess, fsspec), and the small ones a barer interpreter (the CPU rehearsal:
-# no pandas or xxhash) lacks too: xxhash (the checkpoint writer's hash), pandas, python-dateutil, tzdata. Not
+# no pandas or xxhash) lacks too: xxhash (the checkpoint writer's hash), pandas, python-dateutil, tzdata; and the
+# `demo` extra (faker, babel) for the quickstart part's corpus, which the image lacks. 25 MiB in all. Not
 # carried, the image has them: torch, numpy, pyarrow (>= 24 needed by datasets 5.2), huggingface-hub.
 # Not carried: wandb (a ~20 MB binary wheel plus its dependencies); the check's training runs set
 # `logging.wandb_mode: disabled` when wandb is missing (metrics.jsonl is still written), as any recipe may.
@@ -27,6 +28,8 @@ PINS=(
   "pandas==3.1.1"         # datasets (the image has pandas; the rehearsal venv does not)
   "python-dateutil==4.0.0"
   "tzdata==2026.6"
+  "faker==40.63.0"        # the `demo` extra: the quickstart part's demo corpus
+  "babel==2.19.0"         # the `demo` extra (11 MB of locale data)
 )
 rm -rf "$DEST"
 mkdir -p "$DEST"
