@@ -368,7 +368,7 @@ def test_the_progress_part_tells_a_busy_device_from_a_host_hang(tmp_path, monkey
     assert result["status"] == "pass", result
     assert result["busy_report"].startswith("between steps") and "still on F(mb=0, chunk=0)" in result["busy_report"]
     assert result["host_hang_report"].startswith("in F(mb=1, chunk=0), computing")
-    assert result["stalled_while_busy_s"] >= 0.8 * gc.PROGRESS_HOLD_S / 2
+    assert result["stalled_while_busy_s"] >= 0.8 * gc.PROGRESS_HOLD_S / 4 and result["long_kernel_s"] == 2.0
     from vp_accelerate.runtime import watchdog
 
     real = watchdog.Progress.finished
