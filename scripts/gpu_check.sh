@@ -93,7 +93,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "gpu_check: the offline install of ${missing[*]} failed (above): remake wheels/ with scripts/gpu_wheels.sh" >&2
     exit 2
   fi
-  SITE_LIB=$("$PY" -c "import sysconfig, sys; print(sysconfig.get_path('purelib', vars={'base': sys.argv[1], 'platbase': sys.argv[1]}))" "$SITE")
+  SITE_LIB=$("$PY" -c "import sysconfig, sys; v = {'base': sys.argv[1], 'platbase': sys.argv[1]}
+print(':'.join(dict.fromkeys(sysconfig.get_path(k, vars=v) for k in ('purelib', 'platlib'))))" "$SITE")
   export PYTHONPATH="$ROOT:$SITE_LIB${PYTHONPATH#"$ROOT"}"
   for spec in "${NEEDED[@]}"; do
     "$PY" -c "import ${spec%%:*}" || { echo "gpu_check: ${spec%%:*} still does not import" >&2; exit 2; }
