@@ -80,24 +80,27 @@ missing=()
 for spec in "${NEEDED[@]}"; do
   "$PY" -c "import ${spec%%:*}" >/dev/null 2>&1 || missing+=("${spec##*:}")
 done
-if [ ${#missing[@]} -gt 0 ]; then
-  WHEELS=${GPU_CHECK_WHEELS:-$ROOT/wheels}
-  if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    echo "gpu_check: missing ${missing[*]} and no wheels in $WHEELS: run 'bash scripts/gpu_wheels.sh' where PyPI is reachable" >&2
-    exit 2
-  fi
+# A package that cannot be had costs only the parts that import it (the trainer's: persist_1gpu, quickstart_bf16):
+# the check goes on, with a warning, rather than lose a 15-minute lease.
+WHEELS=${GPU_CHECK_WHEELS:-$ROOT/wheels}
+if [ ${#missing[@]} -gt 0 ] && ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  echo "gpu_check: WARNING: missing ${missing[*]} and no wheels in $WHEELS (run 'bash scripts/gpu_wheels.sh' where" \
+    "PyPI is reachable); the parts that need them will fail" >&2
+elif [ ${#missing[@]} -gt 0 ]; then
   SITE=$(mktemp -d /tmp/vp_gpu_site.XXXXXX)
   echo "gpu_check: installing ${missing[*]} offline from $WHEELS into $SITE"
-  if ! "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --prefix "$SITE" --no-warn-script-location \
-    --disable-pip-version-check "${missing[@]}"; then
-    echo "gpu_check: the offline install of ${missing[*]} failed (above): remake wheels/ with scripts/gpu_wheels.sh" >&2
-    exit 2
+  PIP=("$PY" -m pip install --quiet --no-index --prefix "$SITE" --no-warn-script-location --disable-pip-version-check)
+  if ! "${PIP[@]}" --find-links "$WHEELS" "${missing[@]}"; then
+    # the resolver wants a version the image lacks (e.g. an older pyarrow than datasets asks for): every carried
+    # wheel as it is, without its dependencies' checks, into the same prefix (first on PYTHONPATH)
+    echo "gpu_check: WARNING: the offline install failed (above); installing every wheel without dependency checks" >&2
+    "${PIP[@]}" --no-deps "$WHEELS"/*.whl || echo "gpu_check: WARNING: that failed too (above)" >&2
   fi
   SITE_LIB=$("$PY" -c "import sysconfig, sys; v = {'base': sys.argv[1], 'platbase': sys.argv[1]}
 print(':'.join(dict.fromkeys(sysconfig.get_path(k, vars=v) for k in ('purelib', 'platlib'))))" "$SITE")
   export PYTHONPATH="$ROOT:$SITE_LIB${PYTHONPATH#"$ROOT"}"
   for spec in "${NEEDED[@]}"; do
-    "$PY" -c "import ${spec%%:*}" || { echo "gpu_check: ${spec%%:*} still does not import" >&2; exit 2; }
+    "$PY" -c "import ${spec%%:*}" >/dev/null 2>&1 || echo "gpu_check: WARNING: ${spec%%:*} still does not import" >&2
   done
 fi
 mkdir -p "$OUT"
