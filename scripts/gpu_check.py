@@ -86,7 +86,7 @@ SLEEP_CYCLES = 5_000_000  # torch.cuda._sleep per pass and per chain: ~3 ms, far
 EFFICIENCY_BAND = (0.6, 1.6)  # full time / (p x shard time); outside it the shard's kernels or the timing are off
 MEMORY_AT_8 = 0.35  # the shard's peak memory at p = 8 over its peak at p = 1 (ideal: 1/8 plus the fixed N x h)
 PROGRESS_HOLD_S = 2.0  # how long the device (or the CPU analogue's mark) stays busy after the host finished
-PERSIST_TOLERANCE = 1e-5  # later resumed steps on CUDA: atomics in some backward kernels vary the last bits
+PERSIST_TOLERANCE = 1e-4  # on CUDA, after the first resumed forward: bf16 backward kernels may add in another order
 MEMORY_BAND = (0.9, 1.1)  # the dry run's peak over max_memory_allocated
 CRITERIA = {
     "vocab_ws1": f"every relative error (loss, dX, dW, dE) <= {TOLERANCE['vocab_ws1']:g}",
@@ -113,8 +113,9 @@ CRITERIA = {
     "device's side; once the device caught up nothing is pending, stalled_for() is 0 and the last device pass is "
     "the step's last; a pass stuck on the host reads 'in F(mb=1, chunk=0), computing' with no device part",
     "persist_1gpu": "both runs exit 0; the resumed run logs exactly the steps after the checkpoint; the first "
-    "resumed step's loss and grad norm and every step's lr equal the uninterrupted run's bit for bit, the later "
-    f"steps within relative {PERSIST_TOLERANCE:g} (CUDA atomics in backward kernels; CPU run: every figure exact); "
+    "resumed step's loss and every step's lr equal the uninterrupted run's bit for bit, grad norms and later losses "
+    f"within relative {PERSIST_TOLERANCE:g} (deterministic kernels asked for, but CUDA attention backward may add "
+    "in another order; CPU run: every figure exact); "
     "every save written by a checkpoint-writer thread from host copies, on CUDA pinned ones",
     "memory_1gpu": f"both probes and the dry run finish; max_memory_allocated within {MEMORY_BAND[0]:g}-"
     f"{MEMORY_BAND[1]:g} x the dry run's peak, in both allocator settings (the figures, reserved and the "
@@ -1188,9 +1189,11 @@ def part_persist_1gpu(tiny: bool, out: Path) -> dict:
             if k in a and k in b
         }
         rows.append({"step": step, **{k.split("/")[1]: b.get(k) for k in rel}, "rel_error": rel})
-        exact = step == every + 1 or not cuda  # the first resumed forward reads only the loaded weights and data
         for k, err in rel.items():
-            if (exact or k == "train/lr") and err != 0.0:
+            # the first resumed step's loss is a forward of the loaded weights on the loaded data position: exact;
+            # a backward (the grad norm, later steps) may add in another order on CUDA (attention kernels)
+            exact = not cuda or k == "train/lr" or (k == "train/loss" and step == every + 1)
+            if exact and err != 0.0:
                 problems.append(f"step {step} {k} differs from the uninterrupted run's ({err:.1e}); it must be exact")
             elif err > PERSIST_TOLERANCE:
                 problems.append(f"step {step} {k} off by {err:.1e} > {PERSIST_TOLERANCE:g}")
