@@ -25,7 +25,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 _STARTED = time.monotonic()  # the part's process started about now: its time limit counts from here
-PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu", "streams_1gpu", "quickstart_bf16")
+PARTS = (
+    "vocab_ws1",
+    "schedules_ws1",
+    "bf16_ws1",
+    "zero_fused_1gpu",
+    "progress_device_1gpu",
+    "persist_1gpu",
+    "memory_1gpu",
+    "output_layer_1gpu",
+    "streams_1gpu",
+    "quickstart_bf16",
+)
 CHECKS = {
     "vocab_ws1": "the vocabulary layers' CUDA compute (S, T, input-layer IF/IB; naive, vocab-1, vocab-2 x store, "
     "recompute, chunked) against float64, on a 1-rank NCCL group: one shard is the whole vocabulary "
@@ -51,13 +62,32 @@ CHECKS = {
     "step time beside CUDA events around train_step (a larger bf16 model). p2p, the data-parallel reduce "
     "and collectives that move data need two ranks: not here",
     "quickstart_bf16": "the quickstart recipe end to end on the GPU: demo corpus, BPE tokenizer, then a "
-    "one-process `accelerate launch --mixed_precision bf16` of recipes/quickstart.yaml (a short run)",
+    "one-process `accelerate launch --mixed_precision bf16` of recipes/quickstart.yaml (a short run; "
+    "logging.wandb_mode disabled where wandb is not installed, as on the lease's image)",
+    "zero_fused_1gpu": "ZeRO-1 (runtime/zero.py) with fused AdamW on a one-rank data-parallel group (NCCL on the GPU): "
+    "4 steps of a 4-layer h256 Llama against plain fused AdamW, with a resume (the host state_dict loaded into a "
+    "new ZeroOptimizer) before the last; where the optimizer's `step` tensors live, before and after the resume",
+    "progress_device_1gpu": "the watchdog's Progress (runtime/watchdog.py) reading device marks: a step whose first "
+    "pass ends in a 2 s torch.cuda._sleep, so the host finishes the step at once and the device is still in that "
+    "pass (its length calibrated with CUDA events at the busy clock); then a pass stuck on the host with the device "
+    "idle (CPU run: marks completed by a 2 s timer)",
+    "persist_1gpu": "the trainer on the GPU with background checkpoints (`checkpoint.background`): a bf16 run of 8 "
+    "steps saving at 4 and 8 (each save's host copies into pinned buckets, written by a writer thread), then "
+    "`--resume` from step 4 in a new process; the resumed steps against the uninterrupted run's metrics",
+    "memory_1gpu": "memory calibration (issue: memory truth): `vp-accelerate dryrun` of Llama-3.2-1B at world size "
+    "1 (1f1b/vocab-2, m 4, seq 2048, global batch 8, bf16, fused AdamW) against the same sequence on the GPU (build, "
+    "train_step, optimizer step, state_dicts, eval_step, a second step): torch.cuda.max_memory_allocated, "
+    "max_memory_reserved and mem_get_info, once with the default allocator and once with "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, each its own process",
 }
 TOLERANCE = {"vocab_ws1": 1e-4, "schedules_ws1": 1e-5, "bf16_gap": 0.02, "race": 1e-10}
 STEP_TIME_BAND = (0.7, 1.02)  # reported step time / CUDA-event time around train_step (the events enclose it)
 SLEEP_CYCLES = 5_000_000  # torch.cuda._sleep per pass and per chain: ~3 ms, far longer than any kernel here
 EFFICIENCY_BAND = (0.6, 1.6)  # full time / (p x shard time); outside it the shard's kernels or the timing are off
 MEMORY_AT_8 = 0.35  # the shard's peak memory at p = 8 over its peak at p = 1 (ideal: 1/8 plus the fixed N x h)
+PROGRESS_HOLD_S = 2.0  # how long the device (or the CPU analogue's mark) stays busy after the host finished
+PERSIST_TOLERANCE = 1e-4  # on CUDA, after the first resumed forward: bf16 backward kernels may add in another order
+MEMORY_BAND = (0.9, 1.1)  # the dry run's peak over max_memory_allocated
 CRITERIA = {
     "vocab_ws1": f"every relative error (loss, dX, dW, dE) <= {TOLERANCE['vocab_ws1']:g}",
     "schedules_ws1": f"every schedule x method pair the registry supports: loss and every gradient within relative "
@@ -75,6 +105,22 @@ CRITERIA = {
     f"reported / event step time within {STEP_TIME_BAND[0]:g}-{STEP_TIME_BAND[1]:g} on each of 3 steps (tiny "
     "CPU run: no CUDA, so (a) runs without delays, (b) sees no syncs and (c) only checks the times are positive); "
     "every run started in time (none skipped for the limit)",
+    "zero_fused_1gpu": "losses and every parameter bit-identical to plain fused AdamW after 3 steps and after the "
+    "resumed step; every `step` tensor on the parameters' device in float32 (what fused kernels read), before and "
+    "after load_state_dict; the saved state on the host",
+    "progress_device_1gpu": f"the host finishes the step in under {PROGRESS_HOLD_S / 2:g} s; meanwhile Progress says "
+    "'between steps ...; device: ... still on F(mb=0, chunk=0)', device_busy() and stalled_for() counts from the "
+    "device's side; once the device caught up nothing is pending, stalled_for() is 0 and the last device pass is "
+    "the step's last; a pass stuck on the host reads 'in F(mb=1, chunk=0), computing' with no device part",
+    "persist_1gpu": "both runs exit 0; the resumed run logs exactly the steps after the checkpoint; the first "
+    "resumed step's loss and every step's lr equal the uninterrupted run's bit for bit, grad norms and later losses "
+    f"within relative {PERSIST_TOLERANCE:g} (deterministic kernels asked for, but CUDA attention backward may add "
+    "in another order; CPU run: every figure exact); "
+    "every save written by a checkpoint-writer thread from host copies, on CUDA pinned ones",
+    "memory_1gpu": f"both probes and the dry run finish; max_memory_allocated within {MEMORY_BAND[0]:g}-"
+    f"{MEMORY_BAND[1]:g} x the dry run's peak, in both allocator settings (the figures, reserved and the "
+    "device's used memory outside the allocator, are the calibration; tiny CPU run: the probes' steps run on the "
+    "CPU and the CUDA figures are skipped)",
     "quickstart_bf16": "the launch (--mixed_precision bf16) exits 0, its metrics hold a finite train/loss for every "
     "logged step, the last loss is below the first, and they hold the CUDA allocator's figures (the run was on "
     "the GPU) (tiny CPU run: 3 steps of a tiny corpus on the CPU, precision no, losses finite only)",
@@ -725,10 +771,7 @@ def part_quickstart_bf16(tiny: bool, out: Path) -> dict:
     work = out / "quickstart"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("ACCELERATE_")}
-    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # a launch of its own
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = _own_launch_env()
     steps = 3 if tiny else 40
     accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
     mp = "no" if tiny else "bf16"
@@ -742,7 +785,7 @@ def part_quickstart_bf16(tiny: bool, out: Path) -> dict:
         + (["--cpu"] if tiny else [])
         + ["-m", "vp_accelerate", "train", str(ROOT / "recipes" / "quickstart.yaml")]
         + ["--set", f"train.steps={steps}", "--set", "logging.log_every=1", "--set", "eval.every=0"]
-        + ["--set", "checkpoint.every=0", "--set", "lr.warmup_steps=2"]
+        + ["--set", "checkpoint.every=0", "--set", "lr.warmup_steps=2", "--set", f"logging.wandb_mode={_wandb_mode()}"]
         + (
             ["--set", "data.seq_len=32", "--set", "train.global_batch=4", "--set", "pipeline.microbatches=2"]
             if tiny
@@ -777,6 +820,583 @@ def part_quickstart_bf16(tiny: bool, out: Path) -> dict:
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "log_tail": text[-1500:],
+    }
+
+
+# ---- this round's GPU paths at world size 1: fused ZeRO, Progress's device marks, persistence, memory -----------
+ZERO_STEPS = 3
+DETERMINISTIC = "import torch; torch.use_deterministic_algorithms(True, warn_only=True)"
+"""Run first in a process whose steps are compared bit for bit with another's (with CUBLAS_WORKSPACE_CONFIG)."""
+
+
+def _deterministic() -> None:
+    """Deterministic kernels in this process: CUDA's index_add_ (the embedding's backward) otherwise adds with
+    atomics in any order, so two runs of one step differ in the last bits; cuBLAS needs its workspace fixed."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as DETERMINISTIC does in a child process
+
+
+def part_zero_fused_1gpu(tiny: bool, out: Path) -> dict:
+    """ZeRO-1 (runtime/zero.py) with fused AdamW on a one-rank data-parallel group, against plain fused AdamW."""
+    import torch
+    import torch.distributed as dist
+
+    from vp_accelerate.distributed import init_from_env
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.zero import ZeroOptimizer
+
+    _deterministic()  # two models' steps compared bit for bit: no atomics (the embedding's index_add_)
+    _one_rank_env()
+    init_from_env()
+    dev = _device()
+    vocab, hidden, layers, batch, seq = (256, 32, 2, 4, 16) if tiny else (8192, 256, 4, 8, 256)
+    config = _llama(vocab, hidden, layers)
+    dp_group = dist.new_group([0])  # at dp 1 make_optimizer builds no ZeRO: the one-rank group is made here
+    hyper = dict(lr=1e-3, weight_decay=0.1, fused=True)  # as the trainer builds it on CUDA (CPU has fused too)
+
+    def model():
+        return PipelineModel(config, PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2), device=dev)
+
+    def zero_opt(pipe):
+        names = {p: n for n, p in pipe.named_parameters()}
+        groups = [{"params": pipe.trainable_parameters()}]
+        return ZeroOptimizer(groups, torch.optim.AdamW, dp_group, 0, [0], names, **hyper)
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(ZERO_STEPS + 1)]
+    plain, sharded = model(), model()  # the same seeded init
+    plain_opt = torch.optim.AdamW(plain.trainable_parameters(), **hyper)
+    zero = zero_opt(sharded)
+
+    def train(pipe, opt, ids):
+        res = pipe.train_step(ids, ids)
+        pipe.step(opt)
+        pipe.zero_grad()
+        return res.loss
+
+    def steps_where(opt):
+        inner = opt.inner.state if isinstance(opt, ZeroOptimizer) else opt.state
+        return sorted({f"{s['step'].device} {s['step'].dtype}" for s in inner.values()})
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+    problems = []
+    for ids in batches[:ZERO_STEPS]:
+        if train(plain, plain_opt, ids) != train(sharded, zero, ids):
+            problems.append("a loss differs from plain fused AdamW's")
+    want = [f"{dev} torch.float32"]
+    where = steps_where(zero)
+    if where != want:
+        problems.append(f"the optimizer's step tensors are on {where}, not {want}")
+    if not same(plain, sharded):
+        problems.append(f"parameters after {ZERO_STEPS} steps differ from plain fused AdamW's")
+    # a resume: the host state_dict loaded into a new ZeroOptimizer; fused kernels read `step` on the device
+    saved = zero.state_dict()
+    host = sorted({str(v.device) for s in saved["state"].values() for v in s.values() if torch.is_tensor(v)})
+    if host != ["cpu"]:
+        problems.append(f"the saved state is on {host}, not the host")
+    resumed = zero_opt(sharded)
+    resumed.load_state_dict(saved)
+    where_resumed = steps_where(resumed)
+    if where_resumed != want:
+        problems.append(f"after load_state_dict the step tensors are on {where_resumed}, not {want}")
+    train(plain, plain_opt, batches[-1])
+    train(sharded, resumed, batches[-1])
+    if not same(plain, sharded):
+        problems.append("after the resumed step the parameters differ from plain fused AdamW's")
+    plain.close()
+    sharded.close()
+    return {
+        "status": "fail" if problems else "pass",
+        **({"why": "; ".join(problems)} if problems else {}),
+        "device": str(dev),
+        "backend": dist.get_backend(dp_group),
+        "steps": ZERO_STEPS + 1,
+        "parameters": sum(p.numel() for p in plain.parameters()),
+        "step_tensors": where,
+        "step_tensors_after_resume": where_resumed,
+        "saved_state_on": host,
+        "bit_identical": not problems,
+    }
+
+
+class _LateMark:
+    """The CPU analogue of a CUDA event recorded behind a long kernel: query() is False until `after` is set."""
+
+    def __init__(self, after):
+        self.after = after
+
+    def query(self) -> bool:
+        return self.after.is_set()
+
+
+def _sleep_cycles_per_s() -> float:
+    """torch.cuda._sleep cycles per second on this GPU, timed with CUDA events."""
+    import torch
+
+    cycles, rates = 100_000_000, []
+    for _ in range(3):  # the first raises the clocks from idle (345 MHz on an idle H200, ~1980 MHz busy)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        rates.append(cycles / (start.elapsed_time(end) / 1000))
+    return max(rates)  # the busy clock: the long sleep runs at it, so it lasts at least the time asked
+
+
+def part_progress_device_1gpu(tiny: bool, out: Path) -> dict:
+    """Progress (runtime/watchdog.py) reading a long device kernel: the host finishes its passes and the step at
+    once, the device is still in the first pass; Progress must say the device is busy there (not a host hang),
+    count the stall from the device's side, and clear when the device catches up. Then a pass stuck on the host,
+    which must read as one."""
+    import threading
+
+    import torch
+
+    from vp_accelerate.runtime.watchdog import Progress
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        cycles = int(PROGRESS_HOLD_S * _sleep_cycles_per_s())
+
+        timing = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+
+        def long_pass():
+            timing[0].record()
+            torch.cuda._sleep(cycles)
+            timing[1].record()
+            mark = torch.cuda.Event()
+            mark.record()
+            return mark
+
+        def short_pass():
+            torch.ones(1024, device="cuda").mul_(2)
+            mark = torch.cuda.Event()
+            mark.record()
+            return mark
+
+        def device_catches_up():
+            torch.cuda.synchronize()
+
+    else:  # the device is a timer: marks complete PROGRESS_HOLD_S after the host finished
+        done = threading.Event()
+
+        def long_pass():
+            threading.Timer(PROGRESS_HOLD_S, done.set).start()
+            return _LateMark(done)
+
+        def short_pass():
+            return _LateMark(done)  # queued behind the long one, as on one stream
+
+        def device_catches_up():
+            done.wait(PROGRESS_HOLD_S + 5)
+
+    first, second, stuck = "F(mb=0, chunk=0)", "B(mb=0, chunk=0)", "F(mb=1, chunk=0)"
+    p = Progress()
+    t0 = time.monotonic()
+    p.begin_step()
+    p.enter(first)
+    p.finished(long_pass())
+    p.enter(second)
+    p.finished(short_pass())
+    p.end_step()
+    host_s = time.monotonic() - t0
+    busy_text, busy = p.describe(), p.device_busy()
+    time.sleep(PROGRESS_HOLD_S / 4)  # a quarter: the check holds if the kernel lasts a quarter of what was asked
+    stalled_busy, busy_later = p.stalled_for(), p.device_busy()
+    device_catches_up()
+    t_caught = time.monotonic() - t0
+    kernel_s = timing[0].elapsed_time(timing[1]) / 1000 if cuda else PROGRESS_HOLD_S
+    time.sleep(0.05)
+    p.poll_device()
+    idle_text, idle_stall, still_busy = p.describe(), p.stalled_for(), p.device_busy()
+    # a host hang: a pass entered and never finished, the device idle
+    p.begin_step()
+    p.enter(stuck)
+    time.sleep(0.3)
+    hang_text, hang_stall, hang_busy = p.describe(), p.stalled_for(), p.device_busy()
+    p.end_step()
+    problems = []
+    if not host_s < PROGRESS_HOLD_S / 2:
+        problems.append(f"the host took {host_s:.2f} s for the step: it did not run ahead of the device")
+    if not (busy and busy_text.startswith("between steps") and f"still on {first}" in busy_text):
+        problems.append(f"while the device ran the long pass Progress said: {busy_text!r}")
+    if not (busy_later and stalled_busy >= 0.8 * PROGRESS_HOLD_S / 4):
+        problems.append(
+            f"{PROGRESS_HOLD_S / 4:g} s into the long pass: device_busy() {busy_later}, stalled_for() "
+            f"{stalled_busy:.2f} s (the kernel took {kernel_s:.2f} s)"
+        )
+    if still_busy or idle_stall != 0.0 or "device" in idle_text or p.device_last != second or p.device_done != 2:
+        problems.append(
+            f"after the device caught up: busy {still_busy}, stalled_for {idle_stall:.2f}, {idle_text!r}, "
+            f"last {p.device_last!r}, {p.device_done} device passes done"
+        )
+    if hang_busy or not hang_text.startswith(f"in {stuck}") or "device" in hang_text or not hang_stall >= 0.25:
+        problems.append(f"a pass stuck on the host read as: {hang_text!r} (stalled_for {hang_stall:.2f})")
+    return {
+        "status": "fail" if problems else "pass",
+        **({"why": "; ".join(problems)} if problems else {}),
+        "device": "cuda" if cuda else "cpu (marks completed by a timer)",
+        "hold_s": PROGRESS_HOLD_S,
+        "long_kernel_s": round(kernel_s, 3),
+        "host_step_s": round(host_s, 4),
+        "device_caught_up_s": round(t_caught, 3),
+        "busy_report": busy_text,
+        "stalled_while_busy_s": round(stalled_busy, 3),
+        "idle_report": idle_text,
+        "host_hang_report": hang_text,
+    }
+
+
+def _own_launch_env() -> dict:
+    """This environment without a launcher's variables, for a process that makes its own 1-rank group."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("ACCELERATE_")}
+    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _wandb_mode() -> str:
+    """offline where wandb is installed, else disabled (the lease's image has no wandb; metrics.jsonl is written
+    either way)."""
+    import importlib.util
+
+    return "offline" if importlib.util.find_spec("wandb") else "disabled"
+
+
+def _train_rows(path: Path) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["step"]: r for r in rows if "train/loss" in r}
+
+
+def part_persist_1gpu(tiny: bool, out: Path) -> dict:
+    """A run of the trainer with background checkpoints (pinned host copies on CUDA), then --resume from its first
+    checkpoint in a new process: the resumed steps against the uninterrupted run's."""
+    import random
+    import shutil
+    import threading
+
+    import yaml
+
+    work = out / "persist"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    os.environ["HF_DATASETS_CACHE"] = str(work / "ds_cache")
+    _deterministic()  # both runs, so that the resumed steps can match bit for bit on CUDA too
+    import torch
+
+    from vp_accelerate.train.tokens.tokenizer import train_bpe
+
+    cuda = torch.cuda.is_available()
+    steps, every = (6, 3) if tiny else (8, 4)
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+    text = "".join(json.dumps({"text": " ".join(rng.choices(words, k=48))}) + "\n" for _ in range(800))
+    (work / "train.jsonl").write_text(text)
+    train_bpe([str(work / "train.jsonl")], 320, str(work / "tok"), min_frequency=1)
+    hidden = 64 if tiny else 256
+    recipe = {
+        "model": {
+            "source": "llama-tiny",
+            "config": {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_attention_heads": 4},
+        },
+        "tokenizer": {"source": f"bpe:{work / 'tok'}", "resize_vocab": True},
+        "data": {"files": [str(work / "train.jsonl")], "seq_len": 32 if tiny else 128},
+        "pipeline": {
+            "schedule": "1f1b",
+            "method": "vocab-2",
+            "microbatches": 2 if tiny else 4,
+            "mixed_precision": "bf16" if cuda else "no",
+        },
+        "optimizer": {"lr": 3e-3},
+        "lr": {"warmup_steps": 2},
+        "train": {"steps": steps, "global_batch": 4 if tiny else 8, "seed": 0},
+        "eval": {"every": 0},
+        "checkpoint": {"every": every, "keep": 3, "background": True, "export_hf": False},
+        "logging": {"wandb_mode": _wandb_mode(), "log_every": 1},
+    }
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    # the uninterrupted run, in this process: what the background saves copied and which thread wrote them
+    from vp_accelerate.train.cli.commands import train_main
+    from vp_accelerate.train.persist import writer
+
+    snapshots, writers = [], []
+    real_copy, real_write = writer.Snapshot.copy, writer.write_rank_files
+
+    def tensors(x):
+        if torch.is_tensor(x):
+            yield x
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from tensors(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from tensors(v)
+
+    def copy(self, state):
+        got = real_copy(self, state)
+        src, dst = list(tensors(state)), list(tensors(got))
+        snapshots.append(
+            {
+                "tensors": len(dst),
+                "from_device": sum(t.device.type == "cuda" for t in src),
+                "pinned": sum(t.is_pinned() for t in dst),
+                "on_host": sum(t.device.type == "cpu" for t in dst),
+                "bytes": sum(t.numel() * t.element_size() for t in dst),
+            }
+        )
+        return got
+
+    def write(*args, **kwargs):
+        writers.append(threading.current_thread().name)
+        return real_write(*args, **kwargs)
+
+    writer.Snapshot.copy, writer.write_rank_files = copy, write
+    t0 = time.perf_counter()
+    try:
+        rc = train_main([str(path), "--set", f"logging.output_dir={work / 'full'}"])
+    finally:
+        writer.Snapshot.copy, writer.write_rank_files = real_copy, real_write
+    full_s = time.perf_counter() - t0
+    if rc != 0:
+        return {"status": "fail", "why": f"the uninterrupted run exited {rc} (see persist_1gpu.log)"}
+    ckpt = work / "full" / "checkpoints" / f"step_{every:08d}"
+    env = _own_launch_env()  # this process holds the run's 1-rank group (and its port)
+    main = f"{DETERMINISTIC}; import sys; from vp_accelerate.cli import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", main, "train", str(path), "--resume", str(ckpt)]
+    cmd += ["--set", f"logging.output_dir={work / 'resumed'}"]
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=False)
+    resumed_s = time.perf_counter() - t0
+    (out / "persist_1gpu.resume.log").write_text(run.stdout[-4000:] + run.stderr[-8000:])
+    if run.returncode != 0:
+        return {"status": "fail", "why": f"the --resume run exited {run.returncode}: {run.stderr[-600:]}"}
+    full, resumed = _train_rows(work / "full" / "metrics.jsonl"), _train_rows(work / "resumed" / "metrics.jsonl")
+    problems, rows = [], []
+    if sorted(resumed) != list(range(every + 1, steps + 1)):
+        problems.append(f"the resumed run logged steps {sorted(resumed)}, not {every + 1}..{steps}")
+    for step in sorted(resumed):
+        a, b = full.get(step, {}), resumed[step]
+        rel = {
+            k: abs(a[k] - b[k]) / max(abs(a[k]), 1e-30)
+            for k in ("train/loss", "train/grad_norm", "train/lr")
+            if k in a and k in b
+        }
+        rows.append({"step": step, **{k.split("/")[1]: b.get(k) for k in rel}, "rel_error": rel})
+        for k, err in rel.items():
+            # the first resumed step's loss is a forward of the loaded weights on the loaded data position: exact;
+            # a backward (the grad norm, later steps) may add in another order on CUDA (attention kernels)
+            exact = not cuda or k == "train/lr" or (k == "train/loss" and step == every + 1)
+            if exact and err != 0.0:
+                problems.append(f"step {step} {k} differs from the uninterrupted run's ({err:.1e}); it must be exact")
+            elif err > PERSIST_TOLERANCE:
+                problems.append(f"step {step} {k} off by {err:.1e} > {PERSIST_TOLERANCE:g}")
+    saves = steps // every
+    if len(snapshots) != saves or len(writers) != saves:
+        problems.append(f"{len(snapshots)} snapshots and {len(writers)} writes for {saves} background saves")
+    if any(not w.startswith("checkpoint-writer") for w in writers):
+        problems.append(f"a checkpoint was written on {writers}, not a writer thread")
+    for s in snapshots:
+        if s["on_host"] != s["tensors"] or (cuda and (s["from_device"] == 0 or s["pinned"] < s["from_device"])):
+            problems.append(f"a snapshot's host copies: {s}")
+    return {
+        "status": "fail" if problems else "pass",
+        **({"why": "; ".join(problems)} if problems else {}),
+        "device": "cuda" if cuda else "cpu",
+        "steps": steps,
+        "resumed_from": every,
+        "snapshots": snapshots,
+        "writer_threads": sorted(set(writers)),
+        "rows": rows,
+        "bitwise": all(all(v == 0.0 for v in r["rel_error"].values()) for r in rows),
+        "seconds_uninterrupted": round(full_s, 1),
+        "seconds_resumed": round(resumed_s, 1),
+        "wandb_mode": recipe["logging"]["wandb_mode"],
+    }
+
+
+MEMORY_LAYOUT = {
+    "model": "llama-3.2-1b",
+    "seq": 2048,
+    "global_batch": 8,
+    "schedule": "1f1b",
+    "method": "vocab-2",
+    "microbatches": 4,
+}
+MEMORY_TINY = {**MEMORY_LAYOUT, "model": "llama-tiny", "seq": 64, "global_batch": 4, "microbatches": 2}
+ALLOC_SETTINGS = {"default": None, "expandable": "expandable_segments:True"}
+
+
+def memory_probe(layout: dict, path: Path) -> None:
+    """One process (PYTORCH_CUDA_ALLOC_CONF as its parent set it): the dry run's sequence on the device (build,
+    train_step, fused AdamW step, state_dicts, eval_step) and a second, steady-state step, the CUDA allocator's
+    figures after each phase -> `path` (JSON)."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig
+
+    from vp_accelerate.distributed import init_from_env
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.train.cli.plan import model_arg
+
+    _one_rank_env()
+    init_from_env()
+    cuda = torch.cuda.is_available()
+    dev = _device()
+    config = model_arg(layout["model"]).config
+    hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
+    cfg = PipelineConfig(
+        schedule=layout["schedule"],
+        method=layout["method"],
+        microbatches=layout["microbatches"],
+        mixed_precision="bf16",
+        attn_implementation="sdpa",
+    )
+    cfg = dataclasses.replace(cfg, watchdog_dead_after_s=None, watchdog_stall_s=None)  # as the dry run
+    ids = torch.randint(0, 2, (layout["global_batch"], layout["seq"]))  # as the dry run: host tokens
+    phases = []
+
+    def figures(phase):
+        row = {"phase": phase}
+        if cuda:
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            row.update(
+                allocated=torch.cuda.memory_allocated(),
+                max_allocated=torch.cuda.max_memory_allocated(),
+                max_reserved=torch.cuda.max_memory_reserved(),
+                reserved=torch.cuda.memory_reserved(),
+                device_used=total - free,
+                device_total=total,
+            )
+        phases.append(row)
+
+    t0 = time.perf_counter()
+    pipe = PipelineModel(hf, cfg, device=dev)
+    figures("build")
+    pipe.train_step(ids, ids)
+    figures("train_step")
+    opt = pipe.make_optimizer(lr=1e-4, fused=True)
+    pipe.step(opt)
+    pipe.zero_grad()
+    figures("optimizer")
+    sd = (pipe.state_dict(), opt.state_dict())
+    del sd
+    figures("save")
+    pipe.eval_step(ids, ids)
+    figures("eval")
+    pipe.train_step(ids, ids)  # steady state: the optimizer's state alive through the step
+    pipe.step(opt)
+    pipe.zero_grad()
+    figures("second step")
+    pipe.close()
+    path.write_text(
+        json.dumps(
+            {
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                "cuda": cuda,
+                "phases": phases,
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # after the figures are written: an exit problem cannot lose them
+
+
+def judge_memory(dryrun: dict, probes: dict) -> tuple[list[dict], list[str]]:
+    """memory_1gpu's rows (one per allocator setting) and what is off in them (CRITERIA["memory_1gpu"]): `dryrun`
+    holds the dry run's `peak_bytes`, `probes` each probe's JSON (memory_probe)."""
+    problems = []
+    rows = []
+    for name, probe in probes.items():
+        row = {"allocator": name, "alloc_conf": probe["alloc_conf"], "seconds": probe["seconds"]}
+        if probe["cuda"]:
+            last = probe["phases"][-1]
+            row.update(
+                max_allocated=last["max_allocated"],
+                max_reserved=last["max_reserved"],
+                device_used=last["device_used"],
+                device_total=last["device_total"],
+                outside_allocator=last["device_used"] - last["reserved"],  # CUDA context, NCCL, cuBLAS handles
+                dryrun_over_allocated=dryrun["peak_bytes"] / last["max_allocated"],
+                reserved_over_allocated=last["max_reserved"] / last["max_allocated"],
+                phases=probe["phases"],
+            )
+            ratio = row["dryrun_over_allocated"]
+            if not MEMORY_BAND[0] <= ratio <= MEMORY_BAND[1]:
+                problems.append(
+                    f"{name}: the dry run's peak {dryrun['peak_bytes'] / 1e9:.2f} GB is {ratio:.3f} x "
+                    f"max_memory_allocated {last['max_allocated'] / 1e9:.2f} GB (outside {MEMORY_BAND})"
+                )
+        else:
+            row["measured"] = "skipped: no CUDA (the probe ran its steps on the CPU)"
+            if [p["phase"] for p in probe["phases"]][-1] != "second step":
+                problems.append(f"{name}: the probe stopped at {probe['phases'][-1]['phase']}")
+        rows.append(row)
+    return rows, problems
+
+
+def part_memory_1gpu(tiny: bool, out: Path) -> dict:
+    """`vp-accelerate dryrun` of a 1B layout at world size 1 (on the CPU, in its own process) beside the same
+    layout's steps on the GPU, once with the default allocator and once with expandable segments (each its own
+    process): max_memory_allocated against the dry run's peak, max_memory_reserved and mem_get_info beside it."""
+    import torch
+
+    layout = MEMORY_TINY if tiny else MEMORY_LAYOUT
+    cuda = torch.cuda.is_available()
+    flags = ["--world-size", "1", "--pp", "1", "--seq", str(layout["seq"]), "--global-batch"]
+    flags += [str(layout["global_batch"]), "--schedule", layout["schedule"], "--method", layout["method"]]
+    flags += ["--microbatches", str(layout["microbatches"]), "--gpu", "h200", "--json"]
+    base = {k: v for k, v in _own_launch_env().items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    dry = subprocess.Popen(  # on the CPU while the GPU runs the probes
+        [sys.executable, "-m", "vp_accelerate", "dryrun", layout["model"], *flags],
+        env={**base, "CUDA_VISIBLE_DEVICES": ""},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    probes, problems, notes = {}, [], []
+    for name, conf in ALLOC_SETTINGS.items():
+        env = dict(base, **({"PYTORCH_CUDA_ALLOC_CONF": conf} if conf else {}))
+        target = out / f"memory_{name}.json"
+        target.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--memory-probe", str(target), "--out", str(out)] + (
+            ["--tiny"] if tiny else []
+        )
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        (out / f"memory_{name}.log").write_text(run.stdout[-4000:] + run.stderr[-8000:])
+        if not target.exists():
+            problems.append(f"the {name} probe exited {run.returncode} without its figures: {run.stderr[-600:]}")
+            continue
+        if run.returncode != 0:  # after writing its figures: an exit problem, not a memory one (see its log)
+            notes.append(f"the {name} probe wrote its figures, then exited {run.returncode}")
+        probes[name] = json.loads(target.read_text())
+    stdout, stderr = dry.communicate()
+    if dry.returncode != 0:
+        return {"status": "fail", "why": f"dryrun exited {dry.returncode}: {stderr[-800:]}", "probes": probes}
+    rank = json.loads(stdout)["ranks"][0]
+    dryrun = {k: rank.get(k) for k in ("peak_bytes", "planned_bytes", "reserve_bytes", "activation_peak_bytes")}
+    rows, judged = judge_memory(dryrun, probes)
+    problems += judged
+    if not dryrun["peak_bytes"] or dryrun["peak_bytes"] <= 0:
+        problems.append(f"the dry run gave no peak: {rank}")
+    return {
+        "status": "fail" if problems else "pass",
+        **({"why": "; ".join(problems)} if problems else {}),
+        "layout": layout,
+        "dryrun": dryrun,
+        "rows": rows,
+        "measured": cuda,
+        "notes": notes,
     }
 
 
@@ -825,7 +1445,11 @@ def summarize(out: Path) -> tuple[dict, str]:
     ]
     for part in PARTS:
         r = results[part]
-        lines.append(f"| {part} | {r['status']} | {_one_line(part, r)} | {CRITERIA[part]} |")
+        try:
+            line = _one_line(part, r)
+        except (KeyError, TypeError, ValueError):  # a part that stopped early has only some of its figures
+            line = r.get("why", "see its JSON")[:300]
+        lines.append(f"| {part} | {r['status']} | {line} | {CRITERIA[part]} |")
     failed = [p for p in PARTS if results[p]["status"] != "pass"]
     lines += ["", "Did not run or failed:" if failed else "Every part ran and passed."]
     lines += [f"- {p}: {results[p].get('why', 'see its JSON')}" for p in failed]
@@ -880,6 +1504,39 @@ def _one_line(part: str, r: dict) -> str:
             f"{'on' if r['delays_injected'] else 'off: no CUDA'}); sync debug: {checked}; reported / event step "
             f"time {ratios}" + (f"; {r['why']}" if r.get("why") else "")
         )
+    if part == "zero_fused_1gpu":
+        return (
+            f"{r['steps']} fused AdamW steps on {r['backend']}, bit-identical {r['bit_identical']}; step tensors "
+            f"{', '.join(r['step_tensors'])}, after resume {', '.join(r['step_tensors_after_resume'])}"
+            + (f"; {r['why']}" if r.get("why") else "")
+        )
+    if part == "progress_device_1gpu":
+        return (
+            f"host step {r['host_step_s'] * 1e3:.1f} ms, device caught up at {r['device_caught_up_s']:.2f} s; busy: "
+            f"'{r['busy_report']}'; host hang: '{r['host_hang_report']}'" + (f"; {r['why']}" if r.get("why") else "")
+        )
+    if part == "persist_1gpu":
+        pinned = sum(s["pinned"] for s in r["snapshots"])
+        return (
+            f"{r['steps']} steps, {len(r['snapshots'])} background saves ({pinned} pinned host tensors), resumed "
+            f"from {r['resumed_from']}: bitwise {r['bitwise']}, worst "
+            f"{max((e for x in r['rows'] for e in x['rel_error'].values()), default=0):.1e}"
+            + (f"; {r['why']}" if r.get("why") else "")
+        )
+    if part == "memory_1gpu":
+        parts = []
+        for x in r.get("rows", []):
+            if "max_allocated" in x:
+                parts.append(
+                    f"{x['allocator']}: allocated {x['max_allocated'] / 2**30:.2f} GiB (dry run x "
+                    f"{x['dryrun_over_allocated']:.3f}), reserved {x['max_reserved'] / 2**30:.2f} GiB, outside "
+                    f"the allocator {x['outside_allocator'] / 2**30:.2f} GiB"
+                )
+            else:
+                parts.append(f"{x['allocator']}: {x['measured']}")
+        dry = r.get("dryrun", {}).get("peak_bytes")
+        head = f"dry run peak {dry / 2**30:.2f} GiB; " if dry else ""
+        return head + "; ".join(parts) + (f"; {r['why']}" if r.get("why") else "")
     if part == "quickstart_bf16":
         if r.get("first_loss") is None:
             return r.get("why", "")[:160]
@@ -913,9 +1570,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", choices=PARTS, help="run one part")
     ap.add_argument("--summarize", action="store_true", help="combine the parts' JSON into results.json + summary.md")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized problems (tests the plumbing in seconds)")
+    ap.add_argument("--memory-probe", metavar="JSON", help=argparse.SUPPRESS)  # memory_1gpu's child process
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.memory_probe:
+        memory_probe(MEMORY_TINY if args.tiny else MEMORY_LAYOUT, Path(args.memory_probe))
+        return 0
     if args.summarize:  # exit status 0 only when every part ran and passed
         results, text = summarize(out)
         print(text)

@@ -11,7 +11,7 @@ fi
 . "$VENV/bin/activate"
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    pip install -q "torch>=2.4"
+    pip install -q "torch>=2.11"
   else
     pip install -q torch==2.13.0
   fi

@@ -14,13 +14,26 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vp_accelerate.distributed import spawn
 from vp_accelerate.schedule.registry import supported_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("vocab_ws1", "schedules_ws1", "bf16_ws1", "output_layer_1gpu", "streams_1gpu", "quickstart_bf16")
-QUICK = PARTS[:-1]  # the quickstart part starts four interpreters (corpus, tokenizer, launcher, rank): slow
+PARTS = (
+    "vocab_ws1",
+    "schedules_ws1",
+    "bf16_ws1",
+    "zero_fused_1gpu",
+    "progress_device_1gpu",
+    "persist_1gpu",
+    "memory_1gpu",
+    "output_layer_1gpu",
+    "streams_1gpu",
+    "quickstart_bf16",
+)
+SLOW = ("persist_1gpu", "memory_1gpu", "quickstart_bf16")  # each starts interpreters of its own: slow tests
+QUICK = tuple(p for p in PARTS if p not in SLOW)
 
 
 def _module():
@@ -62,7 +75,7 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (bin_dir / "python3").chmod(0o755)
-    tools = [shutil.which(t) for t in ("timeout", "tail", "mkdir", "rm", "dirname")]
+    tools = [shutil.which(t) for t in ("timeout", "tail", "mkdir", "rm", "dirname", "tee")]
     for tool in tools:  # coreutils only: no `python` anywhere on this PATH
         os.symlink(tool, bin_dir / os.path.basename(tool))
     out = tmp_path / "out"
@@ -80,11 +93,11 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     assert all(f"| {p} | not run |" in (out / "summary.md").read_text() for p in PARTS[1:])
 
     statuses = spawn(_other_parts, 1, str(out), timeout_s=600)[0]
-    assert statuses == [0] * (len(QUICK) - 1) + [1], (out / "summary.md").read_text()  # the quickstart: not run
+    assert statuses == [0] * (len(QUICK) - 1) + [1], (out / "summary.md").read_text()  # the slow ones: not run
     results = json.loads((out / "results.json").read_text())
     ran = {p: r for p, r in results.items() if p in QUICK}
     assert set(results) == set(PARTS) and all(r["status"] == "pass" and r["tiny"] for r in ran.values()), results
-    assert results["quickstart_bf16"]["status"] == "not run"
+    assert all(results[p]["status"] == "not run" for p in SLOW)
     streams = results["streams_1gpu"]
     assert len(streams["races"]) == len(supported_pairs())
     assert streams["sync_debug"]["mode"] == "off (no CUDA)" and streams["sync_debug"]["syncs"] == 0
@@ -96,6 +109,7 @@ def test_cpu_path_of_the_script_with_only_python3(tmp_path):
     assert len(schedules["rows"]) == len(supported_pairs()) >= 9
     summary = (out / "summary.md").read_text()
     assert "Tiny sizes on the CPU" in summary and "| quickstart_bf16 | not run |" in summary
+    assert "| zero_fused_1gpu | pass | 4 fused AdamW steps on gloo, bit-identical True; step tensors cpu" in summary
     assert f"| schedules_ws1 | pass | {len(supported_pairs())} schedule x method on gloo at world size 1" in summary
 
 
@@ -272,17 +286,74 @@ def test_summary_names_what_did_not_run_and_quotes_table_3(tmp_path):
     assert gc.main(["--summarize", "--out", str(tmp_path)]) == 1  # not every part passed
 
 
-@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(), reason="no .venv in this checkout")
-def test_the_script_prefers_the_repository_venv(tmp_path):
+def _python3_on(tmp_path) -> Path:
+    """A folder holding `python3` (this interpreter) and the coreutils the script calls, and no `python`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    for tool in ("timeout", "tail", "mkdir", "rm", "dirname", "tee", "ls", "mktemp"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    return bin_dir
+
+
+def test_the_script_takes_python3_names_its_versions_and_keeps_its_budget(tmp_path):
+    """No $PYTHON: `python3` on the PATH, never the repository's .venv (the lent machine's image holds torch); its
+    first lines name the interpreter and the versions found; with the whole check's budget spent
+    (GPU_CHECK_TOTAL_S=0) no part starts, each says so, and the summary lists every part as not run."""
+    bin_dir = _python3_on(tmp_path)
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [shutil.which("bash"), str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--cpu"],
+        capture_output=True,
+        text=True,
+        env={**_env(str(bin_dir)), "GPU_CHECK_TOTAL_S": "0"},
+        timeout=300,
+    )
+    lines = run.stdout.splitlines()
+    assert lines[0] == f"gpu_check: {bin_dir}/python3", run.stdout + run.stderr
+    assert lines[1].startswith("gpu_check: Python 3.") and ", transformers 5." in lines[1] and "torch 2." in lines[1]
+    assert ", datasets " in lines[1] and ", wandb " in lines[1]
+    assert lines[2].startswith("gpu_check: torch 2.") and "no GPU visible" in lines[2]
+    assert run.returncode == 1, run.stdout + run.stderr
+    for part in PARTS:
+        assert f"{part}: not started: the check's budget (GPU_CHECK_TOTAL_S) is spent" in run.stdout
+        assert f"| {part} | not run |" in (out / "summary.md").read_text()
+
+
+def test_the_script_refuses_unknown_parts_and_warns_of_missing_wheels(tmp_path):
+    """An unknown part: exit 2 before any work. An interpreter without `datasets` and no wheels/ to install it
+    from: a warning naming scripts/gpu_wheels.sh, and the check goes on (a python3 whose `import datasets` fails
+    stands in for the image)."""
+    bin_dir = _python3_on(tmp_path)
     run = subprocess.run(
         [shutil.which("bash"), str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "no_such_part"],
         capture_output=True,
         text=True,
-        env=_env("/usr/bin:/bin"),
+        env=_env(str(bin_dir)),
         timeout=60,
     )
-    assert run.stdout.splitlines()[0] == f"gpu_check: {ROOT}/scripts/../.venv/bin/python"
     assert run.returncode == 2 and "unknown part 'no_such_part'" in run.stderr
+    blocker = tmp_path / "no_datasets"
+    blocker.mkdir()
+    (blocker / "datasets.py").write_text("raise ImportError('not in this image')\n")
+    # the script puts the checkout first on PYTHONPATH, then this: the blocker shadows the installed datasets
+    env = {**_env(str(bin_dir)), "PYTHONPATH": str(blocker), "GPU_CHECK_WHEELS": str(tmp_path / "none")}
+    env["GPU_CHECK_TOTAL_S"] = "0"  # no part: the start alone
+    run = subprocess.run(
+        [shutil.which("bash"), str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "out"), "--cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr  # the summary's: no part ran
+    assert "gpu_check: WARNING: missing datasets and no wheels in" in run.stderr
+    assert (
+        "(run 'bash scripts/gpu_wheels.sh' where PyPI is reachable); the parts that need them will fail" in run.stderr
+    )
+    assert "zero_fused_1gpu: not started" in run.stdout
+    assert ", datasets 5." in run.stdout  # installed here, but it does not import: the check says what it found
 
 
 @pytest.mark.slow
@@ -292,3 +363,103 @@ def test_the_quickstart_part_on_the_cpu(tmp_path):
     assert spawn(_other_parts, 1, str(tmp_path), ["quickstart_bf16"], timeout_s=600)[0] == [0, 1]
     result = json.loads((tmp_path / "quickstart_bf16.json").read_text())
     assert result["status"] == "pass" and result["steps"] == 3 and result["device"] == "cpu", result
+
+
+def test_the_progress_part_tells_a_busy_device_from_a_host_hang(tmp_path, monkeypatch):
+    """The device-hang part's CPU analogue (marks completed by a timer) passes on Progress as it is, and fails,
+    naming what Progress said, when Progress does not track the device's marks (as if it ignored them)."""
+    gc = _module()
+    result = gc.part_progress_device_1gpu(True, tmp_path)
+    assert result["status"] == "pass", result
+    assert result["busy_report"].startswith("between steps") and "still on F(mb=0, chunk=0)" in result["busy_report"]
+    assert result["host_hang_report"].startswith("in F(mb=1, chunk=0), computing")
+    assert result["stalled_while_busy_s"] >= 0.8 * gc.PROGRESS_HOLD_S / 4 and result["long_kernel_s"] == 2.0
+    from vp_accelerate.runtime import watchdog
+
+    real = watchdog.Progress.finished
+    monkeypatch.setattr(watchdog.Progress, "finished", lambda self, mark=None: real(self, None))
+    blind = gc.part_progress_device_1gpu(True, tmp_path)
+    assert blind["status"] == "fail" and "while the device ran the long pass Progress said" in blind["why"], blind
+
+
+def _zero_part(out: str, broken: bool) -> dict:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    gc = _module()
+    if broken:  # a resume that leaves `step` as a float64 scalar: what fused kernels refuse on a GPU
+        from vp_accelerate.runtime.zero import ZeroOptimizer
+
+        real = ZeroOptimizer.load_state_dict
+
+        def load(self, state_dict):
+            real(self, state_dict)
+            for s in self.inner.state.values():
+                s["step"] = s["step"].to(torch.float64)
+
+        ZeroOptimizer.load_state_dict = load
+    return gc.part_zero_fused_1gpu(True, Path(out))
+
+
+def test_the_zero_part_checks_where_the_fused_step_lives(tmp_path):
+    """ZeRO-1 with fused AdamW on a one-rank group (gloo here): bit-identical to plain fused AdamW through a
+    resume, every `step` tensor float32 on the parameters' device; a resume that leaves `step` float64 fails."""
+    result = spawn(_zero_part, 1, str(tmp_path), False, timeout_s=300)[0]
+    assert result["status"] == "pass" and result["bit_identical"], result
+    assert result["step_tensors"] == result["step_tensors_after_resume"] == ["cpu torch.float32"]
+    assert result["backend"] == "gloo" and result["saved_state_on"] == ["cpu"]
+    broken = spawn(_zero_part, 1, str(tmp_path), True, timeout_s=300)[0]
+    assert broken["status"] == "fail" and "after load_state_dict the step tensors are on" in broken["why"], broken
+
+
+def test_the_memory_part_judges_the_dry_run_against_the_allocator():
+    """memory_1gpu's judgement from a probe's CUDA figures: the dry run within 0.9-1.1 x max_memory_allocated
+    passes, outside fails naming the setting; a CPU probe's figures are a reported skip; the summary line."""
+    gc = _module()
+    gib = 2**30
+
+    def probe(conf, allocated, cuda=True):
+        last = {"phase": "second step"}
+        if cuda:
+            last.update(
+                max_allocated=allocated,
+                max_reserved=int(allocated * 1.1),
+                reserved=int(allocated * 1.05),
+                device_used=int(allocated * 1.1) + gib // 2,
+                device_total=141 * 10**9,
+            )
+        return {"alloc_conf": conf, "cuda": cuda, "phases": [last], "seconds": 9.0}
+
+    dry = {"peak_bytes": 40 * gib}
+    rows, problems = gc.judge_memory(dry, {"default": probe(None, 39 * gib), "expandable": probe("e", 41 * gib)})
+    assert problems == [] and [r["allocator"] for r in rows] == ["default", "expandable"]
+    assert rows[0]["dryrun_over_allocated"] == pytest.approx(40 / 39)
+    assert rows[0]["outside_allocator"] == int(39 * gib * 1.1) + gib // 2 - int(39 * gib * 1.05)
+    _, problems = gc.judge_memory(dry, {"default": probe(None, 30 * gib)})
+    assert len(problems) == 1 and problems[0].startswith("default: the dry run's peak 42.95 GB is 1.333 x")
+    rows, problems = gc.judge_memory(dry, {"default": probe(None, 0, cuda=False)})
+    assert problems == [] and rows[0]["measured"].startswith("skipped: no CUDA")
+    line = gc._one_line(
+        "memory_1gpu",
+        {"status": "pass", "dryrun": dry, "rows": gc.judge_memory(dry, {"default": probe(None, 39 * gib)})[0]},
+    )
+    assert line.startswith("dry run peak 40.00 GiB; default: allocated 39.00 GiB (dry run x 1.026)")
+
+
+@pytest.mark.slow  # ~30 s: a BPE, a training run and a resumed one in its own interpreter
+def test_the_persist_part_on_the_cpu(tmp_path):
+    """The trainer with background checkpoints, then --resume in a new process: the resumed steps equal the
+    uninterrupted run's bit for bit on the CPU, each save written by a checkpoint-writer thread."""
+    statuses = spawn(_other_parts, 1, str(tmp_path), ["persist_1gpu"], timeout_s=600)[0]
+    result = json.loads((tmp_path / "persist_1gpu.json").read_text())
+    assert statuses[0] == 0 and result["status"] == "pass", result
+    assert result["bitwise"] and [r["step"] for r in result["rows"]] == [4, 5, 6]
+    assert result["writer_threads"] == ["checkpoint-writer-0"] and len(result["snapshots"]) == 2
+
+
+@pytest.mark.slow  # ~45 s: the dry run and two probes, each its own interpreter
+def test_the_memory_part_on_the_cpu(tmp_path):
+    """The dry run of the tiny layout and both allocator settings' probes run (the CUDA figures skipped)."""
+    statuses = spawn(_other_parts, 1, str(tmp_path), ["memory_1gpu"], timeout_s=600)[0]
+    result = json.loads((tmp_path / "memory_1gpu.json").read_text())
+    assert statuses[0] == 0 and result["status"] == "pass", result
+    assert [r["alloc_conf"] for r in result["rows"]] == [None, "expandable_segments:True"]
+    assert result["dryrun"]["peak_bytes"] > 0 and not result["measured"]

@@ -116,14 +116,9 @@ class StageChunk(nn.Module):
     ) -> dict[str, object]:
         """The masks of the layer types in this chunk (or of `kinds`), as the HF forward builds them (None =
         plain causal)."""
-        kwargs = dict(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=position_ids,
-        )
-        return {t: MASK_BUILDERS[t](**kwargs) for t in (kinds or sorted(set(self.layer_types)))}
+        # the cache goes fourth by position: transformers renamed it (`past_key_values` up to 5.2x, then `cache`)
+        args = (self.config, hidden, attention_mask, None)
+        return {t: MASK_BUILDERS[t](*args, position_ids=position_ids) for t in (kinds or sorted(set(self.layer_types)))}
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         """Rotary (cos, sin) for the layers: one pair, or one per layer type (Gemma-3 / Olmo-3 rotary takes the

@@ -399,7 +399,8 @@ class LoggingSection:
     """wandb project name."""
 
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
-    """wandb mode: offline writes `<output_dir>/wandb/offline-run-*`, disabled logs nowhere."""
+    """wandb mode: offline writes `<output_dir>/wandb/offline-run-*`, disabled logs to metrics.jsonl only and needs
+    no wandb installed (as on the GPU lease's image)."""
 
     run_name: Optional[str] = None
     """wandb run name; None lets wandb choose."""
