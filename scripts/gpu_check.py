@@ -997,6 +997,7 @@ def part_progress_device_1gpu(tiny: bool, out: Path) -> dict:
 
     first, second, stuck = "F(mb=0, chunk=0)", "B(mb=0, chunk=0)", "F(mb=1, chunk=0)"
     p = Progress()
+    p.track_device = True  # as a watchdog's Progress: without a watchdog thread no mark is kept (none polls it)
     t0 = time.monotonic()
     p.begin_step()
     p.enter(first)
