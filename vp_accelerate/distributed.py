@@ -278,12 +278,13 @@ def _run_ranks(fn, world_size, args, kwargs, backend, timeout_s, threads, logs) 
         if errors:
             # one failure is enough (peers may be blocked waiting for the failed rank); take the reports
             # already on their way, so each failing rank is named with its own error. A failure to join (fn
-            # never ran) waits longer for the others: on a loaded machine the rank whose port was taken may
-            # report after its peer's "connection closed", and only its report says to retry on another port.
+            # never ran) waits for the others as long as they may take to join: on a loaded machine the rank
+            # whose port was taken may still be starting (its imports took 10 s and more beside four busy jobs)
+            # when its peer reports "connection closed", and only its report says to retry on another port.
             joining = any(str(v).startswith(_JOINING) for v in errors.values()) and not any(
                 _PORT_TAKEN.search(str(v)) for v in errors.values()
             )  # a taken port already said: nothing to wait for
-            until = time.monotonic() + (10.0 if joining else 1.0)
+            until = time.monotonic() + (max(10.0, timeout_s) if joining else 1.0)
             while len(outs) + len(errors) < world_size and time.monotonic() < until:
                 try:
                     rank, status, value = results.get(timeout=1.0)
