@@ -541,6 +541,31 @@ def _tokenizer_bad_line(work):
     return out.returncode, out.stdout + out.stderr
 
 
+def _config_json(change: dict | None = None, text: str | None = None, command: str = "plan"):
+    """A model folder whose config.json has `change` applied (or is `text`), handed to `plan`, `dryrun` or
+    `train --check`."""
+
+    def run(work):
+        d = _model_dir(work)
+        path = os.path.join(d, "config.json")
+        if text is None:
+            with open(path) as f:
+                _write(path, json.dumps({**json.load(f), **change}).encode())
+        else:
+            _write(path, text.encode())
+        if command == "--check":
+            return _check(work, _recipe(work, model={"source": d}))
+        from vp_accelerate.train.cli.dryrun import dryrun_main
+        from vp_accelerate.train.cli.plan import plan_main
+
+        shape = ["--seq", "64", "--global-batch", "8", "--memory-gb", "80"]
+        if command == "plan":
+            return _captured(lambda: plan_main([d, "--gpus", "2", *shape]))
+        return _captured(lambda: dryrun_main([d, "--world-size", "2", *shape]))
+
+    return run
+
+
 HOSTILE = [
     Case(
         "`model.init_from` a checkpoint with 4 KiB flipped inside one rank's `model.safetensors`",
@@ -729,6 +754,52 @@ HOSTILE = [
         "`scripts/train_tokenizer.py`",
         r"d.jsonl, line 21: not valid JSON \(nested too deep\)",
         _tokenizer_bad_line,
+    ),
+]
+
+
+FROM_A_FILE = [
+    Case(
+        "a model's config.json with `num_hidden_layers: 1000000000`",
+        "`plan` (before any layout is built)",
+        r"config.json: num_hidden_layers is 1000000000, not a number of decoder layers \(an integer from 1 to 4,096\)",
+        _config_json({"num_hidden_layers": 10**9}),
+    ),
+    Case(
+        "a model's config.json with `hidden_size: -64`",
+        "`dryrun`",
+        r"config.json: hidden_size is -64, not a number of hidden units",
+        _config_json({"hidden_size": -64}, command="dryrun"),
+    ),
+    Case(
+        "a model's config.json with `vocab_size: -256`",
+        "`--check`",
+        r"model.source: .*config.json: vocab_size is -256, not a number of vocabulary rows",
+        _config_json({"vocab_size": -256}, command="--check"),
+    ),
+    Case(
+        "a model's config.json with `hidden_size: NaN`",
+        "`plan`",
+        r"config.json: hidden_size is nan, not a number of hidden units",
+        _config_json(text='{"model_type": "llama", "hidden_size": NaN, "num_hidden_layers": 2}'),
+    ),
+    Case(
+        'a model\'s config.json with `hidden_size: "256"` (a string), 4.5 or a list',
+        "`plan`",
+        r'config.json: hidden_size is "256" \(a string\), not a number of hidden units',
+        _config_json({"hidden_size": "256"}),
+    ),
+    Case(
+        "a model's config.json nested 200,000 deep",
+        "`plan`, `--check`",
+        r"config.json is not valid JSON for a model config \(nested deeper than the parser's limit",
+        _config_json(text='{"model_type": "llama", "x": ' + "[" * 200_000 + "]" * 200_000 + "}", command="--check"),
+    ),
+    Case(
+        "`--set model.config.num_hidden_layers=1000000000`",
+        "`--check`",
+        r"model.config: num_hidden_layers is 1000000000, .*set model.config.num_hidden_layers",
+        _with_set("model.config.num_hidden_layers=1000000000"),
     ),
 ]
 
@@ -923,6 +994,7 @@ CASES = [
         0,
     ),
     *HOSTILE,
+    *FROM_A_FILE,
 ]
 
 
