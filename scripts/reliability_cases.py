@@ -566,6 +566,65 @@ def _config_json(change: dict | None = None, text: str | None = None, command: s
     return run
 
 
+def _exported(rank_file: bytes | None = None, recipe: dict | None = None, foreign: bool = False):
+    """`vp-accelerate export` of a one-rank checkpoint of a 1-layer Llama with model/ (config, tokenizer) as a run
+    writes it, whose rank file is `rank_file` (its record made to match), whose meta.json holds `recipe`, or
+    (`foreign`) whose weights are another model's tensors."""
+
+    def run(work):
+        import shutil
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from vp_accelerate.train.cli.commands import export_main
+        from vp_accelerate.train.persist import files as ckpt_files
+        from vp_accelerate.train.recipe.presets import preset_config
+
+        sizes = dict(vocab_size=300, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_key_value_heads=2)
+        config = preset_config("llama-tiny", sizes)
+        tok = os.path.join(_tokenizer_dir(), "tok")
+
+        def files(d):
+            config.save_pretrained(d)
+            for name in os.listdir(tok):
+                shutil.copy(os.path.join(tok, name), d)
+
+        meta = {"ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}], "vocab_size": 300}
+        if recipe is not None:
+            meta["recipe"] = recipe
+        weights = {"w": torch.zeros(4, 4)} if foreign else AutoModelForCausalLM.from_config(config).state_dict()
+        path = _saved_state(work, {k: v.clone() for k, v in weights.items()}, meta, files)
+        if rank_file is not None:
+            rdir = os.path.join(path, "rank_00000")
+            _write(os.path.join(rdir, "model.safetensors"), rank_file)
+            entries = json.loads(open(os.path.join(rdir, ckpt_files.MANIFEST)).read())
+            entries.update(ckpt_files.record(rdir, ["model.safetensors"]))
+            _write(os.path.join(rdir, ckpt_files.MANIFEST), json.dumps(entries).encode())
+        return _captured(lambda: export_main([path, os.path.join(work, "hf")]))
+
+    return run
+
+
+def _saved_state(work: str, state: dict, meta: dict, model_files) -> str:
+    import torch
+
+    from vp_accelerate.train.persist import store as ckpt
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    return ckpt.save_checkpoint(
+        os.path.join(work, "ckpt"),
+        1,
+        rank=0,
+        model_state=state,
+        optimizer_state=torch.optim.AdamW([p]).state_dict(),
+        trainer_state={"step": 1},
+        meta={"fingerprint": {}, **meta},
+        barrier=lambda: None,
+        write_model_files=model_files,
+    )
+
+
 HOSTILE = [
     Case(
         "`model.init_from` a checkpoint with 4 KiB flipped inside one rank's `model.safetensors`",
@@ -800,6 +859,41 @@ FROM_A_FILE = [
         "`--check`",
         r"model.config: num_hidden_layers is 1000000000, .*set model.config.num_hidden_layers",
         _with_set("model.config.num_hidden_layers=1000000000"),
+    ),
+    Case(
+        "`export` of a checkpoint whose rank `model.safetensors` has a header length of 2^62 (record rewritten to match)",
+        "export",
+        r"export error: checkpoint file .*model.safetensors cannot be read \(SafetensorError: .*header too large",
+        _exported(rank_file=_safetensors(b"{}", length=1 << 62)),
+    ),
+    Case(
+        "`export` of a checkpoint whose rank `model.safetensors` has a garbled JSON header",
+        "export",
+        r"export error: checkpoint file .*model.safetensors cannot be read \(SafetensorError: .*invalid JSON",
+        _exported(rank_file=_safetensors(b'{"w": {"dtype": "F32", "shape": [2')),
+    ),
+    Case(
+        "`export` of a checkpoint whose rank `model.safetensors` has offsets past the end (a 4 TiB tensor in 16 bytes)",
+        "export (nothing allocated)",
+        r"export error: checkpoint file .*model.safetensors cannot be read \(SafetensorError: .*not fully covered",
+        _exported(
+            rank_file=_safetensors(
+                json.dumps({"w": {"dtype": "F32", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 1 << 42]}}).encode(),
+                b"\0" * 16,
+            )
+        ),
+    ),
+    Case(
+        "`export` of a checkpoint whose meta.json's `recipe.adapter` has an unknown key",
+        "export",
+        r"export error: checkpoint file .*meta.json: recipe.adapter.bogus: unknown key",
+        _exported(recipe={"adapter": {"type": "lora", "bogus": 1}}),
+    ),
+    Case(
+        "`export` of a checkpoint whose weights are another model's tensors",
+        "export",
+        r"export error: .*step_00000001 cannot be exported: exported tensors do not match LlamaForCausalLM",
+        _exported(foreign=True),
     ),
 ]
 

@@ -21,6 +21,7 @@ from vp_accelerate.cost import plan_layout
 from vp_accelerate.model_config import ModelConfigError, read_config_json
 from vp_accelerate.models import unsupported_reason
 from vp_accelerate.models.layout import LayoutError
+from vp_accelerate.models.safetensors_file import UnreadableSafetensors, check_header
 from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.registry import METHODS
 
@@ -108,18 +109,14 @@ def check_weight_files(src: str) -> None:
         shards = ["model.safetensors"]
     else:
         return
-    from safetensors import safe_open  # reads a file's header only
-
     for name in shards:
         path = os.path.join(src, name)
         try:
-            with safe_open(path, "pt"):
-                pass
-        except Exception as e:  # noqa: BLE001 - SafetensorError (header too large, bad JSON, offsets), OSError
-            why = " ".join(str(e).split())[:200]
+            check_header(path)  # reads the header only
+        except UnreadableSafetensors as e:
+            why = e.why.removeprefix("cannot be read (").removesuffix(")")
             raise RecipeError(
-                f"model.source: {path} is not a readable safetensors file ({type(e).__name__}: {why}); copy the "
-                f"model again"
+                f"model.source: {path} is not a readable safetensors file ({why}); copy the model again"
             ) from None
 
 

@@ -20,8 +20,9 @@ import re
 import zipfile
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
+
+from vp_accelerate.models import safetensors_file
+from vp_accelerate.models.safetensors_file import UnreadableSafetensors
 
 from ..data.identity import content_hash as digest
 
@@ -146,9 +147,9 @@ def load_safetensors(path: str, expected: dict | None = None) -> dict:
     """A safetensors file's tensors, checked against the record."""
     check_file(path, expected)
     try:
-        return load_file(path)
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
-        raise _damaged(path, f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from None
+        return safetensors_file.load_safetensors(path)
+    except UnreadableSafetensors as e:
+        raise _damaged(path, e.why) from None
 
 
 def load_torch(path: str, expected: dict | None = None, mmap: bool = False):
@@ -172,12 +173,19 @@ def _first_line(e: Exception) -> str:
 
 
 def open_safetensors(path: str):
-    """`safe_open(path)` (tensors read on demand), CheckpointError naming the file when its header is not one
-    (a header length past the file, garbled JSON, offsets past the end: safetensors checks them before reading)."""
+    """`models/safetensors_file.open_safetensors` (tensors read on demand), CheckpointError naming the file when
+    its header is not one (a header length past the file, garbled JSON, offsets past the end: safetensors checks
+    them before reading)."""
     try:
-        return safe_open(path, "pt")
-    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
-        raise _damaged(path, f"cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+        return safetensors_file.open_safetensors(path)
+    except UnreadableSafetensors as e:
+        raise _damaged(path, e.why) from None
+
+
+def unreadable(e: UnreadableSafetensors) -> CheckpointError:
+    """A checkpoint's safetensors file found unreadable below the checkpoint code (the export's reads) as the
+    CheckpointError a load gives."""
+    return _damaged(e.path, e.why)
 
 
 def rank_record(rank_dir: str) -> dict | None:
