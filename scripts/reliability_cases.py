@@ -625,6 +625,36 @@ def _saved_state(work: str, state: dict, meta: dict, model_files) -> str:
     )
 
 
+def _linked(where: str):
+    """A checkpoint with `where` (a rank file, a model/ file, the rank folder, `latest`) a symbolic link to a file
+    (or folder) outside it of another size; then read as a resume reads it."""
+
+    def run(work):
+        from vp_accelerate.train.persist import store as ckpt
+
+        path = _saved(work, steps=(1,), meta_extra={"ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}]})
+        secret = _write(os.path.join(work, "outside", "secret.bin"), b"s" * 12345)
+        link = os.path.join(path, where) if where != "latest" else os.path.join(work, "ckpt", "latest")
+        if os.path.isdir(link):
+            os.rename(link, os.path.join(work, "outside", "rank"))
+            secret = os.path.join(work, "outside", "rank")
+        elif os.path.exists(link):
+            os.remove(link)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(secret, link)
+
+        def read():
+            found = ckpt.read_latest(os.path.join(work, "ckpt"))
+            ckpt.read_meta(found)
+            ckpt.load_rank(found, 0)
+            return 0
+
+        code, out = _captured(read)
+        return ("the outside file's size was said" if "12345" in out or "12,345" in out else code), out
+
+    return run
+
+
 HOSTILE = [
     Case(
         "`model.init_from` a checkpoint with 4 KiB flipped inside one rank's `model.safetensors`",
@@ -894,6 +924,34 @@ FROM_A_FILE = [
         "export",
         r"export error: .*step_00000001 cannot be exported: exported tensors do not match LlamaForCausalLM",
         _exported(foreign=True),
+    ),
+    Case(
+        "a rank's `optimizer.pt` that is a symbolic link to a file outside the checkpoint (of another size)",
+        "load (before it is stat'ed)",
+        r"optimizer.pt leads outside the checkpoint .* through a symbolic link .* refused, nothing is read through it",
+        _linked("rank_00000/optimizer.pt"),
+        "CheckpointError",
+    ),
+    Case(
+        "model/'s `tokenizer.json` a symbolic link to a file outside (not in meta.json's record)",
+        "load, export (meta.json is read after the walk)",
+        r"tokenizer.json leads outside the checkpoint .* through a symbolic link",
+        _linked("model/tokenizer.json"),
+        "CheckpointError",
+    ),
+    Case(
+        "a rank folder that is a symbolic link to a folder outside the checkpoint",
+        "load",
+        r"rank_00000 leads outside the checkpoint .* through a symbolic link",
+        _linked("rank_00000"),
+        "CheckpointError",
+    ),
+    Case(
+        "`latest` a symbolic link to a file outside",
+        "resume (before it is read)",
+        r"latest is a symbolic link, not the pointer file a run writes",
+        _linked("latest"),
+        "CheckpointError",
     ),
 ]
 
