@@ -655,6 +655,57 @@ def _linked(where: str):
     return run
 
 
+def _sentencepiece_dir(work: str) -> str:
+    """A Llama-style SentencePiece tokenizer (normalizer Prepend("▁") + Replace(" ", "▁"), BPE with byte fallback:
+    every input starts with "▁", so a piece encoded alone would differ from the same text mid-row)."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    lines = [" ".join(["alpha", "beta", "gamma", "delta"][(i + k) % 4] for k in range(12)) for i in range(200)]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    d = os.path.join(work, "sentencepiece")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        d
+    )
+    return d
+
+
+def _long_row_sentencepiece(work):
+    from vp_accelerate.train.data import long_text
+
+    seen = []
+    real = long_text._ids
+    long_text._ids = lambda tok, text: seen.append(len(text)) or real(tok, text)
+    try:
+        row = json.dumps({"text": " ".join(["alpha beta gamma"] * 200_000)}).encode() + b"\n"
+        rows = b'{"text": "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta"}\n' * 400
+        path = _write(os.path.join(work, "d.jsonl"), rows + row)
+        recipe = _recipe(work, data={"files": [path]}, tokenizer={"source": _sentencepiece_dir(work)})
+        code, out = _check(work, recipe)
+    finally:
+        long_text._ids = real
+    return code, out + f" longest tokenizer call {max(seen):,} characters of {len(row):,}"
+
+
+def _long_field(fmt: str, row: dict, **sections):
+    """A data file of short rows of `fmt` and one whose field holds 2 MB (`row`, "LONG" marking the field)."""
+
+    def run(work):
+        short = {
+            "chat": {"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta"}]},
+            "preference": {"prompt": "alpha ", "chosen": "beta gamma", "rejected": "gamma delta"},
+        }[fmt]
+        long = json.loads(json.dumps(row).replace('"LONG"', json.dumps(" ".join(["alpha beta"] * 200_000))))
+        data = b"".join(json.dumps(r).encode() + b"\n" for r in [short] * 40 + [long])
+        path = _write(os.path.join(work, "d.jsonl"), data)
+        return _check(work, _recipe(work, data={"files": [path], "format": fmt, "eval_holdout": 0}, **sections))
+
+    return run
+
+
 HOSTILE = [
     Case(
         "`model.init_from` a checkpoint with 4 KiB flipped inside one rank's `model.safetensors`",
@@ -952,6 +1003,28 @@ FROM_A_FILE = [
         r"latest is a symbolic link, not the pointer file a run writes",
         _linked("latest"),
         "CheckpointError",
+    ),
+    Case(
+        "a 3.4 MB single-line row with a Llama-style SentencePiece tokenizer (every input opens with its prefix space)",
+        "data (tokenized in pieces, each behind its context)",
+        r"checked: .* longest tokenizer call 199,\d{3} characters of 3,400,012",
+        _long_row_sentencepiece,
+        0,
+    ),
+    Case(
+        "a chat row whose assistant turn holds 2 MB",
+        "`--check` (an invalid row, before any tokenizer call)",
+        r"d.jsonl, line 41: 'messages' holds 2,200,017 characters .* more than the 1,000,000 a chat row may hand "
+        r"the tokenizer at once",
+        _long_field(
+            "chat", {"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "LONG"}]}
+        ),
+    ),
+    Case(
+        "a DPO row whose `chosen` holds 2 MB (KTO and prompt / completion rows alike)",
+        "`--check` (an invalid row)",
+        r"d.jsonl, line 41: 'chosen' holds 2,199,999 characters .* a preference row may hand the tokenizer at once",
+        _long_field("preference", {"prompt": "alpha ", "chosen": "LONG", "rejected": "gamma delta"}),
     ),
 ]
 
