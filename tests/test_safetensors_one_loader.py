@@ -1,4 +1,4 @@
-"""Every safetensors file is opened through one checked loader (vp_accelerate/models/safetensors_file.py), so a
+"""Every safetensors file is opened through one checked loader (vp_accelerate/safetensors_file.py), so a
 hostile file is one line wherever it is read. Before, `export` opened a checkpoint's rank files with a raw
 `safe_open` and a header length of 2^62, a garbled header or offsets past the end were SafetensorError
 tracebacks; a meta.json whose `recipe.adapter` had an unknown key was a TypeError traceback, and tensors of
@@ -22,7 +22,7 @@ from vp_accelerate.train.persist import store as ckpt
 from vp_accelerate.train.recipe.presets import preset_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vp_accelerate"
-LOADER = PACKAGE / "models" / "safetensors_file.py"
+LOADER = PACKAGE / "safetensors_file.py"
 WRITERS = {"save_file", "save"}
 """What safetensors offers that writes a file: allowed anywhere (a write reads nothing handed to us)."""
 
@@ -41,7 +41,7 @@ def test_no_safetensors_file_is_opened_outside_the_checked_loader():
                 bare.append(f"{path.relative_to(PACKAGE)}: .{node.attr}")
             elif isinstance(node, ast.Name) and node.id == "safe_open":
                 bare.append(f"{path.relative_to(PACKAGE)}: safe_open")
-    assert bare == [], "open safetensors files through vp_accelerate/models/safetensors_file.py: " + ", ".join(bare)
+    assert bare == [], "open safetensors files through vp_accelerate/safetensors_file.py: " + ", ".join(bare)
 
 
 @pytest.fixture(scope="module")

@@ -38,8 +38,8 @@ from vp_accelerate.models.adapter import UnsupportedModelError
 from vp_accelerate.models.build import build_rank, resolve_config
 from vp_accelerate.models.families import REFUSED, check_supported, decoder_families
 from vp_accelerate.models.layout import StageLayout
-from vp_accelerate.models.safetensors_file import open_safetensors
 from vp_accelerate.runtime import PipelineConfig, PipelineModel
+from vp_accelerate.safetensors_file import open_safetensors
 from vp_accelerate.vocab.partition import VocabPartition
 
 #: Rotary parameters per layer type of the families whose sliding layers have their own frequencies.

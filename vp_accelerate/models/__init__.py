@@ -4,7 +4,6 @@ adapter  find_parts(model) -> ModelParts (embedding, layers, norm, head, model-s
 layout   StageLayout: decoder-layer range and owner rank of each chunk
 stage    StageChunk (layers of one chunk), FullEmbedding / FullHead (baseline placement)
 weights  weight sources: live model, local safetensors checkpoint, seeded init
-safetensors_file  the one checked opener of a safetensors file (a bad header is one line, not a traceback)
 build    build_rank(source, layout, rank, placement, partition) -> RankModules
 rank     RankModules: one rank's chunks and vocabulary pieces, HF-named parameters
 export   export_hf: streamed (stream_export) or gathered into one HF state dict and save_pretrained

@@ -34,9 +34,10 @@ from transformers import GenerationConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import PrefixChange
 
+from vp_accelerate.safetensors_file import DTYPES, dtype_of, open_safetensors
+
 from .build import meta_model
 from .generation import generation_config_for, with_tokenizer_ids
-from .safetensors_file import DTYPES, dtype_of, open_safetensors
 
 INDEX = "model.safetensors.index.json"
 

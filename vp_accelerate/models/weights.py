@@ -29,7 +29,7 @@ from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-from .safetensors_file import open_safetensors
+from vp_accelerate.safetensors_file import open_safetensors
 
 #: Rows per independently seeded block of a vocabulary matrix at fresh init (independent of p).
 INIT_BLOCK_ROWS = 4096

@@ -21,7 +21,7 @@ from vp_accelerate.cost import plan_layout
 from vp_accelerate.model_config import ModelConfigError, read_config_json
 from vp_accelerate.models import unsupported_reason
 from vp_accelerate.models.layout import LayoutError
-from vp_accelerate.models.safetensors_file import UnreadableSafetensors, check_header
+from vp_accelerate.safetensors_file import UnreadableSafetensors, check_header
 from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.registry import METHODS
 

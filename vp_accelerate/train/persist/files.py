@@ -21,8 +21,8 @@ import zipfile
 
 import torch
 
-from vp_accelerate.models import safetensors_file
-from vp_accelerate.models.safetensors_file import UnreadableSafetensors
+from vp_accelerate import safetensors_file
+from vp_accelerate.safetensors_file import UnreadableSafetensors
 
 from ..data.identity import content_hash as digest
 
@@ -209,7 +209,7 @@ def _first_line(e: Exception) -> str:
 
 
 def open_safetensors(path: str):
-    """`models/safetensors_file.open_safetensors` (tensors read on demand), CheckpointError naming the file when
+    """`safetensors_file.open_safetensors` (tensors read on demand), CheckpointError naming the file when
     its header is not one (a header length past the file, garbled JSON, offsets past the end: safetensors checks
     them before reading)."""
     contained(path)

@@ -35,9 +35,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from vp_accelerate.models.export import assemble_state_dict, export_hf, save_hf
 from vp_accelerate.models.generation import generation_eos
 from vp_accelerate.models.lora import merge_lora, save_adapter
-from vp_accelerate.models.safetensors_file import UnreadableSafetensors
 from vp_accelerate.models.stream_export import export_rank_files
 from vp_accelerate.runtime.adapter_config import AdapterConfig
+from vp_accelerate.safetensors_file import UnreadableSafetensors
 
 from ..recipe.convert import from_dict
 from ..recipe.presets import starts_from_weights
