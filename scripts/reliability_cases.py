@@ -628,6 +628,171 @@ def _tokenizer_bad_line(work):
     return out.returncode, out.stdout + out.stderr
 
 
+def _config_json(change: dict | None = None, text: str | None = None, command: str = "plan"):
+    """A model folder whose config.json has `change` applied (or is `text`), handed to `plan`, `dryrun` or
+    `train --check`."""
+
+    def run(work):
+        d = _model_dir(work)
+        path = os.path.join(d, "config.json")
+        if text is None:
+            with open(path) as f:
+                _write(path, json.dumps({**json.load(f), **change}).encode())
+        else:
+            _write(path, text.encode())
+        if command == "--check":
+            return _check(work, _recipe(work, model={"source": d}))
+        from vp_accelerate.train.cli.dryrun import dryrun_main
+        from vp_accelerate.train.cli.plan import plan_main
+
+        shape = ["--seq", "64", "--global-batch", "8", "--memory-gb", "80"]
+        if command == "plan":
+            return _captured(lambda: plan_main([d, "--gpus", "2", *shape]))
+        return _captured(lambda: dryrun_main([d, "--world-size", "2", *shape]))
+
+    return run
+
+
+def _exported(rank_file: bytes | None = None, recipe: dict | None = None, foreign: bool = False):
+    """`vp-accelerate export` of a one-rank checkpoint of a 1-layer Llama with model/ (config, tokenizer) as a run
+    writes it, whose rank file is `rank_file` (its record made to match), whose meta.json holds `recipe`, or
+    (`foreign`) whose weights are another model's tensors."""
+
+    def run(work):
+        import shutil
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from vp_accelerate.train.cli.commands import export_main
+        from vp_accelerate.train.persist import files as ckpt_files
+        from vp_accelerate.train.recipe.presets import preset_config
+
+        sizes = dict(vocab_size=300, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_key_value_heads=2)
+        config = preset_config("llama-tiny", sizes)
+        tok = os.path.join(_tokenizer_dir(), "tok")
+
+        def files(d):
+            config.save_pretrained(d)
+            for name in os.listdir(tok):
+                shutil.copy(os.path.join(tok, name), d)
+
+        meta = {"ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}], "vocab_size": 300}
+        if recipe is not None:
+            meta["recipe"] = recipe
+        weights = {"w": torch.zeros(4, 4)} if foreign else AutoModelForCausalLM.from_config(config).state_dict()
+        path = _saved_state(work, {k: v.clone() for k, v in weights.items()}, meta, files)
+        if rank_file is not None:
+            rdir = os.path.join(path, "rank_00000")
+            _write(os.path.join(rdir, "model.safetensors"), rank_file)
+            entries = json.loads(open(os.path.join(rdir, ckpt_files.MANIFEST)).read())
+            entries.update(ckpt_files.record(rdir, ["model.safetensors"]))
+            _write(os.path.join(rdir, ckpt_files.MANIFEST), json.dumps(entries).encode())
+        return _captured(lambda: export_main([path, os.path.join(work, "hf")]))
+
+    return run
+
+
+def _saved_state(work: str, state: dict, meta: dict, model_files) -> str:
+    import torch
+
+    from vp_accelerate.train.persist import store as ckpt
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    return ckpt.save_checkpoint(
+        os.path.join(work, "ckpt"),
+        1,
+        rank=0,
+        model_state=state,
+        optimizer_state=torch.optim.AdamW([p]).state_dict(),
+        trainer_state={"step": 1},
+        meta={"fingerprint": {}, **meta},
+        barrier=lambda: None,
+        write_model_files=model_files,
+    )
+
+
+def _linked(where: str):
+    """A checkpoint with `where` (a rank file, a model/ file, the rank folder, `latest`) a symbolic link to a file
+    (or folder) outside it of another size; then read as a resume reads it."""
+
+    def run(work):
+        from vp_accelerate.train.persist import store as ckpt
+
+        path = _saved(work, steps=(1,), meta_extra={"ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}]})
+        secret = _write(os.path.join(work, "outside", "secret.bin"), b"s" * 12345)
+        link = os.path.join(path, where) if where != "latest" else os.path.join(work, "ckpt", "latest")
+        if os.path.isdir(link):
+            os.rename(link, os.path.join(work, "outside", "rank"))
+            secret = os.path.join(work, "outside", "rank")
+        elif os.path.exists(link):
+            os.remove(link)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(secret, link)
+
+        def read():
+            found = ckpt.read_latest(os.path.join(work, "ckpt"))
+            ckpt.read_meta(found)
+            ckpt.load_rank(found, 0)
+            return 0
+
+        code, out = _captured(read)
+        return ("the outside file's size was said" if "12345" in out or "12,345" in out else code), out
+
+    return run
+
+
+def _sentencepiece_dir(work: str) -> str:
+    """A Llama-style SentencePiece tokenizer (normalizer Prepend("▁") + Replace(" ", "▁"), BPE with byte fallback:
+    every input starts with "▁", so a piece encoded alone would differ from the same text mid-row)."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    lines = [" ".join(["alpha", "beta", "gamma", "delta"][(i + k) % 4] for k in range(12)) for i in range(200)]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    d = os.path.join(work, "sentencepiece")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        d
+    )
+    return d
+
+
+def _long_row_sentencepiece(work):
+    from vp_accelerate.train.data import long_text
+
+    seen = []
+    real = long_text._ids
+    long_text._ids = lambda tok, text: seen.append(len(text)) or real(tok, text)
+    try:
+        row = json.dumps({"text": " ".join(["alpha beta gamma"] * 200_000)}).encode() + b"\n"
+        rows = b'{"text": "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta"}\n' * 400
+        path = _write(os.path.join(work, "d.jsonl"), rows + row)
+        recipe = _recipe(work, data={"files": [path]}, tokenizer={"source": _sentencepiece_dir(work)})
+        code, out = _check(work, recipe)
+    finally:
+        long_text._ids = real
+    return code, out + f" longest tokenizer call {max(seen):,} characters of {len(row):,}"
+
+
+def _long_field(fmt: str, row: dict, **sections):
+    """A data file of short rows of `fmt` and one whose field holds 2 MB (`row`, "LONG" marking the field)."""
+
+    def run(work):
+        short = {
+            "chat": {"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta"}]},
+            "preference": {"prompt": "alpha ", "chosen": "beta gamma", "rejected": "gamma delta"},
+        }[fmt]
+        long = json.loads(json.dumps(row).replace('"LONG"', json.dumps(" ".join(["alpha beta"] * 200_000))))
+        data = b"".join(json.dumps(r).encode() + b"\n" for r in [short] * 40 + [long])
+        path = _write(os.path.join(work, "d.jsonl"), data)
+        return _check(work, _recipe(work, data={"files": [path], "format": fmt, "eval_holdout": 0}, **sections))
+
+    return run
+
+
 HOSTILE = [
     Case(
         "`model.init_from` a checkpoint with 4 KiB flipped inside one rank's `model.safetensors`",
@@ -859,6 +1024,138 @@ STOPS = [
     ),
 ]
 
+
+FROM_A_FILE = [
+    Case(
+        "a model's config.json with `num_hidden_layers: 1000000000`",
+        "`plan` (before any layout is built)",
+        r"config.json: num_hidden_layers is 1000000000, not a number of decoder layers \(an integer from 1 to 4,096\)",
+        _config_json({"num_hidden_layers": 10**9}),
+    ),
+    Case(
+        "a model's config.json with `hidden_size: -64`",
+        "`dryrun`",
+        r"config.json: hidden_size is -64, not a number of hidden units",
+        _config_json({"hidden_size": -64}, command="dryrun"),
+    ),
+    Case(
+        "a model's config.json with `vocab_size: -256`",
+        "`--check`",
+        r"model.source: .*config.json: vocab_size is -256, not a number of vocabulary rows",
+        _config_json({"vocab_size": -256}, command="--check"),
+    ),
+    Case(
+        "a model's config.json with `hidden_size: NaN`",
+        "`plan`",
+        r"config.json: hidden_size is nan, not a number of hidden units",
+        _config_json(text='{"model_type": "llama", "hidden_size": NaN, "num_hidden_layers": 2}'),
+    ),
+    Case(
+        'a model\'s config.json with `hidden_size: "256"` (a string), 4.5 or a list',
+        "`plan`",
+        r'config.json: hidden_size is "256" \(a string\), not a number of hidden units',
+        _config_json({"hidden_size": "256"}),
+    ),
+    Case(
+        "a model's config.json nested 200,000 deep",
+        "`plan`, `--check`",
+        r"config.json is not valid JSON for a model config \(nested deeper than the parser's limit",
+        _config_json(text='{"model_type": "llama", "x": ' + "[" * 200_000 + "]" * 200_000 + "}", command="--check"),
+    ),
+    Case(
+        "`--set model.config.num_hidden_layers=1000000000`",
+        "`--check`",
+        r"model.config: num_hidden_layers is 1000000000, .*set model.config.num_hidden_layers",
+        _with_set("model.config.num_hidden_layers=1000000000"),
+    ),
+    Case(
+        "`export` of a checkpoint whose rank `model.safetensors` has a header length of 2^62 (record rewritten to match)",
+        "export",
+        r"export error: checkpoint file .*model.safetensors cannot be read \(SafetensorError: .*header too large",
+        _exported(rank_file=_safetensors(b"{}", length=1 << 62)),
+    ),
+    Case(
+        "`export` of a checkpoint whose rank `model.safetensors` has a garbled JSON header",
+        "export",
+        r"export error: checkpoint file .*model.safetensors cannot be read \(SafetensorError: .*invalid JSON",
+        _exported(rank_file=_safetensors(b'{"w": {"dtype": "F32", "shape": [2')),
+    ),
+    Case(
+        "`export` of a checkpoint whose rank `model.safetensors` has offsets past the end (a 4 TiB tensor in 16 bytes)",
+        "export (nothing allocated)",
+        r"export error: checkpoint file .*model.safetensors cannot be read \(SafetensorError: .*not fully covered",
+        _exported(
+            rank_file=_safetensors(
+                json.dumps({"w": {"dtype": "F32", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 1 << 42]}}).encode(),
+                b"\0" * 16,
+            )
+        ),
+    ),
+    Case(
+        "`export` of a checkpoint whose meta.json's `recipe.adapter` has an unknown key",
+        "export",
+        r"export error: checkpoint file .*meta.json: recipe.adapter.bogus: unknown key",
+        _exported(recipe={"adapter": {"type": "lora", "bogus": 1}}),
+    ),
+    Case(
+        "`export` of a checkpoint whose weights are another model's tensors",
+        "export",
+        r"export error: .*step_00000001 cannot be exported: exported tensors do not match LlamaForCausalLM",
+        _exported(foreign=True),
+    ),
+    Case(
+        "a rank's `optimizer.pt` that is a symbolic link to a file outside the checkpoint (of another size)",
+        "load (before it is stat'ed)",
+        r"optimizer.pt leads outside the checkpoint .* through a symbolic link .* refused, nothing is read through it",
+        _linked("rank_00000/optimizer.pt"),
+        "CheckpointError",
+    ),
+    Case(
+        "model/'s `tokenizer.json` a symbolic link to a file outside (not in meta.json's record)",
+        "load, export (meta.json is read after the walk)",
+        r"tokenizer.json leads outside the checkpoint .* through a symbolic link",
+        _linked("model/tokenizer.json"),
+        "CheckpointError",
+    ),
+    Case(
+        "a rank folder that is a symbolic link to a folder outside the checkpoint",
+        "load",
+        r"rank_00000 leads outside the checkpoint .* through a symbolic link",
+        _linked("rank_00000"),
+        "CheckpointError",
+    ),
+    Case(
+        "`latest` a symbolic link to a file outside",
+        "resume (before it is read)",
+        r"latest is a symbolic link, not the pointer file a run writes",
+        _linked("latest"),
+        "CheckpointError",
+    ),
+    Case(
+        "a 3.4 MB single-line row with a Llama-style SentencePiece tokenizer (every input opens with its prefix space)",
+        "data (tokenized in pieces, each behind its context)",
+        r"checked: .* longest tokenizer call 199,\d{3} characters of 3,400,012",
+        _long_row_sentencepiece,
+        0,
+    ),
+    Case(
+        "a chat row whose assistant turn holds 2 MB",
+        "`--check` (an invalid row, before any tokenizer call)",
+        r"d.jsonl, line 41: 'messages' holds 2,200,017 characters .* more than the 1,000,000 a chat row may hand "
+        r"the tokenizer at once",
+        _long_field(
+            "chat", {"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "LONG"}]}
+        ),
+    ),
+    Case(
+        "a DPO row whose `chosen` holds 2 MB (KTO and prompt / completion rows alike)",
+        "`--check` (an invalid row)",
+        r"d.jsonl, line 41: 'chosen' holds 2,199,999 characters .* a preference row may hand the tokenizer at once",
+        _long_field("preference", {"prompt": "alpha ", "chosen": "LONG", "rejected": "gamma delta"}),
+    ),
+]
+
+
 CASES = [
     Case(
         "`export` of a shared checkpoint whose meta.json sets `trust_remote_code` and whose model/ has an `auto_map` + code",
@@ -1050,6 +1347,7 @@ CASES = [
     ),
     *HOSTILE,
     *STOPS,
+    *FROM_A_FILE,
 ]
 
 

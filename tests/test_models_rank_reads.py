@@ -1,7 +1,7 @@
 """Every rank reads only its own tensors from a checkpoint, on every loading path.
 
 Two gloo ranks build their part of a checkpoint (sharded safetensors) with config overrides and a
-vocabulary that grows (mean rows) or is swapped (rows gathered by a RowMap). `models.weights.safe_open` is
+vocabulary that grows (mean rows) or is swapped (rows gathered by a RowMap). `models.weights.open_safetensors` is
 wrapped to count the bytes each rank reads; the count must equal exactly what the rank holds plus its
 share of the mean: its decoder layers, the source rows of its vocabulary shard, and 1/2 of the vocabulary
 matrices for the collective mean. The whole checkpoint is about twice that.
@@ -17,7 +17,7 @@ from vp_accelerate.distributed import spawn
 
 
 class _Counted:
-    """A safe_open handle that adds the bytes of every tensor it returns to `counter`."""
+    """An open_safetensors handle that adds the bytes of every tensor it returns to `counter`."""
 
     def __init__(self, handle, counter):
         self.h, self.counter = handle, counter
@@ -52,18 +52,18 @@ class _Counted:
 
 
 def _rank_reads(path, cases):
-    """On each rank: build every case reading through a counting safe_open; return bytes read per case."""
+    """On each rank: build every case reading through a counting open_safetensors; return bytes read per case."""
     from vp_accelerate.models import StageLayout, build_rank, weights
     from vp_accelerate.models.checkpoint_source import CheckpointSource, share_vocab_means
     from vp_accelerate.models.row_map import RowMap
     from vp_accelerate.vocab.partition import VocabPartition
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    real_open = weights.safe_open  # what every SafetensorsSource opens its files with
+    real_open = weights.open_safetensors  # what every SafetensorsSource opens its files with
     out = {}
     for name, overrides, vocab, sources in cases:
         counter: dict[str, int] = {}
-        weights.safe_open = lambda *a, **k: _Counted(real_open(*a, **k), counter)
+        weights.open_safetensors = lambda *a, **k: _Counted(real_open(*a, **k), counter)
         try:
             row_map = None
             if sources is not None:
@@ -76,7 +76,7 @@ def _rank_reads(path, cases):
             part = VocabPartition(src.config.vocab_size, world)
             rm = build_rank(src, layout, rank, "vocab", part)
         finally:
-            weights.safe_open = real_open
+            weights.open_safetensors = real_open
         out[name] = (counter, part.shard_range(rank), {n: t.clone() for n, t in rm.state_dict().items()})
     return out
 

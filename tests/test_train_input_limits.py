@@ -97,7 +97,7 @@ def _metaspace_tokenizer():
 
 
 class _Marking:
-    """A tokenizer that opens every input with a marker token: no cut can verify."""
+    """A tokenizer that opens every input with a marker token (a piece encoded alone would have one too many)."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -118,10 +118,7 @@ def test_a_long_text_is_encoded_in_pieces_to_the_same_ids(bpe, monkeypatch, kind
         return tok(s, **kw)
 
     assert long_text.encode_text(counting, text) == tok(text, add_special_tokens=False)["input_ids"]
-    if kind == "marking":  # no verified cut: the text went whole, as one call would have
-        assert max(calls) == len(text)
-    else:
-        assert max(calls) <= 3000
+    assert max(calls) <= 3000  # a marking tokenizer too: each piece is encoded behind its context, marker dropped
 
 
 def test_the_text_format_encodes_a_long_row_in_pieces(tmp_path, capsys, monkeypatch):

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
@@ -40,6 +39,7 @@ from vp_accelerate.models.build import build_rank, resolve_config
 from vp_accelerate.models.families import REFUSED, check_supported, decoder_families
 from vp_accelerate.models.layout import StageLayout
 from vp_accelerate.runtime import PipelineConfig, PipelineModel
+from vp_accelerate.safetensors_file import open_safetensors
 from vp_accelerate.vocab.partition import VocabPartition
 
 #: Rotary parameters per layer type of the families whose sliding layers have their own frequencies.
@@ -312,7 +312,7 @@ def _checkpoint_keys(path: str) -> set[str]:
     index = Path(path) / "model.safetensors.index.json"
     if index.exists():
         return set(json.loads(index.read_text())["weight_map"])
-    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+    with open_safetensors(Path(path) / "model.safetensors") as f:
         return set(f.keys())
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from vp_accelerate.model_config import check_model_config, read_config_json
 
 # HF model types whose decoder MLP has two matrices (up, down: GPT-2 style). Every other family has a
 # gated MLP (gate, up, down: SwiGLU / GeGLU), as nearly every decoder since Llama; a list of the gated
@@ -214,9 +215,12 @@ def shape_from_hf_config(
     config, seq: int, vocab: int | None = None, microbatch_size: int = 1, dtype_bytes: int = 2, attention: str = "flash"
 ) -> ModelShape:
     """A ModelShape from an HF config (object, dict, or path to config.json). `vocab` overrides;
-    `attention` says how activations are counted (see `ModelShape.attention`)."""
+    `attention` says how activations are counted (see `ModelShape.attention`). A config whose sizes are not
+    integers in range is a ModelConfigError (model_config.py), before anything is sized by it."""
     if isinstance(config, (str, Path)):
-        config = json.loads(Path(config).read_text())
+        config = read_config_json(config)
+    else:
+        check_model_config(config)
     get = (
         (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     )

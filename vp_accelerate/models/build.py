@@ -27,6 +27,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from vp_accelerate.model_config import read_config_json
+
 from .adapter import ModelParts, find_parts
 from .checkpoint_source import CheckpointSource
 from .layout import LayoutError, StageLayout
@@ -54,6 +56,8 @@ def resolve_config(source):
     if isinstance(source, nn.Module) and hasattr(source, "config"):
         return source.config
     if isinstance(source, (str, Path)) and Path(source).is_dir():
+        if (Path(source) / "config.json").is_file():  # its sizes checked before transformers reads them
+            read_config_json(Path(source) / "config.json")
         return AutoConfig.from_pretrained(source)
     raise TypeError(
         f"source must be a PretrainedConfig, a PreTrainedModel or a local checkpoint directory, got {source!r}"

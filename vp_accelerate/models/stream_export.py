@@ -30,28 +30,18 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from transformers import GenerationConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import PrefixChange
+
+from vp_accelerate.safetensors_file import DTYPES, dtype_of, open_safetensors
 
 from .build import meta_model
 from .generation import generation_config_for, with_tokenizer_ids
 
 INDEX = "model.safetensors.index.json"
 
-_DTYPE_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 Entry = tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]
 """(name, shape, dtype, a function producing the tensor when its turn comes)."""
@@ -250,7 +240,7 @@ def export_rank_files(
 ) -> Path:
     """An HF directory from a checkpoint's per-rank safetensors files of one replica, in pipeline-rank order,
     each with the names to leave out (a tied copy another rank counts). One process, one rank file open at a
-    time and one tensor read at a time (`safe_open`); a vocabulary matrix is read shard by shard into one
+    time and one tensor read at a time (`open_safetensors`); a vocabulary matrix is read shard by shard into one
     matrix. The output has one file per rank, as the live export."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,20 +248,20 @@ def export_rank_files(
     sharded = sorted(sharded_names)
     owner = vocab_owner(sharded, pp_size)
     if dtype is None:
-        with safe_open(rank_files[0][0], "pt") as f:
-            dtype = next((f.get_slice(n).get_dtype() for n in f.keys()), "F32")
-            dtype = {v: k for k, v in _DTYPE_NAMES.items()}.get(dtype, torch.float32)
+        path = rank_files[0][0]
+        with open_safetensors(path) as f:
+            dtype = next((dtype_of(f, n, path) for n in f.keys()), torch.float32)
     files: dict[str, list[tuple[str, int]]] = {}
     for r, (path, skip) in enumerate(rank_files):
         entries: list[Entry] = []
-        with safe_open(path, "pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 if name in skip or name in owner:
                     continue
-                sl = f.get_slice(name)
-                src = {v: k for k, v in _DTYPE_NAMES.items()}[sl.get_dtype()]
+                src = dtype_of(f, name, path)
                 want = dtype if src.is_floating_point else src
-                entries.append((name, tuple(sl.get_shape()), want, lambda f=f, name=name: f.get_tensor(name)))
+                shape = tuple(f.get_slice(name).get_shape())
+                entries.append((name, shape, want, lambda f=f, name=name: f.get_tensor(name)))
             for name in (n for n in sharded if owner[n] == r):
                 shape = _full_shape(rank_files, name, vocab_size)
                 entries.append((name, shape, dtype, lambda name=name: _read_rows(rank_files, name, vocab_size, dtype)))
@@ -285,7 +275,7 @@ def export_rank_files(
 
 
 def _full_shape(rank_files, name: str, vocab_size: int) -> tuple[int, ...]:
-    with safe_open(rank_files[0][0], "pt") as f:
+    with open_safetensors(rank_files[0][0]) as f:
         shape = f.get_slice(name).get_shape()
     return (vocab_size, *shape[1:])
 
@@ -297,7 +287,7 @@ def _read_rows(rank_files, name: str, vocab_size: int, dtype) -> torch.Tensor:
     for path, _ in rank_files:
         if start >= vocab_size:
             break
-        with safe_open(path, "pt") as f:
+        with open_safetensors(path) as f:
             sl = f.get_slice(name)
             take = min(sl.get_shape()[0], vocab_size - start)
             full[start : start + take] = sl[:take]

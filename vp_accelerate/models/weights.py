@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+from vp_accelerate.safetensors_file import open_safetensors
 
 #: Rows per independently seeded block of a vocabulary matrix at fresh init (independent of p).
 INIT_BLOCK_ROWS = 4096
@@ -123,7 +124,7 @@ class StateDictSource:
 class SafetensorsSource:
     """A local HF checkpoint directory (model.safetensors, or sharded with model.safetensors.index.json).
 
-    Reads only the tensors asked for, and only the rows asked for (`safe_open(...).get_slice`).
+    Reads only the tensors asked for, and only the rows asked for (`open_safetensors(...).get_slice`).
     """
 
     def __init__(self, path: str | Path):
@@ -132,7 +133,7 @@ class SafetensorsSource:
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.path / "model.safetensors").exists():
-            with safe_open(self.path / "model.safetensors", framework="pt") as f:
+            with open_safetensors(self.path / "model.safetensors") as f:
                 weight_map = {k: "model.safetensors" for k in f.keys()}
         else:
             raise FileNotFoundError(
@@ -145,13 +146,13 @@ class SafetensorsSource:
                     f"{index} names the weight file {str(fname)[:80]!r}, which is not a file in {self.path}"
                 )
         self.weight_map: dict[str, str] = weight_map
-        self._open = safe_open
+        self._open = open_safetensors
         self._handles: dict[str, object] = {}
 
     def _file(self, name: str):
         fname = self.weight_map[name]
         if fname not in self._handles:
-            self._handles[fname] = self._open(self.path / fname, framework="pt")
+            self._handles[fname] = self._open(self.path / fname)
         return self._handles[fname]
 
     def has(self, name: str) -> bool:

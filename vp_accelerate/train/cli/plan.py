@@ -13,6 +13,7 @@ from pathlib import Path
 from vp_accelerate.cost import GPU_PRESETS, Hardware
 from vp_accelerate.cost.data_parallel import ZERO_LEVELS
 from vp_accelerate.cost.memory import LORA_TARGETS
+from vp_accelerate.model_config import read_config_json
 from vp_accelerate.sim.cluster import INTERNODE_BANDWIDTH
 from vp_accelerate.sim.plan import CHECKPOINTING, TIGHT, PlanRequest, as_dict, assumptions, best, search, tight, why
 
@@ -43,7 +44,7 @@ def model_config(source: str):
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        return read_config_json(path)  # its sizes checked: one line, not a planner grown out of memory
     if source in PRESETS:
         return preset_config(source)
     preset_config(source)  # raises: unknown preset, with a did-you-mean

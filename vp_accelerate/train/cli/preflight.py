@@ -18,11 +18,13 @@ from huggingface_hub import try_to_load_from_cache
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from vp_accelerate.cost import plan_layout
+from vp_accelerate.model_config import ModelConfigError, read_config_json
 from vp_accelerate.models import unsupported_reason
 from vp_accelerate.models.layout import LayoutError
 from vp_accelerate.models.tensor_parallel import TPError
 from vp_accelerate.models.tensor_parallel import check_config as check_tp_config
 from vp_accelerate.runtime import tensor_parallel
+from vp_accelerate.safetensors_file import UnreadableSafetensors, check_header
 from vp_accelerate.schedule import ScheduleError, build_schedule
 from vp_accelerate.schedule.registry import METHODS
 
@@ -37,7 +39,7 @@ from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
 from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
-from ..recipe.presets import PRESETS, recipe_model_config, uses_pretrained_weights
+from ..recipe.presets import MODEL_FIX, PRESETS, recipe_model_config, uses_pretrained_weights
 from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import (
     model_tokenizer_of,
@@ -68,9 +70,19 @@ def _json_file(path: str, key: str) -> dict:
         raise RecipeError(f"{key}: {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except UnicodeDecodeError:
         raise RecipeError(f"{key}: {path} is not UTF-8 text") from None
+    except RecursionError:  # json's parser recurses per level
+        raise RecipeError(f"{key}: {path} is not valid JSON (nested deeper than the parser's limit)") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{key}: {path} holds a JSON {type(data).__name__}, not an object")
     return data
+
+
+def _config_json(path: str) -> dict:
+    """A local model's config.json, read within limits and its sizes checked (model_config.py)."""
+    try:
+        return read_config_json(path, MODEL_FIX)
+    except ModelConfigError as e:
+        raise RecipeError(f"model.source: {e}") from None
 
 
 def check_weight_files(src: str) -> None:
@@ -100,18 +112,14 @@ def check_weight_files(src: str) -> None:
         shards = ["model.safetensors"]
     else:
         return
-    from safetensors import safe_open  # reads a file's header only
-
     for name in shards:
         path = os.path.join(src, name)
         try:
-            with safe_open(path, "pt"):
-                pass
-        except Exception as e:  # noqa: BLE001 - SafetensorError (header too large, bad JSON, offsets), OSError
-            why = " ".join(str(e).split())[:200]
+            check_header(path)  # reads the header only
+        except UnreadableSafetensors as e:
+            why = e.why.removeprefix("cannot be read (").removesuffix(")")
             raise RecipeError(
-                f"model.source: {path} is not a readable safetensors file ({type(e).__name__}: {why}); copy the "
-                f"model again"
+                f"model.source: {path} is not a readable safetensors file ({why}); copy the model again"
             ) from None
 
 
@@ -121,7 +129,7 @@ def _check_remote_code(recipe) -> None:
         return
     src = _local_dir(recipe.model.source)
     if src and os.path.isfile(os.path.join(src, "config.json")):
-        cfg = _json_file(os.path.join(src, "config.json"), "model.source")
+        cfg = _config_json(os.path.join(src, "config.json"))
         if "auto_map" in cfg and cfg.get("model_type") not in CONFIG_MAPPING:
             raise RecipeError(
                 f"model.trust_remote_code: {src} needs its own modelling code (model_type "
@@ -171,7 +179,7 @@ def _model_config(recipe, full: bool = True):
             return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
         src = src or m.source
     if os.path.isfile(os.path.join(src, "config.json")):
-        _json_file(os.path.join(src, "config.json"), "model.source")
+        _config_json(os.path.join(src, "config.json"))
         if pretrained:
             check_weight_files(src)
     try:  # as the trainer reads it (`plan_model`)

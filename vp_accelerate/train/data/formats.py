@@ -176,6 +176,7 @@ def _mask_from_spans(tokenizer, text: str, spans) -> tuple[list[int], list[int]]
 def encode_chat(tokenizer, template: str, messages, train_on_inputs: bool = False) -> tuple[str, list[int], list[int]]:
     """(rendered text, ids, loss mask) of one conversation. Raises FormatError for a malformed one."""
     check_messages(messages)
+    check_size("chat", {"messages": messages})
     messages = _clean(messages)
     found = assistant_spans(tokenizer, template, messages)
     if found is not None:
@@ -211,7 +212,41 @@ def encode_text(tokenizer, text: str, add_eos: bool) -> list[int]:
     """The ids of a text row as TRL's SFTTrainer makes them: the tokenizer's own special tokens (a BOS where its
     settings add one), EOS appended as text."""
     # a long row is encoded in verified pieces (long_text): one call on a 10 MB row would take ~2 GB
-    return long_text.encode_text(tokenizer, with_eos(tokenizer, text) if add_eos else text, add_special_tokens=True)
+    try:
+        return long_text.encode_text(tokenizer, with_eos(tokenizer, text) if add_eos else text, add_special_tokens=True)
+    except long_text.Unsplittable as e:
+        raise FormatError(f"the text is {len(text):,} characters and {e}; split the row into shorter ones") from None
+
+
+def text_chars(value) -> int:
+    """Characters of every string inside a row's value (a string, a list of turns, content parts), walked
+    without recursion."""
+    total, todo = 0, [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            todo += item.values()
+        elif isinstance(item, (list, tuple)):
+            todo += item
+    return total
+
+
+def check_size(fmt: str, values: dict) -> None:
+    """FormatError when a row of a format tokenized whole (chat, prompt / completion, preference pairs; `values`:
+    its fields by column name) holds more characters than one tokenizer call may take
+    (`long_text.MAX_ONE_CALL_CHARS`): such a call keeps ~150-350 bytes per character, so one 10 MB value took
+    2.5-3.5 GB. Checked before any tokenizer call; the message names the longest field."""
+    sizes = {name: text_chars(v) for name, v in values.items()}
+    total = sum(sizes.values())
+    if total > long_text.MAX_ONE_CALL_CHARS:
+        name = max(sizes, key=sizes.get)
+        raise FormatError(
+            f"{name!r} holds {sizes[name]:,} characters ({total:,} in the row), more than the "
+            f"{long_text.MAX_ONE_CALL_CHARS:,} a {fmt} row may hand the tokenizer at once (~300 bytes of memory per "
+            f"character); shorten or split the row, or set data.skip_invalid: true to skip such rows"
+        )
 
 
 def common_prefix_length(ids, other) -> int:
@@ -233,6 +268,7 @@ def encode_prompt_completion(
     for name, value in (("prompt", prompt), (field, completion)):
         if not isinstance(value, str):
             raise FormatError(f"{name!r} must be a string, got {short(value)}")
+    check_size("prompt_completion", {"prompt": prompt, field: completion})
     if not completion:
         raise FormatError(f"{field!r} is empty, so no token would carry loss")
     text = prompt + (with_eos(tokenizer, completion) if add_eos else completion)

@@ -111,6 +111,7 @@ def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple
     (the tokenizer's special tokens for strings, the template's for turns); FormatError if malformed."""
     prompt = row.get(cfg.prompt_field)
     chosen, rejected = row.get(cfg.chosen_field), row.get(cfg.rejected_field)
+    formats.check_size("preference", {cfg.prompt_field: prompt, cfg.chosen_field: chosen, cfg.rejected_field: rejected})
     for name, value in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
         if value is None:
             raise formats.FormatError(f"a preference row needs {cfg.chosen_field!r} and {cfg.rejected_field!r}")

@@ -114,6 +114,7 @@ def encode_unpaired(tokenizer, template, keys, row: dict, cfg: DataSection) -> t
     """(prompt ids, completion ids, desirable) of one row, tokenized as TRL 1.16's KTOTrainer; FormatError if
     malformed."""
     prompt, completion = row.get(cfg.prompt_field), row.get(cfg.completion_field)
+    formats.check_size("unpaired_preference", {cfg.prompt_field: prompt, cfg.completion_field: completion})
     label = _label(row, cfg)
     if completion is None or (isinstance(completion, str) and not completion.strip()):
         raise formats.FormatError(f"{cfg.completion_field!r} is missing or empty: a KTO row judges a completion")

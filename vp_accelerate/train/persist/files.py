@@ -20,8 +20,9 @@ import re
 import zipfile
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
+
+from vp_accelerate import safetensors_file
+from vp_accelerate.safetensors_file import UnreadableSafetensors
 
 from ..data.identity import content_hash as digest
 
@@ -78,7 +79,43 @@ def _damaged(path: str, what: str) -> CheckpointError:
     return CheckpointError(f"checkpoint file {path} {what}; {fix(path)}")
 
 
+def _within(path: str, folder: str) -> bool:
+    """`path` resolves (every symbolic link on the way followed) to `folder` or something inside it."""
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _linked_out(path: str, folder: str) -> CheckpointError:
+    return _damaged(
+        path,
+        f"leads outside the checkpoint {folder} through a symbolic link (of its own or of a folder on the way): "
+        f"refused, nothing is read through it (a checkpoint holds its own files; copy one with cp -rL / rsync -L)",
+    )
+
+
+def contained(path: str) -> str:
+    """`path`, a file of a checkpoint, when it resolves inside its checkpoint (the step folder it is in, a link
+    to it followed); CheckpointError when a symbolic link (the file's own, a rank folder's) leads outside it.
+    Checked before the file is stat'ed, so nothing about a file outside (its size, whether it exists) is said."""
+    folder = _checkpoint_of(path)[0]
+    if not _within(path, folder):
+        raise _linked_out(path, folder)
+    return path
+
+
+def check_links(step_dir: str) -> None:
+    """Every entry of checkpoint `step_dir` (walked without following links: a linked folder is not entered)
+    resolves inside it: a symbolic link to a file or folder outside is refused in one line, whatever its name
+    (model/'s tokenizer files, which transformers opens by name, included)."""
+    for folder, dirs, names in os.walk(step_dir):
+        for name in sorted(dirs + names):
+            path = os.path.join(folder, name)
+            if os.path.islink(path) and not _within(path, step_dir):
+                raise _linked_out(path, step_dir)
+
+
 def _present(path: str) -> None:
+    contained(path)
     if not os.path.isfile(path):
         raise _damaged(path, "is missing")
     if os.path.getsize(path) == 0:
@@ -146,9 +183,9 @@ def load_safetensors(path: str, expected: dict | None = None) -> dict:
     """A safetensors file's tensors, checked against the record."""
     check_file(path, expected)
     try:
-        return load_file(path)
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
-        raise _damaged(path, f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from None
+        return safetensors_file.load_safetensors(path)
+    except UnreadableSafetensors as e:
+        raise _damaged(path, e.why) from None
 
 
 def load_torch(path: str, expected: dict | None = None, mmap: bool = False):
@@ -172,18 +209,26 @@ def _first_line(e: Exception) -> str:
 
 
 def open_safetensors(path: str):
-    """`safe_open(path)` (tensors read on demand), CheckpointError naming the file when its header is not one
-    (a header length past the file, garbled JSON, offsets past the end: safetensors checks them before reading)."""
+    """`safetensors_file.open_safetensors` (tensors read on demand), CheckpointError naming the file when
+    its header is not one (a header length past the file, garbled JSON, offsets past the end: safetensors checks
+    them before reading)."""
+    contained(path)
     try:
-        return safe_open(path, "pt")
-    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
-        raise _damaged(path, f"cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+        return safetensors_file.open_safetensors(path)
+    except UnreadableSafetensors as e:
+        raise _damaged(path, e.why) from None
+
+
+def unreadable(e: UnreadableSafetensors) -> CheckpointError:
+    """A checkpoint's safetensors file found unreadable below the checkpoint code (the export's reads) as the
+    CheckpointError a load gives."""
+    return _damaged(e.path, e.why)
 
 
 def rank_record(rank_dir: str) -> dict | None:
     """A rank folder's files.json (None for a checkpoint saved before it was written: its meta.json records no
     `files` either; where meta.json does, a missing files.json is damage)."""
-    path = os.path.join(rank_dir, MANIFEST)
+    path = contained(os.path.join(rank_dir, MANIFEST))
     if not os.path.exists(path):
         meta = os.path.join(os.path.dirname(rank_dir), "meta.json")
         if os.path.isfile(meta) and "files" in read_json(meta):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from vp_accelerate.models.export import assemble_state_dict, export_hf, save_hf
@@ -38,7 +37,9 @@ from vp_accelerate.models.generation import generation_eos
 from vp_accelerate.models.lora import merge_lora, save_adapter
 from vp_accelerate.models.stream_export import export_rank_files
 from vp_accelerate.runtime.adapter_config import AdapterConfig
+from vp_accelerate.safetensors_file import UnreadableSafetensors
 
+from ..recipe.convert import from_dict
 from ..recipe.presets import starts_from_weights
 from ..tokens.token_map import same_vocabulary
 from . import store as ckpt
@@ -46,10 +47,21 @@ from . import store as ckpt
 log = logging.getLogger("vp_accelerate.train")
 
 
-def _adapter_of(recipe: dict):
-    """The run's AdapterConfig when it trained LoRA adapters, else None."""
+def _adapter_of(recipe, where: str = "meta.json"):
+    """The run's AdapterConfig when it trained LoRA adapters, else None. `recipe`: the recipe meta.json saved, read
+    as a recipe is (unknown keys, types, values): CheckpointError naming `where` (meta.json) and the key."""
+    if recipe is not None and not isinstance(recipe, dict):
+        raise ckpt.CheckpointError(
+            f"checkpoint file {where}: `recipe` is {type(recipe).__name__}, not the run's recipe"
+        )
     section = (recipe or {}).get("adapter") or {}
-    adapter = AdapterConfig(**section) if section else AdapterConfig()
+    try:
+        adapter = from_dict(AdapterConfig, section, "recipe.adapter").check() if section else AdapterConfig()
+    except ValueError as e:  # RecipeError: an unknown key (a did-you-mean), a wrong type; or an impossible value
+        raise ckpt.CheckpointError(
+            f"checkpoint file {where}: {e} (altered, or written by another version of vp-accelerate); "
+            f"{ckpt.files.fix(where)}"
+        ) from None
     return adapter if adapter.enabled else None
 
 
@@ -106,7 +118,7 @@ def checkpoint_state(path: str, trust_remote_code: bool = False):
     config, tokenizer, meta = checkpoint_model_files(path, trust_remote_code)
     shards = []
     for file, skip in replica0_files(path, meta):
-        shards.append({k: v for k, v in load_file(file).items() if k not in skip})
+        shards.append({k: v for k, v in ckpt.files.load_safetensors(file).items() if k not in skip})
     tp = int(meta.get("tp_size", 1)) > 1
     tp_sliced, tp_packed = (dict(meta.get("tp_sliced", {})), dict(meta.get("tp_packed", {}))) if tp else ({}, {})
     state = assemble_state_dict(
@@ -215,11 +227,25 @@ def export_checkpoint(
     `out_dir`, and a LoRA run's adapter folder to `adapter_dir`; `adapter_only`: the adapter folder alone, in
     `out_dir`. `dtype` (a torch dtype): the weights' (None: as trained). A full model (no LoRA) is streamed one
     rank file and one tensor at a time, one output file per pipeline rank (`max_shard_size` does not apply).
-    `trust_remote_code`: the caller's word (see `checkpoint_model_files`)."""
+    `trust_remote_code`: the caller's word (see `checkpoint_model_files`). A checkpoint whose files do not make
+    the model (a safetensors header that is not one, tensors of another model, too few vocabulary rows) is a
+    CheckpointError naming the file, never a traceback."""
+    step_dir = ckpt.resolve(path)
+    try:
+        return _export(step_dir, out_dir, max_shard_size, adapter_only, adapter_dir, dtype, trust_remote_code)
+    except UnreadableSafetensors as e:  # read below the checkpoint code (models/stream_export.py)
+        raise ckpt.files.unreadable(e) from None
+    except ValueError as e:  # from models/: the tensors' names or rows do not make the model the config describes
+        raise ckpt.CheckpointError(
+            f"{step_dir} cannot be exported: {' '.join(str(e).split())[:500]}; "
+            f"{ckpt.files.fix(os.path.join(step_dir, ckpt.META))}"
+        ) from None
+
+
+def _export(step_dir, out_dir, max_shard_size, adapter_only, adapter_dir, dtype, trust_remote_code):
     if adapter_only is False and adapter_dir is None:  # one model dir: streamed or gathered (models/export.py)
-        step_dir = ckpt.resolve(path)
         config, tokenizer, meta = checkpoint_model_files(step_dir, trust_remote_code)
-        adapter = _adapter_of(meta.get("recipe"))
+        adapter = _adapter_of(meta.get("recipe"), os.path.join(step_dir, ckpt.META))
 
         def stream(dtype):  # one rank file and one tensor at a time (models/stream_export.py)
             return export_rank_files(
@@ -248,7 +274,8 @@ def export_checkpoint(
             max_shard_size=max_shard_size,
         )
         return out_dir
-    state, config, tokenizer, meta = checkpoint_state(path, trust_remote_code)
+    state, config, tokenizer, meta = checkpoint_state(step_dir, trust_remote_code)
+    _adapter_of(meta.get("recipe"), os.path.join(step_dir, ckpt.META))
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
     if adapter_only:
@@ -265,5 +292,5 @@ def export_checkpoint(
             max_shard_size,
         )
     except ckpt.CheckpointError as e:
-        raise ckpt.CheckpointError(f"{ckpt.resolve(path)}: {e}") from None
+        raise ckpt.CheckpointError(f"{step_dir}: {e}") from None
     return out_dir or adapter_dir

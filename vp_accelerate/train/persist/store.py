@@ -338,11 +338,21 @@ def _prune(ckpt_dir: str, keep: int, protect: str | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------------------- loading
+def _no_link(pointer: str) -> None:
+    """`latest` and `best` are files the run writes; a symbolic link there is refused before it is read (its
+    target's first line would be shown as the name it holds)."""
+    if os.path.islink(pointer):
+        raise CheckpointError(
+            f"{pointer} is a symbolic link, not the pointer file a run writes; delete it and resume with --resume STEP"
+        )
+
+
 def read_latest(ckpt_dir: str) -> str | None:
     """Path of the newest complete checkpoint in `ckpt_dir`, or None when there is none."""
     pointer = os.path.join(ckpt_dir, LATEST)
     if not os.path.isfile(pointer):
         return None
+    _no_link(pointer)
     with open(pointer, encoding="utf-8", errors="replace") as f:
         name = f.read(4096).strip()
     if not STEP_DIR.fullmatch(name):  # only a folder of this directory: never `../x` or an absolute path
@@ -367,6 +377,7 @@ def read_best(ckpt_dir: str) -> str | None:
     pointer = os.path.join(ckpt_dir, BEST)
     if not os.path.isfile(pointer):
         return None
+    _no_link(pointer)
     with open(pointer, encoding="utf-8", errors="replace") as f:
         name = f.read(4096).strip()
     path = os.path.join(ckpt_dir, name)
@@ -408,8 +419,10 @@ def resume_path(ckpt_dir: str | None, which: str = "latest") -> str | None:
 
 def read_meta(path: str) -> dict:
     """A checkpoint's meta.json, checked against its record (meta.record.json: its size and hash) and for the
-    keys and types the loaders read (`check_meta`); CheckpointError naming the file and the fix otherwise."""
+    keys and types the loaders read (`check_meta`), after checking that no entry of the checkpoint is a symbolic
+    link leading outside it (`files.check_links`); CheckpointError naming the file and the fix otherwise."""
     meta_path, record_path = os.path.join(path, META), os.path.join(path, META_RECORD)
+    files.check_links(path)  # no file of it is a link to one outside (every load starts here)
     if os.path.exists(record_path):
         record = files.check_record(files.read_json(record_path), record_path)
         files.check_file(meta_path, record.get(META))

@@ -14,6 +14,7 @@ import os
 from huggingface_hub import snapshot_download
 from transformers import AutoConfig
 
+from vp_accelerate.model_config import ModelConfigError, check_model_config, read_config_json
 from vp_accelerate.models.checkpoint_source import CheckpointSource
 from vp_accelerate.models.row_map import RowMap
 
@@ -98,12 +99,36 @@ def recipe_model_config(
     source: str, overrides: dict | None = None, trust_remote_code: bool = False, pretrained: bool = False
 ):
     """The model config of a recipe's `model.source` (preset, local dir, or hub id), overrides applied.
-    `pretrained`: the run reads the source's weights (`uses_pretrained_weights`), see `with_overrides`."""
+    `pretrained`: the run reads the source's weights (`uses_pretrained_weights`), see `with_overrides`.
+    The config is checked (model_config.py: sizes, numbers, a config.json's size and nesting) before transformers
+    reads it and again with the overrides applied: RecipeError naming the key and the fix."""
     if source in PRESETS:
         check_config_types(preset_config(source), overrides or {})
-        return preset_config(source, overrides)
-    config = AutoConfig.from_pretrained(os.path.expanduser(source), trust_remote_code=trust_remote_code)
-    return with_overrides(config, overrides, pretrained)
+        _checked(overrides or {}, "model.config", OVERRIDE_FIX)
+        config = preset_config(source, overrides)
+    else:
+        path = os.path.join(os.path.expanduser(source), "config.json")
+        if os.path.isfile(path):
+            _checked(path, "model.source", MODEL_FIX)
+        config = AutoConfig.from_pretrained(os.path.expanduser(source), trust_remote_code=trust_remote_code)
+        config = with_overrides(config, overrides, pretrained)
+        _checked(overrides or {}, "model.config", OVERRIDE_FIX)
+    _checked(config, "model.source", MODEL_FIX, f"the config of {source}")
+    return config
+
+
+MODEL_FIX = "correct {name} in the model's config.json or point model.source at another model"
+OVERRIDE_FIX = "set model.config.{name} to a size the model can have"
+
+
+def _checked(config, key: str, fix: str, source: str | None = None):
+    """`check_model_config` (or `read_config_json` for a path) with its error as a RecipeError on `key`."""
+    try:
+        if isinstance(config, str):
+            return read_config_json(config, fix)
+        check_model_config(config, source or key, fix)
+    except ModelConfigError as e:
+        raise RecipeError(f"{key}: {e}" if source or isinstance(config, str) else str(e)) from None
 
 
 def with_overrides(config, overrides: dict | None, pretrained: bool):
