@@ -214,3 +214,62 @@ def test_empty_chosen_names_its_field_and_identical_pairs_are_warned_with_their_
     assert data.stats["train"].same == 1 and data.stats["train"].same_examples == [f"{path}, line 6"]
     text = "\n".join(said)
     assert "chosen == rejected" in text and "line 6" in text
+
+
+def _trl_cpo(tok, rows, trainer="cpo"):
+    """TRL's CPOTrainer (or ORPOTrainer) tokenization of `rows`, conversational ones rendered first as its
+    __init__ does: [(chosen ids, chosen mask, rejected ids, rejected mask)]."""
+    from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
+
+    if trainer == "cpo":
+        from trl.experimental.cpo.cpo_trainer import CPOTrainer as Trainer
+    else:
+        from trl.experimental.orpo.orpo_trainer import ORPOTrainer as Trainer
+    stand_in = types.SimpleNamespace(processing_class=tok, is_encoder_decoder=False, max_length=512)
+    stand_in.build_tokenized_answer = types.MethodType(Trainer.build_tokenized_answer, stand_in)
+    out = []
+    for row in rows:
+        row = maybe_apply_chat_template(maybe_extract_prompt(row), tok)
+        b = Trainer.tokenize_row(stand_in, row)
+        out.append(
+            tuple(
+                part
+                for side in ("chosen_", "rejected_")
+                for part in (b[f"{side}input_ids"], [int(x != -100) for x in b[f"{side}labels"]])
+            )
+        )
+    return out
+
+
+def _ours_cpo(tok, row):
+    template = formats.chat_template_of(tok)[0]
+    keys = chat_rows.template_keys(template)
+    return encode_pair(tok, template, keys, row, DataSection(format="preference"), style="cpo")
+
+
+@pytest.mark.parametrize("trainer", ["cpo", "orpo"])
+def test_simpo_and_orpo_pairs_match_cpo_and_orpo_trainers_each_rows_boundary(tok, trainer):
+    """SimPO / ORPO rows as CPOTrainer / ORPOTrainer tokenize them: no special tokens, then the BOS id, the
+    EOS id after each completion, and each row's own boundary (a prompt's trailing space merged into one row's
+    first token and not the other's: DPOTrainer's split takes the shorter prompt for both)."""
+    completions = COMPLETIONS + [" paris", "\nparis", "  gamma"]
+    rows = [{"prompt": p, "chosen": c, "rejected": r} for p in PROMPTS for c in completions for r in completions[:3]]
+    differs = 0
+    for row, want in zip(rows, _trl_cpo(tok, rows, trainer)):
+        got = _ours_cpo(tok, row)
+        assert got == want, (row, got, want)
+        differs += got != _ours_pair(tok, row)
+        assert got[0][0] == tok.bos_token_id and got[0][-1] == tok.eos_token_id
+    assert differs  # the DPO split differs somewhere on these rows: the test sees the boundary
+    prompt = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "world"},
+        {"role": "user", "content": "capital france"},
+    ]
+    chosen, rejected = [{"role": "assistant", "content": "paris"}], [{"role": "assistant", "content": "gamma delta"}]
+    for row in (
+        {"prompt": prompt, "chosen": chosen, "rejected": rejected},
+        {"chosen": prompt + chosen, "rejected": prompt + rejected},
+    ):
+        (want,) = _trl_cpo(tok, [row], trainer)
+        assert _ours_cpo(tok, row) == want, row

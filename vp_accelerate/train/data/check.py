@@ -18,6 +18,7 @@ import os
 from ..recipe import Recipe, finish_steps
 from ..recipe.schema import DataSection
 from .formats import sample_format
+from .preference import pair_style
 from .prepare import (
     EVAL_OFF,
     PreparedData,
@@ -122,7 +123,7 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
     for what would stop the run: invalid rows, every conversation dropped, too few sequences for one step, no
     evaluation sequence when evaluation is on."""
     d, t, e = recipe.data, recipe.train, recipe.eval
-    prepared = prepare_data(d, tokenizer, vocab_size)
+    prepared = prepare_data(d, tokenizer, vocab_size, style=pair_style(recipe.preference.loss_type))
     prepared.check_sizes(t.global_batch, e.batches)
     lines = []
     if prepared.train is None:

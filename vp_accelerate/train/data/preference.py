@@ -106,9 +106,74 @@ def _joint(prompt_ids: list, chosen_ids: list, rejected_ids: list) -> tuple[list
     return tuple(out)
 
 
-def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple[list, list, list, list]:
+CPO_LOSSES = ("simpo", "orpo")
+"""Losses whose TRL trainer (CPOTrainer, ORPOTrainer) tokenizes pairs its own way (`cpo_pair`)."""
+
+
+def pair_style(loss_type) -> str:
+    """ "cpo" when the losses include SimPO or ORPO (TRL's CPOTrainer / ORPOTrainer tokenize their rows), else
+    "dpo" (DPOTrainer's)."""
+    types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type or ())
+    return "cpo" if any(t in CPO_LOSSES for t in types) else "dpo"
+
+
+def _cpo_answer(tokenizer, prompt: str, answer: str) -> tuple[list, list]:
+    """CPOTrainer.build_tokenized_answer: prompt + answer tokenized whole without special tokens, the answer
+    starting where the prompt alone (without special tokens) ends, one token earlier when the prompt's last
+    token merged into the answer's first (each row on its own: chosen and rejected may split differently)."""
+    full = list(tokenizer(prompt + answer, add_special_tokens=False)["input_ids"])
+    alone = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if len(alone) > len(full):
+        raise formats.FormatError("the prompt alone tokenizes longer than prompt + completion (CPOTrainer rejects it)")
+    start = len(alone) - (alone != full[: len(alone)])
+    return full[:start], full[start:]
+
+
+def cpo_pair(tokenizer, prompt: str, chosen: str, rejected: str, add_eos: bool) -> tuple[list, list, list, list]:
+    """A pair tokenized as TRL 1.16's CPOTrainer / ORPOTrainer `tokenize_row` (text already rendered): each row
+    split by `_cpo_answer`, the tokenizer's BOS put before the prompt unless it is there (whenever the tokenizer
+    has one, whatever its settings), the EOS id after each completion unless it ends with it (`add_eos`)."""
+    out = []
+    splits = [_cpo_answer(tokenizer, prompt, c) for c in (chosen, rejected)]
+    if sum(a != b for a, b in zip(splits[0][0], splits[1][0])) > 1 or abs(len(splits[0][0]) - len(splits[1][0])) > 1:
+        raise formats.FormatError("chosen and rejected split the prompt differently (CPOTrainer rejects the row)")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    for head, answer in splits:
+        if bos is not None and (not head or head[0] != bos):
+            head = [bos] + head
+        if add_eos and eos is not None and (not answer or answer[-1] != eos):
+            answer = answer + [eos]
+        out += [head + answer, [0] * len(head) + [1] * len(answer)]
+    return tuple(out)
+
+
+def _rendered(tokenizer, template, prompt: list, completions: list) -> tuple[str, list[str]]:
+    """(prompt text, completion texts) of conversational rows as TRL's `maybe_apply_chat_template` renders them for
+    CPOTrainer: the prompt with the generation prompt (or continuing a final assistant turn), cut to the common
+    prefix of the whole renderings; each completion the rest of its rendering."""
+    last = prompt[-1]["role"] if prompt else "user"
+    text = tokenizer.apply_chat_template(
+        prompt,
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=last != "assistant",
+        continue_final_message=last == "assistant",
+    )
+    whole = [tokenizer.apply_chat_template(prompt + c, chat_template=template, tokenize=False) for c in completions]
+    for w in whole:
+        n = 0
+        while n < min(len(text), len(w)) and text[n] == w[n]:
+            n += 1
+        text = text[:n]
+    return text, [w[len(text) :] for w in whole]
+
+
+def encode_pair(
+    tokenizer, template, keys, row: dict, cfg: DataSection, style: str = "dpo"
+) -> tuple[list, list, list, list]:
     """(chosen ids, chosen loss mask, rejected ids, rejected loss mask) of one row, tokenized as TRL's DPOTrainer
-    (the tokenizer's special tokens for strings, the template's for turns); FormatError if malformed."""
+    (the tokenizer's special tokens for strings, the template's for turns), or as CPOTrainer / ORPOTrainer with
+    `style` "cpo" (`cpo_pair`: turns rendered to text first); FormatError if malformed."""
     prompt = row.get(cfg.prompt_field)
     chosen, rejected = row.get(cfg.chosen_field), row.get(cfg.rejected_field)
     for name, value in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
@@ -125,6 +190,8 @@ def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple
         for name, value in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
             if not isinstance(value, str):
                 raise formats.FormatError(f"{name!r} must be a string, got {formats.short(value)}")
+        if style == "cpo":
+            return cpo_pair(tokenizer, prompt, chosen, rejected, cfg.add_eos)
         ends = [formats.with_eos(tokenizer, c) if cfg.add_eos else c for c in (chosen, rejected)]
         rows = [tokenizer(prompt + c)["input_ids"] for c in ends]
         return _joint(list(tokenizer(prompt)["input_ids"]), list(rows[0]), list(rows[1]))
@@ -136,14 +203,18 @@ def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple
             n += 1
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     prompt = turns_of(prompt, cfg.prompt_field)
-    rows = []
+    rows, completions = [], []
     for name, completion in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
         messages, _ = chat_rows.normalize(prompt + turns_of(completion, name), keys, "the chat template")
         formats.check_messages(messages)
         if not any(m["role"] == "assistant" for m in messages[len(prompt) :]):
             raise formats.FormatError(f"{name!r} has no assistant turn, so no token would carry loss")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        completions.append(messages[len(prompt) :])
         rows.append(chat_ids(tokenizer, template, messages))
+    if style == "cpo":
+        text, ends = _rendered(tokenizer, template, messages[: len(prompt)], completions)
+        return cpo_pair(tokenizer, text, ends[0], ends[1], cfg.add_eos)
     prompt_ids = chat_ids(tokenizer, template, messages[: len(prompt)], generation_prompt=True)
     return _joint(prompt_ids, rows[0], rows[1])
 
@@ -173,9 +244,11 @@ def record_of(row: dict) -> tuple[dict | None, str]:
     return row, ""
 
 
-def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, every: int, stats: SplitStats):
+def _read_pairs(
+    docs, cfg: DataSection, tokenizer, vocab_size: int, locate, every: int, stats: SplitStats, style: str = "dpo"
+):
     """(train pairs, held-out pairs, invalid reasons) of one split, counted into `stats` (`locate`: row index
-    -> its place, "FILE, line N")."""
+    -> its place, "FILE, line N"; `style`: `encode_pair`'s)."""
     template, _ = formats.chat_template_of(tokenizer)
     keys = chat_rows.template_keys(template)
     train, held, bad = [], [], []
@@ -188,7 +261,7 @@ def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, ever
         try:
             if reason:
                 raise formats.FormatError(reason)
-            pair = encode_pair(tokenizer, template, keys, row, cfg)
+            pair = encode_pair(tokenizer, template, keys, row, cfg, style)
         except formats.FormatError as e:
             bad.append(f"{place}: {e}")
             continue
@@ -226,10 +299,13 @@ def _count(stats: SplitStats, pairs: list, seqs: PairSequences) -> None:
     stats.loss_tokens = int(seqs.target_counts().sum()) if len(pairs) else 0
 
 
-def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test: str | None = None):
+def prepare_pairs(
+    cfg: DataSection, tokenizer, vocab_size: int, every: int, test: str | None = None, style: str = "dpo"
+):
     """(train PairSequences, eval PairSequences, pad id, {"train", "eval"} -> SplitStats) of a preference data
     section (no cache: preference sets are small, and every rank reads them the same); `test`: the split of
-    data.hub_id that holds the evaluation pairs (`sources.eval_split`), if any."""
+    data.hub_id that holds the evaluation pairs (`sources.eval_split`), if any; `style`: "dpo" or "cpo"
+    (`pair_style` of the recipe's losses)."""
     if cfg.streaming:
         raise DataError("data.streaming: preference pairs are read whole; set data.streaming: false")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -239,13 +315,20 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test
     docs = load_documents(paths or None, cfg.hub_id, cfg.hub_split, builder, False, cfg.hub_name, cfg.hub_revision)
     locate = RowLocator(paths, builder, source) if paths else (lambda i: f"{source}, row {i + 1}")
     stats = {"train": SplitStats(source)}
-    train, held, bad = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every, stats["train"])
+    train, held, bad = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every, stats["train"], style)
     stats["eval"] = SplitStats(f"{source} (held out: 1 pair in {every})" if every else source)
     if test:
         eval_docs = load_documents(None, cfg.hub_id, test, "auto", False, cfg.hub_name, cfg.hub_revision)
         stats["eval"] = SplitStats(f"dataset {cfg.hub_id} split {test!r}")
         held, _, eval_bad = _read_pairs(
-            eval_docs, cfg, tokenizer, vocab_size, lambda i: f"{stats['eval'].source}, row {i + 1}", 0, stats["eval"]
+            eval_docs,
+            cfg,
+            tokenizer,
+            vocab_size,
+            lambda i: f"{stats['eval'].source}, row {i + 1}",
+            0,
+            stats["eval"],
+            style,
         )
         bad = bad + eval_bad
     if cfg.eval_files:
@@ -254,7 +337,7 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test
         eval_docs = load_documents(eval_paths, None, "train", eval_builder, False, None, None)
         eval_locate = RowLocator(eval_paths, eval_builder, "data.eval_files")
         stats["eval"] = SplitStats(f"data.eval_files {cfg.eval_files}")
-        held, _, eval_bad = _read_pairs(eval_docs, cfg, tokenizer, vocab_size, eval_locate, 0, stats["eval"])
+        held, _, eval_bad = _read_pairs(eval_docs, cfg, tokenizer, vocab_size, eval_locate, 0, stats["eval"], style)
         bad = bad + eval_bad
     if bad and not cfg.skip_invalid:
         more = f"{len(bad)} invalid rows; the first: " if len(bad) > 1 else ""

@@ -193,8 +193,9 @@ def holdout_every(cfg: DataSection) -> int:
     return 0 if cfg.eval_files or cfg.eval_holdout == 0 else max(2, round(1 / cfg.eval_holdout))
 
 
-def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = True) -> PreparedData:
-    """Read, tokenize and pack the recipe's data once (every rank the same; the tokenized rows are cached).
+def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = True, style: str = "dpo") -> PreparedData:
+    """Read, tokenize and pack the recipe's data once (every rank the same; the tokenized rows are cached);
+    `style`: how pairs are tokenized, "dpo" or "cpo" (`preference.pair_style` of the recipe's losses).
 
     Raises DataError naming the key, file and row and the fix: invalid rows (`BadRowsError`, unless
     data.skip_invalid), every conversation dropped by data.seq_len, too little data for one sequence.
@@ -206,7 +207,7 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
         test = None
     every = holdout_every(cfg)
     if cfg.format == "preference":  # pairs, not packed rows (data/preference.py)
-        train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every, test)
+        train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every, test, style)
         return PreparedData(cfg, "preference", "set by data.format", train, eval_seqs, stats, None, pad_id)
     if cfg.format == "unpaired_preference":  # KTO's rows and their KL rows (data/unpaired.py)
         train, eval_seqs, pad_id, stats = prepare_unpaired(cfg, tokenizer, vocab_size, every, test)
