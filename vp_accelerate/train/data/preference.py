@@ -42,6 +42,9 @@ class PairSequences(Sequences):
     """[2 x pairs] float64 log π_ref of each row, once the trainer has computed (or loaded) them."""
     held_out: bool = False
     """Evaluation pairs held out of the training data (data.eval_holdout), not an evaluation source of their own."""
+    starts: np.ndarray | None = None
+    """[2 x pairs] each row's first completion position, when the chosen rows' labels cover the prompt too
+    (`pair_style` "orpo"); the batch's `completion_start`."""
 
     def __len__(self) -> int:
         return len(self.ids) // 2
@@ -58,6 +61,8 @@ class PairSequences(Sequences):
         out = super().batch(self._rows(rows))
         if self.ref_logps is not None:
             out["ref_logps"] = torch.from_numpy(self.ref_logps[self._rows(rows)])
+        if self.starts is not None:
+            out["completion_start"] = torch.from_numpy(self.starts[self._rows(rows)])
         return out
 
 
@@ -110,10 +115,17 @@ CPO_LOSSES = ("simpo", "orpo")
 """Losses whose TRL trainer (CPOTrainer, ORPOTrainer) tokenizes pairs its own way (`cpo_pair`)."""
 
 
+REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero")
+"""DPOTrainer's losses that need the reference model (its log π_ref counts the completion only)."""
+
+
 def pair_style(loss_type) -> str:
-    """ "cpo" when the losses include SimPO or ORPO (TRL's CPOTrainer / ORPOTrainer tokenize their rows), else
-    "dpo" (DPOTrainer's)."""
+    """How pairs are tokenized: "orpo" for ORPO without a reference loss (ORPOTrainer's rows, the chosen rows'
+    prompt tokens labelled too: its NLL counts them), "cpo" when the losses include SimPO or ORPO (CPOTrainer /
+    ORPOTrainer's rows), else "dpo" (DPOTrainer's)."""
     types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type or ())
+    if "orpo" in types and not any(t in REFERENCE_LOSSES for t in types):
+        return "orpo"
     return "cpo" if any(t in CPO_LOSSES for t in types) else "dpo"
 
 
@@ -190,7 +202,7 @@ def encode_pair(
         for name, value in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
             if not isinstance(value, str):
                 raise formats.FormatError(f"{name!r} must be a string, got {formats.short(value)}")
-        if style == "cpo":
+        if style != "dpo":
             return cpo_pair(tokenizer, prompt, chosen, rejected, cfg.add_eos)
         ends = [formats.with_eos(tokenizer, c) if cfg.add_eos else c for c in (chosen, rejected)]
         rows = [tokenizer(prompt + c)["input_ids"] for c in ends]
@@ -212,15 +224,18 @@ def encode_pair(
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         completions.append(messages[len(prompt) :])
         rows.append(chat_ids(tokenizer, template, messages))
-    if style == "cpo":
+    if style != "dpo":
         text, ends = _rendered(tokenizer, template, messages[: len(prompt)], completions)
         return cpo_pair(tokenizer, text, ends[0], ends[1], cfg.add_eos)
     prompt_ids = chat_ids(tokenizer, template, messages[: len(prompt)], generation_prompt=True)
     return _joint(prompt_ids, rows[0], rows[1])
 
 
-def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int) -> PairSequences:
+def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int, style: str = "dpo") -> PairSequences:
+    """Pairs as padded rows; `style` "orpo": the chosen rows' prompt tokens are labelled too (ORPOTrainer's NLL
+    counts them) and `starts` says where each completion begins."""
     n = 2 * len(pairs)
+    starts = np.zeros(n, dtype=np.int64) if style == "orpo" else None
     ids = np.full((n, seq_len), pad_id, dtype=np.int64)
     labels = np.full((n, seq_len), -100, dtype=np.int64)
     mask = np.zeros((n, seq_len), dtype=np.int64)
@@ -232,7 +247,11 @@ def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int) -> PairSequences
             labels[i, : len(row)] = np.where(np.asarray(m, dtype=bool), row, -100)
             mask[i, : len(row)] = 1
             lengths[i] = len(row)
-    return PairSequences(ids, mask=mask, labels=labels, lengths=lengths, pad_id=pad_id)
+            if starts is not None:
+                starts[i] = list(m).index(1)
+                if r == 0:
+                    labels[i, : len(row)] = row
+    return PairSequences(ids, mask=mask, labels=labels, lengths=lengths, pad_id=pad_id, starts=starts)
 
 
 def record_of(row: dict) -> tuple[dict | None, str]:
@@ -367,7 +386,7 @@ def prepare_pairs(
         raise DataError(f"{source}: no preference pair fits (invalid or longer than data.seq_len={cfg.seq_len})")
     out = []
     for name, pairs in (("train", train), ("eval", held)):
-        seqs = _pairs_to_sequences(pairs, cfg.seq_len, pad_id)
+        seqs = _pairs_to_sequences(pairs, cfg.seq_len, pad_id, style)
         seqs.held_out = name == "eval" and every > 0
         _count(stats[name], pairs, seqs)
         out.append(seqs)

@@ -155,6 +155,7 @@ def preference_of(section, batch: dict, kl: tuple[float, ...] | float = 0.0) -> 
         kl=kl,
         desirable_weight=section.desirable_weight,
         undesirable_weight=section.undesirable_weight,
+        completion_start=batch.get("completion_start"),
     )
 
 
