@@ -26,6 +26,7 @@ from .prepare import (
     holdout_every,
     no_eval_message,
     pairs_eval_off,
+    pairs_returned,
     prepare_data,
 )
 from .read import DataError, first_record_columns
@@ -165,6 +166,9 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
     ev = prepared.eval
     if ev is None:
         lines.append("evaluation: held-out documents of the stream, read at the start of the run")
+        return lines, prepared, recipe
+    if prepared.returned:  # held-out pairs that fill no global batch train instead
+        lines.append(pairs_returned(prepared.returned, t.global_batch))
         return lines, prepared, recipe
     if len(ev) == 0 and prepared.eval_off():
         lines.append(EVAL_OFF % d.eval_holdout)

@@ -318,6 +318,31 @@ def _count(stats: SplitStats, pairs: list, seqs: PairSequences) -> None:
     stats.loss_tokens = int(seqs.target_counts().sum()) if len(pairs) else 0
 
 
+def give_back(train: PairSequences, held: PairSequences, stats: dict) -> tuple[PairSequences, PairSequences]:
+    """(training pairs with the held-out ones appended, no held-out pair): held-out pairs that evaluation
+    would not use train instead; `stats` ("train" / "eval" SplitStats) counted again."""
+
+    def join(a, b):
+        return None if a is None else np.concatenate([a, b])
+
+    seqs = PairSequences(
+        np.concatenate([train.ids, held.ids]),
+        mask=join(train.mask, held.mask),
+        labels=join(train.labels, held.labels),
+        lengths=join(train.lengths, held.lengths),
+        pad_id=train.pad_id,
+        starts=join(train.starts, held.starts),
+    )
+    empty = PairSequences(held.ids[:0], mask=held.mask[:0], labels=held.labels[:0], lengths=held.lengths[:0])
+    empty.pad_id, empty.held_out = held.pad_id, True
+    empty.starts = None if held.starts is None else held.starts[:0]
+    for key in ("truncated", "cut_tokens", "dropped", "same"):
+        setattr(stats["train"], key, getattr(stats["train"], key) + getattr(stats["eval"], key))
+    _count(stats["train"], range(len(seqs)), seqs)
+    _count(stats["eval"], [], empty)
+    return seqs, empty
+
+
 def prepare_pairs(
     cfg: DataSection, tokenizer, vocab_size: int, every: int, test: str | None = None, style: str = "dpo"
 ):
