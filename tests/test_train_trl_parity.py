@@ -273,3 +273,73 @@ def test_simpo_and_orpo_pairs_match_cpo_and_orpo_trainers_each_rows_boundary(tok
     ):
         (want,) = _trl_cpo(tok, [row], trainer)
         assert _ours_cpo(tok, row) == want, row
+
+
+CHATML_GENERATION = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML whose assistant turns are `{% generation %}` blocks: the `<|im_end|>` inside, its `\\n` outside."""
+
+
+@pytest.fixture(scope="module")
+def chatml_tok(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    lines = [p + c for p in PROMPTS for c in COMPLETIONS] + ["system user assistant\n"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(lines * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<pad>")
+    fast.chat_template = CHATML_GENERATION
+    folder = tmp_path_factory.mktemp("chatml_tok")
+    fast.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_a_template_with_generation_blocks_masks_as_sft_trainers_assistant_only_loss(chatml_tok):
+    """The template's own assistant mask is the loss mask, as SFTTrainer's assistant_only_loss: the `\\n` after
+    each assistant `<|im_end|>` carries no loss (the turn-by-turn rendering gave it one)."""
+    from trl import SFTConfig, SFTTrainer
+
+    tok = chatml_tok
+    chats = [
+        {
+            "messages": [
+                {"role": "system", "content": "gamma"},
+                {"role": "user", "content": p},
+                {"role": "assistant", "content": c},
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": COMPLETIONS[(k + 1) % 4]},
+            ]
+        }
+        for p in PROMPTS
+        for k, c in enumerate(COMPLETIONS)
+    ]
+    args = SFTConfig(
+        output_dir="unused",
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        dataset_num_proc=None,
+        max_length=None,
+        assistant_only_loss=True,
+    )
+    stand_in = types.SimpleNamespace(_tokenizer=tok, completion_only_loss=True, chat_template=None)
+    want = SFTTrainer._prepare_dataset(stand_in, _dataset(chats), tok, args, False, None, "train")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for row, trl_row in zip(chats, want):
+        _, ids, mask, _ = _row_tokenizer(tok, "chat").encode(row)
+        trl_mask = [int(x != -100) for x in trl_row["labels"]]  # its labels: -100 off the assistant mask
+        assert ids == trl_row["input_ids"] and mask == trl_mask, (row, mask, trl_mask)
+        ends = [i for i in range(len(ids) - 1) if ids[i] == end and mask[i]]  # the assistant turns' ends
+        assert len(ends) == 2 and all(tok.decode(ids[i + 1]).startswith("\n") and not mask[i + 1] for i in ends)
