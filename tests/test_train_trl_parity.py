@@ -11,6 +11,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 
 from vp_accelerate.train.data import chat_rows, formats, prepare_data
 from vp_accelerate.train.data.preference import encode_pair
@@ -343,3 +344,34 @@ def test_a_template_with_generation_blocks_masks_as_sft_trainers_assistant_only_
         assert ids == trl_row["input_ids"] and mask == trl_mask, (row, mask, trl_mask)
         ends = [i for i in range(len(ids) - 1) if ids[i] == end and mask[i]]  # the assistant turns' ends
         assert len(ends) == 2 and all(tok.decode(ids[i + 1]).startswith("\n") and not mask[i + 1] for i in ends)
+
+
+def test_orpo_rows_label_the_chosen_prompt_and_say_where_completions_start(tok, tmp_path):
+    """ORPO's data: ORPOTrainer's tokens, the chosen rows labelled on the prompt too (its NLL reads input_ids
+    where attention_mask), the rejected on the completion, and `completion_start` where tokenize_row's labels
+    start; the trainer hands it to the runtime's Preference."""
+    from vp_accelerate.train.recipe.schema import PreferenceSection
+    from vp_accelerate.train.run.loop import preference_of
+
+    rows = [
+        {"prompt": p, "chosen": c, "rejected": COMPLETIONS[(k + 1) % 4]}
+        for k, c in enumerate(COMPLETIONS)
+        for p in PROMPTS
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = prepare_data(
+        DataSection(files=[str(path)], format="preference", seq_len=24, eval_holdout=0), tok, len(tok), style="orpo"
+    )
+    want = _trl_cpo(tok, rows, "orpo")
+    batch = data.train.batch(np.arange(len(rows)))
+    for k, (c_ids, c_mask, r_ids, r_mask) in enumerate(want):
+        for row, ids, mask in ((2 * k, c_ids, c_mask), (2 * k + 1, r_ids, r_mask)):
+            n = len(ids)
+            assert data.train.ids[row, :n].tolist() == ids
+            assert int(batch["completion_start"][row]) == mask.index(1)
+            labelled = [1] * n if row % 2 == 0 else mask
+            assert (data.train.labels[row, :n] != -100).astype(int).tolist() == labelled
+    section = PreferenceSection(loss_type=["sft", "orpo"])
+    batch["ref_logps"] = None
+    assert torch.equal(preference_of(section, batch).completion_start, batch["completion_start"])
