@@ -428,10 +428,11 @@ class PipelineModel:
         """The step's reward means on every rank (the baseline knows them on its last stage only)."""
         if not pair_losses:
             return None
-        totals = torch.zeros(REWARD_SUMS, dtype=torch.float64, device=self.device)
-        for pl in pair_losses:
+        # one row per microbatch: KTOTrainer's metrics are each micro-step's, averaged (the same all-reduces)
+        totals = torch.zeros(len(pair_losses), REWARD_SUMS, dtype=torch.float64, device=self.device)
+        for k, pl in enumerate(pair_losses):
             if pl.logps is not None:
-                totals += pl.rewards()
+                totals[k] = pl.rewards()
         if not self.vocab:
             p2p.collective(dist.all_reduce, totals, self.groups.pp_group, "evaluation sums")
         if self.groups.dp_group is not None:

@@ -461,12 +461,15 @@ CPOTrainer / ORPOTrainer's per-microbatch logits/*, nll_loss, ORPO's two log-odd
 
 
 def reward_metrics(totals: torch.Tensor, pairs: int, rows: int | None = None, style: str = "dpo") -> dict[str, float]:
-    """TRL's logged means from the step's [REWARD_SUMS] sums (`PairLoss.rewards`): per pair, and the logits per
+    """TRL's logged means from the step's [REWARD_SUMS] sums (`PairLoss.rewards`; [microbatches, REWARD_SUMS]:
+    each microbatch's, summed here for pairs, KTO's per micro-step: `kto_step_metrics`): per pair, and the logits per
     completion token (DPOTrainer: Σ over the batch's completion tokens of the mean logit / their count), or as
     CPOTrainer / ORPOTrainer (`style` "cpo" / "orpo"): logits/* and nll_loss each replica's, averaged over the
     replicas, ORPO's log_odds_ratio and log_odds_chosen per pair. `rows`: KTO's
     unpaired rows (`kto_metrics`)."""
-    t = totals.tolist()
+    if totals.dim() == 2 and rows is not None:  # KTO: each microbatch's metrics, averaged as TRL's micro-steps
+        return kto_step_metrics(totals, rows)
+    t = (totals.sum(dim=0) if totals.dim() == 2 else totals).tolist()
     if rows is not None:
         return kto_metrics(t, rows)
     out = {name: t[k] / max(pairs, 1) for k, name in enumerate(REWARD_METRICS[:6])}
@@ -479,6 +482,18 @@ def reward_metrics(totals: torch.Tensor, pairs: int, rows: int | None = None, st
     if style == "orpo":
         out["log_odds_ratio"], out["log_odds_chosen"] = t[13] / max(pairs, 1), t[14] / max(pairs, 1)
     return out
+
+
+def kto_step_metrics(totals: torch.Tensor, rows: int) -> dict[str, float]:
+    """KTOTrainer's logged values over a step of microbatches ([microbatches, REWARD_SUMS] sums, each over every
+    replica's rows of that microbatch, as its gather_for_metrics): each micro-step's `kto_metrics`, then each
+    name's mean over the micro-steps that logged it (rewards/chosen over those with desirable rows, ...)."""
+    per = rows // totals.shape[0]
+    logged: dict[str, list[float]] = {}
+    for t in totals.tolist():
+        for name, value in kto_metrics(t, per).items():
+            logged.setdefault(name, []).append(value)
+    return {name: sum(values) / len(values) for name, values in logged.items()}
 
 
 def kto_metrics(t: list[float], rows: int) -> dict[str, float]:
