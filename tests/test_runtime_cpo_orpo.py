@@ -183,3 +183,80 @@ def test_simpo_and_orpo_are_cpo_and_orpo_trainers_on_2_ranks(tmp_path, method):
             for n, p in model.named_parameters() if r == 0 else ():  # gathered on rank 0
                 err = (grads[n] - p.grad).abs().max().item() / p.grad.abs().max().item()
                 assert err < 1e-9, (*what, n, err)
+
+
+def _dpo_on_ranks(ckpt, data, noise, method):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.preference import Preference
+
+    ids, mask, labels, _ = data
+    cfg = PipelineConfig(schedule="1f1b", method=method, microbatches=2, attn_implementation="eager")
+    pipe = PipelineModel(ckpt, cfg, dtype=torch.float64)
+    ref = pipe.sequence_logps(ids, labels, mask) + noise
+    res = pipe.train_step(ids, labels, mask, preference=Preference(ref_logps=ref, beta=BETA))
+    pipe.close()
+    return res.rewards, ref
+
+
+def _trl_dpo_metrics(model, ids, mask, labels, ref):
+    """DPOTrainer._compute_loss with TRL's own fused head (`add_fused_lm_head`: entropy, mean logits, top-1) on
+    the batch as TRL orders it, [chosen..., rejected...]; its logged metrics."""
+    from collections import defaultdict
+
+    from trl import DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    order = torch.cat([torch.arange(0, len(ids), 2), torch.arange(1, len(ids), 2)])
+    acc = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
+    me = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        accelerator=acc,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        f_divergence_type="reverse_kl",
+        use_weighting=False,
+        precompute_ref_logps=True,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        loss_types=["sigmoid"],
+        loss_weights=[1.0],
+        beta=BETA,
+        label_smoothing=0.0,
+    )
+    inputs = {
+        "input_ids": ids[order],
+        "attention_mask": mask[order],
+        "completion_mask": (labels[order] != -100).to(torch.int64),
+        "ref_chosen_logps": ref[0::2],
+        "ref_rejected_logps": ref[1::2],
+    }
+    with torch.no_grad():
+        DPOTrainer._compute_loss(me, model, inputs, False)
+    return {k: sum(v) / len(v) for k, v in me._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("method", ["vocab-1", "vocab-2", pytest.param("baseline", marks=pytest.mark.slow)])
+def test_dpo_entropy_and_token_accuracy_are_dpo_trainers_on_2_ranks(tmp_path, method):
+    """DPOTrainer's `entropy` (over every completion token) and `mean_token_accuracy` (the chosen completions'
+    top-1 hits), with logits/* and the rewards, from C1's statistics (no collective of their own). TRL's fused
+    head works in float32 (its log-probabilities too), so they agree to 1e-6; the top-1 hits exactly."""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_llama(101, tied=False, attn_implementation="eager")).save_pretrained(
+        tmp_path / "ckpt"
+    )
+    ckpt = str(tmp_path / "ckpt")
+    data = _pairs(seed, 101)
+    noise = torch.randn(2 * PAIRS, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    per_rank = spawn(_dpo_on_ranks, 2, ckpt, data, noise, method, timeout_s=600)
+    ids, mask, labels, _ = data
+    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
+    rewards, ref = per_rank[0]
+    want = _trl_dpo_metrics(model, ids, mask, labels, ref)
+    assert 0 < want["mean_token_accuracy"] or want["entropy"] > 0
+    for name in ("entropy", "mean_token_accuracy", "logits/chosen", "logits/rejected"):
+        for r in (0, 1):
+            # TRL's fused head computes entropy and mean logits in float32: agreement to its precision
+            assert per_rank[r][0][name] == pytest.approx(want[name], rel=1e-6, abs=1e-9), (name, method, r, seed)

@@ -156,11 +156,14 @@ def _dpo_run(tok_dir, tmp_path, preference):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if "train/loss" in r]
-    if not reference:
+    if not reference:  # ORPOTrainer's metrics, not DPOTrainer's
+        assert {"nll_loss", "log_odds_ratio", "log_odds_chosen"} <= set(train[0]) and "num_tokens" not in train[0]
         assert not (tmp_path / "run" / "ref_logps.pt").exists()
         assert train[-1]["train/loss"] < train[0]["train/loss"] and train[-1]["rewards/accuracies"] > 0.5
         return
     assert train[0]["train/loss"] == pytest.approx(math.log(2), rel=1e-6)  # the policy is the reference at step 1
+    assert train[0]["num_tokens"] == train[0]["train/tokens"] and 0 < train[0]["entropy"]  # DPOTrainer's too
+    assert 0 <= train[0]["mean_token_accuracy"] <= 1
     assert train[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-9)
     assert train[-1]["train/loss"] < 0.6 and train[-1]["rewards/accuracies"] > 0.5
     final = [r for r in rows if "eval/loss" in r][-1]

@@ -125,14 +125,18 @@ def _trl_step(model, batches, refs, ref_kls):
         with torch.no_grad():
             kl_token = _token_logps(model, b["KL_input_ids"], kl_labels)
         table = {id(b["input_ids"]): per_token, id(b["KL_input_ids"]): kl_token}
-        with torch.no_grad():  # each position's mean logit over the vocabulary (TRL's logits/*)
-            mean = model(input_ids=b["input_ids"]).logits[:, :-1].to(torch.float64).mean(dim=-1)
-        means = {id(b["input_ids"]): mean, id(b["KL_input_ids"]): torch.zeros_like(kl_token)}
+        with torch.no_grad():  # each position's mean logit over the vocabulary (TRL's logits/*) and entropy
+            logits = model(input_ids=b["input_ids"]).logits[:, :-1].to(torch.float64)
+            logp = torch.log_softmax(logits, dim=-1)
+        stats = {
+            id(b["input_ids"]): (logits.mean(dim=-1), -(logp.exp() * logp).sum(dim=-1)),
+            id(b["KL_input_ids"]): (torch.zeros_like(kl_token), torch.zeros_like(kl_token)),
+        }
 
         def head(input_ids, labels=None, **_):
             lp = table[id(input_ids)]
-            z = torch.zeros_like(lp.detach())
-            return SimpleNamespace(log_probs=lp, entropy=z, mean_logits=means[id(input_ids)], is_top1=z.bool())
+            mean, entropy = stats[id(input_ids)]
+            return SimpleNamespace(log_probs=lp, entropy=entropy, mean_logits=mean, is_top1=mean.bool())
 
         batch = {**b, "ref_logps": ref, "ref_KL_logps": ref_kl}
         total = total + KTOTrainer._compute_loss(me, head, batch, False) / len(batches)
@@ -200,7 +204,7 @@ def test_a_kto_step_on_2_ranks_is_trls_loss_and_gradients(tok, tmp_path):
     # micro-steps as its log does (the microbatches hold 3 and 2 desirable rows: not the step's means); no accuracy
     assert "rewards/accuracies" not in rewards and "rewards/margins" in rewards
     names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"]
-    for name in names + ["logits/chosen", "logits/rejected"]:
+    for name in names + ["logits/chosen", "logits/rejected", "entropy"]:
         want = sum(logged[name]) / len(logged[name])
         assert rewards[name] == pytest.approx(want, rel=1e-9, abs=1e-12), (name, rewards, dict(logged), seed)
 

@@ -281,6 +281,10 @@ class PairLoss:
     """After a call: [rows] float64 log π of this step's policy (sums over each row's label tokens)."""
     mean_logits: torch.Tensor | None = field(default=None, repr=False)
     """[rows x seq] each position's logits averaged over the vocabulary (TRL's logits/* metrics), when recorded."""
+    entropy: torch.Tensor | None = field(default=None, repr=False)
+    """[rows, seq] each position's entropy of the softmax over the vocabulary (TRL's DPO `entropy`), when recorded."""
+    top1: torch.Tensor | None = field(default=None, repr=False)
+    """[rows, seq] bool: the label is the position's top-1 logit (TRL's DPO `mean_token_accuracy`)."""
     full_logps: torch.Tensor | None = field(default=None, repr=False)
     """After a call: [rows] Σ log π over every label token, prompt included where labelled (ORPO's NLL)."""
 
@@ -303,6 +307,13 @@ class PairLoss:
         col = torch.arange(self.labels.shape[1], device=self.labels.device)
         start = self.completion_start.to(self.labels.device)
         return valid & (col[None, :] >= start[:, None] - 1)
+
+    def record_token_stats(self, entropy: torch.Tensor, top1: torch.Tensor) -> None:
+        """Keep each position's entropy and whether its label is the top-1 logit (under vocabulary parallelism
+        from C1's statistics: the max and the target logit of its first all-reduce, Σ e^(z−m) z beside Σ e^(z−m)
+        in its second)."""
+        self.entropy = entropy.detach().to(torch.float64).reshape(self.labels.shape)
+        self.top1 = top1.detach().reshape(self.labels.shape)
 
     def _tokens(self) -> torch.Tensor:
         return self._completion().sum(dim=1).to(torch.float64).clamp(min=1)
@@ -399,8 +410,19 @@ class PairLoss:
                 tokens[first].sum(),
                 tokens[second].sum(),
                 *self._cpo_sums(mean.to(logps.device), first, second),
+                *self._token_sums(valid, first),
             ]
         )
+
+    def _token_sums(self, valid: torch.Tensor, first: torch.Tensor) -> list[torch.Tensor]:
+        """Σ of the entropy over every completion token, Σ of the chosen completions' top-1 hits (zeros when not
+        recorded): DPOTrainer's `entropy` and `mean_token_accuracy` over the token counts already summed."""
+        zero = torch.zeros((), dtype=torch.float64, device=valid.device)
+        if self.entropy is None or self.top1 is None:
+            return [zero, zero]
+        entropy = torch.where(valid, self.entropy.to(valid.device), 0.0).sum()
+        hits = (self.top1.to(valid.device) & valid)[first].sum().to(torch.float64)
+        return [entropy, hits]
 
     def _cpo_sums(self, mean: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> list[torch.Tensor]:
         """This microbatch's share of its replica's CPOTrainer / ORPOTrainer metrics (zeros for the others), the
@@ -455,9 +477,10 @@ REWARD_METRICS = (
 )
 """TRL's DPOTrainer metric names: six means over pairs, then the completions' mean logit per token."""
 
-REWARD_SUMS = 16
+REWARD_SUMS = 18
 """Entries of `PairLoss.rewards`: the six metrics' sums over pairs, Σ mean logits and tokens of each side, then
-CPOTrainer / ORPOTrainer's per-microbatch logits/*, nll_loss, ORPO's two log-odds sums and the microbatches."""
+CPOTrainer / ORPOTrainer's per-microbatch logits/*, nll_loss, ORPO's two log-odds sums and the microbatches, then
+Σ entropy over the completion tokens and Σ top-1 hits over the chosen ones (DPOTrainer's)."""
 
 
 def reward_metrics(totals: torch.Tensor, pairs: int, rows: int | None = None, style: str = "dpo") -> dict[str, float]:
@@ -476,6 +499,8 @@ def reward_metrics(totals: torch.Tensor, pairs: int, rows: int | None = None, st
     if style == "dpo":
         out["logits/chosen"] = t[6] / t[8] if t[8] else 0.0
         out["logits/rejected"] = t[7] / t[9] if t[9] else 0.0
+        out["entropy"] = t[16] / (t[8] + t[9]) if t[8] + t[9] else 0.0
+        out["mean_token_accuracy"] = t[17] / t[8] if t[8] else 0.0
         return out
     steps = max(t[15], 1e-12)  # the replicas
     out["logits/chosen"], out["logits/rejected"], out["nll_loss"] = t[10] / steps, t[11] / steps, t[12] / steps
@@ -513,4 +538,6 @@ def kto_metrics(t: list[float], rows: int) -> dict[str, float]:
         out["logits/chosen"] = t[6] / t[8]
     if t[9]:
         out["logits/rejected"] = t[7] / t[9]
+    if t[8] + t[9]:
+        out["entropy"] = t[16] / (t[8] + t[9])
     return out
