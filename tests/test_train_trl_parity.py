@@ -375,3 +375,22 @@ def test_orpo_rows_label_the_chosen_prompt_and_say_where_completions_start(tok, 
     section = PreferenceSection(loss_type=["sft", "orpo"])
     batch["ref_logps"] = None
     assert torch.equal(preference_of(section, batch).completion_start, batch["completion_start"])
+
+
+def test_conversational_orpo_pairs_on_chatml_match_orpo_trainer(chatml_tok):
+    """ChatML turns for ORPO: the rendered text tokenized without special tokens, then ORPOTrainer's EOS id after
+    the template's closing newline (its `<|im_end|>` is the EOS, but the row ends in the newline)."""
+    tok = chatml_tok
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": "gamma"}, {"role": "user", "content": p}],
+            "chosen": [{"role": "assistant", "content": c}],
+            "rejected": [{"role": "assistant", "content": COMPLETIONS[(k + 2) % 4]}],
+        }
+        for p in PROMPTS
+        for k, c in enumerate(COMPLETIONS)
+    ]
+    for row, want in zip(rows, _trl_cpo(tok, rows, "orpo")):
+        got = _ours_cpo(tok, row)
+        assert got == want, (row, got, want)
+        assert got[0][-1] == tok.eos_token_id and got[0][-2] != tok.eos_token_id
