@@ -220,8 +220,15 @@ def _output_layer_errors(ids, labels, noise) -> dict:
             start, _ = part.shard_range(rank)
             n = part.valid_rows(rank)
             rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
-            mean_logits = (x @ weight.t()).mean(dim=-1).reshape(rows, SEQ)  # the whole vocabulary's, per token
+            logits = x @ weight.t()
+            mean_logits = logits.mean(dim=-1).reshape(rows, SEQ)  # the whole vocabulary's, per token
+            logp = torch.log_softmax(logits, dim=-1)
+            entropy = -(logp.exp() * logp).sum(dim=-1).reshape(rows, SEQ)
+            valid = target != -100
+            top1 = (logits.argmax(dim=-1).reshape(rows, SEQ) == target) & valid
+            errors[(algo, loss_type, "top1")] = float(not torch.equal(fn.top1 & valid, top1))
             errors[(algo, loss_type)] = max(
+                rel(fn.entropy, entropy),  # Σ e^(z−m) z beside Σ e^(z−m) in C1's second all-reduce
                 abs(st.loss_sum.item() - ref_loss.item()) / abs(ref_loss.item()),
                 rel(st.grad_x, xr.grad),
                 rel(w_grad[:n], wr.grad[start : start + n]) if n else 0.0,
@@ -259,7 +266,7 @@ def _check(world: int, vocab: int, tied: bool, configs, tmp_path):
                 assert loss == pytest.approx(ref_loss, rel=1e-9, abs=1e-12), what
                 if eval_loss is not None:
                     assert eval_loss == pytest.approx(ref_loss, rel=1e-9, abs=1e-12), what
-                assert set(rewards) == set(REWARD_METRICS), what
+                assert set(rewards) == set(REWARD_METRICS) | {"entropy", "mean_token_accuracy"}, what
                 for name in REWARD_METRICS:
                     assert rewards[name] == pytest.approx(ref_rewards[name], rel=1e-9, abs=1e-12), (*what, name)
                 if grads is not None:  # gathered on pipeline rank 0 of each replica

@@ -156,11 +156,14 @@ def _dpo_run(tok_dir, tmp_path, preference):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if "train/loss" in r]
-    if not reference:
+    if not reference:  # ORPOTrainer's metrics, not DPOTrainer's
+        assert {"nll_loss", "log_odds_ratio", "log_odds_chosen"} <= set(train[0]) and "num_tokens" not in train[0]
         assert not (tmp_path / "run" / "ref_logps.pt").exists()
         assert train[-1]["train/loss"] < train[0]["train/loss"] and train[-1]["rewards/accuracies"] > 0.5
         return
     assert train[0]["train/loss"] == pytest.approx(math.log(2), rel=1e-6)  # the policy is the reference at step 1
+    assert train[0]["num_tokens"] == train[0]["train/tokens"] and 0 < train[0]["entropy"]  # DPOTrainer's too
+    assert 0 <= train[0]["mean_token_accuracy"] <= 1
     assert train[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-9)
     assert train[-1]["train/loss"] < 0.6 and train[-1]["rewards/accuracies"] > 0.5
     final = [r for r in rows if "eval/loss" in r][-1]
@@ -205,9 +208,12 @@ def test_demo_pairs_are_deterministic_and_reject_another_answer(tmp_path):
 
 
 def test_check_and_launch_agree_on_evaluation_pairs(tok, tmp_path):
-    """--check says what the launch does, in pairs: held-out pairs short of a global batch turn evaluation off in
-    both (the report said 1 batch, the launch stopped); an evaluation file short of one is refused by both."""
+    """--check says what the launch does, in pairs: held-out pairs short of a global batch go back to training
+    and evaluation is off, in both (the report said 1 batch, the launch stopped; then the pairs were held out and
+    unused); an evaluation file short of one is refused by both."""
     from vp_accelerate.train.data.check import data_report
+    from vp_accelerate.train.data.preference import prepare_pairs
+    from vp_accelerate.train.data.prepare import holdout_every
 
     rows = [{"prompt": f"hello {w}", "chosen": f" {w} paris", "rejected": " gamma"} for w in WORDS[:6]] * 2
     f = _write(tmp_path / "p.jsonl", rows)
@@ -215,13 +221,19 @@ def test_check_and_launch_agree_on_evaluation_pairs(tok, tmp_path):
     recipe = recipe_from_dict(
         {"data": {"files": [f], "format": "preference", "seq_len": 16, "eval_holdout": 0.25}} | base
     )
+    held = len(prepare_pairs(recipe.data, tok, len(tok), holdout_every(recipe.data))[1])  # what it holds out
+    assert 0 < held < 4
     lines, prepared, _ = data_report(recipe, tok, len(tok))
-    held = len(prepared.eval)
-    assert 0 < held < 4 and f"{held} held out for evaluation" in lines[0], lines
+    assert len(prepared.train) == 12 and len(prepared.eval) == 0 and prepared.returned == held
+    assert "12 pairs for training;" in lines[0] and "held out" not in lines[0], lines
     noun = "pair" if held == 1 else "pairs"
-    assert f"the {held} held-out preference {noun} fill no global batch of 4 pairs: evaluation is off" in lines[-1]
-    _, evals = prepared.iterators(0, 4, eval_batches=None)  # the launch: no error, no evaluation batch
-    assert len(evals) == 0
+    assert f"the {held} held-out preference {noun} fill no global batch of 4 pairs, so" in lines[-1], lines
+    assert "train instead (none is held out) and evaluation is off" in lines[-1].replace("it trains", "train")
+    launch = prepare_data(recipe.data, tok, len(tok))
+    launch.check_sizes(4, None)  # the launch: the same pairs train, no error, no evaluation batch
+    train, evals = launch.iterators(0, 4, eval_batches=None)
+    assert len(launch.train) == 12 and len(evals) == 0
+    assert launch.train.ids.tolist() == prepared.train.ids.tolist()
     one = _write(tmp_path / "e.jsonl", rows[:1])
     recipe = recipe_from_dict(
         {"data": {"files": [f], "eval_files": [one], "format": "preference", "seq_len": 16}} | base
@@ -316,3 +328,22 @@ def test_check_counts_kto_rows_as_rows_not_packed_sequences_or_pairs(tok, tmp_pa
     held = len(prepared.eval)
     noun = "row" if held == 1 else "rows"
     assert f"the {held} held-out preference {noun} fill no global batch of 4 rows: evaluation is off" in lines[-1]
+
+
+def test_check_says_pairs_per_microbatch_and_that_pairs_are_not_packed(tmp_path):
+    """--check's batch line counts pairs for preference data (global_batch is pairs: 2 pairs are 4 sequences)
+    and its data note says pairs are never packed (it said "2 sequences per microbatch" and "packed keeping
+    document boundaries")."""
+    from vp_accelerate.train.cli.preflight import _data_note
+    from vp_accelerate.train.recipe.checks import describe_batch
+
+    f = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    recipe = recipe_from_dict(
+        {"data": {"files": [f], "format": "preference"}, "train": {"global_batch": 4}, "pipeline": {"microbatches": 2}}
+    )
+    line = describe_batch(recipe)
+    assert line.startswith("batch: global_batch 4 pairs = 2 pairs (4 sequences) per microbatch"), line
+    note = _data_note(recipe)
+    assert "pairs never packed" in note and "packed keeping" not in note, note
+    text = recipe_from_dict({"data": {"files": [f]}, "train": {"global_batch": 4}, "pipeline": {"microbatches": 2}})
+    assert "global_batch 4 = 2 sequences per microbatch" in describe_batch(text)

@@ -125,15 +125,22 @@ def _trl_step(model, batches, refs, ref_kls):
         with torch.no_grad():
             kl_token = _token_logps(model, b["KL_input_ids"], kl_labels)
         table = {id(b["input_ids"]): per_token, id(b["KL_input_ids"]): kl_token}
+        with torch.no_grad():  # each position's mean logit over the vocabulary (TRL's logits/*) and entropy
+            logits = model(input_ids=b["input_ids"]).logits[:, :-1].to(torch.float64)
+            logp = torch.log_softmax(logits, dim=-1)
+        stats = {
+            id(b["input_ids"]): (logits.mean(dim=-1), -(logp.exp() * logp).sum(dim=-1)),
+            id(b["KL_input_ids"]): (torch.zeros_like(kl_token), torch.zeros_like(kl_token)),
+        }
 
         def head(input_ids, labels=None, **_):
             lp = table[id(input_ids)]
-            z = torch.zeros_like(lp.detach())
-            return SimpleNamespace(log_probs=lp, entropy=z, mean_logits=z, is_top1=z.bool())
+            mean, entropy = stats[id(input_ids)]
+            return SimpleNamespace(log_probs=lp, entropy=entropy, mean_logits=mean, is_top1=mean.bool())
 
         batch = {**b, "ref_logps": ref, "ref_KL_logps": ref_kl}
         total = total + KTOTrainer._compute_loss(me, head, batch, False) / len(batches)
-    return total, metrics["train"]["kl"]
+    return total, metrics["train"]
 
 
 def _gathered_grads(pipe):
@@ -184,7 +191,8 @@ def test_a_kto_step_on_2_ranks_is_trls_loss_and_gradients(tok, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
     parts = [slice(k * ROWS, (k + 1) * ROWS) for k in range(MICRO)]
-    trl_loss, trl_kl = _trl_step(model, _trl_batches(tok, rows), [ref[p] for p in parts], [ref_kl[p] for p in parts])
+    trl_loss, logged = _trl_step(model, _trl_batches(tok, rows), [ref[p] for p in parts], [ref_kl[p] for p in parts])
+    trl_kl = logged["kl"]
     trl_loss.backward()
     assert z[0] == 0.0 and z[1] > 0, (z, seed)
     assert list(z) == pytest.approx(trl_kl, rel=1e-9, abs=1e-12), seed
@@ -192,12 +200,13 @@ def test_a_kto_step_on_2_ranks_is_trls_loss_and_gradients(tok, tmp_path):
     for n, p in model.named_parameters():
         err = (grads[n] - p.grad).abs().max().item() / p.grad.abs().max().item()
         assert err < 1e-9, (n, err, seed)
-    # KTOTrainer's names: per-class means (desirable = "chosen"), no accuracy
-    desirable = batch["desirable"]
-    reward = BETA * (ref - noise - ref)  # log π − log π_ref = −noise at the start weights
-    assert rewards["rewards/chosen"] == pytest.approx(reward[desirable].mean().item(), rel=1e-9)
-    assert rewards["rewards/rejected"] == pytest.approx(reward[~desirable].mean().item(), rel=1e-9)
+    # KTOTrainer's names and values: each micro-step's per-class means (desirable = "chosen"), averaged over the
+    # micro-steps as its log does (the microbatches hold 3 and 2 desirable rows: not the step's means); no accuracy
     assert "rewards/accuracies" not in rewards and "rewards/margins" in rewards
+    names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"]
+    for name in names + ["logits/chosen", "logits/rejected", "entropy"]:
+        want = sum(logged[name]) / len(logged[name])
+        assert rewards[name] == pytest.approx(want, rel=1e-9, abs=1e-12), (name, rewards, dict(logged), seed)
 
 
 def test_the_recipe_needs_the_unpaired_format_for_kto(tmp_path):

@@ -396,6 +396,12 @@ class Executor:
         if mb.loss_fn is not None:  # a sequence loss: its g from the detached CE, its value as the loss
             if getattr(mb.loss_fn, "wants_mean_logits", False):  # its metrics' logits/* (TRL's)
                 mb.loss_fn.record_mean_logits(logits.detach().mean(dim=-1).reshape(-1))
+                if hasattr(mb.loss_fn, "record_token_stats"):  # entropy and top-1 (TRL's DPO metrics)
+                    z = logits.detach().reshape(-1, logits.shape[-1])
+                    logp = torch.log_softmax(z, dim=-1)
+                    entropy = -(logp.exp() * logp).sum(dim=-1)
+                    top1 = z.argmax(dim=-1) == mb.labels.reshape(-1).to(z.device)
+                    mb.loss_fn.record_token_stats(entropy, top1)
             g, value = mb.loss_fn(per_token.detach())
             surrogate = (per_token * g.to(per_token.dtype)).sum()
             return surrogate - surrogate.detach() + value.to(per_token.dtype)

@@ -229,7 +229,7 @@ class PipelineModel:
         """
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         mbs, n_tokens = self._microbatches(input_ids, labels, attention_mask, position_ids, loss_scale=scale)
-        pair_losses = self._attach_preference(mbs, preference, input_ids.shape[0], scale)
+        pair_losses = self._attach_preference(mbs, preference, input_ids.shape[0], scale, attention_mask)
         self._last_seq = input_ids.shape[1]
         step_clock = self.make_clock(self.device)
         step_clock.start()
@@ -310,7 +310,7 @@ class PipelineModel:
         Runs the modules in eval mode (no dropout), as HF's model.eval(); train_step applies the model's dropout.
         """
         mbs, _ = self._microbatches(input_ids, labels, attention_mask, position_ids)
-        pair_losses = self._attach_preference(mbs, preference, input_ids.shape[0], 1.0)
+        pair_losses = self._attach_preference(mbs, preference, input_ids.shape[0], 1.0, attention_mask)
         out = self._run_eval(mbs, input_ids.shape[1])
         self.last_eval_rewards = self._rewards(pair_losses)  # a preference batch's rewards (None otherwise)
         return self._finish_loss(out.loss_sum)
@@ -387,10 +387,13 @@ class PipelineModel:
             for layer in layers:
                 layer.enable_adapters(True)
 
-    def _attach_preference(self, mbs, preference: Preference | None, batch: int, scale: float) -> list[PairLoss]:
+    def _attach_preference(
+        self, mbs, preference: Preference | None, batch: int, scale: float, attention_mask=None
+    ) -> list[PairLoss]:
         """Give each microbatch the preference loss of its pairs; P counts every replica's pairs."""
         if preference is None:
             return []
+        longest = None if attention_mask is None else int(attention_mask.sum(dim=1).max())
         preference.check(batch, self.cfg.microbatches)
         if self.cfg.label_smoothing:
             raise ValueError(
@@ -402,7 +405,7 @@ class PipelineModel:
         out = []
         for k, mb in enumerate(mbs):
             part = slice(k * rows, (k + 1) * rows)
-            ref = preference.ref_logps
+            ref, start = preference.ref_logps, preference.completion_start
             mb.loss_fn = PairLoss(
                 labels=mb.labels,
                 ref_logps=None if ref is None else ref[part].to(self.device, torch.float64),
@@ -414,6 +417,9 @@ class PipelineModel:
                 chosen_tokens=chosen_tokens,
                 desirable=None if preference.desirable is None else preference.desirable[part].to(self.device),
                 loss_scale=scale,
+                completion_start=None if start is None else start[part].to(self.device),
+                longest=longest,
+                microbatches=self.cfg.microbatches,
             )
             out.append(mb.loss_fn)
         return out
@@ -422,16 +428,18 @@ class PipelineModel:
         """The step's reward means on every rank (the baseline knows them on its last stage only)."""
         if not pair_losses:
             return None
-        totals = torch.zeros(REWARD_SUMS, dtype=torch.float64, device=self.device)
-        for pl in pair_losses:
+        # one row per microbatch: KTOTrainer's metrics are each micro-step's, averaged (the same all-reduces)
+        totals = torch.zeros(len(pair_losses), REWARD_SUMS, dtype=torch.float64, device=self.device)
+        for k, pl in enumerate(pair_losses):
             if pl.logps is not None:
-                totals += pl.rewards()
+                totals[k] = pl.rewards()
         if not self.vocab:
             p2p.collective(dist.all_reduce, totals, self.groups.pp_group, "evaluation sums")
         if self.groups.dp_group is not None:
             p2p.collective(dist.all_reduce, totals, self.groups.dp_group, "evaluation sums")
         first = pair_losses[0]
-        return reward_metrics(totals.cpu(), first.pairs, first.rows if first.desirable is not None else None)
+        rows = first.rows if first.desirable is not None else None
+        return reward_metrics(totals.cpu(), first.pairs, rows, first.style)
 
     def _run(self, schedule, mbs: list[Microbatch], step_clock, after_pass=None):
         key = (id(schedule), self.dtype, self.compute_dtype, self.device)

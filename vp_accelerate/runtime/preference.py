@@ -56,11 +56,18 @@ class _Rows:
     """KTO: [rows] bool; None for pairs."""
     kl: float = 0.0
     """KTO: this microbatch's KL estimate z (`Preference.kl_of`)."""
+    full: torch.Tensor | None = None
+    """Σ log π over every label token of each row, prompt included where labelled (ORPO's NLL: the second
+    autograd leaf); None: the same as `logps`."""
 
 
 def _margin(r: _Rows) -> torch.Tensor:
     ratio = r.logps - r.ref
     return ratio[0::2] - ratio[1::2]
+
+
+def _full(r: _Rows) -> torch.Tensor:
+    return r.logps if r.full is None else r.full
 
 
 def _avg(r: _Rows) -> torch.Tensor:
@@ -131,7 +138,7 @@ LOSSES: dict[str, LossKind] = {
     "ipo": LossKind(_ipo),
     "robust": LossKind(_robust),
     "apo_zero": LossKind(_apo_zero),
-    "sft": LossKind(lambda r, p: -r.logps[0::2].sum(), reference=False, token_mean=True),
+    "sft": LossKind(lambda r, p: -_full(r)[0::2].sum(), reference=False, token_mean=True),
     "simpo": LossKind(_simpo, reference=False),
     "orpo": LossKind(_orpo, reference=False),
     "kto": LossKind(_kto, unpaired=True),
@@ -139,6 +146,14 @@ LOSSES: dict[str, LossKind] = {
 }
 LOSS_TYPES = tuple(LOSSES)
 LOGGED_AVERAGED = ("simpo", "orpo")
+
+
+def metric_style(types: tuple[str, ...]) -> str:
+    """Whose metrics a step logs: "orpo" (ORPOTrainer), "cpo" (CPOTrainer: SimPO) or "dpo" (DPOTrainer, and
+    KTOTrainer for unpaired rows)."""
+    return "orpo" if "orpo" in types else "cpo" if "simpo" in types else "dpo"
+
+
 """Losses whose trainer (TRL's CPOTrainer, ORPOTrainer) logs logps/* and rewards/* on per-token averages too;
 DPOTrainer logs sums, IPO included."""
 
@@ -175,6 +190,10 @@ class Preference:
     """KTO's weight of desirable rows' losses."""
     undesirable_weight: float = 1.0
     """KTO's weight of undesirable rows' losses."""
+    completion_start: torch.Tensor | None = None
+    """[batch] int: each row's first completion position, where the labels also cover the prompt (ORPO: its
+    NLL counts the chosen rows' prompt tokens as ORPOTrainer's does; log π and every other loss count the
+    completion only). None: the labels are the completion's."""
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -210,6 +229,8 @@ class Preference:
                 raise ValueError(f"loss_type {types} needs the reference log-probabilities (ref_logps)")
         elif tuple(self.ref_logps.shape) != (batch,):
             raise ValueError(f"ref_logps must be [batch] = [{batch}], got {tuple(self.ref_logps.shape)}")
+        if self.completion_start is not None and tuple(self.completion_start.shape) != (batch,):
+            raise ValueError(f"completion_start must be [batch] = [{batch}], got {tuple(self.completion_start.shape)}")
         if self.unpaired:
             if self.desirable is None or tuple(self.desirable.shape) != (batch,):
                 raise ValueError(f"loss_type {types} needs `desirable`, a [batch] = [{batch}] bool per row")
@@ -249,10 +270,23 @@ class PairLoss:
     """KTO: [rows] bool for this microbatch's rows."""
     loss_scale: float = 1.0
     """fp16's loss scale: g and the loss term carry it, as the token loss's grad_scale does."""
+    completion_start: torch.Tensor | None = None
+    """[rows] this microbatch's `Preference.completion_start` (None: every label token is the completion's)."""
+    longest: int | None = None
+    """The longest row of this replica's step (its attention mask; None: all of seq): CPOTrainer / ORPOTrainer
+    average logits/* over the batch padded to its longest row."""
+    microbatches: int = 1
+    """Microbatches of the step: this replica's rows are theirs together."""
     logps: torch.Tensor | None = field(default=None, repr=False)
     """After a call: [rows] float64 log π of this step's policy (sums over each row's label tokens)."""
     mean_logits: torch.Tensor | None = field(default=None, repr=False)
     """[rows x seq] each position's logits averaged over the vocabulary (TRL's logits/* metrics), when recorded."""
+    entropy: torch.Tensor | None = field(default=None, repr=False)
+    """[rows, seq] each position's entropy of the softmax over the vocabulary (TRL's DPO `entropy`), when recorded."""
+    top1: torch.Tensor | None = field(default=None, repr=False)
+    """[rows, seq] bool: the label is the position's top-1 logit (TRL's DPO `mean_token_accuracy`)."""
+    full_logps: torch.Tensor | None = field(default=None, repr=False)
+    """After a call: [rows] Σ log π over every label token, prompt included where labelled (ORPO's NLL)."""
 
     wants_mean_logits = True  # the output layer (or the baseline) hands them over: `record_mean_logits`
 
@@ -261,8 +295,28 @@ class PairLoss:
         rode on C1's first all-reduce)."""
         self.mean_logits = mean_logits.detach().to(torch.float64).reshape(self.labels.shape)
 
+    @property
+    def style(self) -> str:
+        return metric_style(self.preference.types)
+
+    def _completion(self) -> torch.Tensor:
+        """[rows, seq] bool: the label positions of the completion (position t predicts token t + 1)."""
+        valid = self.labels != -100
+        if self.completion_start is None:
+            return valid
+        col = torch.arange(self.labels.shape[1], device=self.labels.device)
+        start = self.completion_start.to(self.labels.device)
+        return valid & (col[None, :] >= start[:, None] - 1)
+
+    def record_token_stats(self, entropy: torch.Tensor, top1: torch.Tensor) -> None:
+        """Keep each position's entropy and whether its label is the top-1 logit (under vocabulary parallelism
+        from C1's statistics: the max and the target logit of its first all-reduce, Σ e^(z−m) z beside Σ e^(z−m)
+        in its second)."""
+        self.entropy = entropy.detach().to(torch.float64).reshape(self.labels.shape)
+        self.top1 = top1.detach().reshape(self.labels.shape)
+
     def _tokens(self) -> torch.Tensor:
-        return (self.labels != -100).sum(dim=1).to(torch.float64).clamp(min=1)
+        return self._completion().sum(dim=1).to(torch.float64).clamp(min=1)
 
     def _ref(self, device) -> torch.Tensor:
         rows = self.labels.shape[0]
@@ -272,10 +326,19 @@ class PairLoss:
 
     def loss_and_grad(self, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this microbatch's share of the step loss, dL/dlog π per row), float64."""
+        loss, grad, _ = self.loss_and_grads(logps)
+        return loss, grad
+
+    def loss_and_grads(
+        self, logps: torch.Tensor, full: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this microbatch's share of the step loss, dL/dlog π per row, dL/d`full` per row), float64; `full`:
+        Σ log π over every label token where the prompt is labelled (ORPO's NLL), else the NLL reads `logps`."""
         p = self.preference
         leaf = logps.detach().to(torch.float64).requires_grad_()
+        other = None if full is None else full.detach().to(torch.float64).requires_grad_()
         desirable = None if self.desirable is None else self.desirable.to(leaf.device)
-        rows = _Rows(leaf, self._ref(leaf.device), self._tokens().to(leaf.device), desirable, self.kl)
+        rows = _Rows(leaf, self._ref(leaf.device), self._tokens().to(leaf.device), desirable, self.kl, other)
         with torch.enable_grad():
             total = leaf.new_zeros(())
             for name, weight in zip(p.types, p.weights):
@@ -287,18 +350,23 @@ class PairLoss:
                 else:
                     items = self.rows if kind.unpaired else self.pairs
                     total = total + weight * value.sum() / items
-            (grad,) = torch.autograd.grad(total, leaf)
-        return total.detach(), grad
+            leaves = [leaf] if other is None else [leaf, other]
+            grads = torch.autograd.grad(total, leaves, allow_unused=True)
+        grads = [torch.zeros_like(leaf) if g is None else g for g in grads]
+        return total.detach(), grads[0], grads[1] if other is not None else torch.zeros_like(leaf)
 
     def __call__(self, token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.labels.shape[0]
         ce = token_loss.detach().to(torch.float64).reshape(rows, -1)
-        logps = -ce.sum(dim=1)
-        loss, dlogp = self.loss_and_grad(logps)
         valid = self.labels.to(ce.device) != -100
-        g = torch.where(valid, (-dlogp * self.loss_scale)[:, None], 0.0)  # dCE_t = −dL/dlog π(row)
-        self.logps = logps
-        return g.reshape(-1).to(token_loss.dtype), loss * self.loss_scale
+        completion = self._completion().to(ce.device)
+        logps = -torch.where(completion, ce, 0.0).sum(dim=1)
+        full = None if self.completion_start is None else -torch.where(valid, ce, 0.0).sum(dim=1)
+        loss, dlogp, dfull = self.loss_and_grads(logps, full)
+        # dCE_t = −dL/dlog π(row) on the completion, −dL/dfull(row) on every label token (ORPO's NLL)
+        g = torch.where(completion, -dlogp[:, None], 0.0) + torch.where(valid, -dfull[:, None], 0.0)
+        self.logps, self.full_logps = logps, logps if full is None else full
+        return (g * self.loss_scale).reshape(-1).to(token_loss.dtype), loss * self.loss_scale
 
     def logged_logps(self) -> torch.Tensor:
         """The log π TRL logs (logps/*, and inside rewards/*): per-token averages where the trainer works on
@@ -315,7 +383,7 @@ class PairLoss:
         on `logged_logps`. KTO's unpaired rows: the same sums over desirable / undesirable rows."""
         logps = self.logged_logps()
         r = self.preference.beta * (logps - self._ref(logps.device))  # simpo / orpo: reference-free, ref 0
-        valid = (self.labels != -100).to(logps.device)
+        valid = self._completion().to(logps.device)
         mean = self.mean_logits if self.mean_logits is not None else torch.zeros(valid.shape, dtype=r.dtype)
         logit_sums = torch.where(valid, mean.to(logps.device), 0.0).sum(dim=1)
         tokens = valid.sum(dim=1).to(r.dtype)
@@ -341,8 +409,47 @@ class PairLoss:
                 logit_sums[second].sum(),
                 tokens[first].sum(),
                 tokens[second].sum(),
+                *self._cpo_sums(mean.to(logps.device), first, second),
+                *self._token_sums(valid, first),
             ]
         )
+
+    def _token_sums(self, valid: torch.Tensor, first: torch.Tensor) -> list[torch.Tensor]:
+        """Σ of the entropy over every completion token, Σ of the chosen completions' top-1 hits (zeros when not
+        recorded): DPOTrainer's `entropy` and `mean_token_accuracy` over the token counts already summed."""
+        zero = torch.zeros((), dtype=torch.float64, device=valid.device)
+        if self.entropy is None or self.top1 is None:
+            return [zero, zero]
+        entropy = torch.where(valid, self.entropy.to(valid.device), 0.0).sum()
+        hits = (self.top1.to(valid.device) & valid)[first].sum().to(torch.float64)
+        return [entropy, hits]
+
+    def _cpo_sums(self, mean: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> list[torch.Tensor]:
+        """This microbatch's share of its replica's CPOTrainer / ORPOTrainer metrics (zeros for the others), the
+        replica's step being one batch of theirs: logits/chosen and logits/rejected as they define them — the
+        mean logit over every position of the batch's rows padded to its longest (ORPO: but the last), prompt
+        and padding included —, nll_loss (the chosen rows' token-mean NLL: ORPO's over prompt and completion,
+        CPO's over the completion, 0 without `sft` as cpo_alpha 0), Σ over pairs of ORPO's log σ(log odds) and
+        log odds, and 1 / microbatches (the replicas' means are averaged, as gather_for_metrics does)."""
+        zero = mean.new_zeros(())
+        style = self.style
+        if style == "dpo":
+            return [zero] * 6
+        longest = mean.shape[1] if self.longest is None else self.longest
+        width = longest - 1 if style == "orpo" else longest
+        part = mean[:, :width]
+        per_side = self.labels.shape[0] // 2 * self.microbatches * width  # the replica's chosen rows x positions
+        logit_c, logit_r = part[first].sum() / per_side, part[second].sum() / per_side
+        nll = zero
+        if style == "orpo" or "sft" in self.preference.types:
+            tokens = self.chosen_tokens.to(mean.device, mean.dtype).clamp(min=1)
+            nll = -self.full_logps[first].sum().to(mean.dtype) / tokens
+        ratio = odds = zero
+        if style == "orpo":
+            avg = self.logps / self._tokens().to(self.logps.device)
+            log_odds = (avg[0::2] - avg[1::2]) - (_log1mexp(avg[0::2]) - _log1mexp(avg[1::2]))
+            ratio, odds = F.logsigmoid(log_odds).sum(), log_odds.sum()
+        return [logit_c, logit_r, nll, ratio, odds, mean.new_full((), 1.0 / self.microbatches)]
 
 
 @dataclass
@@ -370,21 +477,48 @@ REWARD_METRICS = (
 )
 """TRL's DPOTrainer metric names: six means over pairs, then the completions' mean logit per token."""
 
-REWARD_SUMS = 10
-"""Entries of `PairLoss.rewards`: the six metrics' sums over pairs, Σ mean logits and tokens of each side."""
+REWARD_SUMS = 18
+"""Entries of `PairLoss.rewards`: the six metrics' sums over pairs, Σ mean logits and tokens of each side, then
+CPOTrainer / ORPOTrainer's per-microbatch logits/*, nll_loss, ORPO's two log-odds sums and the microbatches, then
+Σ entropy over the completion tokens and Σ top-1 hits over the chosen ones (DPOTrainer's)."""
 
 
-def reward_metrics(totals: torch.Tensor, pairs: int, rows: int | None = None) -> dict[str, float]:
-    """TRL's logged means from the step's [REWARD_SUMS] sums (`PairLoss.rewards`): per pair, and the logits per
-    completion token (TRL: Σ over the batch's completion tokens of the mean logit / their count). `rows`: KTO's
+def reward_metrics(totals: torch.Tensor, pairs: int, rows: int | None = None, style: str = "dpo") -> dict[str, float]:
+    """TRL's logged means from the step's [REWARD_SUMS] sums (`PairLoss.rewards`; [microbatches, REWARD_SUMS]:
+    each microbatch's, summed here for pairs, KTO's per micro-step: `kto_step_metrics`): per pair, and the logits per
+    completion token (DPOTrainer: Σ over the batch's completion tokens of the mean logit / their count), or as
+    CPOTrainer / ORPOTrainer (`style` "cpo" / "orpo"): logits/* and nll_loss each replica's, averaged over the
+    replicas, ORPO's log_odds_ratio and log_odds_chosen per pair. `rows`: KTO's
     unpaired rows (`kto_metrics`)."""
-    t = totals.tolist()
+    if totals.dim() == 2 and rows is not None:  # KTO: each microbatch's metrics, averaged as TRL's micro-steps
+        return kto_step_metrics(totals, rows)
+    t = (totals.sum(dim=0) if totals.dim() == 2 else totals).tolist()
     if rows is not None:
         return kto_metrics(t, rows)
     out = {name: t[k] / max(pairs, 1) for k, name in enumerate(REWARD_METRICS[:6])}
-    out["logits/chosen"] = t[6] / t[8] if t[8] else 0.0
-    out["logits/rejected"] = t[7] / t[9] if t[9] else 0.0
+    if style == "dpo":
+        out["logits/chosen"] = t[6] / t[8] if t[8] else 0.0
+        out["logits/rejected"] = t[7] / t[9] if t[9] else 0.0
+        out["entropy"] = t[16] / (t[8] + t[9]) if t[8] + t[9] else 0.0
+        out["mean_token_accuracy"] = t[17] / t[8] if t[8] else 0.0
+        return out
+    steps = max(t[15], 1e-12)  # the replicas
+    out["logits/chosen"], out["logits/rejected"], out["nll_loss"] = t[10] / steps, t[11] / steps, t[12] / steps
+    if style == "orpo":
+        out["log_odds_ratio"], out["log_odds_chosen"] = t[13] / max(pairs, 1), t[14] / max(pairs, 1)
     return out
+
+
+def kto_step_metrics(totals: torch.Tensor, rows: int) -> dict[str, float]:
+    """KTOTrainer's logged values over a step of microbatches ([microbatches, REWARD_SUMS] sums, each over every
+    replica's rows of that microbatch, as its gather_for_metrics): each micro-step's `kto_metrics`, then each
+    name's mean over the micro-steps that logged it (rewards/chosen over those with desirable rows, ...)."""
+    per = rows // totals.shape[0]
+    logged: dict[str, list[float]] = {}
+    for t in totals.tolist():
+        for name, value in kto_metrics(t, per).items():
+            logged.setdefault(name, []).append(value)
+    return {name: sum(values) / len(values) for name, values in logged.items()}
 
 
 def kto_metrics(t: list[float], rows: int) -> dict[str, float]:
@@ -404,4 +538,6 @@ def kto_metrics(t: list[float], rows: int) -> dict[str, float]:
         out["logits/chosen"] = t[6] / t[8]
     if t[9]:
         out["logits/rejected"] = t[7] / t[9]
+    if t[8] + t[9]:
+        out["entropy"] = t[16] / (t[8] + t[9])
     return out

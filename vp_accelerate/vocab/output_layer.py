@@ -158,6 +158,9 @@ class OutputState:
     local_logit_sum: torch.Tensor | None = None
     """[N] Σ of this shard's logits per token, kept for a `loss_fn` that logs mean logits (`wants_mean_logits`,
     TRL's logits/* metrics); summed in C1's first all-reduce, riding along with the target logit."""
+    local_exp_logit: torch.Tensor | None = None
+    """[N] Σ_v exp(z_v − m_i) z_v of this shard (with `local_logit_sum`): rescaled by exp(m_i − m) and summed in
+    C1's second all-reduce beside Σ exp(z − m), it gives each token's entropy (TRL's `entropy` metric)."""
     c1_done: bool = False
     t_done: bool = False
 
@@ -290,6 +293,7 @@ def s_pass(
     t = torch.zeros(n, dtype=sd, device=x.device)
     two = opts.spec.grad_x_from_s
     zsum = torch.zeros(n, dtype=sd, device=x.device) if getattr(loss_fn, "wants_mean_logits", False) else None
+    ez = None if zsum is None else torch.zeros(n, dtype=sd, device=x.device)  # Σ e^{z−m} z: the entropy's
     a = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
     c = torch.zeros(n, h, dtype=sd, device=x.device) if two else None
     stored: list[torch.Tensor] | None = [] if modes.memory_mode(opts.memory).keeps_logits else None
@@ -304,6 +308,8 @@ def s_pass(
         e = z - m_new[:, None]
         e.exp_()
         s = s * rescale + e.sum(dim=1)
+        if ez is not None:
+            ez = ez * rescale + (e * z).sum(dim=1)
         hit, col = target_columns(local_labels, in_shard, lo, hi)
         hitf = hit.to(sd)
         t += (1.0 - eps) * hitf * z.gather(1, col[:, None]).squeeze(1)
@@ -347,6 +353,7 @@ def s_pass(
         local_c=c,
         loss_fn=loss_fn,
         local_logit_sum=zsum,
+        local_exp_logit=ez,
     )
 
 
@@ -359,7 +366,12 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def _finish_loss(
-    state: OutputState, row_max: torch.Tensor, row_sum: torch.Tensor, target: torch.Tensor, logit_sum=None
+    state: OutputState,
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    target: torch.Tensor,
+    logit_sum=None,
+    exp_logit=None,
 ) -> None:
     state.row_max, state.row_sum = row_max, row_sum
     valid = state.labels != state.opts.ignore_index
@@ -367,6 +379,11 @@ def _finish_loss(
     if logit_sum is not None:  # the whole vocabulary's Σ logits per token, for the loss's metrics
         state.loss_fn.record_mean_logits(logit_sum / state.partition.vocab_size)
         state.local_logit_sum = None
+    if exp_logit is not None and hasattr(state.loss_fn, "record_token_stats"):
+        # entropy = log S + m − Σ p z; top-1 when the target's logit is the global max (no smoothing here)
+        entropy = torch.log(row_sum) + row_max - exp_logit / row_sum
+        state.loss_fn.record_token_stats(entropy, target >= row_max)
+        state.local_exp_logit = None
     if state.loss_fn is not None:  # g from the sequences' own losses: before ∇x (C1) and T read it
         g, state.loss_sum = state.loss_fn(state.loss)
         state.grad_scale = torch.where(valid, g.reshape(-1).to(state.stat_dtype), 0.0)
@@ -399,6 +416,9 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
     extra = [] if zsum is None else [zsum[:, None]]
     if zsum is not None:
         inputs.append(zsum)
+    ez = state.local_exp_logit  # rides along with Σ s_i (after the max: rescaled as s is)
+    if ez is not None:
+        inputs.append(ez)
 
     def chain() -> OutputState:
         mx = state.local_max.clone()
@@ -419,25 +439,31 @@ def c1(state: OutputState, group: dist.ProcessGroup | None = None, async_op: boo
             logit_sum, tt = tt[:, 1].clone(), tt[:, 0].contiguous()
         state.row_max = mx
         w = _shard_weight(state)
+        ew = [] if ez is None else [(ez * w)[:, None]]
         if spec.grad_x_from_s:
-            sa = torch.cat([(state.local_sum * w)[:, None], state.local_a * w[:, None]], dim=1)
+            sa = torch.cat([(state.local_sum * w)[:, None], *ew, state.local_a * w[:, None]], dim=1)
             dist.all_reduce(sa, group=group)
             # its own storage: a view would keep the whole [N, h+1] all-reduce buffer alive until T
             row_sum = sa[:, 0].clone()
-            _finish_loss(state, mx, row_sum, ct[:, -1], logit_sum)
-            grad = sa[:, 1:] / row_sum[:, None] - ct[:, :-1]
+            exp_logit = sa[:, 1].clone() if ew else None
+            _finish_loss(state, mx, row_sum, ct[:, -1], logit_sum, exp_logit)
+            grad = sa[:, 1 + len(ew) :] / row_sum[:, None] - ct[:, :-1]
             del sa, ct  # the [N, h+1] buffers: nothing below reads them
             state.grad_x = _own_storage((state.grad_scale[:, None] * grad).to(state.x.dtype).reshape(state.x_shape))
             state.local_a = state.local_c = None
         elif spec.grad_x_in_t:
-            row_sum = state.local_sum * w
+            row_sum = torch.cat([(state.local_sum * w)[:, None], *ew], dim=1) if ew else state.local_sum * w
             dist.all_reduce(row_sum, group=group)
-            _finish_loss(state, mx, row_sum, tt, logit_sum)
+            exp_logit = row_sum[:, 1].contiguous() if ew else None
+            row_sum = row_sum[:, 0].contiguous() if ew else row_sum
+            _finish_loss(state, mx, row_sum, tt, logit_sum, exp_logit)
         else:  # naive: barrier 2 (sum and target), then local ∇x_i and barrier 3
-            st = torch.stack([state.local_sum * w, state.local_target, *([zsum] if extra else [])], dim=1)
+            cols = [state.local_sum * w, state.local_target, *([zsum] if extra else []), *([ez * w] if ew else [])]
+            st = torch.stack(cols, dim=1)
             dist.all_reduce(st, group=group)
             logit_sum = st[:, 2].contiguous() if extra else None
-            _finish_loss(state, mx, st[:, 0].contiguous(), st[:, 1].contiguous(), logit_sum)
+            exp_logit = st[:, -1].contiguous() if ew else None
+            _finish_loss(state, mx, st[:, 0].contiguous(), st[:, 1].contiguous(), logit_sum, exp_logit)
             gx = torch.zeros(state.x.shape, dtype=state.stat_dtype, device=state.x.device)
             for i, (lo, hi) in enumerate(state.chunks()):
                 grad = state.logit_grad(state.chunk_z(i, lo, hi), lo, hi)

@@ -271,7 +271,10 @@ def _data_note(recipe) -> str:
             if d.train_on_inputs
             else "; loss on " + ("assistant turns" if fmt == "chat" else "completions") + " only"
         )
-    if d.packing:
+    if fmt in ("preference", "unpaired_preference"):  # whole rows, one a sequence: data.packing does not apply
+        unit = "pairs" if fmt == "preference" else "rows"
+        note += f"; {unit} never packed (each row its own padded sequence)"
+    elif d.packing:
         note += "; packed " + (
             "keeping document boundaries" if document_boundaries(d, fmt) else "across documents (EOS-separated)"
         )

@@ -18,6 +18,7 @@ import os
 from ..recipe import Recipe, finish_steps
 from ..recipe.schema import DataSection
 from .formats import sample_format
+from .preference import pair_style
 from .prepare import (
     EVAL_OFF,
     PreparedData,
@@ -25,6 +26,7 @@ from .prepare import (
     holdout_every,
     no_eval_message,
     pairs_eval_off,
+    pairs_returned,
     prepare_data,
 )
 from .read import DataError, first_record_columns
@@ -122,7 +124,7 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
     for what would stop the run: invalid rows, every conversation dropped, too few sequences for one step, no
     evaluation sequence when evaluation is on."""
     d, t, e = recipe.data, recipe.train, recipe.eval
-    prepared = prepare_data(d, tokenizer, vocab_size)
+    prepared = prepare_data(d, tokenizer, vocab_size, style=pair_style(recipe.preference.loss_type))
     prepared.check_sizes(t.global_batch, e.batches)
     lines = []
     if prepared.train is None:
@@ -164,6 +166,9 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
     ev = prepared.eval
     if ev is None:
         lines.append("evaluation: held-out documents of the stream, read at the start of the run")
+        return lines, prepared, recipe
+    if prepared.returned:  # held-out pairs that fill no global batch train instead
+        lines.append(pairs_returned(prepared.returned, t.global_batch))
         return lines, prepared, recipe
     if len(ev) == 0 and prepared.eval_off():
         lines.append(EVAL_OFF % d.eval_holdout)

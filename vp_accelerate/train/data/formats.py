@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 
@@ -173,16 +174,25 @@ def _mask_from_spans(tokenizer, text: str, spans) -> tuple[list[int], list[int]]
     return ids, mask
 
 
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A template's `{% generation %}` marker, in any whitespace-trim form (TRL's `has_generation_markers`)."""
+
+
 def encode_chat(tokenizer, template: str, messages, train_on_inputs: bool = False) -> tuple[str, list[int], list[int]]:
-    """(rendered text, ids, loss mask) of one conversation. Raises FormatError for a malformed one."""
+    """(rendered text, ids, loss mask) of one conversation. Raises FormatError for a malformed one.
+
+    A template with `{% generation %}` blocks says itself which tokens are the assistant's: its assistant mask
+    (`apply_chat_template(..., return_assistant_tokens_mask=True)`, what TRL's SFTTrainer `assistant_only_loss`
+    trains on) is the loss mask. Otherwise the assistant turns are found by rendering the conversation turn by
+    turn (each turn's span: what it adds after the generation prompt, its closing marker and newline included)."""
     check_messages(messages)
     check_size("chat", {"messages": messages})
     messages = _clean(messages)
-    found = assistant_spans(tokenizer, template, messages)
+    found = None if GENERATION_BLOCK.search(template) else assistant_spans(tokenizer, template, messages)
     if found is not None:
         text, spans = found
         ids, mask = _mask_from_spans(tokenizer, text, spans)
-    elif "{% generation %}" in template or "{%- generation %}" in template:
+    elif GENERATION_BLOCK.search(template):
         enc = tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )

@@ -42,6 +42,9 @@ class PairSequences(Sequences):
     """[2 x pairs] float64 log π_ref of each row, once the trainer has computed (or loaded) them."""
     held_out: bool = False
     """Evaluation pairs held out of the training data (data.eval_holdout), not an evaluation source of their own."""
+    starts: np.ndarray | None = None
+    """[2 x pairs] each row's first completion position, when the chosen rows' labels cover the prompt too
+    (`pair_style` "orpo"); the batch's `completion_start`."""
 
     def __len__(self) -> int:
         return len(self.ids) // 2
@@ -58,6 +61,8 @@ class PairSequences(Sequences):
         out = super().batch(self._rows(rows))
         if self.ref_logps is not None:
             out["ref_logps"] = torch.from_numpy(self.ref_logps[self._rows(rows)])
+        if self.starts is not None:
+            out["completion_start"] = torch.from_numpy(self.starts[self._rows(rows)])
         return out
 
 
@@ -106,9 +111,81 @@ def _joint(prompt_ids: list, chosen_ids: list, rejected_ids: list) -> tuple[list
     return tuple(out)
 
 
-def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple[list, list, list, list]:
+CPO_LOSSES = ("simpo", "orpo")
+"""Losses whose TRL trainer (CPOTrainer, ORPOTrainer) tokenizes pairs its own way (`cpo_pair`)."""
+
+
+REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero")
+"""DPOTrainer's losses that need the reference model (its log π_ref counts the completion only)."""
+
+
+def pair_style(loss_type) -> str:
+    """How pairs are tokenized: "orpo" for ORPO without a reference loss (ORPOTrainer's rows, the chosen rows'
+    prompt tokens labelled too: its NLL counts them), "cpo" when the losses include SimPO or ORPO (CPOTrainer /
+    ORPOTrainer's rows), else "dpo" (DPOTrainer's)."""
+    types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type or ())
+    if "orpo" in types and not any(t in REFERENCE_LOSSES for t in types):
+        return "orpo"
+    return "cpo" if any(t in CPO_LOSSES for t in types) else "dpo"
+
+
+def _cpo_answer(tokenizer, prompt: str, answer: str) -> tuple[list, list]:
+    """CPOTrainer.build_tokenized_answer: prompt + answer tokenized whole without special tokens, the answer
+    starting where the prompt alone (without special tokens) ends, one token earlier when the prompt's last
+    token merged into the answer's first (each row on its own: chosen and rejected may split differently)."""
+    full = list(tokenizer(prompt + answer, add_special_tokens=False)["input_ids"])
+    alone = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if len(alone) > len(full):
+        raise formats.FormatError("the prompt alone tokenizes longer than prompt + completion (CPOTrainer rejects it)")
+    start = len(alone) - (alone != full[: len(alone)])
+    return full[:start], full[start:]
+
+
+def cpo_pair(tokenizer, prompt: str, chosen: str, rejected: str, add_eos: bool) -> tuple[list, list, list, list]:
+    """A pair tokenized as TRL 1.16's CPOTrainer / ORPOTrainer `tokenize_row` (text already rendered): each row
+    split by `_cpo_answer`, the tokenizer's BOS put before the prompt unless it is there (whenever the tokenizer
+    has one, whatever its settings), the EOS id after each completion unless it ends with it (`add_eos`)."""
+    out = []
+    splits = [_cpo_answer(tokenizer, prompt, c) for c in (chosen, rejected)]
+    if sum(a != b for a, b in zip(splits[0][0], splits[1][0])) > 1 or abs(len(splits[0][0]) - len(splits[1][0])) > 1:
+        raise formats.FormatError("chosen and rejected split the prompt differently (CPOTrainer rejects the row)")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    for head, answer in splits:
+        if bos is not None and (not head or head[0] != bos):
+            head = [bos] + head
+        if add_eos and eos is not None and (not answer or answer[-1] != eos):
+            answer = answer + [eos]
+        out += [head + answer, [0] * len(head) + [1] * len(answer)]
+    return tuple(out)
+
+
+def _rendered(tokenizer, template, prompt: list, completions: list) -> tuple[str, list[str]]:
+    """(prompt text, completion texts) of conversational rows as TRL's `maybe_apply_chat_template` renders them for
+    CPOTrainer: the prompt with the generation prompt (or continuing a final assistant turn), cut to the common
+    prefix of the whole renderings; each completion the rest of its rendering."""
+    last = prompt[-1]["role"] if prompt else "user"
+    text = tokenizer.apply_chat_template(
+        prompt,
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=last != "assistant",
+        continue_final_message=last == "assistant",
+    )
+    whole = [tokenizer.apply_chat_template(prompt + c, chat_template=template, tokenize=False) for c in completions]
+    for w in whole:
+        n = 0
+        while n < min(len(text), len(w)) and text[n] == w[n]:
+            n += 1
+        text = text[:n]
+    return text, [w[len(text) :] for w in whole]
+
+
+def encode_pair(
+    tokenizer, template, keys, row: dict, cfg: DataSection, style: str = "dpo"
+) -> tuple[list, list, list, list]:
     """(chosen ids, chosen loss mask, rejected ids, rejected loss mask) of one row, tokenized as TRL's DPOTrainer
-    (the tokenizer's special tokens for strings, the template's for turns); FormatError if malformed."""
+    (the tokenizer's special tokens for strings, the template's for turns), or as CPOTrainer / ORPOTrainer with
+    `style` "cpo" (`cpo_pair`: turns rendered to text first); FormatError if malformed."""
     prompt = row.get(cfg.prompt_field)
     chosen, rejected = row.get(cfg.chosen_field), row.get(cfg.rejected_field)
     formats.check_size("preference", {cfg.prompt_field: prompt, cfg.chosen_field: chosen, cfg.rejected_field: rejected})
@@ -126,6 +203,8 @@ def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple
         for name, value in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
             if not isinstance(value, str):
                 raise formats.FormatError(f"{name!r} must be a string, got {formats.short(value)}")
+        if style != "dpo":
+            return cpo_pair(tokenizer, prompt, chosen, rejected, cfg.add_eos)
         ends = [formats.with_eos(tokenizer, c) if cfg.add_eos else c for c in (chosen, rejected)]
         rows = [tokenizer(prompt + c)["input_ids"] for c in ends]
         return _joint(list(tokenizer(prompt)["input_ids"]), list(rows[0]), list(rows[1]))
@@ -137,20 +216,27 @@ def encode_pair(tokenizer, template, keys, row: dict, cfg: DataSection) -> tuple
             n += 1
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     prompt = turns_of(prompt, cfg.prompt_field)
-    rows = []
+    rows, completions = [], []
     for name, completion in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
         messages, _ = chat_rows.normalize(prompt + turns_of(completion, name), keys, "the chat template")
         formats.check_messages(messages)
         if not any(m["role"] == "assistant" for m in messages[len(prompt) :]):
             raise formats.FormatError(f"{name!r} has no assistant turn, so no token would carry loss")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        completions.append(messages[len(prompt) :])
         rows.append(chat_ids(tokenizer, template, messages))
+    if style != "dpo":
+        text, ends = _rendered(tokenizer, template, messages[: len(prompt)], completions)
+        return cpo_pair(tokenizer, text, ends[0], ends[1], cfg.add_eos)
     prompt_ids = chat_ids(tokenizer, template, messages[: len(prompt)], generation_prompt=True)
     return _joint(prompt_ids, rows[0], rows[1])
 
 
-def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int) -> PairSequences:
+def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int, style: str = "dpo") -> PairSequences:
+    """Pairs as padded rows; `style` "orpo": the chosen rows' prompt tokens are labelled too (ORPOTrainer's NLL
+    counts them) and `starts` says where each completion begins."""
     n = 2 * len(pairs)
+    starts = np.zeros(n, dtype=np.int64) if style == "orpo" else None
     ids = np.full((n, seq_len), pad_id, dtype=np.int64)
     labels = np.full((n, seq_len), -100, dtype=np.int64)
     mask = np.zeros((n, seq_len), dtype=np.int64)
@@ -162,7 +248,11 @@ def _pairs_to_sequences(pairs: list, seq_len: int, pad_id: int) -> PairSequences
             labels[i, : len(row)] = np.where(np.asarray(m, dtype=bool), row, -100)
             mask[i, : len(row)] = 1
             lengths[i] = len(row)
-    return PairSequences(ids, mask=mask, labels=labels, lengths=lengths, pad_id=pad_id)
+            if starts is not None:
+                starts[i] = list(m).index(1)
+                if r == 0:
+                    labels[i, : len(row)] = row
+    return PairSequences(ids, mask=mask, labels=labels, lengths=lengths, pad_id=pad_id, starts=starts)
 
 
 def record_of(row: dict) -> tuple[dict | None, str]:
@@ -174,9 +264,11 @@ def record_of(row: dict) -> tuple[dict | None, str]:
     return row, ""
 
 
-def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, every: int, stats: SplitStats):
+def _read_pairs(
+    docs, cfg: DataSection, tokenizer, vocab_size: int, locate, every: int, stats: SplitStats, style: str = "dpo"
+):
     """(train pairs, held-out pairs, invalid reasons) of one split, counted into `stats` (`locate`: row index
-    -> its place, "FILE, line N")."""
+    -> its place, "FILE, line N"; `style`: `encode_pair`'s)."""
     template, _ = formats.chat_template_of(tokenizer)
     keys = chat_rows.template_keys(template)
     train, held, bad = [], [], []
@@ -189,7 +281,7 @@ def _read_pairs(docs, cfg: DataSection, tokenizer, vocab_size: int, locate, ever
         try:
             if reason:
                 raise formats.FormatError(reason)
-            pair = encode_pair(tokenizer, template, keys, row, cfg)
+            pair = encode_pair(tokenizer, template, keys, row, cfg, style)
         except formats.FormatError as e:
             bad.append(f"{place}: {e}")
             continue
@@ -227,10 +319,38 @@ def _count(stats: SplitStats, pairs: list, seqs: PairSequences) -> None:
     stats.loss_tokens = int(seqs.target_counts().sum()) if len(pairs) else 0
 
 
-def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test: str | None = None):
+def give_back(train: PairSequences, held: PairSequences, stats: dict) -> tuple[PairSequences, PairSequences]:
+    """(training pairs with the held-out ones appended, no held-out pair): held-out pairs that evaluation
+    would not use train instead; `stats` ("train" / "eval" SplitStats) counted again."""
+
+    def join(a, b):
+        return None if a is None else np.concatenate([a, b])
+
+    seqs = PairSequences(
+        np.concatenate([train.ids, held.ids]),
+        mask=join(train.mask, held.mask),
+        labels=join(train.labels, held.labels),
+        lengths=join(train.lengths, held.lengths),
+        pad_id=train.pad_id,
+        starts=join(train.starts, held.starts),
+    )
+    empty = PairSequences(held.ids[:0], mask=held.mask[:0], labels=held.labels[:0], lengths=held.lengths[:0])
+    empty.pad_id, empty.held_out = held.pad_id, True
+    empty.starts = None if held.starts is None else held.starts[:0]
+    for key in ("truncated", "cut_tokens", "dropped", "same"):
+        setattr(stats["train"], key, getattr(stats["train"], key) + getattr(stats["eval"], key))
+    _count(stats["train"], range(len(seqs)), seqs)
+    _count(stats["eval"], [], empty)
+    return seqs, empty
+
+
+def prepare_pairs(
+    cfg: DataSection, tokenizer, vocab_size: int, every: int, test: str | None = None, style: str = "dpo"
+):
     """(train PairSequences, eval PairSequences, pad id, {"train", "eval"} -> SplitStats) of a preference data
     section (no cache: preference sets are small, and every rank reads them the same); `test`: the split of
-    data.hub_id that holds the evaluation pairs (`sources.eval_split`), if any."""
+    data.hub_id that holds the evaluation pairs (`sources.eval_split`), if any; `style`: "dpo" or "cpo"
+    (`pair_style` of the recipe's losses)."""
     if cfg.streaming:
         raise DataError("data.streaming: preference pairs are read whole; set data.streaming: false")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -240,13 +360,20 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test
     docs = load_documents(paths or None, cfg.hub_id, cfg.hub_split, builder, False, cfg.hub_name, cfg.hub_revision)
     locate = RowLocator(paths, builder, source) if paths else (lambda i: f"{source}, row {i + 1}")
     stats = {"train": SplitStats(source)}
-    train, held, bad = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every, stats["train"])
+    train, held, bad = _read_pairs(docs, cfg, tokenizer, vocab_size, locate, every, stats["train"], style)
     stats["eval"] = SplitStats(f"{source} (held out: 1 pair in {every})" if every else source)
     if test:
         eval_docs = load_documents(None, cfg.hub_id, test, "auto", False, cfg.hub_name, cfg.hub_revision)
         stats["eval"] = SplitStats(f"dataset {cfg.hub_id} split {test!r}")
         held, _, eval_bad = _read_pairs(
-            eval_docs, cfg, tokenizer, vocab_size, lambda i: f"{stats['eval'].source}, row {i + 1}", 0, stats["eval"]
+            eval_docs,
+            cfg,
+            tokenizer,
+            vocab_size,
+            lambda i: f"{stats['eval'].source}, row {i + 1}",
+            0,
+            stats["eval"],
+            style,
         )
         bad = bad + eval_bad
     if cfg.eval_files:
@@ -255,7 +382,7 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test
         eval_docs = load_documents(eval_paths, None, "train", eval_builder, False, None, None)
         eval_locate = RowLocator(eval_paths, eval_builder, "data.eval_files")
         stats["eval"] = SplitStats(f"data.eval_files {cfg.eval_files}")
-        held, _, eval_bad = _read_pairs(eval_docs, cfg, tokenizer, vocab_size, eval_locate, 0, stats["eval"])
+        held, _, eval_bad = _read_pairs(eval_docs, cfg, tokenizer, vocab_size, eval_locate, 0, stats["eval"], style)
         bad = bad + eval_bad
     if bad and not cfg.skip_invalid:
         more = f"{len(bad)} invalid rows; the first: " if len(bad) > 1 else ""
@@ -285,7 +412,7 @@ def prepare_pairs(cfg: DataSection, tokenizer, vocab_size: int, every: int, test
         raise DataError(f"{source}: no preference pair fits (invalid or longer than data.seq_len={cfg.seq_len})")
     out = []
     for name, pairs in (("train", train), ("eval", held)):
-        seqs = _pairs_to_sequences(pairs, cfg.seq_len, pad_id)
+        seqs = _pairs_to_sequences(pairs, cfg.seq_len, pad_id, style)
         seqs.held_out = name == "eval" and every > 0
         _count(stats[name], pairs, seqs)
         out.append(seqs)

@@ -29,7 +29,7 @@ from ..recipe.schema import DataSection
 from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterator, pack_stream
 from .formats import document_boundaries, sample_format, with_data_fields
 from .pack import encoded, quiet, to_sequences, warn
-from .preference import PairEvalBatches, PairSequences, prepare_pairs
+from .preference import PairEvalBatches, PairSequences, give_back, prepare_pairs
 from .read import DataError, RowLocator, load_rows
 from .sources import builder_for, data_columns, eval_split, load_documents, nonempty_paths
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column, count_split
@@ -70,10 +70,17 @@ class PreparedData:
     """Streaming: (seed, epoch, heldout) -> the tokenized stream."""
     pad_id: int = 0
     """The padding token id."""
+    returned: int = 0
+    """Pairs held out by data.eval_holdout that fill no global batch, given back to training (`check_sizes`)."""
 
     def check_sizes(self, global_batch: int, eval_batches: int | None) -> None:
         """The errors `iterators` would raise, before anything else is built: fewer sequences than one global
-        batch, no evaluation sequence while evaluation is on."""
+        batch, no evaluation sequence while evaluation is on. Pairs held out of the training data that fill no
+        global batch (evaluation could not use them) are given back to training first."""
+        held = self.eval
+        if isinstance(held, PairSequences) and held.held_out and 0 < len(held) < global_batch:
+            self.returned = len(held)
+            self.train, self.eval = give_back(self.train, held, self.stats)
         if self.train is not None and len(self.train) < global_batch:
             raise DataError(
                 f"train.global_batch: the training data has {len(self.train)} sequences, fewer than "
@@ -138,7 +145,10 @@ class PreparedData:
             if self.pairs_short(global_batch):
                 if not seqs.held_out:
                     raise DataError(pairs_short_message(len(seqs), global_batch, self.unit))
-                warn(pairs_eval_off(len(seqs), global_batch, self.unit))
+                if self.returned:
+                    warn(pairs_returned(self.returned, global_batch))
+                else:
+                    warn(pairs_eval_off(len(seqs), global_batch, self.unit))
                 return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=0)
             return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=eval_batches)
         if len(seqs) == 0 and not self.eval_off():
@@ -161,6 +171,16 @@ def pairs_eval_off(pairs: int, global_batch: int, unit: str = "pair") -> str:
         f"data.eval_holdout: the {pairs} held-out preference {unit}{'' if pairs == 1 else 's'} fill no global "
         f"batch of {global_batch} {unit}s: evaluation is off for this run (set data.eval_files, raise "
         f"data.eval_holdout, or set eval.batches: 0 to say so)"
+    )
+
+
+def pairs_returned(pairs: int, global_batch: int) -> str:
+    """The warning when the pairs held out of the training data fill no global batch and train instead."""
+    return (
+        f"data.eval_holdout: the {pairs} held-out preference pair{'' if pairs == 1 else 's'} fill no global batch "
+        f"of {global_batch} pairs, so {'it trains' if pairs == 1 else 'they train'} instead (none is held out) and "
+        f"evaluation is off for this run (set data.eval_files, raise data.eval_holdout, or set eval.batches: 0 "
+        f"to say so)"
     )
 
 
@@ -193,8 +213,9 @@ def holdout_every(cfg: DataSection) -> int:
     return 0 if cfg.eval_files or cfg.eval_holdout == 0 else max(2, round(1 / cfg.eval_holdout))
 
 
-def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = True) -> PreparedData:
-    """Read, tokenize and pack the recipe's data once (every rank the same; the tokenized rows are cached).
+def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = True, style: str = "dpo") -> PreparedData:
+    """Read, tokenize and pack the recipe's data once (every rank the same; the tokenized rows are cached);
+    `style`: how pairs are tokenized, "dpo" or "cpo" (`preference.pair_style` of the recipe's losses).
 
     Raises DataError naming the key, file and row and the fix: invalid rows (`BadRowsError`, unless
     data.skip_invalid), every conversation dropped by data.seq_len, too little data for one sequence.
@@ -206,7 +227,7 @@ def prepare_data(cfg: DataSection, tokenizer, vocab_size: int, cache: bool = Tru
         test = None
     every = holdout_every(cfg)
     if cfg.format == "preference":  # pairs, not packed rows (data/preference.py)
-        train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every, test)
+        train, eval_seqs, pad_id, stats = prepare_pairs(cfg, tokenizer, vocab_size, every, test, style)
         return PreparedData(cfg, "preference", "set by data.format", train, eval_seqs, stats, None, pad_id)
     if cfg.format == "unpaired_preference":  # KTO's rows and their KL rows (data/unpaired.py)
         train, eval_seqs, pad_id, stats = prepare_unpaired(cfg, tokenizer, vocab_size, every, test)

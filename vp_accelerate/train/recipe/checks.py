@@ -237,16 +237,21 @@ def _derive_batch(recipe: Recipe) -> None:
 
 
 def describe_batch(recipe: Recipe, pp_size: int | None = None) -> str:
-    """How a (checked) recipe's global batch splits: replicas, microbatches, sequences per microbatch."""
+    """How a (checked) recipe's global batch splits: replicas, microbatches, sequences per microbatch (pairs:
+    pairs per microbatch and the two sequences of each)."""
     t, p = recipe.train, recipe.pipeline
     per_mb = t.global_batch // (p.dp_size * p.microbatches)
+    if recipe.data.format == "preference":  # train.global_batch counts pairs, as TRL's batch sizes
+        size = f"{t.global_batch} pairs = {per_mb} pair{'' if per_mb == 1 else 's'} ({2 * per_mb} sequences)"
+    else:
+        size = f"{t.global_batch} = {per_mb} sequences"
     how = "train.micro_batch_size" if t.micro_batch_size is not None else "from train.global_batch"
     accum = " (train.gradient_accumulation_steps)" if t.gradient_accumulation_steps is not None else ""
     tp = f" x {p.tp_size} tensor-parallel ranks" if p.tp_size > 1 else ""
     n = (pp_size or 0) * p.tp_size * p.dp_size
     ranks = f"; {pp_size} pipeline ranks{tp} x {p.dp_size} replicas = {n} processes" if pp_size else ""
     return (
-        f"batch: global_batch {t.global_batch} = {per_mb} sequences per microbatch ({how}) x "
+        f"batch: global_batch {size} per microbatch ({how}) x "
         f"{p.microbatches} microbatches{accum} x dp_size {p.dp_size}{ranks}"
     )
 

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from vp_accelerate.runtime import PipelineLayout
 from vp_accelerate.runtime.pipeline import PipelineModel, StepResult
-from vp_accelerate.runtime.preference import Preference
+from vp_accelerate.runtime.preference import Preference, metric_style
 
 from ..data import DataError, PreparedData
 from ..data.batches import BatchIterator, EvalBatches, StreamingBatchIterator
@@ -155,6 +155,7 @@ def preference_of(section, batch: dict, kl: tuple[float, ...] | float = 0.0) -> 
         kl=kl,
         desirable_weight=section.desirable_weight,
         undesirable_weight=section.undesirable_weight,
+        completion_start=batch.get("completion_start"),
     )
 
 
@@ -281,6 +282,9 @@ def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
     }
     if res.rewards is not None:  # DPO: TRL's names (this step's pairs)
         metrics.update(res.rewards)
+        types = run.recipe.preference.loss_type
+        if metric_style((types,) if isinstance(types, str) else tuple(types)) == "dpo":
+            metrics["num_tokens"] = c["tokens"]  # DPOTrainer / KTOTrainer's: the real tokens trained on so far
     if run.pipe.loss_scaler is not None:
         metrics.update({"train/loss_scale": res.loss_scale, "train/loss_scale_skips": state.scaler_skips})
     peak = run.recipe.logging.peak_tflops * 1e12 * run.pipe.world_size

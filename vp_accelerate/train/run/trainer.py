@@ -29,6 +29,7 @@ from vp_accelerate.runtime.groups import host_group
 
 from ..data import prepare_data
 from ..data.check import data_metrics
+from ..data.preference import pair_style
 from ..recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
 from ..recipe.lr_schedule import build_scheduler
 from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config, uses_pretrained_weights
@@ -235,7 +236,9 @@ def setup(recipe: Recipe, resume: str | bool | None = None, stop_at: int | None 
     # LoRA: the rows of the special tokens this run adds train too (adapter.trainable_tokens)
     recipe, rows_note = trainable_token_rows(recipe, tokenizer, chat, planned[1].rows_after)
     with main_process_first("preparing the data"):  # tokenized once into the datasets cache (as --check did)
-        data = prepare_data(recipe.data, tokenizer, planned[1].rows_after)
+        data = prepare_data(
+            recipe.data, tokenizer, planned[1].rows_after, style=pair_style(recipe.preference.loss_type)
+        )
         data.check_sizes(recipe.train.global_batch, recipe.eval.batches)
         data.group_rows(recipe.train.global_batch // (recipe.pipeline.dp_size * recipe.pipeline.microbatches))
     clock.lap("data (read, tokenize, pack)")

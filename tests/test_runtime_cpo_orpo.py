@@ -1,0 +1,262 @@
+"""SimPO and ORPO as TRL 1.16's CPOTrainer and ORPOTrainer compute them, under vocabulary parallelism on 2 ranks.
+
+The reference is each trainer's own `get_batch_loss_metrics` on the single-process HF model in float64 (its
+`concatenated_forward`, `get_batch_logps` and metrics run as written, on a stand-in `self`), on right-padded
+pairs whose longest row is shorter than the sequence: CPO's `simpo` with its NLL term (`[simpo, sft]` with
+loss_weights [1, cpo_alpha]); ORPO (`[sft, orpo]`), whose NLL counts the chosen rows' prompt tokens too
+(`Preference.completion_start`). ORPOTrainer's `odds_ratio_loss` casts to float32, so its float64 stand-in is
+its formula over TRL's own `log1mexp`, checked against it to float32 precision. Loss, every gradient (gathered
+into HF names) and every metric TRL logs — rewards/*, logps/* (per-token averages), logits/* (their mean over
+every position of the batch padded to its longest row, prompt and padding included; ORPO's without the last),
+nll_loss, ORPO's log_odds_ratio and log_odds_chosen — must agree. Fails on the code before (ORPO's NLL on the
+completion only, logits/* over completion tokens, no nll_loss / log_odds_*).
+"""
+
+from __future__ import annotations
+
+import random
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from helpers.tiny import tiny_llama
+from vp_accelerate.distributed import spawn
+
+trl = pytest.importorskip("trl")
+from trl.experimental.cpo import CPOTrainer  # noqa: E402
+from trl.experimental.orpo import ORPOTrainer  # noqa: E402
+from trl.experimental.orpo.orpo_trainer import log1mexp  # noqa: E402
+
+SEQ, PAIRS, BETA, ALPHA = 14, 4, 0.7, 0.6
+CPO = dict(loss_type=("simpo", "sft"), loss_weights=(1.0, ALPHA), label_smoothing=0.1, simpo_gamma=0.4)
+ORPO = dict(loss_type=("sft", "orpo"))
+
+
+def _pairs(seed: int, vocab: int):
+    """ids, attention mask, completion-only labels and each row's first completion position; pair k's rows
+    2k / 2k + 1 share a prompt; rows right-padded with 0, the longest shorter than SEQ."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * PAIRS
+    ids = torch.randint(3, vocab, (rows, SEQ), generator=g)
+    mask = torch.zeros(rows, SEQ, dtype=torch.int64)
+    labels = torch.full((rows, SEQ), -100)
+    starts = torch.zeros(rows, dtype=torch.int64)
+    for k in range(PAIRS):
+        prompt = int(torch.randint(2, 5, (1,), generator=g))
+        ids[2 * k + 1, :prompt] = ids[2 * k, :prompt]
+        for r in (2 * k, 2 * k + 1):
+            end = int(torch.randint(prompt + 2, SEQ - 1, (1,), generator=g))
+            ids[r, end:] = 0
+            mask[r, :end] = 1
+            labels[r, prompt:end] = ids[r, prompt:end]
+            starts[r] = prompt
+    return ids, mask, labels, starts
+
+
+def _orpo_labels(ids, mask, labels):
+    """ORPO's rows: the chosen rows' prompt tokens labelled too."""
+    out = labels.clone()
+    out[0::2] = torch.where(mask[0::2] == 1, ids[0::2], -100)
+    return out
+
+
+def _trl_batch(ids, mask, labels):
+    longest = int(mask.sum(1).max())
+    out = {}
+    for side, sl in (("chosen", slice(0, None, 2)), ("rejected", slice(1, None, 2))):
+        out[f"{side}_input_ids"] = ids[sl, :longest]
+        out[f"{side}_attention_mask"] = mask[sl, :longest]
+        out[f"{side}_labels"] = labels[sl, :longest]
+    return out
+
+
+def _accelerator():
+    return SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x)
+
+
+def _trl_cpo(model, batch):
+    me = SimpleNamespace(
+        accelerator=_accelerator(),
+        is_encoder_decoder=False,
+        pad_token_id=0,
+        aux_loss_enabled=False,
+        cpo_alpha=ALPHA,
+        loss_type="simpo",
+        alpha=0.0,
+        beta=BETA,
+        label_smoothing=CPO["label_smoothing"],
+        simpo_gamma=CPO["simpo_gamma"],
+        concatenated_inputs=CPOTrainer.concatenated_inputs,
+        get_batch_logps=CPOTrainer.get_batch_logps,
+    )
+    me.concatenated_forward = types.MethodType(CPOTrainer.concatenated_forward, me)
+    me.cpo_loss = types.MethodType(CPOTrainer.cpo_loss, me)
+    return CPOTrainer.get_batch_loss_metrics(me, model, batch)
+
+
+def _odds_ratio_loss64(me, chosen, rejected):
+    """ORPOTrainer.odds_ratio_loss without its float32 cast (checked against it below)."""
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    theirs = ORPOTrainer.odds_ratio_loss(me, chosen.detach(), rejected.detach())
+    torch.testing.assert_close(theirs[0].double(), BETA * ratio.detach(), rtol=1e-5, atol=1e-6)
+    return BETA * ratio, BETA * chosen.detach(), BETA * rejected.detach(), ratio.mean(), log_odds.mean()
+
+
+def _trl_orpo(model, batch):
+    me = SimpleNamespace(
+        accelerator=_accelerator(),
+        is_encoder_decoder=False,
+        padding_value=0,
+        aux_loss_enabled=False,
+        beta=BETA,
+        concatenated_inputs=ORPOTrainer.concatenated_inputs,
+        get_batch_logps=ORPOTrainer.get_batch_logps,
+    )
+    me.concatenated_forward = types.MethodType(ORPOTrainer.concatenated_forward, me)
+    me.odds_ratio_loss = types.MethodType(_odds_ratio_loss64, me)
+    return ORPOTrainer.get_batch_loss_metrics(me, model, batch)
+
+
+def _gathered_grads(pipe):
+    params = pipe.parameters()
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = p.grad if p.grad is not None else torch.zeros_like(p.data)
+    try:
+        return pipe.gather_hf_state_dict()
+    finally:
+        for p, d in zip(params, saved):
+            p.data = d
+
+
+def _on_ranks(ckpt, data, method):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.preference import Preference
+
+    ids, mask, labels, starts = data
+    cfg = PipelineConfig(schedule="1f1b", method=method, microbatches=2, attn_implementation="eager")
+    pipe = PipelineModel(ckpt, cfg, dtype=torch.float64)
+    out = {}
+    for name, kw, rows, start in (
+        ("cpo", CPO, labels, None),
+        ("orpo", ORPO, _orpo_labels(ids, mask, labels), starts),
+    ):
+        pref = Preference(ref_logps=None, beta=BETA, completion_start=start, **kw)
+        res = pipe.train_step(ids, rows, mask, preference=pref)
+        out[name] = (res.loss, res.rewards, _gathered_grads(pipe))
+        pipe.zero_grad()
+    pipe.close()
+    return out
+
+
+@pytest.mark.parametrize("method", ["vocab-2", pytest.param("baseline", marks=pytest.mark.slow)])
+def test_simpo_and_orpo_are_cpo_and_orpo_trainers_on_2_ranks(tmp_path, method):
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_llama(101, tied=False, attn_implementation="eager")).save_pretrained(
+        tmp_path / "ckpt"
+    )
+    ckpt = str(tmp_path / "ckpt")
+    data = _pairs(seed, 101)
+    per_rank = spawn(_on_ranks, 2, ckpt, data, method, timeout_s=600)
+    ids, mask, labels, _ = data
+    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
+    for name, trl_fn, rows in (("cpo", _trl_cpo, labels), ("orpo", _trl_orpo, _orpo_labels(ids, mask, labels))):
+        model.zero_grad()
+        batch = _trl_batch(ids, mask, labels)
+        if name == "orpo":  # ORPOTrainer's NLL reads input_ids where attention_mask; its logps the labels
+            assert torch.equal(_trl_batch(ids, mask, rows)["chosen_input_ids"], batch["chosen_input_ids"])
+        loss, metrics = trl_fn(model, batch)
+        loss.backward()
+        for r in (0, 1):
+            got_loss, rewards, grads = per_rank[r][name]
+            what = (name, method, r, seed)
+            assert got_loss == pytest.approx(loss.item(), rel=1e-9, abs=1e-12), what
+            assert set(rewards) == set(metrics), (what, sorted(rewards), sorted(metrics))
+            for key, want in metrics.items():
+                assert rewards[key] == pytest.approx(want, rel=1e-6, abs=1e-9), (*what, key)
+            for n, p in model.named_parameters() if r == 0 else ():  # gathered on rank 0
+                err = (grads[n] - p.grad).abs().max().item() / p.grad.abs().max().item()
+                assert err < 1e-9, (*what, n, err)
+
+
+def _dpo_on_ranks(ckpt, data, noise, method):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.runtime.preference import Preference
+
+    ids, mask, labels, _ = data
+    cfg = PipelineConfig(schedule="1f1b", method=method, microbatches=2, attn_implementation="eager")
+    pipe = PipelineModel(ckpt, cfg, dtype=torch.float64)
+    ref = pipe.sequence_logps(ids, labels, mask) + noise
+    res = pipe.train_step(ids, labels, mask, preference=Preference(ref_logps=ref, beta=BETA))
+    pipe.close()
+    return res.rewards, ref
+
+
+def _trl_dpo_metrics(model, ids, mask, labels, ref):
+    """DPOTrainer._compute_loss with TRL's own fused head (`add_fused_lm_head`: entropy, mean logits, top-1) on
+    the batch as TRL orders it, [chosen..., rejected...]; its logged metrics."""
+    from collections import defaultdict
+
+    from trl import DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    order = torch.cat([torch.arange(0, len(ids), 2), torch.arange(1, len(ids), 2)])
+    acc = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
+    me = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        accelerator=acc,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        f_divergence_type="reverse_kl",
+        use_weighting=False,
+        precompute_ref_logps=True,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        loss_types=["sigmoid"],
+        loss_weights=[1.0],
+        beta=BETA,
+        label_smoothing=0.0,
+    )
+    inputs = {
+        "input_ids": ids[order],
+        "attention_mask": mask[order],
+        "completion_mask": (labels[order] != -100).to(torch.int64),
+        "ref_chosen_logps": ref[0::2],
+        "ref_rejected_logps": ref[1::2],
+    }
+    with torch.no_grad():
+        DPOTrainer._compute_loss(me, model, inputs, False)
+    return {k: sum(v) / len(v) for k, v in me._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("method", ["vocab-1", "vocab-2", pytest.param("baseline", marks=pytest.mark.slow)])
+def test_dpo_entropy_and_token_accuracy_are_dpo_trainers_on_2_ranks(tmp_path, method):
+    """DPOTrainer's `entropy` (over every completion token) and `mean_token_accuracy` (the chosen completions'
+    top-1 hits), with logits/* and the rewards, from C1's statistics (no collective of their own). TRL's fused
+    head works in float32 (its log-probabilities too), so they agree to 1e-6; the top-1 hits exactly."""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_llama(101, tied=False, attn_implementation="eager")).save_pretrained(
+        tmp_path / "ckpt"
+    )
+    ckpt = str(tmp_path / "ckpt")
+    data = _pairs(seed, 101)
+    noise = torch.randn(2 * PAIRS, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    per_rank = spawn(_dpo_on_ranks, 2, ckpt, data, noise, method, timeout_s=600)
+    ids, mask, labels, _ = data
+    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
+    rewards, ref = per_rank[0]
+    want = _trl_dpo_metrics(model, ids, mask, labels, ref)
+    assert 0 < want["mean_token_accuracy"] or want["entropy"] > 0
+    for name in ("entropy", "mean_token_accuracy", "logits/chosen", "logits/rejected"):
+        for r in (0, 1):
+            # TRL's fused head computes entropy and mean logits in float32: agreement to its precision
+            assert per_rank[r][0][name] == pytest.approx(want[name], rel=1e-6, abs=1e-9), (name, method, r, seed)
