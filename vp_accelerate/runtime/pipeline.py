@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.cost import shape_from_hf_config
-from vp_accelerate.distributed import init_from_env, local_device
+from vp_accelerate.distributed import enable_fault_stacks, init_from_env, local_device
 from vp_accelerate.models import check_supported, resolve_config
 from vp_accelerate.models.lora import lora_modules, mask_row_grads
 from vp_accelerate.runtime import clock, grad_sync, model_io, p2p, precision, shutdown, watchdog
@@ -101,6 +101,7 @@ class PipelineModel:
         self.compute_dtype = precision.low_dtype(self.precision)
         self.loss_scaler = precision.loss_scaler_for(self.precision)
         check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
+        enable_fault_stacks()  # a launched rank killed by a signal (an abort at exit) prints its threads' stacks
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size)
         shutdown.register()  # workers, watchdog and groups end cleanly at exit, close() or not
