@@ -21,8 +21,8 @@ likely: a peer that is seconds late keeps this rank's last chain in its collecti
    CPython inside that destructor (`take_gil` -> `pthread_exit`), whose unwinding through a `noexcept`
    frame calls std::terminate: SIGABRT after the script's last line. Plain torch does it too (one
    synchronous gloo all-reduce and the script's end); docs/reliability.md has the stack.
-A thread that is still inside a collective after `WAIT_S` (`GLOO_WAIT_S` for a gloo worker) would abort the
-process later: the hook then says so in one line and leaves at once with exit 1 (`os._exit`, after
+A thread that is still inside a collective after `WAIT_S` (a gloo worker still busy after `GLOO_WAIT_S`) would
+abort the process later: the hook then says so in one line and leaves at once with exit 1 (`os._exit`, after
 flushing), before any teardown.
 """
 
@@ -82,17 +82,18 @@ def shutdown() -> None:
     deadline = time.monotonic() + GLOO_WAIT_S
     while gloo_threads_busy():
         if time.monotonic() > deadline:
-            _leave_now(
-                f"{len(gloo_threads_busy())} gloo worker thread(s) still inside a collective after {GLOO_WAIT_S:.0f} s"
-            )
+            _leave_now(f"{len(gloo_threads_busy())} gloo worker thread(s) still busy after {GLOO_WAIT_S:.0f} s")
         time.sleep(0.002)  # the GIL is free meanwhile: a worker that must release a tensor under it can
 
 
 def gloo_threads_busy() -> list[int]:
-    """The ids of this process's gloo worker threads (`pt_gloo_runloop`) that are not parked in their wait for
-    new work: running, runnable, or waiting on a lock, a peer or the GIL. Parked means blocked in a futex wait
-    without a timeout (the condition variable of its work queue), which such a thread enters only after it
-    dropped every reference to the work it ran. Read from /proc/self/task (Linux); [] where that cannot be read.
+    """The ids of this process's gloo worker threads (`pt_gloo_runloop`) that are not parked: running, runnable,
+    waiting for a lock (the work queue's mutex) or for the GIL (a timed wait). Parked means blocked in a
+    condition-variable wait without a timeout (FUTEX_WAIT_BITSET, no timeout), where such a thread waits for
+    new work once it dropped every reference to the work it ran. A worker blocked inside a collective, waiting
+    for its peer, looks the same: the exit hook first waits for the communication workers' chains, so no
+    collective of the pipeline is in flight by then. Read from /proc/self/task (Linux); [] where that cannot
+    be read.
     """
     if _FUTEX is None:
         return []
@@ -112,12 +113,13 @@ def gloo_threads_busy() -> list[int]:
 
 
 def _parked(call: list[str]) -> bool:
-    """Whether /proc/<tid>/syscall's fields are a futex wait (FUTEX_WAIT or FUTEX_WAIT_BITSET) with no timeout."""
+    """Whether /proc/<tid>/syscall's fields are a condition variable's futex wait (FUTEX_WAIT_BITSET) with no
+    timeout (a mutex waits with FUTEX_WAIT, the GIL with a timeout)."""
     try:
         number, op, timeout = int(call[0]), int(call[2], 16), int(call[4], 16)
     except (IndexError, ValueError):  # "running", or a thread not in a syscall
         return False
-    return number == _FUTEX and (op & 0x7F) in (0, 9) and timeout == 0
+    return number == _FUTEX and (op & 0x7F) == 9 and timeout == 0
 
 
 def _leave_now(why: str) -> None:
