@@ -3,6 +3,8 @@
     python scripts/exit_stress.py                  # 20 runs, no extra load
     python scripts/exit_stress.py --n 40 --load 4  # 40 runs beside 4 busy loops (niced)
     python scripts/exit_stress.py --lock-refusal --n 40 --load 4  # launches refused by the output-dir lock
+    python scripts/exit_stress.py --families --n 200 --load 2 --nice 0 --parallel 2 \
+        --trees /path/to/old /path/to/new --tail none allreduce --cores /tmp/cores  # the family check's form
 
 Each run starts 2 interpreters with torchrun's variables (no launcher, so nothing stops a rank or hides its
 exit code), each running a short script as the README's Python API shows: Accelerator, PipelineModel
@@ -14,6 +16,13 @@ any rank exited non-zero.
 `--lock-refusal`: each run is instead a `vp-accelerate launch` of a 2-rank training recipe whose output dir
 this script holds locked, so every launch stops at its start with one line and exit 2. Counted as failing:
 a launcher exit other than 2, or any rank's "terminate called" abort in its output.
+
+`--families`: each run is `torchrun --nproc_per_node 2` of a script that loads `PipelineModel(dir)` from a
+tiny save_pretrained directory (FAMILIES, built here as scripts/model_coverage.py builds them), runs
+`eval_step` in float64, prints the loss and ends without `close()` (`--tail allreduce`: one more all-reduce
+first), alternating over the source trees of `--trees` (each run's PYTHONPATH) and the endings. Counted as
+failing: a launcher exit other than 0, an abort, or a missing loss. `--cores DIR` sets the kernel's core
+pattern to DIR (when writable) and prints gdb's `thread apply all bt` of the first aborted ranks' cores.
 """
 
 from __future__ import annotations
