@@ -1,8 +1,13 @@
 """`python -m vp_accelerate <command>` — what `accelerate launch -m vp_accelerate train ...` runs."""
 
+import faulthandler
+import os
 import sys
 
 from vp_accelerate.cli import main
+
+if "LOCAL_RANK" in os.environ and not faulthandler.is_enabled():  # a launched rank (distributed.enable_fault_stacks)
+    faulthandler.enable(all_threads=True)
 
 code = main()
 if code == 2:  # a launched rank's user error ends without native teardown (user_errors.exit_launched says why)

@@ -19,6 +19,7 @@ started with `start_thread`, which makes the starting thread's device theirs fir
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
@@ -317,6 +318,36 @@ def _died(code: int, log: str) -> str:
     """What a rank that exited without reporting left: its exit code and its last lines on stderr."""
     tail = _last_lines(log)
     return f"process exited with code {code} without reporting" + (f"; its last lines: {tail}" if tail else "")
+
+
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+"""Variables a launcher sets in each process it starts (torchrun / torch elastic, accelerate launch)."""
+
+
+def launched() -> bool:
+    """Whether this process is a rank a launcher started (torchrun, accelerate launch, vp-accelerate launch)."""
+    if any(k in os.environ for k in LAUNCHER_ENV):
+        return True
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def enable_fault_stacks() -> bool:
+    """In a launched rank: Python's faulthandler on for all threads, so a rank killed by a fatal signal (SIGABRT
+    from a C++ `std::terminate`, SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints every thread's Python stack on stderr
+    before it dies, instead of only the launcher's "exitcode -6". Prints nothing otherwise. Left as it is when
+    faulthandler is on already (PYTHONFAULTHANDLER, pytest). True when it is on after the call."""
+    if faulthandler.is_enabled():
+        return True
+    if not launched():
+        return False
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+        except (AttributeError, OSError, ValueError):  # no file descriptor (a notebook's stream, closed)
+            continue
+        faulthandler.enable(file=stream, all_threads=True)
+        return True
+    return False
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.cost import shape_from_hf_config
-from vp_accelerate.distributed import init_from_env, local_device
+from vp_accelerate.distributed import enable_fault_stacks, init_from_env, local_device
 from vp_accelerate.models import check_supported, resolve_config
 from vp_accelerate.models.lora import lora_modules, mask_row_grads
 from vp_accelerate.models.tensor_parallel import check_config as check_tp_config
@@ -104,6 +104,7 @@ class PipelineModel:
         check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
         check_tp_config(resolve_config(source), cfg.tp_size)  # heads / MLP not dividing over tp, no TP plan
         tensor_parallel.check_layout(cfg, self.adapter.enabled)
+        enable_fault_stacks()  # a launched rank killed by a signal (an abort at exit) prints its threads' stacks
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size, cfg.tp_size)
         shutdown.register()  # workers, watchdog and groups end cleanly at exit, close() or not

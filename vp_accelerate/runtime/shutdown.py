@@ -11,17 +11,30 @@ likely: a peer that is seconds late keeps this rank's last chain in its collecti
    long as it takes (up to `WAIT_S`); the watchdog still runs meanwhile, so a peer that died ends this
    rank with its one line rather than a hang;
 2. the watchdog thread (waited for until it left its store call);
-3. the process groups (destroyed).
-A thread that is still inside a collective after `WAIT_S` would abort the process later: the hook then
-says so in one line and leaves at once with exit 1 (`os._exit`, after flushing), before any teardown.
+3. the process groups (destroyed);
+4. torch's gloo worker threads (`pt_gloo_runloop`, two per gloo group): waited for until each is parked in
+   its wait for new work (`gloo_threads_busy`). Such a thread marks a collective complete (the caller's
+   `wait()` returns) and only then drops its reference to the finished work; when that is the last one, the
+   work's tensors are released there, and torch (2.13) releases a tensor that has a Python object under
+   the GIL (`TensorImpl::decref_pyobject`). A thread still that far behind when the interpreter starts
+   finalizing (the script ended: a loaded machine leaves a thread unscheduled for a while) is ended by
+   CPython inside that destructor (`take_gil` -> `pthread_exit`), whose unwinding through a `noexcept`
+   frame calls std::terminate: SIGABRT after the script's last line. Plain torch does it too (one
+   synchronous gloo all-reduce and the script's end); docs/reliability.md has the stack.
+A thread that is still inside a collective after `WAIT_S` (a gloo worker still busy after `GLOO_WAIT_S`) would
+abort the process later: the hook then says so in one line and leaves at once with exit 1 (`os._exit`, after
+flushing), before any teardown.
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
 import logging
 import os
+import platform
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -30,6 +43,12 @@ from vp_accelerate.vocab import comm
 
 WAIT_S = comm.CLOSE_WAIT_S
 """How long the exit waits for a communication worker's queued chains, and for the watchdog's thread."""
+
+GLOO_WAIT_S = 60.0
+"""How long the exit waits for torch's gloo worker threads to let go of their finished collectives."""
+
+_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+"""The futex syscall's number on this machine (None: unknown, the gloo threads are not checked)."""
 
 _REGISTERED = False
 
@@ -58,6 +77,49 @@ def shutdown() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already torn down by its owner
             pass
+    # the groups' C++ objects (and their threads) live on until the interpreter frees the last Python reference
+    # while it finalizes; by then no gloo worker may still hold a finished collective (module docstring)
+    deadline = time.monotonic() + GLOO_WAIT_S
+    while gloo_threads_busy():
+        if time.monotonic() > deadline:
+            _leave_now(f"{len(gloo_threads_busy())} gloo worker thread(s) still busy after {GLOO_WAIT_S:.0f} s")
+        time.sleep(0.002)  # the GIL is free meanwhile: a worker that must release a tensor under it can
+
+
+def gloo_threads_busy() -> list[int]:
+    """The ids of this process's gloo worker threads (`pt_gloo_runloop`) that are not parked: running, runnable,
+    waiting for a lock (the work queue's mutex) or for the GIL (a timed wait). Parked means blocked in a
+    condition-variable wait without a timeout (FUTEX_WAIT_BITSET, no timeout), where such a thread waits for
+    new work once it dropped every reference to the work it ran. A worker blocked inside a collective, waiting
+    for its peer, looks the same: the exit hook first waits for the communication workers' chains, so no
+    collective of the pipeline is in flight by then. Read from /proc/self/task (Linux); [] where that cannot
+    be read.
+    """
+    if _FUTEX is None:
+        return []
+    busy = []
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            with open(f"{task}/comm") as f:
+                if f.read().strip() != "pt_gloo_runloop":
+                    continue
+            with open(f"{task}/syscall") as f:
+                call = f.read().split()
+        except OSError:  # the thread ended meanwhile, or /proc is not readable here
+            continue
+        if not _parked(call):
+            busy.append(int(os.path.basename(task)))
+    return busy
+
+
+def _parked(call: list[str]) -> bool:
+    """Whether /proc/<tid>/syscall's fields are a condition variable's futex wait (FUTEX_WAIT_BITSET) with no
+    timeout (a mutex waits with FUTEX_WAIT, the GIL with a timeout)."""
+    try:
+        number, op, timeout = int(call[0]), int(call[2], 16), int(call[4], 16)
+    except (IndexError, ValueError):  # "running", or a thread not in a syscall
+        return False
+    return number == _FUTEX and (op & 0x7F) == 9 and timeout == 0
 
 
 def _leave_now(why: str) -> None:

@@ -200,6 +200,9 @@ def _eval_words(summary: dict, what: str) -> str:
 
 def train_main(argv: list[str] | None = None) -> int:
     args = _train_parser().parse_args(argv)
+    from vp_accelerate.distributed import enable_fault_stacks
+
+    enable_fault_stacks()  # a launched rank killed by a signal (an abort at exit) prints its threads' stacks
     from ..recipe import RecipeError  # after parse_args, as above
     from ..run.user_errors import say_once
 
