@@ -260,3 +260,27 @@ def test_a_recipe_is_a_model_with_its_layout_shape_and_lora(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert (plan["seq"], plan["global_batch"]) == (32, 8)
     assert any("LoRA r=4" in line for line in plan["assumptions"])
+
+
+def test_fp16_runs_a_finite_step_and_the_counter_keeps_buffers_and_the_optimizers_peak():
+    """fp16 under the dry run: the overflow check's host read was answered 1 ("overflow"), so every step was
+    skipped, no optimizer state or ZeRO-1 broadcast existed and the peak was low; it now answers a finite
+    step, with the same optimizer state as bf16. The counter's steady-state peak starts from everything alive
+    before the step (the parameters and the non-parameter buffers, e.g. the rotary tables), and the optimizer
+    step's own peak (ZeRO-1's bucket flats) is kept, not reset away before the save."""
+    from vp_accelerate.train.dryrun.run import run_rank
+
+    runs = {}
+    for mp in ("fp16", "bf16"):
+        cfg = PipelineConfig(
+            schedule="1f1b", method="vocab-2", microbatches=2, pp_size=2, dp_size=2, zero=1, mixed_precision=mp
+        )
+        runs[mp] = run_rank(tiny_llama(257, num_layers=2), cfg, 0, 4, 4, 16)
+    mem, program = runs["fp16"]
+    assert any(op.kind == "broadcast" and op.label == "optimizer" for op in program)  # the owners' broadcast
+    assert mem.optimizer_bytes == runs["bf16"][0].optimizer_bytes > 0
+    for mem, _ in runs.values():
+        assert mem.live_bytes > mem.param_bytes  # the buffers
+        assert mem.peak_bytes >= mem.live_bytes + mem.optimizer_bytes + mem.activation_peak_bytes
+        assert mem.optimizer_peak_bytes > mem.optimizer_bytes  # the bucket flats above the state
+        assert mem.peak_bytes >= mem.live_bytes + mem.grad_bytes + mem.optimizer_peak_bytes

@@ -9,6 +9,9 @@ The runtime runs unchanged; the seams it needs are set here and undone on exit:
 - the vocabulary collective chains run inline in issue order (on a GPU they are issued on a side stream at
   submit time; the CPU worker thread would hide them from the counter);
 - a host read of a device value (`.item()`, `bool(t)`) is answered (True / 1) and recorded as a sync;
+- fp16's overflow check (`precision.unscale_and_check`) runs and is recorded, and answers "no overflow": a
+  finite step, whose optimizer step (and ZeRO-1 broadcast) runs as on a GPU; the host read's 1 would say
+  overflow and skip it every step;
 - the schedule's order is the one a GPU rank builds (`rank_parts.rank_schedules` with the GPU's pass
   costs), not the order a CPU device would get;
 - transformers' mask builder does not take a fake padding mask for a traced one: on a GPU a batch without
@@ -266,8 +269,15 @@ def fake_rank(rank: int, world_size: int):
 
     from transformers import masking_utils
 
-    from vp_accelerate.runtime import rank_parts
+    from vp_accelerate.runtime import precision, rank_parts
 
+    saved_check = precision.unscale_and_check
+
+    def finite_step(*args, **kwargs) -> bool:
+        saved_check(*args, **kwargs)  # its work and its all-reduce are counted and recorded
+        return False  # the host read answered 1 ("overflow"); a GPU's finite step says 0
+
+    precision.unscale_and_check = finite_step
     saved_schedules = rank_parts.rank_schedules
     rank_parts.rank_schedules = lambda config, cfg, pp, _device: saved_schedules(config, cfg, pp, "cuda")
     saved_tracing = masking_utils.is_tracing
@@ -288,6 +298,7 @@ def fake_rank(rank: int, world_size: int):
         runtime_groups.HOST_BACKEND, model_build.meta_model, torch.utils.swap_tensors, comm.CommWorker.submit = saved
         masking_utils.is_tracing = saved_tracing
         rank_parts.rank_schedules = saved_schedules
+        precision.unscale_and_check = saved_check
         if dist.is_initialized():
             dist.destroy_process_group()
         runtime_groups._HOST_GROUP = None
