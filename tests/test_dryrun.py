@@ -73,7 +73,7 @@ def test_misordered_dp_buckets_deadlock(world8):
     dead = replay_world(world)
     assert dead is not None
     text = dead.describe()
-    assert "rank 1: all_reduce on dev:(1, 5)" in text and "rank 5:" in text
+    assert "rank 1: all_reduce of " in text and "on dev:(1, 5)" in text and "rank 5:" in text
 
 
 def test_replay_world_rules():
@@ -284,3 +284,62 @@ def test_fp16_runs_a_finite_step_and_the_counter_keeps_buffers_and_the_optimizer
         assert mem.peak_bytes >= mem.live_bytes + mem.optimizer_bytes + mem.activation_peak_bytes
         assert mem.optimizer_peak_bytes > mem.optimizer_bytes  # the bucket flats above the state
         assert mem.peak_bytes >= mem.live_bytes + mem.grad_bytes + mem.optimizer_peak_bytes
+
+
+def test_swapped_equal_size_buckets_and_a_wrong_size_send_fail_the_replay(world8):
+    """The replay matches what NCCL matches and more: a collective on its kind, size, root and the tensors it
+    carries (a data-parallel bucket's parameter names, recorded by the recording process group), a p2p
+    transfer on its bytes. Before, two equal-size gradient buckets swapped on one replica (NCCL sums the wrong
+    gradients, silently) and a send of twice the bytes both "finished"."""
+    _, programs = world8
+    world = {d * PP + s: replica_program(programs[s], PP, d) for d in range(DP) for s in range(PP)}
+    assert replay_world(world) is None
+    dp = [i for i, o in enumerate(world[5]) if o.comm.startswith("dev:(1, 5)") and o.kind == "all_reduce"]
+    dp = [i for i in dp if world[5][i].label == "train_step" and world[5][i].ident]  # buckets name their parameters
+    assert len(dp) >= 2
+    i, j = dp[:2]
+    # two buckets of equal size: the second given the first's size on both replicas (the world still finishes),
+    # then swapped on replica 1 only
+    same = dict(world)
+    for r in (1, 5):
+        prog = list(world[r])
+        prog[j] = dataclasses.replace(prog[j], nbytes=prog[i].nbytes)
+        same[r] = prog
+    assert replay_world(same) is None and same[5][i].ident != same[5][j].ident
+    swapped = dict(same)
+    prog = list(same[5])
+    prog[i], prog[j] = prog[j], prog[i]
+    swapped[5] = prog
+    assert replay_world(swapped) is not None
+    broadcasts = [o for o in world[5] if o.kind == "broadcast" and o.label == "optimizer"]
+    assert broadcasts and {o.root for o in broadcasts} == {1, 5}  # each bucket from its owner
+    sends = [k for k, o in enumerate(world[0]) if o.p2p and o.p2p[0][0] == "send"]
+    big = dict(world)
+    prog = list(world[0])
+    d, peer, nb = prog[sends[0]].p2p[0]
+    prog[sends[0]] = dataclasses.replace(prog[sends[0]], p2p=((d, peer, 2 * nb), *prog[sends[0]].p2p[1:]))
+    big[0] = prog
+    dead = replay_world(big)
+    assert dead is not None and "rank 0:" in dead.describe()
+
+
+def test_a_rank_of_replica_1_run_for_real_issues_the_derived_program(world8):
+    """Replicas other than 0 are derived from replica 0's programs (`replica_program`); pipeline rank 1 of
+    replica 1 (global rank 5) run for real issues exactly the derived program (ZeRO-1 roots, bucket
+    identities, host reads included) and holds its own ZeRO-1 share of Adam's moments."""
+    from vp_accelerate.train.dryrun.run import run_rank
+
+    result, programs = world8
+    cfg = PipelineConfig(
+        schedule="1f1b", method="vocab-2", microbatches=4, pp_size=PP, dp_size=DP, mixed_precision="bf16"
+    )
+    mem, program = run_rank(tiny_llama(257, num_layers=4), cfg, PP + 1, PP * DP, 16 // DP, 16)
+    # before roots were recorded, nothing told the two apart; once they were, the vocabulary reduce's root (a
+    # rank of the replica) was left unmoved by the derivation, which running this rank found
+    assert program == replica_program(programs[1], PP, 1)
+    zero0 = result.ranks[1].optimizer_bytes
+    # its own share: the owners split the parameters largest first (runtime/zero.py assign_owners), so the two
+    # replicas' shares differ by at most a parameter (measured: 53,784 vs 53,780 bytes); the dry run reports
+    # replica 0's
+    assert mem.optimizer_bytes != zero0 and abs(mem.optimizer_bytes - zero0) / zero0 < 0.01
+    assert mem.param_bytes == result.ranks[1].param_bytes

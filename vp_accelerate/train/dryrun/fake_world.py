@@ -51,6 +51,17 @@ class Recorder:
     counts: dict = field(default_factory=dict)  # (kind, ranks) -> groups made so far
     phase: str = "build"
     lock: threading.Lock = field(default_factory=threading.Lock)
+    named: object = None  # () -> (name, parameter) pairs of the rank's model, set once it is built
+    idents: list = field(default_factory=list)  # the next collectives' identities (the buckets just planned)
+
+    def bucket_names(self, tensors, buckets) -> list[str]:
+        """Per bucket of `tensors` (parameters or their gradients), its parameters' names."""
+        names = {}
+        for n, p in self.named() if self.named is not None else ():
+            names[id(p)] = n
+            if p.grad is not None:
+                names[id(p.grad)] = n
+        return [",".join(names.get(id(tensors[i]), f"?{tuple(tensors[i].shape)}") for i in idx) for idx in buckets]
 
     def name(self, group) -> str:
         if group is None or group is dist.group.WORLD:
@@ -112,7 +123,10 @@ def recording(rec: Recorder):
     def collective(fn_name):
         def call(*args, **kwargs):
             name = rec.name(_group_arg(fn_name, args, kwargs))
-            rec.add(Op(name.split(":")[0], name, fn_name, nbytes=_bytes(args[:2]), label=rec.phase))
+            root = kwargs.get("src", args[1] if len(args) > 1 else None) if fn_name in ("broadcast", "reduce") else None
+            ident = rec.idents.pop(0) if rec.idents and name.startswith("dev:") else ""
+            op = Op(name.split(":")[0], name, fn_name, nbytes=_bytes(args[:2]), label=rec.phase, ident=ident, root=root)
+            rec.add(op)
             return saved[fn_name](*args, **kwargs)
 
         return call
@@ -138,6 +152,18 @@ def recording(rec: Recorder):
 
         return call
 
+    from vp_accelerate.runtime import grad_sync, zero
+
+    real_plan = grad_sync.plan_buckets
+
+    def plan_buckets(tensors, *args, **kwargs):
+        # the buckets just planned are the next device collectives (grad_sync's all-reduces, zero's
+        # broadcasts issue one per bucket, in order): each carries its parameters' names
+        buckets = real_plan(tensors, *args, **kwargs)
+        rec.idents = rec.bucket_names(tensors, buckets)
+        return buckets
+
+    grad_sync.plan_buckets = zero.plan_buckets = plan_buckets
     patches = {"new_group": new_group, "batch_isend_irecv": batch}
     patches.update({n: collective(n) for n in _COLLECTIVES})
     # isend / irecv stay unpatched: P2POp checks its op by identity (the runtime batches them)
@@ -149,6 +175,7 @@ def recording(rec: Recorder):
     try:
         yield rec
     finally:
+        grad_sync.plan_buckets = zero.plan_buckets = real_plan
         p2p._ORIGINAL = original_p2p
         for n, f in saved.items():
             setattr(dist, n, f)

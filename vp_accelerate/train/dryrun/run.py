@@ -68,6 +68,7 @@ def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int
 
     with fake_rank(rank, world_size) as (rec, counter):
         pipe = PipelineModel(source, cfg, adapter=adapter)
+        rec.named = pipe.named_parameters  # the data-parallel buckets' identities (their parameters' names)
         param_bytes = pipe.param_bytes()
         rec.phase = "train_step"
         live = counter.reset_peak()  # parameters and every non-parameter buffer (rotary tables, masks' caches)
@@ -118,18 +119,20 @@ def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int
 
 def replica_program(program: list[Op], pp_size: int, d: int) -> list[Op]:
     """Replica 0's program of a pipeline rank as replica `d` issues it: the groups inside replica 0 (pipeline,
-    vocabulary, tied ends) and the p2p peers moved by d * pp_size; the data-parallel and world groups, which
-    span replicas, are the same."""
+    vocabulary, tied ends), their roots and the p2p peers moved by d * pp_size; the data-parallel and world
+    groups, which span replicas, are the same (a ZeRO-1 broadcast's root is the owner's global rank on every
+    replica). tests/test_dryrun.py runs a rank of replica 1 for real and compares."""
 
     def move(r: int) -> int:
         return r + d * pp_size if r < pp_size else r
 
     out = []
     for op in program:
-        c = op.comm
+        c, root = op.comm, op.root
         if c and all(r < pp_size for r in op.members()):  # a group of replica 0 (pipeline, vocabulary, tied ends)
             kind, k = c.split(":", 1)[0], c.rsplit("#", 1)[1]
             c = f"{kind}:{tuple(move(r) for r in op.members())}#{k}"
+            root = None if root is None else move(root)  # a vocabulary reduce's root is a rank of the replica
         p2p = tuple((x, move(p), nb) for x, p, nb in op.p2p)
-        out.append(dataclasses.replace(op, comm=c, p2p=p2p))
+        out.append(dataclasses.replace(op, comm=c, p2p=p2p, root=root))
     return out
