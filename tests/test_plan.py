@@ -353,3 +353,28 @@ def test_the_printed_figure_is_the_dry_runs_planned_figure_plus_the_reserve(caps
             assert reserve_gb * 1e9 == pytest.approx(reserve, rel=1e-6)
             # the planner reads the order at min(m, 2 pp) microbatches, the dry run at m: the peak has set in
             assert gb * 1e9 == pytest.approx(tensors + reserve, rel=0.01), (p.describe(), gb, tensors)
+
+
+def test_the_reserve_counts_every_communicator_a_rank_holds_at_the_public_figure():
+    """The reserve from evidence (cost/memory.py): NCCL buffers per communicator at 0.7 GB (public A100 NVLink
+    measurements: 544-688 MB per communicator), every communicator a rank connects counted: the world's, the
+    pipeline's, the vocabulary group's, the tensor-parallel group's, the data-parallel group's and, on the
+    first and last stage of a baseline with tied embeddings, the tied pair's (before: 0.25 GB, neither the
+    tied pair nor the TP group). `vp-accelerate launch` sets the allocator and NCCL settings it assumes."""
+    from vp_accelerate.cost import ModelShape, for_schedule
+    from vp_accelerate.cost.memory import COMMUNICATOR_BYTES, communicators, rank_memory, reserve_bytes, tied_ranks
+    from vp_accelerate.schedule import build_schedule
+    from vp_accelerate.train.cli.launch import GPU_MEMORY_ENV
+
+    assert 0.5e9 <= COMMUNICATOR_BYTES <= 1.6e9
+    assert communicators(16, 2, True) == 4 and communicators(16, 2, True, tp=2) == 5
+    assert communicators(4, 1, False, tied=True) == 3
+    diff = reserve_bytes(1e9, 4, 1, False, tied=True) - reserve_bytes(1e9, 4, 1, False)
+    assert diff == pytest.approx(COMMUNICATOR_BYTES)
+    sched = build_schedule("1f1b", "baseline", 4, 8)
+    assert tied_ranks(True, False, sched.chunk_rank) == {0, 3} and tied_ranks(True, True, sched.chunk_rank) == set()
+    shape = ModelShape(hidden=1024, layers=8, heads=8, ffn=4096, vocab=32000, seq=1024, tied=True)
+    model = for_schedule(shape, sched)
+    ends = rank_memory(model, 0, 1e9).reserve - rank_memory(model, 1, 1e9).reserve
+    assert ends == pytest.approx(COMMUNICATOR_BYTES, rel=0.05)  # the same activations: the pair's buffers
+    assert GPU_MEMORY_ENV == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_NVLS_ENABLE": "0"}

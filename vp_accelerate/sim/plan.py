@@ -65,6 +65,7 @@ from vp_accelerate.cost.memory import (
     lora_layer_params,
     reserve_bytes,
     run_memory,
+    tied_ranks,
 )
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule
@@ -411,7 +412,7 @@ def search(config, req: PlanRequest) -> Search:
                 if fits and max(peak) * (1 + GRID_MARGIN) > limit:  # near the card: decide on the GPU's order
                     peak = gpu_peaks(config, kind, method, pp, m, b, ckpt, memory, zero, dp, req, orders)
                     fits, on_gpu = max(peak) <= limit, True
-                reserve = [_reserve_of(x, pp, dp, layout.method.vocab_parallel) for x in peak]
+                reserve = _reserves(peak, pp, dp, method, base.tied, layout.chunk_rank)
                 plan_ = Plan(
                     schedule=kind,
                     method=method,
@@ -528,7 +529,8 @@ def gpu_peaks(config, kind, method, pp, m, b, ckpt, memory, zero, dp, req: PlanR
     lora = dict(lora_rank=req.lora_rank, lora_targets=req.lora_targets) if req.lora_rank is not None else {}
     tensors = schedule_memory(config, sched, counts, req.seq, b, ckpt, memory, zero, dp, **lora)
     vp = sched.method.vocab_parallel
-    return [x + reserve_bytes(x, pp, dp, vp) for x in tensors]
+    tied = tied_ranks(shape_from_hf_config(config, seq=req.seq).tied, vp, sched.chunk_rank)
+    return [x + reserve_bytes(x, pp, dp, vp, r in tied) for r, x in enumerate(tensors)]
 
 
 GRID_MARGIN = 0.15
@@ -554,15 +556,18 @@ def _shown_on_gpu_order(config, req: PlanRequest, plans: list[Plan], orders: dic
                     config, p.schedule, p.method, p.pp, p.microbatches, p.microbatch_size,
                     p.activation_checkpointing, p.memory, p.zero, p.dp, req, orders,
                 )  # fmt: skip
-                vp = METHODS[p.method].vocab_parallel
-                reserve = tuple(_reserve_of(x, p.pp, p.dp, vp) / 1e9 for x in peak)
+                tied = shape_from_hf_config(config, seq=req.seq).tied
+                chunk_rank = _layout(p.schedule, p.method, p.pp).chunk_rank
+                reserve = tuple(x / 1e9 for x in _reserves(peak, p.pp, p.dp, p.method, tied, chunk_rank))
                 gb = tuple(x / 1e9 for x in peak)
                 plans[i] = replace(p, peak_memory_gb=gb, reserve_gb=reserve, fits=max(peak) <= limit, gpu_order=True)
 
 
-def _reserve_of(total: float, pp: int, dp: int, vocab_parallel: bool) -> float:
-    """The reserve inside a memory total (tensors + `reserve_bytes` of them)."""
-    return total - allocated_of(total, pp, dp, vocab_parallel)
+def _reserves(peaks, pp: int, dp: int, method: str, tied_weights: bool, chunk_rank) -> tuple[float, ...]:
+    """Per rank, the reserve inside a memory total (tensors + `reserve_bytes` of them)."""
+    vp = METHODS[method].vocab_parallel
+    tied = tied_ranks(tied_weights, vp, chunk_rank)
+    return tuple(x - allocated_of(x, pp, dp, vp, r in tied) for r, x in enumerate(peaks))
 
 
 def _held(model: CostModel, req: PlanRequest | None) -> CostModel:
@@ -609,8 +614,8 @@ def _refine_needs(plans: list[Plan], pruned: list, req: PlanRequest) -> None:
             break
         grid = _grid(kind, method, pp, min(m, 2 * pp))
         peak = _with_reserve(model, _peaks(grid, model, req), plans[i].dp, req)
-        vp = METHODS[plans[i].method].vocab_parallel
-        reserve = tuple(_reserve_of(x, plans[i].pp, plans[i].dp, vp) / 1e9 for x in peak)
+        chunk_rank = _layout(kind, method, pp).chunk_rank
+        reserve = tuple(x / 1e9 for x in _reserves(peak, pp, plans[i].dp, method, model.shape.tied, chunk_rank))
         plans[i] = replace(
             plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak), reserve_gb=reserve, memory_bound=False
         )
