@@ -294,9 +294,15 @@ class CostModel:
         logits = s.tokens * self.shard_rows * s.stat_bytes
         if op == "S":
             cast = s.tokens * self.shard_rows * s.dtype_bytes if self.spec.barriers == 1 and s.dtype_bytes < 4 else 0
+            if s.frozen_weights and s.dtype_bytes < 4:  # LoRA: autocast's per-call copy of the frozen fp32 shard
+                cast += self.shard_rows * s.hidden * s.dtype_bytes
             return logits * (1 if keeps else 2) + cast  # vocab-2 (∂X in S): the 16-bit softmax that ∂X's matmul reads
         if op == "T":
-            grads = s.tokens * self.shard_rows * s.dtype_bytes + self.shard_rows * s.hidden * (s.dtype_bytes + 4)
+            grads = s.tokens * self.shard_rows * s.dtype_bytes
+            if not s.frozen_weights:  # a frozen (LoRA) output layer makes no weight gradient
+                grads += self.shard_rows * s.hidden * (s.dtype_bytes + 4)
+            elif s.dtype_bytes < 4:  # autocast's per-call copy of the frozen fp32 shard
+                grads += self.shard_rows * s.hidden * s.dtype_bytes
             return grads + (0.0 if keeps else logits)
         if op == "IF":
             return self.input_bytes()

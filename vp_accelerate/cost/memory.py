@@ -157,7 +157,7 @@ def lora_rank_memory(
 ) -> RankMemory:
     """`rank_memory` of a LoRA run (models/lora.py, adapter.frozen_in_compute_dtype): the frozen decoder weights
     held in the compute dtype (2 bytes each: no fp32 copy, no gradient, no optimizer state); the frozen vocabulary
-    shards (embedding, output layer) in fp32 with the step's 16-bit copy; each adapter parameter as a trained one
+    shards (embedding, output layer) in fp32 (autocast casts one per call); each adapter parameter as a trained one
     (16-bit copy + fp32 master, fp32 gradient, Adam's m and v, sharded under ZeRO-1)."""
     s = model.shape
     layers = sum(n for c, n in enumerate(model.chunk_layers) if model.chunk_rank[c] == rank)
@@ -166,7 +166,9 @@ def lora_rank_memory(
     adapters = layers * lora_layer_params(s, lora_rank, targets)
     sharded = min(SHARDED_BYTES, model.optimizer_bytes)
     master = model.optimizer_bytes - sharded  # the fp32 master copy
-    parameters = frozen * s.dtype_bytes + vocab * (s.dtype_bytes + 4) + adapters * (s.dtype_bytes + master)
+    # the frozen vocabulary shards stay fp32 (runtime/rank_parts.py holds only the decoder chunks in the compute
+    # dtype); no step copy of them is kept: autocast casts one per call (CostModel.transient_bytes, S and T)
+    parameters = frozen * s.dtype_bytes + vocab * 4 + adapters * (s.dtype_bytes + master)
     gradients = adapters * model.grad_bytes
     optimizer = adapters * sharded / model.optimizer_shards
     allocated = parameters + gradients + optimizer + activation_peak

@@ -206,8 +206,9 @@ def dryrun_main(argv: list[str] | None = None) -> int:
 
     chunk_rank = build_schedule(cfg.schedule, cfg.method, cfg.pp_size, cfg.pp_size, cfg.chunks_per_rank).chunk_rank
     tied = tied_ranks(bool(getattr(hf, "tie_word_embeddings", False)), vocab_parallel, chunk_rank)
+    tp = getattr(cfg, "tp_size", 1) or 1
     reserve = {
-        m.rank: int(reserve_bytes(m.peak_bytes, cfg.pp_size, cfg.dp_size, vocab_parallel, m.rank in tied))
+        m.rank: int(reserve_bytes(m.peak_bytes, cfg.pp_size, cfg.dp_size, vocab_parallel, m.rank in tied, tp))
         for m in result.ranks
     }
     rows = []
