@@ -366,7 +366,9 @@ def search(config, req: PlanRequest) -> Search:
     # the module's own saved tensors: fp32 norm inputs, q / k / v, the MLP's four [N, ffn]), not the
     # paper's fused-kernel count (34sbh), which is a third lower
     base = replace(
-        shape_from_hf_config(config, seq=req.seq, attention="sdpa"), frozen_weights=req.lora_rank is not None
+        shape_from_hf_config(config, seq=req.seq, attention="sdpa"),
+        frozen_weights=req.lora_rank is not None,
+        adapted_mlp=_adapts_mlp(req.lora_targets),
     )
     cluster = req.cluster
     limit = req.memory_gb * 1e9
@@ -489,7 +491,7 @@ def schedule_memory(
     order the search screens with: what `vp-accelerate dryrun` compares its measured peaks with. With
     `lora_rank`: a LoRA run's (`lora_rank_memory`: frozen base in bf16, the adapters trained)."""
     shape = replace(shape_from_hf_config(config, seq=seq, attention="sdpa"), microbatch_size=microbatch_size)
-    shape = replace(shape, frozen_weights=lora_rank is not None)
+    shape = replace(shape, frozen_weights=lora_rank is not None, adapted_mlp=_adapts_mlp(lora_targets))
     model = for_schedule(shape, schedule, activation_checkpointing=ckpt, chunk_layers=tuple(chunk_layers))
     model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
     if lora_rank is None:
@@ -501,6 +503,15 @@ def schedule_memory(
         m = run_memory(model, r, p - held.static_bytes(r), dp, lora_rank, lora_targets)
         out.append(m.static + m.activation_peak)
     return out
+
+
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj")
+
+
+def _adapts_mlp(targets) -> bool:
+    """LoRA `targets` adapt more than the attention's input linears (ModelShape.adapted_mlp: the planner then
+    counts the layer's kept inputs as in full training)."""
+    return not set(targets) <= set(ATTENTION_LINEARS)
 
 
 def _with_reserve(model: CostModel, peaks: list[float], dp: int, req: PlanRequest | None = None) -> list[float]:
