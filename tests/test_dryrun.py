@@ -346,13 +346,19 @@ def test_a_rank_of_replica_1_run_for_real_issues_the_derived_program(world8):
 
 
 @pytest.mark.parametrize(
-    "targets", [None, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]]
+    "schedule,method,targets",
+    [
+        ("1f1b", "vocab-2", None),
+        ("1f1b", "vocab-2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        ("vhalf", "vocab-1", None),
+    ],
 )
-def test_the_planners_lora_memory_agrees_with_the_dry_run(targets):
+def test_the_planners_lora_memory_agrees_with_the_dry_run(schedule, method, targets):
     """LoRA r16 priced as it runs (issue 48 item 4): a frozen layer keeps no matmul input that only its weight's
     gradient would read, a frozen output-layer shard's T makes no weight gradient, the frozen vocabulary shards
     stay fp32. On Llama-3.1-8B (1f1b/vocab-2 pp4 x dp2, m 4, seq 512) the planner went from +26-27% above the dry
-    run to -0.3%; here a 22M Llama at seq 512, q/v adapters and adapters on every linear: within 5% both ways."""
+    run to -0.3%; here a 22M Llama at seq 512, q/v adapters and adapters on every linear, and V-Half (a split
+    backward keeps every linear's input for W, frozen or not: the full-training count): within 5% both ways."""
     from vp_accelerate.cost import GPU_PRESETS
     from vp_accelerate.runtime.adapter_config import AdapterConfig
     from vp_accelerate.sim.plan import PlanRequest
@@ -370,7 +376,7 @@ def test_the_planners_lora_memory_agrees_with_the_dry_run(targets):
     )
     seq, batch = 512, 8
     cfg = PipelineConfig(
-        schedule="1f1b", method="vocab-2", microbatches=4, pp_size=2, mixed_precision="bf16", attn_implementation="sdpa"
+        schedule=schedule, method=method, microbatches=4, pp_size=2, mixed_precision="bf16", attn_implementation="sdpa"
     )
     adapter = AdapterConfig(type="lora", r=16, target_modules=targets)
     from transformers import AutoConfig

@@ -782,7 +782,7 @@ def _lora_line(req: PlanRequest) -> list[str]:
         return []
     return [
         f"LoRA r={req.lora_rank} on {', '.join(req.lora_targets)}: frozen decoder weights held in bf16 (2 bytes "
-        f"per parameter, no gradient or optimizer state), frozen vocabulary shards fp32 + the step's bf16 copy, "
+        f"per parameter, no gradient or optimizer state), frozen vocabulary shards fp32 (no step copy: cast per call), "
         f"adapters as trained parameters (cost/memory.py lora_rank_memory); step time without the frozen weights' "
         f"gradient GEMMs (W passes free, the backward's input gradients only), the adapters' gradient sync and "
         f"optimizer step"
