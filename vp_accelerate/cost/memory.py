@@ -168,7 +168,7 @@ def lora_rank_memory(
     master = model.optimizer_bytes - sharded  # the fp32 master copy
     # the frozen vocabulary shards stay fp32 (runtime/rank_parts.py holds only the decoder chunks in the compute
     # dtype); no step copy of them is kept: autocast casts one per call (CostModel.transient_bytes, S and T)
-    held = 4 if model._frozen_vocab() else s.dtype_bytes + 4  # see CostModel._frozen_vocab
+    held = s.dtype_bytes + 4 if model.split_backward else 4  # see CostModel._frozen_vocab
     parameters = frozen * s.dtype_bytes + vocab * held + adapters * (s.dtype_bytes + master)
     gradients = adapters * model.grad_bytes
     optimizer = adapters * sharded / model.optimizer_shards
