@@ -87,7 +87,8 @@ def test_plan_command_prints_the_top_plans_as_json(tmp_path, capsys):
         "memory",
     ):
         assert key in out["plans"][0]
-    assert len(out["plans"][0]["peak_memory_gb"]) == out["plans"][0]["pp"]
+    assert len(out["plans"][0]["peak_memory_gb"]) == out["plans"][0]["pp"] == len(out["plans"][0]["reserve_gb"])
+    assert all(0 < r < p for r, p in zip(out["plans"][0]["reserve_gb"], out["plans"][0]["peak_memory_gb"]))
     assert plan_main(["llama-tiny", "--gpus", "2", "--memory-gb", "8", "--seq", "64", "--global-batch", "4"]) == 0
     assert "schedule/method" in capsys.readouterr().out
     assert plan_main(["lama-tiny", "--gpus", "2", "--memory-gb", "8", "--seq", "64", "--global-batch", "4"]) == 2
@@ -326,3 +327,54 @@ def test_rank_memory_names_its_terms_and_sums_to_the_planners_peak():
     assert mem.optimizer == pytest.approx(model.rank_params(1) * 4)  # 8 bytes of m and v over 2 replicas
     assert mem.total == pytest.approx(mem.static + 3e9 + mem.reserve)
     assert mem.reserve > CONTEXT_BYTES and mem.save_extra == 0
+
+
+def test_the_printed_figure_is_the_dry_runs_planned_figure_plus_the_reserve(capsys):
+    """One memory figure: what `plan` prints, ranks, flags tight and picks by is, per rank, the dry run's planned
+    figure (the planner's memory model on the order a GPU rank runs, `train.dryrun.world.planned_bytes`) plus
+    the reserve, and `plan --json` states the reserve inside it. Before: the printed figure came from the
+    block's grid order (3.5-10% below the GPU's order per rank on Llama-3-70B) and no reserve was stated."""
+    from vp_accelerate.cost import GPU_PRESETS
+    from vp_accelerate.cost.memory import reserve_bytes
+    from vp_accelerate.runtime.config import PipelineConfig
+    from vp_accelerate.schedule.registry import METHODS
+    from vp_accelerate.sim.plan import search
+    from vp_accelerate.train.dryrun.world import planned_bytes
+
+    hw, _ = GPU_PRESETS["h100"]
+    req = PlanRequest(gpus=8, memory_gb=80, seq=2048, global_batch=32, hardware=hw, microbatch_sizes=(2,), top=3)
+    req = replace(req, schedules=("1f1b", "vhalf"), methods=("vocab-2", "vocab-1"), zero=(1,))
+    for p in search(CONFIG, req).fitting[:3]:
+        assert p.gpu_order and len(p.reserve_gb) == p.pp
+        cfg = PipelineConfig(**p.pipeline_section(), mixed_precision="bf16", attn_implementation="sdpa")
+        vp = METHODS[p.method].vocab_parallel
+        for gb, reserve_gb, tensors in zip(p.peak_memory_gb, p.reserve_gb, planned_bytes(CONFIG, req, cfg)):
+            reserve = reserve_bytes(tensors, p.pp, p.dp, vp)
+            assert reserve_gb * 1e9 == pytest.approx(reserve, rel=1e-6)
+            # the planner reads the order at min(m, 2 pp) microbatches, the dry run at m: the peak has set in
+            assert gb * 1e9 == pytest.approx(tensors + reserve, rel=0.01), (p.describe(), gb, tensors)
+
+
+def test_the_reserve_counts_every_communicator_a_rank_holds_at_the_public_figure():
+    """The reserve from evidence (cost/memory.py): NCCL buffers per communicator at 0.7 GB (public A100 NVLink
+    measurements: 544-688 MB per communicator), every communicator a rank connects counted: the world's, the
+    pipeline's, the vocabulary group's, the tensor-parallel group's, the data-parallel group's and, on the
+    first and last stage of a baseline with tied embeddings, the tied pair's (before: 0.25 GB, neither the
+    tied pair nor the TP group). `vp-accelerate launch` sets the allocator and NCCL settings it assumes."""
+    from vp_accelerate.cost import ModelShape, for_schedule
+    from vp_accelerate.cost.memory import COMMUNICATOR_BYTES, communicators, rank_memory, reserve_bytes, tied_ranks
+    from vp_accelerate.schedule import build_schedule
+    from vp_accelerate.train.cli.launch import GPU_MEMORY_ENV
+
+    assert 0.5e9 <= COMMUNICATOR_BYTES <= 1.6e9
+    assert communicators(16, 2, True) == 4 and communicators(16, 2, True, tp=2) == 5
+    assert communicators(4, 1, False, tied=True) == 3
+    diff = reserve_bytes(1e9, 4, 1, False, tied=True) - reserve_bytes(1e9, 4, 1, False)
+    assert diff == pytest.approx(COMMUNICATOR_BYTES)
+    sched = build_schedule("1f1b", "baseline", 4, 8)
+    assert tied_ranks(True, False, sched.chunk_rank) == {0, 3} and tied_ranks(True, True, sched.chunk_rank) == set()
+    shape = ModelShape(hidden=1024, layers=8, heads=8, ffn=4096, vocab=32000, seq=1024, tied=True)
+    model = for_schedule(shape, sched)
+    ends = rank_memory(model, 0, 1e9).reserve - rank_memory(model, 1, 1e9).reserve
+    assert ends == pytest.approx(COMMUNICATOR_BYTES, rel=0.05)  # the same activations: the pair's buffers
+    assert GPU_MEMORY_ENV == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_NVLS_ENABLE": "0"}

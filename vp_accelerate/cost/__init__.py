@@ -7,7 +7,16 @@ split and for MFU's FLOP count. Nothing here imports torch.
 """
 
 from .costs import GPU_PRESETS, CostModel, Hardware, MeasuredCosts, even_layer_split
-from .layout import StageCosts, cost_aware_schedule, for_schedule, layout_costs, plan_layout, redis_layer_split
+from .layout import (
+    StageCosts,
+    cost_aware_schedule,
+    for_schedule,
+    gpu_order,
+    layout_costs,
+    layout_counts,
+    plan_layout,
+    redis_layer_split,
+)
 from .shape import ModelShape, shape_from_hf_config
 
 __all__ = [
@@ -19,6 +28,8 @@ __all__ = [
     "StageCosts",
     "cost_aware_schedule",
     "even_layer_split",
+    "gpu_order",
+    "layout_counts",
     "for_schedule",
     "layout_costs",
     "plan_layout",

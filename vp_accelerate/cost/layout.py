@@ -10,8 +10,10 @@ builder the pass costs it orders the passes by (schedule/list_schedule.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from vp_accelerate.schedule.build import build_schedule
 from vp_accelerate.schedule.ir import Op, Schedule
@@ -24,33 +26,77 @@ from .shape import ModelShape, shape_from_hf_config
 BALANCE_SEQ = 2048
 
 
-def plan_layout(config, schedule: Schedule, layers_per_stage=None, *, seq: int | None = None):
-    """The `models.StageLayout` of `schedule` for an HF `config`: `layers_per_stage` when given (one
-    count per chunk, model order, summing to the model's decoder layers), else the cost model's
-    balanced split for a method with `balanced_layers` (redis), else an even split.
-
-    Raises models.LayoutError when the layers cannot fill the chunks. `seq` sets the sequence length
-    the balanced split is costed at (default min(2048, max_position_embeddings)).
-    """
-    # models imports torch and transformers; the simulator, which never builds a layout, does not need them
-    from vp_accelerate.models.layout import LayoutError, StageLayout, split_counts
-
-    layers = config.num_hidden_layers
+def layout_counts(config, schedule: Schedule, layers_per_stage=None, *, seq: int | None = None) -> tuple[int, ...]:
+    """Decoder layers per chunk (model order) `plan_layout` gives `schedule` for an HF `config` (object, dict
+    or config.json path): `layers_per_stage` when given, else the cost model's balanced split for a method
+    with `balanced_layers` (redis, costed at `seq`, default min(2048, max_position_embeddings)), else an even
+    split. Raises models.LayoutError when the layers cannot fill the chunks. Needs no torch: the planner
+    reads the runtime's split from it."""
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    layers = _get(config, "num_hidden_layers") or _get(config, "n_layer")
     chunks = schedule.num_chunks
     if layers_per_stage is not None:
         counts = [int(n) for n in layers_per_stage]
         if len(counts) != chunks or sum(counts) != layers:
+            from vp_accelerate.models.layout import LayoutError  # models loads torch: only for the error
+
             raise LayoutError(
                 f"layers_per_stage {counts} must have {chunks} entries (one per chunk) summing to "
                 f"the model's {layers} decoder layers"
             )
     elif schedule.method.balanced_layers:
         if seq is None:
-            seq = min(BALANCE_SEQ, getattr(config, "max_position_embeddings", BALANCE_SEQ) or BALANCE_SEQ)
+            seq = min(BALANCE_SEQ, _get(config, "max_position_embeddings") or BALANCE_SEQ)
         counts = redis_layer_split(config, chunks, seq=seq)
+    elif not 1 <= chunks <= layers:
+        from vp_accelerate.models.layout import split_counts
+
+        counts = split_counts(layers, chunks)  # raises its LayoutError
     else:
-        counts = split_counts(layers, chunks)
-    return StageLayout.from_counts(tuple(counts), schedule.chunk_rank)
+        counts = even_layer_split(layers, chunks)
+    return tuple(counts)
+
+
+def plan_layout(config, schedule: Schedule, layers_per_stage=None, *, seq: int | None = None):
+    """The `models.StageLayout` of `schedule` for an HF `config`: `layout_counts`' split.
+
+    Raises models.LayoutError when the layers cannot fill the chunks. `seq` sets the sequence length
+    the balanced split is costed at (default min(2048, max_position_embeddings)).
+    """
+    # models imports torch and transformers; the simulator, which never builds a layout, does not need them
+    from vp_accelerate.models.layout import StageLayout
+
+    counts = layout_counts(config, schedule, layers_per_stage, seq=seq)
+    return StageLayout.from_counts(counts, schedule.chunk_rank)
+
+
+def gpu_order(
+    config,
+    kind: str,
+    method: str,
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    chunks_per_rank: int | None = None,
+    layers_per_stage=None,
+    activation_checkpointing: str = "none",
+    device: str = "cuda",
+    evaluation: bool = True,
+) -> tuple[Schedule, Schedule | None, tuple[int, ...]]:
+    """(training schedule, evaluation schedule, layers per chunk) a rank of this layout runs on a `device`
+    type: the passes ordered by `layout_costs` of the `layout_counts` split. The one place the runtime
+    (`runtime.rank_parts.rank_schedules`), the dry run's planned figure and the planner's memory figure get
+    the order a GPU runs from. `evaluation=False`: no evaluation schedule (None), which the planner skips."""
+    common = dict(chunks_per_rank=chunks_per_rank)
+    grid = build_schedule(kind, method, num_ranks, num_microbatches, **common)  # the unit-grid order: the layout
+    counts = layout_counts(config, grid, layers_per_stage)
+    costs = order_costs(config, grid, counts, activation_checkpointing, device=device)
+    train = build_schedule(kind, method, num_ranks, num_microbatches, costs=costs, **common)
+    evaluate = None
+    if evaluation:
+        evaluate = build_schedule(kind, method, num_ranks, num_microbatches, forward_only=True, costs=costs, **common)
+    return train, evaluate, counts
 
 
 def for_schedule(
@@ -116,20 +162,32 @@ def layout_costs(
     seq: int | None = None,
     device: str = "cuda",
 ) -> CostModel:
-    """The CostModel of an HF `config` run as `schedule` with `layout` (a models.StageLayout) on a
+    """`order_costs` of a models.StageLayout's split."""
+    counts = tuple(end - start for start, end in layout.chunk_layers)
+    return order_costs(config, schedule, counts, activation_checkpointing, seq, device)
+
+
+def order_costs(
+    config,
+    schedule: Schedule,
+    counts: tuple[int, ...],
+    activation_checkpointing: str = "none",
+    seq: int | None = None,
+    device: str = "cuda",
+) -> CostModel:
+    """The CostModel of an HF `config` run as `schedule` with `counts` decoder layers per chunk on a
     `device` type ("cuda": the GPU model; "cpu": CPU_HARDWARE with the plain FLOP model): what the
     runtime orders its schedule by. `seq` defaults to the balanced split's (min(2048, max positions));
     the order hardly depends on it."""
     if seq is None:
         seq = min(BALANCE_SEQ, _get(config, "max_position_embeddings") or BALANCE_SEQ)
     shape = shape_from_hf_config(config, seq=seq)
-    counts = tuple(end - start for start, end in layout.chunk_layers)
     cpu = device == "cpu"
     model = for_schedule(
         shape,
         schedule,
         CPU_HARDWARE if cpu else None,
-        chunk_layers=counts,
+        chunk_layers=tuple(counts),
         activation_checkpointing=activation_checkpointing,
     )
     return dataclasses.replace(model, gemm=None) if cpu else model

@@ -18,14 +18,24 @@ CONTEXT_BYTES = 1.0e9
 "CUDA memory management" notes: memory the allocator does not report includes the context), measured at
 0.5-1 GB on H100 with CUDA 12; the planner reserves the upper figure."""
 
-COMMUNICATOR_BYTES = 0.25e9
-"""NCCL buffers per communicator a rank belongs to: NCCL_BUFFSIZE (4 MiB by default, NCCL's environment
-variables) per channel and peer, both directions, up to 32 channels on NVLink: 4 MiB x 32 x 2 = 256 MiB."""
+COMMUNICATOR_BYTES = 0.7e9
+"""NCCL's device buffers per communicator a rank uses, NVLS off. Public measurements: 544 MB per 2-rank and
+688 MB per 3-4-rank communicator on A100 NVLink after one all-reduce (NVIDIA/nccl issue 964), 1.6 GB for one
+communicator in another report (issue 864); NCCL's maintainer: the memory grows with the channels, i.e. with
+the link bandwidth NCCL aims for (more on H100 than A100), and each communicator holds its own unless made by
+ncclCommSplit with shared resources (issue 986), which torch's new_group does not ask for. The planner takes
+0.7 GB (the A100 figure rounded up; a GPU lease measures it, scripts/gpu_check.py). NVLS (NVLink SHARP, H100
+and later, communicators of more than 2 ranks in a node) adds its own buffers (vLLM issue 9699's log: 288 MiB
+per rank of a communicator); `vp-accelerate launch` sets NCCL_NVLS_ENABLE=0, as NVIDIA's NeMo launcher and
+JAX-Toolbox do for memory (NeMo-Framework-Launcher PR 127, JAX-Toolbox PR 383), so it is not counted."""
 
 FRAGMENTATION = 0.05
 """Fraction of the allocator's bytes lost to fragmentation (blocks rounded up, split blocks that cannot
-be reused for a larger request): reserved minus allocated in PyTorch's memory stats, typically a few
-percent over a training step."""
+be reused for a larger request): reserved minus allocated in PyTorch's memory stats. No public figure for a
+pipeline step was found; 5% stands until a GPU lease measures it (scripts/gpu_check.py's memory part, with
+and without expandable segments). `vp-accelerate launch` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
+NVIDIA's first fix for fragmentation-induced out-of-memory (NeMo Megatron-Bridge's memory-tuning guide: "zero
+performance cost", in most of its launch templates)."""
 
 
 @dataclass(frozen=True)
@@ -63,21 +73,32 @@ class RankMemory:
         return max(terms, key=terms.get)
 
 
-def communicators(pp: int, dp: int, vocab_parallel: bool) -> int:
-    """NCCL communicators a rank holds: the world's, the pipeline's p2p (pp > 1), the vocabulary group's
-    (VP), the data-parallel group's (dp > 1)."""
-    return 1 + (pp > 1) + (vocab_parallel and pp > 1) + (dp > 1)
+def communicators(pp: int, dp: int, vocab_parallel: bool, tied: bool = False, tp: int = 1) -> int:
+    """NCCL communicators a rank holds, each connected before the first step (`runtime.groups.warm_up`): the
+    world's, the pipeline's (its p2p too, pp > 1), the vocabulary group's (VP), the tensor-parallel group's
+    (tp > 1), the data-parallel group's (dp > 1) and the tied-embedding pair's (`tied`: the first and last
+    stage of a baseline with tied weights). The host-side groups are gloo: host memory, not counted."""
+    return 1 + (pp > 1) + (vocab_parallel and pp > 1) + (tp > 1) + (dp > 1) + bool(tied)
 
 
-def reserve_bytes(allocated: float, pp: int, dp: int, vocab_parallel: bool) -> float:
+def tied_ranks(tied_weights: bool, vocab_parallel: bool, chunk_rank) -> set[int]:
+    """The pipeline ranks in a tied-embedding pair group (`runtime.rank_parts.tied_group`): the first and the
+    last stage of a baseline whose model ties its input and output embeddings, when they differ."""
+    first, last = chunk_rank[0], chunk_rank[-1]
+    return {first, last} if tied_weights and not vocab_parallel and first != last else set()
+
+
+def reserve_bytes(allocated: float, pp: int, dp: int, vocab_parallel: bool, tied: bool = False, tp: int = 1) -> float:
     """Headroom beyond `allocated` tensor bytes: CONTEXT_BYTES + COMMUNICATOR_BYTES per communicator +
     FRAGMENTATION of the allocated bytes."""
-    return CONTEXT_BYTES + COMMUNICATOR_BYTES * communicators(pp, dp, vocab_parallel) + FRAGMENTATION * allocated
+    comms = communicators(pp, dp, vocab_parallel, tied, tp)
+    return CONTEXT_BYTES + COMMUNICATOR_BYTES * comms + FRAGMENTATION * allocated
 
 
-def allocated_of(total: float, pp: int, dp: int, vocab_parallel: bool) -> float:
+def allocated_of(total: float, pp: int, dp: int, vocab_parallel: bool, tied: bool = False, tp: int = 1) -> float:
     """The tensor bytes of a `rank_memory` total (its reserve taken off): what an allocator counter sees."""
-    return (total - CONTEXT_BYTES - COMMUNICATOR_BYTES * communicators(pp, dp, vocab_parallel)) / (1 + FRAGMENTATION)
+    comms = communicators(pp, dp, vocab_parallel, tied, tp)
+    return (total - CONTEXT_BYTES - COMMUNICATOR_BYTES * comms) / (1 + FRAGMENTATION)
 
 
 def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1) -> RankMemory:
@@ -92,8 +113,12 @@ def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1
     gradients = n * model.grad_bytes
     optimizer = n * (model.bytes_per_param() - model.shape.dtype_bytes - whole - model.grad_bytes)
     allocated = parameters + gradients + optimizer + activation_peak
-    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel)
+    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel, _tied(model, rank))
     return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
+
+
+def _tied(model: CostModel, rank: int) -> bool:
+    return rank in tied_ranks(model.shape.tied, model.vocab_parallel, model.chunk_rank)
 
 
 LORA_TARGETS = ("q_proj", "v_proj")
@@ -132,7 +157,7 @@ def lora_rank_memory(
 ) -> RankMemory:
     """`rank_memory` of a LoRA run (models/lora.py, adapter.frozen_in_compute_dtype): the frozen decoder weights
     held in the compute dtype (2 bytes each: no fp32 copy, no gradient, no optimizer state); the frozen vocabulary
-    shards (embedding, output layer) in fp32 with the step's 16-bit copy; each adapter parameter as a trained one
+    shards (embedding, output layer) in fp32 (autocast casts one per call); each adapter parameter as a trained one
     (16-bit copy + fp32 master, fp32 gradient, Adam's m and v, sharded under ZeRO-1)."""
     s = model.shape
     layers = sum(n for c, n in enumerate(model.chunk_layers) if model.chunk_rank[c] == rank)
@@ -141,11 +166,14 @@ def lora_rank_memory(
     adapters = layers * lora_layer_params(s, lora_rank, targets)
     sharded = min(SHARDED_BYTES, model.optimizer_bytes)
     master = model.optimizer_bytes - sharded  # the fp32 master copy
-    parameters = frozen * s.dtype_bytes + vocab * (s.dtype_bytes + 4) + adapters * (s.dtype_bytes + master)
+    # the frozen vocabulary shards stay fp32 (runtime/rank_parts.py holds only the decoder chunks in the compute
+    # dtype); no step copy of them is kept: autocast casts one per call (CostModel.transient_bytes, S and T)
+    held = s.dtype_bytes + 4 if model.split_backward else 4  # see CostModel._frozen_vocab
+    parameters = frozen * s.dtype_bytes + vocab * held + adapters * (s.dtype_bytes + master)
     gradients = adapters * model.grad_bytes
     optimizer = adapters * sharded / model.optimizer_shards
     allocated = parameters + gradients + optimizer + activation_peak
-    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel)
+    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel, _tied(model, rank))
     return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
 
 

@@ -79,6 +79,10 @@ class ModelShape:
     frozen_weights: bool = False
     """The decoder and vocabulary weights get no gradient (a LoRA run): no weight-gradient GEMMs for them
     (W passes and the unsplit backward's ∂W part cost nothing; a rank-r adapter's own are r/h of them)."""
+    adapted_mlp: bool = False
+    """With `frozen_weights`: LoRA adapters sit on the MLP's linears too (all-linear, gate/up/down targets), so
+    the MLP's inputs are kept as in full training; False: adapters on the attention's linears only (peft's
+    default q and v), and a frozen MLP keeps neither its normed input nor down_proj's input."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -151,7 +155,9 @@ class ModelShape:
             return 0.0
         n = self.tokens
         b = norms * (n * self.hidden + n) * extra
-        if norms == 2:  # a layer: autocast casts the norms' fp32 output once per linear that reads it (q, k, v;
+        if norms == 2 and self.frozen_weights and not self.adapted_mlp:  # LoRA: the adapters' casts (q, v) only
+            b += 2 * n * self.hidden * self.dtype_bytes
+        elif norms == 2:  # a layer: autocast casts the norms' fp32 output once per linear that reads it (q, k, v;
             # gate and up), where the count has one 16-bit copy per norm
             b += (2 + (self.mlp_matrices == 3)) * n * self.hidden * self.dtype_bytes
         if probs and self.attention == "eager":
@@ -171,6 +177,12 @@ class ModelShape:
         kd = (self.kv_heads or a) * (h // a)
         norms = 2 * (3 * n * h + n)
         mlp = (4 if self.mlp_matrices == 3 else 2) * n * f
+        if self.frozen_weights and not self.adapted_mlp:
+            # LoRA (adapters on q and v): autograd saves a matmul's input only for its weight's gradient and a
+            # norm's normalised input only for its weight's, so a frozen layer keeps each norm's input and
+            # rsqrt, and not the MLP's last product (down_proj's input) or the MLP's normed input (gate, up)
+            norms = 2 * (n * h + n)
+            mlp = (3 if self.mlp_matrices == 3 else 1) * n * f
         if self.attention == "eager":
             attn = n * qd * 4 + b * a * s * s  # q, k and v repeated, o_proj input; probabilities
         else:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vp_accelerate.cost import layout_costs, plan_layout
+from vp_accelerate.cost import gpu_order
 from vp_accelerate.models import RankModules, StageLayout, build_rank, resolve_config
 from vp_accelerate.models.lora import apply_lora
 from vp_accelerate.runtime import precision, tensor_parallel
@@ -19,7 +19,6 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.groups import Groups
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
-from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import Schedule
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
 from vp_accelerate.vocab.partition import VocabPartition
@@ -54,21 +53,20 @@ class RankParts:
 
 def rank_schedules(hf_config, cfg: PipelineConfig, pp_size: int, device_type: str):
     """(training schedule, evaluation schedule, layout) every rank of `cfg` runs on a `device_type` device
-    ("cuda" or "cpu": the pass costs the order is built from differ)."""
-
-    def schedules(costs=None) -> tuple[Schedule, Schedule]:
-        common = dict(chunks_per_rank=cfg.chunks_per_rank, costs=costs)
-        return (
-            build_schedule(cfg.schedule, cfg.method, pp_size, cfg.microbatches, **common),
-            build_schedule(cfg.schedule, cfg.method, pp_size, cfg.microbatches, forward_only=True, **common),
-        )
-
-    grid, _ = schedules()  # the unit-grid order: enough to place the layers
-    layout = plan_layout(hf_config, grid, cfg.layers_per_stage)
-    # each rank's order from the cost model's pass times (schedule/list_schedule.py); every rank computes
-    # the same order from the same inputs
-    costs = layout_costs(hf_config, grid, layout, cfg.activation_checkpointing, device=device_type)
-    return (*schedules(costs), layout)
+    ("cuda" or "cpu": the pass costs the order is built from differ): `cost.gpu_order`, which the planner's
+    memory figure reads too. Every rank computes the same order from the same inputs."""
+    train, evaluate, counts = gpu_order(
+        hf_config,
+        cfg.schedule,
+        cfg.method,
+        pp_size,
+        cfg.microbatches,
+        chunks_per_rank=cfg.chunks_per_rank,
+        layers_per_stage=cfg.layers_per_stage,
+        activation_checkpointing=cfg.activation_checkpointing,
+        device=device_type,
+    )
+    return train, evaluate, StageLayout.from_counts(counts, train.chunk_rank)
 
 
 def build_rank_parts(

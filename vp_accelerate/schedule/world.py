@@ -10,9 +10,12 @@ The model of one rank:
 - device operations of all communicators of a rank run in issue order, one after the other (one hardware
   connection): the head of the rank's device queue is the only one started;
 - a collective completes once every member has started the same operation (the k-th on that communicator,
-  of the same kind and size: mismatched collectives never complete, as NCCL hangs on them);
+  of the same kind, size, root and identity, e.g. a data-parallel bucket's parameter names: mismatched
+  collectives never complete, as NCCL hangs on them or, for equal sizes, silently combines the wrong
+  tensors, which the replay calls a deadlock);
 - a p2p batch is one Work: its sends and receives match in issue order on each (communicator, sender,
-  receiver) channel, a send completes when the peer's batch holding the matching receive has started
+  receiver) channel and must agree in bytes (a send of the wrong size never matches: NCCL would truncate or
+  hang), a send completes when the peer's batch holding the matching receive has started
   (rendezvous, true for messages larger than NCCL's buffers) and the batch when all its ops have.
 
 `replay_world` returns None when every rank finishes, else a `Deadlock` naming each blocked rank, its
@@ -43,14 +46,22 @@ class CommOp:
     """Bytes of a collective's tensor(s) (members must agree)."""
     label: str = ""
     """The phase of the run that issued it (build, train_step, optimizer, save, eval), for messages."""
+    ident: str = ""
+    """What a collective carries, where the members must agree on more than its size: a data-parallel bucket's
+    or a ZeRO-1 broadcast's parameter names (NCCL sums two equal-size buckets swapped on one replica without
+    a word); "" when the kind and size are all there is."""
+    root: int | None = None
+    """A broadcast's (reduce's) source global rank; None for the others."""
 
     def members(self) -> tuple[int, ...]:
         return tuple(int(x) for x in self.comm.split(":", 1)[1].rsplit("#", 1)[0].strip("()").split(",") if x.strip())
 
     def describe(self) -> str:
         if self.p2p:
-            return f"{self.kind}[{', '.join(f'{d} {p}' for d, p, _ in self.p2p)}] on {self.comm} ({self.label})"
-        return f"{self.kind} on {self.comm or 'the host'} ({self.label})"
+            return f"{self.kind}[{', '.join(f'{d} {p} ({nb} bytes)' for d, p, nb in self.p2p)}] on {self.comm} ({self.label})"
+        root = f" from {self.root}" if self.root is not None else ""
+        ident = f" [{self.ident[:60]}]" if self.ident else ""
+        return f"{self.kind}{root} of {self.nbytes} bytes{ident} on {self.comm or 'the host'} ({self.label})"
 
 
 @dataclass
@@ -67,7 +78,8 @@ class Deadlock:
 
 
 def _keys(program: list[CommOp], rank: int):
-    """Per op: a collective's (comm, k); a batch's component keys (comm, src, dst, j)."""
+    """Per op: a collective's (comm, k, kind, bytes, identity, root); a batch's component keys (comm, src,
+    dst, j, bytes)."""
     coll: dict[str, int] = {}
     chan: dict[tuple, int] = {}
     out = []
@@ -76,17 +88,17 @@ def _keys(program: list[CommOp], rank: int):
             out.append(None)
         elif op.p2p:
             comps = []
-            for d, peer, _nb in op.p2p:
+            for d, peer, nb in op.p2p:
                 src, dst = (rank, peer) if d == "send" else (peer, rank)
                 c = (op.comm, src, dst, d)
                 j = chan.get(c, 0)
                 chan[c] = j + 1
-                comps.append((op.comm, src, dst, j))
+                comps.append((op.comm, src, dst, j, nb))
             out.append(tuple(comps))
         else:
             k = coll.get(op.comm, 0)
             coll[op.comm] = k + 1
-            out.append((op.comm, k, op.kind, op.nbytes))
+            out.append((op.comm, k, op.kind, op.nbytes, op.ident, op.root))
     return out
 
 

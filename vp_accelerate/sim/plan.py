@@ -39,7 +39,15 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
 from vp_accelerate import modes
-from vp_accelerate.cost import CostModel, Hardware, ModelShape, cost_aware_schedule, for_schedule, shape_from_hf_config
+from vp_accelerate.cost import (
+    CostModel,
+    Hardware,
+    ModelShape,
+    cost_aware_schedule,
+    for_schedule,
+    gpu_order,
+    shape_from_hf_config,
+)
 from vp_accelerate.cost.data_parallel import (
     OPTIMIZER_STEP_BYTES,
     ZERO_LEVELS,
@@ -53,8 +61,11 @@ from vp_accelerate.cost.memory import (
     CONTEXT_BYTES,
     FRAGMENTATION,
     LORA_TARGETS,
+    allocated_of,
     lora_layer_params,
+    reserve_bytes,
     run_memory,
+    tied_ranks,
 )
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule
@@ -156,7 +167,8 @@ class Plan:
     peak_memory_gb: tuple[float, ...]
     """Per pipeline rank: parameters + gradients + optimizer state + peak activations + the reserve (CUDA
     context, NCCL buffers, fragmentation; cost/memory.py `rank_memory`), GB (a layout dropped on its static
-    memory alone: that + one microbatch's activations + the reserve, a lower bound)."""
+    memory alone: that + one microbatch's activations + the reserve, a lower bound). A layout that passes
+    the screen gets it on the order a GPU runs (`cost.gpu_order`, the dry run's order; `gpu_peaks`)."""
     fits: bool
     """Every rank's peak fits in the request's memory per GPU."""
     zero: int = 0
@@ -168,6 +180,12 @@ class Plan:
     memory_bound: bool = False
     """`peak_memory_gb` is a lower bound: the layout was dropped on its static memory plus one microbatch's
     activations before any order was read (it needs at least that)."""
+    reserve_gb: tuple[float, ...] = ()
+    """Per pipeline rank, the reserve inside `peak_memory_gb` (cost/memory.py `reserve_bytes`: CUDA context,
+    NCCL buffers per communicator, fragmentation), GB."""
+    gpu_order: bool = False
+    """`peak_memory_gb` is read on the order a GPU runs (`gpu_peaks`); else on the grid's screen order (a
+    layout far below the card, or dropped by the screen)."""
     simulated: bool = False
     """The step was simulated. A fitting plan that was not: its busiest rank's work alone already makes it
     slower than the request's `top` plans, and its step time is that lower bound (tokens/s and MFU upper
@@ -348,7 +366,9 @@ def search(config, req: PlanRequest) -> Search:
     # the module's own saved tensors: fp32 norm inputs, q / k / v, the MLP's four [N, ffn]), not the
     # paper's fused-kernel count (34sbh), which is a third lower
     base = replace(
-        shape_from_hf_config(config, seq=req.seq, attention="sdpa"), frozen_weights=req.lora_rank is not None
+        shape_from_hf_config(config, seq=req.seq, attention="sdpa"),
+        frozen_weights=req.lora_rank is not None,
+        adapted_mlp=_adapts_mlp(req.lora_targets),
     )
     cluster = req.cluster
     limit = req.memory_gb * 1e9
@@ -356,6 +376,7 @@ def search(config, req: PlanRequest) -> Search:
     candidates = []  # (lower bound on the step time, untimed plan, shape, pipeline links, data-parallel time)
     pruned = []  # (lower bound on the memory, index in plans, kind, method, pp, m, cost model)
     considered = dominated = bounded = 0
+    orders: dict = {}  # (kind, method, pp, microbatches, checkpointing) -> the GPU's order, its layer split
     for kind, method, pp, dp, b, m in _base_layouts(req, base.layers):
         shape = replace(base, microbatch_size=b)
         hw = cluster.pipeline_hardware(req.hardware, pp, dp)
@@ -389,6 +410,11 @@ def search(config, req: PlanRequest) -> Search:
                     grid = grid or _grid(kind, method, pp, min(m, 2 * pp))
                     peak = _with_reserve(model, _peaks(grid, model, req), dp, req)
                 fits = max(peak) <= limit
+                on_gpu = False
+                if fits and max(peak) * (1 + GRID_MARGIN) > limit:  # near the card: decide on the GPU's order
+                    peak = gpu_peaks(config, kind, method, pp, m, b, ckpt, memory, zero, dp, req, orders)
+                    fits, on_gpu = max(peak) <= limit, True
+                reserve = _reserves(peak, pp, dp, method, base.tied, layout.chunk_rank)
                 plan_ = Plan(
                     schedule=kind,
                     method=method,
@@ -403,11 +429,13 @@ def search(config, req: PlanRequest) -> Search:
                     mfu=0.0,
                     bubble=math.nan,
                     peak_memory_gb=tuple(x / 1e9 for x in peak),
+                    reserve_gb=tuple(x / 1e9 for x in reserve),
                     fits=fits,
                     zero=zero,
                     activation_checkpointing=ckpt,
                     pipeline_crosses_nodes=crosses,
                     memory_bound=bound,
+                    gpu_order=on_gpu,
                 )
                 if fits:
                     fitting.append((ckpt, memory))
@@ -441,8 +469,8 @@ def search(config, req: PlanRequest) -> Search:
         )
         timed.append(step + after)
         plans.append(_with_step(plan_, req, shape, step + after, bubble))
-    plans.sort(key=_rank)
-    return Search(_headroom_first(plans), considered, dominated, bounded)
+    plans = _shown_on_gpu_order(config, req, plans, orders)
+    return Search(plans, considered, dominated, bounded)
 
 
 def schedule_memory(
@@ -463,7 +491,7 @@ def schedule_memory(
     order the search screens with: what `vp-accelerate dryrun` compares its measured peaks with. With
     `lora_rank`: a LoRA run's (`lora_rank_memory`: frozen base in bf16, the adapters trained)."""
     shape = replace(shape_from_hf_config(config, seq=seq, attention="sdpa"), microbatch_size=microbatch_size)
-    shape = replace(shape, frozen_weights=lora_rank is not None)
+    shape = replace(shape, frozen_weights=lora_rank is not None, adapted_mlp=_adapts_mlp(lora_targets))
     model = for_schedule(shape, schedule, activation_checkpointing=ckpt, chunk_layers=tuple(chunk_layers))
     model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
     if lora_rank is None:
@@ -477,10 +505,80 @@ def schedule_memory(
     return out
 
 
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj")
+
+
+def _adapts_mlp(targets) -> bool:
+    """LoRA `targets` adapt more than the attention's input linears (ModelShape.adapted_mlp: the planner then
+    counts the layer's kept inputs as in full training)."""
+    return not set(targets) <= set(ATTENTION_LINEARS)
+
+
 def _with_reserve(model: CostModel, peaks: list[float], dp: int, req: PlanRequest | None = None) -> list[float]:
     """`order_peak_memory`'s peaks (static + activations) as `run_memory` totals (reserve added)."""
     held = _held(model, req)
     return [_rank_total(model, r, p - held.static_bytes(r), dp, req) for r, p in enumerate(peaks)]
+
+
+ORDER_MICROBATCHES = 2
+"""The GPU's order is read at min(m, 2 pp) microbatches: its activation peak has set in by then (Llama-3-70B,
+16 ranks: 1F1B and V-Half at 2 pp give the peaks of 128 microbatches, within 0.2% per rank), and building it
+at m costs seconds a layout."""
+
+
+def gpu_peaks(config, kind, method, pp, m, b, ckpt, memory, zero, dp, req: PlanRequest, orders=None) -> list[float]:
+    """Per rank, the memory (tensors + reserve) of a layout on the order a GPU rank runs (`cost.gpu_order`,
+    the runtime's and the dry run's order and layer split, at min(m, 2 pp) microbatches), priced as the dry
+    run's planned figure (`schedule_memory`) plus `reserve_bytes` of it. `orders`: a cache of orders."""
+    k = min(m, ORDER_MICROBATCHES * pp)
+    key = (kind, method, pp, k, ckpt)
+    orders = {} if orders is None else orders
+    if key not in orders:
+        train, _, counts = gpu_order(config, kind, method, pp, k, activation_checkpointing=ckpt, evaluation=False)
+        orders[key] = (train, counts)
+    sched, counts = orders[key]
+    lora = dict(lora_rank=req.lora_rank, lora_targets=req.lora_targets) if req.lora_rank is not None else {}
+    tensors = schedule_memory(config, sched, counts, req.seq, b, ckpt, memory, zero, dp, **lora)
+    vp = sched.method.vocab_parallel
+    tied = tied_ranks(shape_from_hf_config(config, seq=req.seq).tied, vp, sched.chunk_rank)
+    return [x + reserve_bytes(x, pp, dp, vp, r in tied) for r, x in enumerate(tensors)]
+
+
+GRID_MARGIN = 0.15
+"""The grid order screens: a layout whose grid figure is within 15% of the card gets its figure from the GPU's
+order before it is called fitting (the grid read 3.5-10% below the GPU's order per rank on Llama-3-70B, 16
+ranks); one further below is presumed to fit and is read on the GPU's order only if it is shown."""
+
+
+def _shown_on_gpu_order(config, req: PlanRequest, plans: list[Plan], orders: dict) -> list[Plan]:
+    """`plans` ranked, every fitting one among the first `req.top` shown with its figure on the GPU's order
+    (a plan that then needs more than the card moves to the ones that do not fit)."""
+    limit = req.memory_gb * 1e9
+    while True:
+        plans = _headroom_first(sorted(plans, key=_rank))
+        shown = [p for p in plans if p.fits][: req.top]
+        todo = [p for p in shown if not p.gpu_order]
+        if not todo:
+            return plans
+        ids = {id(p): p for p in todo}
+        for i, p in enumerate(plans):
+            if id(p) in ids:
+                peak = gpu_peaks(
+                    config, p.schedule, p.method, p.pp, p.microbatches, p.microbatch_size,
+                    p.activation_checkpointing, p.memory, p.zero, p.dp, req, orders,
+                )  # fmt: skip
+                tied = shape_from_hf_config(config, seq=req.seq).tied
+                chunk_rank = _layout(p.schedule, p.method, p.pp).chunk_rank
+                reserve = tuple(x / 1e9 for x in _reserves(peak, p.pp, p.dp, p.method, tied, chunk_rank))
+                gb = tuple(x / 1e9 for x in peak)
+                plans[i] = replace(p, peak_memory_gb=gb, reserve_gb=reserve, fits=max(peak) <= limit, gpu_order=True)
+
+
+def _reserves(peaks, pp: int, dp: int, method: str, tied_weights: bool, chunk_rank) -> tuple[float, ...]:
+    """Per rank, the reserve inside a memory total (tensors + `reserve_bytes` of them)."""
+    vp = METHODS[method].vocab_parallel
+    tied = tied_ranks(tied_weights, vp, chunk_rank)
+    return tuple(x - allocated_of(x, pp, dp, vp, r in tied) for r, x in enumerate(peaks))
 
 
 def _held(model: CostModel, req: PlanRequest | None) -> CostModel:
@@ -527,7 +625,11 @@ def _refine_needs(plans: list[Plan], pruned: list, req: PlanRequest) -> None:
             break
         grid = _grid(kind, method, pp, min(m, 2 * pp))
         peak = _with_reserve(model, _peaks(grid, model, req), plans[i].dp, req)
-        plans[i] = replace(plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak), memory_bound=False)
+        chunk_rank = _layout(kind, method, pp).chunk_rank
+        reserve = tuple(x / 1e9 for x in _reserves(peak, pp, plans[i].dp, method, model.shape.tied, chunk_rank))
+        plans[i] = replace(
+            plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak), reserve_gb=reserve, memory_bound=False
+        )
         least = min(least, max(peak))
 
 
@@ -680,7 +782,7 @@ def _lora_line(req: PlanRequest) -> list[str]:
         return []
     return [
         f"LoRA r={req.lora_rank} on {', '.join(req.lora_targets)}: frozen decoder weights held in bf16 (2 bytes "
-        f"per parameter, no gradient or optimizer state), frozen vocabulary shards fp32 + the step's bf16 copy, "
+        f"per parameter, no gradient or optimizer state), frozen vocabulary shards fp32 (no step copy: cast per call), "
         f"adapters as trained parameters (cost/memory.py lora_rank_memory); step time without the frozen weights' "
         f"gradient GEMMs (W passes free, the backward's input gradients only), the adapters' gradient sync and "
         f"optimizer step"
@@ -708,5 +810,6 @@ def best(config, req: PlanRequest) -> Plan:
 def as_dict(p: Plan) -> dict:
     d = asdict(p)
     d["peak_memory_gb"] = list(p.peak_memory_gb)
+    d["reserve_gb"] = list(p.reserve_gb)
     d["chunk_layers"] = list(p.chunk_layers)
     return d

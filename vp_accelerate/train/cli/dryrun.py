@@ -201,7 +201,16 @@ def dryrun_main(argv: list[str] | None = None) -> int:
     limit = req.memory_gb * 1e9
     vocab_parallel = METHODS[cfg.method].vocab_parallel
     # what the card must also hold beside the tensors: the CUDA context, NCCL buffers, fragmentation (cost/memory.py)
-    reserve = {m.rank: int(reserve_bytes(m.peak_bytes, cfg.pp_size, cfg.dp_size, vocab_parallel)) for m in result.ranks}
+    from vp_accelerate.cost.memory import tied_ranks
+    from vp_accelerate.schedule import build_schedule
+
+    chunk_rank = build_schedule(cfg.schedule, cfg.method, cfg.pp_size, cfg.pp_size, cfg.chunks_per_rank).chunk_rank
+    tied = tied_ranks(bool(getattr(hf, "tie_word_embeddings", False)), vocab_parallel, chunk_rank)
+    tp = getattr(cfg, "tp_size", 1) or 1
+    reserve = {
+        m.rank: int(reserve_bytes(m.peak_bytes, cfg.pp_size, cfg.dp_size, vocab_parallel, m.rank in tied, tp))
+        for m in result.ranks
+    }
     rows = []
     for mem, planned in zip(result.ranks, result.planned_bytes):
         d = dataclasses.asdict(mem)

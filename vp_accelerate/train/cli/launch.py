@@ -57,6 +57,13 @@ def _signal_of(code) -> signal.Signals | None:
     return None
 
 
+GPU_MEMORY_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_NVLS_ENABLE": "0"}
+"""Set for the ranks unless already set: expandable segments against fragmentation (NVIDIA's first fix for a
+fragmentation out-of-memory, in most NeMo launch templates), and NCCL without NVLink SHARP, whose buffers cost
+memory per communicator (NeMo's launcher and JAX-Toolbox turn it off for memory). cost/memory.py prices the
+reserve on both; NVLS speeds large in-node all-reduces, which a pipeline's memory-tight layouts rarely run."""
+
+
 def launch_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "train" not in argv:
@@ -76,6 +83,8 @@ def launch_main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))  # time to save after a signal
     # torchrun's --signals-to-handle, read when accelerate builds torchrun's parser (the agent passes these on)
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", SIGNALS_TO_HANDLE)
+    for key, value in GPU_MEMORY_ENV.items():  # the reserve the planner prices assumes these (cost/memory.py)
+        os.environ.setdefault(key, value)
     try:
         launch_command(args)
     except (SignalException, SystemExit) as e:  # accelerate turns the agent's SignalException into exit 128 + sig

@@ -9,6 +9,9 @@ The runtime runs unchanged; the seams it needs are set here and undone on exit:
 - the vocabulary collective chains run inline in issue order (on a GPU they are issued on a side stream at
   submit time; the CPU worker thread would hide them from the counter);
 - a host read of a device value (`.item()`, `bool(t)`) is answered (True / 1) and recorded as a sync;
+- fp16's overflow check (`precision.unscale_and_check`) runs and is recorded, and answers "no overflow": a
+  finite step, whose optimizer step (and ZeRO-1 broadcast) runs as on a GPU; the host read's 1 would say
+  overflow and skip it every step;
 - the schedule's order is the one a GPU rank builds (`rank_parts.rank_schedules` with the GPU's pass
   costs), not the order a CPU device would get;
 - transformers' mask builder does not take a fake padding mask for a traced one: on a GPU a batch without
@@ -48,6 +51,17 @@ class Recorder:
     counts: dict = field(default_factory=dict)  # (kind, ranks) -> groups made so far
     phase: str = "build"
     lock: threading.Lock = field(default_factory=threading.Lock)
+    named: object = None  # () -> (name, parameter) pairs of the rank's model, set once it is built
+    idents: list = field(default_factory=list)  # the next collectives' identities (the buckets just planned)
+
+    def bucket_names(self, tensors, buckets) -> list[str]:
+        """Per bucket of `tensors` (parameters or their gradients), its parameters' names."""
+        names = {}
+        for n, p in self.named() if self.named is not None else ():
+            names[id(p)] = n
+            if p.grad is not None:
+                names[id(p.grad)] = n
+        return [",".join(names.get(id(tensors[i]), f"?{tuple(tensors[i].shape)}") for i in idx) for idx in buckets]
 
     def name(self, group) -> str:
         if group is None or group is dist.group.WORLD:
@@ -109,7 +123,10 @@ def recording(rec: Recorder):
     def collective(fn_name):
         def call(*args, **kwargs):
             name = rec.name(_group_arg(fn_name, args, kwargs))
-            rec.add(Op(name.split(":")[0], name, fn_name, nbytes=_bytes(args[:2]), label=rec.phase))
+            root = kwargs.get("src", args[1] if len(args) > 1 else None) if fn_name in ("broadcast", "reduce") else None
+            ident = rec.idents.pop(0) if rec.idents and name.startswith("dev:") else ""
+            op = Op(name.split(":")[0], name, fn_name, nbytes=_bytes(args[:2]), label=rec.phase, ident=ident, root=root)
+            rec.add(op)
             return saved[fn_name](*args, **kwargs)
 
         return call
@@ -135,6 +152,18 @@ def recording(rec: Recorder):
 
         return call
 
+    from vp_accelerate.runtime import grad_sync, zero
+
+    real_plan = grad_sync.plan_buckets
+
+    def plan_buckets(tensors, *args, **kwargs):
+        # the buckets just planned are the next device collectives (grad_sync's all-reduces, zero's
+        # broadcasts issue one per bucket, in order): each carries its parameters' names
+        buckets = real_plan(tensors, *args, **kwargs)
+        rec.idents = rec.bucket_names(tensors, buckets)
+        return buckets
+
+    grad_sync.plan_buckets = zero.plan_buckets = plan_buckets
     patches = {"new_group": new_group, "batch_isend_irecv": batch}
     patches.update({n: collective(n) for n in _COLLECTIVES})
     # isend / irecv stay unpatched: P2POp checks its op by identity (the runtime batches them)
@@ -146,6 +175,7 @@ def recording(rec: Recorder):
     try:
         yield rec
     finally:
+        grad_sync.plan_buckets = zero.plan_buckets = real_plan
         p2p._ORIGINAL = original_p2p
         for n, f in saved.items():
             setattr(dist, n, f)
@@ -266,8 +296,15 @@ def fake_rank(rank: int, world_size: int):
 
     from transformers import masking_utils
 
-    from vp_accelerate.runtime import rank_parts
+    from vp_accelerate.runtime import precision, rank_parts
 
+    saved_check = precision.unscale_and_check
+
+    def finite_step(*args, **kwargs) -> bool:
+        saved_check(*args, **kwargs)  # its work and its all-reduce are counted and recorded
+        return False  # the host read answered 1 ("overflow"); a GPU's finite step says 0
+
+    precision.unscale_and_check = finite_step
     saved_schedules = rank_parts.rank_schedules
     rank_parts.rank_schedules = lambda config, cfg, pp, _device: saved_schedules(config, cfg, pp, "cuda")
     saved_tracing = masking_utils.is_tracing
@@ -288,6 +325,7 @@ def fake_rank(rank: int, world_size: int):
         runtime_groups.HOST_BACKEND, model_build.meta_model, torch.utils.swap_tensors, comm.CommWorker.submit = saved
         masking_utils.is_tracing = saved_tracing
         rank_parts.rank_schedules = saved_schedules
+        precision.unscale_and_check = saved_check
         if dist.is_initialized():
             dist.destroy_process_group()
         runtime_groups._HOST_GROUP = None

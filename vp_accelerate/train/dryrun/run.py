@@ -39,6 +39,11 @@ class RankMemory:
     """The largest live total of the whole run."""
     seconds: float
     """Host time of this rank's dry run."""
+    live_bytes: int = 0
+    """Everything alive before the training step: the parameters and the non-parameter buffers (rotary tables)."""
+    optimizer_peak_bytes: int = 0
+    """Peak during the optimizer step above what was alive before it (its state and transients, e.g. ZeRO-1's
+    bucket flats)."""
 
     def largest_term(self) -> tuple[str, int]:
         terms = {
@@ -63,51 +68,71 @@ def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int
 
     with fake_rank(rank, world_size) as (rec, counter):
         pipe = PipelineModel(source, cfg, adapter=adapter)
+        rec.named = pipe.named_parameters  # the data-parallel buckets' identities (their parameters' names)
         param_bytes = pipe.param_bytes()
         rec.phase = "train_step"
-        before = counter.reset_peak()
+        live = counter.reset_peak()  # parameters and every non-parameter buffer (rotary tables, masks' caches)
         pipe.train_step(ids, ids)
-        act_peak = counter.peak - before
+        act_peak = counter.peak - live
         grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in pipe.parameters() if p.grad is not None)
         rec.phase = "optimizer"
         opt = pipe.make_optimizer(lr=1e-4, fused=True)  # as the trainer builds it on CUDA: no foreach temporaries
-        before_opt = counter.live
+        seen = counter.peak
+        before_opt = counter.reset_peak()
         pipe.step(opt)
         opt_bytes = counter.live - before_opt
+        opt_peak = counter.peak - before_opt  # the state it makes and its transients (ZeRO-1's bucket flats)
         pipe.zero_grad()
         rec.phase = "save"
+        seen = max(seen, counter.peak)
         before = counter.reset_peak()
         sd = (pipe.state_dict(), opt.state_dict())
         save_bytes = counter.peak - before
         del sd
         rec.phase = "eval"
+        seen = max(seen, counter.peak)
         before = counter.reset_peak()
         pipe.eval_step(ids, ids)
         eval_peak = counter.peak - before
+        seen = max(seen, counter.peak)
         # the first step ran before the optimizer existed; every later step runs with its state alive, so the
-        # steady-state peak is the parameters + the optimizer state + the step's own peak
-        peak = max(counter.peak, param_bytes + opt_bytes + act_peak, param_bytes + grad_bytes + opt_bytes + save_bytes)
+        # steady-state peaks are what was alive before the step (parameters and buffers) + the optimizer state
+        # + the step's own peak, and the optimizer step's own peak above the gradients (first step: the state
+        # it makes and its transients; later: the state it holds and the same transients)
+        peak = max(seen, live + opt_bytes + act_peak, before_opt + opt_peak, live + grad_bytes + opt_bytes + save_bytes)
         pipe.close() if hasattr(pipe, "close") else None
     mem = RankMemory(
-        rank, param_bytes, grad_bytes, opt_bytes, act_peak, save_bytes, eval_peak, peak, time.perf_counter() - t0
+        rank,
+        param_bytes,
+        grad_bytes,
+        opt_bytes,
+        act_peak,
+        save_bytes,
+        eval_peak,
+        peak,
+        time.perf_counter() - t0,
+        live,
+        opt_peak,
     )
     return mem, list(rec.ops)
 
 
 def replica_program(program: list[Op], pp_size: int, d: int) -> list[Op]:
     """Replica 0's program of a pipeline rank as replica `d` issues it: the groups inside replica 0 (pipeline,
-    vocabulary, tied ends) and the p2p peers moved by d * pp_size; the data-parallel and world groups, which
-    span replicas, are the same."""
+    vocabulary, tied ends), their roots and the p2p peers moved by d * pp_size; the data-parallel and world
+    groups, which span replicas, are the same (a ZeRO-1 broadcast's root is the owner's global rank on every
+    replica). tests/test_dryrun.py runs a rank of replica 1 for real and compares."""
 
     def move(r: int) -> int:
         return r + d * pp_size if r < pp_size else r
 
     out = []
     for op in program:
-        c = op.comm
+        c, root = op.comm, op.root
         if c and all(r < pp_size for r in op.members()):  # a group of replica 0 (pipeline, vocabulary, tied ends)
             kind, k = c.split(":", 1)[0], c.rsplit("#", 1)[1]
             c = f"{kind}:{tuple(move(r) for r in op.members())}#{k}"
+            root = None if root is None else move(root)  # a vocabulary reduce's root is a rank of the replica
         p2p = tuple((x, move(p), nb) for x, p, nb in op.p2p)
-        out.append(dataclasses.replace(op, comm=c, p2p=p2p))
+        out.append(dataclasses.replace(op, comm=c, p2p=p2p, root=root))
     return out
