@@ -265,7 +265,9 @@ def family_runs(args, work: str, codes: collections.Counter) -> int:
             if bad:
                 failed += 1
                 load = os.getloadavg()[0]
-                last = " / ".join(out.strip().splitlines()[-12:])
+                # the ranks' own lines first (a rank's error, the exit hook's line, C++'s), then the launcher's tail
+                said = [ln for ln in out.splitlines() if re.search(r"\[vp-accelerate\]|Error|terminate called", ln)]
+                last = " / ".join(said[-6:] + out.strip().splitlines()[-12:])
                 print(f"run {i} {family} [{tree}, {tail}] exited {p.returncode} (load {load:.1f}): {last}", flush=True)
                 if core_dir and failed <= 3:  # gdb over a core costs as much as a run: the first three
                     print(native_stacks(out, core_dir), flush=True)
