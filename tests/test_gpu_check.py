@@ -297,6 +297,7 @@ def _python3_on(tmp_path) -> Path:
     return bin_dir
 
 
+@pytest.mark.slow  # ~15 s: the whole script on python3; its parts' wiring stays in the suite
 def test_the_script_takes_python3_names_its_versions_and_keeps_its_budget(tmp_path):
     """No $PYTHON: `python3` on the PATH, never the repository's .venv (the lent machine's image holds torch); its
     first lines name the interpreter and the versions found; with the whole check's budget spent

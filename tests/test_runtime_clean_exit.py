@@ -237,7 +237,8 @@ FAULT_STACKS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("launched", [True, False])
+# not launched (no faulthandler) in the slow run: the suite's budget
+@pytest.mark.parametrize("launched", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_launched_rank_prints_every_threads_stack_on_a_fatal_signal(tmp_path, launched):
     """In a rank a launcher started (LOCAL_RANK set), faulthandler is on for all threads: SIGABRT prints each
     thread's Python stack; a normal exit prints nothing. A process no launcher started is left as it is."""

@@ -134,7 +134,7 @@ def test_cost_aware_schedules_validate(kind, method):
         validate(build_schedule(kind, method, p, m, costs=costs, forward_only=True))
 
 
-@pytest.mark.parametrize("method", ["vocab-1", "vocab-2"])
+@pytest.mark.parametrize("method", [pytest.param("vocab-1", marks=pytest.mark.slow), "vocab-2"])
 def test_cost_aware_vhalf_beats_the_grid_and_1f1b_within_its_memory(method):
     """With real costs (B ~ 1.2 F, W ~ 0.9 F, S/T on every rank) the unit grid's V-Half order idles; the
     cost-aware one stays within the grid's activation peak on every rank and beats 1F1B + VP."""
