@@ -31,6 +31,8 @@ from trl.experimental.cpo import CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOTrainer  # noqa: E402
 from trl.experimental.orpo.orpo_trainer import log1mexp  # noqa: E402
 
+from helpers.grads import gathered_grads as _gathered_grads  # noqa: E402
+
 SEQ, PAIRS, BETA, ALPHA = 14, 4, 0.7, 0.6
 CPO = dict(loss_type=("simpo", "sft"), loss_weights=(1.0, ALPHA), label_smoothing=0.1, simpo_gamma=0.4)
 ORPO = dict(loss_type=("sft", "orpo"))
@@ -120,18 +122,6 @@ def _trl_orpo(model, batch):
     me.concatenated_forward = types.MethodType(ORPOTrainer.concatenated_forward, me)
     me.odds_ratio_loss = types.MethodType(_odds_ratio_loss64, me)
     return ORPOTrainer.get_batch_loss_metrics(me, model, batch)
-
-
-def _gathered_grads(pipe):
-    params = pipe.parameters()
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.grad if p.grad is not None else torch.zeros_like(p.data)
-    try:
-        return pipe.gather_hf_state_dict()
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
 
 
 def _on_ranks(ckpt, data, method):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from helpers.grads import gathered_grads as _gathered_grads
 from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import spawn
 from vp_accelerate.runtime.preference import REWARD_METRICS
@@ -98,19 +99,6 @@ def _reference(ckpt: str, ids, labels, noise):
         loss.backward()
         out[loss_type] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, rewards)
     return own, ref, out
-
-
-def _gathered_grads(pipe) -> dict[str, torch.Tensor] | None:
-    """The gradients under HF names on pipeline rank 0, gathered as the weights are."""
-    params = pipe.parameters()
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.grad if p.grad is not None else torch.zeros_like(p.data)
-    try:
-        return pipe.gather_hf_state_dict()
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
 
 
 def _loss_types(i: int) -> list[str]:

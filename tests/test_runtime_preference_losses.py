@@ -30,6 +30,8 @@ from trl.experimental.cpo import CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOTrainer  # noqa: E402
 from trl.experimental.orpo.orpo_trainer import log1mexp  # noqa: E402
 
+from helpers.grads import gathered_grads as _gathered_grads  # noqa: E402
+
 SEQ = 10
 BETA = 0.3
 PAIRED = {  # name: Preference keyword arguments
@@ -203,18 +205,6 @@ def _reference(ckpt, data):
         loss.backward()
         out[name] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
     return out
-
-
-def _gathered_grads(pipe):
-    params = pipe.parameters()
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.grad if p.grad is not None else torch.zeros_like(p.data)
-    try:
-        return pipe.gather_hf_state_dict()
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
 
 
 def _on_ranks(ckpt, data, configs):

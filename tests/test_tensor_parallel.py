@@ -19,26 +19,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.grads import gathered_grads
 from helpers.tiny import tiny_config, tiny_llama
 from vp_accelerate.distributed import spawn
 from vp_accelerate.schedule.registry import supported_pairs
 
 VOCAB = 101
 TOL = 1e-6
-
-
-def gathered_grads(pipe) -> dict[str, torch.Tensor] | None:
-    """The gradients under HF names on the replica's first rank (None elsewhere), gathered as the weights are
-    (vocabulary shards and tensor-parallel slices joined)."""
-    params = pipe.parameters()
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.grad if p.grad is not None else torch.zeros_like(p.data)
-    try:
-        return pipe.gather_hf_state_dict()
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
 
 
 def _reference(ckpt: str, ids, labels):

@@ -28,6 +28,8 @@ from datasets import Dataset  # noqa: E402
 from trl import KTOTrainer  # noqa: E402
 from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference  # noqa: E402
 
+from helpers.grads import gathered_grads as _gathered_grads  # noqa: E402
+
 SEQ = 14
 BETA = 0.3
 MICRO = 2  # microbatches (TRL's gradient-accumulation steps)
@@ -141,18 +143,6 @@ def _trl_step(model, batches, refs, ref_kls):
         batch = {**b, "ref_logps": ref, "ref_KL_logps": ref_kl}
         total = total + KTOTrainer._compute_loss(me, head, batch, False) / len(batches)
     return total, metrics["train"]
-
-
-def _gathered_grads(pipe):
-    params = pipe.parameters()
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.grad if p.grad is not None else torch.zeros_like(p.data)
-    try:
-        return pipe.gather_hf_state_dict()
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
 
 
 def _on_ranks(ckpt, batch, noise, kl_noise):
