@@ -16,6 +16,17 @@ from vp_accelerate.train.dryrun.run import replica_program
 from vp_accelerate.train.dryrun.world import dry_run_world
 
 PP, DP = 4, 2
+AGREEMENT_MODEL = dict(
+    model_type="llama",
+    vocab_size=32003,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+"""The model the planner-vs-dry-run agreement tests share (full training and LoRA)."""
 
 
 @pytest.fixture(scope="module")
@@ -177,16 +188,7 @@ def test_the_planners_memory_agrees_with_the_dry_run(schedule, method, ckpt):
     from vp_accelerate.sim.plan import PlanRequest
     from vp_accelerate.train.dryrun.world import planned_bytes
 
-    conf = dict(
-        model_type="llama",
-        vocab_size=32003,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    conf = dict(AGREEMENT_MODEL)
     seq, batch = 512, 8
     cfg = PipelineConfig(
         schedule=schedule,
@@ -367,16 +369,7 @@ def test_the_planners_lora_memory_agrees_with_the_dry_run(schedule, method, targ
     from vp_accelerate.sim.plan import PlanRequest
     from vp_accelerate.train.dryrun.world import planned_bytes
 
-    conf = dict(
-        model_type="llama",
-        vocab_size=32003,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    conf = dict(AGREEMENT_MODEL)
     seq, batch = 512, 8
     cfg = PipelineConfig(
         schedule=schedule, method=method, microbatches=4, pp_size=2, mixed_precision="bf16", attn_implementation="sdpa"
