@@ -61,7 +61,7 @@ def test_mlp_matrices_of_every_verified_dense_family():
     """Every family models/ verifies, at tiny size on the meta device; mixture-of-experts MLPs are not
     modelled by ModelShape (their FLOPs follow the routed experts) and are left out."""
     from vp_accelerate.bench.coverage import tiny_family_config
-    from vp_accelerate.models.families import VERIFIED
+    from vp_accelerate.models.verified import VERIFIED
 
     wrong = []
     for model_type in sorted(VERIFIED):

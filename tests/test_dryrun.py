@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 
 from helpers.tiny import tiny_llama
+from vp_accelerate.dryrun.run import replica_program
+from vp_accelerate.dryrun.world import dry_run_world
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.schedule.world import CommOp, replay_world
-from vp_accelerate.train.dryrun.run import replica_program
-from vp_accelerate.train.dryrun.world import dry_run_world
 
 PP, DP = 4, 2
 AGREEMENT_MODEL = dict(
@@ -35,7 +35,7 @@ def world8():
         schedule="1f1b", method="vocab-2", microbatches=4, pp_size=PP, dp_size=DP, mixed_precision="bf16"
     )
     programs = {}
-    import vp_accelerate.train.dryrun.world as w
+    import vp_accelerate.dryrun.world as w
 
     real = w.run_rank
 
@@ -160,7 +160,7 @@ def test_held_memory_does_not_grow_with_the_microbatch_count():
     done), and a rank that is not the first stage's no longer holds its IF partial embedding ([N, h] fp32)
     until the step's end. Before: +1 microbatch of logits per extra microbatch in eval (64 x 129 x 4 bytes),
     +1 partial per extra microbatch in training; now only the step's per-microbatch inputs grow."""
-    from vp_accelerate.train.dryrun.run import run_rank
+    from vp_accelerate.dryrun.run import run_rank
 
     seq, h, shard_rows = 64, 32, 129
     runs = {}
@@ -185,8 +185,8 @@ def test_the_planners_memory_agrees_with_the_dry_run(schedule, method, ckpt):
     work), the first stage's held embeddings, and priced gradients as held from the step's start: -10.5% on
     rank 1 of 1F1B + vocab-2 with full checkpointing."""
     from vp_accelerate.cost import GPU_PRESETS
+    from vp_accelerate.dryrun.world import planned_bytes
     from vp_accelerate.sim.plan import PlanRequest
-    from vp_accelerate.train.dryrun.world import planned_bytes
 
     conf = dict(AGREEMENT_MODEL)
     seq, batch = 512, 8
@@ -268,7 +268,7 @@ def test_fp16_runs_a_finite_step_and_the_counter_keeps_buffers_and_the_optimizer
     step, with the same optimizer state as bf16. The counter's steady-state peak starts from everything alive
     before the step (the parameters and the non-parameter buffers, e.g. the rotary tables), and the optimizer
     step's own peak (ZeRO-1's bucket flats) is kept, not reset away before the save."""
-    from vp_accelerate.train.dryrun.run import run_rank
+    from vp_accelerate.dryrun.run import run_rank
 
     runs = {}
     for mp in ("fp16", "bf16"):
@@ -327,7 +327,7 @@ def test_a_rank_of_replica_1_run_for_real_issues_the_derived_program(world8):
     """Replicas other than 0 are derived from replica 0's programs (`replica_program`); pipeline rank 1 of
     replica 1 (global rank 5) run for real issues exactly the derived program (ZeRO-1 roots, bucket
     identities, host reads included) and holds its own ZeRO-1 share of Adam's moments."""
-    from vp_accelerate.train.dryrun.run import run_rank
+    from vp_accelerate.dryrun.run import run_rank
 
     result, programs = world8
     cfg = PipelineConfig(
@@ -365,9 +365,9 @@ def test_the_planners_lora_memory_agrees_with_the_dry_run(schedule, method, targ
     run to -0.3%; here a 22M Llama at seq 512, q/v adapters and adapters on every linear, and V-Half (a split
     backward keeps every linear's input for W, frozen or not: the full-training count): within 5% both ways."""
     from vp_accelerate.cost import GPU_PRESETS
+    from vp_accelerate.dryrun.world import planned_bytes
     from vp_accelerate.runtime.adapter_config import AdapterConfig
     from vp_accelerate.sim.plan import PlanRequest
-    from vp_accelerate.train.dryrun.world import planned_bytes
 
     conf = dict(AGREEMENT_MODEL)
     seq, batch = 512, 8

@@ -100,7 +100,7 @@ def test_every_decoder_family_passes_or_is_refused(tmp_path):
 
 
 def test_verified_list_is_the_documented_table():
-    """families.VERIFIED (what find_parts trusts without a warning) is exactly docs/models.md's passing rows."""
+    """models.verified.VERIFIED (what find_parts trusts without a warning) is exactly docs/models.md's passing rows."""
     from pathlib import Path
 
     from vp_accelerate.models import VERIFIED

@@ -331,15 +331,15 @@ def test_rank_memory_names_its_terms_and_sums_to_the_planners_peak():
 
 def test_the_printed_figure_is_the_dry_runs_planned_figure_plus_the_reserve(capsys):
     """One memory figure: what `plan` prints, ranks, flags tight and picks by is, per rank, the dry run's planned
-    figure (the planner's memory model on the order a GPU rank runs, `train.dryrun.world.planned_bytes`) plus
+    figure (the planner's memory model on the order a GPU rank runs, `dryrun.world.planned_bytes`) plus
     the reserve, and `plan --json` states the reserve inside it. Before: the printed figure came from the
     block's grid order (3.5-10% below the GPU's order per rank on Llama-3-70B) and no reserve was stated."""
     from vp_accelerate.cost import GPU_PRESETS
     from vp_accelerate.cost.memory import reserve_bytes
+    from vp_accelerate.dryrun.world import planned_bytes
     from vp_accelerate.runtime.config import PipelineConfig
     from vp_accelerate.schedule.registry import METHODS
     from vp_accelerate.sim.plan import search
-    from vp_accelerate.train.dryrun.world import planned_bytes
 
     hw, _ = GPU_PRESETS["h100"]
     req = PlanRequest(gpus=8, memory_gb=80, seq=2048, global_batch=32, hardware=hw, microbatch_sizes=(2,), top=3)

@@ -12,12 +12,14 @@ coverage tiny config of every decoder family and the 2-rank exactness walk (docs
 """
 
 from .adapter import ADAPTERS, ModelParts, PartNames, UnsupportedModelError, find_parts
-from .build import build_rank, meta_model, resolve_config
+from .build import build_rank, resolve_config
 from .export import assemble_state_dict, export_hf, gather_state_dict, save_hf
-from .families import VERIFIED, check_supported, decoder_families, unsupported_reason
+from .families import check_supported, decoder_families, unsupported_reason
 from .layout import LayoutError, StageLayout, split_counts
+from .meta import meta_model
 from .rank import RankModules
 from .stage import FullEmbedding, FullHead, StageChunk, apply_logit_transforms
+from .verified import VERIFIED
 
 __all__ = [
     "ADAPTERS",

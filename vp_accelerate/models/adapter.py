@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .masks import MASK_BUILDERS
+from .verified import VERIFIED
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +230,6 @@ def find_parts(model: nn.Module) -> ModelParts:
         raise _unsupported(model, f"input embedding {names.embed} is {type(embed).__name__}, not an nn.Embedding")
     if not isinstance(head, nn.Linear):
         raise _unsupported(model, f"output layer {names.lm_head} is {type(head).__name__}, not an nn.Linear")
-    from .families import VERIFIED  # families imports this module (ADAPTERS, find_parts)
-
     if mt not in VERIFIED:
         log.warning(
             "model_type %r is split from its pp plan but not verified against the HF forward; any extra "

@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from vp_accelerate.model_config import read_config_json
 
 from .adapter import ModelParts, find_parts
 from .checkpoint_source import CheckpointSource
 from .layout import LayoutError, StageLayout
+from .meta import meta_model
 from .rank import PLACEMENTS, RankModules
 from .row_map import RowMap
 from .stage import FullEmbedding, FullHead, StageChunk
@@ -62,18 +63,6 @@ def resolve_config(source):
     raise TypeError(
         f"source must be a PretrainedConfig, a PreTrainedModel or a local checkpoint directory, got {source!r}"
     )
-
-
-def meta_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
-    """The whole causal LM on the meta device: structure and config only, no memory."""
-    kwargs = {"dtype": dtype}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    if dtype == torch.float64:
-        # mixture-of-experts layers default to torch's grouped matmul, which has no float64 kernel
-        kwargs["experts_implementation"] = "eager"
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def _weight_source(source, model: nn.Module) -> WeightSource | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from . import meta
 from .adapter import find_parts
 from .row_map import RowMap
 from .weights import SafetensorsSource
@@ -77,9 +78,7 @@ def share_vocab_means(source: CheckpointSource, rank: int, world_size: int, all_
     row_map = source.rows_map()
     if not row_map.needs_mean(0, row_map.num_rows):
         return
-    from .build import meta_model  # build imports this module (CheckpointSource)
-
-    parts = find_parts(meta_model(source.config))
+    parts = find_parts(meta.meta_model(source.config))  # looked up at call time: the dry run patches it
     names = [f"{parts.names.embed}.weight"] + ([] if parts.tied else [f"{parts.names.lm_head}.weight"])
     reader = SafetensorsSource(source.path)
     n = source.source_vocab

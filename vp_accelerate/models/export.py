@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .build import meta_model
 from .generation import generation_config_for, with_tokenizer_ids
+from .meta import meta_model
 from .stream_export import streams
 from .tensor_parallel import join_packed
 

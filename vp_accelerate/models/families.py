@@ -4,7 +4,7 @@
 `UnsupportedModelError` naming the missing feature for a family whose forward does something the
 stage split cannot reproduce exactly (state that crosses layers, a non-attention layer kind, a loss
 term computed over all layers), and otherwise locates the parts on a meta-device model (no memory).
-`VERIFIED` lists the families whose loss and every gradient were checked against the HF model on 2
+`VERIFIED` (`verified.py`, beside the adapters) lists the families whose loss and every gradient were checked against the HF model on 2
 ranks by `coverage.check_families` (docs/models.md is its table; scripts/model_coverage.py rewrites it).
 """
 
@@ -14,87 +14,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .adapter import ADAPTERS, UnsupportedModelError, find_parts
-from .build import meta_model
-
-#: Families checked exactly (loss and every gradient vs HF, checkpoint and config, vocab-2 and baseline).
-VERIFIED = frozenset(
-    {
-        "afmoe",
-        "apertus",
-        "apertus1p5_text",
-        "arcee",
-        "aria_text",
-        "axk1",
-        "beam",
-        "codegen",
-        "cohere",
-        "cohere2",
-        "cohere2_moe",
-        "cohere_compass_text",
-        "cwm",
-        "deepseek_v2",
-        "deepseek_v3",
-        "doge",
-        "dots1",
-        "ernie4_5",
-        "ernie4_5_moe",
-        "exaone",
-        "exaone4",
-        "exaone_moe",
-        "flex_olmo",
-        "flint",
-        "gemma",
-        "gemma2",
-        "gemma3_text",
-        "glm",
-        "glm4",
-        "glm4_moe",
-        "glm4_moe_lite",
-        "gpt2",
-        "gpt_neox",
-        "gpt_oss",
-        "gptj",
-        "granite",
-        "granite_swa",
-        "helium",
-        "hy_v3",
-        "hyperclovax",
-        "internlm3",
-        "iquestcoder",
-        "jais2",
-        "kolibri1",
-        "laguna",
-        "llama",
-        "mellum",
-        "mimo_v2_flash",
-        "minicpm3",
-        "minicpm5_moe",
-        "minimax_m2",
-        "minimax_m3_vl_text",
-        "ministral",
-        "ministral3",
-        "mistral",
-        "mixtral",
-        "olmo",
-        "olmo2",
-        "olmo3",
-        "param2moe",
-        "phi",
-        "phi3",
-        "qwen2",
-        "qwen2_moe",
-        "qwen3",
-        "qwen3_moe",
-        "sarvam_mla",
-        "sarvam_moe",
-        "seed_oss",
-        "smollm3",
-        "solar_open",
-        "starcoder2",
-        "vaultgemma",
-        "youtu",
-    }
-)
+from .meta import meta_model
 
 #: Families refused, with the feature the stage split lacks.
 REFUSED: dict[str, str] = {

@@ -36,8 +36,8 @@ from transformers.core_model_loading import PrefixChange
 
 from vp_accelerate.safetensors_file import DTYPES, dtype_of, open_safetensors
 
-from .build import meta_model
 from .generation import generation_config_for, with_tokenizer_ids
+from .meta import meta_model
 
 INDEX = "model.safetensors.index.json"
 

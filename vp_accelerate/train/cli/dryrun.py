@@ -184,8 +184,8 @@ def dryrun_main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
     from vp_accelerate.cost.memory import reserve_bytes
+    from vp_accelerate.dryrun.world import dry_run_world, planned_bytes
     from vp_accelerate.schedule.registry import METHODS
-    from vp_accelerate.train.dryrun.world import dry_run_world, planned_bytes
 
     hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
     log = None if args.json else (lambda line: print(line, flush=True))

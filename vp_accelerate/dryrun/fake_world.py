@@ -36,6 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_flatten
 
 from vp_accelerate.models import build as model_build
+from vp_accelerate.models import meta as model_meta
 from vp_accelerate.runtime import groups as runtime_groups
 from vp_accelerate.runtime import p2p
 from vp_accelerate.schedule.world import CommOp as Op
@@ -310,7 +311,7 @@ def fake_rank(rank: int, world_size: int):
     saved_tracing = masking_utils.is_tracing
     masking_utils.is_tracing = lambda tensor=None: saved_tracing(None)  # fakeness is not tracing here
     runtime_groups.HOST_BACKEND = "fake"
-    model_build.meta_model = meta_model
+    model_build.meta_model = model_meta.meta_model = meta_model
     torch.utils.swap_tensors = swap
     comm.CommWorker.submit = _inline_submit
     try:
@@ -323,6 +324,7 @@ def fake_rank(rank: int, world_size: int):
                 yield rec, counter
     finally:
         runtime_groups.HOST_BACKEND, model_build.meta_model, torch.utils.swap_tensors, comm.CommWorker.submit = saved
+        model_meta.meta_model = real_meta
         masking_utils.is_tracing = saved_tracing
         rank_parts.rank_schedules = saved_schedules
         precision.unscale_and_check = saved_check
