@@ -165,18 +165,18 @@ class CostModel:
     def _layer_time(self, op: str) -> float:
         if op == "W" and self.shape.frozen_weights:
             return 0.0  # a frozen layer computes no weight gradient (LoRA's adapters: negligible)
-        tp = self.tp_time() if op in ("F", "B") else 0.0
+        tp = self.tp_time(op) if op in ("F", "B") else 0.0
         if self.gemm is None:
             return self._flops_time(dict(zip("FBW", self.shape.layer_flops()))[op]) / self.shape.tp + tp
         return eff.layer_time(self.shape, op, self._rate(), self.hw.mem_bandwidth, self.gemm) + tp
 
-    def tp_time(self) -> float:
-        """Seconds of one layer's tensor-parallel collectives in F (the same in B: the conjugate operators), on
-        the node's links and not overlapped with compute (efficiency.tp_collective_time); 0 without TP."""
+    def tp_time(self, op: str = "F") -> float:
+        """Seconds of one layer's tensor-parallel collectives in pass `op` ("F" or "B": the conjugate operators),
+        on the node's links and not overlapped with compute (efficiency.tp_collective_time); 0 without TP."""
         if self.shape.tp == 1:
             return 0.0
         bandwidth = self.tp_bandwidth or self.hw.collective_bandwidth
-        return eff.tp_collective_time(self.shape, bandwidth, self.hw.latency)
+        return eff.tp_collective_time(self.shape, bandwidth, self.hw.latency, op)
 
     def _out_time(self, rows: int, *parts: str) -> float:
         """Output-layer products over `rows` vocabulary rows (see efficiency.output_gemm_time)."""

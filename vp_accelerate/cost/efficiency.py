@@ -83,32 +83,33 @@ def layer_elementwise_bytes(shape) -> dict[str, float]:
     return {"F": fwd, "B": 2 * fwd, "W": 0.0}
 
 
-def tp_collectives(shape) -> list[tuple[str, float]]:
-    """(kind, bytes) of the TP collectives one decoder layer's F (or B) runs on one rank: where the attention
-    and the MLP start and after their row-split linears, two all-reduces of the [b, s, h] activation, or under
-    sequence parallelism an all-gather and a reduce-scatter of it per region (models/tensor_parallel.py's f and
-    g); B runs the conjugates, the same bytes. None without tensor parallelism."""
+def tp_collectives(shape, op: str = "F") -> list[tuple[str, float]]:
+    """(kind, bytes) of the TP collectives one decoder layer's pass `op` ("F" or "B") runs on one rank
+    (models/tensor_parallel.py's f where the attention and the MLP start, g after their row-split linears): under
+    sequence parallelism F all-gathers each region's input and reduce-scatters its output, B reduce-scatters the
+    input's gradient and all-gathers the output's; without it F all-reduces the two outputs, B the two input
+    gradients. Each moves one [b, s, h] activation: g's in the compute dtype, f's (the norm's output, and its
+    gradient) in fp32 under mixed precision, as HF's RMSNorm returns it (measured in the dry run's recorded
+    collectives). None without tensor parallelism."""
     if shape.tp == 1:
         return []
-    x = shape.tokens * shape.hidden * shape.dtype_bytes
+    n = shape.tokens * shape.hidden
+    f_bytes = n * (shape.stat_bytes if shape.dtype_bytes < 4 else shape.dtype_bytes)
+    g_bytes = n * shape.dtype_bytes
     if shape.sequence_parallel:
-        return [("all_gather", x), ("reduce_scatter", x)] * 2
-    return [("all_reduce", x)] * 2
+        pair = [("all_gather", f_bytes), ("reduce_scatter", g_bytes)] if op == "F" else [
+            ("reduce_scatter", f_bytes), ("all_gather", g_bytes)]  # fmt: skip
+        return pair * 2
+    return [("all_reduce", g_bytes if op == "F" else f_bytes)] * 2
 
 
-def tp_collective_time(shape, bandwidth: float, latency: float) -> float:
-    """Seconds of one layer's TP collectives in F (or B) at `bandwidth` bus bytes/s (the node's links): a ring
+def tp_collective_time(shape, bandwidth: float, latency: float, op: str = "F") -> float:
+    """Seconds of one layer's TP collectives in pass `op` at `bandwidth` bus bytes/s (the node's links): a ring
     all-reduce moves 2(t-1)/t of the buffer per rank, an all-gather or a reduce-scatter (t-1)/t; each call pays
     `latency`. Not overlapped with the layer's compute (the runtime runs them synchronously in the pass)."""
     t = shape.tp
     share = {"all_reduce": 2 * (t - 1) / t, "all_gather": (t - 1) / t, "reduce_scatter": (t - 1) / t}
-    return sum(share[kind] * nbytes / bandwidth + latency for kind, nbytes in tp_collectives(shape))
-
-
-def layer_time(shape, op: str, rate: float, mem_bandwidth: float, gemm: GemmModel) -> float:
-    """Seconds of one decoder layer's pass `op` ("F", "B" input gradients, "W" weight gradients)."""
-    t = sum(gemm.time(m, n, k, rate, b) for m, n, k, b in layer_gemms(shape)[op])
-    return t + layer_elementwise_bytes(shape)[op] / mem_bandwidth
+    return sum(share[kind] * nbytes / bandwidth + latency for kind, nbytes in tp_collectives(shape, op))
 
 
 def output_gemm_time(shape, rows: int, part: str, rate: float, gemm: GemmModel) -> float:

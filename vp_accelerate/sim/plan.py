@@ -638,7 +638,6 @@ ranks); one further below is presumed to fit and is read on the GPU's order only
 def _shown_on_gpu_order(config, req: PlanRequest, plans: list[Plan], orders: dict) -> list[Plan]:
     """`plans` ranked, every fitting one among the first `req.top` shown with its figure on the GPU's order
     (a plan that then needs more than the card moves to the ones that do not fit)."""
-    limit = req.memory_gb * 1e9
     while True:
         plans = _headroom_first(sorted(plans, key=_rank))
         shown = [p for p in plans if p.fits][: req.top]
