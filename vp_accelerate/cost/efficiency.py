@@ -112,6 +112,13 @@ def tp_collective_time(shape, bandwidth: float, latency: float, op: str = "F") -
     return sum(share[kind] * nbytes / bandwidth + latency for kind, nbytes in tp_collectives(shape, op))
 
 
+def layer_time(shape, op: str, rate: float, mem_bandwidth: float, gemm: GemmModel) -> float:
+    """Seconds of one decoder layer's pass `op` ("F", "B" input gradients, "W" weight gradients) on one TP rank,
+    its TP collectives not included (`tp_collective_time`)."""
+    t = sum(gemm.time(m, n, k, rate, b) for m, n, k, b in layer_gemms(shape)[op])
+    return t + layer_elementwise_bytes(shape)[op] / mem_bandwidth
+
+
 def output_gemm_time(shape, rows: int, part: str, rate: float, gemm: GemmModel) -> float:
     """Seconds of one output-layer product over `rows` vocabulary rows: "logits" (X Wᵀ, or vocab-2's
     softmax · W, the same shape transposed), "input_grad" (G W) or "weight_grad" (Gᵀ X)."""
