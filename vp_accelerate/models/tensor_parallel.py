@@ -411,7 +411,8 @@ def shard_layer(layer: nn.Module, plan: dict[str, str], spec: TPSpec, config=Non
             mod.weight = nn.Parameter(_slice(mod.weight, 1, comm))
             mod.in_features = mod.weight.shape[1]
             dims[f"{path}.weight"] = 1
-            mod.register_forward_hook(lambda m, args, out: _LeaveRegion.apply(out, comm, sp))
+            hook = _leave_hook(comm, sp)
+            mod._tp_leave = (hook, mod.register_forward_hook(hook))  # moved onto a LoRA wrapper (`move_leave`)
         sliced.update(id(p) for p in mod.parameters(recurse=False))
     for module in regions.values():
         module.register_forward_pre_hook(_enter_hook(comm, sp), with_kwargs=True)
@@ -439,6 +440,22 @@ def _local_config(module: nn.Module, tp: int) -> None:
     if isinstance(getattr(config, "num_key_value_heads", None), int):
         local.num_key_value_heads = config.num_key_value_heads // tp
     module.config = local
+
+
+def _leave_hook(comm: TPComm, sp: bool):
+    def hook(module, args, out):
+        return _LeaveRegion.apply(out, comm, sp)
+
+    return hook
+
+
+def move_leave(base: nn.Module, wrapper: nn.Module) -> None:
+    """Move a row-split layer's g (the sum of the partial outputs over TP) onto the module that wraps it (peft's
+    LoRA layer), so that the base's and the adapter's partial outputs are summed together."""
+    hook, handle = base._tp_leave
+    handle.remove()
+    del base._tp_leave
+    wrapper._tp_leave = (hook, wrapper.register_forward_hook(hook))
 
 
 def _enter_hook(comm: TPComm, sp: bool):

@@ -15,18 +15,19 @@ import torch.distributed as dist
 
 from vp_accelerate.models.tensor_parallel import TPComm, TPError, TPSpec
 from vp_accelerate.runtime import p2p
+from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.groups import Groups
 
 
-def check_layout(cfg: PipelineConfig, adapter_enabled: bool) -> None:
+def check_layout(cfg: PipelineConfig, adapter: AdapterConfig | None = None) -> None:
     """Refuse, in one line, what tp_size > 1 does not run yet (before any group or weight)."""
     if cfg.tp_size == 1:
         return
-    if adapter_enabled:
+    if adapter is not None and adapter.enabled and adapter.dropout:
         raise TPError(
-            f"pipeline.tp_size {cfg.tp_size}: LoRA adapters on tensor-parallel slices are not supported yet; "
-            f"use tp_size 1 with an adapter"
+            f"pipeline.tp_size {cfg.tp_size}: adapter.dropout {adapter.dropout} under tensor parallelism would draw "
+            f"another dropout mask on each TP rank for the same adapter input; use adapter.dropout 0 or tp_size 1"
         )
 
 
