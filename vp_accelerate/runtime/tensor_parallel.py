@@ -21,6 +21,7 @@ from vp_accelerate.runtime.groups import Groups
 NOT_YET = {
     "baseline": "method baseline keeps the whole embedding and lm_head on the end stages",
     "redis": "method redis keeps the whole embedding and lm_head on the end stages",
+    "interlaced": "method interlaced (the paper's baseline) runs its vocabulary steps over the pipeline group only",
 }
 """Methods tensor parallelism does not run yet, and why (vocab-1 / vocab-2 shard them over pp x tp)."""
 
