@@ -75,3 +75,53 @@ def test_what_interlaced_does_not_run_is_refused_in_one_line():
             build_schedule(kind, "interlaced", 4, 8)
     with pytest.raises(TPError, match=r"method interlaced .* use method vocab-2"):
         check_layout(PipelineConfig(method="interlaced", tp_size=2), adapter_enabled=False)
+
+
+def _checkpoint_on_ranks(ckpt: str, out: str, ids):
+    import torch
+
+    from vp_accelerate.runtime import PipelineModel
+
+    def pipe(method):
+        return PipelineModel(ckpt, PipelineConfig(schedule="1f1b", method=method, microbatches=4), dtype=torch.float64)
+
+    trained = pipe("vocab-1")
+    opt = torch.optim.SGD(trained.parameters(), lr=0.5)
+    trained.train_step(ids, ids.clone())
+    opt.step()
+    saved = {k: v.clone() for k, v in trained.state_dict().items()}
+    trained.close()
+    resumed = pipe("interlaced")  # the same rows of both vocabulary matrices on each rank: loads as saved
+    resumed.load_state_dict(saved)
+    same = {k: torch.equal(v, saved[k]) for k, v in resumed.state_dict().items()} == {k: True for k in saved}
+    loss = resumed.train_step(ids, ids.clone()).loss
+    resumed.export_hf(out)
+    resumed.close()
+    return same, loss
+
+
+@pytest.mark.slow
+def test_a_vocab_1_checkpoint_resumes_as_interlaced_and_exports(tmp_path):
+    """Both shard the vocabulary the same way (V/p rows each, the vocabulary not divisible by p here): a
+    checkpoint of one loads into the other, and the interlaced run exports the HF model it trained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers.tiny import tiny_llama
+    from vp_accelerate.distributed import spawn
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama(101, tied=True, attn_implementation="eager"))
+    model.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 101, (4, 8))
+    results = spawn(_checkpoint_on_ranks, 2, str(tmp_path / "hf"), str(tmp_path / "out"), ids, timeout_s=300)
+    assert all(same for same, _ in results)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64, attn_implementation="eager")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=ids).loss.item()
+    assert results[0][1] == pytest.approx(want, rel=1e-6)  # HF float64 runs its norms and softmax in float32
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    assert exported.config.vocab_size == 101
