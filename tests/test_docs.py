@@ -1,4 +1,4 @@
-"""The docs that list what the code has are checked against it: the recipe key table of docs/training.md (made
+"""The docs that list what the code has are checked against it: the recipe key table of docs/recipes.md (made
 from the dataclasses' field docstrings), the commands and packages of docs/ARCHITECTURE.md, and the README's
 benchmark figures (written by scripts/readme_figures.py from one benchmark run). Each check is also shown to fail
 when the code gains something the doc does not list."""
@@ -15,14 +15,14 @@ from vp_accelerate import cli
 from vp_accelerate.train.recipe import DataSection, Recipe, reference
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINING = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
+TRAINING = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
 ARCHITECTURE = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
 
 
 def test_the_recipe_key_table_is_made_from_the_current_dataclasses():
     assert reference.rewrite(TRAINING) == TRAINING, (
-        "docs/training.md's recipe key table is out of date: python -m vp_accelerate.train.recipe.reference "
-        "docs/training.md"
+        "docs/recipes.md's recipe key table is out of date: python -m vp_accelerate.train.recipe.reference "
+        "docs/recipes.md"
     )
 
 
@@ -104,3 +104,90 @@ def test_the_readme_figures_say_what_the_benchmark_table_says():
     vp = next(r for r in rows if r["method"] == "1f1b-vocab-2")
     vp["ratio"] += 1
     assert figures.figures(rows, meta) not in readme
+
+
+# the repository's own top-level names (not outputs/ or a venv a run left behind)
+TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".") or p.name == ".ci"} - {"outputs", "wheels", "wandb"}
+EXTENSIONS = {"py", "md", "sh", "yaml", "yml", "json", "jsonl", "toml", "txt", "png", "cfg", "safetensors"}
+INNER = {p.name for p in (ROOT / "vp_accelerate").iterdir() if p.is_dir() and not p.name.startswith("_")}
+INNER |= {p.name for p in (ROOT / "vp_accelerate" / "train").iterdir() if p.is_dir() and not p.name.startswith("_")}
+
+
+def _backticked_paths(text: str) -> set[str]:
+    """Paths in backticks that start at the repository (`docs/x.md`, `scripts/`) or inside the package
+    (`train/run/`, `runtime/p2p.py`): a user's own paths (`path/to/dir`, `OUT/`) start elsewhere."""
+    found = set()
+    for token in re.findall(r"`([\w./-]+)`", text):
+        first = token.split("/", 1)[0]
+        # `train/loss` is a metric and `runtime/groups.warm_up` a function, not paths
+        shaped = token.endswith("/") or token.rsplit(".", 1)[-1] in EXTENSIONS
+        if "/" in token and shaped and (first in TOP or first in INNER) and "*" not in token and "..." not in token:
+            found.add(token)
+    return found
+
+
+def _exists(path: str) -> bool:
+    bases = [ROOT, ROOT / "vp_accelerate", ROOT / "vp_accelerate" / "train"]
+    return any((base / path).exists() for base in bases)
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))])
+def test_folders_and_files_in_backticks_exist(doc):
+    """Every backticked path or folder a doc names (`train/persist/`, `scripts/gpu_check.sh`, `docs/gpus.md`)
+    exists, so a moved folder leaves no stale name (README once named `checkpoint/` after it became `persist/`)."""
+    text = (ROOT / doc if doc == "README.md" else ROOT / "docs" / doc).read_text(encoding="utf-8")
+    missing = sorted(p for p in _backticked_paths(text) if not _exists(p))
+    assert not missing, f"{doc} names paths that do not exist: {missing}"
+
+
+def test_a_stale_folder_name_fails_the_backtick_check():
+    assert _backticked_paths("the `checkpoint/` folder and `path/to/hf_dir`") == set()  # neither is ours
+    assert _backticked_paths("`train/checkpoint/` and `train/persist/`") == {"train/checkpoint/", "train/persist/"}
+    assert not _exists("train/checkpoint/") and _exists("train/persist/")
+
+
+def _package_inits() -> list[Path]:
+    return sorted(p for p in (ROOT / "vp_accelerate").rglob("__init__.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("init", _package_inits(), ids=lambda p: str(p.parent.relative_to(ROOT)))
+def test_package_docstrings_name_files_that_exist(init):
+    """A package's opening docstring names its modules by file (`world.py`, `persist/store.py`): each exists in
+    the package (or relative to vp_accelerate/), so a renamed module is not described under its old name."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+    named = set(re.findall(r"(?<![\w.])([\w/]+\.py)\b", doc))
+    missing = sorted(n for n in named if not any((b / n).exists() for b in [init.parent, *init.parent.parents][:5]))
+    assert not missing, f"{init.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+def test_architecture_names_every_module_of_each_train_folder():
+    """train/'s table in ARCHITECTURE.md names each folder's modules, so a newcomer finds every file's job there."""
+    folders = ARCHITECTURE.split("### train/", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for row in re.findall(r"^\| `train/([a-z_]+)/` \|([^\n]*)$", folders, flags=re.M):
+        name, text = row
+        for module in sorted((ROOT / "vp_accelerate" / "train" / name).glob("*.py")):
+            if module.name != "__init__.py" and f"`{module.name}`" not in text:
+                missing.append(f"train/{name}/{module.name}")
+    assert not missing, f"ARCHITECTURE.md's train/ table does not name: {missing}"
+
+
+def test_readme_layer_table_names_every_package_and_train_folder():
+    """README's layer table: one row per package, and the trainer row names train/'s folders as they are today."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("| layer | package | what it holds |", 1)[1].split("\n\n", 1)[0]
+    packages = set(re.findall(r"^\| [^|]+ \| `vp_accelerate/([a-z_]+)/` \|", table, flags=re.M))
+    assert packages == _packages(vp_accelerate.__path__), "README's layer table and vp_accelerate/ differ"
+    trainer = next(row for row in table.splitlines() if "`vp_accelerate/train/`" in row).split("|")[3]
+    folders = set(re.findall(r"`([a-z_]+)/`", trainer))
+    assert folders == _packages([str(ROOT / "vp_accelerate" / "train")]), "README's trainer row and train/ differ"
+
+
+def test_every_doc_page_is_linked_from_the_readme_and_walkable():
+    """A newcomer reaches every page from the README, and no page is longer than 700 lines (split by topic)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"docs/{page.name}" in readme, f"README does not link docs/{page.name}"
+        assert page.read_text(encoding="utf-8").count("\n") <= 700, f"docs/{page.name} is over 700 lines: split it"

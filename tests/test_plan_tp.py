@@ -112,7 +112,7 @@ def test_the_tp_sizes_a_model_and_a_node_allow():
     assert tp_sizes(config, req(gpus_per_node=4), LLAMA3_70B) == (1, 2, 4)  # a stage's TP ranks share a node
     assert tp_sizes(config, req(tensor_parallel=(1, 16)), LLAMA3_70B) == (1,)  # 8 kv heads, a node of 8
     assert tp_sizes(config, req(seq=4098), LLAMA3_70B) == (1, 2)  # sequence parallelism splits the sequence
-    assert tp_sizes(config, req(lora_rank=16), LLAMA3_70B) == (1,)  # LoRA on TP slices: not run yet
+    assert tp_sizes(config, req(lora_rank=16), LLAMA3_70B) == (1,)  # LoRA on TP slices runs, not priced yet
     assert tp_sizes({**config, "model_type": "gpt2"}, req(), LLAMA3_70B) == (1,)  # no TP plan
     assert tp_sizes(config, req(), replace(LLAMA3_70B, kv_heads=2)) == (1, 2)
 

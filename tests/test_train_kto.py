@@ -247,6 +247,39 @@ def test_the_shipped_recipe_checks_on_conversational_rows(tok, tmp_path):
     assert not torch.equal(b["kl_input_ids"], b["input_ids"])  # prompts with another row's answer
 
 
+def test_held_out_rows_that_fill_no_batch_train_instead(tok, tmp_path):
+    """KTO's rows held out by data.eval_holdout that fill no global batch are given back to training, as DPO's
+    pairs are, and --check and the launch say so in rows (before: held out, unused, and evaluation off)."""
+    from vp_accelerate.train.data.check import data_report
+    from vp_accelerate.train.data.prepare import holdout_every
+    from vp_accelerate.train.data.unpaired import prepare_unpaired
+
+    rows = [{"prompt": f"hello {w}", "completion": f" {w} paris", "label": i % 2 == 0} for i, w in enumerate(WORDS)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"files": [str(path)], "format": "unpaired_preference", "seq_len": SEQ, "eval_holdout": 0.25}
+    recipe = recipe_from_dict(
+        {
+            "data": data,
+            "train": {"global_batch": 8},
+            "pipeline": {"microbatches": 2},
+            "preference": {"loss_type": "kto"},
+        }
+    )
+    train, held, _, _ = prepare_unpaired(recipe.data, tok, len(tok), holdout_every(recipe.data))
+    assert 0 < len(held) < 8 and len(train) + len(held) == len(rows)
+    lines, prepared, _ = data_report(recipe, tok, len(tok))
+    assert len(prepared.train) == len(rows) and len(prepared.eval) == 0 and prepared.returned == len(held)
+    assert "fill no global batch of 8 rows, so" in lines[-1], lines
+    launch = prepare_data(recipe.data, tok, len(tok))
+    launch.check_sizes(8, None)
+    _, evals = launch.iterators(0, 8, eval_batches=None)
+    assert len(launch.train) == len(rows) and len(evals) == 0
+    assert launch.train.desirable.tolist() == prepared.train.desirable.tolist()
+    assert sorted(launch.train.prompts) == sorted(train.prompts + held.prompts)
+    assert launch.stats["train"].documents == len(rows) and launch.stats["eval"].documents == 0
+
+
 def test_demo_unpaired_rows_alternate_own_and_other_answers(tmp_path):
     pytest.importorskip("babel")
     pytest.importorskip("faker")

@@ -37,7 +37,8 @@ class PipelineConfig:
     """Where the vocabulary layers live, a key of schedule.registry.METHODS (any case): "baseline"
     (embedding on the first stage, head + loss on the last), "redis" (baseline with fewer layers on the
     first/last stage), "vocab-1" or "vocab-2" (sharded over all pipeline ranks; vocab-2 has one barrier
-    and is the default)."""
+    and is the default), "interlaced" (1F1B only: the paper's interlaced baseline, sharded as vocab-1 but
+    run synchronously on every rank between the pipeline passes; about 1.5 x pp_size microbatches held)."""
 
     microbatches: int = 8
     """Microbatches per optimizer step per data-parallel replica; the replica's batch (the first dimension

@@ -60,7 +60,7 @@ ALGORITHMS = {
 
 # (per-token loss [N], 0 at ignored tokens) -> (g = dL/dloss_n [N], the microbatch's loss term, 0-dim).
 # After C1 the per-token loss is complete and the same on every rank, so a loss of whole sequences (a
-# preference pair's log-probabilities) gets its g locally, with no extra collective (docs/training.md, DPO).
+# preference pair's log-probabilities) gets its g locally, with no extra collective (docs/preference.md).
 SequenceLossFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 MEMORY_MODES = tuple(modes.MEMORY_MODES)  # the names of vp_accelerate/modes.py's table
 

@@ -192,7 +192,7 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         from transformers import AutoConfig
 
         hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
-        check_tensor_parallel(cfg, hf, args.seq, lora is not None)
+        check_tensor_parallel(cfg, hf, args.seq, lora)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -278,7 +278,7 @@ def dryrun_main(argv: list[str] | None = None) -> int:
     return 1 if result.deadlock else 0
 
 
-def check_tensor_parallel(cfg, hf_config, seq: int, lora: bool) -> None:
+def check_tensor_parallel(cfg, hf_config, seq: int, adapter=None) -> None:
     """What the runtime refuses of a tp_size > 1 layout, before any rank runs (ValueError, one line): a method or
     adapter TP does not run, a model it cannot split, a sequence that does not split under sequence parallelism."""
     if cfg.tp_size == 1:
@@ -286,7 +286,7 @@ def check_tensor_parallel(cfg, hf_config, seq: int, lora: bool) -> None:
     from vp_accelerate.models.tensor_parallel import check_config
     from vp_accelerate.runtime.tensor_parallel import check_layout, sequence_parallel
 
-    check_layout(cfg, lora)
+    check_layout(cfg, adapter)
     check_config(hf_config, cfg.tp_size)
     if sequence_parallel(cfg) and seq % cfg.tp_size:
         raise ValueError(

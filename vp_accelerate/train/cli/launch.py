@@ -93,8 +93,8 @@ def launch_main(argv: list[str] | None = None) -> int:
             raise
         # the agent has given its ranks the signal and waited for them (they save, or are killed at the limit)
         print(
-            f"launcher stopped by {sig.name}: its ranks were asked to save and stop (each says the step); "
-            f"resume with --resume",
+            f"launcher stopped by {sig.name}: its ranks were asked to save and stop (each says the step it saved, "
+            f"or that the run had already finished); a run that had not finished resumes with --resume",
             file=sys.stderr,
         )
         return EXIT_PREEMPTED

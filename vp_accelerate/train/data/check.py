@@ -168,7 +168,7 @@ def data_report(recipe: Recipe, tokenizer, vocab_size: int) -> tuple[list[str], 
         lines.append("evaluation: held-out documents of the stream, read at the start of the run")
         return lines, prepared, recipe
     if prepared.returned:  # held-out pairs that fill no global batch train instead
-        lines.append(pairs_returned(prepared.returned, t.global_batch))
+        lines.append(pairs_returned(prepared.returned, t.global_batch, prepared.unit))
         return lines, prepared, recipe
     if len(ev) == 0 and prepared.eval_off():
         lines.append(EVAL_OFF % d.eval_holdout)

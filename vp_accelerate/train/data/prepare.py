@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..recipe.schema import DataSection
+from . import unpaired
 from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterator, pack_stream
 from .formats import document_boundaries, sample_format, with_data_fields
 from .pack import encoded, quiet, to_sequences, warn
@@ -78,9 +79,10 @@ class PreparedData:
         batch, no evaluation sequence while evaluation is on. Pairs held out of the training data that fill no
         global batch (evaluation could not use them) are given back to training first."""
         held = self.eval
-        if isinstance(held, PairSequences) and held.held_out and 0 < len(held) < global_batch:
+        if isinstance(held, (PairSequences, UnpairedSequences)) and held.held_out and 0 < len(held) < global_batch:
             self.returned = len(held)
-            self.train, self.eval = give_back(self.train, held, self.stats)
+            back = unpaired.give_back if isinstance(held, UnpairedSequences) else give_back
+            self.train, self.eval = back(self.train, held, self.stats)
         if self.train is not None and len(self.train) < global_batch:
             raise DataError(
                 f"train.global_batch: the training data has {len(self.train)} sequences, fewer than "
@@ -146,7 +148,7 @@ class PreparedData:
                 if not seqs.held_out:
                     raise DataError(pairs_short_message(len(seqs), global_batch, self.unit))
                 if self.returned:
-                    warn(pairs_returned(self.returned, global_batch))
+                    warn(pairs_returned(self.returned, global_batch, self.unit))
                 else:
                     warn(pairs_eval_off(len(seqs), global_batch, self.unit))
                 return train, PairEvalBatches(seqs, global_batch, dp_rank, dp_size, limit=0)
@@ -174,11 +176,12 @@ def pairs_eval_off(pairs: int, global_batch: int, unit: str = "pair") -> str:
     )
 
 
-def pairs_returned(pairs: int, global_batch: int) -> str:
-    """The warning when the pairs held out of the training data fill no global batch and train instead."""
+def pairs_returned(pairs: int, global_batch: int, unit: str = "pair") -> str:
+    """The warning when the pairs (KTO: rows) held out of the training data fill no global batch and train
+    instead."""
     return (
-        f"data.eval_holdout: the {pairs} held-out preference pair{'' if pairs == 1 else 's'} fill no global batch "
-        f"of {global_batch} pairs, so {'it trains' if pairs == 1 else 'they train'} instead (none is held out) and "
+        f"data.eval_holdout: the {pairs} held-out preference {unit}{'' if pairs == 1 else 's'} fill no global "
+        f"batch of {global_batch} {unit}s, so {'it trains' if pairs == 1 else 'they train'} instead (none is held out) and "
         f"evaluation is off for this run (set data.eval_files, raise data.eval_holdout, or set eval.batches: 0 "
         f"to say so)"
     )

@@ -232,11 +232,37 @@ def prepare_unpaired(cfg: DataSection, tokenizer, vocab_size: int, every: int, t
     for name, rows in (("train", train), ("eval", held)):
         seqs = to_sequences(rows, cfg.seq_len, pad_id)
         seqs.held_out = name == "eval" and not (test or cfg.eval_files) and every > 0
-        s = stats[name]
-        s.documents = s.sequences = len(rows)
-        s.tokens = int(seqs.lengths.sum())
-        s.longest = int(seqs.lengths.max()) if rows else 0
-        s.padding = 1.0 - s.tokens / max(seqs.ids.size, 1)
-        s.loss_tokens = int(seqs.target_counts().sum()) if rows else 0
+        _count(stats[name], seqs)
         out.append(seqs)
     return out[0], out[1], pad_id, stats
+
+
+def _count(s: SplitStats, seqs: UnpairedSequences) -> None:
+    """Rows kept (`--check`'s numbers and the data/ metrics)."""
+    rows = len(seqs.prompts)
+    s.documents = s.sequences = rows
+    s.tokens = int(seqs.lengths.sum())
+    s.longest = int(seqs.lengths.max()) if rows else 0
+    s.padding = 1.0 - s.tokens / max(seqs.ids.size, 1)
+    s.loss_tokens = int(seqs.target_counts().sum()) if rows else 0
+
+
+def give_back(
+    train: UnpairedSequences, held: UnpairedSequences, stats: dict
+) -> tuple[UnpairedSequences, UnpairedSequences]:
+    """(training rows with the held-out ones appended, no held-out row): held-out rows that evaluation would not
+    use train instead (`preference.give_back` for pairs); `stats` counted again."""
+    rows = [
+        (p, c, bool(d))
+        for seqs in (train, held)
+        for p, c, d in zip(seqs.prompts, seqs.completions, seqs.desirable, strict=True)
+    ]
+    seq_len = train.ids.shape[1]
+    joined, empty = to_sequences(rows, seq_len, train.pad_id), to_sequences([], seq_len, held.pad_id)
+    empty.held_out = True
+    for key in ("truncated", "cut_tokens", "dropped"):
+        setattr(stats["train"], key, getattr(stats["train"], key) + getattr(stats["eval"], key))
+        setattr(stats["eval"], key, 0)
+    _count(stats["train"], joined)
+    _count(stats["eval"], empty)
+    return joined, empty

@@ -1,4 +1,4 @@
-"""What a training recipe contains: one dataclass per section, a docstring under every field (docs/training.md's
+"""What a training recipe contains: one dataclass per section, a docstring under every field (docs/recipes.md's
 key table is generated from them). Which combinations are valid is `checks.py`; reading YAML is `load.py`."""
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class Run:
     setup_s: dict = field(default_factory=dict)
     """Seconds `setup` spent on each part (model and tokenizer, data, pipeline, ...), said with the first step."""
     pending_save: object = None
-    """The checkpoint being written in the background (`checkpoint.store.PendingSave`), until the next save or
+    """The checkpoint being written in the background (`persist.store.PendingSave`), until the next save or
     the end of the run completes it (`run_state.complete_pending_save`)."""
 
     @property
