@@ -91,12 +91,12 @@ def test_the_planners_tp_memory_agrees_with_the_dry_run(schedule, method, ckpt):
     (measured: -4.0% .. +5.6%; the same layouts at tp 1: +0.9% .. +5.7%)."""
     from transformers import AutoConfig
 
-    from test_dryrun import AGREEMENT_MODEL
     from vp_accelerate.cost import GPU_PRESETS
     from vp_accelerate.dryrun.world import planned_bytes
     from vp_accelerate.sim.plan import PlanRequest
 
-    conf = dict(AGREEMENT_MODEL)
+    conf = dict(model_type="llama", vocab_size=32003, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
     seq, batch = 512, 8
     cfg = PipelineConfig(
         schedule=schedule, method=method, microbatches=4, pp_size=2, tp_size=2, mixed_precision="bf16",
