@@ -879,24 +879,43 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
             f"{req.gpus_per_node} GPUs per node (pipelines are blocks of consecutive ranks); a pipeline or "
             f"data-parallel group across nodes at {req.internode_bandwidth / 1e9:g} GB/s per GPU"
         )
+    return (
+        [
+            f"device: {gpu or 'custom'}, {hw.peak_flops / 1e12:g} TFLOP/s dense bf16 peak (MFU's denominator), "
+            f"{req.memory_gb:g} GB per GPU, HBM {hw.mem_bandwidth / 1e12:g} TB/s, {hw.sms} SMs",
+            f"compute: large GEMMs sustain {hw.efficiency:.0%} of peak; smaller and oddly shaped ones less (wave "
+            f"quantisation, short reductions); softmax and norms memory-bound",
+            f"links: {hw.p2p_bandwidth / 1e9:g} GB/s point-to-point, {hw.collective_bandwidth / 1e9:g} GB/s collective bus "
+            f"bandwidth, {hw.latency * 1e6:g} us per call; {nodes}; data-parallel gradient all-reduce (and ZeRO-1's "
+            f"broadcast of the updated parameters) after the step, not overlapped",
+            f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
+            f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (what HF's SDPA decoder "
+            f"layers save under bf16 autocast; checkpointed layers keep their bf16 input only) + each pass's own work "
+            f"(16-bit weight gradients, logits, a recomputed layer) + a "
+            f"reserve of {CONTEXT_BYTES / 1e9:g} GB CUDA context, {COMMUNICATOR_BYTES / 1e9:g} GB NCCL buffers per "
+            f"communicator and {FRAGMENTATION:.0%} fragmentation (cost/memory.py); plans within {HEADROOM_TIE:.0%} of the "
+            f"fastest ranked by memory left, above {TIGHT:.0%} of the GPU flagged tight",
+            f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
+            f"torch.optim.AdamW(fused=True), which the trainer builds on CUDA)",
+        ]
+        + _tp_line(req)
+        + _lora_line(req)
+    )
+
+
+def _tp_line(req: PlanRequest) -> list[str]:
+    sizes = [t for t in req.tensor_parallel if t > 1]
+    if not sizes:
+        return []
     return [
-        f"device: {gpu or 'custom'}, {hw.peak_flops / 1e12:g} TFLOP/s dense bf16 peak (MFU's denominator), "
-        f"{req.memory_gb:g} GB per GPU, HBM {hw.mem_bandwidth / 1e12:g} TB/s, {hw.sms} SMs",
-        f"compute: large GEMMs sustain {hw.efficiency:.0%} of peak; smaller and oddly shaped ones less (wave "
-        f"quantisation, short reductions); softmax and norms memory-bound",
-        f"links: {hw.p2p_bandwidth / 1e9:g} GB/s point-to-point, {hw.collective_bandwidth / 1e9:g} GB/s collective bus "
-        f"bandwidth, {hw.latency * 1e6:g} us per call; {nodes}; data-parallel gradient all-reduce (and ZeRO-1's "
-        f"broadcast of the updated parameters) after the step, not overlapped",
-        f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
-        f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (what HF's SDPA decoder "
-        f"layers save under bf16 autocast; checkpointed layers keep their bf16 input only) + each pass's own work "
-        f"(16-bit weight gradients, logits, a recomputed layer) + a "
-        f"reserve of {CONTEXT_BYTES / 1e9:g} GB CUDA context, {COMMUNICATOR_BYTES / 1e9:g} GB NCCL buffers per "
-        f"communicator and {FRAGMENTATION:.0%} fragmentation (cost/memory.py); plans within {HEADROOM_TIE:.0%} of the "
-        f"fastest ranked by memory left, above {TIGHT:.0%} of the GPU flagged tight",
-        f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
-        f"torch.optim.AdamW(fused=True), which the trainer builds on CUDA)",
-    ] + _lora_line(req)
+        f"tensor parallelism: tp in {sizes} where it divides the node, the heads, kv heads, MLP width and seq "
+        f"(vocab-1/-2 only, sequence parallelism on): a stage's decoder weights, gradients and optimizer state "
+        f"/ tp, V/(pp x tp) vocabulary rows a rank, activations as the runtime keeps them (norms and residual on "
+        f"1/tp of the tokens, the sliced linears' inputs whole); per layer F and B four collectives (all-gather and "
+        f"reduce-scatter per region, f's in fp32 under mixed precision) on the node's "
+        f"{req.hardware.collective_bandwidth / 1e9:g} GB/s, not overlapped with compute (NVLink SHARP not "
+        f"modelled); GEMMs at their sliced shapes; one more NCCL communicator a rank"
+    ]
 
 
 def _lora_line(req: PlanRequest) -> list[str]:
