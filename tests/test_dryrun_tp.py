@@ -140,3 +140,17 @@ class _Tiny:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     vocab_size: int = 64
+
+
+def test_the_command_runs_a_tp_layout_and_says_which_ranks_ran(tmp_path, capsys):
+    from vp_accelerate.train.cli.dryrun import dryrun_main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dataclasses.asdict(_Tiny())))
+    args = [str(path), "--world-size", "4", "--seq", "8", "--global-batch", "4", "--pp", "2", "--tp", "2"]
+    args += ["--schedule", "1f1b", "--method", "vocab-2", "--microbatches", "2", "--json"]
+    assert dryrun_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ran"] == [0, 2] and not out["deadlock"]
+    assert [r["replicas"] for r in out["ranks"]] == [[0, 1], [2, 3]]  # each stage's TP ranks, derived
+    assert out["layout"]["tp_size"] == 2 and all(r["planned_bytes"] > 0 for r in out["ranks"])

@@ -247,6 +247,9 @@ def dryrun_main(argv: list[str] | None = None) -> int:
                     "layout": dataclasses.asdict(cfg),
                     "memory_bytes": int(limit),
                     "ranks": rows,
+                    # the ranks run; every other rank's program is derived from one of theirs (`replicas`: the
+                    # TP ranks of its stage and its counterparts in the other replicas)
+                    "ran": [m.rank for m in result.ranks],
                     "deadlock": result.deadlock is not None,
                     "deadlock_detail": result.deadlock.describe() if result.deadlock else None,
                     "operations": result.ops,
