@@ -74,7 +74,7 @@ def test_what_interlaced_does_not_run_is_refused_in_one_line():
         with pytest.raises(ScheduleError, match=f"schedule '{kind}' does not support method 'interlaced'.*1f1b"):
             build_schedule(kind, "interlaced", 4, 8)
     with pytest.raises(TPError, match=r"method interlaced .* use method vocab-2"):
-        check_layout(PipelineConfig(method="interlaced", tp_size=2), adapter_enabled=False)
+        check_layout(PipelineConfig(method="interlaced", tp_size=2))
 
 
 def _checkpoint_on_ranks(ckpt: str, out: str, ids):

@@ -27,7 +27,7 @@ def _batches(seed: int, n: int, rows: int = 8, seq: int = 8):
     return [(ids := torch.randint(0, VOCAB, (rows, seq), generator=g), ids.clone()) for _ in range(n)]
 
 
-def _pipe(ckpt, schedule, dp_size, zero=1, tp_size=1, pp_size=None):
+def _pipe(ckpt, schedule, dp_size, zero=1, tp_size=1, pp_size=None, method="vocab-2"):
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.train.recipe import OptimizerSection
     from vp_accelerate.train.run.optim import build_optimizer
@@ -36,7 +36,7 @@ def _pipe(ckpt, schedule, dp_size, zero=1, tp_size=1, pp_size=None):
         ckpt,
         PipelineConfig(
             schedule=schedule,
-            method="vocab-2",
+            method=method,
             microbatches=4,
             dp_size=dp_size,
             tp_size=tp_size,
@@ -83,10 +83,12 @@ def _global_state(pipe, opt):
         sorted(pipe.mods.sharded_names),
         pipe.mods.tp_sliced,
         pipe.mods.tp_packed,
+        pipe.mods.tp_vocab_names,
     )
     dist.all_gather_object(parts, mine)
     sliced = {n: d for part in parts for n, d in part[5].items()}
     packed = {n: p for part in parts for n, p in part[6].items()}
+    tp_vocab = {n for part in parts for n in part[7]}  # the baseline's end layers split over TP: padded rows
     full = {}
     for vr, dp, weights, moms, *_ in sorted(parts, key=lambda x: (x[0], x[1])):
         sharded = set(parts[0][4])
@@ -111,6 +113,7 @@ def _global_state(pipe, opt):
             out[key] = join_packed(pieces, packed[base])
         else:
             out[key] = torch.cat(pieces, sliced[base]) if base in sliced else torch.cat(pieces)[:VOCAB]
+            out[key] = out[key][:VOCAB] if base in tp_vocab else out[key]
     return out
 
 
@@ -124,15 +127,16 @@ def _save(pipe, opt, path, step):
     dist.all_gather_object(
         ranks, {"rank": pipe.rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank, "tp_rank": g.tp_rank}
     )
-    dist.all_gather_object(sliced, (pipe.mods.tp_sliced, pipe.mods.tp_packed))
+    dist.all_gather_object(sliced, (pipe.mods.tp_sliced, pipe.mods.tp_packed, pipe.mods.tp_vocab_names))
     meta = {
         "ranks": ranks,
         "vocab_size": VOCAB,
         "sharded_names": sorted(pipe.mods.sharded_names),
         "fingerprint": {},
         "tp_size": g.tp_size,  # as run_state.save_run writes them
-        "tp_sliced": {n: d for part, _ in sliced for n, d in part.items()},
-        "tp_packed": {n: p for _, part in sliced for n, p in part.items()},
+        "tp_sliced": {n: d for part, _, _ in sliced for n, d in part.items()},
+        "tp_packed": {n: p for _, part, _ in sliced for n, p in part.items()},
+        "tp_vocab": sorted({n for *_, part in sliced for n in part}),
     }
     return ckpt.save_checkpoint(
         path,
@@ -160,9 +164,9 @@ def _resume(pipe, opt, path):
     load_named_optimizer_state(opt, pipe.named_parameters(), state, same_groups=False)
 
 
-def _saving_run(ckpt, batches, schedule, dp_size, path, zero=1, tp_size=1):
+def _saving_run(ckpt, batches, schedule, dp_size, path, zero=1, tp_size=1, method="vocab-2"):
     """The saved layout: BEFORE steps, a checkpoint, then AFTER more steps uninterrupted (the reference)."""
-    pipe, opt = _pipe(ckpt, schedule, dp_size, zero, tp_size)
+    pipe, opt = _pipe(ckpt, schedule, dp_size, zero, tp_size, method=method)
     _train(pipe, opt, batches[:BEFORE])
     saved = _global_state(pipe, opt)
     step_dir = _save(pipe, opt, path, BEFORE)
@@ -172,8 +176,8 @@ def _saving_run(ckpt, batches, schedule, dp_size, path, zero=1, tp_size=1):
     return step_dir, saved, losses, after
 
 
-def _resuming_run(ckpt, batches, schedule, dp_size, step_dir, tp_size=1, pp_size=None):
-    pipe, opt = _pipe(ckpt, schedule, dp_size, tp_size=tp_size, pp_size=pp_size)
+def _resuming_run(ckpt, batches, schedule, dp_size, step_dir, tp_size=1, pp_size=None, method="vocab-2"):
+    pipe, opt = _pipe(ckpt, schedule, dp_size, tp_size=tp_size, pp_size=pp_size, method=method)
     _resume(pipe, opt, step_dir)
     loaded = _global_state(pipe, opt)
     losses = _train(pipe, opt, batches[BEFORE:])
@@ -232,15 +236,15 @@ def test_resharding_resumes(tmp_path):
     _same_training(zero1_from_zero0, (losses0, after0), ("zero 0 -> zero 1", seed))
 
 
-def _tp_four_ranks(ckpt, batches, out):
-    step_dir, saved, losses, after = _saving_run(ckpt, batches, "1f1b", 1, f"{out}/pp2tp2", tp_size=2)
-    return step_dir, saved, losses, after, _resuming_run(ckpt, batches, "1f1b", 1, step_dir)  # pp 4, tp 1
+def _tp_four_ranks(ckpt, batches, out, method="vocab-2"):
+    step_dir, saved, losses, after = _saving_run(ckpt, batches, "1f1b", 1, f"{out}/pp2tp2", tp_size=2, method=method)
+    return step_dir, saved, losses, after, _resuming_run(ckpt, batches, "1f1b", 1, step_dir, method=method)  # pp 4
 
 
-def _tp_two_ranks(ckpt, batches, step_dir):
+def _tp_two_ranks(ckpt, batches, step_dir, method="vocab-2", other="vocab-2"):
     return (
-        _resuming_run(ckpt, batches, "1f1b", 1, step_dir),  # pp 2, tp 1
-        _resuming_run(ckpt, batches, "1f1b", 1, step_dir, tp_size=2, pp_size=1),  # pp 1, tp 2
+        _resuming_run(ckpt, batches, "1f1b", 1, step_dir, method=other),  # pp 2, tp 1
+        _resuming_run(ckpt, batches, "1f1b", 1, step_dir, tp_size=2, pp_size=1, method=method),  # pp 1, tp 2
     )
 
 
@@ -258,6 +262,25 @@ def test_tensor_parallel_checkpoints_reshard_across_tp(tmp_path, family):
     step_dir, saved, losses, after, pp4 = spawn(_tp_four_ranks, 4, ckpt, batches, str(tmp_path), timeout_s=300)[0]
     pp2, tp2 = spawn(_tp_two_ranks, 2, ckpt, batches, step_dir, timeout_s=300)[0]
     for case, resumed in (("pp2 x tp2 -> pp4", pp4), ("-> pp2", pp2), ("-> pp1 x tp2", tp2)):
+        _same_state(resumed[0], saved, (case, seed))
+        _same_training(resumed, (losses, after), (case, seed))
+
+
+@pytest.mark.slow
+def test_baseline_end_layers_split_over_tp_reshard(tmp_path):
+    """Method baseline at pp 2 x tp 2 (the embedding and the output layer split by rows over the end stages' TP
+    ranks, 51 + 50 rows and a padding row) -> pp 4 baseline (whole matrices), -> pp 2 vocab-2 (shards over pp),
+    -> pp 1 x tp 2 baseline (both matrices on each TP rank): every weight and moment equal, the padding dropped,
+    and training goes on as the saved layout's (before: tp_size 2 refused the baseline)."""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    ckpt = str(tmp_path / "hf")
+    AutoModelForCausalLM.from_config(tiny_llama(VOCAB, tied=False, num_layers=4)).save_pretrained(ckpt)
+    batches = _batches(seed, BEFORE + AFTER)
+    out = spawn(_tp_four_ranks, 4, ckpt, batches, str(tmp_path), "baseline", timeout_s=300)[0]
+    step_dir, saved, losses, after, pp4 = out
+    pp2, tp2 = spawn(_tp_two_ranks, 2, ckpt, batches, step_dir, "baseline", "vocab-2", timeout_s=300)[0]
+    for case, resumed in (("pp2 x tp2 -> pp4", pp4), ("-> pp2 vocab-2", pp2), ("-> pp1 x tp2", tp2)):
         _same_state(resumed[0], saved, (case, seed))
         _same_training(resumed, (losses, after), (case, seed))
 

@@ -1,8 +1,9 @@
 """A training run with tensor parallelism end to end (`pipeline.tp_size: 2`, pp 2 x tp 2 on 4 launched ranks): it
 trains, saves checkpoints, exports its final HF model with the TP slices joined, `vp-accelerate export` of its last
 checkpoint writes the same tensors, and `--resume` into pp 2 without TP (2 ranks) goes on from the checkpoint with
-the losses of the uninterrupted run (float32: the layouts sum in another order, 1e-4 relative).
-Slow (~2 min on 2 idle cores: three launches)."""
+the losses of the uninterrupted run (float32: the layouts sum in another order, 1e-4 relative); with method vocab-2
+(the vocabulary over pp x tp) and baseline (the end stages' vocabulary layers split over TP).
+Slow (~2 min a method on 2 idle cores: three launches)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from helpers.launch import run_env, train_ranks
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def tp_recipe(tmp_path_factory):
+@pytest.fixture(scope="module", params=["vocab-2", "baseline"])
+def tp_recipe(tmp_path_factory, request):
     from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
 
     d = tmp_path_factory.mktemp("tp")
@@ -31,7 +32,8 @@ def tp_recipe(tmp_path_factory):
         [text],
         model=TINY_MODEL,
         data={"seq_len": 16},
-        pipeline={"schedule": "1f1b", "method": "vocab-2", "microbatches": 2, "tp_size": 2},
+        # baseline: the end stages' embedding and output layer split over TP (rows, a padding row at the end)
+        pipeline={"schedule": "1f1b", "method": request.param, "microbatches": 2, "tp_size": 2},
         optimizer={"lr": 3e-3},
         train={"steps": 4, "global_batch": 4, "seed": 0},
         eval={"every": 0},
@@ -63,6 +65,8 @@ def test_a_tp_run_trains_exports_and_resumes_without_tp(tp_recipe):
     full = _losses(run)
     assert sorted(full) == [1, 2, 3, 4]
     exported = _weights(run / "hf")
+    vocab = json.loads((run / "hf" / "config.json").read_text())["vocab_size"]
+    assert exported["model.embed_tokens.weight"].shape[0] == vocab  # the padding rows dropped
     # the last checkpoint exported offline: the same tensors (TP slices joined from the rank files)
     from vp_accelerate.cli import main
 

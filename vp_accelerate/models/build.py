@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from vp_accelerate.model_config import read_config_json
+from vp_accelerate.vocab.partition import VocabPartition
 
 from .adapter import ModelParts, find_parts
 from .checkpoint_source import CheckpointSource
@@ -35,7 +36,7 @@ from .layout import LayoutError, StageLayout
 from .meta import meta_model
 from .rank import PLACEMENTS, RankModules
 from .row_map import RowMap
-from .stage import FullEmbedding, FullHead, StageChunk
+from .stage import FullEmbedding, FullHead, StageChunk, TPEmbedding, TPHead
 from .tensor_parallel import TPSpec, layer_plan, shard_layer
 from .weights import (
     ConvertedSource,
@@ -268,15 +269,34 @@ def build_rank(
             partition=partition, embed_weight=embed_w, head_weight=head_w, head_bias=bias(start, end), **kw
         )
     else:
-        embed = head = None
-        if rank == layout.first_rank:
-            embed = FullEmbedding(_new_param(rows("embed", 0, V)), parts.padding_idx)
-        if rank == layout.last_rank:
-            tied_here = parts.tied and embed is not None
-            weight = embed.weight if tied_here else _new_param(rows("head", 0, V))
-            head = FullHead(weight, parts.logit_scale, parts.final_softcap, bias(0, V))
+        embed, head = _end_layers(parts, layout, rank, V, rows, bias, tp)
         rm = RankModules(embed=embed, head=head, **kw)
+        if tp is not None and rank == layout.first_rank and tp.sequence_parallel:
+            rm.chunks[0].input_sliced = True  # the split embedding's reduce-scatter gives 1/tp of the sequence
     return rm.to(device)
+
+
+def _end_layers(parts: ModelParts, layout: StageLayout, rank: int, V: int, rows, bias, tp: TPSpec | None):
+    """The baseline placement's whole embedding (first stage) and output layer (last stage); under tensor
+    parallelism each TP rank's row block of them (`VocabPartition(V, tp)`, zero padding rows at the end)."""
+    start, end = 0, V
+    if tp is not None:
+        split = VocabPartition(V, tp.comm.size)
+        (start, end), valid = split.shard_range(tp.comm.rank), split.valid_rows(tp.comm.rank)
+    embed = head = None
+    if rank == layout.first_rank:
+        weight = _new_param(rows("embed", start, end))
+        embed = (
+            FullEmbedding(weight, parts.padding_idx)
+            if tp is None
+            else TPEmbedding(weight, parts.padding_idx, tp, start, valid)
+        )
+    if rank == layout.last_rank:
+        tied_here = parts.tied and embed is not None
+        weight = embed.weight if tied_here else _new_param(rows("head", start, end))
+        args = (weight, parts.logit_scale, parts.final_softcap, bias(start, end))
+        head = FullHead(*args) if tp is None else TPHead(*args, tp, start, valid)
+    return embed, head
 
 
 def _build_chunk(

@@ -26,6 +26,7 @@ def assemble_state_dict(
     sharded_names: frozenset[str] | set[str] = frozenset(),
     tp_sliced: dict[str, int] | None = None,
     tp_packed: dict[str, list[int]] | None = None,
+    tp_vocab: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """One full HF state dict from per-rank state dicts given in vocabulary-rank order (pipeline-rank order
     without tensor parallelism).
@@ -33,14 +34,17 @@ def assemble_state_dict(
     `sharded_names` (a RankModules' `sharded_names`) are row shards to concatenate and cut to
     `vocab_size` rows; `tp_sliced` (name -> dim) are tensor-parallel slices, joined along their dim in the
     order the ranks hold them (a stage's TP ranks are consecutive); every other name is taken from the first
-    rank holding it; `tp_packed` (name -> parts) are fused projections whose slices hold 1/tp of each part. Works
-    offline on per-rank checkpoints.
+    rank holding it; `tp_packed` (name -> parts) are fused projections whose slices hold 1/tp of each part;
+    `tp_vocab` (a RankModules' `tp_vocab_names`) are TP row slices of a padded vocabulary matrix, cut to
+    `vocab_size` rows once joined. Works offline on per-rank checkpoints.
     """
     out: dict[str, torch.Tensor] = {}
     packed = tp_packed or {}
     for name, dim in (tp_sliced or {}).items():
         pieces = [sd[name].detach().cpu() for sd in rank_state_dicts if name in sd]
         out[name] = join_packed(pieces, packed[name]) if name in packed else torch.cat(pieces, dim)
+        if name in tp_vocab:  # the baseline's end-stage vocabulary split over TP: the padding rows dropped
+            out[name] = out[name][:vocab_size].clone()
     for name in sharded_names:
         shards = [sd[name] for sd in rank_state_dicts if name in sd]
         if len(shards) != len(rank_state_dicts):
@@ -110,12 +114,16 @@ def gather_state_dict(mods, group: dist.ProcessGroup | None = None, dst: int = 0
     local = {name: t.detach().cpu() for name, t in mods.state_dict().items() if not mods.is_duplicate(name)}
     me = dist.get_rank(group)
     gathered = [None] * dist.get_world_size(group) if me == dst else None
-    dist.gather_object((local, mods.tp_sliced, mods.tp_packed), gathered, group=group, group_dst=dst)
+    dist.gather_object(
+        (local, mods.tp_sliced, mods.tp_packed, mods.tp_vocab_names), gathered, group=group, group_dst=dst
+    )
     if me != dst:
         return None
-    sliced = {n: d for _, part, _ in gathered for n, d in part.items()}
-    packed = {n: p for _, _, part in gathered for n, p in part.items()}
-    return assemble_state_dict([sd for sd, _, _ in gathered], mods.vocab_size, mods.sharded_names, sliced, packed)
+    sliced = {n: d for _, part, _, _ in gathered for n, d in part.items()}
+    packed = {n: p for _, _, part, _ in gathered for n, p in part.items()}
+    vocab = {n for *_, part in gathered for n in part}
+    states = [sd for sd, *_ in gathered]
+    return assemble_state_dict(states, mods.vocab_size, mods.sharded_names, sliced, packed, vocab)
 
 
 def export_hf(

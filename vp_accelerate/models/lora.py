@@ -106,17 +106,55 @@ def lora_modules(module: nn.Module, prefix_of=lambda name: name):
             yield prefix_of(name), sub
 
 
-def init_lora_weights(named_layers, seed: int) -> None:
+def init_lora_weights(named_layers, seed: int, column_slices: dict | None = None) -> None:
     """peft's default init (A: Kaiming-uniform, B: zero), with A drawn from a generator seeded by
-    (seed, HF module name): the same adapters whatever the pipeline layout, and in a plain peft model."""
+    (seed, HF module name): the same adapters whatever the pipeline layout, and in a plain peft model.
+    `column_slices` (HF module name -> (TP rank, TP size)): an A that holds one TP rank's columns (a row-split
+    layer's) is that part of the whole A's draw, so tensor parallelism starts from tp 1's adapters."""
     with torch.no_grad():
         for name, layer in named_layers:
             a = layer.lora_A[ADAPTER_NAME].weight
             g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            values = torch.empty(a.shape, dtype=torch.float32)
+            rank, size = (column_slices or {}).get(name, (0, 1))
+            values = torch.empty((a.shape[0], a.shape[1] * size), dtype=torch.float32)
             nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=g)
-            a.copy_(values)
+            a.copy_(values[:, rank * a.shape[1] : (rank + 1) * a.shape[1]])
             layer.lora_B[ADAPTER_NAME].weight.zero_()
+
+
+def split_adapters(chunk, named_local) -> dict[str, int]:
+    """Tensor parallelism: fit the LoRA layers peft injected into a TP-split chunk (`named_local`: local module
+    name -> LoRA layer). A column-split base (colwise) keeps A whole (its gradient a partial sum over TP) and B's
+    rows of this rank (a fused projection's one part at a time); a row-split base (rowwise) keeps A's columns of
+    this rank and B whole (its gradient a partial sum), and its g moves onto the wrapper, so that the base's and
+    the adapter's partial outputs are summed together. The chunk's TP records follow peft's renaming of the base
+    (`...q_proj.base_layer.weight`). Returns the local module names whose A holds a column slice."""
+    from .tensor_parallel import move_leave
+
+    sliced, partial, packed = chunk.tp_sliced, list(chunk.tp_partial), chunk.tp_packed
+    columns = []
+    for local, layer in named_local:
+        old, new = f"{local}.", f"{local}.base_layer."
+        for table in (sliced, packed):
+            for key in [k for k in table if k.startswith(old) and not k.startswith(new)]:
+                table[new + key[len(old) :]] = table.pop(key)
+        partial = [new + n[len(old) :] if n.startswith(old) and not n.startswith(new) else n for n in partial]
+        a, b = f"{local}.lora_A.{ADAPTER_NAME}.weight", f"{local}.lora_B.{ADAPTER_NAME}.weight"
+        dim = sliced.get(f"{new}weight")
+        if dim == 0:  # colwise
+            sliced[b] = 0
+            if f"{new}weight" in packed:
+                packed[b] = packed[f"{new}weight"]
+            partial.append(a)
+        elif dim == 1:  # rowwise
+            sliced[a] = 1
+            partial.append(b)
+            move_leave(layer.get_base_layer(), layer)
+            columns.append(local)
+        elif f"{new}weight" in partial:  # a whole layer whose gradient is a partial sum: so are its adapters'
+            partial += [a, b]
+    chunk.tp_partial = tuple(partial)
+    return columns
 
 
 def apply_lora(mods, adapter, seed: int, dtype: torch.dtype) -> list[str]:
@@ -135,7 +173,14 @@ def apply_lora(mods, adapter, seed: int, dtype: torch.dtype) -> list[str]:
             raise ValueError(f"adapter.target_modules: {e}") from None
         chunk.to(dtype)
         named = list(lora_modules(chunk, lambda n, c=chunk: c.hf_name(f"{n}.x").rsplit(".", 1)[0]))
-        init_lora_weights(named, seed)
+        columns = {}
+        if chunk.tp is not None:  # tensor parallelism: the adapters split as their base layers are
+            comm = chunk.tp.comm
+            local = list(lora_modules(chunk))
+            columns = {
+                chunk.hf_name(f"{n}.x").rsplit(".", 1)[0]: (comm.rank, comm.size) for n in split_adapters(chunk, local)
+            }
+        init_lora_weights(named, seed, columns)
         transposed += [n for n, layer in named if isinstance(layer.get_base_layer(), Conv1D)]
         for name, p in chunk.named_parameters():
             p.requires_grad_(".lora_" in name)
@@ -159,9 +204,10 @@ def token_row_masks(mods, token_ids) -> dict:
     out = {}
     weights = [(mods.embed_weight, 0), (mods.head_weight, 0)]
     if mods.partition is not None:
-        start, _ = mods.partition.shard_range(mods.rank)
+        start, _ = mods.partition.shard_range(mods.vocab_rank)
         weights = [(w, start) for w, _ in weights]
-    weights += [(mods.embed.weight if mods.embed else None, 0), (mods.head.weight if mods.head else None, 0)]
+    for module in (mods.embed, mods.head):  # baseline; under TP its rows [start, ...) (TPEmbedding, TPHead)
+        weights.append((module.weight if module else None, getattr(module, "start", 0)))
     for weight, start in weights:
         if weight is None or id(weight) in out:
             continue

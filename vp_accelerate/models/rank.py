@@ -98,12 +98,30 @@ class RankModules:
 
     @property
     def tp_sliced(self) -> dict[str, int]:
-        """HF name -> the dim along which this rank holds a 1/tp_size slice of it (tensor parallelism)."""
+        """HF name -> the dim along which this rank holds a 1/tp_size slice of it (tensor parallelism); the
+        baseline's end-stage vocabulary layers are sliced along their rows (`tp_vocab_names`)."""
         out = {}
         for c in sorted(self.chunks):
             chunk = self.chunks[c]
             out.update({chunk.hf_name(n): d for n, d in chunk.tp_sliced.items()})
+        out.update({n: 0 for n in self.tp_vocab_names})
         return out
+
+    @property
+    def tp_vocab_names(self) -> frozenset[str]:
+        """Baseline placement under tensor parallelism: the HF names of the end-stage vocabulary tensors this rank
+        holds a row block of (the padded matrix's rows [tp_rank * S, (tp_rank + 1) * S), zero padding at the
+        end: joined, they are cut to `vocab_size` rows)."""
+        if self.tp_size == 1 or self.placement != "baseline":
+            return frozenset()
+        names = set()
+        if self.embed is not None:
+            names.add(self.embed_name)
+        if self.head is not None:
+            names.add(self.head_name)
+            if self.head.bias is not None:
+                names.add(self.head_bias_name)
+        return frozenset(names)
 
     @property
     def tp_packed(self) -> dict[str, list[int]]:

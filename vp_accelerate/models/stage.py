@@ -23,7 +23,7 @@ from vp_accelerate import modes
 
 from .adapter import PartNames
 from .masks import MASK_BUILDERS, MicrobatchMasks
-from .tensor_parallel import TPSpec, gather_sequence, slice_sequence
+from .tensor_parallel import TPSpec, copy_to_region, gather_sequence, slice_sequence, vocab_parallel_embed
 
 
 def default_position_ids(hidden: torch.Tensor) -> torch.Tensor:
@@ -87,6 +87,9 @@ class StageChunk(nn.Module):
         """Local names of the parameters whose gradient is a partial sum over the TP group."""
         self.tp_packed: dict[str, list[int]] = {}
         """Local names of fused projections sliced one part at a time -> the parts' whole sizes."""
+        self.input_sliced = False
+        """Chunk 0 under sequence parallelism fed by the TP-split end-stage embedding (`TPEmbedding`): its input
+        holds this rank's 1/tp of the sequence already (the embedding's reduce-scatter)."""
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """A key of modes.CHECKPOINTING: "none", "full" (every layer) or "selective" (every other layer:
@@ -142,16 +145,19 @@ class StageChunk(nn.Module):
         (default 0..s-1); `attention_mask` an optional 2D [b, s] padding mask (1 = real token), or the
         microbatch's `MicrobatchMasks` (the runtime's: no device reads).
         """
+        sliced = self.is_first and self.input_sliced and self.tp is not None
+        # the whole sequence's shape (the masks' and rotary tables' builders read shape, dtype and device only)
+        whole = hidden.new_empty((hidden.shape[0], hidden.shape[1] * self.tp.comm.size, 0)) if sliced else hidden
         if position_ids is None:
-            position_ids = default_position_ids(hidden)
+            position_ids = default_position_ids(whole)
         if self.is_first:
-            hidden = self.apply_input_pieces(hidden, position_ids)
+            hidden = self.apply_input_pieces(hidden, _own_part(position_ids, self.tp) if sliced else position_ids)
         if isinstance(attention_mask, MicrobatchMasks):
-            masks = attention_mask.for_chunk(self, hidden)
+            masks = attention_mask.for_chunk(self, whole)
         else:
-            masks = self.build_masks(hidden, position_ids, attention_mask)
-        rope = self.position_embeddings(hidden, position_ids)
-        if self.tp is not None:  # masks and rotary tables stay the whole sequence's: attention sees all of it
+            masks = self.build_masks(whole, position_ids, attention_mask)
+        rope = self.position_embeddings(whole, position_ids)
+        if self.tp is not None and not sliced:  # masks and rotary tables stay the whole sequence's
             hidden = slice_sequence(hidden, self.tp)
         for k, (layer, kind) in enumerate(zip(self.layers.values(), self.layer_types)):
             extra = {} if rope is None else {"position_embeddings": rope[kind] if self.rotary_per_layer_type else rope}
@@ -191,6 +197,12 @@ class StageChunk(nn.Module):
         for name, t in self.state_dict(keep_vars=True).items():
             if name not in params:
                 yield self.hf_name(name), t
+
+
+def _own_part(position_ids: torch.Tensor, tp: TPSpec) -> torch.Tensor:
+    """This TP rank's 1/tp of the sequence of `position_ids` [b or 1, s] (a sliced input's position embedding)."""
+    n = position_ids.shape[1] // tp.comm.size
+    return position_ids[:, tp.comm.rank * n : (tp.comm.rank + 1) * n]
 
 
 def apply_logit_transforms(
@@ -238,3 +250,38 @@ class FullHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return apply_logit_transforms(F.linear(x, self.weight, self.bias), self.logit_scale, self.softcap)
+
+
+class TPEmbedding(FullEmbedding):
+    """Baseline placement under tensor parallelism: this TP rank's rows [start, start + S) of the embedding padded
+    to tp x S (Megatron's vocab-parallel embedding, `tensor_parallel.vocab_parallel_embed`): the lookup of ids in
+    them, summed over TP (under sequence parallelism reduce-scattered to the rank's 1/tp of the sequence)."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None, tp: TPSpec, start: int, valid: int):
+        super().__init__(weight, padding_idx)
+        self.tp, self.start, self.valid = tp, start, valid
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_embed(ids, self.weight, self.start, self.valid, self.padding_idx, self.tp)
+
+
+class TPHead(FullHead):
+    """Baseline placement under tensor parallelism: the output layer split by columns, this TP rank's vocabulary
+    rows [start, start + S) (the first `valid` real); X (whole on every TP rank) -> this rank's logits, X's
+    gradient summed over TP backward. The loss is `tensor_parallel.vocab_parallel_cross_entropy`."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        logit_scale: float,
+        softcap: float | None,
+        bias: nn.Parameter | None,
+        tp: TPSpec,
+        start: int,
+        valid: int,
+    ):
+        super().__init__(weight, logit_scale, softcap, bias)
+        self.tp, self.start, self.valid = tp, start, valid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(copy_to_region(x, self.tp))

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 SLICED = ("colwise", "rowwise")
@@ -65,6 +66,8 @@ class TPComm:
     """Concatenate the group's tensors along dim 1 (the sequence), in rank order."""
     reduce_scatter: Callable[[torch.Tensor], torch.Tensor]
     """Sum over the group, then keep this rank's 1/size of dim 1."""
+    all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Elementwise maximum over the group (the vocabulary-parallel cross-entropy's softmax shift)."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,112 @@ def gather_sequence(x: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     return _GatherSequence.apply(x, spec.comm) if spec.sequence_parallel else x
 
 
+def copy_to_region(x: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """Megatron's f on a replicated input (the column-parallel output layer's X): identity forward, the input
+    gradient summed over TP backward (each rank's vocabulary columns contribute a part of it)."""
+    return _EnterRegion.apply(x, spec.comm, False)
+
+
+# ------------------------------------------------------------------------------------------- the end-stage vocabulary
+# The baseline / redis placement keeps the embedding and the output layer on the end stages; under TP each TP rank
+# of such a stage holds rows [start, start + S) of the matrix padded to tp x S (`vocab.VocabPartition(V, tp)`, the
+# same rows for the embedding and the head, so a tied weight stays one tensor), as Megatron's vocab-parallel
+# embedding and column-parallel output layer do.
+def vocab_parallel_embed(
+    ids: torch.Tensor, weight: torch.Tensor, start: int, valid: int, padding_idx: int | None, spec: TPSpec
+) -> torch.Tensor:
+    """E[ids] from this TP rank's rows [start, start + valid) (ids outside them give zeros), summed over TP: an
+    all-reduce, or under sequence parallelism a reduce-scatter to this rank's 1/tp of the sequence (the residual
+    stream's share there), whose backward all-gathers the gradient before the local scatter-add."""
+    local = ids - start
+    inside = (local >= 0) & (local < valid)
+    pad = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < valid else None
+    out = F.embedding(torch.where(inside, local, 0), weight, pad)
+    out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
+    return _LeaveRegion.apply(out, spec.comm, spec.sequence_parallel)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy from this TP rank's columns of the logits (Megatron's vocab-parallel
+    cross-entropy): the row maximum by a max all-reduce, then one sum all-reduce of [Σ exp, target logit, Σ logits];
+    backward needs no communication (softmax minus the smoothed one-hot, on the local columns)."""
+
+    @staticmethod
+    def forward(ctx, z, labels, start: int, valid: int, vocab_size: int, comm: TPComm, eps: float, ignore: int):
+        zr = z[:, :valid]
+        n = z.shape[0]
+        local_max = zr.max(dim=-1).values if valid else z.new_full((n,), float("-inf"))
+        m = comm.all_reduce_max(local_max)
+        e = torch.exp(zr - m[:, None])
+        local = labels - start
+        hit = (labels != ignore) & (local >= 0) & (local < valid)
+        col = torch.where(hit, local, 0)
+        target = torch.where(hit, zr.gather(1, col[:, None])[:, 0] if valid else z.new_zeros(n), 0.0)
+        sums = comm.all_reduce(torch.stack([e.sum(-1), target, zr.sum(-1)], dim=1))
+        lse = torch.log(sums[:, 0]) + m
+        loss = lse - sums[:, 1]
+        if eps:
+            loss = (1.0 - eps) * loss + eps * (lse - sums[:, 2] / vocab_size)
+        kept = labels != ignore
+        loss = torch.where(kept, loss, 0.0)
+        ctx.save_for_backward(e / sums[:, :1], hit, col, kept)
+        ctx.shape, ctx.eps, ctx.vocab_size = z.shape, eps, vocab_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, hit, col, kept = ctx.saved_tensors
+        g = p.clone()
+        if g.shape[1]:
+            g.scatter_add_(1, col[:, None], -(1.0 - ctx.eps) * hit.to(g.dtype)[:, None])
+        if ctx.eps:
+            g -= ctx.eps / ctx.vocab_size
+        g *= torch.where(kept, grad, 0.0)[:, None]
+        out = g.new_zeros(ctx.shape)
+        out[:, : g.shape[1]] = g
+        return out, None, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    start: int,
+    valid: int,
+    vocab_size: int,
+    spec: TPSpec,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """[N] per-token cross-entropy (torch's, `reduction="none"`, with label smoothing) of logits whose columns are
+    split over TP: `logits` [..., S] this rank's columns for vocabulary rows [start, start + S), the first `valid`
+    real (padding columns take no part); the same values on every TP rank."""
+    z = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCE.apply(
+        z, labels.reshape(-1).to(z.device), start, valid, vocab_size, spec.comm, float(label_smoothing), ignore_index
+    )
+
+
+@torch.no_grad()
+def vocab_parallel_logit_stats(
+    logits: torch.Tensor, labels: torch.Tensor, start: int, valid: int, vocab_size: int, spec: TPSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean logit, entropy, target is the top logit) per token of column-split logits (a preference loss's
+    metrics), from one max and one sum all-reduce."""
+    comm = spec.comm
+    zr = logits.reshape(-1, logits.shape[-1])[:, :valid]
+    labels = labels.reshape(-1).to(zr.device)
+    m = comm.all_reduce_max(zr.max(dim=-1).values)
+    e = torch.exp(zr - m[:, None])
+    local = labels - start
+    hit = (local >= 0) & (local < valid)
+    target = torch.where(hit, zr.gather(1, torch.where(hit, local, 0)[:, None])[:, 0], 0.0)
+    sums = comm.all_reduce(torch.stack([e.sum(-1), (e * zr).sum(-1), zr.sum(-1), target, hit.to(zr.dtype)], dim=1))
+    lse = torch.log(sums[:, 0]) + m
+    entropy = lse - sums[:, 1] / sums[:, 0]
+    top1 = (sums[:, 4] > 0) & (sums[:, 3] >= m)
+    return sums[:, 2] / vocab_size, entropy, top1
+
+
 # ------------------------------------------------------------------------------------------- slicing a layer
 def _slice(t: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     n = t.shape[dim] // comm.size
@@ -302,7 +411,8 @@ def shard_layer(layer: nn.Module, plan: dict[str, str], spec: TPSpec, config=Non
             mod.weight = nn.Parameter(_slice(mod.weight, 1, comm))
             mod.in_features = mod.weight.shape[1]
             dims[f"{path}.weight"] = 1
-            mod.register_forward_hook(lambda m, args, out: _LeaveRegion.apply(out, comm, sp))
+            hook = _leave_hook(comm, sp)
+            mod._tp_leave = (hook, mod.register_forward_hook(hook))  # moved onto a LoRA wrapper (`move_leave`)
         sliced.update(id(p) for p in mod.parameters(recurse=False))
     for module in regions.values():
         module.register_forward_pre_hook(_enter_hook(comm, sp), with_kwargs=True)
@@ -330,6 +440,22 @@ def _local_config(module: nn.Module, tp: int) -> None:
     if isinstance(getattr(config, "num_key_value_heads", None), int):
         local.num_key_value_heads = config.num_key_value_heads // tp
     module.config = local
+
+
+def _leave_hook(comm: TPComm, sp: bool):
+    def hook(module, args, out):
+        return _LeaveRegion.apply(out, comm, sp)
+
+    return hook
+
+
+def move_leave(base: nn.Module, wrapper: nn.Module) -> None:
+    """Move a row-split layer's g (the sum of the partial outputs over TP) onto the module that wraps it (peft's
+    LoRA layer), so that the base's and the adapter's partial outputs are summed together."""
+    hook, handle = base._tp_leave
+    handle.remove()
+    del base._tp_leave
+    wrapper._tp_leave = (hook, wrapper.register_forward_hook(hook))
 
 
 def _enter_hook(comm: TPComm, sp: bool):

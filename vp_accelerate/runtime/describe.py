@@ -89,8 +89,9 @@ class RankLayout:
                 f"vocab rows {start}-{end - 1} of {self.vocab_size}"
                 f" (embedding{' + tied' if self.tied else ' + lm_head'})"
             )
-        parts = (["full embedding"] if self.full_embedding else []) + (
-            ["norm + full lm_head + loss"] if self.full_head else []
+        split = f" (1/{self.tp_size} of its rows)" if self.tp_size > 1 else ""  # the TP-split end layers
+        parts = ([f"full embedding{split}"] if self.full_embedding else []) + (
+            [f"norm + full lm_head{split} + loss"] if self.full_head else []
         )
         return ", ".join(parts) or "no vocabulary layers"
 

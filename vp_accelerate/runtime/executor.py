@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from vp_accelerate.models.stage import TPHead
+from vp_accelerate.models.tensor_parallel import vocab_parallel_cross_entropy as tp_cross_entropy
+from vp_accelerate.models.tensor_parallel import vocab_parallel_logit_stats as tp_logit_stats
 from vp_accelerate.runtime import p2p, precision
 from vp_accelerate.runtime.clock import Clock, HostClock
 from vp_accelerate.runtime.groups import Groups
@@ -390,15 +393,17 @@ class Executor:
         """Full lm_head + cross-entropy on the last stage, scaled by g so that Σ_mb is the step's mean."""
         logits = self.modules.head_logits(hidden)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # softmax in >= fp32
-        per_token = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            mb.labels.reshape(-1),
-            ignore_index=-100,
-            reduction="none",
-            label_smoothing=self.out_opts.label_smoothing,
-        )
-        if mb.loss_fn is not None:  # a sequence loss: its g from the detached CE, its value as the loss
-            if getattr(mb.loss_fn, "wants_mean_logits", False):  # its metrics' logits/* (TRL's)
+        if isinstance(self.modules.head, TPHead):  # this TP rank's vocabulary columns
+            per_token = self._split_head_loss(logits, mb)
+        else:
+            per_token = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                mb.labels.reshape(-1),
+                ignore_index=-100,
+                reduction="none",
+                label_smoothing=self.out_opts.label_smoothing,
+            )
+            if mb.loss_fn is not None and getattr(mb.loss_fn, "wants_mean_logits", False):  # TRL's logits/*
                 mb.loss_fn.record_mean_logits(logits.detach().mean(dim=-1).reshape(-1))
                 if hasattr(mb.loss_fn, "record_token_stats"):  # entropy and top-1 (TRL's DPO metrics)
                     z = logits.detach().reshape(-1, logits.shape[-1])
@@ -406,10 +411,22 @@ class Executor:
                     entropy = -(logp.exp() * logp).sum(dim=-1)
                     top1 = z.argmax(dim=-1) == mb.labels.reshape(-1).to(z.device)
                     mb.loss_fn.record_token_stats(entropy, top1)
+        if mb.loss_fn is not None:  # a sequence loss: its g from the detached CE, its value as the loss
             g, value = mb.loss_fn(per_token.detach())
             surrogate = (per_token * g.to(per_token.dtype)).sum()
             return surrogate - surrogate.detach() + value.to(per_token.dtype)
         return (per_token * mb.grad_scale.to(per_token.dtype)).sum()
+
+    def _split_head_loss(self, logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+        """Per-token cross-entropy of the baseline's output layer split over TP (Megatron's vocab-parallel
+        cross-entropy over the stage's TP group), and a preference loss's logit metrics from the same columns."""
+        head, V = self.modules.head, self.modules.vocab_size
+        if mb.loss_fn is not None and getattr(mb.loss_fn, "wants_mean_logits", False):
+            mean, entropy, top1 = tp_logit_stats(logits.detach(), mb.labels, head.start, head.valid, V, head.tp)
+            mb.loss_fn.record_mean_logits(mean)
+            if hasattr(mb.loss_fn, "record_token_stats"):
+                mb.loss_fn.record_token_stats(entropy, top1)
+        return tp_cross_entropy(logits, mb.labels, head.start, head.valid, V, head.tp, self.out_opts.label_smoothing)
 
     def _do_B(self, a: Action) -> None:
         st = self.state

@@ -103,7 +103,8 @@ def export_adapter(pipe, out_dir, base_model_name_or_path: str | None = None, to
     if not pipe.adapter.enabled:
         raise ValueError("export_adapter: this model has no adapter (adapter.type is null); use export_hf")
     g = pipe.groups
-    if pipe.adapter.trainable_tokens or pipe.adapter.train_vocab:  # trained rows in every rank's shard: gather all
+    # trained rows in every rank's shard, or (tensor parallelism) adapters in TP slices: gather all, slices joined
+    if pipe.adapter.trainable_tokens or pipe.adapter.train_vocab or g.tp_size > 1:
         sd, transposed = gather_hf_state_dict(pipe), _all_lora_transposed(pipe)
         if sd is not None and g.dp_rank == 0:
             save_adapter(

@@ -103,7 +103,7 @@ class PipelineModel:
         self.loss_scaler = precision.loss_scaler_for(self.precision)
         check_supported(resolve_config(source))  # a family the split cannot run exactly fails here, before any group
         check_tp_config(resolve_config(source), cfg.tp_size)  # heads / MLP not dividing over tp, no TP plan
-        tensor_parallel.check_layout(cfg, self.adapter.enabled)
+        tensor_parallel.check_layout(cfg, self.adapter)
         enable_fault_stacks()  # a launched rank killed by a signal (an abort at exit) prints its threads' stacks
         init_from_env()
         self.groups = g = build_groups(cfg.pp_size, cfg.dp_size, cfg.tp_size)

@@ -17,7 +17,7 @@ from vp_accelerate.models.lora import apply_lora
 from vp_accelerate.runtime import precision, tensor_parallel
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
-from vp_accelerate.runtime.groups import Groups
+from vp_accelerate.runtime.groups import Groups, grid_rank
 from vp_accelerate.runtime.weight_grad import WeightGradStore, install
 from vp_accelerate.schedule.ir import Schedule
 from vp_accelerate.vocab.output_layer import OutputLayerOptions
@@ -134,15 +134,16 @@ def build_rank_parts(
 
 
 def tied_group(groups: Groups, layout: StageLayout, vocab: bool, tied: bool):
-    """Baseline with tied weights: the first and last stage each hold the matrix and must add their
-    gradients. Every rank creates every replica's pair group (new_group is collective)."""
+    """Baseline with tied weights: the first and last stage each hold the matrix (under TP, each TP rank its row
+    block) and must add their gradients. Every rank creates every pair group (new_group is collective)."""
     first, last = layout.first_rank, layout.last_rank
     if vocab or not tied or first == last:
         return None
     mine = None
     for d in range(groups.dp_size):
-        pair = [d * groups.pp_size + first, d * groups.pp_size + last]
-        group = dist.new_group(pair)
-        if groups.rank in pair:
-            mine = group
+        for t in range(groups.tp_size):  # under TP: each TP rank's row block, on the first and the last stage
+            pair = [grid_rank(d, s, t, groups.pp_size, groups.tp_size) for s in (first, last)]
+            group = dist.new_group(pair)
+            if groups.rank in pair:
+                mine = group
     return mine

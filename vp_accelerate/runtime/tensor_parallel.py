@@ -15,18 +15,17 @@ import torch.distributed as dist
 
 from vp_accelerate.models.tensor_parallel import TPComm, TPError, TPSpec
 from vp_accelerate.runtime import p2p
+from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.groups import Groups
 
 NOT_YET = {
-    "baseline": "method baseline keeps the whole embedding and lm_head on the end stages",
-    "redis": "method redis keeps the whole embedding and lm_head on the end stages",
     "interlaced": "method interlaced (the paper's baseline) runs its vocabulary steps over the pipeline group only",
 }
 """Methods tensor parallelism does not run yet, and why (vocab-1 / vocab-2 shard them over pp x tp)."""
 
 
-def check_layout(cfg: PipelineConfig, adapter_enabled: bool) -> None:
+def check_layout(cfg: PipelineConfig, adapter: AdapterConfig | None = None) -> None:
     """Refuse, in one line, what tp_size > 1 does not run yet (before any group or weight)."""
     if cfg.tp_size == 1:
         return
@@ -35,10 +34,10 @@ def check_layout(cfg: PipelineConfig, adapter_enabled: bool) -> None:
             f"pipeline.tp_size {cfg.tp_size}: {NOT_YET[cfg.method]}, which is not split over TP yet; use method "
             f"vocab-2 (or vocab-1), which shards them over pp x tp ranks"
         )
-    if adapter_enabled:
+    if adapter is not None and adapter.enabled and adapter.dropout:
         raise TPError(
-            f"pipeline.tp_size {cfg.tp_size}: LoRA adapters on tensor-parallel slices are not supported yet; "
-            f"use tp_size 1 with an adapter"
+            f"pipeline.tp_size {cfg.tp_size}: adapter.dropout {adapter.dropout} under tensor parallelism would draw "
+            f"another dropout mask on each TP rank for the same adapter input; use adapter.dropout 0 or tp_size 1"
         )
 
 
@@ -56,6 +55,11 @@ def comm(groups: Groups) -> TPComm:
         p2p.collective(dist.all_reduce, out, group, "TP all-reduce")
         return out
 
+    def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+        out = x.contiguous().clone()
+        p2p.collective(dist.all_reduce, out, group, "TP max all-reduce", op=dist.ReduceOp.MAX)
+        return out
+
     def all_gather(x: torch.Tensor) -> torch.Tensor:
         # along the sequence: the collective concatenates dim 0, so the sequence goes first and back
         part = x.transpose(0, 1).contiguous()
@@ -69,7 +73,7 @@ def comm(groups: Groups) -> TPComm:
         p2p.collective(_scatter_from(whole), out, group, "TP sequence reduce-scatter")
         return out.transpose(0, 1).contiguous()
 
-    return TPComm(size, groups.tp_rank, all_reduce, all_gather, reduce_scatter)
+    return TPComm(size, groups.tp_rank, all_reduce, all_gather, reduce_scatter, all_reduce_max)
 
 
 # torch 2.13 renamed the tensor forms (`all_gather_single`, `reduce_scatter_single`); older releases have the old

@@ -405,7 +405,7 @@ def _check_tensor_parallel(recipe, config) -> None:
     p = recipe.pipeline
     try:
         check_tp_config(config, p.tp_size)
-        tensor_parallel.check_layout(p, recipe.adapter.enabled)
+        tensor_parallel.check_layout(p, recipe.adapter)
     except TPError as e:
         raise RecipeError(str(e)) from None
     if tensor_parallel.sequence_parallel(p) and recipe.data.seq_len % p.tp_size:

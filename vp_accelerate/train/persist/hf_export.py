@@ -121,8 +121,9 @@ def checkpoint_state(path: str, trust_remote_code: bool = False):
         shards.append({k: v for k, v in ckpt.files.load_safetensors(file).items() if k not in skip})
     tp = int(meta.get("tp_size", 1)) > 1
     tp_sliced, tp_packed = (dict(meta.get("tp_sliced", {})), dict(meta.get("tp_packed", {}))) if tp else ({}, {})
+    tp_vocab = frozenset(meta.get("tp_vocab", ())) if tp else frozenset()
     state = assemble_state_dict(
-        shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())), tp_sliced, tp_packed
+        shards, meta["vocab_size"], frozenset(meta.get("sharded_names", ())), tp_sliced, tp_packed, tp_vocab
     )
     return state, config, tokenizer, meta
 

@@ -245,6 +245,8 @@ def target_part(pipe, name: str, shape) -> tuple[int, int, int]:
     """(dim, global start along it, valid length of the global tensor along it) of this rank's tensor `name`."""
     if name in pipe.mods.sharded_names:
         return 0, pipe.mods.vocab_rank * shape[0], pipe.hf_config.vocab_size
+    if name in pipe.mods.tp_vocab_names:  # the baseline's end-stage vocabulary, its TP rank's rows (padded)
+        return 0, pipe.groups.tp_rank * shape[0], pipe.hf_config.vocab_size
     dim = pipe.mods.tp_sliced.get(name)
     if dim is not None:
         g = pipe.groups

@@ -448,7 +448,7 @@ def _int(value, low: int, high: int) -> bool:
 def check_meta(meta: dict, meta_path: str) -> dict:
     """meta.json has the keys the loaders read, of their types and within sane sizes (checked before anything is
     sized by them): `step`, `fingerprint`, `ranks`, `vocab_size`, `sharded_names`, `tp_size`, `tp_sliced`,
-    `files`."""
+    `tp_vocab`, `files`."""
 
     def bad(key: str, what: str) -> CheckpointError:
         value = " ".join(str(meta.get(key))[:80].split())
@@ -482,9 +482,10 @@ def check_meta(meta: dict, meta_path: str) -> dict:
         raise bad("tp_packed", "not a map of tensor names to their fused parts' sizes")
     if "vocab_size" in meta and not _int(meta["vocab_size"], 1, MAX_VOCAB):
         raise bad("vocab_size", "not a vocabulary size")
-    names = meta.get("sharded_names", [])
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise bad("sharded_names", "not a list of tensor names")
+    for key in ("sharded_names", "tp_vocab"):
+        names = meta.get(key, [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise bad(key, "not a list of tensor names")
     if "files" in meta:
         for rel in files.check_record(meta["files"], meta_path):
             files.inside(os.path.dirname(meta_path), rel, meta_path)

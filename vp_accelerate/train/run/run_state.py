@@ -132,6 +132,7 @@ def save_run(run, step: int) -> None:
         "tp_size": pipe.groups.tp_size,
         "tp_sliced": {n: d for part in gather(getattr(mods, "tp_sliced", {}) or {}) for n, d in part.items()},
         "tp_packed": {n: p for part in gather(getattr(mods, "tp_packed", {}) or {}) for n, p in part.items()},
+        "tp_vocab": sorted({n for part in gather(sorted(getattr(mods, "tp_vocab_names", ()) or ())) for n in part}),
         "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names),
         "data": resume_check.data_identity(run.recipe.data),  # by content, compared by --resume
         "optimizer_state": BY_NAME,  # keyed by parameter name (reshard.py): it resumes into any layout
