@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from helpers.checkpoints import META, spec
 from vp_accelerate.train.persist import files, writer
 from vp_accelerate.train.persist import store as ckpt
 
@@ -30,20 +31,7 @@ def state(seed: int):
 
 
 def begin(root, step, st, crash=None, background=True):
-    model, opt, trainer = st
-    return ckpt.begin_save(
-        str(root),
-        step,
-        rank=0,
-        model_state=model,
-        optimizer_state=opt,
-        trainer_state=trainer,
-        meta={"fingerprint": {"model": "m"}},
-        barrier=lambda: None,
-        write_model_files=lambda d: open(os.path.join(d, "config.json"), "w").write("{}"),
-        background=background,
-        _crash_after=crash,
-    )
+    return ckpt.begin_save(spec(root, step, crash), ckpt.RankState(*st, META), lambda: None, background)
 
 
 def save(root, step, crash=None, background=True):

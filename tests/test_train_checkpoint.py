@@ -100,14 +100,7 @@ def _two_rank_save(root):
     r = dist.get_rank()
     w = {"w": torch.full((2,), float(r))}
     ckpt.save_checkpoint(
-        root,
-        5,
-        rank=r,
-        model_state=w,
-        optimizer_state={},
-        trainer_state={"step": 5},
-        meta={"fingerprint": {}},
-        barrier=dist.barrier,
+        ckpt.SaveSpec(root, 5, r), ckpt.RankState(w, {}, {"step": 5}, {"fingerprint": {}}), dist.barrier
     )
     return ckpt.load_rank(ckpt.read_latest(root), r)[0]["w"].tolist()
 

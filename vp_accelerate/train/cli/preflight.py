@@ -304,7 +304,7 @@ def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> l
             raise RecipeError(f"{key}: {folder} is a file, not a directory; point {key} at a directory (or a new path)")
     if recipe.model.init_from is not None:  # a checkpoint of another run: it must be there and complete
         try:
-            ckpt.resolve(os.path.expanduser(recipe.model.init_from))
+            ckpt.read_meta(ckpt.resolve(os.path.expanduser(recipe.model.init_from)))  # its format version too
         except ckpt.CheckpointError as e:
             raise RecipeError(f"model.init_from: {e}") from None
     c, out = recipe.checkpoint, recipe.logging.output_dir
