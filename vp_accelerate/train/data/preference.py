@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vp_accelerate.runtime.preference_config import LOSSES, loss_types, needs_reference
+
 from ..recipe.schema import DataSection
 from . import chat_rows, formats
 from .batches import Sequences
@@ -111,22 +113,14 @@ def _joint(prompt_ids: list, chosen_ids: list, rejected_ids: list) -> tuple[list
     return tuple(out)
 
 
-CPO_LOSSES = ("simpo", "orpo")
-"""Losses whose TRL trainer (CPOTrainer, ORPOTrainer) tokenizes pairs its own way (`cpo_pair`)."""
-
-
-REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero")
-"""DPOTrainer's losses that need the reference model (its log π_ref counts the completion only)."""
-
-
 def pair_style(loss_type) -> str:
-    """How pairs are tokenized: "orpo" for ORPO without a reference loss (ORPOTrainer's rows, the chosen rows'
-    prompt tokens labelled too: its NLL counts them), "cpo" when the losses include SimPO or ORPO (CPOTrainer /
-    ORPOTrainer's rows), else "dpo" (DPOTrainer's)."""
-    types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type or ())
-    if "orpo" in types and not any(t in REFERENCE_LOSSES for t in types):
+    """How pairs are tokenized: "orpo" for ORPO without a loss needing the reference (ORPOTrainer's rows, the
+    chosen rows' prompt tokens labelled too: its NLL counts them), "cpo" when a loss's trainer tokenizes its own
+    way (`LossKind.averaged`: CPOTrainer / ORPOTrainer's rows, `cpo_pair`), else "dpo" (DPOTrainer's)."""
+    types = [t for t in loss_types(loss_type) if t in LOSSES]
+    if "orpo" in types and not needs_reference(types):
         return "orpo"
-    return "cpo" if any(t in CPO_LOSSES for t in types) else "dpo"
+    return "cpo" if any(LOSSES[t].averaged for t in types) else "dpo"
 
 
 def _cpo_answer(tokenizer, prompt: str, answer: str) -> tuple[list, list]:
