@@ -28,7 +28,7 @@ from vp_accelerate.runtime.preference_config import LOSSES, loss_types, needs_re
 
 from ..recipe.schema import DataSection
 from . import chat_rows, formats
-from .batches import Sequences
+from .batches import ReplicaShare, Sequences
 from .pack import warn
 from .read import RAW, WHERE, DataError, RowLocator
 from .sources import builder_for, load_documents, nonempty_paths
@@ -418,12 +418,7 @@ class PairEvalBatches:
     add its log 2 to the mean), each with its pairs' reference log-probabilities; equal weights."""
 
     def __init__(self, seqs: PairSequences, global_batch: int, dp_rank: int = 0, dp_size: int = 1, limit=None):
-        self.seqs, self.global_batch, self.per_replica, self.dp_rank = (
-            seqs,
-            global_batch,
-            global_batch // dp_size,
-            dp_rank,
-        )
+        self.seqs, self.global_batch, self.share = seqs, global_batch, ReplicaShare(global_batch, dp_rank, dp_size)
         n = len(seqs) // global_batch
         self.count = n if limit is None else min(n, limit)
         self.loss_tokens = [global_batch] * self.count  # pairs: every batch weighs the same
@@ -435,8 +430,8 @@ class PairEvalBatches:
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < self.count:
             raise IndexError(i)
-        start = i * self.global_batch + self.dp_rank * self.per_replica
-        return self.seqs.batch(np.arange(start, start + self.per_replica))
+        start = self.share.start(i)
+        return self.seqs.batch(np.arange(start, start + self.share.per_replica))
 
     def __iter__(self):
         return (self[i] for i in range(self.count))
