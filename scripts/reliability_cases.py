@@ -8,7 +8,7 @@ table between the markers in the doc is written from this list, so the doc canno
 A case is (what is tried, where it is caught, what it gets: the text its one line must hold). `run` makes the
 input in a fresh folder, tries it (`train --check`, the checkpoint loader, export, a save on a full disk) and
 returns (exit code or exception name, the output). tests/test_docs_reliability_table.py checks that the doc's table is
-this list's (fast) and runs every case (slow); tests/test_checkpoint_integrity.py, test_checkpoint_resume_check.py,
+this list's (fast) and runs every case (slow); tests/test_persist_integrity.py, test_persist_resume_check.py,
 test_data_identity.py and test_train_check_inputs.py assert each case in detail.
 """
 

@@ -6,30 +6,26 @@ Slow (~2 min on 2 idle cores: three launches)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.launch import run_env, train_ranks
+from helpers.launch import losses, run_env, train_ranks
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def tp_recipe(tmp_path_factory):
-    from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
+    from helpers.tiny import tiny_run
 
-    d = tmp_path_factory.mktemp("tp")
-    text = corpus(d, "alpha beta gamma delta epsilon zeta eta theta iota kappa".split(), lines=300, per_line=40)
-    bpe([text], d)
-    recipe_file(
-        d / "recipe.yaml",
-        d / "tok",
-        [text],
-        model=TINY_MODEL,
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    return tiny_run(
+        tmp_path_factory.mktemp("tp"),
+        words,
+        lines=300,
         data={"seq_len": 16},
         pipeline={"schedule": "1f1b", "method": "vocab-2", "microbatches": 2, "tp_size": 2},
         optimizer={"lr": 3e-3},
@@ -38,12 +34,6 @@ def tp_recipe(tmp_path_factory):
         checkpoint={"every": 2, "keep": 2},
         logging={"log_every": 1},
     )
-    return d
-
-
-def _losses(out_dir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
@@ -60,7 +50,7 @@ def test_a_tp_run_trains_exports_and_resumes_without_tp(tp_recipe):
     out = train_ranks([str(d / "recipe.yaml"), "--set", f"logging.output_dir={run}"], d, env, nprocs=4)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "(pp 2 x tp 2 x dp 1)" in out.stderr + out.stdout
-    full = _losses(run)
+    full = losses(run)
     assert sorted(full) == [1, 2, 3, 4]
     exported = _weights(run / "hf")
     # the last checkpoint exported offline: the same tensors (TP slices joined from the rank files)
@@ -87,6 +77,6 @@ def test_a_tp_run_trains_exports_and_resumes_without_tp(tp_recipe):
     ]
     again = train_ranks(args, d, env, nprocs=2)
     assert again.returncode == 0, again.stderr[-4000:]
-    resumed = _losses(resumed_dir)
+    resumed = losses(resumed_dir)
     for step in (3, 4):
         assert resumed[step] == pytest.approx(full[step], rel=1e-4), (step, resumed, full)

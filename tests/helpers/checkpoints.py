@@ -4,7 +4,27 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from vp_accelerate.train.persist import store as ckpt
+
+
+def state(seed: int) -> tuple[dict, dict, dict]:
+    """(model, optimizer, trainer state) of a tiny run after one step: two vocabulary matrices, an AdamW's state_dict
+    and an LR schedule after one step, a data position; `seed` draws the weights and is the step."""
+    g = torch.Generator().manual_seed(seed)
+    model = {
+        "model.embed_tokens.weight": torch.randn(16, 4, generator=g),
+        "lm_head.weight": torch.randn(16, 4, generator=g),
+    }
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    p.grad = torch.ones(3)
+    opt.step()
+    schedule.step()
+    trainer = {"scheduler": schedule.state_dict(), "data": {"epoch": 0, "step": seed}, "step": seed}
+    return model, opt.state_dict(), trainer
 
 
 def save_one_rank(root, step: int, state: tuple, crash=None, keep: int = 2) -> str:

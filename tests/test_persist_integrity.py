@@ -18,24 +18,11 @@ import sys
 import pytest
 import torch
 
-from helpers.checkpoints import save_one_rank
+from helpers.checkpoints import save_one_rank, state
 from vp_accelerate.train.persist import files
 from vp_accelerate.train.persist import space as ckpt_space
 from vp_accelerate.train.persist import store as ckpt
 from vp_accelerate.train.run import run_lock
-
-
-def state(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    model = {
-        "model.embed_tokens.weight": torch.randn(16, 4, generator=g),
-        "lm_head.weight": torch.randn(16, 4, generator=g),
-    }
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = torch.optim.AdamW([p], lr=0.1)
-    p.grad = torch.ones(3)
-    opt.step()
-    return model, opt.state_dict(), {"scheduler": {"last_epoch": seed}, "data": {"step": seed}, "step": seed}
 
 
 def save(root, step, crash=None, keep=2):

@@ -12,22 +12,9 @@ import threading
 import pytest
 import torch
 
-from helpers.checkpoints import META, spec
+from helpers.checkpoints import META, spec, state
 from vp_accelerate.train.persist import files, writer
 from vp_accelerate.train.persist import store as ckpt
-
-
-def state(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    model = {
-        "model.embed_tokens.weight": torch.randn(16, 4, generator=g),
-        "lm_head.weight": torch.randn(16, 4, generator=g),
-    }
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = torch.optim.AdamW([p], lr=0.1)
-    p.grad = torch.ones(3)
-    opt.step()
-    return model, opt.state_dict(), {"scheduler": {"last_epoch": seed}, "data": {"step": seed}, "step": seed}
 
 
 def begin(root, step, st, crash=None, background=True):
