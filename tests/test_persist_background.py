@@ -4,15 +4,13 @@ save returns while its files are written, holds the state of its step whatever t
 
 Each test fails on the code before the background writer (no `begin_save`; a write not read back)."""
 
-import multiprocessing
 import os
-import signal
 import threading
 
 import pytest
 import torch
 
-from helpers.checkpoints import META, spec, state
+from helpers.checkpoints import META, killed, spec, state
 from vp_accelerate.train.persist import files, writer
 from vp_accelerate.train.persist import store as ckpt
 
@@ -79,10 +77,7 @@ def _resave_killed_at(root, stage):
 def test_a_background_resave_killed_at_any_point_leaves_latest_loadable(tmp_path, stage):
     save(tmp_path, 4, background=False)
     save(tmp_path, 5)
-    child = multiprocessing.get_context("fork").Process(target=_resave_killed_at, args=(str(tmp_path), stage))
-    child.start()
-    child.join(60)
-    assert child.exitcode == -signal.SIGKILL
+    killed(_resave_killed_at, str(tmp_path), stage)
     path = ckpt.read_latest(str(tmp_path))
     assert os.path.basename(path).startswith("step_00000005")
     assert ckpt.load_rank(path, 0)[2]["step"] == 5  # every file whole: sizes and hashes as saved

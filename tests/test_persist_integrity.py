@@ -8,7 +8,6 @@ size check before it costs a stat.
 """
 
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -18,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from helpers.checkpoints import save_one_rank, state
+from helpers.checkpoints import killed, save_one_rank, state
 from vp_accelerate.train.persist import files
 from vp_accelerate.train.persist import space as ckpt_space
 from vp_accelerate.train.persist import store as ckpt
@@ -128,10 +127,7 @@ def _resave_killed_at(root, stage):
 def test_a_resave_killed_at_any_point_leaves_latest_loadable(tmp_path, stage):
     save(tmp_path, 4)
     save(tmp_path, 5)  # `latest` names step 5; a resumed run saves step 5 again
-    child = multiprocessing.get_context("fork").Process(target=_resave_killed_at, args=(str(tmp_path), stage))
-    child.start()
-    child.join(60)
-    assert child.exitcode == -signal.SIGKILL
+    killed(_resave_killed_at, str(tmp_path), stage)
     path = ckpt.read_latest(str(tmp_path))
     assert os.path.basename(path).startswith("step_00000005")
     _, _, trainer = ckpt.load_rank(path, 0)  # every file whole: sizes and hashes as saved

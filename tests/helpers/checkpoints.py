@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 
 import torch
 
@@ -41,3 +43,11 @@ def spec(root, step: int, crash=None, keep: int = 2) -> ckpt.SaveSpec:
     """Step `step` of checkpoint dir `root` on rank 0 of one, with a config.json for model/."""
     config = lambda d: open(os.path.join(d, "config.json"), "w").write("{}")  # noqa: E731
     return ckpt.SaveSpec(str(root), step, 0, config, keep, crash_after=crash)
+
+
+def killed(target, *args) -> None:
+    """Run `target(*args)` in a forked child that a save stage SIGKILLs (`SaveSpec.crash_after="kill:STAGE"`)."""
+    child = multiprocessing.get_context("fork").Process(target=target, args=args)
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
