@@ -229,7 +229,7 @@ def rank_record(rank_dir: str) -> dict:
     """A rank folder's files.json (its files' sizes and hashes); missing, it is damage."""
     path = contained(os.path.join(rank_dir, MANIFEST))
     if not os.path.exists(path):
-        raise _damaged(path, "is missing (every rank folder records its files)")
+        raise _damaged(path, "is missing (the checkpoint records its files since it was saved)")
     entries = check_record(read_json(path), path)
     for name in entries:
         if "/" in name or "\\" in name:
