@@ -152,7 +152,7 @@ class PipelineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1 or null, got {value}")
-        if self.zero not in (0, 1):
+        if self.zero not in modes.ZERO_LEVELS:
             raise ValueError(f"zero: must be 0 (off) or 1 (optimizer state sharded over dp_size), got {self.zero}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing: must be in [0, 1), got {self.label_smoothing}")
