@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from vp_accelerate import exit_codes
 from vp_accelerate.cost import GPU_PRESETS, Hardware
 from vp_accelerate.cost.data_parallel import ZERO_LEVELS
 from vp_accelerate.cost.memory import LORA_TARGETS
@@ -238,7 +239,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     fitting = found.fitting
     header = assumptions(req, args.gpu)
     if args.json:

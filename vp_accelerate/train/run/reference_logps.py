@@ -19,7 +19,7 @@ import torch
 
 from vp_accelerate.runtime.preference_config import needs_reference
 
-from ..data.batches import Sequences
+from ..data.batches import ReplicaShare, Sequences
 from ..data.preference import PairSequences
 from ..data.unpaired import UnpairedSequences
 from ..recipe import RecipeError
@@ -111,7 +111,7 @@ def attach(run, resuming: bool) -> None:
                     )
                 setattr(seqs, "ref_kl_logps" if suffix else "ref_logps", ref.numpy())
         return
-    per_replica = recipe.train.global_batch // pipe.dp_size  # pairs, or KTO's rows
+    per_replica = ReplicaShare(recipe.train.global_batch, pipe.dp_rank, pipe.dp_size).per_replica  # pairs, KTO's rows
     for seqs in splits.values():
         _score(pipe, seqs, per_replica, adapter_off=lora)
     if run.accelerator.is_main_process:
