@@ -36,7 +36,7 @@ class Pipe(torch.nn.Module):
     """One rank holding the whole (tiny) model, as the state parts see a pipeline (`run/state_parts.py`)."""
 
     rank = pp_rank = dp_rank = 0
-    mods = SimpleNamespace(sharded_names=(), tp_sliced={}, tp_packed={})
+    mods = SimpleNamespace(sharded_names=(), tp_sliced={}, tp_packed={}, tp_vocab_names=())
 
     def __init__(self):
         super().__init__()
