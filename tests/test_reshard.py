@@ -121,9 +121,10 @@ def _global_state(pipe, opt):
 
 def _save(pipe, opt, path, step):
     from vp_accelerate.train.persist import store as ckpt
-    from vp_accelerate.train.persist.reshard import rank_checkpoint_state
+    from vp_accelerate.train.persist.reshard import rank_model_state, rank_optimizer_state
 
-    model_state, optimizer_state = rank_checkpoint_state(pipe, opt)  # as the trainer saves (run_state.save_run)
+    # as the trainer saves (run/state_parts.py)
+    model_state, optimizer_state = rank_model_state(pipe), rank_optimizer_state(pipe, opt)
     ranks, sliced = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     g = pipe.groups
     dist.all_gather_object(
@@ -141,14 +142,9 @@ def _save(pipe, opt, path, step):
         "tp_vocab": sorted({n for *_, part in sliced for n in part}),
     }
     return ckpt.save_checkpoint(
-        path,
-        step,
-        rank=pipe.rank,
-        model_state=model_state,
-        optimizer_state=optimizer_state,
-        trainer_state={"step": step},
-        meta=meta,
-        barrier=dist.barrier,
+        ckpt.SaveSpec(path, step, pipe.rank),
+        ckpt.RankState(model_state, optimizer_state, {"step": step}, meta),
+        dist.barrier,
     )
 
 
@@ -307,28 +303,3 @@ def test_lora_on_tp_slices_reshards(tmp_path):
     for case, resumed in (("pp2 x tp2 -> pp4", pp4), ("-> pp2", pp2), ("-> pp1 x tp2", tp2)):
         _same_state(resumed[0], saved, (case, seed))
         _same_training(resumed, (losses, after), (case, seed))
-
-
-def test_an_index_keyed_checkpoint_is_refused_with_the_conversion(tmp_path):
-    """A checkpoint from before the optimizer state was keyed by name cannot reshard: the error says how to
-    convert it (resume once on its own layout)."""
-    from vp_accelerate.train.persist import store as ckpt
-    from vp_accelerate.train.persist.reshard import SavedTensors
-
-    w = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.AdamW([w])
-    w.grad = torch.ones(3)
-    opt.step()
-    path = ckpt.save_checkpoint(
-        str(tmp_path),
-        1,
-        rank=0,
-        model_state={"w": w.detach()},
-        optimizer_state=opt.state_dict(),
-        trainer_state={"step": 1},
-        meta={"fingerprint": {}},
-        barrier=lambda: None,
-    )
-    meta = {"ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}]}
-    with pytest.raises(ckpt.CheckpointError, match="resumes only into the layout it was saved with. Convert it"):
-        SavedTensors(path, meta, "optimizer")

@@ -131,7 +131,8 @@ def _check(world: int, vocab: int, tied: bool, configs, dp_size: int = 1, tmp_pa
 def _check_comm_lane(key, per_rank, world, microbatches):
     """The measured timeline has each vocabulary collective chain as it ran, on its own lane."""
     method = key[1]
-    ops = {"vocab-1": ["C0", "C1", "C2", "IB_BCAST", "IF_REDUCE"], "vocab-2": ["C0", "C1", "IB_BCAST", "IF_REDUCE"]}
+    two = ["C0", "C1", "C2", "IB_BCAST", "IF_REDUCE"]
+    ops = {"vocab-1": two, "interlaced": two, "vocab-2": ["C0", "C1", "IB_BCAST", "IF_REDUCE"]}
     want = sorted((op, mb) for op in ops.get(method, []) for mb in range(microbatches))
     for r in range(world):
         assert per_rank[r][key][4] == want, (key, r)
@@ -202,7 +203,13 @@ ADAMW_ONLY = [r for r in RUNS if r[1] == "adamw"]
 
 
 # every schedule and every method once on 4 tied ranks in the suite; all 9 pairs in the slow run below
-TIED_4 = [("1f1b", "redis"), ("1f1b", "vocab-1"), ("vhalf", "vocab-2"), ("interleaved", "baseline")]
+TIED_4 = [
+    ("1f1b", "redis"),
+    ("1f1b", "vocab-1"),
+    ("vhalf", "vocab-2"),
+    ("interleaved", "baseline"),
+    ("1f1b", "interlaced"),
+]
 
 
 def test_each_schedule_and_method_on_4_ranks_tied(tmp_path):

@@ -71,10 +71,10 @@ def test_names_are_case_insensitive():
         ),
         (
             lambda: method("vocab2"),
-            r"unknown method 'vocab2'; choose one of baseline, redis, vocab-1, vocab-2; "
+            r"unknown method 'vocab2'; choose one of baseline, redis, vocab-1, vocab-2, interlaced; "
             r"did you mean 'vocab-2'\?",
         ),
-        (lambda: method("zzz"), r"unknown method 'zzz'; choose one of baseline, redis, vocab-1, vocab-2$"),
+        (lambda: method("zzz"), r"unknown method 'zzz'; choose one of baseline, redis, vocab-1, vocab-2, interlaced$"),
         (lambda: schedule_kind(None), r"unknown schedule kind None"),
         (lambda: PipelineConfig(method="Vocab2"), r"did you mean 'vocab-2'"),
         (lambda: build_schedule("zb", "baseline", 4, 8), r"unknown schedule kind 'zb'"),
@@ -94,7 +94,7 @@ def test_recipe_and_cli_take_their_names_from_the_registry(tmp_path, capsys):
     with pytest.raises(
         RecipeError,
         match="pipeline.method: expected one of 'baseline', 'redis', 'vocab-1', "
-        "'vocab-2', got 'vocab2'; did you mean 'vocab-2'",
+        "'vocab-2', 'interlaced', got 'vocab2'; did you mean 'vocab-2'",
     ):
         recipe_from_dict({**data, "pipeline": {"method": "vocab2"}})
 

@@ -11,8 +11,15 @@ step's cast) and the fp32 gradients stay whole on every replica. Static memory p
 Communication: the fp32 gradients are all-reduced either way (a ring moves 2(d-1)/d of them per rank), so
 clipping and the fp16 overflow check see whole gradients; with ZeRO-1 each owner then broadcasts its
 updated fp32 parameters, so every replica receives the (d-1)/d of them it does not own: 12 bytes per
-parameter on the wire against 8 without it. Both run after the pipeline drains in this price
-(pessimistic: the runtime issues each decoder chunk's all-reduce right after its last backward pass).
+parameter on the wire against 8 without it. `grad_sync_time` runs both after the pipeline drains (the
+pessimistic price, and the planner's bound); `overlapped_sync_time` prices them as the runtime runs them
+(runtime/grad_sync.py `DPReducer`): each decoder chunk's buckets are issued right after the rank's last B
+(or W) of that chunk and reduce, one after another on the rank's data-parallel link, while the rest of the
+backward computes; the vocabulary shards (and the baseline's whole embedding / head outside a chunk) are
+reduced after the rank's last pass; the step waits for the slowest rank's last bucket, then ZeRO-1's
+broadcast. A chunk whose last backward is the step's last pass (1F1B's chunk 0: its B of the last
+microbatch ends the step) hides nothing; a chunk that finishes earlier (V-Half's second chunk on rank 0,
+every chunk of a rank other than the slowest) hides its reduce behind the passes that follow it.
 
 The optimizer step itself is memory-bound: a fused AdamW (torch.optim.AdamW(fused=True) on CUDA: one
 kernel over all tensors) reads the fp32 parameter, gradient, m and v and writes the parameter, m, v and
@@ -22,8 +29,9 @@ parameters; the trainer builds exactly that one on CUDA (`train/run/optim.py`).
 
 from __future__ import annotations
 
-ZERO_LEVELS = (0, 1)
-"""ZeRO stages the planner knows: 0 (every replica keeps the whole optimizer state) and 1 (sharded)."""
+import math
+
+from vp_accelerate.modes import ZERO_LEVELS
 
 OPTIMIZER_STEP_BYTES = 30
 """HBM bytes per parameter of one fused AdamW step: reads fp32 param, grad, m, v (16), writes param, m, v
@@ -67,3 +75,39 @@ def grad_sync_time(
 def optimizer_step_time(params: float, dp: int, zero: int, mem_bandwidth: float) -> float:
     """Seconds of one fused AdamW step over a rank's `params` parameters (1/dp of them under ZeRO-1)."""
     return params / optimizer_shards(zero, dp) * OPTIMIZER_STEP_BYTES / mem_bandwidth
+
+
+def overlapped_sync_time(
+    ready: list[list[tuple[float, float]]],
+    after: list[tuple[float, float]],
+    dp: int,
+    zero: int,
+    bandwidth: float,
+    latency: float,
+    grad_bytes: int = 4,
+) -> float:
+    """Seconds the data-parallel sync adds after the step's last pass, with each decoder chunk's reduce
+    overlapping the passes after it (module docstring).
+
+    ready: per rank, (seconds before the step's end at which a chunk's gradients are final, their bytes) for
+    each of its decoder chunks; after: per rank, (seconds before the step's end at which its last pass ends,
+    the gradient bytes reduced only then). 0 for dp = 1; never more than `grad_sync_time` of the rank with
+    the most bytes."""
+    if dp <= 1:
+        return 0.0
+    share = (dp - 1) / dp
+
+    def reduce(nbytes: float) -> float:
+        return 2 * share * nbytes / bandwidth + latency if nbytes > 0 else 0.0
+
+    end = 0.0
+    for chunks, (lead, rest) in zip(ready, after):
+        t = -math.inf
+        for before, nbytes in sorted(chunks, key=lambda x: -x[0]):  # in the order they become final
+            t = max(t, -before) + reduce(nbytes)
+        t = max(t, -lead) + reduce(rest)
+        if check_zero(zero) >= 1:  # the owners broadcast the updated fp32 parameters after the optimizer step
+            params = (sum(n for _, n in chunks) + rest) / grad_bytes
+            t = max(t, 0.0) + share * params * MASTER_BYTES / bandwidth + latency
+        end = max(end, t)
+    return end

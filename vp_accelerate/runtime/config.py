@@ -37,7 +37,8 @@ class PipelineConfig:
     """Where the vocabulary layers live, a key of schedule.registry.METHODS (any case): "baseline"
     (embedding on the first stage, head + loss on the last), "redis" (baseline with fewer layers on the
     first/last stage), "vocab-1" or "vocab-2" (sharded over all pipeline ranks; vocab-2 has one barrier
-    and is the default)."""
+    and is the default), "interlaced" (1F1B only: the paper's interlaced baseline, sharded as vocab-1 but
+    run synchronously on every rank between the pipeline passes; about 1.5 x pp_size microbatches held)."""
 
     microbatches: int = 8
     """Microbatches per optimizer step per data-parallel replica; the replica's batch (the first dimension
@@ -151,7 +152,7 @@ class PipelineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1 or null, got {value}")
-        if self.zero not in (0, 1):
+        if self.zero not in modes.ZERO_LEVELS:
             raise ValueError(f"zero: must be 0 (off) or 1 (optimizer state sharded over dp_size), got {self.zero}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing: must be in [0, 1), got {self.label_smoothing}")

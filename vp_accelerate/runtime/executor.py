@@ -246,8 +246,12 @@ class Executor:
         st.unconsumed.clear()
 
     def _issue(self, op: Op, mb: int, pending):
-        """Hand a collective chain to the clock (its span on the communication lane)."""
+        """Hand a collective chain to the clock (its span on the communication lane). A synchronous method's
+        (the interlaced pipeline's) rank then waits for it, as a tensor-parallel layer waits for its
+        collectives: every rank stops at the vocabulary step until its last collective is done."""
         self.clock.chain(op.value, mb, pending.timer)
+        if self.method.synchronous:
+            pending.wait()  # idempotent: whoever consumes it later gets the same result
         return pending
 
     # ---- point to point ----------------------------------------------------------------------

@@ -19,11 +19,21 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.groups import Groups
 
+NOT_YET = {
+    "interlaced": "method interlaced (the paper's baseline) runs its vocabulary steps over the pipeline group only",
+}
+"""Methods tensor parallelism does not run yet, and why (vocab-1 / vocab-2 shard them over pp x tp)."""
+
 
 def check_layout(cfg: PipelineConfig, adapter: AdapterConfig | None = None) -> None:
     """Refuse, in one line, what tp_size > 1 does not run yet (before any group or weight)."""
     if cfg.tp_size == 1:
         return
+    if cfg.method in NOT_YET:
+        raise TPError(
+            f"pipeline.tp_size {cfg.tp_size}: {NOT_YET[cfg.method]}, which is not split over TP yet; use method "
+            f"vocab-2 (or vocab-1), which shards them over pp x tp ranks"
+        )
     if adapter is not None and adapter.enabled and adapter.dropout:
         raise TPError(
             f"pipeline.tp_size {cfg.tp_size}: adapter.dropout {adapter.dropout} under tensor parallelism would draw "

@@ -36,6 +36,9 @@ class Block:
     """(op, u, chunk) -> start slot of that pass of microbatch u (0 <= u < group) in repetition 0."""
     durations: dict
     """op -> slots one pass lasts: proportional to its real cost, so the grid order matches execution."""
+    sync: int | None = None
+    """The residue (modulo `period`) where each period's synchronous vocabulary step begins: `SYNC_SLOTS`
+    slots no pass of any rank occupies (the synchronous methods' blocks); None for the others."""
 
     @property
     def sub_period(self) -> int:
@@ -93,6 +96,48 @@ def interleaved(p: int, v: int, backward_shift: int) -> Block:
     return _checked(Block(p, 2 * n, tuple(c % p for c in range(n)), False, offsets, {Op.F: 1, Op.B: 1}))
 
 
+SYNC_SLOTS = 2
+"""Slots of a synchronous vocabulary step: S (and IF) in the first, T (and IB) in the second, the output
+layer's statistics all-reduced (C1) between them."""
+
+
+def one_f_one_b_synchronous(p: int) -> Block:
+    """1F1B around a synchronous vocabulary step (the interlaced pipeline): period 5, F one slot, B two,
+    residues 3-4 of every period left free on every rank for the step all ranks run together. A rank's F
+    and B then take residues 0 and 1-2 ("A") or 2 and 0-1 ("B"); F(0) of rank r starts at the first
+    residue of its pattern after rank r-1's F ends, which alternates the patterns (A, B, A, ...: half a
+    period per stage), and B(0) of rank r at the first after rank r+1's B, and for the last rank after
+    the step that follows its F. The gradient then moves one stage per period (a B of one pattern ends
+    where the other's would start), so rank 0 holds about 1.5p microbatches where 1F1B holds p: the
+    interlaced pipeline's memory. Everything starts one period late so that microbatch 0's input
+    embedding (IF) has a step before its first F."""
+    period = 3 + SYNC_SLOTS
+    pattern = {"A": (0, 1), "B": (2, 0)}  # (F residue, B residue)
+
+    def at_or_after(t: int, residue: int) -> int:
+        return t + (residue - t) % period
+
+    kinds, f = [], []
+    for r in range(p):
+        if r == 0:
+            kinds.append("A")
+            f.append(period)
+            continue
+        best = min(("A", "B"), key=lambda k: at_or_after(f[-1] + 1, pattern[k][0]))
+        kinds.append(best)
+        f.append(at_or_after(f[-1] + 1, pattern[best][0]))
+    b = [0] * p
+    step = at_or_after(f[-1] + 1, 3)  # the synchronous step of the last rank's F
+    b[p - 1] = at_or_after(step + SYNC_SLOTS, pattern[kinds[-1]][1])
+    for r in range(p - 2, -1, -1):
+        b[r] = at_or_after(b[r + 1] + 2, pattern[kinds[r]][1])
+    offsets = {}
+    for r in range(p):
+        offsets[(Op.F, 0, r)] = f[r]
+        offsets[(Op.B, 0, r)] = b[r]
+    return _checked(Block(1, period, tuple(range(p)), False, offsets, {Op.F: 1, Op.B: 2}, sync=3))
+
+
 def _checked(block: Block) -> Block:
     """Internal invariant: a rank never holds two passes in one slot modulo the period."""
     seen: dict = {}
@@ -104,4 +149,8 @@ def _checked(block: Block) -> Block:
                     f"internal: block passes {seen[key]} and {(op, u, c)} collide on rank {key[0]} at residue {key[1]}"
                 )
             seen[key] = (op, u, c)
+    if block.sync is not None:
+        taken = sorted({res for (_, res) in seen if (res - block.sync) % block.period < SYNC_SLOTS})
+        if taken:
+            raise ScheduleError(f"internal: a pass takes residue {taken[0]} of the synchronous step")
     return block

@@ -26,7 +26,8 @@ def build_schedule(
     kind and method: names in schedule.registry's SCHEDULES and METHODS (any case): "1f1b" (1 chunk
     per rank), "vhalf" (2 chunks per rank, V shape, B/W split) or "interleaved" (`chunks_per_rank`
     chunks round-robin, default 2); "baseline", "redis" (same order as baseline, the layer split
-    differs), "vocab-1" or "vocab-2".
+    differs), "vocab-1", "vocab-2" or "interlaced" (1F1B only: the vocabulary steps synchronous on every
+    rank; built on its grid whatever `costs` says, as an order that moved a step would no longer be one).
 
     costs: None builds the block's order on its unit grid. Pass costs (anything with
     `pass_time(rank, op, chunk)`, `p2p_time()` and `collective_time(op)`: a cost.CostModel of this
@@ -39,8 +40,11 @@ def build_schedule(
     sk, meth = check_pair(kind, method)
     v = _check_inputs(sk, num_ranks, num_microbatches, chunks_per_rank, forward_only)
     p, m = num_ranks, num_microbatches
-    q = sk.block(p, v, 0).sub_period
-    block = sk.block(p, v, meth.barriers * q)
+    if meth.synchronous:  # its vocabulary step has slots of its own in every period: no backward shift
+        block = sk.synchronous_block(p)
+    else:
+        q = sk.block(p, v, 0).sub_period
+        block = sk.block(p, v, meth.barriers * q)
     split = block.split_backward and not forward_only
 
     def schedule_of(passes, colls) -> Schedule:
@@ -57,7 +61,7 @@ def build_schedule(
 
     passes, colls = place(block, p, m, meth, forward_only)
     grid = schedule_of(passes, colls)
-    if costs is None or p == 1:
+    if costs is None or p == 1 or meth.synchronous:  # a list schedule would unsynchronise its vocabulary steps
         return grid
     schedule = _cost_aware(grid, schedule_of, passes, costs)
     if schedule is not grid:  # the grid orders are checked by the tests; a cost-aware one is new for every input

@@ -21,7 +21,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
-from vp_accelerate.lookup import choices, find
+from vp_accelerate.lookup import lookup
 
 from . import blocks
 from .blocks import Block
@@ -48,6 +48,10 @@ class Method:
     which also run the vocabulary layers) instead of an even split."""
     description: str
     """One line for help texts."""
+    synchronous: bool = False
+    """The vocabulary passes of a microbatch run on every rank in one synchronous step between the pipeline
+    passes (the interlaced pipeline: the vocabulary layers tensor-parallel over the pipeline group), in the
+    schedule's `synchronous_block`, instead of in gaps of the block placed around the pipeline passes."""
 
     def __str__(self) -> str:
         return self.name
@@ -86,6 +90,9 @@ class ScheduleKind:
     """Has an evaluation (forward-only) variant."""
     description: str
     """One line for help texts."""
+    synchronous_block: Callable[[int], Block] | None = None
+    """num_ranks -> the block of the synchronous methods (`Method.synchronous`): every period holds a
+    vocabulary step all ranks run at one time; None: the schedule runs no synchronous method."""
 
     def __str__(self) -> str:
         return self.name
@@ -169,6 +176,15 @@ METHODS: dict[str, Method] = {
             balanced_layers=False,
             description="vocabulary parallel, one barrier (input gradient in S, reduced in C1)",
         ),
+        Method(
+            "interlaced",
+            vocab_parallel=True,
+            barriers=2,
+            output_algorithm="vocab-1",
+            balanced_layers=False,
+            synchronous=True,
+            description="the paper's interlaced baseline: vocabulary layers tensor-parallel, run synchronously",
+        ),
     )
 }
 
@@ -178,12 +194,13 @@ SCHEDULES: dict[str, ScheduleKind] = {
         ScheduleKind(
             "1f1b",
             lambda p, v, shift: blocks.one_f_one_b(p, shift),
-            methods=("baseline", "redis", "vocab-1", "vocab-2"),
+            methods=("baseline", "redis", "vocab-1", "vocab-2", "interlaced"),
             chunks_per_rank=1,
             default_chunks_per_rank=1,
             split_backward=False,
             forward_only=True,
             description="one chunk per rank, one forward one backward",
+            synchronous_block=blocks.one_f_one_b_synchronous,
         ),
         ScheduleKind(
             "vhalf",
@@ -209,21 +226,14 @@ SCHEDULES: dict[str, ScheduleKind] = {
 }
 
 
-def _lookup(table: dict, name, what: str):
-    entry = find(table, name)
-    if entry is None:
-        raise ScheduleError(f"unknown {what} {name!r}; {choices(table, name)}")
-    return entry
-
-
 def schedule_kind(name: str) -> ScheduleKind:
     """The registered schedule kind called `name` (any case); ScheduleError if there is none."""
-    return _lookup(SCHEDULES, name, "schedule kind")
+    return lookup(SCHEDULES, name, ScheduleError, f"unknown schedule kind {name!r}")
 
 
 def method(name: str) -> Method:
     """The registered method called `name` (any case); ScheduleError if there is none."""
-    return _lookup(METHODS, name, "method")
+    return lookup(METHODS, name, ScheduleError, f"unknown method {name!r}")
 
 
 def normalise_schedule(name: str) -> str:

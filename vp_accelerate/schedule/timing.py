@@ -18,13 +18,20 @@ Placement rules (collectives get one global time, identical on every rank):
 - IB_BCAST(j) at the first C1-type boundary after B(j, 0) ends; IB(j) in the T gap after it.
 - any other vocabulary pass of `registry.VOCAB_ACTIONS` (a new one) in the gap slot of the pass it
   follows, after it, or else beside the built-in pass that follows the same collective (`_place_extra`).
+
+A synchronous method (`Method.synchronous`, the interlaced pipeline) has no gaps: its block leaves the
+same `blocks.SYNC_SLOTS` residues of every period free on every rank, and each such step at slots a, a+1
+holds, on every rank: C0(k) at boundary a, S(k) in slot a, C1(k) at a+1, T(k) in slot a+1, C2(k) at a+2,
+for the microbatch k whose last F ended by a (at most one: one F per period); IF(j) beside S and
+IF_REDUCE(j) beside C1 in the last step before F(j, 0); IB_BCAST(j) beside C0 and IB(j) beside T in the
+first step after B(j, 0) (`_place_sync`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .blocks import Block
+from .blocks import SYNC_SLOTS, Block
 from .deps import vocab_actions
 from .ir import CHUNK_PASSES, COLLECTIVES, Op, ScheduleError
 from .registry import VOCAB_ACTIONS, Method
@@ -92,6 +99,8 @@ def place(block: Block, num_ranks: int, num_mb: int, method: Method, forward_onl
         return [
             TimedPass(block.chunk_rank[c], op, mb, c, t, block.durations[op]) for (op, mb, c), t in base.items()
         ], []
+    if method.synchronous:
+        return _place_sync(block, num_ranks, num_mb, method, forward_only, base)
     return _place_vocab(block, num_ranks, num_mb, method, forward_only, base)
 
 
@@ -168,6 +177,47 @@ def _place_vocab(block: Block, p: int, num_mb: int, method: Method, forward_only
             colls.append(TimedCollective(Op.IB_BCAST, mb, bcast, first_owner))
             t_gap = first_t_gap_from(bcast)
             passes += [TimedPass(r, Op.IB, mb, 0, slot(r, t_gap)) for r in range(p)]
+    return passes + _place_extra(passes, method, forward_only), colls
+
+
+def _place_sync(block: Block, p: int, num_mb: int, method: Method, forward_only: bool, base: dict):
+    """Every rank's vocabulary passes in the synchronous steps of `block` (module docstring)."""
+    if block.sync is None:
+        raise ScheduleError(f"internal: method {method.name} needs a block with a synchronous step")
+    per, sync = block.period, block.sync
+    dur = block.durations
+    last = len(block.chunk_rank) - 1
+    first_owner, last_owner = block.chunk_rank[0], block.chunk_rank[last]
+
+    def step_from(t: int) -> int:  # the first step starting at or after t
+        return t + (sync - t) % per
+
+    def step_before(t: int) -> int:  # the last step ending at or before t
+        return step_from(t - SYNC_SLOTS - per + 1)
+
+    passes = [TimedPass(block.chunk_rank[c], op, mb, c, x, dur[op]) for (op, mb, c), x in base.items()]
+    colls: list[TimedCollective] = []
+    for mb in range(num_mb):
+        a = step_from(base[(Op.F, mb, last)] + dur[Op.F])
+        colls += [TimedCollective(Op.C0, mb, a, last_owner), TimedCollective(Op.C1, mb, a + 1, -1)]
+        passes += [TimedPass(r, Op.S, mb, 0, a) for r in range(p)]
+        if not forward_only:
+            passes += [TimedPass(r, Op.T, mb, 0, a + 1) for r in range(p)]
+            barrier = a + 1
+            if method.grad_barrier is Op.C2:
+                barrier = a + 2
+                colls.append(TimedCollective(Op.C2, mb, barrier, -1))
+            if base[(Op.B, mb, last)] < barrier:
+                raise ScheduleError(f"internal: B(mb={mb}, chunk={last}) before its synchronous step")
+        a = step_before(base[(Op.F, mb, 0)])
+        if a < 0:
+            raise ScheduleError(f"internal: no synchronous step before F(mb={mb}, chunk=0)")
+        passes += [TimedPass(r, Op.IF, mb, 0, a) for r in range(p)]
+        colls.append(TimedCollective(Op.IF_REDUCE, mb, a + 1, first_owner))
+        if not forward_only:
+            a = step_from(base[(Op.B, mb, 0)] + dur[Op.B])
+            colls.append(TimedCollective(Op.IB_BCAST, mb, a, first_owner))
+            passes += [TimedPass(r, Op.IB, mb, 0, a + 1) for r in range(p)]
     return passes + _place_extra(passes, method, forward_only), colls
 
 

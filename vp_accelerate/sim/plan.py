@@ -55,6 +55,7 @@ from vp_accelerate.cost.data_parallel import (
     grad_sync_time,
     optimizer_shards,
     optimizer_step_time,
+    overlapped_sync_time,
 )
 from vp_accelerate.cost.memory import (
     COMMUNICATOR_BYTES,
@@ -112,8 +113,9 @@ class PlanRequest:
     """Sequences per microbatch to try (those that divide a replica's batch)."""
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     """Schedule kinds to try."""
-    methods: tuple[str, ...] = tuple(METHODS)
-    """Methods to try."""
+    methods: tuple[str, ...] = tuple(m for m, entry in METHODS.items() if not entry.synchronous)
+    """Methods to try (by default all but the paper's interlaced baseline, kept for measurement: it holds 1.5p
+    microbatches where vocab-2 holds p + 1, and is not faster under this model's costs)."""
     gpus_per_node: int | None = None
     """GPUs per node; None = all GPUs in one node (every link at `hardware`'s bandwidth)."""
     internode_bandwidth: float = INTERNODE_BANDWIDTH
@@ -300,16 +302,32 @@ def _timed(
     sched = _ordered(kind, method, pp, m, order_shape, hw, ckpt)
     model = replace(for_schedule(shape, sched, hw, activation_checkpointing=ckpt), output_memory=memory)
     res = simulate(sched, model)
-    return res.step_time, tuple(res.busy)
+    return res.step_time, tuple(res.busy), _slack(sched, res)
+
+
+def _slack(sched, res) -> tuple:
+    """Per rank, ((chunk, seconds from its last B / W to the step's end), ...) and the seconds from the rank's
+    last pass to the step's end: when the runtime issues each chunk's data-parallel reduce (`DPReducer`). The
+    drain after the last microbatch's passes is the same in a longer step, so these carry over."""
+    end, last, rank_end = res.step_time, {}, [0.0] * sched.num_ranks
+    for t in res.timeline:
+        if t.lane == "compute" and t.op in COMPUTE_OPS:
+            rank_end[t.rank] = max(rank_end[t.rank], t.end)
+            if t.op in ("B", "W"):
+                last[(t.rank, t.chunk)] = max(last.get((t.rank, t.chunk), 0.0), t.end)
+    return tuple(
+        (tuple((c, end - last.get((r, c), end)) for c in sched.chunks_of(r)), end - rank_end[r])
+        for r in range(sched.num_ranks)
+    )
 
 
 def _step(kind, method, pp, m, shape, hw, memory, ckpt):
-    """(step time, bubble) of m microbatches: simulated at min(m, pp), extrapolated at the busiest rank's
-    per-microbatch pace beyond (see the module docstring)."""
+    """(step time, bubble, `_slack`) of m microbatches: simulated at min(m, pp), extrapolated at the busiest
+    rank's per-microbatch pace beyond (see the module docstring)."""
     k = min(m, pp)
-    step, busy = _timed(kind, method, pp, k, shape, replace(shape, microbatch_size=1), hw, memory, ckpt)
+    step, busy, slack = _timed(kind, method, pp, k, shape, replace(shape, microbatch_size=1), hw, memory, ckpt)
     step += (m - k) * max(busy) / k
-    return step, 1 - sum(busy) * (m / k) / (pp * step)
+    return step, 1 - sum(busy) * (m / k) / (pp * step), slack
 
 
 # ---- the search -------------------------------------------------------------------------------------
@@ -439,11 +457,13 @@ def search(config, req: PlanRequest) -> Search:
                 )
                 if fits:
                     fitting.append((ckpt, memory))
-                    after = _after_pipeline(plan_, req, model)
+                    after = _after_pipeline(plan_, req, model)  # a bound: see _after_pipeline
                     work = max(
                         sum(n * model.pass_time(r, op, c) for op, c, n in ops) for r, ops in enumerate(grid.work)
                     )
-                    candidates.append((m * work / grid.schedule.num_microbatches + after, plan_, shape, hw, after))
+                    candidates.append(
+                        (m * work / grid.schedule.num_microbatches + after, plan_, shape, hw, after, model)
+                    )
                 else:
                     plans.append(plan_)
     if not candidates:  # nothing fits: the smallest need is exact, not a bound
@@ -452,12 +472,12 @@ def search(config, req: PlanRequest) -> Search:
     # could be: a step is never shorter than its busiest rank's passes plus what follows the pipeline
     candidates.sort(key=lambda c: c[0])
     timed: list[float] = []
-    for bound, plan_, shape, hw, after in candidates:
+    for bound, plan_, shape, hw, after, model in candidates:
         if len(timed) >= req.top and sorted(timed)[req.top - 1] <= bound:
             plans.append(_with_step(plan_, req, shape, bound, math.nan))
             bounded += 1
             continue
-        step, bubble = _step(
+        step, bubble, slack = _step(
             plan_.schedule,
             plan_.method,
             plan_.pp,
@@ -467,6 +487,7 @@ def search(config, req: PlanRequest) -> Search:
             plan_.memory,
             plan_.activation_checkpointing,
         )
+        after = _after_pipeline(plan_, req, model, slack)
         timed.append(step + after)
         plans.append(_with_step(plan_, req, shape, step + after, bubble))
     plans = _shown_on_gpu_order(config, req, plans, orders)
@@ -633,16 +654,39 @@ def _refine_needs(plans: list[Plan], pruned: list, req: PlanRequest) -> None:
         least = min(least, max(peak))
 
 
-def _after_pipeline(p: Plan, req: PlanRequest, model: CostModel) -> float:
-    """Seconds after the pipeline drains: the data-parallel gradient sync and the optimizer step, for the
-    rank with the most parameters."""
+def _after_pipeline(p: Plan, req: PlanRequest, model: CostModel, slack: tuple | None = None) -> float:
+    """Seconds after the pipeline's last pass: the data-parallel gradient sync and the optimizer step, for the
+    rank with the most parameters. The sync overlaps the backward as the runtime runs it
+    (`overlapped_sync_time`): each decoder chunk's reduce from its last B / W (`slack`: when, from the simulated
+    step); without `slack`, the search's lower bound: chunk 0's reduce exposed from the step's end (its last
+    backward ends a 1F1B or interleaved step; V-Half's W may trail it by a pass), every other chunk's hidden.
+    LoRA's few adapter gradients are priced after the pipeline (`grad_sync_time`)."""
     params = max(model.rank_params(r) for r in range(p.pp))
+    dp_bw = req.cluster.dp_bandwidth(req.hardware, p.pp, p.dp)
     if req.lora_rank is not None:  # only the adapters have gradients to sync and state to step
         per_layer = lora_layer_params(model.shape, req.lora_rank, req.lora_targets)
         params = max(sum(n for c, n in enumerate(model.chunk_layers) if model.chunk_rank[c] == r) for r in range(p.pp))
         params *= per_layer
-    dp_bw = req.cluster.dp_bandwidth(req.hardware, p.pp, p.dp)
-    sync = grad_sync_time(params, p.dp, p.zero, dp_bw, req.hardware.latency, model.grad_bytes, model.shape.dtype_bytes)
+        sync = grad_sync_time(
+            params, p.dp, p.zero, dp_bw, req.hardware.latency, model.grad_bytes, model.shape.dtype_bytes
+        )
+        return sync + optimizer_step_time(params, p.dp, p.zero, req.hardware.mem_bandwidth)
+    ready, after = [], []
+    for r in range(p.pp):
+        chunks = dict(slack[r][0]) if slack is not None else {}
+        held, rest = [], 0.0
+        for (op, c), nbytes in model.grad_arrivals(r).items():
+            if op not in ("B", "W"):
+                rest += nbytes
+            elif slack is not None:
+                held.append((chunks.get(c, 0.0), nbytes))
+            elif c == 0:
+                held.append((0.0, nbytes))
+            else:
+                held.append((math.inf, nbytes))
+        ready.append(held)
+        after.append((slack[r][1] if slack is not None else (0.0 if r == model.chunk_rank[0] else math.inf), rest))
+    sync = overlapped_sync_time(ready, after, p.dp, p.zero, dp_bw, req.hardware.latency, model.grad_bytes)
     return sync + optimizer_step_time(params, p.dp, p.zero, req.hardware.mem_bandwidth)
 
 

@@ -10,7 +10,8 @@ Collectives run as the runtime runs them (vocab/comm.py): each is a chain of dep
 max all-reduce, the rescale by exp(m_i - m), the sums all-reduce) on a communication resource of its
 own that overlaps compute; a chain starts once every rank has issued it (a rank issues one when it
 reaches it, without waiting) and the resource is free, and the pass that needs the result waits for
-it. `blocking_collectives=True` makes every rank wait for each chain instead. Chain steps are timeline
+it. `blocking_collectives=True` makes every rank wait for each chain instead, as it does for a synchronous method
+(the interlaced pipeline, whose ranks wait for its collectives as a tensor-parallel layer does). Chain steps are timeline
 records of lane "comm".
 """
 
@@ -68,7 +69,7 @@ def simulate(
     `rules`: the communication rules of the replay (schedule/replay.py): by default NCCL's, as a GPU
     launch runs the lists (a send completes once the peer's receive is posted, each communicator's
     operations in issue order; `streams.NCCL`); `replay.BUFFERED` lets every send complete at once."""
-    if blocking_collectives:
+    if blocking_collectives or schedule.method.synchronous:  # interlaced: every rank waits for each chain
         rules = dataclasses.replace(rules, blocking_collectives=True)
     hw = getattr(costs, "hw", None)
     out = _contended_replay(schedule, rules, costs, getattr(hw, "comm_sm_fraction", 0.0))

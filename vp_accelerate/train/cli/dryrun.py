@@ -9,6 +9,7 @@ import dataclasses
 import json
 import sys
 
+from vp_accelerate import exit_codes
 from vp_accelerate.cost import GPU_PRESETS
 
 from .plan import model_arg, run_shape
@@ -180,11 +181,17 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         cfg = layout(args, config, req, model.recipe)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     from transformers import AutoConfig
 
     from vp_accelerate.cost.memory import reserve_bytes
-    from vp_accelerate.dryrun.world import dry_run_world, planned_bytes
+    from vp_accelerate.dryrun import FakeWorldMissing
+
+    try:
+        from vp_accelerate.dryrun.world import dry_run_world, planned_bytes
+    except FakeWorldMissing as e:  # one line, exit 2 (a torch without the private module it needs)
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USER_ERROR
     from vp_accelerate.schedule.registry import METHODS
 
     hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
@@ -255,7 +262,7 @@ def dryrun_main(argv: list[str] | None = None) -> int:
             f"more pipeline ranks, ZeRO-1 or activation checkpointing",
             file=sys.stderr,
         )
-        return 2
+        return exit_codes.USER_ERROR
     return 1 if result.deadlock else 0
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..recipe.schema import DataSection
+from . import unpaired
 from .batches import BatchIterator, EvalBatches, Sequences, StreamingBatchIterator, pack_stream
 from .formats import document_boundaries, sample_format, with_data_fields
 from .pack import encoded, quiet, to_sequences, warn
@@ -34,7 +35,6 @@ from .read import DataError, RowLocator, load_rows
 from .sources import builder_for, data_columns, eval_split, load_documents, nonempty_paths
 from .stats import BAD_ROWS_LISTED, SplitStats, arrow_column, count_split
 from .tokenize import RowTokenizer, tokenize_rows, without
-from . import unpaired
 from .unpaired import UnpairedSequences, prepare_unpaired
 
 

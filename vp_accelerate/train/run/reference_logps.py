@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from vp_accelerate.runtime.preference import LOSSES
+from vp_accelerate.runtime.preference_config import needs_reference
 
 from ..data.batches import Sequences
 from ..data.preference import PairSequences
@@ -81,7 +81,7 @@ def attach(run, resuming: bool) -> None:
     if not splits:
         return
     types = recipe.preference.loss_type
-    if not any(LOSSES[t].reference for t in ([types] if isinstance(types, str) else types)):
+    if not needs_reference(types):
         for seqs in splits.values():  # reference-free: the batches still carry the (unused) column
             seqs.ref_logps = np.zeros(len(seqs.ids))
         log.info("DPO: loss_type %s needs no reference model: no reference pass", types)
