@@ -45,13 +45,19 @@ def _on_ranks(ckpt: str, ids, labels, runs):
 
     out = {}
     for key, kw in runs:
+        kw = dict(kw)
+        sgd = kw.pop("sgd_step", None)  # then one step of the pipeline's optimizer (ZeRO-1 with dp > 1), its weights
         pipe = PipelineModel(ckpt, PipelineConfig(attn_implementation="eager", **kw), dtype=torch.float64)
         with _recording_p2p() as shapes:
             res = pipe.train_step(ids, labels)
         grads = gathered_grads(pipe)
         norm = pipe.clip_grad_norm_(float("inf"))
         eval_loss = pipe.eval_step(ids, labels)
-        out[key] = (res.loss, grads, norm, eval_loss, str(pipe.describe()), shapes)
+        weights = None
+        if sgd is not None:
+            pipe.step(pipe.make_optimizer(optimizer_class=torch.optim.SGD, lr=sgd))
+            weights = pipe.gather_hf_state_dict()
+        out[key] = (res.loss, grads, norm, eval_loss, str(pipe.describe()), shapes, weights)
         pipe.close()
     return out
 
@@ -165,9 +171,15 @@ def test_pp2_x_tp2_x_dp2(tmp_path):
     torch.manual_seed(seed)
     ckpt = _save(tmp_path, tiny_llama(VOCAB, num_layers=4, attn_implementation="eager"))
     ids, labels = _batch(seed, rows=8)
-    runs = [("dp2", dict(schedule="1f1b", microbatches=4, pp_size=2, tp_size=2, dp_size=2))]
+    # then a step of ZeRO-1's optimizer (each replica updates its share and broadcasts it over the (pp, tp)
+    # coordinate's data-parallel group; before: the broadcast named the ranks of a layout without TP and failed)
+    runs = [("dp2", dict(schedule="1f1b", microbatches=4, pp_size=2, tp_size=2, dp_size=2, zero=1, sgd_step=0.5))]
     got = spawn(_on_ranks_dp, 8, ckpt, ids, labels, runs, timeout_s=600)[0]
-    _check(got["dp2"], _reference(ckpt, ids, labels), ("pp2 x tp2 x dp2", "seed", seed))
+    reference = _reference(ckpt, ids, labels)
+    _check(got["dp2"], reference, ("pp2 x tp2 x dp2", "seed", seed))
+    start = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
+    for name, g in reference[1].items():
+        torch.testing.assert_close(got["dp2"][6][name], start[name] - 0.5 * g, rtol=0, atol=TOL, msg=name)
 
 
 def _on_ranks_dp(ckpt, ids, labels, runs):
