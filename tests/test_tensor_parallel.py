@@ -330,9 +330,13 @@ END_RUNS = {
 @pytest.mark.parametrize(
     "tied, names",
     [
-        (True, ["1f1b baseline", "vhalf baseline"]),
+        (True, ["vhalf baseline"]),
         pytest.param(False, list(END_RUNS), marks=pytest.mark.slow),
-        pytest.param(True, ["1f1b redis", "1f1b baseline, no sp", "interleaved baseline"], marks=pytest.mark.slow),
+        pytest.param(
+            True,
+            ["1f1b baseline", "1f1b redis", "1f1b baseline, no sp", "interleaved baseline"],
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_baseline_and_redis_split_their_end_layers_over_tp(tmp_path, tied, names):
