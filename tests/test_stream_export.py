@@ -125,6 +125,7 @@ def _run_tp(ckpts, out):
     return infos
 
 
+@pytest.mark.slow
 def test_tp_export_streams_one_file_per_stage(tmp_path):
     """pp 2 x tp 2: the live export and the offline export of the rank files are the loaded model, one file per
     pipeline stage (before: tensor parallelism gathered the whole model on one rank and saved it whole)."""

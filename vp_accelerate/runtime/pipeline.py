@@ -36,7 +36,7 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.describe import ChunkLayers, RankLayout
 from vp_accelerate.runtime.executor import Executor, Microbatch
-from vp_accelerate.runtime.groups import build_groups, warm_up
+from vp_accelerate.runtime.groups import build_groups, grid_rank, warm_up
 from vp_accelerate.runtime.microbatches import make_microbatches
 from vp_accelerate.runtime.preference import REWARD_SUMS, LogpRecorder, PairLoss, Preference, reward_metrics
 from vp_accelerate.runtime.rank_parts import build_rank_parts
@@ -541,7 +541,7 @@ class PipelineModel:
             optimizer_class,
             g.dp_group,
             g.dp_rank,
-            [d * g.pp_size + g.pp_rank for d in range(g.dp_size)],  # groups.py's rank layout
+            [grid_rank(d, g.pp_rank, g.tp_rank, g.pp_size, g.tp_size) for d in range(g.dp_size)],  # each replica's
             {p: n for n, p in self.named_parameters()},
             **defaults,
         )
