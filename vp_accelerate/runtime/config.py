@@ -60,8 +60,10 @@ class PipelineConfig:
     tp_size: int = 1
     """Tensor-parallel ranks per pipeline stage: each stage's decoder layers are split over tp consecutive
     ranks (Megatron's column / row split of attention and MLP, as the family's `base_model_tp_plan` says;
-    keep them inside one node), and the vocabulary over all pp_size x tp_size ranks of a replica. World size
-    = pp_size x tp_size x dp_size. 1 = no tensor parallelism."""
+    keep them inside one node), and the vocabulary over all pp_size x tp_size ranks of a replica (methods
+    baseline and redis: the end stages' embedding and output layer split by rows over their TP ranks, as
+    Megatron's vocabulary-parallel layers; interlaced is refused). World size = pp_size x tp_size x dp_size.
+    1 = no tensor parallelism."""
 
     sequence_parallel: Optional[bool] = None
     """With tp_size > 1: keep the norms and the residual stream between a stage's layers on 1/tp of the
