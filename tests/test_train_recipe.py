@@ -233,6 +233,19 @@ def test_a_loss_added_to_the_table_is_a_name_the_recipe_accepts(corpus, monkeypa
         load("my_kto")
 
 
+def test_cpo_trainers_losses_are_recipe_names_on_its_pairs_without_a_reference(corpus):
+    """CPOConfig's loss_type sigmoid / hinge / ipo (with cpo_alpha as an `sft` weight) load as cpo_sigmoid /
+    cpo_hinge / cpo_ipo: CPOTrainer's tokenization and metrics, no reference pass (the recipe refused them before)."""
+    from vp_accelerate.runtime.preference import metric_style
+    from vp_accelerate.runtime.preference_config import needs_reference
+    from vp_accelerate.train.data.preference import pair_style
+
+    for loss_type in (["cpo_sigmoid", "sft"], "cpo_hinge", ["cpo_ipo", "sft"]):
+        r = recipe_from_dict(base(corpus, data={"format": "preference"}, preference={"loss_type": loss_type}))
+        types = r.preference.types
+        assert not needs_reference(types) and pair_style(types) == "cpo" and metric_style(types) == "cpo", types
+
+
 def test_every_loss_of_the_table_has_its_formula():
     from vp_accelerate.runtime.preference import FORMULAS, LOSSES
 
@@ -310,7 +323,7 @@ def test_a_trl_style_recipe_gets_every_unknown_key_in_one_error():
     assert len(problems) == len(trl) + 1
     said = dict(p.split(":", 1) for p in problems)
     assert "pipeline.activation_checkpointing" in said["gradient_checkpointing"]
-    assert "preference.loss_type" in said["reference_free"] and "not supported" in said["reference_free"]
+    assert "preference.loss_type" in said["reference_free"] and "cpo_sigmoid" in said["reference_free"]
     for key in ("loss_weights", "simpo_gamma", "desirable_weight"):
         assert f"did you mean preference.{key}?" in said[key]
     assert "preference.label_smoothing" in said["label_smoothing"]

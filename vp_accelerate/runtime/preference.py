@@ -1,4 +1,4 @@
-"""Preference optimisation (TRL's DPO losses, SimPO, ORPO's odds ratio, KTO) as a loss of whole sequences.
+"""Preference optimisation (TRL's DPO losses, CPO's and SimPO, ORPO's odds ratio, KTO) as a loss of whole sequences.
 
 A step's batch holds pairs: row 2k is pair k's chosen completion, row 2k + 1 its rejected one (KTO: unpaired
 rows, each desirable or not), with the prompt's labels ignored (-100), so a row's log-probability log π(y|x)
@@ -21,6 +21,9 @@ With m = [log π(y_w) − log π_ref(y_w)] − [log π(y_l) − log π_ref(y_l)]
     apo_zero  1 − σ(β r_w) + σ(β r_l)             r = log π − log π_ref
     sft       −Σ chosen log π / chosen tokens     (RPO / MPO's NLL term; a replica's token mean, as DDP)
     simpo     −(1−ε) log σ(βd) − ε log σ(−βd)     d = avg log π_w − avg log π_l − γ/β (CPO's `simpo`)
+    cpo_sigmoid  −(1−ε) log σ(βd) − ε log σ(−βd)  d = log π_w − log π_l (CPOTrainer's `sigmoid`: no reference)
+    cpo_hinge    max(0, 1 − βd)                   d = log π_w − log π_l (CPOTrainer's `hinge`)
+    cpo_ipo      (d̄ − 1/(2β))²                   d̄ = avg log π_w − avg log π_l (CPOTrainer's `ipo`)
     orpo      −β log σ(log odds_w − log odds_l)   odds on avg log π (ORPOTrainer's odds-ratio term)
     kto       w_d (1 − σ(β(r − z))) desirable, w_u (1 − σ(β(z − r))) undesirable; z = max(KL, 0), given
     apo_zero_unpaired   1 − σ(βr) desirable, σ(βr) undesirable
@@ -101,6 +104,16 @@ def _simpo(r: _Rows, p: Preference) -> torch.Tensor:
     return -F.logsigmoid(p.beta * d) * (1 - eps) - F.logsigmoid(-p.beta * d) * eps
 
 
+def _cpo_sigmoid(r: _Rows, p: Preference) -> torch.Tensor:
+    d, eps = r.logps[0::2] - r.logps[1::2], p.label_smoothing  # no reference, even beside a loss that has one
+    return -F.logsigmoid(p.beta * d) * (1 - eps) - F.logsigmoid(-p.beta * d) * eps
+
+
+def _cpo_ipo(r: _Rows, p: Preference) -> torch.Tensor:
+    avg = _avg(r)
+    return (avg[0::2] - avg[1::2] - 1 / (2 * p.beta)) ** 2
+
+
 def _orpo(r: _Rows, p: Preference) -> torch.Tensor:
     avg = _avg(r)
     log_odds = (avg[0::2] - avg[1::2]) - (_log1mexp(avg[0::2]) - _log1mexp(avg[1::2]))
@@ -131,6 +144,9 @@ FORMULAS: dict[str, Callable[[_Rows, Preference], torch.Tensor]] = {
     "apo_zero": _apo_zero,
     "sft": lambda r, p: -_full(r)[0::2].sum(),
     "simpo": _simpo,
+    "cpo_sigmoid": _cpo_sigmoid,
+    "cpo_hinge": lambda r, p: torch.relu(1 - p.beta * (r.logps[0::2] - r.logps[1::2])),
+    "cpo_ipo": _cpo_ipo,
     "orpo": _orpo,
     "kto": _kto,
     "apo_zero_unpaired": _apo_zero_unpaired,
@@ -141,9 +157,10 @@ LOSS_TYPES = tuple(LOSSES)
 
 
 def metric_style(types: tuple[str, ...]) -> str:
-    """Whose metrics a step logs: "orpo" (ORPOTrainer), "cpo" (CPOTrainer: SimPO) or "dpo" (DPOTrainer, and
-    KTOTrainer for unpaired rows)."""
-    return "orpo" if "orpo" in types else "cpo" if "simpo" in types else "dpo"
+    """Whose metrics a step logs (`LossKind.trainer`): "orpo" (ORPOTrainer), "cpo" (CPOTrainer: SimPO and
+    `cpo_*`) or "dpo" (DPOTrainer, and KTOTrainer for unpaired rows)."""
+    trainers = {LOSSES[t].trainer for t in types if t in LOSSES}
+    return "orpo" if "orpo" in trainers else "cpo" if "cpo" in trainers else "dpo"
 
 
 @dataclass(frozen=True)
@@ -153,7 +170,7 @@ class Preference:
 
     ref_logps: torch.Tensor | None
     """[batch] the reference model's log π_ref(row) (a sum over the row's label tokens; `sequence_logps`);
-    None when every loss is reference-free (`sft`, `simpo`, `orpo`)."""
+    None when every loss is reference-free (`sft`, `simpo`, `cpo_*`, `orpo`)."""
     beta: float = 0.1
     """β: the strength of the implicit KL penalty (TRL's `beta`; SimPO's β, ORPO's λ)."""
     loss_type: str | tuple[str, ...] | list[str] = "sigmoid"
@@ -161,7 +178,7 @@ class Preference:
     loss_weights: tuple[float, ...] | list[float] | None = None
     """One weight per `loss_type` entry (TRL's `loss_weights`); None = all 1."""
     label_smoothing: float = 0.0
-    """ε of `robust` (in [0, 0.5)) and `simpo` (TRL's `label_smoothing`)."""
+    """ε of `robust` (in [0, 0.5)), `simpo` and `cpo_sigmoid` (TRL's `label_smoothing`)."""
     simpo_gamma: float = 0.5
     """γ of `simpo`: the target margin (CPO's `simpo_gamma`)."""
     desirable: torch.Tensor | None = None
@@ -361,8 +378,8 @@ class PairLoss:
 
     def logged_logps(self) -> torch.Tensor:
         """The log π TRL logs (logps/*, and inside rewards/*): per-token averages where the trainer works on
-        them (CPOTrainer's SimPO, ORPOTrainer: `LossKind.averaged`), sums otherwise (DPOTrainer, IPO included:
-        only its loss is length-normalised)."""
+        them (CPOTrainer's simpo and ipo, ORPOTrainer: `LossKind.averaged`), sums otherwise (DPOTrainer, IPO
+        included: only its loss is length-normalised; CPOTrainer's sigmoid and hinge)."""
         if any(LOSSES[t].averaged for t in self.preference.types):
             return self.logps / self._tokens().to(self.logps.device)
         return self.logps
@@ -373,7 +390,7 @@ class PairLoss:
         token counts. As TRL logs them: reward = β (log π − log π_ref) (β log π for the reference-free losses),
         on `logged_logps`. KTO's unpaired rows: the same sums over desirable / undesirable rows."""
         logps = self.logged_logps()
-        r = self.preference.beta * (logps - self._ref(logps.device))  # simpo / orpo: reference-free, ref 0
+        r = self.preference.beta * (logps - self._ref(logps.device))  # simpo / cpo_* / orpo: reference-free, ref 0
         valid = self._completion().to(logps.device)
         mean = self.mean_logits if self.mean_logits is not None else torch.zeros(valid.shape, dtype=r.dtype)
         logit_sums = torch.where(valid, mean.to(logps.device), 0.0).sum(dim=1)

@@ -22,9 +22,12 @@ class LossKind:
     """Rows are unpaired (KTO: `Preference.desirable` says which); mean over rows, not pairs."""
     token_mean: bool = False
     """The value is a sum over chosen tokens, averaged by the replica's chosen tokens (`sft`)."""
+    trainer: str = "dpo"
+    """Whose TRL trainer's pairs and metrics: "dpo" (DPOTrainer, KTOTrainer), "cpo" (CPOTrainer: its own
+    tokenization, logits/* over the padded batch, nll_loss) or "orpo" (ORPOTrainer)."""
     averaged: bool = False
-    """Its TRL trainer (CPOTrainer's SimPO, ORPOTrainer) tokenizes pairs its own way and logs logps/* and
-    rewards/* on per-token averages too (DPOTrainer: sums)."""
+    """Its trainer logs logps/* and rewards/* on per-token averages (CPOTrainer's ipo and simpo, ORPOTrainer);
+    else on sums (DPOTrainer, IPO included; CPOTrainer's sigmoid and hinge)."""
 
 
 LOSSES: dict[str, LossKind] = {
@@ -34,12 +37,16 @@ LOSSES: dict[str, LossKind] = {
     "robust": LossKind(),
     "apo_zero": LossKind(),
     "sft": LossKind(reference=False, token_mean=True),
-    "simpo": LossKind(reference=False, averaged=True),
-    "orpo": LossKind(reference=False, averaged=True),
+    "simpo": LossKind(reference=False, trainer="cpo", averaged=True),
+    "cpo_sigmoid": LossKind(reference=False, trainer="cpo"),
+    "cpo_hinge": LossKind(reference=False, trainer="cpo"),
+    "cpo_ipo": LossKind(reference=False, trainer="cpo", averaged=True),
+    "orpo": LossKind(reference=False, trainer="orpo", averaged=True),
     "kto": LossKind(unpaired=True),
     "apo_zero_unpaired": LossKind(unpaired=True),
 }
-"""Every preference loss by its TRL `loss_type` name (the last two on data.format: unpaired_preference)."""
+"""Every preference loss by its TRL `loss_type` name (the last two on data.format: unpaired_preference);
+CPOTrainer's sigmoid, hinge and ipo (reference-free, on its pairs) as `cpo_sigmoid`, `cpo_hinge`, `cpo_ipo`."""
 
 
 def loss_types(loss_type) -> tuple[str, ...]:
@@ -67,14 +74,17 @@ class PreferenceConfig:
     """TRL's `loss_type`, one name or a list whose losses are summed (with `loss_weights`): `sigmoid` (DPO),
     `ipo` (on length-normalised log-probabilities), `hinge`, `robust` (with `label_smoothing`), `apo_zero`,
     `sft` (the NLL of the chosen completions: RPO / MPO as `[sigmoid, sft]`), `simpo` (CPO's SimPO:
-    reference-free, length-normalised, margin `simpo_gamma`) or `orpo` (ORPO's odds-ratio term:
-    reference-free; ORPO is `[sft, orpo]`)."""
+    reference-free, length-normalised, margin `simpo_gamma`), `cpo_sigmoid` / `cpo_hinge` / `cpo_ipo`
+    (CPOConfig's loss_type sigmoid / hinge / ipo: reference-free, on CPOTrainer's pairs; its cpo_alpha is
+    `[cpo_sigmoid, sft]` with loss_weights `[1, cpo_alpha]`) or `orpo` (ORPO's odds-ratio term: reference-free;
+    ORPO is `[sft, orpo]`)."""
 
     loss_weights: Optional[list[float]] = None
     """One weight per `loss_type` entry (TRL's `loss_weights`); null = 1 each."""
 
     label_smoothing: float = 0.0
-    """ε: the assumed rate of flipped labels for `robust` (in [0, 0.5)) and `simpo` (TRL's `label_smoothing`)."""
+    """ε: the assumed rate of flipped labels for `robust` (in [0, 0.5)), `simpo` and `cpo_sigmoid` (TRL's
+    `label_smoothing`)."""
 
     simpo_gamma: float = 0.5
     """SimPO's target reward margin γ (CPO's `simpo_gamma`); used by `simpo` only."""

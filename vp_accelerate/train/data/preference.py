@@ -116,11 +116,11 @@ def _joint(prompt_ids: list, chosen_ids: list, rejected_ids: list) -> tuple[list
 def pair_style(loss_type) -> str:
     """How pairs are tokenized: "orpo" for ORPO without a loss needing the reference (ORPOTrainer's rows, the
     chosen rows' prompt tokens labelled too: its NLL counts them), "cpo" when a loss's trainer tokenizes its own
-    way (`LossKind.averaged`: CPOTrainer / ORPOTrainer's rows, `cpo_pair`), else "dpo" (DPOTrainer's)."""
+    way (`LossKind.trainer`: CPOTrainer / ORPOTrainer's rows, `cpo_pair`), else "dpo" (DPOTrainer's)."""
     types = [t for t in loss_types(loss_type) if t in LOSSES]
     if "orpo" in types and not needs_reference(types):
         return "orpo"
-    return "cpo" if any(LOSSES[t].averaged for t in types) else "dpo"
+    return "cpo" if any(LOSSES[t].trainer != "dpo" for t in types) else "dpo"
 
 
 def _cpo_answer(tokenizer, prompt: str, answer: str) -> tuple[list, list]:

@@ -71,9 +71,13 @@ KEY_NOTES = {
     "gradient_checkpointing": "gradient_checkpointing: true is pipeline.activation_checkpointing: full (selective "
     "recomputes every other layer)",
     "use_peft": "use_peft: true is adapter.type: lora (with adapter.r, adapter.alpha, adapter.target_modules)",
-    "reference_free": "the reference-free losses are loss_type: simpo (CPO's SimPO) and [sft, orpo] (ORPO); DPO "
-    "against a uniform reference (TRL's reference_free) is not supported",
-    "cpo_alpha": "CPO's cpo_alpha (its NLL term's weight) is loss_type: [simpo, sft] with loss_weights: [1, cpo_alpha]",
+    "reference_free": "the reference-free losses are CPOTrainer's, on its pairs: loss_type: cpo_sigmoid, cpo_hinge, "
+    "cpo_ipo (CPOConfig's loss_type sigmoid, hinge, ipo: DPO's losses against a uniform reference, TRL's old "
+    "reference_free) and simpo; and ORPO's [sft, orpo]. With CPO's NLL term (cpo_alpha, 1.0 by default): "
+    "loss_type: [cpo_sigmoid, sft] with loss_weights: [1, cpo_alpha]",
+    "cpo_alpha": "CPO's cpo_alpha (its NLL term's weight, 1.0 by default) is loss_type: [cpo_sigmoid, sft] with "
+    "loss_weights: [1, cpo_alpha] (CPOConfig's loss_type sigmoid; hinge, ipo, simpo: cpo_hinge, cpo_ipo, simpo in "
+    "its place); cpo_alpha 0 is loss_type: cpo_sigmoid alone",
     "max_completion_length": "a row (prompt and completion together) is cut at data.seq_len; there is no separate "
     "completion limit",
     "per_device_eval_batch_size": "evaluation runs the training batch shape (train.global_batch over the replicas); "

@@ -5,7 +5,7 @@ training pairs (`PipelineModel.sequence_logps`), one number per sequence, kept w
 (`PairSequences.ref_logps`) and written to `<output_dir>/ref_logps.pt`, so a resumed full fine-tune reads
 them rather than scoring with trained weights. Under LoRA the reference is the base with the adapter off,
 which a resumed run can compute again. Each replica scores every pair (the set is small; no exchange).
-Losses that need no reference (`sft`, `simpo`, `orpo` alone) skip the pass: their pairs carry zeros.
+Losses that need no reference (`sft`, `simpo`, `cpo_*`, `orpo` alone) skip the pass: their pairs carry zeros.
 KTO's rows (`UnpairedSequences`) are scored with their KL rows (kept as `<split>_kl` in the file).
 """
 
