@@ -38,20 +38,16 @@ def train(model, opt, batch, steps: int, every: int, mode: str, root: str) -> fl
         opt.zero_grad(set_to_none=True)
         if mode == "none" or step % every:
             continue
-        args = dict(
-            rank=0,
-            model_state={n: p.detach() for n, p in model.named_parameters()},
-            optimizer_state=opt.state_dict(),
-            trainer_state={"step": step},
-            meta={"fingerprint": {}},
-            barrier=lambda: None,
+        spec = store.SaveSpec(root, step, 0)
+        state = store.RankState(
+            {n: p.detach() for n, p in model.named_parameters()}, opt.state_dict(), {"step": step}, {"fingerprint": {}}
         )
         if mode == "sync":
-            store.save_checkpoint(root, step, **args)
+            store.save_checkpoint(spec, state, barrier=lambda: None)
             continue
         if pending is not None:  # the trainer's order: the previous save completes, then this one begins
             store.complete_save(pending, barrier=lambda: None)
-        pending = store.begin_save(root, step, background=True, **args)
+        pending = store.begin_save(spec, state, barrier=lambda: None, background=True)
     if pending is not None:
         store.complete_save(pending, barrier=lambda: None)  # the end of training: the last one becomes latest
     return time.perf_counter() - start

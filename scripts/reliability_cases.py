@@ -8,7 +8,7 @@ table between the markers in the doc is written from this list, so the doc canno
 A case is (what is tried, where it is caught, what it gets: the text its one line must hold). `run` makes the
 input in a fresh folder, tries it (`train --check`, the checkpoint loader, export, a save on a full disk) and
 returns (exit code or exception name, the output). tests/test_docs_reliability_table.py checks that the doc's table is
-this list's (fast) and runs every case (slow); tests/test_checkpoint_integrity.py, test_checkpoint_resume_check.py,
+this list's (fast) and runs every case (slow); tests/test_persist_integrity.py, test_persist_resume_check.py,
 test_data_identity.py and test_train_check_inputs.py assert each case in detail.
 """
 
@@ -155,15 +155,11 @@ def _saved(work: str, steps=(1, 2), meta_extra=None, model_files=None) -> str:
         p = torch.nn.Parameter(torch.zeros(4))
         opt = torch.optim.AdamW([p])
         path = ckpt.save_checkpoint(
-            root,
-            step,
-            rank=0,
-            model_state={"w": torch.randn(64, 64)},
-            optimizer_state=opt.state_dict(),
-            trainer_state={"step": step},
-            meta={"fingerprint": {}, **(meta_extra or {})},
-            barrier=lambda: None,
-            write_model_files=model_files,
+            ckpt.SaveSpec(root, step, 0, write_model_files=model_files),
+            ckpt.RankState(
+                {"w": torch.randn(64, 64)}, opt.state_dict(), {"step": step}, {"fingerprint": {}, **(meta_extra or {})}
+            ),
+            lambda: None,
         )
     return path
 
@@ -280,17 +276,11 @@ def _resave_window(work):
         import torch
 
         p = torch.nn.Parameter(torch.zeros(4))
-        ckpt.save_checkpoint(
-            os.path.join(work, "ckpt"),
-            2,
-            rank=0,
-            model_state={"w": torch.randn(64, 64)},
-            optimizer_state=torch.optim.AdamW([p]).state_dict(),
-            trainer_state={"step": 2},
-            meta={"fingerprint": {}},
-            barrier=lambda: None,
-            _crash_after=f"kill:{stage}",
+        state = ckpt.RankState(
+            {"w": torch.randn(64, 64)}, torch.optim.AdamW([p]).state_dict(), {"step": 2}, {"fingerprint": {}}
         )
+        spec = ckpt.SaveSpec(os.path.join(work, "ckpt"), 2, 0, crash_after=f"kill:{stage}")
+        ckpt.save_checkpoint(spec, state, barrier=lambda: None)
 
     _saved(work)
     said = []
@@ -700,15 +690,9 @@ def _saved_state(work: str, state: dict, meta: dict, model_files) -> str:
 
     p = torch.nn.Parameter(torch.zeros(4))
     return ckpt.save_checkpoint(
-        os.path.join(work, "ckpt"),
-        1,
-        rank=0,
-        model_state=state,
-        optimizer_state=torch.optim.AdamW([p]).state_dict(),
-        trainer_state={"step": 1},
-        meta={"fingerprint": {}, **meta},
-        barrier=lambda: None,
-        write_model_files=model_files,
+        ckpt.SaveSpec(os.path.join(work, "ckpt"), 1, 0, write_model_files=model_files),
+        ckpt.RankState(state, torch.optim.AdamW([p]).state_dict(), {"step": 1}, {"fingerprint": {}, **meta}),
+        lambda: None,
     )
 
 

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from helpers.launch import BIN, CPU_2PROC, FAULT_WORKER, ROOT, run_env, train_ranks
-from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
+from helpers.launch import BIN, CPU_2PROC, FAULT_WORKER, ROOT, losses, run_env, train_ranks
+from helpers.tiny import fault_run
 
 RNG = random.Random()  # fresh each run: the seed and the step the signal lands in vary
 FAULT_SITE = os.path.join(os.path.dirname(__file__), "helpers", "fault_site")
@@ -31,22 +31,8 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("preempt")
-    words = "alpha beta gamma delta epsilon мир дом 世界 你好 données λόγος".split()
-    text = corpus(d, words, lines=400, per_line=30, seed=RNG.random())
-    bpe([text], d)
-    recipe_file(
-        d / "recipe.yaml",
-        d / "tok",
-        [text],
-        model=TINY_MODEL,
-        data={"seq_len": 16, "eval_holdout": 0.05},
-        pipeline={"microbatches": 4},
-        train={"steps": STEPS, "global_batch": 8, "seed": RNG.randrange(1000)},
-        eval={"every": 0, "batches": 1},
-        checkpoint={"every": 100, "keep": 10},
-        logging={"log_every": 1, "timeline_image": False},
-    )
-    return d
+    seed, train_seed = RNG.random(), RNG.randrange(1000)
+    return fault_run(d, lines=400, seed=seed, steps=STEPS, train_seed=train_seed, checkpoint={"every": 100, "keep": 10})
 
 
 def _args(d, name, *sets, extra=()) -> list[str]:
@@ -58,16 +44,11 @@ def train_forked(d, name, *sets, fault=None, extra=()):
     return train_ranks(_args(d, name, *sets, extra=extra), d, run_env(d / "ds_cache"), fault=fault)
 
 
-def losses(d, name) -> dict[int, float]:
-    rows = [json.loads(line) for line in open(d / name / "metrics.jsonl")]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(setup):
     out = train_forked(setup, "whole")
     assert out.codes == [0, 0], (out.stdout + out.stderr)[-3000:]
-    return losses(setup, "whole")
+    return losses(setup / "whole")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -135,7 +116,7 @@ def test_sigusr1_under_vp_accelerate_launch_saves_exits_75_and_resumes_exactly(s
         ckpt.load_rank(latest, rank)  # every file's size and hash as saved
     again = train_forked(setup, name, extra=["--resume"])
     assert again.codes == [0, 0], (again.stdout + again.stderr)[-3000:]
-    assert losses(setup, name) == uninterrupted  # each step once, bit for bit
+    assert losses(setup / name) == uninterrupted  # each step once, bit for bit
 
 
 @pytest.mark.slow
@@ -258,5 +239,5 @@ def test_resume_of_a_finished_run_writes_its_missing_export(setup, finished):
     third = train_forked(setup, name, "eval.batches=0", extra=["--resume"])
     assert third.codes == [0, 0] and "export is missing" not in third.stdout + third.stderr
     assert _files(hf) == whole
-    steps = sorted(losses(setup, name))
+    steps = sorted(losses(setup / name))
     assert steps == list(range(1, STEPS + 1)), steps  # nothing trained twice

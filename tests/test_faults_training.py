@@ -23,7 +23,7 @@ import torch
 
 from helpers.launch import ACCELERATE, CPU_2PROC, FAULT_WORKER, fault_json, run_env, train_ranks
 from helpers.launch import launch as run
-from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
+from helpers.tiny import fault_run
 
 RNG = random.Random()  # fresh each run: which microbatch / step gets poisoned varies
 
@@ -31,22 +31,8 @@ RNG = random.Random()  # fresh each run: which microbatch / step gets poisoned v
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
-    words = "alpha beta gamma delta epsilon мир дом 世界 你好 données λόγος".split()
-    text = corpus(d, words, lines=600, per_line=30, seed=RNG.random())
-    bpe([text], d)
-    recipe_file(
-        d / "recipe.yaml",
-        d / "tok",
-        [text],
-        model=TINY_MODEL,
-        data={"seq_len": 16, "eval_holdout": 0.05},
-        pipeline={"microbatches": 4},
-        train={"steps": 4, "global_batch": 8, "seed": RNG.randrange(1000)},
-        eval={"every": 0, "batches": 1},
-        checkpoint={"every": 1, "keep": 10},
-        logging={"log_every": 1, "timeline_image": False},
-    )
-    return d
+    seed, train_seed = RNG.random(), RNG.randrange(1000)
+    return fault_run(d, lines=600, seed=seed, steps=4, train_seed=train_seed, checkpoint={"every": 1, "keep": 10})
 
 
 def _args(d, name, sets, extra) -> list[str]:

@@ -1,6 +1,7 @@
 """Loading is safe: checkpoints never unpickle code, recipes never construct objects, NaN is never saved."""
 
 import ast
+import json
 import os
 import random
 import re
@@ -76,6 +77,7 @@ class _Evil:
 def test_a_checkpoint_with_a_malicious_pickle_is_refused(tmp_path, victim):
     from safetensors.torch import save_file
 
+    from vp_accelerate.train.persist import files
     from vp_accelerate.train.persist.store import load_rank
 
     marker = tmp_path / f"pwned{random.randrange(10**6)}"
@@ -84,6 +86,9 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused(tmp_path, victim):
     save_file({"w": torch.randn(3, 3)}, str(rdir / "model.safetensors"))
     for name in ("optimizer.pt", "trainer_state.pt"):
         torch.save({"state": {}} if name != victim else {"state": _Evil(str(marker))}, str(rdir / name))
+    # its files recorded as a real save records them (size and hash), so the load reaches the pickle itself
+    names = ("model.safetensors", "optimizer.pt", "trainer_state.pt")
+    (rdir / files.MANIFEST).write_text(json.dumps(files.record(str(rdir), names)))
     with pytest.raises(Exception, match="a pickle that would run code\\): refused"):
         load_rank(str(tmp_path / "step_00000001"), 0)
     assert not marker.exists(), "the pickle's code ran"

@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.grads import gathered_grads
 from helpers.tiny import tiny_llama
 from vp_accelerate.distributed import spawn
 
@@ -78,16 +79,9 @@ def _on_ranks(ckpt: str, ids, labels, configs):
 
 
 def _gathered_grads(pipe):
-    params = pipe.parameters()
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.grad.to(p.dtype) if p.grad is not None else torch.zeros_like(p.data)
-    try:
-        sd = pipe.gather_hf_state_dict()  # on pipeline rank 0
-        return None if sd is None else {n: t.float() for n, t in sd.items() if "lora_" in n}
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
+    """The adapters' gradients by HF name, in float32, on pipeline rank 0 (None elsewhere)."""
+    sd = gathered_grads(pipe)
+    return None if sd is None else {n: t.float() for n, t in sd.items() if "lora_" in n}
 
 
 def _peft_bf16_base(ckpt: str, ids, labels):

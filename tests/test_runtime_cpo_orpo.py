@@ -1,19 +1,23 @@
-"""SimPO and ORPO as TRL 1.16's CPOTrainer and ORPOTrainer compute them, under vocabulary parallelism on 2 ranks.
+"""SimPO, CPO's sigmoid / hinge / ipo and ORPO as TRL 1.16's CPOTrainer and ORPOTrainer compute them, under
+vocabulary parallelism on 2 ranks.
 
 The reference is each trainer's own `get_batch_loss_metrics` on the single-process HF model in float64 (its
 `concatenated_forward`, `get_batch_logps` and metrics run as written, on a stand-in `self`), on right-padded
 pairs whose longest row is shorter than the sequence: CPO's `simpo` with its NLL term (`[simpo, sft]` with
-loss_weights [1, cpo_alpha]); ORPO (`[sft, orpo]`), whose NLL counts the chosen rows' prompt tokens too
+loss_weights [1, cpo_alpha]); CPOTrainer's own sigmoid (with label smoothing and cpo_alpha), hinge (cpo_alpha 0)
+and ipo as `cpo_sigmoid`, `cpo_hinge`, `cpo_ipo` (reference-free; logps/* sums for sigmoid and hinge, averages for
+ipo); ORPO (`[sft, orpo]`), whose NLL counts the chosen rows' prompt tokens too
 (`Preference.completion_start`). ORPOTrainer's `odds_ratio_loss` casts to float32, so its float64 stand-in is
 its formula over TRL's own `log1mexp`, checked against it to float32 precision. Loss, every gradient (gathered
-into HF names) and every metric TRL logs — rewards/*, logps/* (per-token averages), logits/* (their mean over
+into HF names) and every metric TRL logs — rewards/*, logps/*, logits/* (their mean over
 every position of the batch padded to its longest row, prompt and padding included; ORPO's without the last),
 nll_loss, ORPO's log_odds_ratio and log_odds_chosen — must agree. Fails on the code before (ORPO's NLL on the
-completion only, logits/* over completion tokens, no nll_loss / log_odds_*).
+completion only, logits/* over completion tokens, no nll_loss / log_odds_*; no `cpo_*` losses).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import types
 from types import SimpleNamespace
@@ -80,17 +84,17 @@ def _accelerator():
     return SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x)
 
 
-def _trl_cpo(model, batch):
+def _trl_cpo(model, batch, loss_type="simpo", cpo_alpha=ALPHA, beta=BETA, label_smoothing=CPO["label_smoothing"]):
     me = SimpleNamespace(
         accelerator=_accelerator(),
         is_encoder_decoder=False,
         pad_token_id=0,
         aux_loss_enabled=False,
-        cpo_alpha=ALPHA,
-        loss_type="simpo",
+        cpo_alpha=cpo_alpha,
+        loss_type=loss_type,
         alpha=0.0,
-        beta=BETA,
-        label_smoothing=CPO["label_smoothing"],
+        beta=beta,
+        label_smoothing=label_smoothing,
         simpo_gamma=CPO["simpo_gamma"],
         concatenated_inputs=CPOTrainer.concatenated_inputs,
         get_batch_logps=CPOTrainer.get_batch_logps,
@@ -124,6 +128,29 @@ def _trl_orpo(model, batch):
     return ORPOTrainer.get_batch_loss_metrics(me, model, batch)
 
 
+CPO_BETA = 0.1  # CPOConfig's default: β·(log π_w − log π_l) on sums stays where every loss has a gradient
+CPO_LOSSES = {  # CPOConfig's loss_type (with its cpo_alpha and label_smoothing) -> our Preference arguments
+    "sigmoid": (ALPHA, 0.1, dict(loss_type=("cpo_sigmoid", "sft"), loss_weights=(1.0, ALPHA), label_smoothing=0.1)),
+    "hinge": (0.0, 0.0, dict(loss_type="cpo_hinge")),
+    "ipo": (ALPHA, 0.0, dict(loss_type=("cpo_ipo", "sft"), loss_weights=(1.0, ALPHA))),
+}
+"""CPOTrainer's own loss types: sigmoid (its default, with label smoothing and the NLL term cpo_alpha), hinge
+(cpo_alpha 0: nll_loss logged 0), ipo (on per-token averages, logged as averages)."""
+
+
+def _cases(ids, mask, labels, starts):
+    """name -> (Preference arguments, the labels, completion_start, TRL's loss and metrics on the HF model)."""
+    orpo_rows = _orpo_labels(ids, mask, labels)
+    cases = {
+        "simpo": (dict(beta=BETA, **CPO), labels, None, _trl_cpo),
+        "orpo": (dict(beta=BETA, **ORPO), orpo_rows, starts, _trl_orpo),
+    }
+    for name, (alpha, eps, kw) in CPO_LOSSES.items():
+        trl_fn = functools.partial(_trl_cpo, loss_type=name, cpo_alpha=alpha, beta=CPO_BETA, label_smoothing=eps)
+        cases[f"cpo_{name}"] = (dict(beta=CPO_BETA, **kw), labels, None, trl_fn)
+    return cases
+
+
 def _on_ranks(ckpt, data, method):
     from vp_accelerate.runtime import PipelineConfig, PipelineModel
     from vp_accelerate.runtime.preference import Preference
@@ -132,12 +159,8 @@ def _on_ranks(ckpt, data, method):
     cfg = PipelineConfig(schedule="1f1b", method=method, microbatches=2, attn_implementation="eager")
     pipe = PipelineModel(ckpt, cfg, dtype=torch.float64)
     out = {}
-    for name, kw, rows, start in (
-        ("cpo", CPO, labels, None),
-        ("orpo", ORPO, _orpo_labels(ids, mask, labels), starts),
-    ):
-        pref = Preference(ref_logps=None, beta=BETA, completion_start=start, **kw)
-        res = pipe.train_step(ids, rows, mask, preference=pref)
+    for name, (kw, rows, start, _) in _cases(ids, mask, labels, starts).items():
+        res = pipe.train_step(ids, rows, mask, preference=Preference(ref_logps=None, completion_start=start, **kw))
         out[name] = (res.loss, res.rewards, _gathered_grads(pipe))
         pipe.zero_grad()
     pipe.close()
@@ -145,7 +168,9 @@ def _on_ranks(ckpt, data, method):
 
 
 @pytest.mark.parametrize("method", ["vocab-2", pytest.param("baseline", marks=pytest.mark.slow)])
-def test_simpo_and_orpo_are_cpo_and_orpo_trainers_on_2_ranks(tmp_path, method):
+def test_cpo_losses_and_orpo_are_cpo_and_orpo_trainers_on_2_ranks(tmp_path, method):
+    """SimPO, CPO's sigmoid / hinge / ipo (`cpo_sigmoid`, `cpo_hinge`, `cpo_ipo`: fails on the code before them)
+    and ORPO: loss, every metric and every gradient as CPOTrainer / ORPOTrainer compute them, in one spawn."""
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(tiny_llama(101, tied=False, attn_implementation="eager")).save_pretrained(
@@ -154,9 +179,9 @@ def test_simpo_and_orpo_are_cpo_and_orpo_trainers_on_2_ranks(tmp_path, method):
     ckpt = str(tmp_path / "ckpt")
     data = _pairs(seed, 101)
     per_rank = spawn(_on_ranks, 2, ckpt, data, method, timeout_s=600)
-    ids, mask, labels, _ = data
+    ids, mask, labels, starts = data
     model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
-    for name, trl_fn, rows in (("cpo", _trl_cpo, labels), ("orpo", _trl_orpo, _orpo_labels(ids, mask, labels))):
+    for name, (_, rows, _, trl_fn) in _cases(ids, mask, labels, starts).items():
         model.zero_grad()
         batch = _trl_batch(ids, mask, labels)
         if name == "orpo":  # ORPOTrainer's NLL reads input_ids where attention_mask; its logps the labels

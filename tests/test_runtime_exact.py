@@ -103,10 +103,28 @@ def _train_on_ranks(ckpt: str, batches, configs, microbatches: int, dp_size: int
             layers,
         )
         comm = sorted({(r.op, r.mb) for r in stats["timeline"] if r.lane == "comm" and r.end >= r.start})
+        overlapped = _passes_during_chains(stats["timeline"])
         eval_loss = pipe.eval_step(*batches[0])
-        results[(*config, opt_name)] = (losses, pipe.gather_hf_state_dict(), memory, eval_loss, comm, pipe.schedule)
+        results[(*config, opt_name)] = (
+            losses,
+            pipe.gather_hf_state_dict(),
+            memory,
+            eval_loss,
+            comm,
+            pipe.schedule,
+            overlapped,
+        )
         pipe.close()
     return results
+
+
+def _passes_during_chains(timeline) -> int:
+    """Compute passes of this rank that started while one of its collective chains ran (the lanes' records)."""
+    from vp_accelerate.schedule.ir import COMPUTE_OPS
+
+    chains = [(r.start, r.end) for r in timeline if r.lane == "comm"]
+    starts = [r.start for r in timeline if r.lane == "compute" and r.op in COMPUTE_OPS]
+    return sum(any(a < t < b for a, b in chains) for t in starts)
 
 
 def _check(world: int, vocab: int, tied: bool, configs, dp_size: int = 1, tmp_path=None, runs=RUNS):
@@ -125,6 +143,8 @@ def _check(world: int, vocab: int, tied: bool, configs, dp_size: int = 1, tmp_pa
             for r in range(world):  # evaluation with the forward-only schedule, on the trained weights
                 assert per_rank[r][key][3] == pytest.approx(ref_eval, rel=1e-5), (key, r)
             _check_comm_lane(key, per_rank, world, microbatches)
+            if key[1] == "interlaced":  # synchronous: every rank waits for each chain before its next pass
+                assert [per_rank[r][key][6] for r in range(world)] == [0] * world, key
     _compare_memory_with_simulator(per_rank, configs, world // dp_size, microbatches, vocab, runs[0])
 
 

@@ -69,15 +69,9 @@ def _checkpoint(tmp_path, tok, meta_extra=None, state=None) -> str:
     p = torch.nn.Parameter(torch.zeros(3))
     meta = {"fingerprint": {}, "ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}], "vocab_size": 300}
     return ckpt.save_checkpoint(
-        str(tmp_path / "ckpt"),
-        1,
-        rank=0,
-        model_state=state,
-        optimizer_state=torch.optim.AdamW([p]).state_dict(),
-        trainer_state={"step": 1},
-        meta={**meta, **(meta_extra or {})},
-        barrier=lambda: None,
-        write_model_files=model_files,
+        ckpt.SaveSpec(str(tmp_path / "ckpt"), 1, 0, write_model_files=model_files),
+        ckpt.RankState(state, torch.optim.AdamW([p]).state_dict(), {"step": 1}, {**meta, **(meta_extra or {})}),
+        lambda: None,
     )
 
 

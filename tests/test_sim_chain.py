@@ -78,9 +78,16 @@ def test_every_cell_of_the_papers_8_gpu_table_within_10_percent():
     from vp_accelerate.sim.paper import ratio_cells
 
     cells = ratio_cells()
-    assert len(cells) == 2 * 4 * 3
-    bad = [c for c in cells if abs(c["error"]) > 0.10]
+    assert len(cells) == 2 * 4 * 4
+    bad = [c for c in cells if abs(c["error"]) > 0.10 and c["method"] != "interlaced"]
     assert not bad, bad
+    # interlaced was predicted, not fitted: its absolute MFU within 5% in every cell (its ratios carry the
+    # baseline's own -7% at 256k on top: up to +11.4%, docs/simulation.md)
+    from vp_accelerate.sim.paper import PAPER_MFU, VOCABS
+
+    inter = [c for c in cells if c["method"] == "interlaced"]
+    off = [c["sim_mfu"] / PAPER_MFU[c["seq"]]["interlaced"][VOCABS.index(c["vocab"])] - 1 for c in inter]
+    assert len(off) == 8 and max(abs(x) for x in off) <= 0.05, off
 
 
 def test_the_scaling_table_has_a_column_for_every_supported_pair():

@@ -101,3 +101,54 @@ def test_offline_export_of_rank_files_is_the_same_model(exported):
         out16 = d / f"{i}" / "offline16"
         export_rank_files(files, 101, replica0[0][3], AutoConfig.from_pretrained(ckpts[i]), out16, dtype=torch.float16)
         _same(ckpts[i], str(out16), torch.float16)
+
+
+# ---- under tensor parallelism: a stage's TP rank 0 writes the stage's file, the slices joined one tensor at a time
+TP_CONFIGS = [("vocab-2", False), ("baseline", True)]  # the vocabulary over pp x tp; the end layers split over TP
+
+
+def _run_tp(ckpts, out):
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+    from vp_accelerate.train.persist.hf_export import tp_layout
+
+    infos = []
+    for i, (method, _) in enumerate(TP_CONFIGS):
+        pipe = PipelineModel(ckpts[i], PipelineConfig(schedule="1f1b", method=method, microbatches=2, tp_size=2))
+        pipe.export_hf(f"{out}/tp{i}/live")
+        sd = {n: t.contiguous() for n, t in pipe.mods.state_dict().items()}  # a checkpoint's rank file
+        save_file(sd, f"{out}/tp{i}/rank{pipe.rank}.safetensors")
+        dups = sorted(n for n, _ in pipe.named_parameters() if pipe.mods.is_duplicate(n))
+        m = pipe.mods
+        meta = {"tp_size": 2, "tp_sliced": m.tp_sliced, "tp_packed": m.tp_packed, "tp_vocab": sorted(m.tp_vocab_names)}
+        infos.append((pipe.rank, dups, sorted(m.sharded_names), tp_layout(meta)))
+        pipe.close()
+    return infos
+
+
+@pytest.mark.slow
+def test_tp_export_streams_one_file_per_stage(tmp_path):
+    """pp 2 x tp 2: the live export and the offline export of the rank files are the loaded model, one file per
+    pipeline stage (before: tensor parallelism gathered the whole model on one rank and saved it whole)."""
+    from transformers import AutoConfig
+
+    from vp_accelerate.models.stream_export import TPLayout, export_rank_files
+
+    torch.manual_seed(random.randrange(2**31))
+    ckpts = []
+    for i, (_, tied) in enumerate(TP_CONFIGS):
+        path = str(tmp_path / f"ckpt{i}")
+        AutoModelForCausalLM.from_config(tiny_llama(101, tied=tied, num_layers=4)).save_pretrained(path)
+        ckpts.append(path)
+    per_rank = spawn(_run_tp, 4, ckpts, str(tmp_path), timeout_s=300)
+    for i in range(len(TP_CONFIGS)):
+        live = tmp_path / f"tp{i}" / "live"
+        _same(ckpts[i], str(live))
+        index = json.loads((live / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(set(index.values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        ranks = sorted((r[i] for r in per_rank), key=lambda r: r[0])
+        sliced = {n: d for r in ranks for n, d in r[3].sliced.items()}
+        tp = TPLayout(2, sliced, {}, frozenset(n for r in ranks for n in r[3].vocab))
+        files = [(str(tmp_path / f"tp{i}" / f"rank{r}.safetensors"), frozenset(dups)) for r, dups, _, _ in ranks]
+        out = tmp_path / f"tp{i}" / "offline"
+        export_rank_files(files, 101, ranks[0][2], AutoConfig.from_pretrained(ckpts[i]), out, tp=tp)
+        _same(ckpts[i], str(out))

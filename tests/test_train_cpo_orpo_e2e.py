@@ -1,4 +1,4 @@
-"""SimPO and ORPO end to end: a 2-rank run of the trainer logs at step 1 the loss and every metric that TRL 1.16's
+"""SimPO, CPO's default sigmoid loss and ORPO end to end: a 2-rank run of the trainer logs at step 1 the loss and every metric that TRL 1.16's
 own `CPOTrainer.train()` / `ORPOTrainer.train()` log for the same model, tokenizer and pairs (prompts ending in a
 space, a chosen that already ends in EOS), one batch of all pairs (so TRL's shuffling cannot matter).
 
@@ -23,6 +23,16 @@ PAIRS = 8
 SEQ = 32
 BETA = 0.25
 ALPHA = 0.5  # CPO's cpo_alpha = the weight of `sft`
+CPO = {  # name: (CPOConfig's arguments, the recipe's preference section)
+    "simpo": (
+        dict(loss_type="simpo", cpo_alpha=ALPHA, simpo_gamma=0.4, label_smoothing=0.1),
+        {"loss_type": ["simpo", "sft"], "loss_weights": [1.0, ALPHA], "simpo_gamma": 0.4, "label_smoothing": 0.1},
+    ),
+    "cpo_sigmoid": (  # CPOConfig's defaults: loss_type sigmoid, cpo_alpha 1.0
+        dict(label_smoothing=0.1),
+        {"loss_type": ["cpo_sigmoid", "sft"], "loss_weights": [1.0, 1.0], "label_smoothing": 0.1},
+    ),
+}
 
 
 def _rows(eos: str):
@@ -60,14 +70,14 @@ def _trl_log(trainer_name, model_dir, tok, rows):
     else:
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-        args = CPOConfig(**common, loss_type="simpo", cpo_alpha=ALPHA, simpo_gamma=0.4, label_smoothing=0.1)
+        args = CPOConfig(**common, **CPO[trainer_name][0])
         trainer = CPOTrainer(model, args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     trainer.train()
     return next(r for r in trainer.state.log_history if "loss" in r)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer_name", ["orpo", "simpo"])
+@pytest.mark.parametrize("trainer_name", ["orpo", "simpo", "cpo_sigmoid"])
 def test_a_run_logs_what_cpo_and_orpo_trainers_log_at_step_1(tmp_path, trainer_name):
     tok_dir = word_tokenizer(tmp_path)
     tok = load_tokenizer(f"bpe:{tok_dir}")
@@ -79,16 +89,7 @@ def test_a_run_logs_what_cpo_and_orpo_trainers_log_at_step_1(tmp_path, trainer_n
     rows = _rows(tok.eos_token)
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if trainer_name == "orpo":
-        preference = {"beta": BETA, "loss_type": ["sft", "orpo"]}
-    else:
-        preference = {
-            "beta": BETA,
-            "loss_type": ["simpo", "sft"],
-            "loss_weights": [1.0, ALPHA],
-            "simpo_gamma": 0.4,
-            "label_smoothing": 0.1,
-        }
+    preference = {"beta": BETA, **({"loss_type": ["sft", "orpo"]} if trainer_name == "orpo" else CPO[trainer_name][1])}
     recipe_file(
         tmp_path / "r.yaml",
         tok_dir,
@@ -105,7 +106,7 @@ def test_a_run_logs_what_cpo_and_orpo_trainers_log_at_step_1(tmp_path, trainer_n
     out = train_ranks([str(tmp_path / "r.yaml")], tmp_path, run_env(tmp_path / "ds_cache"), timeout_s=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     ours = next(json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "train/loss" in line)
-    theirs = _trl_log("orpo" if trainer_name == "orpo" else "cpo", str(model_dir), tok, rows)
+    theirs = _trl_log(trainer_name, str(model_dir), tok, rows)
     assert ours["train/loss"] == pytest.approx(theirs["loss"], rel=2e-5), (ours, theirs)
     assert ours["train/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4), (ours, theirs)
     names = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"]

@@ -311,7 +311,7 @@ def test_the_recipe_preference_section_reaches_the_runtime_loss(tmp_path):
 
 def test_check_counts_kto_rows_as_rows_not_packed_sequences_or_pairs(tok, tmp_path):
     """KTO's data (unpaired_preference) is reported in rows, one unpacked sequence each, and a held-out part too
-    small for a global batch turns evaluation off in rows (before: "packed sequences" and "preference pair(s)")."""
+    small for a global batch trains instead, said in rows (before: "packed sequences" and "preference pair(s)")."""
     from vp_accelerate.train.data.check import data_report
 
     words = [w for w in WORDS[:6] for _ in range(2)]
@@ -325,9 +325,10 @@ def test_check_counts_kto_rows_as_rows_not_packed_sequences_or_pairs(tok, tmp_pa
     text = "\n".join(lines)
     assert "rows for training" in lines[0] and "pair" not in text and "packed sequences" not in text, text
     assert "sequences (1 a row, not packed)" in lines[1], lines
-    held = len(prepared.eval)
+    held = prepared.returned  # held out, too few for a batch: they train instead, and evaluation is off
     noun = "row" if held == 1 else "rows"
-    assert f"the {held} held-out preference {noun} fill no global batch of 4 rows: evaluation is off" in lines[-1]
+    assert held and len(prepared.eval) == 0 and len(prepared.train) == len(rows), lines
+    assert f"the {held} held-out preference {noun} fill no global batch of 4 rows, so" in lines[-1], lines
 
 
 def test_check_says_pairs_per_microbatch_and_that_pairs_are_not_packed(tmp_path):

@@ -64,17 +64,13 @@ PORT_TAKEN = re.compile(r"utilizing it|already in use|EADDRINUSE", re.I)
 @pytest.fixture(scope="module")
 def tiny_recipe(tmp_path_factory):
     """A 4-layer h32 Llama with a 300-token BPE, PP2 x DP2, 4 steps with a checkpoint and an eval."""
-    from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
+    from helpers.tiny import tiny_run
 
-    d = tmp_path_factory.mktemp("multinode")
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa мир 世界 λόγος".split()
-    text = corpus(d, words, lines=400, per_line=40)
-    bpe([text], d)
-    recipe_file(
-        d / "recipe.yaml",
-        d / "tok",
-        [text],
-        model=TINY_MODEL,
+    return tiny_run(
+        tmp_path_factory.mktemp("multinode"),
+        words,
+        lines=400,
         data={"seq_len": 16},
         pipeline={"schedule": "1f1b", "method": "vocab-2", "microbatches": 2, "dp_size": 2},
         optimizer={"lr": 3e-3},
@@ -83,7 +79,6 @@ def tiny_recipe(tmp_path_factory):
         checkpoint={"every": 2, "keep": 1},
         logging={"log_every": 1},
     )
-    return d
 
 
 def _launch_all(d: Path, name: str, launchers: list[list[str]]) -> tuple[Path, list[str]]:
@@ -207,17 +202,17 @@ printf '%s %s\\n' "$NCCL_SOCKET_IFNAME" "$GLOO_SOCKET_IFNAME" > "$RECORD/ifname$
 """
 
 
-def test_slurm_script_starts_one_launcher_per_node_with_its_machine_rank(tmp_path):
-    """scripts/slurm_train.sbatch under stand-ins for srun and scontrol (and an accelerate that records its
-    arguments): node i launches with --machine_rank i, 16 processes in all, the first node of the nodelist
-    as the main process, the multi-node config, and the recipe with the arguments given after it."""
+def fake_slurm(tmp_path) -> dict[str, str]:
+    """The environment of a 2-node job of 8 GPUs a node (nodelist gpu-[07-08]) under stand-ins for srun, scontrol
+    and accelerate (which records its arguments, signals and socket interfaces in `tmp_path`); no *_SOCKET_IFNAME
+    of this machine's."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accelerate", FAKE_ACCELERATE)):
         (fake_bin / name).write_text(text)
         (fake_bin / name).chmod(0o755)
-    env = {
-        **os.environ,
+    return {
+        **{k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")},
         "PATH": f"{fake_bin}:{os.environ['PATH']}",
         "FAKE_BIN": str(fake_bin),
         "RECORD": str(tmp_path),
@@ -227,6 +222,13 @@ def test_slurm_script_starts_one_launcher_per_node_with_its_machine_rank(tmp_pat
         "SLURM_GPUS_ON_NODE": "8",
         "SLURM_SUBMIT_DIR": str(ROOT),
     }
+
+
+def test_slurm_script_starts_one_launcher_per_node_with_its_machine_rank(tmp_path):
+    """scripts/slurm_train.sbatch under stand-ins for srun and scontrol (and an accelerate that records its
+    arguments): node i launches with --machine_rank i, 16 processes in all, the first node of the nodelist
+    as the main process, the multi-node config, and the recipe with the arguments given after it."""
+    env = fake_slurm(tmp_path)
     recipe = "recipes/gpu_llama3_8b_vocab2_1f1b.yaml"
     run = subprocess.run(
         ["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), recipe, "--set", "pipeline.dp_size=2"],
@@ -266,21 +268,7 @@ def test_slurm_script_starts_one_launcher_per_node_with_its_machine_rank(tmp_pat
 def test_slurm_script_sets_the_socket_interfaces_and_names_a_missing_one(tmp_path):
     """Each node exports NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (SOCKET_IFNAME, here the loopback every
     machine has); an interface a node lacks stops that node before its launcher, naming it."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accelerate", FAKE_ACCELERATE)):
-        (fake_bin / name).write_text(text)
-        (fake_bin / name).chmod(0o755)
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")},
-        "PATH": f"{fake_bin}:{os.environ['PATH']}",
-        "FAKE_BIN": str(fake_bin),
-        "RECORD": str(tmp_path),
-        "SLURM_NNODES": "2",
-        "SLURM_JOB_NODELIST": "gpu-[07-08]",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_SUBMIT_DIR": str(ROOT),
-    }
+    env = fake_slurm(tmp_path)
     cmd = ["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), "recipes/gpu_llama3_8b_vocab2_1f1b.yaml"]
     run = subprocess.run(cmd, env={**env, "SOCKET_IFNAME": "lo"}, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -199,6 +199,59 @@ def test_pipeline_section_is_the_runtime_config(corpus):
     assert r.pipeline.layers_per_stage == (2, 2)
 
 
+def test_preference_section_is_the_runtime_config_and_runs_whole(corpus):
+    """The recipe's preference section loads straight into runtime's PreferenceConfig, and the step's Preference
+    takes every one of its settings (none copied by hand)."""
+    import dataclasses
+
+    from vp_accelerate.runtime.preference import Preference
+    from vp_accelerate.runtime.preference_config import PreferenceConfig
+
+    values = {"beta": 0.3, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "label_smoothing": 0.1}
+    values.update(simpo_gamma=0.7, desirable_weight=1.5, undesirable_weight=0.5)
+    r = recipe_from_dict(base(corpus, data={"format": "preference"}, preference=values))
+    assert type(r.preference) is PreferenceConfig
+    assert {f.name for f in dataclasses.fields(PreferenceConfig)} == set(values)  # this test names every one
+    p = Preference.of(r.preference, None)
+    assert {k: getattr(p, k) for k in values} == values and p.types == ("sigmoid", "sft")
+
+
+def test_a_loss_added_to_the_table_is_a_name_the_recipe_accepts(corpus, monkeypatch):
+    """runtime/preference_config.py's LOSSES is the one table: the recipe's type and checks read it."""
+    from vp_accelerate.runtime import preference_config
+
+    def load(loss_type, fmt="preference"):
+        return recipe_from_dict(base(corpus, data={"format": fmt}, preference={"loss_type": loss_type}))
+
+    with pytest.raises(RecipeError, match="preference.loss_type: expected one of 'sigmoid'"):
+        load("my_loss")
+    monkeypatch.setitem(preference_config.LOSSES, "my_loss", preference_config.LossKind(reference=False))
+    monkeypatch.setitem(preference_config.LOSSES, "my_kto", preference_config.LossKind(unpaired=True))
+    assert load(["sigmoid", "my_loss"]).preference.types == ("sigmoid", "my_loss")
+    assert load("my_kto", "unpaired_preference").preference.loss_type == "my_kto"
+    with pytest.raises(RecipeError, match=r"preference.loss_type: \['my_kto'\] train on unpaired rows"):
+        load("my_kto")
+
+
+def test_cpo_trainers_losses_are_recipe_names_on_its_pairs_without_a_reference(corpus):
+    """CPOConfig's loss_type sigmoid / hinge / ipo (with cpo_alpha as an `sft` weight) load as cpo_sigmoid /
+    cpo_hinge / cpo_ipo: CPOTrainer's tokenization and metrics, no reference pass (the recipe refused them before)."""
+    from vp_accelerate.runtime.preference import metric_style
+    from vp_accelerate.runtime.preference_config import needs_reference
+    from vp_accelerate.train.data.preference import pair_style
+
+    for loss_type in (["cpo_sigmoid", "sft"], "cpo_hinge", ["cpo_ipo", "sft"]):
+        r = recipe_from_dict(base(corpus, data={"format": "preference"}, preference={"loss_type": loss_type}))
+        types = r.preference.types
+        assert not needs_reference(types) and pair_style(types) == "cpo" and metric_style(types) == "cpo", types
+
+
+def test_every_loss_of_the_table_has_its_formula():
+    from vp_accelerate.runtime.preference import FORMULAS, LOSSES
+
+    assert list(FORMULAS) == list(LOSSES)
+
+
 @pytest.mark.parametrize(
     "pipeline, message",
     [
@@ -270,7 +323,7 @@ def test_a_trl_style_recipe_gets_every_unknown_key_in_one_error():
     assert len(problems) == len(trl) + 1
     said = dict(p.split(":", 1) for p in problems)
     assert "pipeline.activation_checkpointing" in said["gradient_checkpointing"]
-    assert "preference.loss_type" in said["reference_free"] and "not supported" in said["reference_free"]
+    assert "preference.loss_type" in said["reference_free"] and "cpo_sigmoid" in said["reference_free"]
     for key in ("loss_weights", "simpo_gamma", "desirable_weight"):
         assert f"did you mean preference.{key}?" in said[key]
     assert "preference.label_smoothing" in said["label_smoothing"]

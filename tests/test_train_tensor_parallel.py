@@ -14,23 +14,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.launch import run_env, train_ranks
+from helpers.launch import losses, run_env, train_ranks
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=["vocab-2", "baseline"])
 def tp_recipe(tmp_path_factory, request):
-    from helpers.tiny import TINY_MODEL, bpe, corpus, recipe_file
+    from helpers.tiny import tiny_run
 
-    d = tmp_path_factory.mktemp("tp")
-    text = corpus(d, "alpha beta gamma delta epsilon zeta eta theta iota kappa".split(), lines=300, per_line=40)
-    bpe([text], d)
-    recipe_file(
-        d / "recipe.yaml",
-        d / "tok",
-        [text],
-        model=TINY_MODEL,
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    return tiny_run(
+        tmp_path_factory.mktemp("tp"),
+        words,
+        lines=300,
         data={"seq_len": 16},
         # baseline: the end stages' embedding and output layer split over TP (rows, a padding row at the end)
         pipeline={"schedule": "1f1b", "method": request.param, "microbatches": 2, "tp_size": 2},
@@ -40,12 +37,6 @@ def tp_recipe(tmp_path_factory, request):
         checkpoint={"every": 2, "keep": 2},
         logging={"log_every": 1},
     )
-    return d
-
-
-def _losses(out_dir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
@@ -62,7 +53,7 @@ def test_a_tp_run_trains_exports_and_resumes_without_tp(tp_recipe):
     out = train_ranks([str(d / "recipe.yaml"), "--set", f"logging.output_dir={run}"], d, env, nprocs=4)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "(pp 2 x tp 2 x dp 1)" in out.stderr + out.stdout
-    full = _losses(run)
+    full = losses(run)
     assert sorted(full) == [1, 2, 3, 4]
     exported = _weights(run / "hf")
     vocab = json.loads((run / "hf" / "config.json").read_text())["vocab_size"]
@@ -91,6 +82,6 @@ def test_a_tp_run_trains_exports_and_resumes_without_tp(tp_recipe):
     ]
     again = train_ranks(args, d, env, nprocs=2)
     assert again.returncode == 0, again.stderr[-4000:]
-    resumed = _losses(resumed_dir)
+    resumed = losses(resumed_dir)
     for step in (3, 4):
         assert resumed[step] == pytest.approx(full[step], rel=1e-4), (step, resumed, full)

@@ -350,7 +350,7 @@ def test_orpo_rows_label_the_chosen_prompt_and_say_where_completions_start(tok, 
     """ORPO's data: ORPOTrainer's tokens, the chosen rows labelled on the prompt too (its NLL reads input_ids
     where attention_mask), the rejected on the completion, and `completion_start` where tokenize_row's labels
     start; the trainer hands it to the runtime's Preference."""
-    from vp_accelerate.train.recipe.schema import PreferenceSection
+    from vp_accelerate.runtime.preference_config import PreferenceConfig
     from vp_accelerate.train.run.loop import preference_of
 
     rows = [
@@ -372,7 +372,7 @@ def test_orpo_rows_label_the_chosen_prompt_and_say_where_completions_start(tok, 
             assert int(batch["completion_start"][row]) == mask.index(1)
             labelled = [1] * n if row % 2 == 0 else mask
             assert (data.train.labels[row, :n] != -100).astype(int).tolist() == labelled
-    section = PreferenceSection(loss_type=["sft", "orpo"])
+    section = PreferenceConfig(loss_type=["sft", "orpo"])
     batch["ref_logps"] = None
     assert torch.equal(preference_of(section, batch).completion_start, batch["completion_start"])
 

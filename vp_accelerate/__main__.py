@@ -4,13 +4,16 @@ import faulthandler
 import os
 import sys
 
+from vp_accelerate import exit_codes
 from vp_accelerate.cli import main
 
 if "LOCAL_RANK" in os.environ and not faulthandler.is_enabled():  # a launched rank (distributed.enable_fault_stacks)
     faulthandler.enable(all_threads=True)
 
 code = main()
-if code == 2:  # a launched rank's user error ends without native teardown (user_errors.exit_launched says why)
+if (
+    code == exit_codes.USER_ERROR
+):  # a launched rank's user error ends without native teardown (user_errors.exit_launched says why)
     from vp_accelerate.train.run.user_errors import exit_launched
 
     exit_launched(code)

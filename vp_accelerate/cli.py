@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from vp_accelerate import exit_codes
+
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("vp_accelerate.train.cli.commands", "train_main", "train from a recipe (run under accelerate launch)"),
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"vp-accelerate: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     module, func, _ = COMMANDS[name]
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .lookup import choices, find
+from .lookup import lookup
 
 
 class ModeError(ValueError):
@@ -127,23 +127,21 @@ CHECKPOINTING: dict[str, Checkpointing] = {
 }
 
 
-def _lookup(table: dict, name, what: str):
-    entry = find(table, name)
-    if entry is None:
-        raise ModeError(f"{what}: unknown value {name!r}; {choices(table, name)}")
-    return entry
+ZERO_LEVELS = (0, 1)
+"""ZeRO stages there are (pipeline.zero, the planner's --zero): 0 (every data-parallel replica keeps the whole
+optimizer state) and 1 (Adam's moments sharded over the replicas: runtime/zero.py)."""
 
 
 def precision(name: str) -> Precision:
     """The precision called `name` (any case); ModeError if there is none."""
-    return _lookup(PRECISIONS, name, "mixed_precision")
+    return lookup(PRECISIONS, name, ModeError, f"mixed_precision: unknown value {name!r}")
 
 
 def memory_mode(name: str) -> MemoryMode:
     """The output-layer memory mode called `name` (any case); ModeError if there is none."""
-    return _lookup(MEMORY_MODES, name, "memory")
+    return lookup(MEMORY_MODES, name, ModeError, f"memory: unknown value {name!r}")
 
 
 def checkpointing(name: str) -> Checkpointing:
     """The activation-checkpointing mode called `name` (any case); ModeError if there is none."""
-    return _lookup(CHECKPOINTING, name, "activation_checkpointing")
+    return lookup(CHECKPOINTING, name, ModeError, f"activation_checkpointing: unknown value {name!r}")

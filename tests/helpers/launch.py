@@ -288,3 +288,9 @@ def train_ranks(
 def fault_json(fault: dict | None) -> str:
     """scripts/fault_worker.py's VP_FAULT for a real launch."""
     return json.dumps(fault or {})
+
+
+def losses(out_dir) -> dict[int, float]:
+    """step -> train/loss of a run's metrics.jsonl (`logging.output_dir`)."""
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}

@@ -142,3 +142,34 @@ def recipe_file(path, tokenizer, files, /, **sections) -> str:
 
     Path(path).write_text(yaml.safe_dump(recipe(tokenizer, files, **sections)))
     return str(path)
+
+
+def tiny_run(folder, words, *, lines: int, per_line=40, seed=0, **sections) -> Path:
+    """The folder of a small launched run: a corpus of `words` (`corpus`), its 300-token BPE (`folder`/tok) and
+    `folder`/recipe.yaml with the 4-layer `TINY_MODEL` and `sections` (`recipe`). Returns `folder`."""
+    text = corpus(folder, words, lines=lines, per_line=per_line, seed=seed)
+    bpe([text], folder)
+    recipe_file(Path(folder) / "recipe.yaml", Path(folder) / "tok", [text], model=TINY_MODEL, **sections)
+    return Path(folder)
+
+
+FAULT_WORDS = "alpha beta gamma delta epsilon мир дом 世界 你好 données λόγος".split()
+"""The fault tests' corpus words (several scripts, so the BPE has multi-byte tokens)."""
+
+
+def fault_run(folder, *, lines: int, seed, steps: int, train_seed: int, checkpoint: dict) -> Path:
+    """The fault tests' run (`tiny_run`): 2 ranks of 4 microbatches, `steps` steps of 8 rows of 16 tokens, one
+    evaluation batch held out, a log line every step."""
+    return tiny_run(
+        folder,
+        FAULT_WORDS,
+        lines=lines,
+        per_line=30,
+        seed=seed,
+        data={"seq_len": 16, "eval_holdout": 0.05},
+        pipeline={"microbatches": 4},
+        train={"steps": steps, "global_batch": 8, "seed": train_seed},
+        eval={"every": 0, "batches": 1},
+        checkpoint=checkpoint,
+        logging={"log_every": 1, "timeline_image": False},
+    )

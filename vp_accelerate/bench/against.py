@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vp_accelerate import exit_codes
 from vp_accelerate.bench.config import BenchConfig
 from vp_accelerate.bench.report import vocab_label
 
@@ -180,7 +181,7 @@ def against_main(cfg: BenchConfig, a: argparse.Namespace) -> int:
             rows = compare(cfg, ref_root, a.rounds, progress)
     except AgainstError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     table = comparison_table(rows, a.against)
     print(table)
     print(

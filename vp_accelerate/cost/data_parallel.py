@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import math
 
-ZERO_LEVELS = (0, 1)
-"""ZeRO stages the planner knows: 0 (every replica keeps the whole optimizer state) and 1 (sharded)."""
+from vp_accelerate.modes import ZERO_LEVELS
 
 OPTIMIZER_STEP_BYTES = 30
 """HBM bytes per parameter of one fused AdamW step: reads fp32 param, grad, m, v (16), writes param, m, v

@@ -34,15 +34,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_flatten
 
+from vp_accelerate.dryrun import FakeWorldMissing
 from vp_accelerate.models import build as model_build
 from vp_accelerate.models import meta as model_meta
 from vp_accelerate.runtime import groups as runtime_groups
 from vp_accelerate.runtime import p2p
 from vp_accelerate.schedule.world import CommOp as Op
 from vp_accelerate.vocab import comm
+
+try:  # torch has no public fake process group; this private one is tested on the torch versions pyproject allows
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+except ImportError as e:
+    raise FakeWorldMissing(
+        f"the dry run needs torch's fake process group (torch.testing._internal.distributed.fake_pg), which "
+        f"torch {torch.__version__} does not have ({e}); install a full torch >= 2.11 (pyproject.toml's range)"
+    ) from None
 
 
 @dataclass

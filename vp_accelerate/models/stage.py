@@ -89,7 +89,8 @@ class StageChunk(nn.Module):
         """Local names of fused projections sliced one part at a time -> the parts' whole sizes."""
         self.input_sliced = False
         """Chunk 0 under sequence parallelism fed by the TP-split end-stage embedding (`TPEmbedding`): its input
-        holds this rank's 1/tp of the sequence already (the embedding's reduce-scatter)."""
+        holds this rank's 1/tp of the sequence already (the embedding's reduce-scatter). Every other chunk's
+        input does under sequence parallelism (the stage before sent its TP rank's part)."""
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """A key of modes.CHECKPOINTING: "none", "full" (every layer) or "selective" (every other layer:
@@ -145,7 +146,10 @@ class StageChunk(nn.Module):
         (default 0..s-1); `attention_mask` an optional 2D [b, s] padding mask (1 = real token), or the
         microbatch's `MicrobatchMasks` (the runtime's: no device reads).
         """
-        sliced = self.is_first and self.input_sliced and self.tp is not None
+        # under sequence parallelism the input is this rank's 1/tp of the sequence, but for chunk 0 fed the whole
+        # embedding output (vocabulary methods, or the baseline without its split embedding)
+        sp = self.tp is not None and self.tp.sequence_parallel
+        sliced = sp and (self.input_sliced or not self.is_first)
         # the whole sequence's shape (the masks' and rotary tables' builders read shape, dtype and device only)
         whole = hidden.new_empty((hidden.shape[0], hidden.shape[1] * self.tp.comm.size, 0)) if sliced else hidden
         if position_ids is None:
@@ -169,8 +173,8 @@ class StageChunk(nn.Module):
                 hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
             else:
                 hidden = layer(hidden, **kwargs)
-        if self.tp is not None:  # the whole sequence again before the final norm (a replicated gradient)
-            hidden = gather_sequence(hidden, self.tp)
+        if self.tp is not None and self.is_last:  # the whole sequence before the final norm (a replicated gradient);
+            hidden = gather_sequence(hidden, self.tp)  # other chunks send their part on
         if self.norm is not None:
             hidden = self.norm(hidden)
         return hidden

@@ -18,6 +18,12 @@ own tensors plus the largest vocabulary matrix, instead of the whole model on ra
 
 The same plan serves the live export (a collective over one replica's pipeline ranks, replica 0 writing)
 and the offline export of a checkpoint (one process reading one rank file at a time: `export_rank_files`).
+
+Under tensor parallelism (`TPLayout`) a stage's TP rank 0 writes the stage's file: a tensor every TP rank holds
+whole from its own copy, a TP-sliced one (`tp_sliced`: a split linear, a LoRA factor, the baseline's end-stage
+vocabulary rows) joined when its turn comes from the stage's TP ranks' slices (received one tensor at a time,
+live; read from their rank files, offline), so the bound stays one joined tensor and its slices. The
+vocabulary matrices sharded over pp x tp come from all the replica's ranks, in vocabulary-rank order.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -38,6 +45,7 @@ from vp_accelerate.safetensors_file import DTYPES, dtype_of, open_safetensors
 
 from .generation import generation_config_for, with_tokenizer_ids
 from .meta import meta_model
+from .tensor_parallel import join_packed
 
 INDEX = "model.safetensors.index.json"
 
@@ -45,6 +53,35 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 Entry = tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]
 """(name, shape, dtype, a function producing the tensor when its turn comes)."""
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How a replica's tensors are split over tensor parallelism (a RankModules', or a checkpoint's meta.json)."""
+
+    size: int = 1
+    """TP ranks per pipeline stage (1: none)."""
+    sliced: dict = field(default_factory=dict)
+    """HF name -> the dim its TP slices are cut along."""
+    packed: dict = field(default_factory=dict)
+    """HF name -> the parts' whole sizes of a fused projection sliced one part at a time."""
+    vocab: frozenset = frozenset()
+    """TP row slices of a padded vocabulary matrix (the baseline's end layers): cut to vocab_size once joined."""
+
+    def joined_shape(self, name: str, shape, vocab_size: int) -> tuple[int, ...]:
+        """The whole tensor's shape from one slice's."""
+        dim, out = self.sliced[name], list(shape)
+        out[dim] *= self.size
+        if name in self.vocab:
+            out[0] = vocab_size
+        return tuple(out)
+
+    def join(self, name: str, pieces: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
+        """The whole tensor from its TP ranks' slices (in TP-rank order)."""
+        if name in self.packed:
+            return join_packed(pieces, self.packed[name])
+        whole = torch.cat(pieces, self.sliced[name])
+        return whole[:vocab_size] if name in self.vocab else whole
 
 
 def shard_file_name(index: int, count: int) -> str:
@@ -161,65 +198,96 @@ def export_streaming(
     write: bool = True,
     dtype: torch.dtype | None = None,
     tokenizer=None,
+    tp_rank: int = 0,
 ) -> Path | None:
-    """Collective over one replica's pipeline ranks (`group`, a gloo group in pipeline-rank order): each rank
-    writes its own tensors to its shard file, the vocabulary matrices are gathered one at a time to their
-    owner, and pipeline rank 0 writes the index and the config. `write=False`: a replica that only takes part
-    (nothing is written; every replica calls it so the collectives match). `dtype`: the files' dtype (None: the
-    parameters'). Returns the directory on the ranks that wrote."""
+    """Collective over one replica's pipeline ranks (`group`, a gloo group in pipeline-rank order; under tensor
+    parallelism the replica's pp x tp ranks in vocabulary-rank order): each stage writes its own tensors to its
+    shard file (its TP rank 0, the TP slices joined one tensor at a time), the vocabulary matrices are gathered
+    one at a time to their owner, and pipeline rank 0 writes the index and the config. `write=False`: a replica
+    that only takes part (nothing is written; every replica calls it so the collectives match). `dtype`: the
+    files' dtype (None: the parameters'). Returns the directory on the ranks that wrote."""
     cfg = config if config is not None else mods.config
     if cfg.vocab_size != mods.vocab_size:
         raise ValueError(f"config has vocab_size={cfg.vocab_size} but the model was built with {mods.vocab_size}")
     out = Path(out_dir)
     local = {n: t for n, t in mods.state_dict().items() if not mods.is_duplicate(n)}
+    tp = TPLayout(mods.tp_size, mods.tp_sliced, mods.tp_packed, mods.tp_vocab_names)
+    me, size = pp_rank * tp.size + tp_rank, pp_size * tp.size  # this rank in `group`, the group's ranks
+    writer = write and tp_rank == 0  # a stage's TP rank 0 writes the stage's file
     sharded = sorted(mods.sharded_names)
     owner = vocab_owner(sharded, pp_size)
     if dtype is None:
         dtype = next((t.dtype for t in local.values() if t.is_floating_point()), torch.float32)
-    if write and pp_rank == 0:
+    if write and me == 0:
         out.mkdir(parents=True, exist_ok=True)
     if write:
         dist.barrier(group=group)  # the directory exists before any rank writes into it
     entries: list[Entry] = []
+    slices: list[torch.Tensor] = []  # a TP rank > 0: its slices, sent to its TP rank 0 as the file is written
     for name, t in local.items():
         if name in owner:
             continue
         want = dtype if t.is_floating_point() else t.dtype
-        entries.append((name, tuple(t.shape), want, lambda t=t: t))
+        if tp.size > 1 and name in tp.sliced:
+            if tp_rank == 0:
+                shape = tp.joined_shape(name, t.shape, mods.vocab_size)
+                entries.append((name, shape, want, _joined(tp, name, t, want, mods.vocab_size, me, group)))
+            else:
+                slices.append(t.detach().to(device="cpu", dtype=want).contiguous())
+        elif tp_rank == 0:
+            entries.append((name, tuple(t.shape), want, lambda t=t: t))
     for name in sharded:  # every rank sends its shard of each matrix in the same order; the owner keeps the whole
-        full = _gather_rows(local[name], mods.vocab_size, owner[name], pp_rank, pp_size, group, dtype)
+        full = _gather_rows(local[name], mods.vocab_size, owner[name] * tp.size, me, size, group, dtype)
         if full is not None:
             entries.append((name, tuple(full.shape), dtype, lambda full=full: full))
-    file = shard_file_name(pp_rank, pp_size)
-    if write:
+    file = shard_file_name(pp_rank, pp_size) if tp_rank == 0 else None
+    if writer:
         write_safetensors(out / file, entries)
+    elif write:  # in the order the stage's writer joins them
+        for t in slices:
+            dist.send(t, group=group, group_dst=me - tp_rank)
+    slices.clear()
     listing = [(name, _nbytes(shape, dt)) for name, shape, dt, _ in entries]
     entries.clear()
-    gathered = [None] * pp_size if pp_rank == 0 else None
+    gathered = [None] * size if me == 0 else None
     dist.gather_object((file, listing), gathered, group=group, group_dst=0)
     if not write:
         return None
-    if pp_rank == 0:
-        files = dict(gathered)
+    if me == 0:
+        files = {f: items for f, items in gathered if f is not None}
         check_names(cfg, (n for items in files.values() for n, _ in items))
         write_index(out, files)
         write_model_files(out, cfg, tokenizer, dtype)
     dist.barrier(group=group)
-    return out
+    return out if writer else None
 
 
-def _gather_rows(shard: torch.Tensor, vocab_size: int, dst: int, pp_rank: int, pp_size: int, group, dtype):
-    """The full matrix of equal row shards (cut to `vocab_size` rows) on pipeline rank `dst`, None elsewhere.
+def _joined(tp: TPLayout, name: str, mine: torch.Tensor, dtype, vocab_size: int, me: int, group):
+    """A function producing the whole tensor `name` on a stage's TP rank 0 (group rank `me`): its own slice and
+    the other TP ranks' (group ranks me + 1 ...), received when the file reaches it."""
+
+    def produce() -> torch.Tensor:
+        pieces = [mine.detach().to(device="cpu", dtype=dtype).contiguous()]
+        for r in range(1, tp.size):
+            pieces.append(torch.empty_like(pieces[0]))
+            dist.recv(pieces[-1], group=group, group_src=me + r)
+        return tp.join(name, pieces, vocab_size)
+
+    return produce
+
+
+def _gather_rows(shard: torch.Tensor, vocab_size: int, dst: int, rank: int, size: int, group, dtype):
+    """The full matrix of equal row shards (cut to `vocab_size` rows) on group rank `dst`, None elsewhere.
     Each shard is received straight into its rows of one preallocated matrix (point to point: gloo's gather
     stages every input in a second buffer of the whole matrix)."""
     mine = shard.detach().to(device="cpu", dtype=dtype).contiguous()
-    if pp_rank != dst:
+    if rank != dst:
         dist.send(mine, group=group, group_dst=dst)
         return None
     rows = mine.shape[0]
-    full = torch.empty((rows * pp_size, *mine.shape[1:]), dtype=dtype)
-    for r in range(pp_size):
-        if r == pp_rank:
+    full = torch.empty((rows * size, *mine.shape[1:]), dtype=dtype)
+    for r in range(size):
+        if r == rank:
             full[r * rows : (r + 1) * rows] = mine
         else:
             dist.recv(full[r * rows : (r + 1) * rows], group=group, group_src=r)
@@ -237,14 +305,20 @@ def export_rank_files(
     *,
     dtype: torch.dtype | None = None,
     tokenizer=None,
+    tp: TPLayout | None = None,
 ) -> Path:
-    """An HF directory from a checkpoint's per-rank safetensors files of one replica, in pipeline-rank order,
-    each with the names to leave out (a tied copy another rank counts). One process, one rank file open at a
-    time and one tensor read at a time (`open_safetensors`); a vocabulary matrix is read shard by shard into one
-    matrix. The output has one file per rank, as the live export."""
+    """An HF directory from a checkpoint's per-rank safetensors files of one replica, in pipeline-rank order
+    (under tensor parallelism `tp`: vocabulary-rank order, a stage's TP ranks consecutive), each with the names
+    to leave out (a tied copy another rank counts). One process, one rank file open at a time and one tensor
+    read at a time (`open_safetensors`; a TP-sliced tensor from its stage's files, slice by slice); a vocabulary
+    matrix is read shard by shard into one matrix. The output has one file per pipeline stage, as the live
+    export."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pp_size = len(rank_files)
+    tp = tp or TPLayout()
+    if len(rank_files) % tp.size:
+        raise ValueError(f"{len(rank_files)} rank files do not make stages of {tp.size} tensor-parallel ranks")
+    pp_size = len(rank_files) // tp.size
     sharded = sorted(sharded_names)
     owner = vocab_owner(sharded, pp_size)
     if dtype is None:
@@ -252,7 +326,9 @@ def export_rank_files(
         with open_safetensors(path) as f:
             dtype = next((dtype_of(f, n, path) for n in f.keys()), torch.float32)
     files: dict[str, list[tuple[str, int]]] = {}
-    for r, (path, skip) in enumerate(rank_files):
+    for r in range(pp_size):
+        path, skip = rank_files[r * tp.size]
+        stage = [p for p, _ in rank_files[r * tp.size : (r + 1) * tp.size]]
         entries: list[Entry] = []
         with open_safetensors(path) as f:
             for name in f.keys():
@@ -261,7 +337,11 @@ def export_rank_files(
                 src = dtype_of(f, name, path)
                 want = dtype if src.is_floating_point else src
                 shape = tuple(f.get_slice(name).get_shape())
-                entries.append((name, shape, want, lambda f=f, name=name: f.get_tensor(name)))
+                if tp.size > 1 and name in tp.sliced:  # joined from the stage's TP rank files, slice by slice
+                    shape = tp.joined_shape(name, shape, vocab_size)
+                    entries.append((name, shape, want, _stage_join(tp, name, stage, vocab_size)))
+                else:
+                    entries.append((name, shape, want, lambda f=f, name=name: f.get_tensor(name)))
             for name in (n for n in sharded if owner[n] == r):
                 shape = _full_shape(rank_files, name, vocab_size)
                 entries.append((name, shape, dtype, lambda name=name: _read_rows(rank_files, name, vocab_size, dtype)))
@@ -272,6 +352,19 @@ def export_rank_files(
     write_index(out, files)
     write_model_files(out, config, tokenizer, dtype)
     return out
+
+
+def _stage_join(tp: TPLayout, name: str, stage: list[str], vocab_size: int) -> Callable[[], torch.Tensor]:
+    """A function producing the whole tensor `name` from a stage's TP rank files, read one slice at a time."""
+
+    def produce() -> torch.Tensor:
+        pieces = []
+        for path in stage:
+            with open_safetensors(path) as f:
+                pieces.append(f.get_tensor(name))
+        return tp.join(name, pieces, vocab_size)
+
+    return produce
 
 
 def _full_shape(rank_files, name: str, vocab_size: int) -> tuple[int, ...]:

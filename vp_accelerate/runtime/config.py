@@ -60,8 +60,10 @@ class PipelineConfig:
     tp_size: int = 1
     """Tensor-parallel ranks per pipeline stage: each stage's decoder layers are split over tp consecutive
     ranks (Megatron's column / row split of attention and MLP, as the family's `base_model_tp_plan` says;
-    keep them inside one node), and the vocabulary over all pp_size x tp_size ranks of a replica. World size
-    = pp_size x tp_size x dp_size. 1 = no tensor parallelism."""
+    keep them inside one node), and the vocabulary over all pp_size x tp_size ranks of a replica (methods
+    baseline and redis: the end stages' embedding and output layer split by rows over their TP ranks, as
+    Megatron's vocabulary-parallel layers; interlaced is refused). World size = pp_size x tp_size x dp_size.
+    1 = no tensor parallelism."""
 
     sequence_parallel: Optional[bool] = None
     """With tp_size > 1: keep the norms and the residual stream between a stage's layers on 1/tp of the
@@ -152,7 +154,7 @@ class PipelineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1 or null, got {value}")
-        if self.zero not in (0, 1):
+        if self.zero not in modes.ZERO_LEVELS:
             raise ValueError(f"zero: must be 0 (off) or 1 (optimizer state sharded over dp_size), got {self.zero}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing: must be in [0, 1), got {self.label_smoothing}")

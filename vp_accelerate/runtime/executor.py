@@ -111,6 +111,10 @@ class Executor:
         self.progress = Progress()
         self.state: StepState | None = None  # only while `run` runs
         self.after_pass = None  # called with each compute action once it ran (grad_sync.DPReducer.after_pass)
+        # sequence parallelism: stages exchange their TP rank's 1/tp of the sequence (each TP rank with its
+        # counterpart), as the residual stream holds it
+        tp = next((c.tp for c in modules.chunks.values() if c.tp is not None), None)
+        self.p2p_sequence_parts = tp.comm.size if tp is not None and tp.sequence_parallel else 1
 
     @classmethod
     def for_rank(
@@ -151,6 +155,11 @@ class Executor:
 
     def _empty_act(self) -> torch.Tensor:
         return torch.empty(self.state.act_shape, dtype=self.exchange_dtype, device=self.device)
+
+    def _empty_p2p(self) -> torch.Tensor:
+        """A receive buffer: the activation, or under sequence parallelism its TP rank's part of the sequence."""
+        b, s, h = self.state.act_shape
+        return torch.empty((b, s // self.p2p_sequence_parts, h), dtype=self.exchange_dtype, device=self.device)
 
     @staticmethod
     def _grad_buffer(param: torch.nn.Parameter) -> torch.Tensor:
@@ -256,7 +265,7 @@ class Executor:
             elif a.op is Op.SEND_GRAD:
                 tensor = st.chunk_inputs.pop((a.mb, a.chunk)).grad  # the input itself is no longer needed
             else:
-                tensor = self._empty_act()
+                tensor = self._empty_p2p()
                 receives.append(((a.op, a.mb, a.chunk), tensor))
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.groups.pp_group))
                 continue

@@ -68,36 +68,52 @@ def plan_buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) 
     return buckets
 
 
-@torch.no_grad()
-def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Sum every tensor over `group`, in place, in flat buckets (`plan_buckets`). Returns the number of
-    all-reduce calls made."""
-    pending: list[tuple] = []
+def in_place(members: list[torch.Tensor]) -> bool:
+    """A bucket of one contiguous tensor travels as it is (no flat copy)."""
+    return len(members) == 1 and members[0].is_contiguous()
+
+
+def pack(members: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """A bucket's flat copy (cast to `dtype`), or None when its one contiguous tensor travels in place."""
+    cast = dtype is not None and dtype != members[0].dtype
+    if in_place(members) and not cast:
+        return None  # no copy
+    flat = torch.cat([t.reshape(-1) for t in members])
+    return flat.to(dtype) if cast else flat
+
+
+def in_buckets(tensors: list[torch.Tensor], start, finish, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Run an asynchronous collective over `tensors` in flat buckets (`plan_buckets`), at most `IN_FLIGHT` at a
+    time: `start(members)` issues one bucket's and returns (work, its flat buffer or None); `finish(k, n, work,
+    flat, members)` waits for bucket k of n (1-based, in issue order) and unpacks it. Returns the calls made."""
     buckets = plan_buckets(tensors, bucket_bytes)
-
-    def finish(work, flat, members) -> None:
-        p2p.wait_labelled(work, f"DP bucket {finish.done + 1}/{len(buckets)}", members[0].device)
-        finish.done += 1
-        if flat is not None:
-            unflatten_into(flat, members)
-
-    finish.done = 0
-    calls = 0
-    for idx in buckets:
+    pending: list[tuple] = []
+    for k, idx in enumerate(buckets, 1):
         members = [tensors[i] for i in idx]
-        if len(members) == 1 and members[0].is_contiguous():
-            flat, target = None, members[0]  # reduce in place: no copy
-        else:
-            flat = torch.cat([t.reshape(-1) for t in members])
-            target = flat
-        work = p2p.collective(dist.all_reduce, target, group, "data-parallel bucket all-reduce", async_op=True)
-        pending.append((work, flat, members))
-        calls += 1
+        pending.append((k, len(buckets), *start(members), members))
         if len(pending) >= IN_FLIGHT:
             finish(*pending.pop(0))
     for item in pending:
         finish(*item)
-    return calls
+    return len(buckets)
+
+
+@torch.no_grad()
+def all_reduce_buckets(tensors: list[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Sum every tensor over `group`, in place, in flat buckets (`plan_buckets`). Returns the number of
+    all-reduce calls made."""
+
+    def start(members):
+        flat = pack(members)
+        target = members[0] if flat is None else flat
+        return p2p.collective(dist.all_reduce, target, group, "data-parallel bucket all-reduce", async_op=True), flat
+
+    def finish(k, n, work, flat, members) -> None:
+        p2p.wait_labelled(work, f"DP bucket {k}/{n}", members[0].device)
+        if flat is not None:
+            unflatten_into(flat, members)
+
+    return in_buckets(tensors, start, finish, bucket_bytes)
 
 
 class DPReducer:
@@ -154,12 +170,8 @@ class DPReducer:
             grads.append(p.grad)
         for idx in plan_buckets(grads, self.bucket_bytes):
             members = [grads[i] for i in idx]
-            cast = self.reduce_dtype is not None and self.reduce_dtype != members[0].dtype
-            if len(members) == 1 and members[0].is_contiguous() and not cast:
-                flat, target = None, members[0]  # reduce in place: no copy
-            else:
-                flat = torch.cat([t.reshape(-1) for t in members])
-                target = flat = flat.to(self.reduce_dtype) if cast else flat
+            flat = pack(members, self.reduce_dtype)
+            target = members[0] if flat is None else flat
             # the flat buffer lives in `pending` until the bucket is retired
             work = p2p.collective(dist.all_reduce, target, self.group, "data-parallel bucket all-reduce", async_op=True)
             self.pending.append((work, flat, members))

@@ -60,12 +60,13 @@ def export_hf(pipe, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -
             pipe.mods,
             pipe.hf_config,
             out_dir,
-            group=g.pp_host_group,
+            group=g.pp_host_group if g.tp_size == 1 else g.replica_host_group,  # the replica's pp x tp ranks
             pp_rank=g.pp_rank,
             pp_size=g.pp_size,
             write=g.dp_rank == 0,
             dtype=dtype,
             tokenizer=tokenizer,
+            tp_rank=g.tp_rank,
         )
 
     def gather():
@@ -80,8 +81,7 @@ def export_hf(pipe, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -
         out_dir,
         stream=stream,
         gather=gather,
-        # tensor-parallel slices are joined by the gather (the streaming export writes whole tensors per rank)
-        merged=pipe.adapter.enabled or g.tp_size > 1,
+        merged=pipe.adapter.enabled,  # tensor-parallel slices: joined by either (stream_export's TPLayout)
         dtype=dtype,
         tokenizer=tokenizer,
     )

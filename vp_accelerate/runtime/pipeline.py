@@ -541,9 +541,7 @@ class PipelineModel:
             optimizer_class,
             g.dp_group,
             g.dp_rank,
-            # groups.py's rank layout: replica d's rank at this (pp, tp) coordinate (tp ignored here broadcast
-            # from the wrong ranks at tp > 1; the dry run of a TP layout with ZeRO-1 found it)
-            [grid_rank(d, g.pp_rank, g.tp_rank, g.pp_size, g.tp_size) for d in range(g.dp_size)],
+            [grid_rank(d, g.pp_rank, g.tp_rank, g.pp_size, g.tp_size) for d in range(g.dp_size)],  # each replica's
             {p: n for n, p in self.named_parameters()},
             **defaults,
         )

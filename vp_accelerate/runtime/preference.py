@@ -1,4 +1,4 @@
-"""Preference optimisation (TRL's DPO losses, SimPO, ORPO's odds ratio, KTO) as a loss of whole sequences.
+"""Preference optimisation (TRL's DPO losses, CPO's and SimPO, ORPO's odds ratio, KTO) as a loss of whole sequences.
 
 A step's batch holds pairs: row 2k is pair k's chosen completion, row 2k + 1 its rejected one (KTO: unpaired
 rows, each desirable or not), with the prompt's labels ignored (-100), so a row's log-probability log π(y|x)
@@ -7,7 +7,8 @@ counts the host knows), so dL/dCE_t = −dL/dlog π(row) for a completion token 
 exactly the per-token g the vocabulary-parallel output layer takes after C1 (every rank has each token's
 loss then), so T, ∇x and the pipeline's backward follow unchanged (vocab/output_layer.py `SequenceLossFn`)
 and no loss needs a collective of its own. dL/dlog π is taken by autograd over the microbatch's [rows]
-float64 sums (`LOSSES` below: TRL's formulas), so a loss is written once, as TRL writes it. The baseline
+float64 sums (`FORMULAS` below: TRL's formulas, one per entry of preference_config.py's table `LOSSES`), so a
+loss is written once, as TRL writes it. The baseline
 applies the same g to its autograd CE (runtime/executor.py). A pair's two rows must share a microbatch:
 microbatches hold an even number of rows.
 
@@ -20,6 +21,9 @@ With m = [log π(y_w) − log π_ref(y_w)] − [log π(y_l) − log π_ref(y_l)]
     apo_zero  1 − σ(β r_w) + σ(β r_l)             r = log π − log π_ref
     sft       −Σ chosen log π / chosen tokens     (RPO / MPO's NLL term; a replica's token mean, as DDP)
     simpo     −(1−ε) log σ(βd) − ε log σ(−βd)     d = avg log π_w − avg log π_l − γ/β (CPO's `simpo`)
+    cpo_sigmoid  −(1−ε) log σ(βd) − ε log σ(−βd)  d = log π_w − log π_l (CPOTrainer's `sigmoid`: no reference)
+    cpo_hinge    max(0, 1 − βd)                   d = log π_w − log π_l (CPOTrainer's `hinge`)
+    cpo_ipo      (d̄ − 1/(2β))²                   d̄ = avg log π_w − avg log π_l (CPOTrainer's `ipo`)
     orpo      −β log σ(log odds_w − log odds_l)   odds on avg log π (ORPOTrainer's odds-ratio term)
     kto       w_d (1 − σ(β(r − z))) desirable, w_u (1 − σ(β(z − r))) undesirable; z = max(KL, 0), given
     apo_zero_unpaired   1 − σ(βr) desirable, σ(βr) undesirable
@@ -35,6 +39,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from vp_accelerate.runtime.preference_config import LOSSES, PreferenceConfig, loss_types
+
+__all__ = ["LOSSES", "FORMULAS", "Preference"]
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +104,16 @@ def _simpo(r: _Rows, p: Preference) -> torch.Tensor:
     return -F.logsigmoid(p.beta * d) * (1 - eps) - F.logsigmoid(-p.beta * d) * eps
 
 
+def _cpo_sigmoid(r: _Rows, p: Preference) -> torch.Tensor:
+    d, eps = r.logps[0::2] - r.logps[1::2], p.label_smoothing  # no reference, even beside a loss that has one
+    return -F.logsigmoid(p.beta * d) * (1 - eps) - F.logsigmoid(-p.beta * d) * eps
+
+
+def _cpo_ipo(r: _Rows, p: Preference) -> torch.Tensor:
+    avg = _avg(r)
+    return (avg[0::2] - avg[1::2] - 1 / (2 * p.beta)) ** 2
+
+
 def _orpo(r: _Rows, p: Preference) -> torch.Tensor:
     avg = _avg(r)
     log_odds = (avg[0::2] - avg[1::2]) - (_log1mexp(avg[0::2]) - _log1mexp(avg[1::2]))
@@ -118,48 +136,31 @@ def _apo_zero_unpaired(r: _Rows, p: Preference) -> torch.Tensor:
     return torch.where(r.desirable, p.desirable_weight * (1 - s), p.undesirable_weight * s)
 
 
-@dataclass(frozen=True)
-class LossKind:
-    """One entry of `LOSSES`: how a loss reads the rows and how its per-item values are averaged."""
-
-    fn: Callable[[_Rows, Preference], torch.Tensor]
-    """(rows, preference) -> per-item losses: [pairs], or [rows] for unpaired, or a scalar sum for `sft`."""
-    reference: bool = True
-    """Needs the reference model's log-probabilities."""
-    unpaired: bool = False
-    """Rows are unpaired (KTO: `Preference.desirable` says which); mean over rows, not pairs."""
-    token_mean: bool = False
-    """The value is a sum over chosen tokens, averaged by the replica's chosen tokens (`sft`)."""
-
-
-LOSSES: dict[str, LossKind] = {
-    "sigmoid": LossKind(lambda r, p: -F.logsigmoid(p.beta * _margin(r))),
-    "hinge": LossKind(lambda r, p: torch.relu(1 - p.beta * _margin(r))),
-    "ipo": LossKind(_ipo),
-    "robust": LossKind(_robust),
-    "apo_zero": LossKind(_apo_zero),
-    "sft": LossKind(lambda r, p: -_full(r)[0::2].sum(), reference=False, token_mean=True),
-    "simpo": LossKind(_simpo, reference=False),
-    "orpo": LossKind(_orpo, reference=False),
-    "kto": LossKind(_kto, unpaired=True),
-    "apo_zero_unpaired": LossKind(_apo_zero_unpaired, unpaired=True),
+FORMULAS: dict[str, Callable[[_Rows, Preference], torch.Tensor]] = {
+    "sigmoid": lambda r, p: -F.logsigmoid(p.beta * _margin(r)),
+    "ipo": _ipo,
+    "hinge": lambda r, p: torch.relu(1 - p.beta * _margin(r)),
+    "robust": _robust,
+    "apo_zero": _apo_zero,
+    "sft": lambda r, p: -_full(r)[0::2].sum(),
+    "simpo": _simpo,
+    "cpo_sigmoid": _cpo_sigmoid,
+    "cpo_hinge": lambda r, p: torch.relu(1 - p.beta * (r.logps[0::2] - r.logps[1::2])),
+    "cpo_ipo": _cpo_ipo,
+    "orpo": _orpo,
+    "kto": _kto,
+    "apo_zero_unpaired": _apo_zero_unpaired,
 }
+"""(rows, preference) -> per-item losses of every loss of `LOSSES`: [pairs], or [rows] for unpaired ones, or a
+scalar sum for a `token_mean` one (`sft`)."""
 LOSS_TYPES = tuple(LOSSES)
-LOGGED_AVERAGED = ("simpo", "orpo")
 
 
 def metric_style(types: tuple[str, ...]) -> str:
-    """Whose metrics a step logs: "orpo" (ORPOTrainer), "cpo" (CPOTrainer: SimPO) or "dpo" (DPOTrainer, and
-    KTOTrainer for unpaired rows)."""
-    return "orpo" if "orpo" in types else "cpo" if "simpo" in types else "dpo"
-
-
-"""Losses whose trainer (TRL's CPOTrainer, ORPOTrainer) logs logps/* and rewards/* on per-token averages too;
-DPOTrainer logs sums, IPO included."""
-
-
-def _as_tuple(loss_type: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    return (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    """Whose metrics a step logs (`LossKind.trainer`): "orpo" (ORPOTrainer), "cpo" (CPOTrainer: SimPO and
+    `cpo_*`) or "dpo" (DPOTrainer, and KTOTrainer for unpaired rows)."""
+    trainers = {LOSSES[t].trainer for t in types if t in LOSSES}
+    return "orpo" if "orpo" in trainers else "cpo" if "cpo" in trainers else "dpo"
 
 
 @dataclass(frozen=True)
@@ -169,15 +170,15 @@ class Preference:
 
     ref_logps: torch.Tensor | None
     """[batch] the reference model's log π_ref(row) (a sum over the row's label tokens; `sequence_logps`);
-    None when every loss is reference-free (`sft`, `simpo`, `orpo`)."""
+    None when every loss is reference-free (`sft`, `simpo`, `cpo_*`, `orpo`)."""
     beta: float = 0.1
     """β: the strength of the implicit KL penalty (TRL's `beta`; SimPO's β, ORPO's λ)."""
-    loss_type: str | tuple[str, ...] = "sigmoid"
+    loss_type: str | tuple[str, ...] | list[str] = "sigmoid"
     """One of `LOSS_TYPES` or a list of them, as TRL's `loss_type`; their losses are summed with weights."""
-    loss_weights: tuple[float, ...] | None = None
+    loss_weights: tuple[float, ...] | list[float] | None = None
     """One weight per `loss_type` entry (TRL's `loss_weights`); None = all 1."""
     label_smoothing: float = 0.0
-    """ε of `robust` (in [0, 0.5)) and `simpo` (TRL's `label_smoothing`)."""
+    """ε of `robust` (in [0, 0.5)), `simpo` and `cpo_sigmoid` (TRL's `label_smoothing`)."""
     simpo_gamma: float = 0.5
     """γ of `simpo`: the target margin (CPO's `simpo_gamma`)."""
     desirable: torch.Tensor | None = None
@@ -195,9 +196,16 @@ class Preference:
     NLL counts the chosen rows' prompt tokens as ORPOTrainer's does; log π and every other loss count the
     completion only). None: the labels are the completion's."""
 
+    @classmethod
+    def of(cls, config: PreferenceConfig, ref_logps, desirable=None, kl=0.0, completion_start=None) -> Preference:
+        """The step's Preference: the recipe's `preference` section (`PreferenceConfig`, every setting as it is)
+        with the batch's reference log-probabilities, KTO's desirable flags and KL estimate, ORPO's prompt ends."""
+        settings = {f: getattr(config, f) for f in PreferenceConfig.__dataclass_fields__}
+        return cls(ref_logps, desirable=desirable, kl=kl, completion_start=completion_start, **settings)
+
     @property
     def types(self) -> tuple[str, ...]:
-        return _as_tuple(self.loss_type)
+        return loss_types(self.loss_type)
 
     @property
     def weights(self) -> tuple[float, ...]:
@@ -343,7 +351,7 @@ class PairLoss:
             total = leaf.new_zeros(())
             for name, weight in zip(p.types, p.weights):
                 kind = LOSSES[name]
-                value = kind.fn(rows, p)
+                value = FORMULAS[name](rows, p)
                 if kind.token_mean:
                     denom = self.chosen_tokens.to(leaf.device, torch.float64).clamp(min=1) * self.dp_size
                     total = total + weight * value / denom
@@ -370,9 +378,9 @@ class PairLoss:
 
     def logged_logps(self) -> torch.Tensor:
         """The log π TRL logs (logps/*, and inside rewards/*): per-token averages where the trainer works on
-        them (CPOTrainer's SimPO, ORPOTrainer: `LOGGED_AVERAGED`), sums otherwise (DPOTrainer, IPO included:
-        only its loss is length-normalised)."""
-        if any(t in LOGGED_AVERAGED for t in self.preference.types):
+        them (CPOTrainer's simpo and ipo, ORPOTrainer: `LossKind.averaged`), sums otherwise (DPOTrainer, IPO
+        included: only its loss is length-normalised; CPOTrainer's sigmoid and hinge)."""
+        if any(LOSSES[t].averaged for t in self.preference.types):
             return self.logps / self._tokens().to(self.logps.device)
         return self.logps
 
@@ -382,7 +390,7 @@ class PairLoss:
         token counts. As TRL logs them: reward = β (log π − log π_ref) (β log π for the reference-free losses),
         on `logged_logps`. KTO's unpaired rows: the same sums over desirable / undesirable rows."""
         logps = self.logged_logps()
-        r = self.preference.beta * (logps - self._ref(logps.device))  # simpo / orpo: reference-free, ref 0
+        r = self.preference.beta * (logps - self._ref(logps.device))  # simpo / cpo_* / orpo: reference-free, ref 0
         valid = self._completion().to(logps.device)
         mean = self.mean_logits if self.mean_logits is not None else torch.zeros(valid.shape, dtype=r.dtype)
         logit_sums = torch.where(valid, mean.to(logps.device), 0.0).sum(dim=1)

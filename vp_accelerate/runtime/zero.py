@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from vp_accelerate.runtime import p2p
-from vp_accelerate.runtime.grad_sync import IN_FLIGHT, plan_buckets, unflatten_into
+from vp_accelerate.runtime.grad_sync import in_buckets, in_place, pack, unflatten_into
 
 FORMAT = "zero-1"
 """`state_dict()["format"]` of a sharded optimizer's state."""
@@ -51,36 +51,22 @@ def assign_owners(sizes: list[int], world: int) -> list[int]:
 @torch.no_grad()
 def broadcast_buckets(tensors: list[torch.Tensor], src: int, group, is_src: bool) -> int:
     """Broadcast `tensors` from global rank `src` over `group`, in flat buckets; returns the calls made."""
-    pending: list[tuple] = []
-    buckets = plan_buckets(tensors)
 
-    def finish(work, flat, members) -> None:
-        finish.done += 1
-        label = f"ZeRO broadcast {finish.done}/{len(buckets)} from rank {src}"
-        p2p.wait_labelled(work, label, members[0].device)
+    def start(members):
+        if is_src or in_place(members):
+            flat = pack(members)
+        else:  # a receiver's bucket: an empty buffer of its size
+            flat = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
+        target = members[0] if flat is None else flat
+        work = p2p.collective(dist.broadcast, target, group, "ZeRO-1 parameter broadcast", async_op=True, src=src)
+        return work, flat
+
+    def finish(k, n, work, flat, members) -> None:
+        p2p.wait_labelled(work, f"ZeRO broadcast {k}/{n} from rank {src}", members[0].device)
         if flat is not None and not is_src:
             unflatten_into(flat, members)
 
-    finish.done = 0
-    calls = 0
-    for idx in buckets:
-        members = [tensors[i] for i in idx]
-        if len(members) == 1 and members[0].is_contiguous():
-            flat, target = None, members[0]
-        elif is_src:
-            flat = torch.cat([t.reshape(-1) for t in members])
-            target = flat
-        else:
-            flat = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
-            target = flat
-        work = p2p.collective(dist.broadcast, target, group, "ZeRO-1 parameter broadcast", async_op=True, src=src)
-        pending.append((work, flat, members))
-        calls += 1
-        if len(pending) >= IN_FLIGHT:
-            finish(*pending.pop(0))
-    for item in pending:
-        finish(*item)
-    return calls
+    return in_buckets(tensors, start, finish)
 
 
 def _hyper(group: dict) -> dict:

@@ -21,7 +21,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
-from vp_accelerate.lookup import choices, find
+from vp_accelerate.lookup import lookup
 
 from . import blocks
 from .blocks import Block
@@ -226,21 +226,14 @@ SCHEDULES: dict[str, ScheduleKind] = {
 }
 
 
-def _lookup(table: dict, name, what: str):
-    entry = find(table, name)
-    if entry is None:
-        raise ScheduleError(f"unknown {what} {name!r}; {choices(table, name)}")
-    return entry
-
-
 def schedule_kind(name: str) -> ScheduleKind:
     """The registered schedule kind called `name` (any case); ScheduleError if there is none."""
-    return _lookup(SCHEDULES, name, "schedule kind")
+    return lookup(SCHEDULES, name, ScheduleError, f"unknown schedule kind {name!r}")
 
 
 def method(name: str) -> Method:
     """The registered method called `name` (any case); ScheduleError if there is none."""
-    return _lookup(METHODS, name, "method")
+    return lookup(METHODS, name, ScheduleError, f"unknown method {name!r}")
 
 
 def normalise_schedule(name: str) -> str:

@@ -15,6 +15,7 @@ from vp_accelerate.cost import (
     for_schedule,
     shape_from_hf_config,
 )
+from vp_accelerate.exit_codes import USER_ERROR
 from vp_accelerate.schedule import ScheduleError, build_schedule, validate
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, argparse_type, normalise_method, normalise_schedule
 from vp_accelerate.schedule.replay import BUFFERED
@@ -183,7 +184,7 @@ def _parse_and_run(prog: str, with_out: bool, argv):
 def simulate_main(argv=None) -> int:
     ran = _parse_and_run("vp-accelerate simulate", False, argv)
     if ran is None:
-        return 2
+        return USER_ERROR
     args, sched, model, res = ran
     out = {
         "schedule": args.schedule,
@@ -226,7 +227,7 @@ def simulate_main(argv=None) -> int:
 def plot_schedule_main(argv=None) -> int:
     ran = _parse_and_run("vp-accelerate plot-schedule", True, argv)
     if ran is None:
-        return 2
+        return USER_ERROR
     args, sched, _, res = ran
     from .plot import plot_timeline  # matplotlib: only this command draws
 

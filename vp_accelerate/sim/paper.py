@@ -229,6 +229,7 @@ def images(out_dir: Path) -> list[str]:
     timelines = (
         ("1f1b", "baseline", "cost"),
         ("1f1b", "vocab-2", "cost"),
+        ("1f1b", "interlaced", "cost"),
         ("vhalf", "baseline", "cost"),
         ("vhalf", "vocab-2", "cost"),
         ("vhalf", "vocab-2", "grid"),

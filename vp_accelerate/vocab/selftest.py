@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import init_from_env, spawn
+from ..exit_codes import USER_ERROR
 from .output_layer import ALGORITHMS, OutputLayerOptions
 from .partition import VocabPartition
 from .verify import VerifyCase, verify_case
@@ -127,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = 0, args.nproc
         if world < 1:
             print(f"--nproc must be >= 1, got {world}", file=sys.stderr)
-            return 2
+            return USER_ERROR
         if args.vocab < world:
             print(
                 f"--vocab {args.vocab} must be >= --nproc {world}: every rank needs a vocabulary row", file=sys.stderr
             )
-            return 2
+            return USER_ERROR
         seed = args.seed if args.seed is not None else random.randrange(2**31)
         errors = spawn(_spawned, world, args.vocab, args.hidden, args.tokens, seed, timeout_s=300)[0]
     passed, text = report(errors, args.tolerance, world, args, seed)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
+from vp_accelerate import exit_codes
+
 from ..data import BadRowsError, DataError
 from ..data.check import bad_rows_text, data_report
 from ..data.check import show_example as render_example
@@ -29,10 +31,10 @@ def run_check(recipe, notes: list[str], found: dict, show_example: bool = False)
             lines, prepared, recipe = data_report(recipe, tokenizer, vocab)
         except BadRowsError as e:
             print(bad_rows_text(e), file=sys.stderr)
-            return 2
+            return exit_codes.USER_ERROR
         except (DataError, RecipeError) as e:
             print(f"data error: {e}", file=sys.stderr)
-            return 2
+            return exit_codes.USER_ERROR
         notes += lines
     print(json.dumps(recipe_to_dict(recipe), indent=1))
     for note in notes:

@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 
+from vp_accelerate import exit_codes
+
 from .plan import resolve_auto
 
 
@@ -123,7 +125,7 @@ def _run(recipe, args) -> tuple | int:
     from ..data import DataError  # after parse_args, as above
     from ..persist.files import CheckpointError
     from ..run.nonfinite import NonFiniteError
-    from ..run.preemption import EXIT_PREEMPTED, Preempted
+    from ..run.preemption import Preempted
     from ..run.run_lock import release_all
     from ..run.trainer import setup, train
     from ..run.user_errors import USER_ERRORS, leave, report
@@ -136,19 +138,19 @@ def _run(recipe, args) -> tuple | int:
         report(e, where(args.recipe, str(e), args.overrides))
         leave()
         release_all()
-        return 2
+        return exit_codes.USER_ERROR
     except (CheckpointError, NonFiniteError) as e:
         print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         release_all()
-        return 3
+        return exit_codes.STOPPED
     try:
         summary = train(recipe, resume=args.resume, stop_at=args.stop_at, run=run)
     except Preempted as e:  # a stop signal: the checkpoint is written, every rank says so and exits 75
         print(str(e), file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+        return exit_codes.PREEMPTED
     except (CheckpointError, DataError, NonFiniteError) as e:
         print(f"training stopped: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 3
+        return exit_codes.STOPPED
     finally:
         release_all()
     return run, summary
@@ -213,7 +215,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
         # every launched rank found the same: said once per machine, with the recipe line that set the key
         say_once(f"recipe error: {e} {where(args.recipe, str(e), args.overrides)}")
-        return 2
+        return exit_codes.USER_ERROR
     if args.check:
         from .check import run_check
 
@@ -271,6 +273,6 @@ def export_main(argv: list[str] | None = None) -> int:
         )
     except CheckpointError as e:
         print(f"export error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     print(f"exported {args.checkpoint} -> {out}")
     return 0

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import sys
 
+from vp_accelerate import exit_codes
 from vp_accelerate.cost import GPU_PRESETS
 
 from .plan import model_arg, run_shape
@@ -195,9 +196,15 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         check_tensor_parallel(cfg, hf, args.seq, lora)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     from vp_accelerate.cost.memory import reserve_bytes
-    from vp_accelerate.dryrun.world import dry_run_world, planned_bytes
+    from vp_accelerate.dryrun import FakeWorldMissing
+
+    try:
+        from vp_accelerate.dryrun.world import dry_run_world, planned_bytes
+    except FakeWorldMissing as e:  # one line, exit 2 (a torch without the private module it needs)
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USER_ERROR
     from vp_accelerate.schedule.registry import METHODS
 
     tp = cfg.tp_size
@@ -277,7 +284,7 @@ def dryrun_main(argv: list[str] | None = None) -> int:
             f"more pipeline ranks, ZeRO-1 or activation checkpointing",
             file=sys.stderr,
         )
-        return 2
+        return exit_codes.USER_ERROR
     return 1 if result.deadlock else 0
 
 

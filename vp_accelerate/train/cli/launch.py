@@ -27,6 +27,8 @@ import signal
 import subprocess
 import sys
 
+from vp_accelerate import exit_codes
+
 USAGE = (
     "usage: vp-accelerate launch [accelerate launch options] train RECIPE [train options]\n"
     "  e.g. vp-accelerate launch --config_file configs/accelerate_cpu_2proc.yaml train recipes/quickstart.yaml\n"
@@ -34,7 +36,7 @@ USAGE = (
     "model source: said in one line), 3 when training stopped, the launcher's report for anything else"
 )
 
-RUN_CODES = (2, 3, 75)
+RUN_CODES = (exit_codes.USER_ERROR, exit_codes.STOPPED, exit_codes.PREEMPTED)
 """Exit codes a rank chooses (user error, training stopped, stopped by a signal after saving): passed on without
 the launcher's report."""
 
@@ -74,7 +76,7 @@ def launch_main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from ..run.preemption import EXIT_PREEMPTED, SHUTDOWN_TIMEOUT_S
+    from ..run.preemption import SHUTDOWN_TIMEOUT_S
 
     at = argv.index("train")
     args = launch_command_parser().parse_args([*argv[:at], "--module", "vp_accelerate", *argv[at:]])
@@ -97,7 +99,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             f"or that the run had already finished); a run that had not finished resumes with --resume",
             file=sys.stderr,
         )
-        return EXIT_PREEMPTED
+        return exit_codes.PREEMPTED
     except ChildFailedError as e:
         _, failure = e.get_first_failure()
         if failure.exitcode in RUN_CODES:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from vp_accelerate import exit_codes
 from vp_accelerate.cost import GPU_PRESETS, Hardware
 from vp_accelerate.cost.data_parallel import ZERO_LEVELS
 from vp_accelerate.cost.memory import LORA_TARGETS
@@ -91,12 +92,13 @@ def model_arg(source: str) -> ModelArg:
     if not is_recipe(source):
         return ModelArg(model_config(source))
     from ..recipe import load_recipe
+    from ..recipe.model_check import config_source
     from ..recipe.presets import recipe_model_config, uses_pretrained_weights
     from .preflight import vocab_decision
 
     recipe = load_recipe(os.path.expanduser(source))
     m = recipe.model
-    config = recipe_model_config(m.source, m.config, m.trust_remote_code, uses_pretrained_weights(m))
+    config = recipe_model_config(config_source(m.source), m.config, m.trust_remote_code, uses_pretrained_weights(m))
     vocab = vocab_decision(recipe, config, full=False)  # the rows the run gives the tokenizer (a swap, a resize)
     if vocab is not None:
         config.vocab_size = vocab.rows_after
@@ -267,7 +269,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     fitting = found.fitting
     header = assumptions(req, args.gpu)
     if args.json:
@@ -329,6 +331,7 @@ def resolve_auto(recipe, world_size: int | None):
     else (recipe, None). Every rank computes the same plan from the same inputs. Raises RecipeError."""
     # presets and recipe load transformers and the models; commands.py imports this module before --help is read
     from ..recipe import RecipeError, check
+    from ..recipe.model_check import config_source
     from ..recipe.presets import recipe_model_config, uses_pretrained_weights
 
     p = recipe.pipeline
@@ -340,7 +343,7 @@ def resolve_auto(recipe, world_size: int | None):
             "--world-size N with --check)"
         )
     m = recipe.model
-    config = recipe_model_config(m.source, m.config, m.trust_remote_code, uses_pretrained_weights(m))
+    config = recipe_model_config(config_source(m.source), m.config, m.trust_remote_code, uses_pretrained_weights(m))
     memory = p.plan_memory_gb or _memory_gb(world_size)
     peak = recipe.logging.peak_tflops * 1e12 or Hardware.peak_flops  # only MFU's scale; the ranking is the same
     req = PlanRequest(

@@ -10,11 +10,9 @@ with exit code 2 and the key to change. Sources that cannot be read offline (hub
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 
-from huggingface_hub import try_to_load_from_cache
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from vp_accelerate.cost import plan_layout
@@ -38,11 +36,11 @@ from ..persist.hub_push import check_push
 from ..recipe.checks import describe_batch
 from ..recipe.convert import RecipeError
 from ..recipe.load import recipe_to_dict
-from ..recipe.model_check import check_adapter_targets, hub_offline, hub_snapshot, missing_hub_source, valid_repo_id
+from ..recipe.model_check import check_adapter_targets, model_dir
 from ..recipe.presets import MODEL_FIX, PRESETS, recipe_model_config, uses_pretrained_weights
-from ..tokens.tokenizer import QWEN_VARIANTS, load_tokenizer
 from ..tokens.vocab_plan import (
     model_tokenizer_of,
+    open_tokenizer,
     plan_vocab,
     prepare_tokenizers,
     tokenizer_source,
@@ -160,24 +158,10 @@ def _model_config(recipe, full: bool = True):
             raise
         except (TypeError, ValueError) as e:
             raise RecipeError(f"model.config: {e}") from None
-    src = _local_dir(m.source)
-    if src is None:
-        hint = difflib.get_close_matches(m.source, list(PRESETS), n=1, cutoff=0.8)
-        if hint and "/" not in m.source:  # a typo of a preset would otherwise become a hub download attempt
-            raise RecipeError(
-                f"model.source: {m.source!r} is not a preset (did you mean {hint[0]}?) nor a local directory"
-            )
-        if not valid_repo_id(m.source):
-            raise RecipeError(
-                f"model.source: {m.source!r} is not a preset, a local directory nor a hub id (presets: "
-                f"{', '.join(PRESETS)})"
-            )
-        src = hub_snapshot(m.source)  # what an offline run can use
-        if src is None and hub_offline():
-            raise missing_hub_source("model.source", m.source)
-        if src is None and not full:
-            return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
-        src = src or m.source
+    src = model_dir(m.source, download=False)
+    if src is None and not full:
+        return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
+    src = src or m.source  # --check: a hub id's config read from the hub
     if os.path.isfile(os.path.join(src, "config.json")):
         _config_json(os.path.join(src, "config.json"))
         if pretrained:
@@ -192,31 +176,7 @@ def _model_config(recipe, full: bool = True):
 
 def _local_tokenizer(recipe):
     """The run's tokenizer when it is on disk (bpe:<dir>, a local dir, a converted Qwen); None otherwise."""
-    return _load_local_tokenizer(recipe, tokenizer_source(recipe), convert=False)
-
-
-def _load_local_tokenizer(recipe, source: str, convert: bool):
-    """The tokenizer `source` names when it can be read offline (bpe:<dir>, a local dir, a Qwen variant that is
-    converted or may be converted now); None otherwise (a hub id)."""
-    if source in QWEN_VARIANTS:
-        path = os.path.join(recipe.tokenizer.cache_dir, source)
-        if not convert and not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            return None  # converted on the first run (one rank first); the data check catches bad ids
-    elif _local_dir(source[4:] if source.startswith("bpe:") else source) is None:
-        if source.startswith("bpe:"):
-            return None
-        key = "tokenizer.source" if recipe.tokenizer.source is not None else "model.source"
-        if not valid_repo_id(source):
-            raise RecipeError(f"{key}: {source!r} is neither a local directory nor a hub id")
-        cached = isinstance(try_to_load_from_cache(source, "tokenizer_config.json"), str)
-        if not cached and hub_offline():
-            raise missing_hub_source(key, source)
-        if not cached and not convert:
-            return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
-    try:
-        return load_tokenizer(source, recipe.tokenizer.cache_dir, recipe.model.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"tokenizer.source: cannot load the tokenizer {source!r}: {str(e).splitlines()[0]}") from None
+    return open_tokenizer(recipe, tokenizer_source(recipe), fetch=False)
 
 
 def vocab_decision(recipe, config, full: bool = True, found: dict | None = None):
@@ -227,13 +187,11 @@ def vocab_decision(recipe, config, full: bool = True, found: dict | None = None)
     and building a swap's row map (the trainer builds it); the row counts are still decided.
     """
     source = tokenizer_source(recipe)
-    tokenizer = _load_local_tokenizer(recipe, source, convert=full)
+    tokenizer = open_tokenizer(recipe, source, fetch=full)
     if tokenizer is None:
         return None
     pretrained = uses_pretrained_weights(recipe.model)
-    model_tokenizer = model_tokenizer_of(
-        recipe, tokenizer, source, lambda own: _load_local_tokenizer(recipe, own, convert=full)
-    )
+    model_tokenizer = model_tokenizer_of(recipe, tokenizer, source, lambda own: open_tokenizer(recipe, own, fetch=full))
     chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, pretrained)  # the tokens it adds need rows
     if found is not None:
         found["tokenizer"] = tokenizer
@@ -304,7 +262,7 @@ def check_run_dirs(recipe, resume: str | None = None, override: tuple = ()) -> l
             raise RecipeError(f"{key}: {folder} is a file, not a directory; point {key} at a directory (or a new path)")
     if recipe.model.init_from is not None:  # a checkpoint of another run: it must be there and complete
         try:
-            ckpt.resolve(os.path.expanduser(recipe.model.init_from))
+            ckpt.read_meta(ckpt.resolve(os.path.expanduser(recipe.model.init_from)))  # its format version too
         except ckpt.CheckpointError as e:
             raise RecipeError(f"model.init_from: {e}") from None
     c, out = recipe.checkpoint, recipe.logging.output_dir

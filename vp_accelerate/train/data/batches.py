@@ -72,6 +72,27 @@ class Sequences:
         return out
 
 
+@dataclass(frozen=True)
+class ReplicaShare:
+    """The rows of each global batch a data-parallel replica reads: rows [r*B, (r+1)*B) of it (B = G / dp_size)."""
+
+    global_batch: int
+    """G: rows of one global batch, over every replica."""
+    dp_rank: int = 0
+    """r: this replica."""
+    dp_size: int = 1
+    """Replicas."""
+
+    @property
+    def per_replica(self) -> int:
+        """B: the rows of a global batch each replica reads."""
+        return self.global_batch // self.dp_size
+
+    def start(self, batch: int) -> int:
+        """The first row this replica reads of global batch `batch`, counted over the batches (batch * G + r * B)."""
+        return batch * self.global_batch + self.dp_rank * self.per_replica
+
+
 class BatchIterator:
     """Deterministic, resumable iterator of one replica's batches over in-memory sequences."""
 
@@ -82,8 +103,7 @@ class BatchIterator:
                 f"{global_batch}; add data or lower data.seq_len / train.global_batch"
             )
         self.seqs, self.seed, self.global_batch = seqs, seed, global_batch
-        self.per_replica = global_batch // dp_size
-        self.dp_rank = dp_rank
+        self.share = ReplicaShare(global_batch, dp_rank, dp_size)
         self.steps_per_epoch = len(seqs) // global_batch  # the incomplete last global batch is dropped
         self.epoch, self.step = 0, 0
         self._order = self._permutation(0)
@@ -107,10 +127,9 @@ class BatchIterator:
         if self.step == self.steps_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
-        first = self.step * self.global_batch
-        start = first + self.dp_rank * self.per_replica
+        first, start = self.step * self.global_batch, self.share.start(self.step)
         self.step += 1
-        self.last_rows = self._order[start : start + self.per_replica]  # to name a bad sample in errors
+        self.last_rows = self._order[start : start + self.share.per_replica]  # to name a bad sample in errors
         # every replica's rows are known here: the step's global count of real (non-padding) tokens
         self.last_tokens = self.seqs.real_tokens(self._order[first : first + self.global_batch])
         return self.seqs.batch(self.last_rows)
@@ -160,7 +179,7 @@ class StreamingBatchIterator:
         replay: bool = False,
     ):
         self.make_stream, self.seq_len, self.seed = make_stream, seq_len, seed
-        self.global_batch, self.per_replica, self.dp_rank = global_batch, global_batch // dp_size, dp_rank
+        self.global_batch, self.share = global_batch, ReplicaShare(global_batch, dp_rank, dp_size)
         self.replay = replay
         self.epoch, self.step = 0, 0
         self.last_tokens = global_batch * seq_len  # packed streams have no padding
@@ -207,7 +226,8 @@ class StreamingBatchIterator:
             self._start(self.epoch)
             rows = next(self._batches)
         self.step += 1
-        mine = rows[self.dp_rank * self.per_replica : (self.dp_rank + 1) * self.per_replica]
+        start = self.share.start(0)
+        mine = rows[start : start + self.share.per_replica]
         ids = torch.tensor(mine, dtype=torch.long)
         self.last_position = (self.epoch, self.step)
         return {"input_ids": ids, "labels": ids.clone()}
@@ -215,7 +235,7 @@ class StreamingBatchIterator:
     def describe_rows(self, first: int, end: int) -> str:
         """Where rows [first, end) of the last batch come from (for error messages)."""
         epoch, step = self.last_position
-        start = (step - 1) * self.global_batch + self.dp_rank * self.per_replica
+        start = self.share.start(step - 1)
         return f"streamed sequences {start + first}..{start + end - 1} of epoch {epoch}"
 
     def state_dict(self) -> dict:
@@ -249,8 +269,7 @@ class EvalBatches:
     def __init__(
         self, seqs: Sequences, global_batch: int, dp_rank: int = 0, dp_size: int = 1, limit: int | None = None
     ):
-        self.seqs, self.global_batch, self.per_replica = seqs, global_batch, global_batch // dp_size
-        self.dp_rank = dp_rank
+        self.seqs, self.global_batch, self.share = seqs, global_batch, ReplicaShare(global_batch, dp_rank, dp_size)
         n = -(-len(seqs) // global_batch)
         self.count = n if limit is None else min(n, limit)
         targets = seqs.target_counts() if len(seqs) else np.zeros(0, dtype=np.int64)
@@ -263,10 +282,10 @@ class EvalBatches:
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < self.count:
             raise IndexError(i)
-        start = i * self.global_batch + self.dp_rank * self.per_replica
-        rows = np.arange(start, min(start + self.per_replica, len(self.seqs)))
+        start = self.share.start(i)
+        rows = np.arange(start, min(start + self.share.per_replica, len(self.seqs)))
         batch = self.seqs.batch(rows) if len(rows) else None
-        missing = self.per_replica - len(rows)
+        missing = self.share.per_replica - len(rows)
         if missing:
             pad = self.seqs.padding_row()
             fill = {k: v.expand(missing, -1).clone() for k, v in pad.items()}

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vp_accelerate.runtime.preference_config import LOSSES, loss_types, needs_reference
+
 from ..recipe.schema import DataSection
 from . import chat_rows, formats
-from .batches import Sequences
+from .batches import ReplicaShare, Sequences
 from .pack import warn
 from .read import RAW, WHERE, DataError, RowLocator
 from .sources import builder_for, load_documents, nonempty_paths
@@ -111,22 +113,14 @@ def _joint(prompt_ids: list, chosen_ids: list, rejected_ids: list) -> tuple[list
     return tuple(out)
 
 
-CPO_LOSSES = ("simpo", "orpo")
-"""Losses whose TRL trainer (CPOTrainer, ORPOTrainer) tokenizes pairs its own way (`cpo_pair`)."""
-
-
-REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero")
-"""DPOTrainer's losses that need the reference model (its log π_ref counts the completion only)."""
-
-
 def pair_style(loss_type) -> str:
-    """How pairs are tokenized: "orpo" for ORPO without a reference loss (ORPOTrainer's rows, the chosen rows'
-    prompt tokens labelled too: its NLL counts them), "cpo" when the losses include SimPO or ORPO (CPOTrainer /
-    ORPOTrainer's rows), else "dpo" (DPOTrainer's)."""
-    types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type or ())
-    if "orpo" in types and not any(t in REFERENCE_LOSSES for t in types):
+    """How pairs are tokenized: "orpo" for ORPO without a loss needing the reference (ORPOTrainer's rows, the
+    chosen rows' prompt tokens labelled too: its NLL counts them), "cpo" when a loss's trainer tokenizes its own
+    way (`LossKind.trainer`: CPOTrainer / ORPOTrainer's rows, `cpo_pair`), else "dpo" (DPOTrainer's)."""
+    types = [t for t in loss_types(loss_type) if t in LOSSES]
+    if "orpo" in types and not needs_reference(types):
         return "orpo"
-    return "cpo" if any(t in CPO_LOSSES for t in types) else "dpo"
+    return "cpo" if any(LOSSES[t].trainer != "dpo" for t in types) else "dpo"
 
 
 def _cpo_answer(tokenizer, prompt: str, answer: str) -> tuple[list, list]:
@@ -424,12 +418,7 @@ class PairEvalBatches:
     add its log 2 to the mean), each with its pairs' reference log-probabilities; equal weights."""
 
     def __init__(self, seqs: PairSequences, global_batch: int, dp_rank: int = 0, dp_size: int = 1, limit=None):
-        self.seqs, self.global_batch, self.per_replica, self.dp_rank = (
-            seqs,
-            global_batch,
-            global_batch // dp_size,
-            dp_rank,
-        )
+        self.seqs, self.global_batch, self.share = seqs, global_batch, ReplicaShare(global_batch, dp_rank, dp_size)
         n = len(seqs) // global_batch
         self.count = n if limit is None else min(n, limit)
         self.loss_tokens = [global_batch] * self.count  # pairs: every batch weighs the same
@@ -441,8 +430,8 @@ class PairEvalBatches:
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < self.count:
             raise IndexError(i)
-        start = i * self.global_batch + self.dp_rank * self.per_replica
-        return self.seqs.batch(np.arange(start, start + self.per_replica))
+        start = self.share.start(i)
+        return self.seqs.batch(np.arange(start, start + self.share.per_replica))
 
     def __iter__(self):
         return (self[i] for i in range(self.count))

@@ -6,7 +6,7 @@ Each rank writes `rank_XXXXX/files.json` beside its shards: every file's size an
 the bytes as written (read back after the fsync). Rank 0 records `model/`'s files the same way in meta.json
 ("files"). A load checks the size first (a truncated copy costs a `stat`), then the hash (a flipped byte costs
 one more pass over the file: 0.30-0.65 s per GiB measured on the shared 2-core build box, file in the page cache,
-against 0.3 s for safetensors' own load of it). Checkpoints from before the record are read without it.
+against 0.3 s for safetensors' own load of it).
 
 Loading uses safetensors and `torch.load(weights_only=True)` only: no file runs code.
 """
@@ -225,15 +225,11 @@ def unreadable(e: UnreadableSafetensors) -> CheckpointError:
     return _damaged(e.path, e.why)
 
 
-def rank_record(rank_dir: str) -> dict | None:
-    """A rank folder's files.json (None for a checkpoint saved before it was written: its meta.json records no
-    `files` either; where meta.json does, a missing files.json is damage)."""
+def rank_record(rank_dir: str) -> dict:
+    """A rank folder's files.json (its files' sizes and hashes); missing, it is damage."""
     path = contained(os.path.join(rank_dir, MANIFEST))
     if not os.path.exists(path):
-        meta = os.path.join(os.path.dirname(rank_dir), "meta.json")
-        if os.path.isfile(meta) and "files" in read_json(meta):
-            raise _damaged(path, "is missing (the checkpoint records its files since it was saved)")
-        return None
+        raise _damaged(path, "is missing (the checkpoint records its files since it was saved)")
     entries = check_record(read_json(path), path)
     for name in entries:
         if "/" in name or "\\" in name:

@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from vp_accelerate.models.export import assemble_state_dict, export_hf, save_hf
 from vp_accelerate.models.generation import generation_eos
 from vp_accelerate.models.lora import merge_lora, save_adapter
-from vp_accelerate.models.stream_export import export_rank_files
+from vp_accelerate.models.stream_export import TPLayout, export_rank_files
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.safetensors_file import UnreadableSafetensors
 
@@ -108,6 +108,15 @@ def checkpoint_model_files(path: str, trust_remote_code: bool = False):
             f"{config.vocab_size}; the checkpoint is damaged or was altered: {ckpt.files.fix(os.path.join(path, 'meta.json'))}"
         )
     return config, tokenizer, meta
+
+
+def tp_layout(meta: dict) -> TPLayout:
+    """How checkpoint meta.json says the replica's tensors are split over tensor parallelism."""
+    size = int(meta.get("tp_size", 1))
+    if size == 1:
+        return TPLayout()
+    sliced, packed = dict(meta.get("tp_sliced", {})), dict(meta.get("tp_packed", {}))
+    return TPLayout(size, sliced, packed, frozenset(meta.get("tp_vocab", ())))
 
 
 def checkpoint_state(path: str, trust_remote_code: bool = False):
@@ -257,6 +266,7 @@ def _export(step_dir, out_dir, max_shard_size, adapter_only, adapter_dir, dtype,
                 out_dir,
                 dtype=dtype,
                 tokenizer=tokenizer,
+                tp=tp_layout(meta),
             )
 
         def gather():
@@ -268,8 +278,7 @@ def _export(step_dir, out_dir, max_shard_size, adapter_only, adapter_dir, dtype,
             out_dir,
             stream=stream,
             gather=gather,
-            # tensor-parallel slices are joined by the gather (a streamed rank file holds whole tensors only)
-            merged=adapter is not None or int(meta.get("tp_size", 1)) > 1,
+            merged=adapter is not None,  # tensor-parallel slices: joined by either (stream_export's TPLayout)
             dtype=dtype,
             tokenizer=tokenizer,
             max_shard_size=max_shard_size,

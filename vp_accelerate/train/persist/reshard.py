@@ -26,8 +26,8 @@ the pipeline size (V rounded up to P x pad_multiple), so the same matrix would h
 in every layout; the row-range reading below trims the padding instead. The files stay what `export` and
 `model.init_from` already read.
 
-Checkpoints from before the optimizer state was keyed by name resume only into their own layout; resharding
-them is refused with the command that converts them (resume once on the saved layout, which saves by name).
+Every checkpoint of this format (`store.FORMAT`, checked by `store.read_meta` before anything here reads it) is
+keyed by name, so it resumes into any layout.
 """
 
 from __future__ import annotations
@@ -62,27 +62,24 @@ def named_optimizer_state(optimizer, named_parameters) -> dict:
     }
 
 
-def rank_checkpoint_state(pipe, optimizer) -> tuple[dict, dict]:
-    """(model state, optimizer state) this rank saves: the optimizer's keyed by name; data-parallel replicas
-    write no second copy of the weights, nor of an unsharded optimizer's state (replica 0's is theirs)."""
-    model_state = pipe.state_dict() if pipe.dp_rank == 0 else {}
-    optimizer_state = named_optimizer_state(optimizer, pipe.named_parameters())
+def rank_model_state(pipe) -> dict:
+    """The weights this rank saves: data-parallel replicas write no second copy (replica 0's are theirs)."""
+    return pipe.state_dict() if pipe.dp_rank == 0 else {}
+
+
+def rank_optimizer_state(pipe, optimizer) -> dict:
+    """The optimizer state this rank saves, keyed by name; replicas of an unsharded optimizer write none of its
+    moments (replica 0's are theirs)."""
+    state = named_optimizer_state(optimizer, pipe.named_parameters())
     if pipe.dp_rank > 0 and not isinstance(optimizer, ZeroOptimizer):
-        optimizer_state["state"] = {}
-    return model_state, optimizer_state
-
-
-def is_named(state: dict) -> bool:
-    return state.get("format") in (BY_NAME, ZERO_FORMAT)
+        state["state"] = {}
+    return state
 
 
 def load_named_optimizer_state(optimizer, named_parameters, state: dict, same_groups: bool = True) -> None:
-    """Load `named_optimizer_state`'s form (or, for the same layout, a plain index-keyed state_dict).
-    `same_groups=False` (another layout): every group takes the first saved group's hyperparameters (lr and
-    the scheduler's initial_lr are the same in all groups) but keeps its own weight_decay."""
-    if not is_named(state):
-        optimizer.load_state_dict(state)
-        return
+    """Load `named_optimizer_state`'s form. `same_groups=False` (another layout): every group takes the first
+    saved group's hyperparameters (lr and the scheduler's initial_lr are the same in all groups) but keeps its own
+    weight_decay."""
     hyper = {k: v for k, v in state["param_groups"][0].items() if k not in ("params", "weight_decay")}
     if not same_groups:
         groups = [{**hyper, "weight_decay": g["weight_decay"], "params": []} for g in optimizer.param_groups]
@@ -142,13 +139,6 @@ class SavedTensors:
                 items = [(n, f.get_slice(n).get_shape(), (lambda f=f, n=n: f.get_slice(n))) for n in f.keys()]
             else:
                 state = ckpt.files.load_torch(os.path.join(rdir, "optimizer.pt"), mmap=True)
-                if not is_named(state):
-                    raise ckpt.CheckpointError(
-                        f"checkpoint {path} keeps its optimizer state by index (saved before checkpoints "
-                        f"could reshard), so it resumes only into the layout it was saved with. Convert it "
-                        f"once: resume it with its own pipeline settings (those of its meta.json recipe) and "
-                        f"let it save a checkpoint (e.g. --stop-at one step later); that one reshards"
-                    )
                 items = []
                 for n, s in state["state"].items():
                     for k, v in s.items():

@@ -3,7 +3,8 @@
 Layout of `<dir>`:
 
     step_00000100/
-      meta.json                 step, layout fingerprint, recipe, per-rank (pp_rank, dp_rank), model/'s record
+      meta.json                 format version, step, layout fingerprint, recipe, per-rank (pp_rank, dp_rank),
+                                model/'s record
       meta.record.json          meta.json's size and hash
       model/                    config.json + tokenizer files (what `export` needs besides weights)
       rank_00000/model.safetensors    this rank's parameters (HF-style names, vocabulary shards as held)
@@ -18,6 +19,10 @@ renames the directory to `step_X/` and only then replaces `latest` (write + fsyn
 in the background while it trains on (`begin_save`, `writer.py`). A crash at
 any point leaves `latest` naming the previous complete checkpoint; stale `.tmp` dirs are ignored and
 removed by the next save. Loading uses safetensors and `torch.load(weights_only=True)` only.
+
+meta.json's `format` is the version of this layout (`FORMAT`); a checkpoint of another version, or of none
+(written before versions), is refused by `read_meta` in one line: every loader (resume, `model.init_from`,
+`export`, the resharding reads) starts there.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ OLD = ".old"
 META_RECORD = "meta.record.json"
 """Beside meta.json: its size and hash ({"meta.json": {size, xxh3_128}}), written after it."""
 STEP_DIR = re.compile(r"step_\d{8}")
+FORMAT = 1
+"""meta.json's `format`: the version of the checkpoint layout this code writes and reads (and no other)."""
 
 __all__ = ["CheckpointError"]
 
@@ -129,89 +136,94 @@ def _promote(ckpt_dir: str, step: int, tmp: str, crash) -> None:
 
 
 @dataclass
-class PendingSave:
-    """A checkpoint every rank has begun (`begin_save`) and whose files may still be being written; only
-    `complete_save` moves `latest` to it."""
+class RankState:
+    """What one rank writes into a checkpoint (`begin_save`, `save_checkpoint`)."""
+
+    model: dict
+    """This rank's tensors by name: `model.safetensors`."""
+    optimizer: dict
+    """The optimizer's state_dict: `optimizer.pt`."""
+    trainer: dict
+    """Every other part of the run's state (LR schedule, RNG, data position, ...): `trainer_state.pt`."""
+    meta: dict
+    """meta.json (rank 0's is written): it must hold the layout's `fingerprint`; `format` and `step` are added."""
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Where and how one checkpoint is saved (`begin_save`, `save_checkpoint`)."""
 
     ckpt_dir: str
     """The run's checkpoint root."""
     step: int
     """The step saved."""
     rank: int
-    """This process's global rank (0 promotes the folder)."""
-    write: writer.RankWrite
-    """This rank's files (and on rank 0 meta.json), written in the background or already written."""
-    keep: int
+    """This process's global rank (0 writes meta.json and model/, and promotes the folder)."""
+    write_model_files: Callable[[str], None] | None = None
+    """Rank 0: writes config/tokenizer files into the folder it is given (what `export` needs besides weights)."""
+    keep: int = 2
     """checkpoint.keep: how many recent checkpoints stay."""
-    best: bool
+    best: bool = False
     """This one becomes `best`'s."""
-    keep_best: bool
+    keep_best: bool = False
     """The checkpoint `best` names is never pruned."""
-    crash: str | None
-    """Tests: the stage to stop at (`writer.crash`)."""
+    crash_after: str | None = None
+    """Tests: the stage to stop at (`writer.crash`; "kill:STAGE" SIGKILLs this process there)."""
 
     @property
     def tmp(self) -> str:
+        """The step folder while it is written."""
         return os.path.join(self.ckpt_dir, step_dir_name(self.step)) + TMP
 
 
-def begin_save(
-    ckpt_dir: str,
-    step: int,
-    *,
-    rank: int,
-    model_state: dict,
-    optimizer_state: dict,
-    trainer_state: dict,
-    meta: dict,
-    barrier: Callable[[], None],
-    write_model_files: Callable[[str], None] | None = None,
-    keep: int = 2,
-    best: bool = False,
-    keep_best: bool = False,
-    background: bool = True,
-    _crash_after: str | None = None,
-) -> PendingSave:
-    """Collective (one barrier): start checkpoint `step`. Rank 0 makes the step's `.tmp` folder and writes
+@dataclass
+class PendingSave:
+    """A checkpoint every rank has begun (`begin_save`) and whose files may still be being written; only
+    `complete_save` moves `latest` to it."""
+
+    spec: SaveSpec
+    """The checkpoint's place and pruning."""
+    write: writer.RankWrite
+    """This rank's files (and on rank 0 meta.json), written in the background or already written."""
+
+
+def begin_save(spec: SaveSpec, state: RankState, barrier: Callable[[], None], background: bool = True) -> PendingSave:
+    """Collective (one barrier): start checkpoint `spec.step`. Rank 0 makes the step's `.tmp` folder and writes
     model/; then, `background`, this rank's state is copied to host memory (`writer.Snapshot`) and a thread
     writes, fsyncs and verifies its files (rank 0's meta.json last) while the caller trains on; else they are
     written before this returns. `latest` does not move: `complete_save` does that once every rank's write is
-    verified; the previous `begin_save` must be completed first. See `save_checkpoint` for the arguments."""
-    final = os.path.join(ckpt_dir, step_dir_name(step))
-    tmp = final + TMP
-    recorded, problem = {}, None
-    if rank == 0:
-        os.makedirs(ckpt_dir, exist_ok=True)
+    verified; the previous `begin_save` must be completed first."""
+    tmp, recorded, problem = spec.tmp, {}, None
+    if spec.rank == 0:
+        os.makedirs(spec.ckpt_dir, exist_ok=True)
         if os.path.exists(tmp):
             shutil.rmtree(tmp)  # left by a crashed save (one writer per output dir: `run_lock.py`)
         os.makedirs(tmp)
         try:
-            recorded = _write_model_files(tmp, write_model_files)
+            recorded = _write_model_files(tmp, spec.write_model_files)
         except (OSError, RuntimeError) as e:  # said by every rank at `complete_save`, as a write problem
-            problem = space.write_problem(e, tmp, ckpt_dir, 0, rank)
+            problem = space.write_problem(e, tmp, spec.ckpt_dir, 0, spec.rank)
     barrier()
-    rdir = os.path.join(tmp, rank_dir_name(rank))
-    need = space.state_bytes(model_state) + space.state_bytes(optimizer_state) + space.state_bytes(trainer_state)
+    rdir = os.path.join(tmp, rank_dir_name(spec.rank))
+    need = sum(space.state_bytes(x) for x in (state.model, state.optimizer, state.trainer))
     snap = None
     if background:  # the previous save is complete (the caller waits for it): its pinned buckets are reused
-        snap = writer.Snapshot(_pinned.setdefault(rank, []))
-        model_state, optimizer_state, trainer_state, meta = snap.copy(
-            (model_state, optimizer_state, trainer_state, meta)
-        )
+        snap = writer.Snapshot(_pinned.setdefault(spec.rank, []))
+        state = RankState(*snap.copy((state.model, state.optimizer, state.trainer, state.meta)))
 
     def work() -> None:
         if snap is not None:
             snap.ready()  # the device -> host copies have landed
-        writer.write_rank_files(rdir, model_state, optimizer_state, trainer_state, _crash_after)
-        if rank == 0:
-            writer.write_json(os.path.join(tmp, META), {**meta, "step": step, "files": recorded, "recorded": True})
+        writer.write_rank_files(rdir, state.model, state.optimizer, state.trainer, spec.crash_after)
+        if spec.rank == 0:
+            meta = {**state.meta, "format": FORMAT, "step": spec.step, "files": recorded}
+            writer.write_json(os.path.join(tmp, META), meta)
             # meta.json is checked like the rest: its size and hash beside it
             writer.write_json(os.path.join(tmp, META_RECORD), files.record(tmp, [META]))
             writer.fsync_dir(tmp)
-            writer.crash("rank0_files", _crash_after)
+            writer.crash("rank0_files", spec.crash_after)
 
-    write = writer.RankWrite(work, ckpt_dir, rdir, need, rank, background, problem)
-    return PendingSave(ckpt_dir, step, rank, write, keep, best, keep_best, _crash_after)
+    return PendingSave(spec, writer.RankWrite(work, spec.ckpt_dir, rdir, need, spec.rank, background, problem))
 
 
 _pinned: dict[int, list] = {}
@@ -225,66 +237,31 @@ def complete_save(
     error on any rank stops every rank with one line naming the file, nothing lost), and only then rank 0
     renames the folder in, moves `latest` (and `best`) and prunes. Returns the checkpoint's path."""
     gather_all = agree or (lambda x: (barrier(), [x])[1])
-    p = pending
-    problem = p.write.wait()
-    _stop_on(gather_all(problem), p.ckpt_dir, p.tmp, p.rank)
-    if p.rank == 0:
+    s = pending.spec
+    problem = pending.write.wait()
+    _stop_on(gather_all(problem), s.ckpt_dir, s.tmp, s.rank)
+    if s.rank == 0:
         try:
-            _promote(p.ckpt_dir, p.step, p.tmp, p.crash)
-            if p.best:
-                _write_pointer(p.ckpt_dir, BEST, step_dir_name(p.step))
-            _prune(p.ckpt_dir, p.keep, read_best(p.ckpt_dir) if p.keep_best else None)
+            _promote(s.ckpt_dir, s.step, s.tmp, s.crash_after)
+            if s.best:
+                _write_pointer(s.ckpt_dir, BEST, step_dir_name(s.step))
+            _prune(s.ckpt_dir, s.keep, read_best(s.ckpt_dir) if s.keep_best else None)
         except writer.SimulatedCrash:
             raise
         except (OSError, RuntimeError) as e:
-            problem = space.write_problem(e, p.tmp, p.ckpt_dir, 0, p.rank)
-    _stop_on(gather_all(problem), p.ckpt_dir, p.tmp, p.rank)
-    return os.path.join(p.ckpt_dir, step_dir_name(p.step))
+            problem = space.write_problem(e, s.tmp, s.ckpt_dir, 0, s.rank)
+    _stop_on(gather_all(problem), s.ckpt_dir, s.tmp, s.rank)
+    return os.path.join(s.ckpt_dir, step_dir_name(s.step))
 
 
 def save_checkpoint(
-    ckpt_dir: str,
-    step: int,
-    *,
-    rank: int,
-    model_state: dict,
-    optimizer_state: dict,
-    trainer_state: dict,
-    meta: dict,
-    barrier: Callable[[], None],
-    write_model_files: Callable[[str], None] | None = None,
-    keep: int = 2,
-    best: bool = False,
-    keep_best: bool = False,
-    agree: Callable[[object], list] | None = None,
-    _crash_after: str | None = None,
+    spec: SaveSpec, state: RankState, barrier: Callable[[], None], agree: Callable[[object], list] | None = None
 ) -> str:
     """Collective: every rank calls it with its own state; the files are written before it returns (a run
     writes in the background: `begin_save`, then `complete_save`). Returns the final checkpoint path.
-
-    `meta` (rank 0's is written) must hold the layout fingerprint; `write_model_files(dir)` (rank 0)
-    writes config/tokenizer files for export. `best`: this one becomes the `best` pointer's; `keep_best`: the
-    checkpoint `best` names is never pruned. `agree(x)`: every rank's `x` (an all-gather; without it only this
-    rank's): a write error on any rank (a full disk) stops every rank with one line naming the file, nothing
-    lost. `_crash_after` is for tests: raise after that stage ("kill:STAGE": SIGKILL this process there).
-    """
-    pending = begin_save(
-        ckpt_dir,
-        step,
-        rank=rank,
-        model_state=model_state,
-        optimizer_state=optimizer_state,
-        trainer_state=trainer_state,
-        meta=meta,
-        barrier=barrier,
-        write_model_files=write_model_files,
-        keep=keep,
-        best=best,
-        keep_best=keep_best,
-        background=False,
-        _crash_after=_crash_after,
-    )
-    return complete_save(pending, barrier, agree)
+    `agree(x)`: every rank's `x` (an all-gather; without it only this rank's): a write error on any rank (a full
+    disk) stops every rank with one line naming the file, nothing lost."""
+    return complete_save(begin_save(spec, state, barrier, background=False), barrier, agree)
 
 
 def _stop_on(problems: list, ckpt_dir: str, tmp: str, rank: int) -> None:
@@ -418,20 +395,32 @@ def resume_path(ckpt_dir: str | None, which: str = "latest") -> str | None:
 
 
 def read_meta(path: str) -> dict:
-    """A checkpoint's meta.json, checked against its record (meta.record.json: its size and hash) and for the
-    keys and types the loaders read (`check_meta`), after checking that no entry of the checkpoint is a symbolic
-    link leading outside it (`files.check_links`); CheckpointError naming the file and the fix otherwise."""
+    """A checkpoint's meta.json, checked against its record (meta.record.json: its size and hash), for its format
+    version (`check_format`) and for the keys and types the loaders read (`check_meta`), after checking that no
+    entry of the checkpoint is a symbolic link leading outside it (`files.check_links`); CheckpointError naming the
+    file and the fix otherwise."""
     meta_path, record_path = os.path.join(path, META), os.path.join(path, META_RECORD)
     files.check_links(path)  # no file of it is a link to one outside (every load starts here)
-    if os.path.exists(record_path):
-        record = files.check_record(files.read_json(record_path), record_path)
+    record = files.check_record(files.read_json(record_path), record_path) if os.path.exists(record_path) else None
+    if record is not None:
         files.check_file(meta_path, record.get(META))
     meta = files.read_json(meta_path)
-    if meta.get("recorded") and not os.path.exists(record_path):
-        raise CheckpointError(
-            f"checkpoint file {record_path} is missing (meta.json says it was written); {files.fix(record_path)}"
-        )
+    check_format(meta, meta_path)
+    if record is None:
+        raise CheckpointError(f"checkpoint file {record_path} is missing; {files.fix(record_path)}")
     return check_meta(meta, meta_path)
+
+
+def check_format(meta, meta_path: str) -> None:
+    """meta.json is of this code's format version (`FORMAT`), else one line naming the version and the fix."""
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if _int(found, FORMAT, FORMAT + 1):
+        return
+    said = "no format version" if found is None else f"format version {' '.join(str(found)[:40].split())!r}"
+    raise CheckpointError(
+        f"checkpoint {os.path.dirname(meta_path)} has {said}; this vp-accelerate reads checkpoint format {FORMAT} "
+        f"only: resume or export it with the vp-accelerate that saved it, or start the run afresh"
+    )
 
 
 MAX_RANKS = 1 << 20
@@ -503,25 +492,35 @@ def check_fingerprint(saved: dict, current: dict, path: str) -> None:
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(diffs))
 
 
-def load_rank(path: str, rank: int) -> tuple[dict, dict, dict]:
-    """(model_state, optimizer_state, trainer_state) of one rank, loaded without unpickling code."""
+def _rank_dir(path: str, rank: int) -> str:
+    """Saved rank `rank`'s folder of checkpoint `path` (CheckpointError when it has none)."""
     rdir = os.path.join(path, rank_dir_name(rank))
     if not os.path.isdir(rdir):
         raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
-    recorded = files.rank_record(rdir) or {}
-    model_state = load_weights(path, rank, recorded)
-    optimizer_state = files.load_torch(os.path.join(rdir, "optimizer.pt"), recorded.get("optimizer.pt"))
-    trainer_state = files.load_torch(os.path.join(rdir, "trainer_state.pt"), recorded.get("trainer_state.pt"))
-    return model_state, optimizer_state, trainer_state
+    return rdir
+
+
+def load_rank(path: str, rank: int) -> tuple[dict, dict, dict]:
+    """(model_state, optimizer_state, trainer_state) of one rank, loaded without unpickling code."""
+    recorded = files.rank_record(_rank_dir(path, rank))
+    optimizer_state = files.load_torch(
+        os.path.join(path, rank_dir_name(rank), "optimizer.pt"), recorded.get("optimizer.pt")
+    )
+    return load_weights(path, rank, recorded), optimizer_state, load_trainer_state(path, rank, recorded)
+
+
+def load_trainer_state(path: str, rank: int, recorded: dict | None = None) -> dict:
+    """One rank's `trainer_state.pt` (every part of the run but the model and optimizer: `run/state_parts.py`)."""
+    rdir = _rank_dir(path, rank)
+    recorded = files.rank_record(rdir) if recorded is None else recorded
+    return files.load_torch(os.path.join(rdir, "trainer_state.pt"), recorded.get("trainer_state.pt"))
 
 
 def load_weights(path: str, rank: int, recorded: dict | None = None) -> dict:
     """One rank's `model.safetensors` of checkpoint `path`, checked against its recorded size and hash."""
-    rdir = os.path.join(path, rank_dir_name(rank))
-    if not os.path.isdir(rdir):
-        raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
+    rdir = _rank_dir(path, rank)
     recorded = files.rank_record(rdir) if recorded is None else recorded
-    return files.load_safetensors(os.path.join(rdir, "model.safetensors"), (recorded or {}).get("model.safetensors"))
+    return files.load_safetensors(os.path.join(rdir, "model.safetensors"), recorded.get("model.safetensors"))
 
 
 def check_shapes(saved: dict, current: dict, path: str, rank: int) -> None:
@@ -550,18 +549,14 @@ def saved_ranks(path: str, meta: dict) -> list[int]:
 
 def check_weight_file(path: str, rank: int) -> None:
     """One saved rank's model.safetensors is there and (when recorded) of the recorded size and hash."""
-    rdir = os.path.join(path, rank_dir_name(rank))
-    if not os.path.isdir(rdir):
-        raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
-    files.check_file(os.path.join(rdir, "model.safetensors"), (files.rank_record(rdir) or {}).get("model.safetensors"))
+    rdir = _rank_dir(path, rank)
+    files.check_file(os.path.join(rdir, "model.safetensors"), files.rank_record(rdir).get("model.safetensors"))
 
 
 def check_rank_files(path: str, rank: int) -> None:
     """One saved rank's files are there, not empty, and (when recorded) of the recorded size and hash."""
-    rdir = os.path.join(path, rank_dir_name(rank))
-    if not os.path.isdir(rdir):
-        raise CheckpointError(f"checkpoint {path} has no shards for rank {rank}")
-    recorded = files.rank_record(rdir) or {}
+    rdir = _rank_dir(path, rank)
+    recorded = files.rank_record(rdir)
     for name in sorted(set(recorded) | {"model.safetensors", "optimizer.pt", "trainer_state.pt"}):
         files.check_file(os.path.join(rdir, name), recorded.get(name))
 

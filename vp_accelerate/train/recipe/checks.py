@@ -14,6 +14,8 @@ import math
 import os
 import signal
 
+from vp_accelerate.runtime.preference_config import LOSSES
+
 from .convert import RecipeError
 from .schema import Recipe
 
@@ -110,10 +112,6 @@ def check(recipe: Recipe) -> Recipe:
     return recipe
 
 
-UNPAIRED_LOSSES = ("kto", "apo_zero_unpaired")
-"""runtime/preference.py's losses of unpaired rows (no torch import here)."""
-
-
 def _check_preference(recipe: Recipe) -> None:
     """DPO (data.format: preference) and KTO (unpaired_preference): what the loss and its rows need."""
     if recipe.data.format not in ("preference", "unpaired_preference"):
@@ -121,7 +119,7 @@ def _check_preference(recipe: Recipe) -> None:
     if not recipe.preference.beta > 0:
         raise RecipeError(f"preference.beta: must be > 0, got {recipe.preference.beta}")
     pref = recipe.preference
-    types = [pref.loss_type] if isinstance(pref.loss_type, str) else list(pref.loss_type)
+    types = list(pref.types)
     if not types:
         raise RecipeError("preference.loss_type: an empty list; name at least one loss (e.g. sigmoid)")
     if pref.loss_weights is not None and len(pref.loss_weights) != len(types):
@@ -130,10 +128,11 @@ def _check_preference(recipe: Recipe) -> None:
             f"give one weight per loss_type entry"
         )
     unpaired = recipe.data.format == "unpaired_preference"
-    kto = [t for t in types if t in UNPAIRED_LOSSES]
+    unpaired_losses = [t for t, kind in LOSSES.items() if kind.unpaired]
+    kto = [t for t in types if t in unpaired_losses]
     if unpaired and len(kto) != len(types):
         raise RecipeError(
-            f"preference.loss_type: data.format unpaired_preference trains {list(UNPAIRED_LOSSES)} (KTO), got "
+            f"preference.loss_type: data.format unpaired_preference trains {unpaired_losses} (KTO), got "
             f"{types}; set preference.loss_type: kto"
         )
     if not unpaired and kto:

@@ -26,6 +26,7 @@ from vp_accelerate.models.adapter import find_parts
 from vp_accelerate.models.lora import target_modules_for
 
 from .convert import RecipeError
+from .presets import PRESETS, local_model_dir
 
 
 def hub_offline() -> bool:
@@ -58,6 +59,43 @@ def valid_repo_id(source: str) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+def config_source(source: str) -> str:
+    """Where the config of model `source` is read from without a download: a preset's name, else `model_dir`'s
+    directory, else the hub id itself (its config from the hub)."""
+    return source if source in PRESETS else model_dir(source, download=False) or source
+
+
+def model_dir(source: str, *, download: bool, key: str = "model.source") -> str | None:
+    """The directory model `source` (not a preset) is read from, the one resolver of `--check`, `plan`, `dryrun`
+    and the trainer: a local directory as it is; a hub id's snapshot in the local HF cache, or with `download` its
+    files fetched (config, safetensors, tokenizer: `presets.local_model_dir`, on one process first). None: a hub id
+    not cached, without `download` (its config is then read from the hub, or a launched rank leaves it to rank 0).
+    RecipeError naming `key` and the fix: a preset's typo (a did-you-mean), a name that is no hub id, a hub id
+    neither cached nor reachable (HF_HUB_OFFLINE=1), a download that fails."""
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        return path
+    hint = difflib.get_close_matches(source, list(PRESETS), n=1, cutoff=0.8)
+    if hint and "/" not in source:  # a typo of a preset would otherwise become a hub download attempt
+        raise RecipeError(f"{key}: {source!r} is not a preset (did you mean {hint[0]}?) nor a local directory")
+    if not valid_repo_id(source):
+        raise RecipeError(
+            f"{key}: {source!r} is not a preset, a local directory nor a hub id (presets: {', '.join(PRESETS)})"
+        )
+    cached = hub_snapshot(source)  # what an offline run can use
+    if cached is None and hub_offline():
+        raise missing_hub_source(key, source)
+    if not download:
+        return cached
+    try:
+        return local_model_dir(source)
+    except (OSError, ValueError) as e:  # huggingface_hub: not found, offline, gated
+        raise RecipeError(
+            f"{key}: cannot get {source!r}: {str(e).splitlines()[0]}; fix {key} or point it at a local checkpoint "
+            f"directory"
+        ) from None
 
 
 def _linear_names(layer) -> list[str]:

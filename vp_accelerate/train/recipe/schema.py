@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal, Optional
 
 from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
+from vp_accelerate.runtime.preference_config import PreferenceConfig
 
 __all__ = ["AdapterConfig", "KEY_ALIASES", "KEY_NOTES", "PipelineConfig", "Recipe"]
 
@@ -70,9 +71,13 @@ KEY_NOTES = {
     "gradient_checkpointing": "gradient_checkpointing: true is pipeline.activation_checkpointing: full (selective "
     "recomputes every other layer)",
     "use_peft": "use_peft: true is adapter.type: lora (with adapter.r, adapter.alpha, adapter.target_modules)",
-    "reference_free": "the reference-free losses are loss_type: simpo (CPO's SimPO) and [sft, orpo] (ORPO); DPO "
-    "against a uniform reference (TRL's reference_free) is not supported",
-    "cpo_alpha": "CPO's cpo_alpha (its NLL term's weight) is loss_type: [simpo, sft] with loss_weights: [1, cpo_alpha]",
+    "reference_free": "the reference-free losses are CPOTrainer's, on its pairs: loss_type: cpo_sigmoid, cpo_hinge, "
+    "cpo_ipo (CPOConfig's loss_type sigmoid, hinge, ipo: DPO's losses against a uniform reference, TRL's old "
+    "reference_free) and simpo; and ORPO's [sft, orpo]. With CPO's NLL term (cpo_alpha, 1.0 by default): "
+    "loss_type: [cpo_sigmoid, sft] with loss_weights: [1, cpo_alpha]",
+    "cpo_alpha": "CPO's cpo_alpha (its NLL term's weight, 1.0 by default) is loss_type: [cpo_sigmoid, sft] with "
+    "loss_weights: [1, cpo_alpha] (CPOConfig's loss_type sigmoid; hinge, ipo, simpo: cpo_hinge, cpo_ipo, simpo in "
+    "its place); cpo_alpha 0 is loss_type: cpo_sigmoid alone",
     "max_completion_length": "a row (prompt and completion together) is cut at data.seq_len; there is no separate "
     "completion limit",
     "per_device_eval_batch_size": "evaluation runs the training batch shape (train.global_batch over the replicas); "
@@ -418,41 +423,6 @@ class LoggingSection:
     """Log the measured pipeline timeline of the last step as an image (needs vp_accelerate.sim.plot)."""
 
 
-PairLossName = Literal[
-    "sigmoid", "ipo", "hinge", "robust", "apo_zero", "sft", "simpo", "orpo", "kto", "apo_zero_unpaired"
-]
-"""The losses of runtime/preference.py a recipe can name (the last two on data.format: unpaired_preference)."""
-
-
-@dataclass
-class PreferenceSection:
-    beta: float = 0.1
-    """DPO's β (TRL's `beta`): how far the policy may move from the reference model; used with
-    data.format: preference, whose loss replaces the token mean."""
-
-    loss_type: Union[PairLossName, list[PairLossName]] = "sigmoid"
-    """TRL's `loss_type`, one name or a list whose losses are summed (with `loss_weights`): `sigmoid` (DPO),
-    `ipo` (on length-normalised log-probabilities), `hinge`, `robust` (with `label_smoothing`), `apo_zero`,
-    `sft` (the NLL of the chosen completions: RPO / MPO as `[sigmoid, sft]`), `simpo` (CPO's SimPO:
-    reference-free, length-normalised, margin `simpo_gamma`) or `orpo` (ORPO's odds-ratio term:
-    reference-free; ORPO is `[sft, orpo]`)."""
-
-    loss_weights: Optional[list[float]] = None
-    """One weight per `loss_type` entry (TRL's `loss_weights`); null = 1 each."""
-
-    label_smoothing: float = 0.0
-    """ε: the assumed rate of flipped labels for `robust` (in [0, 0.5)) and `simpo` (TRL's `label_smoothing`)."""
-
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin γ (CPO's `simpo_gamma`); used by `simpo` only."""
-
-    desirable_weight: float = 1.0
-    """KTO (`kto`, `apo_zero_unpaired`): the weight of a desirable row's loss (KTOConfig's `desirable_weight`)."""
-
-    undesirable_weight: float = 1.0
-    """KTO: the weight of an undesirable row's loss (KTOConfig's `undesirable_weight`)."""
-
-
 @dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
@@ -489,5 +459,5 @@ class Recipe:
     logging: LoggingSection = field(default_factory=LoggingSection)
     """Logging and tracking."""
 
-    preference: PreferenceSection = field(default_factory=PreferenceSection)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     """Preference optimisation (DPO) on data.format: preference: β and the loss."""

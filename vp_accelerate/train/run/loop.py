@@ -144,26 +144,13 @@ def _rows_of(train_it, batch_rows: int, microbatches: int) -> Callable[[int], st
 def preference_of(section, batch: dict, kl: tuple[float, ...] | float = 0.0) -> Preference:
     """The runtime's `Preference` for a batch of pairs (or KTO's rows, with their desirable flags and each
     microbatch's KL estimate `kl`) from the recipe's `preference` section."""
-    return Preference(
-        batch["ref_logps"],
-        beta=section.beta,
-        loss_type=tuple(section.loss_type) if isinstance(section.loss_type, list) else section.loss_type,
-        loss_weights=tuple(section.loss_weights) if section.loss_weights else None,
-        label_smoothing=section.label_smoothing,
-        simpo_gamma=section.simpo_gamma,
-        desirable=batch.get("desirable"),
-        kl=kl,
-        desirable_weight=section.desirable_weight,
-        undesirable_weight=section.undesirable_weight,
-        completion_start=batch.get("completion_start"),
-    )
+    return Preference.of(section, batch["ref_logps"], batch.get("desirable"), kl, batch.get("completion_start"))
 
 
 def kto_kl(pipe, section, batch: dict) -> tuple[float, ...] | float:
     """KTO's z per microbatch (`PipelineModel.kl_estimate` on the batch's KL rows), 0 for a loss without the KL
     term (apo_zero_unpaired, as TRL's calculate_KL) or a batch of pairs."""
-    types = [section.loss_type] if isinstance(section.loss_type, str) else list(section.loss_type)
-    if "kl_input_ids" not in batch or "kto" not in types:
+    if "kl_input_ids" not in batch or "kto" not in section.types:
         return 0.0
     return pipe.kl_estimate(
         batch["kl_input_ids"], batch["kl_labels"], batch["ref_kl_logps"], batch.get("kl_attention_mask")
@@ -282,8 +269,7 @@ def log_step(run: Run, state: LoopState, out: StepOutcome) -> None:
     }
     if res.rewards is not None:  # DPO: TRL's names (this step's pairs)
         metrics.update(res.rewards)
-        types = run.recipe.preference.loss_type
-        if metric_style((types,) if isinstance(types, str) else tuple(types)) == "dpo":
+        if metric_style(run.recipe.preference.types) == "dpo":
             metrics["num_tokens"] = c["tokens"]  # DPOTrainer / KTOTrainer's: the real tokens trained on so far
     if run.pipe.loss_scaler is not None:
         metrics.update({"train/loss_scale": res.loss_scale, "train/loss_scale_skips": state.scaler_skips})

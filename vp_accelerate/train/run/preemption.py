@@ -8,7 +8,7 @@ so all ranks stop after the same step even when the signal reaches them at diffe
 some of them (the launcher forwards it to its own ranks, a scheduler may signal only the launchers). A signal
 arriving inside a save lets the save finish; the step it ends is then not saved twice.
 
-The process exits with `EXIT_PREEMPTED` (75, EX_TEMPFAIL of sysexits.h: "try again later") after saying
+The process exits with `exit_codes.PREEMPTED` (75, EX_TEMPFAIL of sysexits.h: "try again later") after saying
 "stopped by SIGTERM at step N; resume with --resume". A signal in the run's last step stops nothing: there is
 nothing to resume, so the run saves, exports and exits as usual (`trainer.py`). Under `accelerate launch` the
 launcher passes the signals named by PET_SIGNALS_TO_HANDLE (torchrun's --signals-to-handle; SIGTERM but not
@@ -26,9 +26,6 @@ import torch.distributed as dist
 
 from vp_accelerate.runtime import watchdog
 from vp_accelerate.runtime.groups import host_group
-
-EXIT_PREEMPTED = 75
-"""The exit code of a run stopped by a signal after saving (sysexits' EX_TEMPFAIL: resubmit it)."""
 
 SHUTDOWN_TIMEOUT_S = 600
 """Seconds `vp-accelerate launch` gives its ranks to finish a step and save after a signal (when

@@ -5,7 +5,7 @@ training pairs (`PipelineModel.sequence_logps`), one number per sequence, kept w
 (`PairSequences.ref_logps`) and written to `<output_dir>/ref_logps.pt`, so a resumed full fine-tune reads
 them rather than scoring with trained weights. Under LoRA the reference is the base with the adapter off,
 which a resumed run can compute again. Each replica scores every pair (the set is small; no exchange).
-Losses that need no reference (`sft`, `simpo`, `orpo` alone) skip the pass: their pairs carry zeros.
+Losses that need no reference (`sft`, `simpo`, `cpo_*`, `orpo` alone) skip the pass: their pairs carry zeros.
 KTO's rows (`UnpairedSequences`) are scored with their KL rows (kept as `<split>_kl` in the file).
 """
 
@@ -17,9 +17,9 @@ import os
 import numpy as np
 import torch
 
-from vp_accelerate.runtime.preference import LOSSES
+from vp_accelerate.runtime.preference_config import needs_reference
 
-from ..data.batches import Sequences
+from ..data.batches import ReplicaShare, Sequences
 from ..data.preference import PairSequences
 from ..data.unpaired import UnpairedSequences
 from ..recipe import RecipeError
@@ -81,7 +81,7 @@ def attach(run, resuming: bool) -> None:
     if not splits:
         return
     types = recipe.preference.loss_type
-    if not any(LOSSES[t].reference for t in ([types] if isinstance(types, str) else types)):
+    if not needs_reference(types):
         for seqs in splits.values():  # reference-free: the batches still carry the (unused) column
             seqs.ref_logps = np.zeros(len(seqs.ids))
         log.info("DPO: loss_type %s needs no reference model: no reference pass", types)
@@ -111,7 +111,7 @@ def attach(run, resuming: bool) -> None:
                     )
                 setattr(seqs, "ref_kl_logps" if suffix else "ref_logps", ref.numpy())
         return
-    per_replica = recipe.train.global_batch // pipe.dp_size  # pairs, or KTO's rows
+    per_replica = ReplicaShare(recipe.train.global_batch, pipe.dp_rank, pipe.dp_size).per_replica  # pairs, KTO's rows
     for seqs in splits.values():
         _score(pipe, seqs, per_replica, adapter_off=lora)
     if run.accelerator.is_main_process:

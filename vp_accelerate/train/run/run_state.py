@@ -1,5 +1,6 @@
-"""Save and resume a training run's whole state (model, optimizer, LR schedule, data position, RNG)
-through the checkpoint format of `train/persist/store.py`. Both are collectives: every rank calls them."""
+"""Save and resume a training run's whole state (every part of `state_parts.PARTS`: model, optimizer, LR
+schedule, data position, loss scale, RNG, counters) through the checkpoint format of `train/persist/store.py`.
+Both are collectives: every rank calls them."""
 
 from __future__ import annotations
 
@@ -12,16 +13,10 @@ from vp_accelerate.runtime.groups import host_group
 
 from ..persist import resume_check
 from ..persist import store as ckpt
-from ..persist.reshard import (
-    BY_NAME,
-    LAYOUT_KEYS,
-    load_named_optimizer_state,
-    rank_checkpoint_state,
-    reshard_model,
-    reshard_optimizer_state,
-)
+from ..persist.reshard import LAYOUT_KEYS
 from ..recipe import RecipeError, recipe_to_dict
 from .nonfinite import check_weights_before_save
+from .state_parts import MODEL, Saved, load_parts, rank_state
 from .tracking import gather
 
 log = logging.getLogger("vp_accelerate.train")
@@ -50,15 +45,6 @@ def fingerprint(recipe, pipe, layout) -> dict:
         "seed": recipe.train.seed,
         **({"adapter": recipe_to_dict(recipe)["adapter"]} if recipe.adapter.enabled else {}),
     }
-
-
-def as_saved(saved: dict, current: dict, layout) -> dict:
-    """`current` in the form `saved` was written in: checkpoints from before the layout was recorded as
-    data hold describe()'s text lines without the size; those lines are made from the same fields."""
-    old = saved.get("layout")
-    if isinstance(old, list) and old and all(isinstance(x, str) for x in old):
-        return {**current, "layout": [r.text(params=False) for r in layout.ranks]}
-    return current
 
 
 def must_match(fingerprint: dict) -> dict:
@@ -135,44 +121,22 @@ def save_run(run, step: int) -> None:
         "tp_vocab": sorted({n for part in gather(sorted(getattr(mods, "tp_vocab_names", ()) or ())) for n in part}),
         "lora_transposed": sorted(n for names in gather(getattr(pipe, "lora_transposed", [])) for n in names),
         "data": resume_check.data_identity(run.recipe.data),  # by content, compared by --resume
-        "optimizer_state": BY_NAME,  # keyed by parameter name (reshard.py): it resumes into any layout
     }
 
     def write_model_files(out_dir: str) -> None:
         pipe.hf_config.save_pretrained(out_dir)
         run.tokenizer.save_pretrained(out_dir)
 
-    # keyed by name, so that another layout can find each tensor (reshard.py); written once per replica group
-    model_state, optimizer_state = rank_checkpoint_state(pipe, run.optimizer)
-    check_weights_before_save(step, model_state, optimizer_state)
-    trainer_state = {
-        "scheduler": run.scheduler.state_dict(),
-        "rng": ckpt.rng_state(),
-        "data": run.train_it.state_dict(),
-        "precision": pipe.precision_state_dict(),
-        "step": step,
-        "counters": dict(getattr(run, "counters", {})),
-        "best": dict(getattr(run, "best", {})),
-    }
-    best = getattr(run, "best", {})
+    best = run.best
     if best.get("step") == step:  # this step's evaluation is the best so far
         meta["eval_loss"] = best["loss"]
+    state = rank_state(run, step, meta)  # the model and optimizer keyed by name: another layout finds each tensor
+    check_weights_before_save(step, state.model, state.optimizer)
     c = run.recipe.checkpoint
-    run.pending_save = ckpt.begin_save(
-        c.dir,
-        step,
-        rank=pipe.rank,
-        model_state=model_state,
-        optimizer_state=optimizer_state,
-        trainer_state=trainer_state,
-        meta=meta,
-        barrier=_barrier(),
-        write_model_files=write_model_files,
-        keep=c.keep,
-        best=c.keep_best and best.get("step") == step,
-        keep_best=c.keep_best,
-        background=c.background,
+    spec = ckpt.SaveSpec(
+        c.dir, step, pipe.rank, write_model_files, c.keep, c.keep_best and best.get("step") == step, c.keep_best
     )
+    run.pending_save = ckpt.begin_save(spec, state, _barrier(), background=c.background)
     if not c.background:
         complete_pending_save(run)  # a write error on any rank (a full disk) stops every rank with the same line
 
@@ -184,7 +148,7 @@ def resume_run(run, which: str = "latest", override=()) -> int:
 
     First every rank checks what it will read (the fingerprint, the recipe's optimizer / LR / data against the
     checkpoint's, and its share of the checkpoint's files, each file by one rank, named on any error with the
-    fix); only when every rank has, anything is loaded and "resumed" said. A checkpoint keyed by parameter name
+    fix); only when every rank has, every part (`state_parts.PARTS`) is loaded and "resumed" said. A checkpoint
     resumes into any layout (reshard.py: each tensor from the saved ranks' overlapping rows)."""
     pipe, cdir = run.pipe, run.recipe.checkpoint.dir
     problem, found = None, None
@@ -192,13 +156,13 @@ def resume_run(run, which: str = "latest", override=()) -> int:
         path = ckpt.resume_path(cdir, which)
         if path is not None:
             meta = ckpt.read_meta(path)
-            mode = _resume_mode(run, path, meta)
+            same_layout = _same_layout(run, path, meta)
             applied = resume_check.check(
                 path, meta, run.recipe_dict, resume_check.data_identity(run.recipe.data), override
             )
             world = dist.get_world_size() if dist.is_initialized() else 1
             _check_files_share(path, meta, pipe.rank, world)
-            found = (path, meta, mode, applied)
+            found = (path, meta, same_layout, applied)
     except (ckpt.CheckpointError, RecipeError) as e:
         problem = (type(e).__name__, str(e))
     outcomes = gather((problem, None if found is None else int(found[1]["step"])))
@@ -207,37 +171,11 @@ def resume_run(run, which: str = "latest", override=()) -> int:
         if pipe.rank == 0:
             log.warning("--resume: no checkpoint in %s; starting from step 0", cdir)
         return 0
-    path, meta, mode, applied = found
+    path, meta, same_layout, applied = found
     fresh = resume_check.fresh_hyperparameters(run.optimizer, run.scheduler)
-    if mode == "own":  # saved before checkpoints were keyed by name: this rank's own files, its own layout
-        model_state, optimizer_state, trainer_state = ckpt.load_rank(path, pipe.rank)
-        ckpt.check_shapes(model_state, pipe.state_dict(), path, pipe.rank)
-        pipe.load_state_dict(model_state)
-        run.optimizer.load_state_dict(optimizer_state)
-    else:
-        reshard_model(pipe, path, meta)
-        load_named_optimizer_state(
-            run.optimizer, pipe.named_parameters(), reshard_optimizer_state(pipe, path, meta), same_groups=False
-        )
-        same_layout = mode == "same"
-        trainer_state = ckpt.load_rank(path, pipe.rank if same_layout else 0)[2]
-        if not same_layout:  # this rank's RNG: the saved rank of its number, where there is one
-            rng_rank = pipe.rank if pipe.rank < len(meta["ranks"]) else 0
-            trainer_state["rng"] = ckpt.load_rank(path, rng_rank)[2]["rng"]
-    run.scheduler.load_state_dict(trainer_state["scheduler"])
-    groups = len(run.optimizer.param_groups)
-    for key in ("base_lrs", "_last_lr"):  # another layout may have another number of groups (all share the LR)
-        values = getattr(run.scheduler, key, None)
-        if isinstance(values, list) and values and len(values) != groups:
-            setattr(run.scheduler, key, [values[0]] * groups)
+    load_parts(run, Saved(path, meta, pipe.rank if same_layout else 0))
     if "optimizer" in applied:  # --override optimizer: this run's values on the restored moments and step
         resume_check.apply_hyperparameters(run.optimizer, run.scheduler, fresh)
-    pipe.load_precision_state_dict(trainer_state.get("precision", {}))  # the fp16 loss scale
-    run.train_it.load_state_dict(trainer_state["data"])
-    ckpt.set_rng_state(trainer_state["rng"])
-    # counters and the best eval loss go on (a checkpoint from before they were saved starts them afresh)
-    run.counters.update(trainer_state.get("counters", {}))
-    run.best.update(trainer_state.get("best", {}))
     if pipe.rank == 0:
         log.info("resumed from %s (step %d)", path, meta["step"])
         if applied:
@@ -245,24 +183,13 @@ def resume_run(run, which: str = "latest", override=()) -> int:
     return int(meta["step"])
 
 
-def _resume_mode(run, path: str, meta: dict) -> str:
-    """How this run reads checkpoint `path`: "same" (keyed by name, this layout), "reshard" (keyed by name,
-    another layout) or "own" (saved before checkpoints were keyed by name: only into its own layout). Raises
-    CheckpointError for what cannot resume: another model, precision, batch, ...; an old checkpoint into
-    another layout (with the command that converts it)."""
-    saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
-    current = as_saved(saved, run.fingerprint, run.layout)
-    ckpt.check_fingerprint(must_match(saved), must_match(current), path)
-    if meta.get("optimizer_state") == BY_NAME:  # older checkpoints keep it by index
-        return "same" if all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS) else "reshard"
-    if all(saved.get(k) == current.get(k) for k in LAYOUT_KEYS if k != "zero"):
-        return "own"
-    diffs = ", ".join(k for k in LAYOUT_KEYS if saved.get(k) != current.get(k))
-    raise ckpt.CheckpointError(
-        f"checkpoint {path} was saved before checkpoints could reshard, and this run changes {diffs}. "
-        f"Convert it once: resume it with the layout it was saved with (its meta.json recipe's pipeline "
-        f"section) and --stop-at {int(meta['step']) + 1}; the checkpoint that saves resumes into any layout"
-    )
+def _same_layout(run, path: str, meta: dict) -> bool:
+    """Whether this run reads checkpoint `path` in the layout it was saved with (else it is resharded: every
+    checkpoint resumes into any layout). Raises CheckpointError for what cannot resume: another model,
+    precision, batch, ..."""
+    saved = meta["fingerprint"]
+    ckpt.check_fingerprint(must_match(saved), must_match(run.fingerprint), path)
+    return all(saved.get(k) == run.fingerprint.get(k) for k in LAYOUT_KEYS)
 
 
 def _check_files_share(path: str, meta: dict, rank: int, world: int, weights_only: bool = False) -> None:
@@ -307,8 +234,7 @@ def init_weights_from(run, source: str) -> None:
     try:
         path = ckpt.resolve(os.path.expanduser(source))
         meta = ckpt.read_meta(path)
-        saved = {"zero": False, **meta["fingerprint"]}  # a checkpoint from before ZeRO-1 was unsharded
-        current = as_saved(saved, run.fingerprint, run.layout)
+        saved, current = meta["fingerprint"], run.fingerprint
         try:
             ckpt.check_fingerprint(
                 {k: saved.get(k) for k in _WEIGHT_KEYS}, {k: current.get(k) for k in _WEIGHT_KEYS}, path
@@ -325,7 +251,7 @@ def init_weights_from(run, source: str) -> None:
         problem = (type(e).__name__, str(e))
     _stop_on_any(gather((problem, None if found is None else int(found[1]["step"]))), source)
     path, meta = found
-    reshard_model(pipe, path, meta)
+    MODEL.load(run, Saved(path, meta, pipe.rank))
     if pipe.rank == 0:
         log.info(
             "initialised the weights from %s (step %d); optimizer, schedule and data start afresh", path, meta["step"]

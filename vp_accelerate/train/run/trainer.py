@@ -30,12 +30,13 @@ from vp_accelerate.runtime.groups import host_group
 from ..data import prepare_data
 from ..data.check import data_metrics
 from ..data.preference import pair_style
-from ..recipe import Recipe, RecipeError, finish_steps, recipe_to_dict
+from ..recipe import Recipe, finish_steps, recipe_to_dict
 from ..recipe.lr_schedule import build_scheduler
-from ..recipe.presets import PRESETS, local_model_dir, model_source, recipe_model_config, uses_pretrained_weights
-from ..tokens.tokenizer import load_tokenizer
+from ..recipe.model_check import model_dir
+from ..recipe.presets import PRESETS, model_source, recipe_model_config, uses_pretrained_weights
 from ..tokens.vocab_plan import (
     model_tokenizer_of,
+    open_tokenizer,
     plan_vocab,
     prepare_tokenizers,
     tokenizer_source,
@@ -114,29 +115,16 @@ def load_model_and_tokenizers(recipe: Recipe, accelerator):
     """
     m = recipe.model
     with main_process_first("loading the model and tokenizer"):  # an error there stops every rank
-        try:
-            model_dir = local_model_dir(m.source) if m.source not in PRESETS else None
-        except (OSError, ValueError) as e:  # huggingface_hub: not found, offline, gated
-            raise RecipeError(
-                f"model.source: cannot get {m.source!r}: {str(e).splitlines()[0]}; fix model.source "
-                f"or point it at a local checkpoint directory"
-            ) from None
+        local = model_dir(m.source, download=True) if m.source not in PRESETS else None
         source = tokenizer_source(recipe)
-        if source == m.source and model_dir is not None:
-            source = model_dir
-        try:
-            tokenizer = load_tokenizer(source, recipe.tokenizer.cache_dir, m.trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise RecipeError(f"tokenizer.source: cannot load {source!r}: {str(e).splitlines()[0]}") from None
+        if source == m.source and local is not None:
+            source = local
+        tokenizer = open_tokenizer(recipe, source, fetch=True)
         model_tokenizer = model_tokenizer_of(
-            recipe,
-            tokenizer,
-            source,
-            lambda own: load_tokenizer(own, recipe.tokenizer.cache_dir, m.trust_remote_code),
-            model_dir,
+            recipe, tokenizer, source, lambda own: open_tokenizer(recipe, own, fetch=True), local
         )
     chat = prepare_tokenizers(recipe, tokenizer, model_tokenizer, uses_pretrained_weights(m))
-    return model_dir, tokenizer, model_tokenizer, chat
+    return local, tokenizer, model_tokenizer, chat
 
 
 def plan_model(recipe: Recipe, tokenizer, model_dir: str | None = None, model_tokenizer=None, chat=None):

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from vp_accelerate import exit_codes
 from vp_accelerate.runtime.groups import host_group
 
 from ..data.read import DataError
@@ -121,7 +122,7 @@ def exit_launched(code: int) -> None:
     aborted a rank in that teardown ("terminate called without an active exception", SIGABRT) 3 launches in 38
     on a loaded machine, after the script had ended (no Python frame; docs/reliability.md). A rank that is not
     launched (WORLD_SIZE unset or 1) or any other code returns and exits as usual."""
-    if code != 2 or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if code != exit_codes.USER_ERROR or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     import logging
 

@@ -18,12 +18,16 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from huggingface_hub import try_to_load_from_cache
+
 from vp_accelerate.models.row_map import RowMap
 
 from ..data.chat_template import data_format, prepare_chat
 from ..recipe.convert import RecipeError
+from ..recipe.model_check import hub_offline, missing_hub_source, valid_repo_id
 from ..recipe.presets import PRESETS, padded_vocab, uses_pretrained_weights
 from .token_map import build_row_map, same_vocabulary
+from .tokenizer import QWEN_VARIANTS, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -58,6 +62,34 @@ def tokenizer_source(recipe) -> str:
             f"tokenizer, e.g. tokenizer.source: bpe:outputs/demo_tokenizer"
         )
     return own
+
+
+def open_tokenizer(recipe, source: str, *, fetch: bool):
+    """The tokenizer `source` names (`bpe:<dir>`, a local dir, a Qwen variant, a hub id), the one opener of
+    `--check`, `plan`, `dryrun` and the trainer. `fetch`: convert a Qwen variant and get a hub id that is not
+    cached (the trainer, one process first; `--check`); else None where that would be needed (a launched rank's
+    preflight, `plan`: rank 0 does it at the start). RecipeError naming the key and the fix otherwise."""
+    if source in QWEN_VARIANTS:
+        path = os.path.join(recipe.tokenizer.cache_dir, source)
+        if not fetch and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return None  # converted on the first run (one rank first); the data check catches bad ids
+    elif not os.path.isdir(os.path.expanduser(source[4:] if source.startswith("bpe:") else source)):
+        if source.startswith("bpe:"):
+            if not fetch:
+                return None
+        else:
+            key = "tokenizer.source" if recipe.tokenizer.source is not None else "model.source"
+            if not valid_repo_id(source):
+                raise RecipeError(f"{key}: {source!r} is neither a local directory nor a hub id")
+            cached = isinstance(try_to_load_from_cache(source, "tokenizer_config.json"), str)
+            if not cached and hub_offline():
+                raise missing_hub_source(key, source)
+            if not cached and not fetch:
+                return None  # rank 0 downloads it at the start; a launched rank does not ask the hub
+    try:
+        return load_tokenizer(source, recipe.tokenizer.cache_dir, recipe.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"tokenizer.source: cannot load the tokenizer {source!r}: {str(e).splitlines()[0]}") from None
 
 
 def model_tokenizer_of(recipe, tokenizer, source: str, load, model_dir: str | None = None):

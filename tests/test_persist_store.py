@@ -7,30 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.checkpoints import save_one_rank
+from helpers.checkpoints import save_one_rank, state
 from vp_accelerate.distributed import spawn
 from vp_accelerate.train.persist import store as ckpt
-
-
-def state(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    model = {
-        "model.layers.0.mlp.up_proj.weight": torch.randn(8, 4, generator=g),
-        "model.embed_tokens.weight": torch.randn(16, 4, generator=g),
-    }
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = torch.optim.AdamW([p], lr=0.1)
-    p.grad = torch.ones(3)
-    opt.step()
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    sched.step()
-    trainer = {
-        "scheduler": sched.state_dict(),
-        "rng": ckpt.rng_state(),
-        "data": {"epoch": 0, "step": seed},
-        "step": seed,
-    }
-    return model, opt.state_dict(), trainer
 
 
 def save(root, step, crash=None, keep=2):
@@ -100,14 +79,7 @@ def _two_rank_save(root):
     r = dist.get_rank()
     w = {"w": torch.full((2,), float(r))}
     ckpt.save_checkpoint(
-        root,
-        5,
-        rank=r,
-        model_state=w,
-        optimizer_state={},
-        trainer_state={"step": 5},
-        meta={"fingerprint": {}},
-        barrier=dist.barrier,
+        ckpt.SaveSpec(root, 5, r), ckpt.RankState(w, {}, {"step": 5}, {"fingerprint": {}}), dist.barrier
     )
     return ckpt.load_rank(ckpt.read_latest(root), r)[0]["w"].tolist()
 

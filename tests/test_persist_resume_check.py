@@ -15,6 +15,7 @@ from vp_accelerate.train.recipe import RecipeError, load_recipe, recipe_to_dict
 from vp_accelerate.train.recipe.lr_schedule import build_scheduler
 from vp_accelerate.train.run.optim import build_optimizer
 from vp_accelerate.train.run.run_state import resume_run
+from vp_accelerate.train.run.state_parts import rank_state
 
 CHANGED = ["optimizer.lr=1e-6", "optimizer.weight_decay=0.5", "lr.decay=constant"]
 
@@ -32,11 +33,17 @@ def recipe_of(tmp_path, sets=()):
 
 
 class Pipe(torch.nn.Module):
-    rank = 0
+    """One rank holding the whole (tiny) model, as the state parts see a pipeline (`run/state_parts.py`)."""
+
+    rank = pp_rank = dp_rank = 0
+    mods = SimpleNamespace(sharded_names=(), tp_sliced={}, tp_packed={}, tp_vocab_names=())
 
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Linear(4, 4)
+
+    def precision_state_dict(self):
+        return {}
 
     def load_precision_state_dict(self, state):
         pass
@@ -48,7 +55,7 @@ class Pipe(torch.nn.Module):
 def make_run(recipe):
     pipe = Pipe()
     optimizer = build_optimizer(pipe, recipe.optimizer)
-    it = SimpleNamespace(state={}, load_state_dict=lambda s: it.state.update(s))
+    it = SimpleNamespace(state={}, load_state_dict=lambda s: it.state.update(s), state_dict=lambda: {"at": 0})
     return SimpleNamespace(
         pipe=pipe,
         recipe=recipe,
@@ -70,14 +77,18 @@ def train_and_save(recipe, steps=3):
         run.optimizer.step()
         run.scheduler.step()
     ckpt.save_checkpoint(
-        recipe.checkpoint.resolved_dir(recipe.logging.output_dir),
-        steps,
-        rank=0,
-        model_state=run.pipe.state_dict(),
-        optimizer_state=run.optimizer.state_dict(),
-        trainer_state={"scheduler": run.scheduler.state_dict(), "rng": ckpt.rng_state(), "data": {"at": steps}},
-        meta={"fingerprint": run.fingerprint, "recipe": run.recipe_dict, "data": data_identity(recipe.data)},
-        barrier=lambda: None,
+        ckpt.SaveSpec(recipe.checkpoint.resolved_dir(recipe.logging.output_dir), steps, 0),
+        rank_state(
+            run,
+            steps,
+            {
+                "fingerprint": run.fingerprint,
+                "recipe": run.recipe_dict,
+                "data": data_identity(recipe.data),
+                "ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}],
+            },
+        ),
+        lambda: None,
     )
     return run
 
@@ -151,14 +162,14 @@ def _resume_with_one_rank_damaged(root: str, damaged_rank: int):
     opt = torch.optim.AdamW(pipe.parameters())
     cfg = SimpleNamespace(hub_id=None, files=[data], eval_files=[])
     ckpt.save_checkpoint(
-        root,
-        4,
-        rank=rank,
-        model_state=pipe.state_dict(),
-        optimizer_state=opt.state_dict(),
-        trainer_state={"scheduler": {}, "rng": ckpt.rng_state(), "data": {}},
-        meta={"fingerprint": {}, "recipe": {}, "data": data_identity(cfg)},
-        barrier=dist.barrier,
+        ckpt.SaveSpec(root, 4, rank),
+        ckpt.RankState(
+            pipe.state_dict(),
+            opt.state_dict(),
+            {"scheduler": {}, "rng": ckpt.rng_state(), "data": {}},
+            {"fingerprint": {}, "recipe": {}, "data": data_identity(cfg)},
+        ),
+        dist.barrier,
         agree=gather,
     )
     if rank == damaged_rank:

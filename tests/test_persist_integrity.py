@@ -8,7 +8,6 @@ size check before it costs a stat.
 """
 
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -18,23 +17,11 @@ import sys
 import pytest
 import torch
 
-from helpers.checkpoints import save_one_rank
+from helpers.checkpoints import killed, save_one_rank, state
+from vp_accelerate.train.persist import files
 from vp_accelerate.train.persist import space as ckpt_space
 from vp_accelerate.train.persist import store as ckpt
 from vp_accelerate.train.run import run_lock
-
-
-def state(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    model = {
-        "model.embed_tokens.weight": torch.randn(16, 4, generator=g),
-        "lm_head.weight": torch.randn(16, 4, generator=g),
-    }
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = torch.optim.AdamW([p], lr=0.1)
-    p.grad = torch.ones(3)
-    opt.step()
-    return model, opt.state_dict(), {"scheduler": {"last_epoch": seed}, "data": {"step": seed}, "step": seed}
 
 
 def save(root, step, crash=None, keep=2):
@@ -78,23 +65,54 @@ def test_a_damaged_file_is_named_with_the_fix(tmp_path, case):
     assert "--resume 1" in message and "step_00000001" in message  # the fix: the complete one beside it
 
 
-def test_an_old_checkpoint_without_the_record_still_loads(tmp_path):
+def _rewrite_meta(path, change) -> None:
+    """meta.json changed by `change(meta)`, its record rewritten as a save writes it (only the change differs)."""
+    meta = json.loads(open(os.path.join(path, "meta.json")).read())
+    change(meta)
+    open(os.path.join(path, "meta.json"), "w").write(json.dumps(meta))
+    open(os.path.join(path, ckpt.META_RECORD), "w").write(json.dumps(files.record(path, ["meta.json"])))
+
+
+FORMATS = {
+    "no version": (lambda meta: meta.pop("format"), "has no format version"),
+    "a later version": (lambda meta: meta.update(format=2), "has format version '2'"),
+    "not a number": (lambda meta: meta.update(format="1"), "has format version '1'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORMATS))
+def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path, case, capsys):
+    """Every loader reads meta.json through `read_meta`: resume, init_from, export and resharding refuse it."""
+    from vp_accelerate.train.cli.commands import export_main
+
+    change, says = FORMATS[case]
+    path = save(tmp_path, 3)
+    assert json.loads(open(os.path.join(path, "meta.json")).read())["format"] == ckpt.FORMAT
+    _rewrite_meta(path, change)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.read_meta(path)
+    message = str(e.value)
+    assert says in message and "reads checkpoint format 1 only" in message and "\n" not in message, message
+    assert export_main([path, str(tmp_path / "hf")]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_pre_release_checkpoint_is_refused_by_its_version(tmp_path):
+    """Saved before versions (and before its files were recorded): the version is what is said, not a missing
+    record."""
     path = save(tmp_path, 3)
     os.remove(os.path.join(path, "rank_00000", "files.json"))
     os.remove(os.path.join(path, ckpt.META_RECORD))
     meta = json.loads(open(os.path.join(path, "meta.json")).read())
-    del meta["files"], meta["recorded"]  # as saved before files were recorded
+    del meta["files"], meta["format"]
     open(os.path.join(path, "meta.json"), "w").write(json.dumps(meta))
-    assert ckpt.read_meta(path)["step"] == 3
-    model, _, trainer = ckpt.load_rank(path, 0)
-    assert trainer["step"] == 3 and torch.equal(
-        model["model.embed_tokens.weight"], state(3)[0]["model.embed_tokens.weight"]
-    )
+    with pytest.raises(ckpt.CheckpointError, match="has no format version; this vp-accelerate reads"):
+        ckpt.read_meta(path)
 
 
 @pytest.mark.parametrize("gone", ["rank_00000/files.json", "meta.record.json"])
 def test_a_missing_record_of_a_recording_checkpoint_is_damage(tmp_path, gone):
-    """Where meta.json says the files were recorded, a missing record is damage, not an old format."""
+    """A missing record is damage."""
     path = save(tmp_path, 3)
     os.remove(os.path.join(path, gone))
     with pytest.raises(ckpt.CheckpointError, match=re.escape(os.path.join(path, gone)) + " is missing"):
@@ -109,10 +127,7 @@ def _resave_killed_at(root, stage):
 def test_a_resave_killed_at_any_point_leaves_latest_loadable(tmp_path, stage):
     save(tmp_path, 4)
     save(tmp_path, 5)  # `latest` names step 5; a resumed run saves step 5 again
-    child = multiprocessing.get_context("fork").Process(target=_resave_killed_at, args=(str(tmp_path), stage))
-    child.start()
-    child.join(60)
-    assert child.exitcode == -signal.SIGKILL
+    killed(_resave_killed_at, str(tmp_path), stage)
     path = ckpt.read_latest(str(tmp_path))
     assert os.path.basename(path).startswith("step_00000005")
     _, _, trainer = ckpt.load_rank(path, 0)  # every file whole: sizes and hashes as saved
@@ -227,20 +242,19 @@ def test_export_never_takes_trust_remote_code_from_the_checkpoint(tmp_path, monk
 
     model, opt, trainer = state(1)
     ckpt.save_checkpoint(
-        str(tmp_path / "shared"),
-        1,
-        rank=0,
-        model_state=model,
-        optimizer_state=opt,
-        trainer_state=trainer,
-        meta={
-            "fingerprint": {},
-            "ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}],
-            "vocab_size": 16,
-            "recipe": {"model": {"trust_remote_code": True}},  # the checkpoint asks; only the caller may
-        },
-        barrier=lambda: None,
-        write_model_files=model_files,
+        ckpt.SaveSpec(str(tmp_path / "shared"), 1, 0, write_model_files=model_files),
+        ckpt.RankState(
+            model,
+            opt,
+            trainer,
+            {
+                "fingerprint": {},
+                "ranks": [{"rank": 0, "pp_rank": 0, "dp_rank": 0}],
+                "vocab_size": 16,
+                "recipe": {"model": {"trust_remote_code": True}},  # the checkpoint asks; only the caller may
+            },
+        ),
+        lambda: None,
     )
     assert export_main([str(tmp_path / "shared"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
@@ -258,14 +272,9 @@ def _two_ranks_one_disk_full(root):
         ckpt_space.free_bytes = lambda path: 100
     try:
         ckpt.save_checkpoint(
-            root,
-            1,
-            rank=rank,
-            model_state={"w": torch.zeros(256)},
-            optimizer_state={},
-            trainer_state={"step": 1},
-            meta={"fingerprint": {}},
-            barrier=dist.barrier,
+            ckpt.SaveSpec(root, 1, rank),
+            ckpt.RankState({"w": torch.zeros(256)}, {}, {"step": 1}, {"fingerprint": {}}),
+            dist.barrier,
             agree=gather,
         )
     except ckpt.CheckpointError as e:

@@ -4,46 +4,19 @@ save returns while its files are written, holds the state of its step whatever t
 
 Each test fails on the code before the background writer (no `begin_save`; a write not read back)."""
 
-import multiprocessing
 import os
-import signal
 import threading
 
 import pytest
 import torch
 
+from helpers.checkpoints import META, killed, spec, state
 from vp_accelerate.train.persist import files, writer
 from vp_accelerate.train.persist import store as ckpt
 
 
-def state(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    model = {
-        "model.embed_tokens.weight": torch.randn(16, 4, generator=g),
-        "lm_head.weight": torch.randn(16, 4, generator=g),
-    }
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = torch.optim.AdamW([p], lr=0.1)
-    p.grad = torch.ones(3)
-    opt.step()
-    return model, opt.state_dict(), {"scheduler": {"last_epoch": seed}, "data": {"step": seed}, "step": seed}
-
-
 def begin(root, step, st, crash=None, background=True):
-    model, opt, trainer = st
-    return ckpt.begin_save(
-        str(root),
-        step,
-        rank=0,
-        model_state=model,
-        optimizer_state=opt,
-        trainer_state=trainer,
-        meta={"fingerprint": {"model": "m"}},
-        barrier=lambda: None,
-        write_model_files=lambda d: open(os.path.join(d, "config.json"), "w").write("{}"),
-        background=background,
-        _crash_after=crash,
-    )
+    return ckpt.begin_save(spec(root, step, crash), ckpt.RankState(*st, META), lambda: None, background)
 
 
 def save(root, step, crash=None, background=True):
@@ -104,10 +77,7 @@ def _resave_killed_at(root, stage):
 def test_a_background_resave_killed_at_any_point_leaves_latest_loadable(tmp_path, stage):
     save(tmp_path, 4, background=False)
     save(tmp_path, 5)
-    child = multiprocessing.get_context("fork").Process(target=_resave_killed_at, args=(str(tmp_path), stage))
-    child.start()
-    child.join(60)
-    assert child.exitcode == -signal.SIGKILL
+    killed(_resave_killed_at, str(tmp_path), stage)
     path = ckpt.read_latest(str(tmp_path))
     assert os.path.basename(path).startswith("step_00000005")
     assert ckpt.load_rank(path, 0)[2]["step"] == 5  # every file whole: sizes and hashes as saved
