@@ -229,7 +229,10 @@ class CostModel:
         raise ValueError(f"no compute time for {op}")
 
     def p2p_time(self) -> float:
-        return self.shape.hidden_bytes() / self.hw.p2p_bandwidth + self.hw.latency
+        """One stage-to-stage transfer: the [b, s, h] activation, or under sequence parallelism each TP rank's 1/tp
+        of it to its counterpart (runtime/executor.py)."""
+        s = self.shape
+        return s.stream_tokens * s.hidden * s.dtype_bytes / self.hw.p2p_bandwidth + self.hw.latency
 
     def chain_steps(self, op: Op) -> list[tuple[str, float]]:
         """(step, seconds) of collective `op`'s chain (C1: max all-reduce, rescale, sums all-reduce)."""
@@ -258,16 +261,15 @@ class CostModel:
         # the executor holds what no layer saves: a received input until its gradient leaves (with checkpointing
         # it is the first layer's saved input, counted above; chunk 0's is input_bytes; one from this rank's
         # previous chunk is that chunk's output, below) and the output until B runs backward from it
-        # under sequence parallelism a checkpointed first layer keeps its 1/tp slice of the input, a new tensor: the
-        # received input is held beside it, and chunk 0's fp32 embedding slice is fp32 (measured: 405B, V-Half, pp
-        # 32 x tp 4, full checkpointing, the planner 3.4% and 6.1% low on ranks 124 and 0 without these)
-        sliced = s.tp > 1 and s.sequence_parallel and self.checkpoints_first_layer(chunk)
-        if chunk > 0 and (ckpt == 0 or sliced) and self.chunk_rank[chunk - 1] != self.chunk_rank[chunk]:
-            b += s.hidden_bytes()
-        if chunk == 0 and sliced and self.vocab_parallel:
-            b += s.stream_tokens * s.hidden * (s.stat_bytes - s.dtype_bytes)
+        # under sequence parallelism stages exchange each TP rank's 1/tp of the sequence (runtime/executor.py): what
+        # is received and sent is the stream's slice; chunk 0 slices the fp32 embedding output, a new fp32 tensor
+        # its checkpointed first layer keeps (measured: 405B, V-Half, pp 32 x tp 4, full checkpointing)
+        if chunk > 0 and ckpt == 0 and self.chunk_rank[chunk - 1] != self.chunk_rank[chunk]:
+            b += stream
+        if chunk == 0 and s.tp > 1 and s.sequence_parallel and self.checkpoints_first_layer(chunk):
+            b += s.stream_tokens * s.hidden * (s.stat_bytes - s.dtype_bytes) if self.vocab_parallel else 0.0
         if not last:
-            b += s.hidden_bytes()
+            b += stream
         if not self.vocab_parallel and last:
             b += s.tokens * s.vocab * s.stat_bytes  # log-probabilities of the loss (at least fp32)
             if s.attention == "flash":
