@@ -146,3 +146,6 @@ def test_plan_refuses_a_tp_the_node_cannot_hold(tmp_path, capsys):
     assert plan_main(args + ["--tp", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tp 3" in err[0] and "--gpus-per-node" in err[0]
+    assert plan_main(args + ["--tp", "8"]) == 2  # 4 heads
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tp 8" in err[0] and "attention heads (4)" in err[0], err

@@ -240,6 +240,25 @@ def request_from_args(args):
     )
 
 
+def check_tp(sizes, config, req: PlanRequest) -> None:
+    """ValueError (one line) for a --tp the model or the run cannot take (the node's share is checked with the
+    request)."""
+    from vp_accelerate.cost import shape_from_hf_config
+    from vp_accelerate.sim.plan import tp_sizes
+
+    shape = shape_from_hf_config(config, seq=req.seq)
+    allowed = tp_sizes(config, req, shape)
+    for t in sizes or ():
+        if t in allowed:
+            continue
+        counts = {"attention heads": shape.heads, "key/value heads": shape.kv_heads or shape.heads}
+        counts.update({"MLP width": shape.ffn, "--seq": req.seq})
+        odd = [f"{name} ({n})" for name, n in counts.items() if n % t]
+        why = f"it does not divide the model's {', '.join(odd)}" if odd else "the model or a LoRA run has no TP plan"
+        fit = [str(x) for x in allowed]
+        raise ValueError(f"--tp {t}: {why}; give a tp the run can take ({', '.join(fit)})")
+
+
 def table(plans, top: int, req: PlanRequest | None = None) -> str:
     """The first `top` plans, one line each; a plan above TIGHT of `req`'s memory ends in "tight"."""
     lines = [
@@ -264,6 +283,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         run_shape(args, model)
         config = model.config
         req = request_from_args(args)
+        check_tp(args.tp, config, req)
         start = time.perf_counter()
         found = search(config, req)
         seconds = time.perf_counter() - start
