@@ -247,7 +247,8 @@ def check_tp(sizes, config, req: PlanRequest) -> None:
     from vp_accelerate.sim.plan import tp_sizes
 
     shape = shape_from_hf_config(config, seq=req.seq)
-    allowed = tp_sizes(config, req, shape)
+    node = req.gpus_per_node or req.gpus
+    allowed = tp_sizes(config, dataclasses.replace(req, tensor_parallel=tuple(range(1, node + 1))), shape)
     for t in sizes or ():
         if t in allowed:
             continue
