@@ -23,7 +23,8 @@ CONFIG = {
 
 
 def test_every_plan_uses_every_gpu_and_the_whole_batch_and_the_fastest_fitting_comes_first():
-    req = PlanRequest(gpus=8, memory_gb=40.0, seq=2048, global_batch=32, top=10**6)  # every fitting one timed
+    # every fitting one timed; pp x dp (tensor parallelism: tests/test_plan_tp.py)
+    req = PlanRequest(gpus=8, memory_gb=40.0, seq=2048, global_batch=32, top=10**6, tensor_parallel=(1,))
     plans = plan(CONFIG, req)
     keys = {
         (p.schedule, p.method, p.pp, p.microbatch_size, p.memory, p.zero, p.activation_checkpointing) for p in plans
@@ -129,7 +130,7 @@ def test_a_recipe_with_schedule_auto_takes_the_best_plan(tmp_path, capsys):
 
 
 def test_plain_data_parallelism_is_a_plan_with_the_whole_model_and_its_optimizer_state():
-    plans = plan(CONFIG, PlanRequest(gpus=4, memory_gb=1000.0, seq=2048, global_batch=16))
+    plans = plan(CONFIG, PlanRequest(gpus=4, memory_gb=1000.0, seq=2048, global_batch=16, tensor_parallel=(1,)))
     dp_only = [p for p in plans if p.pp == 1]
     assert dp_only and all(p.dp == 4 and p.label == "data parallel" and p.chunk_layers == (16,) for p in dp_only)
     params = 16 * (4 * 2048**2 + 3 * 2048 * 8192) + 128256 * 2048  # layers + the tied vocabulary matrix
@@ -207,7 +208,10 @@ def test_the_memory_screen_reads_the_simulated_peak_off_the_order_alone():
 def test_zero_1_shards_adam_state_over_the_replicas_as_the_runtime_does():
     from vp_accelerate.cost.memory import COMMUNICATOR_BYTES, CONTEXT_BYTES, FRAGMENTATION
 
-    plans = plan(CONFIG, PlanRequest(gpus=4, memory_gb=1000.0, seq=2048, global_batch=16, checkpointing=("none",)))
+    req = PlanRequest(
+        gpus=4, memory_gb=1000.0, seq=2048, global_batch=16, checkpointing=("none",), tensor_parallel=(1,)
+    )
+    plans = plan(CONFIG, req)
     dp_only = {(p.zero, p.microbatch_size): p for p in plans if p.pp == 1}
     params = 16 * (2 * 2048**2 + 2 * 2048 * 2048 + 3 * 2048 * 8192) + 128256 * 2048  # 32 heads, no GQA
     zero0, zero1 = dp_only[(0, 1)], dp_only[(1, 1)]
@@ -241,6 +245,7 @@ def test_a_node_aware_plan_keeps_pipelines_inside_a_node():
         methods=("baseline", "vocab-2"),
         microbatch_sizes=(1,),
         top=10**6,
+        tensor_parallel=(1,),
     )
     one_node = plan(CONFIG, PlanRequest(**fast))
     two_nodes = plan(CONFIG, PlanRequest(**fast, gpus_per_node=8, internode_bandwidth=25e9))
@@ -278,7 +283,8 @@ def test_llama_3_70b_on_4_nodes_of_8_h100_fits_with_checkpointing_and_zero_1(cap
     from vp_accelerate.sim.plan import search, why
 
     hw, memory = GPU_PRESETS["h100"]
-    small = dict(schedules=("1f1b",), methods=("vocab-2",), microbatch_sizes=(1,), top=1)  # one build per pp
+    # one build per pp; pp x dp (tensor parallelism: tests/test_plan_tp.py)
+    small = dict(schedules=("1f1b",), methods=("vocab-2",), microbatch_sizes=(1,), top=1, tensor_parallel=(1,))
     req = PlanRequest(gpus=32, memory_gb=memory, seq=4096, global_batch=32, hardware=hw, gpus_per_node=8, **small)
     # what the planner without checkpointing or ZeRO-1 saw: nothing fits
     with pytest.raises(ValueError, match="no layout fits in 80 GB per GPU"):

@@ -58,6 +58,7 @@ def test_a_lora_layout_is_the_sum_of_its_terms_and_matches_the_hand_count():
 def test_llama_3_70b_on_32_h100_fits_a_lora_run_in_far_less_memory():
     hw, memory = GPU_PRESETS["h100"]
     small = dict(schedules=("1f1b",), methods=("vocab-2",), microbatch_sizes=(1,), zero=(0,), top=1)
+    small["tensor_parallel"] = (1,)  # the claim is about pipelines; a TP layout of full training fits (test_plan_tp)
     req = PlanRequest(
         gpus=32, memory_gb=memory, seq=4096, global_batch=32, hardware=hw, gpus_per_node=8, checkpointing=("full",)
     )

@@ -118,6 +118,13 @@ class CostModel:
     """Decoder layers recomputed in backward, as PipelineConfig.activation_checkpointing: "none", "full"
     (every layer keeps only its input and reruns its forward in B) or "selective" (every other layer of
     a chunk: the 1st, 3rd, ...)."""
+    tp_bandwidth: float | None = None
+    """Bus bytes/s of the tensor-parallel collectives inside a layer (`shape.tp` > 1): the links of the node
+    a stage's TP ranks share; None = `hw.collective_bandwidth`."""
+
+    def checkpoints_first_layer(self, chunk: int) -> bool:
+        """The chunk's first layer recomputes (full and selective checkpointing: selective takes the 1st, 3rd, ...)."""
+        return 0 in modes.checkpointing(self.activation_checkpointing).layers(self.chunk_layers[chunk])
 
     def checkpointed_layers(self, chunk: int) -> int:
         """Layers of `chunk` whose activations are recomputed."""
@@ -138,8 +145,13 @@ class CostModel:
 
     @property
     def shard_rows(self) -> int:
-        """Vocabulary rows per rank in VP (V padded to a multiple of p)."""
-        return math.ceil(self.shape.vocab / self.num_ranks)
+        """Vocabulary rows per rank in VP: V over the replica's pp x tp ranks (padded to a multiple of them)."""
+        return math.ceil(self.shape.vocab / (self.num_ranks * self.shape.tp))
+
+    @property
+    def vocab_ranks(self) -> int:
+        """Ranks the vocabulary collectives run over: the replica's pp x tp."""
+        return self.num_ranks * self.shape.tp
 
     # ---- times -------------------------------------------------------------------------------
     def _flops_time(self, flops: float) -> float:
@@ -157,9 +169,18 @@ class CostModel:
     def _layer_time(self, op: str) -> float:
         if op == "W" and self.shape.frozen_weights:
             return 0.0  # a frozen layer computes no weight gradient (LoRA's adapters: negligible)
+        tp = self.tp_time(op) if op in ("F", "B") else 0.0
         if self.gemm is None:
-            return self._flops_time(dict(zip("FBW", self.shape.layer_flops()))[op])
-        return eff.layer_time(self.shape, op, self._rate(), self.hw.mem_bandwidth, self.gemm)
+            return self._flops_time(dict(zip("FBW", self.shape.layer_flops()))[op]) / self.shape.tp + tp
+        return eff.layer_time(self.shape, op, self._rate(), self.hw.mem_bandwidth, self.gemm) + tp
+
+    def tp_time(self, op: str = "F") -> float:
+        """Seconds of one layer's tensor-parallel collectives in pass `op` ("F" or "B": the conjugate operators),
+        on the node's links and not overlapped with compute (efficiency.tp_collective_time); 0 without TP."""
+        if self.shape.tp == 1:
+            return 0.0
+        bandwidth = self.tp_bandwidth or self.hw.collective_bandwidth
+        return eff.tp_collective_time(self.shape, bandwidth, self.hw.latency, op)
 
     def _out_time(self, rows: int, *parts: str) -> float:
         """Output-layer products over `rows` vocabulary rows (see efficiency.output_gemm_time)."""
@@ -208,13 +229,16 @@ class CostModel:
         raise ValueError(f"no compute time for {op}")
 
     def p2p_time(self) -> float:
-        return self.shape.hidden_bytes() / self.hw.p2p_bandwidth + self.hw.latency
+        """One stage-to-stage transfer: the [b, s, h] activation, or under sequence parallelism each TP rank's 1/tp
+        of it to its counterpart (runtime/executor.py)."""
+        s = self.shape
+        return s.stream_tokens * s.hidden * s.dtype_bytes / self.hw.p2p_bandwidth + self.hw.latency
 
     def chain_steps(self, op: Op) -> list[tuple[str, float]]:
         """(step, seconds) of collective `op`'s chain (C1: max all-reduce, rescale, sums all-reduce)."""
         return eff.chain_steps(
             self.shape,
-            self.num_ranks,
+            self.vocab_ranks,
             op.value,
             self.spec.barriers,
             self.hw.collective_bandwidth,
@@ -232,14 +256,20 @@ class CostModel:
         ckpt = self.checkpointed_layers(chunk)  # these keep only their input hidden state
         kept = self.chunk_layers[chunk] - ckpt
         # the rotary cos/sin are saved by the layers that keep their activations (none when all recompute)
-        b = kept * self.layer_bytes() + ckpt * s.hidden_bytes() + s.chunk_extra_bytes(last, rotary=kept > 0)
+        stream = s.stream_tokens * s.hidden * s.dtype_bytes  # a layer's input (1/tp of it under sequence parallelism)
+        b = kept * self.layer_bytes() + ckpt * stream + s.chunk_extra_bytes(last, rotary=kept > 0)
         # the executor holds what no layer saves: a received input until its gradient leaves (with checkpointing
         # it is the first layer's saved input, counted above; chunk 0's is input_bytes; one from this rank's
         # previous chunk is that chunk's output, below) and the output until B runs backward from it
+        # under sequence parallelism stages exchange each TP rank's 1/tp of the sequence (runtime/executor.py): what
+        # is received and sent is the stream's slice; chunk 0 slices the fp32 embedding output, a new fp32 tensor
+        # its checkpointed first layer keeps (measured: 405B, V-Half, pp 32 x tp 4, full checkpointing)
         if chunk > 0 and ckpt == 0 and self.chunk_rank[chunk - 1] != self.chunk_rank[chunk]:
-            b += s.hidden_bytes()
+            b += stream
+        if chunk == 0 and s.tp > 1 and s.sequence_parallel and self.checkpoints_first_layer(chunk):
+            b += s.stream_tokens * s.hidden * (s.stat_bytes - s.dtype_bytes) if self.vocab_parallel else 0.0
         if not last:
-            b += s.hidden_bytes()
+            b += stream
         if not self.vocab_parallel and last:
             b += s.tokens * s.vocab * s.stat_bytes  # log-probabilities of the loss (at least fp32)
             if s.attention == "flash":
@@ -346,7 +376,7 @@ class CostModel:
         """Parameters held by `rank`: its layers, plus the embedding / output weight (whole on the first /
         last chunk's owner for baseline and redis, one 1/p shard of each on every rank for VP)."""
         s = self.shape
-        n = sum(l for c, l in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank) * s.layer_params()
+        n = sum(l for c, l in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank) * s.rank_layer_params()
         vocab_tensors = 1 if s.tied else 2
         if self.vocab_parallel:
             return n + vocab_tensors * self.shard_rows * s.hidden
@@ -367,7 +397,7 @@ class CostModel:
         weight_op = "W" if self.split_backward else "B"
         for c, r in enumerate(self.chunk_rank):
             if r == rank:
-                out[weight_op, c] = out.get((weight_op, c), 0.0) + self.chunk_layers[c] * s.layer_params() * g
+                out[weight_op, c] = out.get((weight_op, c), 0.0) + self.chunk_layers[c] * s.rank_layer_params() * g
         if self.vocab_parallel:
             out["T", 0] = (1 if s.tied else 2) * self.shard_rows * s.hidden * g
             return out
@@ -393,7 +423,7 @@ class CostModel:
         if self.split_backward and self.shape.dtype_bytes < self.grad_bytes:
             n -= (
                 sum(c for i, c in enumerate(self.chunk_layers) if self.chunk_rank[i] == rank)
-                * self.shape.layer_params()
+                * self.shape.rank_layer_params()
             )
         return n
 
@@ -401,7 +431,7 @@ class CostModel:
         """A split backward's transient under mixed precision: one linear's weight cast (F, B) or its 16-bit
         weight gradient before W adds it into the fp32 grad; the largest is an MLP matrix."""
         s = self.shape
-        return s.hidden * max(s.hidden, s.ffn) * s.dtype_bytes if self.split_backward else 0.0
+        return s.hidden * max(s.hidden, s.ffn) / s.tp * s.dtype_bytes if self.split_backward else 0.0
 
     def bytes_per_param(self) -> float:
         """Static bytes per parameter: 16-bit weights + fp32 gradient + fp32 master + Adam's m and v (sharded

@@ -55,30 +55,66 @@ class GemmModel:
 
 def layer_gemms(shape) -> dict[str, list[tuple[int, int, int, int]]]:
     """(m, n, k, batch) of one decoder layer's GEMMs in F, B (input gradients + attention backward) and W
-    (weight gradients). Grouped-query attention shrinks the k/v projections."""
-    n, h, f = shape.tokens, shape.hidden, shape.ffn
+    (weight gradients) on one TP rank. Grouped-query attention shrinks the k/v projections; tensor parallelism
+    (`shape.tp`) gives a rank 1/tp of q, k, v, gate and up's outputs, of o and down's inputs and of the heads,
+    on every token (the sequence is gathered before the sliced linears)."""
+    t = shape.tp
+    n, h, f = shape.tokens, shape.hidden, shape.ffn // t
     kv = shape.kv_heads or shape.heads
     d = max(1, h // shape.heads)
-    qkv = h + 2 * kv * d
+    qkv = (shape.heads * d + 2 * kv * d) // t
+    o = shape.heads * d // t  # o_proj's input columns on this rank
     up = f * (shape.mlp_matrices - 1)  # gate and up of a gated MLP
-    s, bh = shape.seq, shape.microbatch_size * shape.heads
+    s, bh = shape.seq, shape.microbatch_size * shape.heads // t
     scores, values = (s, s, d, bh), (s, d, s, bh)
-    fwd = [(n, qkv, h, 1), (n, h, h, 1), (n, up, h, 1), (n, h, f, 1), scores, values]
-    bwd = [(n, h, qkv, 1), (n, h, h, 1), (n, h, up, 1), (n, f, h, 1), scores, values, scores, values, values]
-    wgt = [(qkv, h, n, 1), (h, h, n, 1), (up, h, n, 1), (h, f, n, 1)]
+    fwd = [(n, qkv, h, 1), (n, h, o, 1), (n, up, h, 1), (n, h, f, 1), scores, values]
+    bwd = [(n, h, qkv, 1), (n, o, h, 1), (n, h, up, 1), (n, f, h, 1), scores, values, scores, values, values]
+    wgt = [(qkv, h, n, 1), (h, o, n, 1), (up, h, n, 1), (h, f, n, 1)]
     return {"F": fwd, "B": bwd, "W": wgt}
 
 
 def layer_elementwise_bytes(shape) -> dict[str, float]:
-    """HBM bytes of one decoder layer's memory-bound work per pass (see the module docstring)."""
-    nh = shape.tokens * shape.hidden * shape.dtype_bytes
-    nf = shape.tokens * shape.ffn * shape.dtype_bytes
+    """HBM bytes of one decoder layer's memory-bound work per pass (see the module docstring), on one TP rank:
+    the norms and residual adds on the stream's tokens (1/tp under sequence parallelism), the MLP activation on
+    the rank's 1/tp of its columns."""
+    nh = shape.stream_tokens * shape.hidden * shape.dtype_bytes
+    nf = shape.tokens * shape.ffn / shape.tp * shape.dtype_bytes
     fwd = 2 * 2 * nh + 2 * 3 * nh + shape.mlp_matrices * nf
     return {"F": fwd, "B": 2 * fwd, "W": 0.0}
 
 
+def tp_collectives(shape, op: str = "F") -> list[tuple[str, float]]:
+    """(kind, bytes) of the TP collectives one decoder layer's pass `op` ("F" or "B") runs on one rank
+    (models/tensor_parallel.py's f where the attention and the MLP start, g after their row-split linears): under
+    sequence parallelism F all-gathers each region's input and reduce-scatters its output, B reduce-scatters the
+    input's gradient and all-gathers the output's; without it F all-reduces the two outputs, B the two input
+    gradients. Each moves one [b, s, h] activation: g's in the compute dtype, f's (the norm's output, and its
+    gradient) in fp32 under mixed precision, as HF's RMSNorm returns it (measured in the dry run's recorded
+    collectives). None without tensor parallelism."""
+    if shape.tp == 1:
+        return []
+    n = shape.tokens * shape.hidden
+    f_bytes = n * (shape.stat_bytes if shape.dtype_bytes < 4 else shape.dtype_bytes)
+    g_bytes = n * shape.dtype_bytes
+    if shape.sequence_parallel:
+        pair = [("all_gather", f_bytes), ("reduce_scatter", g_bytes)] if op == "F" else [
+            ("reduce_scatter", f_bytes), ("all_gather", g_bytes)]  # fmt: skip
+        return pair * 2
+    return [("all_reduce", g_bytes if op == "F" else f_bytes)] * 2
+
+
+def tp_collective_time(shape, bandwidth: float, latency: float, op: str = "F") -> float:
+    """Seconds of one layer's TP collectives in pass `op` at `bandwidth` bus bytes/s (the node's links): a ring
+    all-reduce moves 2(t-1)/t of the buffer per rank, an all-gather or a reduce-scatter (t-1)/t; each call pays
+    `latency`. Not overlapped with the layer's compute (the runtime runs them synchronously in the pass)."""
+    t = shape.tp
+    share = {"all_reduce": 2 * (t - 1) / t, "all_gather": (t - 1) / t, "reduce_scatter": (t - 1) / t}
+    return sum(share[kind] * nbytes / bandwidth + latency for kind, nbytes in tp_collectives(shape, op))
+
+
 def layer_time(shape, op: str, rate: float, mem_bandwidth: float, gemm: GemmModel) -> float:
-    """Seconds of one decoder layer's pass `op` ("F", "B" input gradients, "W" weight gradients)."""
+    """Seconds of one decoder layer's pass `op` ("F", "B" input gradients, "W" weight gradients) on one TP rank,
+    its TP collectives not included (`tp_collective_time`)."""
     t = sum(gemm.time(m, n, k, rate, b) for m, n, k, b in layer_gemms(shape)[op])
     return t + layer_elementwise_bytes(shape)[op] / mem_bandwidth
 

@@ -78,7 +78,7 @@ def communicators(pp: int, dp: int, vocab_parallel: bool, tied: bool = False, tp
     world's, the pipeline's (its p2p too, pp > 1), the vocabulary group's (VP), the tensor-parallel group's
     (tp > 1), the data-parallel group's (dp > 1) and the tied-embedding pair's (`tied`: the first and last
     stage of a baseline with tied weights). The host-side groups are gloo: host memory, not counted."""
-    return 1 + (pp > 1) + (vocab_parallel and pp > 1) + (tp > 1) + (dp > 1) + bool(tied)
+    return 1 + (pp > 1) + (vocab_parallel and pp * tp > 1) + (tp > 1) + (dp > 1) + bool(tied)
 
 
 def tied_ranks(tied_weights: bool, vocab_parallel: bool, chunk_rank) -> set[int]:
@@ -113,7 +113,7 @@ def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1
     gradients = n * model.grad_bytes
     optimizer = n * (model.bytes_per_param() - model.shape.dtype_bytes - whole - model.grad_bytes)
     allocated = parameters + gradients + optimizer + activation_peak
-    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel, _tied(model, rank))
+    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel, _tied(model, rank), model.shape.tp)
     return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
 
 
@@ -173,7 +173,7 @@ def lora_rank_memory(
     gradients = adapters * model.grad_bytes
     optimizer = adapters * sharded / model.optimizer_shards
     allocated = parameters + gradients + optimizer + activation_peak
-    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel, _tied(model, rank))
+    reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel, _tied(model, rank), model.shape.tp)
     return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
 
 

@@ -83,15 +83,30 @@ class ModelShape:
     """With `frozen_weights`: LoRA adapters sit on the MLP's linears too (all-linear, gate/up/down targets), so
     the MLP's inputs are kept as in full training; False: adapters on the attention's linears only (peft's
     default q and v), and a frozen MLP keeps neither its normed input nor down_proj's input."""
+    tp: int = 1
+    """Tensor-parallel ranks a decoder layer is split over (models/tensor_parallel.py): the per-rank figures
+    (`rank_layer_params`, the activations, the weight-gradient queue, the GEMM shapes in cost/efficiency.py) are one
+    TP rank's; the whole-model FLOPs (`model_flops`, `layer_flops`) stay the model's."""
+    sequence_parallel: bool = True
+    """With tp > 1: the norms and the residual stream between a stage's layers hold 1/tp of the sequence (the
+    runtime's default); False: every TP rank holds them whole."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
 
     @property
     def tokens(self) -> int:
         """Tokens per microbatch N = b*s."""
         return self.microbatch_size * self.seq
+
+    @property
+    def stream_tokens(self) -> float:
+        """Tokens of the residual stream and the norms one TP rank holds: N / tp under sequence parallelism,
+        else N."""
+        return self.tokens / self.tp if self.tp > 1 and self.sequence_parallel else self.tokens
 
     # ---- FLOPs per microbatch --------------------------------------------------------------
     def kv_width(self) -> int:
@@ -134,6 +149,11 @@ class ModelShape:
         h = self.hidden
         return 2 * h * h + 2 * h * self.kv_width() + self.mlp_matrices * h * self.ffn
 
+    def rank_layer_params(self) -> float:
+        """Parameters of one layer on one TP rank: every matrix of `layer_params` is sliced over tp (q, k, v,
+        gate, up by rows, o and down by columns; the norms, ignored here, stay whole)."""
+        return self.layer_params() / self.tp
+
     def layer_activation_bytes(self) -> float:
         """Activations one layer keeps per microbatch for its backward.
 
@@ -143,7 +163,8 @@ class ModelShape:
         if self.attention != "flash":
             return self._hf_layer_elements() * self.dtype_bytes + self._upcast_bytes(norms=2, probs=True)
         sbh = self.tokens * self.hidden
-        return sbh * (15 + 19 * self.ffn / (4 * self.hidden)) * self.dtype_bytes / 2 + self._upcast_bytes(norms=2)
+        per = (15 + 19 * self.ffn / (4 * self.hidden)) / self.tp  # Korthikanti et al.'s /t with sequence parallelism
+        return sbh * per * self.dtype_bytes / 2 + self._upcast_bytes(norms=2)
 
     def _upcast_bytes(self, norms: int, probs: bool = False) -> float:
         """What a 16-bit run keeps beyond the 16-bit count: HF's RMSNorm computes in fp32, so each norm keeps
@@ -154,14 +175,15 @@ class ModelShape:
         if extra <= 0:
             return 0.0
         n = self.tokens
-        b = norms * (n * self.hidden + n) * extra
+        ns = self.stream_tokens  # a norm runs on the residual stream's tokens (1/tp under sequence parallelism)
+        b = norms * (ns * self.hidden + ns) * extra
         if norms == 2 and self.frozen_weights and not self.adapted_mlp:  # LoRA: the adapters' casts (q, v) only
             b += 2 * n * self.hidden * self.dtype_bytes
         elif norms == 2:  # a layer: autocast casts the norms' fp32 output once per linear that reads it (q, k, v;
             # gate and up), where the count has one 16-bit copy per norm
             b += (2 + (self.mlp_matrices == 3)) * n * self.hidden * self.dtype_bytes
         if probs and self.attention == "eager":
-            b += self.microbatch_size * self.heads * self.seq * self.seq * self.stat_bytes
+            b += self.microbatch_size * self.heads / self.tp * self.seq * self.seq * self.stat_bytes
         return b
 
     def _hf_layer_elements(self) -> float:
@@ -171,11 +193,14 @@ class ModelShape:
         [b, a, s, s] and a contiguous copy of the output for o_proj; sdpa k and v at k heads, the kernel's
         output and its log-sum-exp [b, a, s]; the MLP gate, act(gate), up and their product (gated) or its
         pre-activation and activation (2 matrices). Rotary's cos / sin are per chunk (`chunk_extra_bytes`)."""
-        n, h, f, b, s = self.tokens, self.hidden, self.ffn, self.microbatch_size, self.seq
-        a = self.heads
-        qd = a * (h // a)  # q (and o_proj's input) width
-        kd = (self.kv_heads or a) * (h // a)
-        norms = 2 * (3 * n * h + n)
+        n, h, f, b, s = self.tokens, self.hidden, self.ffn / self.tp, self.microbatch_size, self.seq
+        a = self.heads / self.tp  # under tensor parallelism a rank keeps its heads' and MLP columns' share
+        qd = a * (h // self.heads)  # q (and o_proj's input) width
+        kd = (self.kv_heads or self.heads) / self.tp * (h // self.heads)
+        # each norm's input, x·rsqrt and rsqrt on the stream's tokens (1/tp under sequence parallelism), and the
+        # input its linears read (after the sequence all-gather: every token)
+        ns = self.stream_tokens
+        norms = 2 * (2 * ns * h + ns + n * h)
         mlp = (4 if self.mlp_matrices == 3 else 2) * n * f
         if self.frozen_weights and not self.adapted_mlp:
             # LoRA (adapters on q and v): autograd saves a matmul's input only for its weight's gradient and a
@@ -213,13 +238,14 @@ class ModelShape:
         (runtime/weight_grad.py): each linear's input and output gradient [N, in] + [N, out] in the compute
         dtype. Under mixed precision every linear casts its own input (q, k and v each a copy of the fp32
         norm's output, gate and up too); in the parameters' dtype the linears that read one tensor share it."""
-        h, kv, f, n = self.hidden, self.kv_width(), self.ffn, self.tokens
+        t = self.tp  # a TP rank's sliced linears: q, k, v, gate, up give 1/tp of their outputs, o and down read 1/tp
+        h, kv, f, n = self.hidden, self.kv_width() / t, self.ffn / t, self.tokens
         mlp_in = self.mlp_matrices - 1  # gate and up (or up alone) read the norm's output; down reads [N, ffn]
         if self.dtype_bytes < 4:
-            inputs = 3 * h + h + mlp_in * h + f
+            inputs = 3 * h + h / t + mlp_in * h + f
         else:
-            inputs = h + h + h + f
-        outputs = h + 2 * kv + h + mlp_in * f + h
+            inputs = h + h / t + h + f
+        outputs = h / t + 2 * kv + h + mlp_in * f + h
         return n * (inputs + outputs) * self.dtype_bytes
 
 

@@ -8,6 +8,8 @@ The runtime runs unchanged; the seams it needs are set here and undone on exit:
   parameters that hold weak references;
 - the vocabulary collective chains run inline in issue order (on a GPU they are issued on a side stream at
   submit time; the CPU worker thread would hide them from the counter);
+- the TP sequence all-gather and reduce-scatter are recorded where runtime/tensor_parallel.py holds torch's
+  functions (it binds them at import, past the patched `torch.distributed` names);
 - a host read of a device value (`.item()`, `bool(t)`) is answered (True / 1) and recorded as a sync;
 - fp16's overflow check (`precision.unscale_and_check`) runs and is recorded, and answers "no overflow": a
   finite step, whose optimizer step (and ZeRO-1 broadcast) runs as on a GPU; the host read's 1 would say
@@ -173,6 +175,22 @@ def recording(rec: Recorder):
         return buckets
 
     grad_sync.plan_buckets = zero.plan_buckets = plan_buckets
+    # the TP sequence all-gather and reduce-scatter: runtime/tensor_parallel.py holds torch's functions (their
+    # names differ between torch releases), so they are recorded where it holds them
+    from vp_accelerate.runtime import tensor_parallel as tp_comm
+
+    real_tp = (tp_comm._ALL_GATHER, tp_comm._REDUCE_SCATTER)
+
+    def tp_collective(kind, real):
+        def call(*args, **kwargs):
+            name = rec.name(_group_arg(kind, args, kwargs))
+            rec.add(Op(name.split(":")[0], name, kind, nbytes=_bytes(args[:2]), label=rec.phase))
+            return real(*args, **kwargs)
+
+        return call
+
+    tp_comm._ALL_GATHER = tp_collective("all_gather_into_tensor", real_tp[0])
+    tp_comm._REDUCE_SCATTER = tp_collective("reduce_scatter_tensor", real_tp[1])
     patches = {"new_group": new_group, "batch_isend_irecv": batch}
     patches.update({n: collective(n) for n in _COLLECTIVES})
     # isend / irecv stay unpatched: P2POp checks its op by identity (the runtime batches them)
@@ -185,6 +203,7 @@ def recording(rec: Recorder):
         yield rec
     finally:
         grad_sync.plan_buckets = zero.plan_buckets = real_plan
+        tp_comm._ALL_GATHER, tp_comm._REDUCE_SCATTER = real_tp
         p2p._ORIGINAL = original_p2p
         for n, f in saved.items():
             setattr(dist, n, f)

@@ -117,22 +117,34 @@ def run_rank(source, cfg: PipelineConfig, rank: int, world_size: int, batch: int
     return mem, list(rec.ops)
 
 
-def replica_program(program: list[Op], pp_size: int, d: int) -> list[Op]:
-    """Replica 0's program of a pipeline rank as replica `d` issues it: the groups inside replica 0 (pipeline,
-    vocabulary, tied ends), their roots and the p2p peers moved by d * pp_size; the data-parallel and world
-    groups, which span replicas, are the same (a ZeRO-1 broadcast's root is the owner's global rank on every
-    replica). tests/test_dryrun.py runs a rank of replica 1 for real and compares."""
+def replica_program(program: list[Op], block: int, d: int) -> list[Op]:
+    """Replica 0's program of a rank as replica `d` issues it: the groups inside replica 0 (its `block` =
+    pp x tp ranks: pipeline, tensor-parallel, vocabulary, tied ends), their roots and the p2p peers moved by
+    d * block; the data-parallel and world groups, which span replicas, are the same (a ZeRO-1 broadcast's root
+    is the owner's global rank on every replica). tests/test_dryrun.py runs a rank of replica 1 for real and
+    compares."""
+    return _moved(program, lambda members: all(r < block for r in members), lambda r: r + d * block if r < block else r)
 
-    def move(r: int) -> int:
-        return r + d * pp_size if r < pp_size else r
 
+def tp_program(program: list[Op], tp: int, t: int) -> list[Op]:
+    """TP rank 0's program of a stage as the stage's TP rank `t` issues it: the groups of TP coordinate 0 (its
+    pipeline and data-parallel groups, host ones too: every member a TP rank 0), their roots and the p2p peers
+    (the counterpart stages) moved by t; the groups that hold every TP rank (the stage's TP group, the replica's
+    vocabulary group, the world) are the same, and so are their roots (a vocabulary broadcast is rooted at the
+    stage's TP rank 0 on every TP rank). tests/test_dryrun_tp.py runs TP rank 1 for real and compares."""
+    return _moved(program, lambda members: all(r % tp == 0 for r in members), lambda r: r + t)
+
+
+def _moved(program: list[Op], inside, move) -> list[Op]:
+    """`program` with every group whose members satisfy `inside` renamed by `move` (its members and root), and
+    every p2p peer moved."""
     out = []
     for op in program:
         c, root = op.comm, op.root
-        if c and all(r < pp_size for r in op.members()):  # a group of replica 0 (pipeline, vocabulary, tied ends)
+        if c and inside(op.members()):
             kind, k = c.split(":", 1)[0], c.rsplit("#", 1)[1]
             c = f"{kind}:{tuple(move(r) for r in op.members())}#{k}"
-            root = None if root is None else move(root)  # a vocabulary reduce's root is a rank of the replica
+            root = None if root is None else move(root)
         p2p = tuple((x, move(p), nb) for x, p, nb in op.p2p)
         out.append(dataclasses.replace(op, comm=c, p2p=p2p, root=root))
     return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.schedule.world import Deadlock, replay_world
 
-from .run import RankMemory, replica_program, run_rank
+from .run import RankMemory, replica_program, run_rank, tp_program
 
 
 @dataclass
@@ -20,7 +20,8 @@ class WorldResult:
     """Per pipeline rank of replica 0 its memory; the world's replay."""
 
     ranks: list[RankMemory]
-    """Ranks 0 .. pp-1 (replica 0); replica d's rank d * pp + s runs the same program on its own groups."""
+    """TP rank 0 of each stage of replica 0 (global ranks s * tp); its stage's other TP ranks and replica d's
+    counterparts run the same program on their own groups (derived, not run)."""
     planned_bytes: list[int | None]
     """The planner's per-rank figure for the same layout (None when it has none)."""
     deadlock: Deadlock | None
@@ -48,7 +49,17 @@ def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
     zero = cfg.zero if cfg.dp_size > 1 else 0
     lora = dict(lora_rank=req.lora_rank, lora_targets=req.lora_targets) if req.lora_rank is not None else {}
     peaks = schedule_memory(
-        config, schedule, counts, req.seq, mbs, cfg.activation_checkpointing, cfg.memory, zero, cfg.dp_size, **lora
+        config,
+        schedule,
+        counts,
+        req.seq,
+        mbs,
+        cfg.activation_checkpointing,
+        cfg.memory,
+        zero,
+        cfg.dp_size,
+        **lora,
+        tp=cfg.tp_size,
     )
     return [int(x) for x in peaks]
 
@@ -56,29 +67,32 @@ def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
 def dry_run_world(
     source, cfg: PipelineConfig, world_size: int, global_batch: int, seq: int, log=None, jobs: int = 1, adapter=None
 ) -> WorldResult:
-    """Run pipeline ranks 0 .. pp-1 of replica 0 and replay the world of `cfg.dp_size` replicas. `jobs` > 1
-    runs that many ranks at once, each in a fresh process (the ranks share nothing)."""
+    """Run TP rank 0 of every pipeline stage of replica 0 (global ranks s * tp) and replay the world of
+    `cfg.dp_size` replicas of pp x tp ranks. `jobs` > 1 runs that many ranks at once, each in a fresh process
+    (the ranks share nothing)."""
     t0 = time.perf_counter()
-    pp, dp = cfg.pp_size, cfg.dp_size
-    args = [(source, cfg, s, world_size, global_batch // dp, seq, adapter) for s in range(pp)]
+    pp, dp, tp = cfg.pp_size, cfg.dp_size, cfg.tp_size
+    args = [(source, cfg, s * tp, world_size, global_batch // dp, seq, adapter) for s in range(pp)]
     results: dict[int, tuple] = {}
 
     def done(s: int, out) -> None:
         results[s] = out
         if log is not None:
             mem, program = out
-            log(f"rank {s}: {mem.seconds:.1f} s, peak {mem.peak_bytes / 1e9:.2f} GB, {len(program)} operations")
+            log(f"rank {mem.rank}: {mem.seconds:.1f} s, peak {mem.peak_bytes / 1e9:.2f} GB, {len(program)} operations")
 
     if jobs > 1:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no fake world leaks between ranks
         with ProcessPoolExecutor(max_workers=min(jobs, pp), mp_context=ctx) as pool:
-            futures = {pool.submit(run_rank, *a): a[2] for a in args}
+            futures = {pool.submit(run_rank, *a): a[2] // tp for a in args}
             for f in as_completed(futures):
                 done(futures[f], f.result())
     else:
         for a in args:
-            done(a[2], run_rank(*a))
+            done(a[2] // tp, run_rank(*a))
     mems = [results[s][0] for s in range(pp)]
-    world = {d * pp + s: replica_program(results[s][1], pp, d) for d in range(dp) for s in range(pp)}
+    block = pp * tp
+    stage = {s * tp + t: tp_program(results[s][1], tp, t) if t else results[s][1] for s in range(pp) for t in range(tp)}
+    world = {d * block + r: replica_program(prog, block, d) for d in range(dp) for r, prog in stage.items()}
     deadlock = replay_world(world)
     return WorldResult(mems, [None] * pp, deadlock, sum(len(p) for p in world.values()), time.perf_counter() - t0)

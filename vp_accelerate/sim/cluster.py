@@ -1,7 +1,8 @@
 """Where the ranks of a pp x dp layout sit on nodes, and what each group's links cost.
 
-The runtime numbers ranks as global rank = dp_rank x pp + pp_rank (runtime/groups.py): each pipeline
-replica is a block of pp consecutive ranks, and a launcher fills node after node with consecutive
+The runtime numbers ranks as global rank = (dp_rank x pp + pp_rank) x tp + tp_rank (runtime/groups.py): a
+stage's TP ranks are tp consecutive ranks (inside a node when tp divides it), each pipeline replica is a block
+of pp x tp consecutive ranks, and a launcher fills node after node with consecutive
 ranks. So with pp dividing the GPUs per node every pipeline lives inside one node (its point-to-point
 transfers and vocabulary collectives on NVLink) and the data-parallel groups cross nodes; with pp
 larger than a node the pipeline itself crosses.
@@ -43,18 +44,23 @@ class Cluster:
     def spans_nodes(self, ranks) -> bool:
         return len({self.node(r) for r in ranks}) > 1
 
-    def pipeline_crosses(self, pp: int, dp: int) -> bool:
-        """Some pipeline replica's pp ranks sit on more than one node."""
-        return any(self.spans_nodes(range(d * pp, (d + 1) * pp)) for d in range(dp))
+    def pipeline_crosses(self, pp: int, dp: int, tp: int = 1) -> bool:
+        """Some pipeline replica's pp x tp ranks (a block of consecutive ranks) sit on more than one node."""
+        return any(self.spans_nodes(range(d * pp * tp, (d + 1) * pp * tp)) for d in range(dp))
 
-    def dp_crosses(self, pp: int, dp: int) -> bool:
-        """Some data-parallel group (one pipeline rank of every replica) sits on more than one node."""
-        return dp > 1 and any(self.spans_nodes(range(s, pp * dp, pp)) for s in range(pp))
+    def dp_crosses(self, pp: int, dp: int, tp: int = 1) -> bool:
+        """Some data-parallel group (one (pipeline, TP) rank of every replica) sits on more than one node."""
+        block = pp * tp
+        return dp > 1 and any(self.spans_nodes(range(s, block * dp, block)) for s in range(block))
 
-    def pipeline_hardware(self, hw: Hardware, pp: int, dp: int) -> Hardware:
+    def tp_fits(self, tp: int) -> bool:
+        """A stage's tp consecutive ranks stay inside a node (tp divides the GPUs per node)."""
+        return self.gpus_per_node is None or self.gpus_per_node % tp == 0
+
+    def pipeline_hardware(self, hw: Hardware, pp: int, dp: int, tp: int = 1) -> Hardware:
         """`hw` with the pipeline's point-to-point and collective bandwidth at the inter-node rate when the
         pipeline crosses nodes (and the slower of the two)."""
-        if not self.pipeline_crosses(pp, dp):
+        if not self.pipeline_crosses(pp, dp, tp):
             return hw
         return replace(
             hw,
@@ -62,8 +68,8 @@ class Cluster:
             collective_bandwidth=min(hw.collective_bandwidth, self.internode_bandwidth),
         )
 
-    def dp_bandwidth(self, hw: Hardware, pp: int, dp: int) -> float:
+    def dp_bandwidth(self, hw: Hardware, pp: int, dp: int, tp: int = 1) -> float:
         """Bus bytes/s of the data-parallel gradient collectives."""
-        if self.dp_crosses(pp, dp):
+        if self.dp_crosses(pp, dp, tp):
             return min(hw.collective_bandwidth, self.internode_bandwidth)
         return hw.collective_bandwidth

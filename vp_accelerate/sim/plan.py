@@ -37,6 +37,7 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
+from pathlib import Path
 
 from vp_accelerate import modes
 from vp_accelerate.cost import (
@@ -68,12 +69,23 @@ from vp_accelerate.cost.memory import (
     run_memory,
     tied_ranks,
 )
+from vp_accelerate.model_config import read_config_json
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule
 from vp_accelerate.schedule.registry import METHODS, SCHEDULES, check_pair
 
 from .cluster import INTERNODE_BANDWIDTH, Cluster
 from .simulate import memory_events, order_peak_memory, simulate
+
+TP_SIZES = (1, 2, 4, 8)
+"""Tensor-parallel sizes the planner tries by default (a node of 8 GPUs at most)."""
+TP_METHODS = ("vocab-1", "vocab-2")
+"""Methods the planner lays out with tp > 1: the vocabulary sharded over the replica's pp x tp ranks, as the cost
+model prices it. (The runtime also runs baseline and redis under TP; the planner does not price their end stages'
+TP-split vocabulary layers yet, and interlaced is refused under TP.)"""
+NO_TP_FAMILIES = frozenset({"gpt2", "bloom", "opt", "falcon", "gpt_bigcode", "stablelm", "mpt", "phi3", "olmo2"})
+"""Families whose config declares no TP plan, or one with styles the runtime does not split
+(docs/tensor_parallelism.md); a config that carries `base_model_tp_plan` is read instead."""
 
 DATA_PARALLEL = ("1f1b", "baseline")
 """The (schedule, method) a pp = 1 plan runs: one rank, the whole model, nothing to pipeline."""
@@ -100,7 +112,7 @@ class PlanRequest:
     """What to plan for."""
 
     gpus: int
-    """GPUs in all (pp x dp)."""
+    """GPUs in all (pp x tp x dp)."""
     memory_gb: float
     """Memory per GPU in GB (1e9 bytes) that a rank may fill."""
     seq: int
@@ -132,6 +144,10 @@ class PlanRequest:
     base in the compute dtype, adapters trained); None = every parameter trains."""
     lora_targets: tuple[str, ...] = LORA_TARGETS
     """The adapted linear modules (HF names, or "all-linear") when `lora_rank` is set."""
+    tensor_parallel: tuple[int, ...] = TP_SIZES
+    """Tensor-parallel sizes to try; each is kept only where it divides the GPUs per node (a stage's TP ranks stay
+    inside a node), the heads, the key/value heads, the MLP width and the sequence, for a family with a TP plan
+    and a vocabulary-parallel method (`tp_sizes`)."""
 
     @property
     def cluster(self) -> Cluster:
@@ -192,6 +208,9 @@ class Plan:
     """The step was simulated. A fitting plan that was not: its busiest rank's work alone already makes it
     slower than the request's `top` plans, and its step time is that lower bound (tokens/s and MFU upper
     bounds)."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage (sequence parallelism on, the runtime's default); `peak_memory_gb` is per
+    pipeline rank, the same on each of its TP ranks."""
 
     def pipeline_section(self) -> dict:
         """The recipe `pipeline:` keys (runtime.PipelineConfig fields) this plan sets, ZeRO stage included
@@ -204,6 +223,7 @@ class Plan:
             "memory": self.memory,
             "dp_size": self.dp,
             "pp_size": self.pp,
+            "tp_size": self.tp,
             "activation_checkpointing": self.activation_checkpointing,
         }
 
@@ -213,8 +233,9 @@ class Plan:
         return "data parallel" if self.pp == 1 else f"{self.schedule}/{self.method}"
 
     def describe(self) -> str:
+        tp = f" tp={self.tp}" if self.tp > 1 else ""
         return (
-            f"{self.label} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
+            f"{self.label} pp={self.pp}{tp} dp={self.dp} mbs={self.microbatch_size} "
             f"m={self.microbatches} memory={self.memory} zero={self.zero} ckpt={self.activation_checkpointing}"
         )
 
@@ -289,19 +310,30 @@ def _grid(kind: str, method: str, pp: int, m: int) -> _Grid:
 
 
 @lru_cache(maxsize=512)
-def _ordered(kind: str, method: str, pp: int, m: int, shape: ModelShape, hw: Hardware, ckpt: str):
+def _ordered(kind: str, method: str, pp: int, m: int, shape: ModelShape, hw: Hardware, ckpt: str, tp_bw=None):
     """The schedule the runtime would run, ordered by this shape's pass costs (the expensive part)."""
-    return cost_aware_schedule(shape, kind, method, pp, m, hw=hw, activation_checkpointing=ckpt)[0]
+    costs = (lambda model: replace(model, tp_bandwidth=tp_bw)) if tp_bw else None
+    return cost_aware_schedule(shape, kind, method, pp, m, hw=hw, activation_checkpointing=ckpt, costs=costs)[0]
 
 
 @lru_cache(maxsize=4096)
 def _timed(
-    kind: str, method: str, pp: int, m: int, shape: ModelShape, order_shape: ModelShape, hw: Hardware, memory, ckpt
+    kind: str,
+    method: str,
+    pp: int,
+    m: int,
+    shape: ModelShape,
+    order_shape: ModelShape,
+    hw: Hardware,
+    memory,
+    ckpt,
+    tp_bw=None,
 ):
-    """(step time, busy per rank) of `m` microbatches of `shape`, in the order built for `order_shape`."""
-    sched = _ordered(kind, method, pp, m, order_shape, hw, ckpt)
+    """(step time, busy per rank) of `m` microbatches of `shape`, in the order built for `order_shape`; `tp_bw`:
+    the TP collectives' bandwidth (the node's links)."""
+    sched = _ordered(kind, method, pp, m, order_shape, hw, ckpt, tp_bw)
     model = replace(for_schedule(shape, sched, hw, activation_checkpointing=ckpt), output_memory=memory)
-    res = simulate(sched, model)
+    res = simulate(sched, replace(model, tp_bandwidth=tp_bw))
     return res.step_time, tuple(res.busy), _slack(sched, res)
 
 
@@ -321,11 +353,11 @@ def _slack(sched, res) -> tuple:
     )
 
 
-def _step(kind, method, pp, m, shape, hw, memory, ckpt):
+def _step(kind, method, pp, m, shape, hw, memory, ckpt, tp_bw=None):
     """(step time, bubble, `_slack`) of m microbatches: simulated at min(m, pp), extrapolated at the busiest
     rank's per-microbatch pace beyond (see the module docstring)."""
     k = min(m, pp)
-    step, busy, slack = _timed(kind, method, pp, k, shape, replace(shape, microbatch_size=1), hw, memory, ckpt)
+    step, busy, slack = _timed(kind, method, pp, k, shape, replace(shape, microbatch_size=1), hw, memory, ckpt, tp_bw)
     step += (m - k) * max(busy) / k
     return step, 1 - sum(busy) * (m / k) / (pp * step), slack
 
@@ -333,31 +365,60 @@ def _step(kind, method, pp, m, shape, hw, memory, ckpt):
 # ---- the search -------------------------------------------------------------------------------------
 
 
-def _base_layouts(req: PlanRequest, layers: int):
-    """(kind, method, pp, dp, microbatch size, microbatches) of every layout the GPUs and batch allow."""
-    for pp in range(1, req.gpus + 1):
-        if req.gpus % pp:
+def tp_sizes(config, req: PlanRequest, shape: ModelShape) -> tuple[int, ...]:
+    """The tensor-parallel sizes of `req.tensor_parallel` this model and cluster can run: 1, and each tp > 1 that
+    divides the GPUs per node (or the GPUs), the heads, key/value heads, MLP width and sequence (sequence
+    parallelism), for full training (LoRA on TP slices runs but is not priced yet) of a family with a TP plan
+    (models/tensor_parallel.py `check_config`)."""
+    out = [1] if 1 in req.tensor_parallel else []
+    node = req.gpus_per_node or req.gpus
+    family = _get(config, "model_type") or ""
+    plan = _get(config, "base_model_tp_plan")
+    has_plan = bool(plan) if plan is not None else family not in NO_TP_FAMILIES
+    for t in sorted(set(req.tensor_parallel) - {1}):
+        if t < 1 or not has_plan or req.lora_rank is not None or node % t or req.gpus % t:
             continue
-        dp = req.gpus // pp
-        if req.global_batch % dp:
+        if any(n % t for n in (shape.heads, shape.kv_heads or shape.heads, shape.ffn, req.seq)):
             continue
-        for kind in req.schedules:
-            sk = SCHEDULES[kind]
-            chunks = pp * (sk.chunks_per_rank or sk.default_chunks_per_rank)
-            if chunks > layers:
+        out.append(t)
+    return tuple(out)
+
+
+def _get(config, key: str):
+    if isinstance(config, (str, Path)):
+        config = read_config_json(config)
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def _base_layouts(req: PlanRequest, layers: int, tps: tuple[int, ...] = (1,)):
+    """(kind, method, pp, tp, dp, microbatch size, microbatches) of every layout the GPUs and batch allow."""
+    for tp in tps:
+        for pp in range(1, req.gpus // tp + 1):
+            if (req.gpus // tp) % pp or req.gpus % tp:
                 continue
-            for method in req.methods:
-                if method not in sk.methods:
+            dp = req.gpus // (pp * tp)
+            if req.global_batch % dp:
+                continue
+            for kind in req.schedules:
+                sk = SCHEDULES[kind]
+                chunks = pp * (sk.chunks_per_rank or sk.default_chunks_per_rank)
+                if chunks > layers:
                     continue
-                if pp == 1 and (kind, method) != DATA_PARALLEL:  # one rank: every schedule is the same
-                    continue
-                if METHODS[method].balanced_layers and chunks != pp:
-                    continue
-                rows = req.global_batch // dp
-                for b in req.microbatch_sizes:
-                    if rows % b or rows // b < pp:
+                for method in req.methods:
+                    if method not in sk.methods:
                         continue
-                    yield kind, method, pp, dp, b, rows // b
+                    if tp > 1 and method not in TP_METHODS:
+                        continue
+                    # one rank per stage: every schedule is the same (with TP the vocabulary is still sharded)
+                    if pp == 1 and (kind, method) != DATA_PARALLEL and not (tp > 1 and kind == "1f1b"):
+                        continue
+                    if METHODS[method].balanced_layers and chunks != pp:
+                        continue
+                    rows = req.global_batch // dp
+                    for b in req.microbatch_sizes:
+                        if rows % b or rows // b < pp:
+                            continue
+                        yield kind, method, pp, tp, dp, b, rows // b
 
 
 def _variants(req: PlanRequest, method: str, dp: int):
@@ -395,14 +456,15 @@ def search(config, req: PlanRequest) -> Search:
     pruned = []  # (lower bound on the memory, index in plans, kind, method, pp, m, cost model)
     considered = dominated = bounded = 0
     orders: dict = {}  # (kind, method, pp, microbatches, checkpointing) -> the GPU's order, its layer split
-    for kind, method, pp, dp, b, m in _base_layouts(req, base.layers):
-        shape = replace(base, microbatch_size=b)
-        hw = cluster.pipeline_hardware(req.hardware, pp, dp)
-        crosses = cluster.pipeline_crosses(pp, dp)
+    tp_bw = req.hardware.collective_bandwidth  # a stage's TP ranks share a node's links
+    for kind, method, pp, tp, dp, b, m in _base_layouts(req, base.layers, tp_sizes(config, req, base)):
+        shape = replace(base, microbatch_size=b, tp=tp)
+        hw = cluster.pipeline_hardware(req.hardware, pp, dp, tp)
+        crosses = cluster.pipeline_crosses(pp, dp, tp)
         layout = _layout(kind, method, pp)
         grid = None  # the memory screen's order: min(m, 2 pp) microbatches, by when the peak has set in
         for zero, variants in _variants(req, method, dp):
-            fitting: list[tuple[str, str]] = []
+            fitting: list[tuple[str, str]] = []  # variants that fit on the grid's figure with room to spare
             for ckpt, memory in variants:
                 considered += 1
                 if any(_dominates(f, (ckpt, memory)) for f in fitting):
@@ -413,7 +475,9 @@ def search(config, req: PlanRequest) -> Search:
                 except ValueError:  # e.g. redis cannot give every stage a layer: not a layout
                     considered -= 1
                     continue
-                model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
+                model = replace(
+                    model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp), tp_bandwidth=tp_bw
+                )
                 # at least one microbatch's activations of its first chunk are held on every rank
                 static = [
                     _rank_total(model, r, model.activation_bytes(layout.chunk_rank.index(r)), dp, req)
@@ -428,11 +492,7 @@ def search(config, req: PlanRequest) -> Search:
                     grid = grid or _grid(kind, method, pp, min(m, 2 * pp))
                     peak = _with_reserve(model, _peaks(grid, model, req), dp, req)
                 fits = max(peak) <= limit
-                on_gpu = False
-                if fits and max(peak) * (1 + GRID_MARGIN) > limit:  # near the card: decide on the GPU's order
-                    peak = gpu_peaks(config, kind, method, pp, m, b, ckpt, memory, zero, dp, req, orders)
-                    fits, on_gpu = max(peak) <= limit, True
-                reserve = _reserves(peak, pp, dp, method, base.tied, layout.chunk_rank)
+                reserve = _reserves(peak, pp, dp, method, base.tied, layout.chunk_rank, tp)
                 plan_ = Plan(
                     schedule=kind,
                     method=method,
@@ -453,10 +513,13 @@ def search(config, req: PlanRequest) -> Search:
                     activation_checkpointing=ckpt,
                     pipeline_crosses_nodes=crosses,
                     memory_bound=bound,
-                    gpu_order=on_gpu,
+                    tp=tp,
                 )
                 if fits:
-                    fitting.append((ckpt, memory))
+                    # near the card the grid's figure decides nothing: the GPU's order does, when (and only when)
+                    # the plan could rank among the shown ones (below); meanwhile it dominates no variant
+                    if max(peak) * (1 + GRID_MARGIN) <= limit:
+                        fitting.append((ckpt, memory))
                     after = _after_pipeline(plan_, req, model)  # a bound: see _after_pipeline
                     work = max(
                         sum(n * model.pass_time(r, op, c) for op, c, n in ops) for r, ops in enumerate(grid.work)
@@ -466,10 +529,9 @@ def search(config, req: PlanRequest) -> Search:
                     )
                 else:
                     plans.append(plan_)
-    if not candidates:  # nothing fits: the smallest need is exact, not a bound
-        _refine_needs(plans, pruned, req)
     # time the fitting layouts, least work first, until `top` timed ones are faster than what any other
-    # could be: a step is never shorter than its busiest rank's passes plus what follows the pipeline
+    # could be: a step is never shorter than its busiest rank's passes plus what follows the pipeline. A layout
+    # near the card is read on the GPU's order first (the expensive part), and dropped if it does not fit there.
     candidates.sort(key=lambda c: c[0])
     timed: list[float] = []
     for bound, plan_, shape, hw, after, model in candidates:
@@ -477,6 +539,11 @@ def search(config, req: PlanRequest) -> Search:
             plans.append(_with_step(plan_, req, shape, bound, math.nan))
             bounded += 1
             continue
+        if max(plan_.peak_memory_gb) * 1e9 * (1 + GRID_MARGIN) > limit:
+            plan_ = _on_gpu_order(config, req, plan_, orders)
+            if not plan_.fits:
+                plans.append(plan_)
+                continue
         step, bubble, slack = _step(
             plan_.schedule,
             plan_.method,
@@ -486,12 +553,28 @@ def search(config, req: PlanRequest) -> Search:
             hw,
             plan_.memory,
             plan_.activation_checkpointing,
+            tp_bw if plan_.tp > 1 else None,
         )
         after = _after_pipeline(plan_, req, model, slack)
         timed.append(step + after)
         plans.append(_with_step(plan_, req, shape, step + after, bubble))
+    if not any(p.fits for p in plans):  # nothing fits: the smallest need is exact, not a bound
+        _refine_needs(plans, pruned, req)
     plans = _shown_on_gpu_order(config, req, plans, orders)
     return Search(plans, considered, dominated, bounded)
+
+
+def _on_gpu_order(config, req: PlanRequest, p: Plan, orders: dict) -> Plan:
+    """`p` with its memory read on the order a GPU runs (`gpu_peaks`), and whether it fits on that figure."""
+    peak = gpu_peaks(
+        config, p.schedule, p.method, p.pp, p.microbatches, p.microbatch_size,
+        p.activation_checkpointing, p.memory, p.zero, p.dp, req, orders, p.tp,
+    )  # fmt: skip
+    tied = shape_from_hf_config(config, seq=req.seq).tied
+    chunk_rank = _layout(p.schedule, p.method, p.pp).chunk_rank
+    reserve = tuple(x / 1e9 for x in _reserves(peak, p.pp, p.dp, p.method, tied, chunk_rank, p.tp))
+    gb = tuple(x / 1e9 for x in peak)
+    return replace(p, peak_memory_gb=gb, reserve_gb=reserve, fits=max(peak) <= req.memory_gb * 1e9, gpu_order=True)
 
 
 def schedule_memory(
@@ -506,12 +589,14 @@ def schedule_memory(
     dp: int,
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
+    tp: int = 1,
 ) -> list[float]:
-    """Per rank, the tensor bytes (no reserve) the planner's memory model gives `schedule` in the order it
-    is (e.g. the cost-aware order a GPU rank runs, which the dry run replays), rather than the block's grid
+    """Per pipeline rank, the tensor bytes (no reserve) the planner's memory model gives `schedule` in the order
+    it is (e.g. the cost-aware order a GPU rank runs, which the dry run replays), rather than the block's grid
     order the search screens with: what `vp-accelerate dryrun` compares its measured peaks with. With
-    `lora_rank`: a LoRA run's (`lora_rank_memory`: frozen base in bf16, the adapters trained)."""
-    shape = replace(shape_from_hf_config(config, seq=seq, attention="sdpa"), microbatch_size=microbatch_size)
+    `lora_rank`: a LoRA run's (`lora_rank_memory`: frozen base in bf16, the adapters trained). `tp`: each of a
+    stage's TP ranks (sequence parallelism on), the same on each."""
+    shape = replace(shape_from_hf_config(config, seq=seq, attention="sdpa"), microbatch_size=microbatch_size, tp=tp)
     shape = replace(shape, frozen_weights=lora_rank is not None, adapted_mlp=_adapts_mlp(lora_targets))
     model = for_schedule(shape, schedule, activation_checkpointing=ckpt, chunk_layers=tuple(chunk_layers))
     model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
@@ -547,7 +632,9 @@ ORDER_MICROBATCHES = 2
 at m costs seconds a layout."""
 
 
-def gpu_peaks(config, kind, method, pp, m, b, ckpt, memory, zero, dp, req: PlanRequest, orders=None) -> list[float]:
+def gpu_peaks(
+    config, kind, method, pp, m, b, ckpt, memory, zero, dp, req: PlanRequest, orders=None, tp: int = 1
+) -> list[float]:
     """Per rank, the memory (tensors + reserve) of a layout on the order a GPU rank runs (`cost.gpu_order`,
     the runtime's and the dry run's order and layer split, at min(m, 2 pp) microbatches), priced as the dry
     run's planned figure (`schedule_memory`) plus `reserve_bytes` of it. `orders`: a cache of orders."""
@@ -559,10 +646,10 @@ def gpu_peaks(config, kind, method, pp, m, b, ckpt, memory, zero, dp, req: PlanR
         orders[key] = (train, counts)
     sched, counts = orders[key]
     lora = dict(lora_rank=req.lora_rank, lora_targets=req.lora_targets) if req.lora_rank is not None else {}
-    tensors = schedule_memory(config, sched, counts, req.seq, b, ckpt, memory, zero, dp, **lora)
+    tensors = schedule_memory(config, sched, counts, req.seq, b, ckpt, memory, zero, dp, **lora, tp=tp)
     vp = sched.method.vocab_parallel
     tied = tied_ranks(shape_from_hf_config(config, seq=req.seq).tied, vp, sched.chunk_rank)
-    return [x + reserve_bytes(x, pp, dp, vp, r in tied) for r, x in enumerate(tensors)]
+    return [x + reserve_bytes(x, pp, dp, vp, r in tied, tp) for r, x in enumerate(tensors)]
 
 
 GRID_MARGIN = 0.15
@@ -574,32 +661,21 @@ ranks); one further below is presumed to fit and is read on the GPU's order only
 def _shown_on_gpu_order(config, req: PlanRequest, plans: list[Plan], orders: dict) -> list[Plan]:
     """`plans` ranked, every fitting one among the first `req.top` shown with its figure on the GPU's order
     (a plan that then needs more than the card moves to the ones that do not fit)."""
-    limit = req.memory_gb * 1e9
     while True:
         plans = _headroom_first(sorted(plans, key=_rank))
         shown = [p for p in plans if p.fits][: req.top]
         todo = [p for p in shown if not p.gpu_order]
         if not todo:
             return plans
-        ids = {id(p): p for p in todo}
-        for i, p in enumerate(plans):
-            if id(p) in ids:
-                peak = gpu_peaks(
-                    config, p.schedule, p.method, p.pp, p.microbatches, p.microbatch_size,
-                    p.activation_checkpointing, p.memory, p.zero, p.dp, req, orders,
-                )  # fmt: skip
-                tied = shape_from_hf_config(config, seq=req.seq).tied
-                chunk_rank = _layout(p.schedule, p.method, p.pp).chunk_rank
-                reserve = tuple(x / 1e9 for x in _reserves(peak, p.pp, p.dp, p.method, tied, chunk_rank))
-                gb = tuple(x / 1e9 for x in peak)
-                plans[i] = replace(p, peak_memory_gb=gb, reserve_gb=reserve, fits=max(peak) <= limit, gpu_order=True)
+        ids = {id(p) for p in todo}
+        plans = [_on_gpu_order(config, req, p, orders) if id(p) in ids else p for p in plans]
 
 
-def _reserves(peaks, pp: int, dp: int, method: str, tied_weights: bool, chunk_rank) -> tuple[float, ...]:
+def _reserves(peaks, pp: int, dp: int, method: str, tied_weights: bool, chunk_rank, tp: int = 1) -> tuple[float, ...]:
     """Per rank, the reserve inside a memory total (tensors + `reserve_bytes` of them)."""
     vp = METHODS[method].vocab_parallel
     tied = tied_ranks(tied_weights, vp, chunk_rank)
-    return tuple(x - allocated_of(x, pp, dp, vp, r in tied) for r, x in enumerate(peaks))
+    return tuple(x - allocated_of(x, pp, dp, vp, r in tied, tp) for r, x in enumerate(peaks))
 
 
 def _held(model: CostModel, req: PlanRequest | None) -> CostModel:
@@ -647,7 +723,8 @@ def _refine_needs(plans: list[Plan], pruned: list, req: PlanRequest) -> None:
         grid = _grid(kind, method, pp, min(m, 2 * pp))
         peak = _with_reserve(model, _peaks(grid, model, req), plans[i].dp, req)
         chunk_rank = _layout(kind, method, pp).chunk_rank
-        reserve = tuple(x / 1e9 for x in _reserves(peak, pp, plans[i].dp, method, model.shape.tied, chunk_rank))
+        reserve = _reserves(peak, pp, plans[i].dp, method, model.shape.tied, chunk_rank, model.shape.tp)
+        reserve = tuple(x / 1e9 for x in reserve)
         plans[i] = replace(
             plans[i], peak_memory_gb=tuple(x / 1e9 for x in peak), reserve_gb=reserve, memory_bound=False
         )
@@ -662,7 +739,7 @@ def _after_pipeline(p: Plan, req: PlanRequest, model: CostModel, slack: tuple | 
     backward ends a 1F1B or interleaved step; V-Half's W may trail it by a pass), every other chunk's hidden.
     LoRA's few adapter gradients are priced after the pipeline (`grad_sync_time`)."""
     params = max(model.rank_params(r) for r in range(p.pp))
-    dp_bw = req.cluster.dp_bandwidth(req.hardware, p.pp, p.dp)
+    dp_bw = req.cluster.dp_bandwidth(req.hardware, p.pp, p.dp, p.tp)
     if req.lora_rank is not None:  # only the adapters have gradients to sync and state to step
         per_layer = lora_layer_params(model.shape, req.lora_rank, req.lora_targets)
         params = max(sum(n for c, n in enumerate(model.chunk_layers) if model.chunk_rank[c] == r) for r in range(p.pp))
@@ -780,10 +857,11 @@ def _need(plans: list[Plan]) -> str:
 
 
 def _same_layout(a: Plan, b: Plan) -> bool:
-    return (a.schedule, a.method, a.pp, a.dp, a.microbatch_size) == (
+    return (a.schedule, a.method, a.pp, a.tp, a.dp, a.microbatch_size) == (
         b.schedule,
         b.method,
         b.pp,
+        b.tp,
         b.dp,
         b.microbatch_size,
     )
@@ -801,24 +879,43 @@ def assumptions(req: PlanRequest, gpu: str | None = None) -> list[str]:
             f"{req.gpus_per_node} GPUs per node (pipelines are blocks of consecutive ranks); a pipeline or "
             f"data-parallel group across nodes at {req.internode_bandwidth / 1e9:g} GB/s per GPU"
         )
+    return (
+        [
+            f"device: {gpu or 'custom'}, {hw.peak_flops / 1e12:g} TFLOP/s dense bf16 peak (MFU's denominator), "
+            f"{req.memory_gb:g} GB per GPU, HBM {hw.mem_bandwidth / 1e12:g} TB/s, {hw.sms} SMs",
+            f"compute: large GEMMs sustain {hw.efficiency:.0%} of peak; smaller and oddly shaped ones less (wave "
+            f"quantisation, short reductions); softmax and norms memory-bound",
+            f"links: {hw.p2p_bandwidth / 1e9:g} GB/s point-to-point, {hw.collective_bandwidth / 1e9:g} GB/s collective bus "
+            f"bandwidth, {hw.latency * 1e6:g} us per call; {nodes}; data-parallel gradient all-reduce (and ZeRO-1's "
+            f"broadcast of the updated parameters) after the step, not overlapped",
+            f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
+            f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (what HF's SDPA decoder "
+            f"layers save under bf16 autocast; checkpointed layers keep their bf16 input only) + each pass's own work "
+            f"(16-bit weight gradients, logits, a recomputed layer) + a "
+            f"reserve of {CONTEXT_BYTES / 1e9:g} GB CUDA context, {COMMUNICATOR_BYTES / 1e9:g} GB NCCL buffers per "
+            f"communicator and {FRAGMENTATION:.0%} fragmentation (cost/memory.py); plans within {HEADROOM_TIE:.0%} of the "
+            f"fastest ranked by memory left, above {TIGHT:.0%} of the GPU flagged tight",
+            f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
+            f"torch.optim.AdamW(fused=True), which the trainer builds on CUDA)",
+        ]
+        + _tp_line(req)
+        + _lora_line(req)
+    )
+
+
+def _tp_line(req: PlanRequest) -> list[str]:
+    sizes = [t for t in req.tensor_parallel if t > 1]
+    if not sizes:
+        return []
     return [
-        f"device: {gpu or 'custom'}, {hw.peak_flops / 1e12:g} TFLOP/s dense bf16 peak (MFU's denominator), "
-        f"{req.memory_gb:g} GB per GPU, HBM {hw.mem_bandwidth / 1e12:g} TB/s, {hw.sms} SMs",
-        f"compute: large GEMMs sustain {hw.efficiency:.0%} of peak; smaller and oddly shaped ones less (wave "
-        f"quantisation, short reductions); softmax and norms memory-bound",
-        f"links: {hw.p2p_bandwidth / 1e9:g} GB/s point-to-point, {hw.collective_bandwidth / 1e9:g} GB/s collective bus "
-        f"bandwidth, {hw.latency * 1e6:g} us per call; {nodes}; data-parallel gradient all-reduce (and ZeRO-1's "
-        f"broadcast of the updated parameters) after the step, not overlapped",
-        f"memory: bf16 weights + fp32 gradients + fp32 master and Adam state ({per_param} bytes per parameter; "
-        f"ZeRO-1: 10 + 8/dp, Adam's m and v sharded over dp as runtime/zero.py does) + activations (what HF's SDPA decoder "
-        f"layers save under bf16 autocast; checkpointed layers keep their bf16 input only) + each pass's own work "
-        f"(16-bit weight gradients, logits, a recomputed layer) + a "
-        f"reserve of {CONTEXT_BYTES / 1e9:g} GB CUDA context, {COMMUNICATOR_BYTES / 1e9:g} GB NCCL buffers per "
-        f"communicator and {FRAGMENTATION:.0%} fragmentation (cost/memory.py); plans within {HEADROOM_TIE:.0%} of the "
-        f"fastest ranked by memory left, above {TIGHT:.0%} of the GPU flagged tight",
-        f"optimizer: fused AdamW step, memory-bound ({OPTIMIZER_STEP_BYTES} bytes per parameter of HBM traffic; "
-        f"torch.optim.AdamW(fused=True), which the trainer builds on CUDA)",
-    ] + _lora_line(req)
+        f"tensor parallelism: tp in {sizes} where it divides the node, the heads, kv heads, MLP width and seq "
+        f"(vocab-1/-2 only, sequence parallelism on): a stage's decoder weights, gradients and optimizer state "
+        f"/ tp, V/(pp x tp) vocabulary rows a rank, activations as the runtime keeps them (norms and residual on "
+        f"1/tp of the tokens, the sliced linears' inputs whole); per layer F and B four collectives (all-gather and "
+        f"reduce-scatter per region, f's in fp32 under mixed precision) on the node's "
+        f"{req.hardware.collective_bandwidth / 1e9:g} GB/s, not overlapped with compute (NVLink SHARP not "
+        f"modelled); GEMMs at their sliced shapes; one more NCCL communicator a rank"
+    ]
 
 
 def _lora_line(req: PlanRequest) -> list[str]:

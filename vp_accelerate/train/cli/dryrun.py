@@ -14,7 +14,7 @@ from vp_accelerate.cost import GPU_PRESETS
 
 from .plan import model_arg, run_shape
 
-LAYOUT_FLAGS = ("schedule", "method", "pp", "microbatches", "memory", "zero", "checkpointing")
+LAYOUT_FLAGS = ("schedule", "method", "pp", "tp", "microbatches", "memory", "zero", "checkpointing")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
         "(.yaml: its model, data.seq_len, train.global_batch, pipeline layout unless auto, precision, attention "
         "and LoRA adapter; flags override them)",
     )
-    ap.add_argument("--world-size", type=int, help="GPUs in all (pp x dp; a recipe with pipeline.pp_size gives it)")
+    ap.add_argument(
+        "--world-size", type=int, help="GPUs in all (pp x tp x dp; a recipe with pipeline.pp_size gives it)"
+    )
     ap.add_argument("--gpus-per-node", type=int, help="GPUs per node (for the plan's layout)")
     ap.add_argument("--gpu", choices=tuple(GPU_PRESETS), default="h100", help="device preset (default h100)")
     ap.add_argument("--memory-gb", type=float, help="memory per GPU, GB (default: the preset's)")
@@ -45,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     lay = ap.add_argument_group("layout (default: the plan's; give --schedule, --method, --pp and --microbatches)")
     lay.add_argument("--schedule", help="pipeline schedule (PipelineConfig.schedule)")
     lay.add_argument("--method", help="vocabulary method (PipelineConfig.method)")
-    lay.add_argument("--pp", type=int, help="pipeline ranks; dp = world size / pp")
+    lay.add_argument("--pp", type=int, help="pipeline ranks; dp = world size / (pp x tp)")
+    lay.add_argument(
+        "--tp", type=int, help="tensor-parallel ranks per stage (default 1; sequence parallelism on, inside a node)"
+    )
     lay.add_argument("--microbatches", type=int, help="microbatches per replica per step")
     lay.add_argument("--memory", help="output-layer S->T state: store or recompute (default store)")
     lay.add_argument("--zero", type=int, choices=(0, 1), help="ZeRO stage over dp (default 1)")
@@ -75,15 +80,9 @@ def _request(args):
 
 
 def _recipe_pipeline(recipe):
-    """A recipe's own pipeline section (None when it asks for `auto` or has no recipe); ValueError for one the dry
-    run does not model yet (tensor parallelism)."""
+    """A recipe's own pipeline section (None when it asks for `auto` or has no recipe)."""
     if recipe is None or recipe.pipeline.schedule == "auto":
         return None
-    if recipe.pipeline.tp_size > 1:
-        raise ValueError(
-            f"pipeline.tp_size {recipe.pipeline.tp_size}: the dry run and the planner model pp x dp layouts only so "
-            f"far; dry-run a copy with pipeline.tp_size: 1, or check the TP run with `train --check --world-size N`"
-        )
     return recipe.pipeline
 
 
@@ -91,14 +90,17 @@ def world_size(args, recipe) -> int:
     """--world-size, or a recipe's pipeline.pp_size x dp_size; ValueError when neither gives it or they differ."""
     p = _recipe_pipeline(recipe)
     given = [f for f in LAYOUT_FLAGS if getattr(args, f) is not None]
-    from_recipe = p.pp_size * p.dp_size if p is not None and p.pp_size is not None and not given else None
+    from_recipe = None
+    if p is not None and p.pp_size is not None and not given:
+        from_recipe = p.pp_size * p.tp_size * p.dp_size
     if args.world_size is None:
         if from_recipe is None:
             raise ValueError("give --world-size (a recipe gives it only with pipeline.pp_size)")
         return from_recipe
     if from_recipe is not None and from_recipe != args.world_size:
         raise ValueError(
-            f"--world-size {args.world_size} is not the recipe's pipeline.pp_size x dp_size = {from_recipe}; "
+            f"--world-size {args.world_size} is not the recipe's pipeline.pp_size x tp_size x dp_size = "
+            f"{from_recipe}; "
             f"drop --world-size, or give the layout flags"
         )
     return args.world_size
@@ -126,7 +128,7 @@ def layout(args, config: dict, req, recipe=None):
     if own is not None and not given:
         cfg = dataclasses.replace(
             own,
-            pp_size=own.pp_size or args.world_size // own.dp_size,
+            pp_size=own.pp_size or args.world_size // (own.dp_size * own.tp_size),
             mixed_precision=own.mixed_precision or "bf16",  # accelerate's flag otherwise; a GPU run's usual
             attn_implementation=own.attn_implementation or "sdpa",
         )
@@ -135,13 +137,20 @@ def layout(args, config: dict, req, recipe=None):
         missing = [f for f in ("schedule", "method", "pp", "microbatches") if getattr(args, f) is None]
         if missing:
             raise ValueError(f"an explicit layout needs --{' --'.join(missing)} too (or none of the layout flags)")
-        if args.world_size % args.pp:
-            raise ValueError(f"--pp {args.pp} does not divide --world-size {args.world_size}")
+        tp = args.tp or 1
+        if tp < 1 or args.pp < 1 or args.world_size % (args.pp * tp):
+            raise ValueError(f"--pp {args.pp} x --tp {tp} does not divide --world-size {args.world_size}")
+        node = args.gpus_per_node or args.world_size
+        if node % tp:
+            raise ValueError(
+                f"--tp {tp}: a stage's TP ranks must share a node; give a tp that divides --gpus-per-node {node}"
+            )
         section = dict(
             schedule=args.schedule,
             method=args.method,
             pp_size=args.pp,
-            dp_size=args.world_size // args.pp,
+            tp_size=tp,
+            dp_size=args.world_size // (args.pp * tp),
             microbatches=args.microbatches,
             memory=args.memory or "store",
             zero=1 if args.zero is None else args.zero,
@@ -157,8 +166,10 @@ def layout(args, config: dict, req, recipe=None):
 
 def _checked(cfg, args):
     cfg.check()
-    if cfg.pp_size * cfg.dp_size != args.world_size:
-        raise ValueError(f"pp {cfg.pp_size} x dp {cfg.dp_size} is not --world-size {args.world_size}")
+    if cfg.pp_size * cfg.tp_size * cfg.dp_size != args.world_size:
+        raise ValueError(
+            f"pp {cfg.pp_size} x tp {cfg.tp_size} x dp {cfg.dp_size} is not --world-size {args.world_size}"
+        )
     if args.global_batch % (cfg.dp_size * cfg.microbatches):
         raise ValueError(
             f"--global-batch {args.global_batch} does not divide into {cfg.dp_size} replicas x "
@@ -179,11 +190,13 @@ def dryrun_main(argv: list[str] | None = None) -> int:
             args.lora_rank, args.lora_targets = lora.r, lora.target_modules
         req = _request(args)
         cfg = layout(args, config, req, model.recipe)
+        from transformers import AutoConfig
+
+        hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
+        check_tensor_parallel(cfg, hf, args.seq, lora)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_codes.USER_ERROR
-    from transformers import AutoConfig
-
     from vp_accelerate.cost.memory import reserve_bytes
     from vp_accelerate.dryrun import FakeWorldMissing
 
@@ -194,14 +207,20 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         return exit_codes.USER_ERROR
     from vp_accelerate.schedule.registry import METHODS
 
-    hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
+    tp = cfg.tp_size
     log = None if args.json else (lambda line: print(line, flush=True))
     if log:
+        ran = ", ".join(str(s * tp) for s in range(cfg.pp_size))
+        others = []
+        if tp > 1:
+            others.append(f"each stage's TP ranks 1..{tp - 1} run TP rank 0's program on their own groups")
+        if cfg.dp_size > 1:
+            others.append(f"replicas 1..{cfg.dp_size - 1} run the same programs on their own groups")
         log(
-            f"{args.model}: {cfg.schedule}/{cfg.method} pp={cfg.pp_size} dp={cfg.dp_size} m={cfg.microbatches} "
-            f"memory={cfg.memory} zero={cfg.zero} ckpt={cfg.activation_checkpointing}, bf16 mixed precision, "
-            f"seq {args.seq}, global batch {args.global_batch}; running pipeline ranks 0..{cfg.pp_size - 1} "
-            f"(replicas 1..{cfg.dp_size - 1} run the same programs on their own groups)"
+            f"{args.model}: {cfg.schedule}/{cfg.method} pp={cfg.pp_size} tp={tp} dp={cfg.dp_size} "
+            f"m={cfg.microbatches} memory={cfg.memory} zero={cfg.zero} ckpt={cfg.activation_checkpointing}, bf16 "
+            f"mixed precision, seq {args.seq}, global batch {args.global_batch}; running global ranks {ran}"
+            + (f" ({'; '.join(others)}: derived, not run)" if others else "")
         )
     result = dry_run_world(hf, cfg, args.world_size, args.global_batch, args.seq, log=log, jobs=args.jobs, adapter=lora)
     result.planned_bytes = planned_bytes(config, req, cfg)
@@ -213,7 +232,6 @@ def dryrun_main(argv: list[str] | None = None) -> int:
 
     chunk_rank = build_schedule(cfg.schedule, cfg.method, cfg.pp_size, cfg.pp_size, cfg.chunks_per_rank).chunk_rank
     tied = tied_ranks(bool(getattr(hf, "tie_word_embeddings", False)), vocab_parallel, chunk_rank)
-    tp = getattr(cfg, "tp_size", 1) or 1
     reserve = {
         m.rank: int(reserve_bytes(m.peak_bytes, cfg.pp_size, cfg.dp_size, vocab_parallel, m.rank in tied, tp))
         for m in result.ranks
@@ -223,7 +241,8 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         d = dataclasses.asdict(mem)
         d["planned_bytes"] = planned
         d["reserve_bytes"] = reserve[mem.rank]
-        d["replicas"] = [dd * cfg.pp_size + mem.rank for dd in range(cfg.dp_size)]
+        block = cfg.pp_size * tp
+        d["replicas"] = [dd * block + mem.rank + t for dd in range(cfg.dp_size) for t in range(tp)]
         rows.append(d)
     over = [m for m in result.ranks if m.peak_bytes + reserve[m.rank] > limit]
     if args.json:
@@ -235,6 +254,9 @@ def dryrun_main(argv: list[str] | None = None) -> int:
                     "layout": dataclasses.asdict(cfg),
                     "memory_bytes": int(limit),
                     "ranks": rows,
+                    # the ranks run; every other rank's program is derived from one of theirs (`replicas`: the
+                    # TP ranks of its stage and its counterparts in the other replicas)
+                    "ran": [m.rank for m in result.ranks],
                     "deadlock": result.deadlock is not None,
                     "deadlock_detail": result.deadlock.describe() if result.deadlock else None,
                     "operations": result.ops,
@@ -264,6 +286,23 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         )
         return exit_codes.USER_ERROR
     return 1 if result.deadlock else 0
+
+
+def check_tensor_parallel(cfg, hf_config, seq: int, adapter=None) -> None:
+    """What the runtime refuses of a tp_size > 1 layout, before any rank runs (ValueError, one line): a method or
+    adapter TP does not run, a model it cannot split, a sequence that does not split under sequence parallelism."""
+    if cfg.tp_size == 1:
+        return
+    from vp_accelerate.models.tensor_parallel import check_config
+    from vp_accelerate.runtime.tensor_parallel import check_layout, sequence_parallel
+
+    check_layout(cfg, adapter)
+    check_config(hf_config, cfg.tp_size)
+    if sequence_parallel(cfg) and seq % cfg.tp_size:
+        raise ValueError(
+            f"--seq {seq} does not split over tp_size={cfg.tp_size} ranks under sequence parallelism; give a "
+            f"sequence length divisible by {cfg.tp_size}"
+        )
 
 
 def _table(rows: list[dict]) -> str:

@@ -16,13 +16,26 @@ from vp_accelerate.cost.data_parallel import ZERO_LEVELS
 from vp_accelerate.cost.memory import LORA_TARGETS
 from vp_accelerate.model_config import read_config_json
 from vp_accelerate.sim.cluster import INTERNODE_BANDWIDTH
-from vp_accelerate.sim.plan import CHECKPOINTING, TIGHT, PlanRequest, as_dict, assumptions, best, search, tight, why
+from vp_accelerate.sim.plan import (
+    CHECKPOINTING,
+    TIGHT,
+    TP_SIZES,
+    PlanRequest,
+    as_dict,
+    assumptions,
+    best,
+    search,
+    tight,
+    why,
+)
 
 COLUMNS = """columns:
   schedule/method   pipeline schedule and where the vocabulary layers live (vocab-1/-2: sharded over the
                     pipeline ranks; baseline: embedding on the first stage, output layer on the last;
                     redis: baseline with fewer decoder layers on the end stages); "data parallel" is pp=1
-  pp, dp            pipeline ranks x data-parallel replicas (= --gpus)
+  pp, tp, dp        pipeline ranks x tensor-parallel ranks per stage x data-parallel replicas (= --gpus);
+                    tp (inside a node, sequence parallelism on) splits each stage's layers, the vocabulary
+                    is sharded over pp x tp
   mbs, m            sequences per microbatch, microbatches per replica per step
   memory            VP output layer's S->T state: store (logits shard) or recompute (redo X W^T in T)
   zero              1: ZeRO-1, Adam's m and v sharded over dp as the runtime does (10 + 8/dp bytes per
@@ -33,7 +46,8 @@ COLUMNS = """columns:
   MFU               model FLOPs (the paper's count, 3 x (2bshV + L(8bsh^2 + 4bs^2h + 2k bsh FFN))) / (step
                     time x GPUs x peak)
   bubble            idle fraction of rank time in the simulated step (pipeline fill/drain, waits)
-  peak GB per rank  weights + gradients + optimizer state + peak activations of each pipeline rank
+  peak GB per rank  weights + gradients + optimizer state + peak activations + reserve of each pipeline rank
+                    (each of its TP ranks)
 """
 
 
@@ -118,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a preset name, a local model directory, an HF config.json, or a training recipe (.yaml: its model, "
         "data.seq_len, train.global_batch and LoRA adapter; flags override them)",
     )
-    ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (pp x dp)")
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs in all (pp x tp x dp)")
     ap.add_argument(
         "--gpu",
         choices=tuple(GPU_PRESETS),
@@ -176,6 +190,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="with --lora-rank: the adapted linear modules (default: q_proj v_proj, peft's for Llama; or all-linear)",
     )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        action="append",
+        metavar="T",
+        help="tensor-parallel size(s) to try (default: 1, 2, 4, 8 where they divide --gpus-per-node, the heads, "
+        "key/value heads, MLP width and --seq)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -194,6 +216,13 @@ def request_from_args(args):
         raise ValueError("give --memory-gb (memory per GPU) or a --gpu preset")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    node = args.gpus_per_node or args.gpus
+    for t in args.tp or ():
+        if t < 1 or node % t:
+            raise ValueError(
+                f"--tp {t}: a stage's TP ranks must share a node; give a tp that divides --gpus-per-node "
+                f"({node}), e.g. {', '.join(str(x) for x in TP_SIZES if node % x == 0)}"
+            )
     return PlanRequest(
         gpus=args.gpus,
         memory_gb=memory,
@@ -207,19 +236,40 @@ def request_from_args(args):
         top=max(1, args.top),
         lora_rank=args.lora_rank,
         lora_targets=tuple(args.lora_targets or LORA_TARGETS),
+        tensor_parallel=tuple(args.tp or TP_SIZES),
     )
+
+
+def check_tp(sizes, config, req: PlanRequest) -> None:
+    """ValueError (one line) for a --tp the model or the run cannot take (the node's share is checked with the
+    request)."""
+    from vp_accelerate.cost import shape_from_hf_config
+    from vp_accelerate.sim.plan import tp_sizes
+
+    shape = shape_from_hf_config(config, seq=req.seq)
+    node = req.gpus_per_node or req.gpus
+    allowed = tp_sizes(config, dataclasses.replace(req, tensor_parallel=tuple(range(1, node + 1))), shape)
+    for t in sizes or ():
+        if t in allowed:
+            continue
+        counts = {"attention heads": shape.heads, "key/value heads": shape.kv_heads or shape.heads}
+        counts.update({"MLP width": shape.ffn, "--seq": req.seq})
+        odd = [f"{name} ({n})" for name, n in counts.items() if n % t]
+        why = f"it does not divide the model's {', '.join(odd)}" if odd else "the model or a LoRA run has no TP plan"
+        fit = [str(x) for x in allowed]
+        raise ValueError(f"--tp {t}: {why}; give a tp the run can take ({', '.join(fit)})")
 
 
 def table(plans, top: int, req: PlanRequest | None = None) -> str:
     """The first `top` plans, one line each; a plan above TIGHT of `req`'s memory ends in "tight"."""
     lines = [
-        f"{'#':>2}  {'schedule/method':<22} {'pp':>3} {'dp':>3} {'mbs':>4} {'m':>4} {'memory':<9} "
+        f"{'#':>2}  {'schedule/method':<22} {'pp':>3} {'tp':>3} {'dp':>3} {'mbs':>4} {'m':>4} {'memory':<9} "
         f"{'zero':>4} {'ckpt':<9} {'x-node':<6} {'tokens/s':>10} {'MFU':>6} {'bubble':>7} {'peak GB per rank'}"
     ]
     for i, p in enumerate(plans[:top], 1):
         mem = " ".join(f"{x:.1f}" for x in p.peak_memory_gb)
         lines.append(
-            f"{i:>2}  {p.label:<22} {p.pp:>3} {p.dp:>3} {p.microbatch_size:>4} "
+            f"{i:>2}  {p.label:<22} {p.pp:>3} {p.tp:>3} {p.dp:>3} {p.microbatch_size:>4} "
             f"{p.microbatches:>4} {p.memory:<9} {p.zero:>4} {p.activation_checkpointing:<9} "
             f"{'yes' if p.pipeline_crosses_nodes else 'no':<6} {p.tokens_per_s:>10.0f} {p.mfu * 100:>5.1f}% "
             f"{p.bubble * 100:>6.1f}% {mem}" + (f"  tight (> {TIGHT:.0%} of memory)" if req and tight(p, req) else "")
@@ -234,6 +284,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         run_shape(args, model)
         config = model.config
         req = request_from_args(args)
+        check_tp(args.tp, config, req)
         start = time.perf_counter()
         found = search(config, req)
         seconds = time.perf_counter() - start
@@ -323,6 +374,7 @@ def resolve_auto(recipe, world_size: int | None):
         global_batch=recipe.train.global_batch,
         hardware=Hardware(peak_flops=peak),
         zero=(p.zero,),  # what the runtime will run: `vp-accelerate plan`'s request with the recipe's stage
+        tensor_parallel=(1,),  # `auto` lays out pp x dp (a TP recipe names its schedule)
         **_lora_request(recipe.adapter),
     )
     try:

@@ -61,6 +61,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "llama-3-70b": _shape(
         "llama", 8192, 28672, 80, 64, 8, 128256, 8192, tie_word_embeddings=False, rope_parameters=_LLAMA3_ROPE
     ),
+    "llama-3.1-405b": _shape(
+        "llama", 16384, 53248, 126, 128, 8, 128256, 131072, tie_word_embeddings=False, rope_parameters=_LLAMA3_ROPE
+    ),
     "qwen2.5-1.5b": _shape(
         "qwen2", 1536, 8960, 28, 12, 2, 151936, 8192, tie_word_embeddings=True, rope_parameters=_QWEN_ROPE
     ),
