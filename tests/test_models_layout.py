@@ -72,6 +72,7 @@ def _bytes_per_rank(cfg, layout, placement):
     return [build_rank(cfg, layout, r, placement, part).param_bytes() for r in range(layout.num_ranks)]
 
 
+@pytest.mark.slow  # slow: builds every rank of a 256k vocabulary (7 s); the memory tests of test_runtime_exact check the balance in bytes
 def test_vocab_parallel_balances_parameter_memory_at_256k_vocab():
     """With VP the ranks' resident bytes differ by at most one decoder layer plus padding; baseline does not."""
     V, p = 256_000 + 3, 4  # not divisible by p: the last shard has padding rows

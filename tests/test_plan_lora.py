@@ -55,6 +55,7 @@ def test_a_lora_layout_is_the_sum_of_its_terms_and_matches_the_hand_count():
     assert mem.static < full.static / 4  # 2 bytes per frozen weight instead of 18 (10 + 8/dp)
 
 
+@pytest.mark.slow  # slow: a 70B search (5 s); the hand counts above check the terms in the default run
 def test_llama_3_70b_on_32_h100_fits_a_lora_run_in_far_less_memory():
     hw, memory = GPU_PRESETS["h100"]
     small = dict(schedules=("1f1b",), methods=("vocab-2",), microbatch_sizes=(1,), zero=(0,), top=1)
