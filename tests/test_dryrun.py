@@ -383,3 +383,25 @@ def test_the_planners_lora_memory_agrees_with_the_dry_run(schedule, method, targ
     req = PlanRequest(gpus=2, memory_gb=80.0, seq=seq, global_batch=batch, hardware=hw, **lora)
     for mem, planned in zip(result.ranks, planned_bytes(conf, req, cfg)):
         assert planned == pytest.approx(mem.peak_bytes, rel=0.05), (mem.rank, planned, mem.peak_bytes)
+
+
+def test_a_plans_many_microbatches_run_as_its_steady_state_unless_asked():
+    """A plan's or a recipe's layout with more than 2 x pp microbatches dry-runs 2 x pp of them at the same
+    microbatch size (where each rank's peak has set in, the planner's basis): 405B's plan has 512 a replica and
+    took 8x the CPU of the 64 its peak needs. `--all-microbatches` or an explicit `--microbatches` runs them all."""
+    from types import SimpleNamespace
+
+    from vp_accelerate.train.cli.dryrun import steady_microbatches
+
+    cfg = PipelineConfig(schedule="vhalf", method="vocab-2", pp_size=4, dp_size=2, microbatches=64)
+    plan = SimpleNamespace(all_microbatches=False, microbatches=None)
+    run, batch, note = steady_microbatches(cfg, 256, plan)  # microbatches of 2
+    assert (run.microbatches, batch) == (8, 32) and "running 8 of the layout's 64 microbatches" in note
+    assert dataclasses.replace(run, microbatches=64) == cfg
+    for asked in (
+        SimpleNamespace(all_microbatches=True, microbatches=None),
+        SimpleNamespace(all_microbatches=False, microbatches=64),
+    ):
+        assert steady_microbatches(cfg, 256, asked) == (cfg, 256, None)
+    small = dataclasses.replace(cfg, microbatches=8)
+    assert steady_microbatches(small, 32, plan) == (small, 32, None)

@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
         "--tp", type=int, help="tensor-parallel ranks per stage (default 1; sequence parallelism on, inside a node)"
     )
     lay.add_argument("--microbatches", type=int, help="microbatches per replica per step")
+    ap.add_argument(
+        "--all-microbatches",
+        action="store_true",
+        help="run every microbatch of the plan's or the recipe's layout (default: at most 2 x pp of them, where "
+        "each rank's peak has set in and the planner reads its figure; an explicit --microbatches always runs)",
+    )
     lay.add_argument("--memory", help="output-layer S->T state: store or recompute (default store)")
     lay.add_argument("--zero", type=int, choices=(0, 1), help="ZeRO stage over dp (default 1)")
     lay.add_argument("--checkpointing", help="activation checkpointing: none, selective or full (default none)")
@@ -194,6 +200,8 @@ def dryrun_main(argv: list[str] | None = None) -> int:
 
         hf = AutoConfig.for_model(**config) if isinstance(config, dict) else config
         check_tensor_parallel(cfg, hf, args.seq, lora)
+        cfg, args.global_batch, steady_note = steady_microbatches(cfg, args.global_batch, args)
+        req = dataclasses.replace(req, global_batch=args.global_batch)  # the planner's figure at the same size
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_codes.USER_ERROR
@@ -222,6 +230,8 @@ def dryrun_main(argv: list[str] | None = None) -> int:
             f"mixed precision, seq {args.seq}, global batch {args.global_batch}; running global ranks {ran}"
             + (f" ({'; '.join(others)}: derived, not run)" if others else "")
         )
+        if steady_note:
+            log(steady_note)
     result = dry_run_world(hf, cfg, args.world_size, args.global_batch, args.seq, log=log, jobs=args.jobs, adapter=lora)
     result.planned_bytes = planned_bytes(config, req, cfg)
     limit = req.memory_gb * 1e9
@@ -252,6 +262,8 @@ def dryrun_main(argv: list[str] | None = None) -> int:
                     "model": args.model,
                     "world_size": args.world_size,
                     "layout": dataclasses.asdict(cfg),
+                    "global_batch": args.global_batch,
+                    "steady_state": steady_note,
                     "memory_bytes": int(limit),
                     "ranks": rows,
                     # the ranks run; every other rank's program is derived from one of theirs (`replicas`: the
@@ -286,6 +298,26 @@ def dryrun_main(argv: list[str] | None = None) -> int:
         )
         return exit_codes.USER_ERROR
     return 1 if result.deadlock else 0
+
+
+def steady_microbatches(cfg, global_batch: int, args) -> tuple:
+    """(layout, global batch, note) to run. A plan's or a recipe's layout with more than 2 x pp microbatches runs 2 x
+    pp of them, at the same microbatch size: each rank's activation peak has set in by then (the steady state of
+    every schedule here) and it is the planner's own basis (`sim.plan.ORDER_MICROBATCHES`), while a rank's dry run
+    costs CPU in proportion to its microbatches (405B's plan: 512 a replica, 8x the 64 its peak needs). The note
+    says so; `--all-microbatches`, or an explicit `--microbatches`, runs them all."""
+    from vp_accelerate.sim.plan import ORDER_MICROBATCHES
+
+    steady = ORDER_MICROBATCHES * cfg.pp_size
+    if args.all_microbatches or args.microbatches is not None or cfg.microbatches <= steady:
+        return cfg, global_batch, None
+    size = global_batch // (cfg.dp_size * cfg.microbatches)
+    note = (
+        f"running {steady} of the layout's {cfg.microbatches} microbatches a replica (2 x pp, global batch "
+        f"{size * cfg.dp_size * steady} of {global_batch}, microbatches of {size}): each rank's peak has set in by "
+        f"then, as the planner reads it; --all-microbatches runs every one"
+    )
+    return dataclasses.replace(cfg, microbatches=steady), size * cfg.dp_size * steady, note
 
 
 def check_tensor_parallel(cfg, hf_config, seq: int, adapter=None) -> None:
