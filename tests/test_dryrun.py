@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from helpers.dryrun import world_with_programs
 from helpers.tiny import tiny_llama
 from vp_accelerate.dryrun.run import replica_program
 from vp_accelerate.dryrun.world import dry_run_world
@@ -34,22 +35,7 @@ def world8():
     cfg = PipelineConfig(
         schedule="1f1b", method="vocab-2", microbatches=4, pp_size=PP, dp_size=DP, mixed_precision="bf16"
     )
-    programs = {}
-    import vp_accelerate.dryrun.world as w
-
-    real = w.run_rank
-
-    def keep(*args, **kwargs):
-        mem, program = real(*args, **kwargs)
-        programs[mem.rank] = program
-        return mem, program
-
-    w.run_rank = keep
-    try:
-        result = dry_run_world(tiny_llama(257, num_layers=4), cfg, PP * DP, global_batch=16, seq=16)
-    finally:
-        w.run_rank = real
-    return result, programs
+    return world_with_programs(cfg, PP * DP)
 
 
 def test_world8_memory_terms_and_replay(world8):

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from helpers.dryrun import world_with_programs
 from helpers.tiny import tiny_llama
 from vp_accelerate.dryrun.run import replica_program, run_rank, tp_program
 from vp_accelerate.dryrun.world import dry_run_world
@@ -25,22 +26,7 @@ CFG = PipelineConfig(
 
 @pytest.fixture(scope="module")
 def world8():
-    programs = {}
-    import vp_accelerate.dryrun.world as w
-
-    real = w.run_rank
-
-    def keep(*args, **kwargs):
-        mem, program = real(*args, **kwargs)
-        programs[mem.rank] = program
-        return mem, program
-
-    w.run_rank = keep
-    try:
-        result = dry_run_world(tiny_llama(257, num_layers=4), CFG, PP * TP * DP, global_batch=16, seq=16)
-    finally:
-        w.run_rank = real
-    return result, programs
+    return world_with_programs(CFG, PP * TP * DP)
 
 
 def test_tp_rank_0_of_each_stage_runs_and_the_world_with_its_tp_collectives_finishes(world8):
