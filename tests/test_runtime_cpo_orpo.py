@@ -36,6 +36,7 @@ from trl.experimental.orpo import ORPOTrainer  # noqa: E402
 from trl.experimental.orpo.orpo_trainer import log1mexp  # noqa: E402
 
 from helpers.grads import gathered_grads as _gathered_grads  # noqa: E402
+from helpers.trl_stub import trainer_self  # noqa: E402
 
 SEQ, PAIRS, BETA, ALPHA = 14, 4, 0.7, 0.6
 CPO = dict(loss_type=("simpo", "sft"), loss_weights=(1.0, ALPHA), label_smoothing=0.1, simpo_gamma=0.4)
@@ -167,17 +168,21 @@ def _on_ranks(ckpt, data, method):
     return out
 
 
-@pytest.mark.parametrize("method", ["vocab-2", pytest.param("baseline", marks=pytest.mark.slow)])
-def test_cpo_losses_and_orpo_are_cpo_and_orpo_trainers_on_2_ranks(tmp_path, method):
-    """SimPO, CPO's sigmoid / hinge / ipo (`cpo_sigmoid`, `cpo_hinge`, `cpo_ipo`: fails on the code before them)
-    and ORPO: loss, every metric and every gradient as CPOTrainer / ORPOTrainer compute them, in one spawn."""
+def _seeded_pairs(tmp_path):
+    """(seed, checkpoint dir, pairs): a fresh seed, an untied eager tiny Llama saved as users save it, its pairs."""
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(tiny_llama(101, tied=False, attn_implementation="eager")).save_pretrained(
         tmp_path / "ckpt"
     )
-    ckpt = str(tmp_path / "ckpt")
-    data = _pairs(seed, 101)
+    return seed, str(tmp_path / "ckpt"), _pairs(seed, 101)
+
+
+@pytest.mark.parametrize("method", ["vocab-2", pytest.param("baseline", marks=pytest.mark.slow)])
+def test_cpo_losses_and_orpo_are_cpo_and_orpo_trainers_on_2_ranks(tmp_path, method):
+    """SimPO, CPO's sigmoid / hinge / ipo (`cpo_sigmoid`, `cpo_hinge`, `cpo_ipo`: fails on the code before them)
+    and ORPO: loss, every metric and every gradient as CPOTrainer / ORPOTrainer compute them, in one spawn."""
+    seed, ckpt, data = _seeded_pairs(tmp_path)
     per_rank = spawn(_on_ranks, 2, ckpt, data, method, timeout_s=600)
     ids, mask, labels, starts = data
     model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float64)
@@ -216,25 +221,13 @@ def _dpo_on_ranks(ckpt, data, noise, method):
 def _trl_dpo_metrics(model, ids, mask, labels, ref):
     """DPOTrainer._compute_loss with TRL's own fused head (`add_fused_lm_head`: entropy, mean logits, top-1) on
     the batch as TRL orders it, [chosen..., rejected...]; its logged metrics."""
-    from collections import defaultdict
 
     from trl import DPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     order = torch.cat([torch.arange(0, len(ids), 2), torch.arange(1, len(ids), 2)])
-    acc = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
-    me = SimpleNamespace(
-        model=SimpleNamespace(training=True),
-        accelerator=acc,
-        aux_loss_enabled=False,
-        ld_alpha=None,
-        f_divergence_type="reverse_kl",
-        use_weighting=False,
-        precompute_ref_logps=True,
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        _total_train_tokens=0,
-        _tp_size=1,
+    me = trainer_self(
         loss_types=["sigmoid"],
         loss_weights=[1.0],
         beta=BETA,
@@ -257,13 +250,7 @@ def test_dpo_entropy_and_token_accuracy_are_dpo_trainers_on_2_ranks(tmp_path, me
     """DPOTrainer's `entropy` (over every completion token) and `mean_token_accuracy` (the chosen completions'
     top-1 hits), with logits/* and the rewards, from C1's statistics (no collective of their own). TRL's fused
     head works in float32 (its log-probabilities too), so they agree to 1e-6; the top-1 hits exactly."""
-    seed = random.randrange(2**31)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(tiny_llama(101, tied=False, attn_implementation="eager")).save_pretrained(
-        tmp_path / "ckpt"
-    )
-    ckpt = str(tmp_path / "ckpt")
-    data = _pairs(seed, 101)
+    seed, ckpt, data = _seeded_pairs(tmp_path)
     noise = torch.randn(2 * PAIRS, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     per_rank = spawn(_dpo_on_ranks, 2, ckpt, data, noise, method, timeout_s=600)
     ids, mask, labels, _ = data

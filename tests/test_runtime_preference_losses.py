@@ -13,7 +13,6 @@ float32, so its float64 reference is its formula over TRL's own `log1mexp`, itse
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +30,7 @@ from trl.experimental.orpo import ORPOTrainer  # noqa: E402
 from trl.experimental.orpo.orpo_trainer import log1mexp  # noqa: E402
 
 from helpers.grads import gathered_grads as _gathered_grads  # noqa: E402
+from helpers.trl_stub import trainer_self  # noqa: E402
 
 SEQ = 10
 BETA = 0.3
@@ -83,25 +83,6 @@ def _token_logps(model, ids, labels) -> torch.Tensor:
     return lp * (target != -100)
 
 
-def _stub_self(**kw):
-    acc = SimpleNamespace(
-        device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x, unwrap_model=lambda m: m
-    )
-    return SimpleNamespace(
-        model=SimpleNamespace(training=True),
-        accelerator=acc,
-        aux_loss_enabled=False,
-        ld_alpha=None,
-        f_divergence_type="reverse_kl",
-        use_weighting=False,
-        precompute_ref_logps=True,
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        _total_train_tokens=0,
-        _tp_size=1,
-        **kw,
-    )
-
-
 def _head(per_token):
     """A stand-in for TRL's fused head: `model(..., labels=, fused_lm_head=True)` -> its outputs."""
 
@@ -119,7 +100,7 @@ def _trl_dpo(model, ids, labels, ref, kw) -> torch.Tensor:
     ids_t, labels_t = ids[order], labels[order]
     per_token = _token_logps(model, ids_t, labels_t)
     types = list(kw["loss_type"]) if isinstance(kw["loss_type"], tuple) else [kw["loss_type"]]
-    me = _stub_self(
+    me = trainer_self(
         loss_types=types,
         loss_weights=list(kw.get("loss_weights") or [1.0] * len(types)),
         beta=BETA,
@@ -138,7 +119,7 @@ def _trl_dpo(model, ids, labels, ref, kw) -> torch.Tensor:
 def _trl_simpo(model, ids, labels, kw) -> torch.Tensor:
     lp = _token_logps(model, ids, labels)
     avg = lp.sum(1) / (labels[:, 1:] != -100).sum(1)
-    me = _stub_self(alpha=0.0, loss_type="simpo", beta=BETA, simpo_gamma=kw["simpo_gamma"])
+    me = trainer_self(alpha=0.0, loss_type="simpo", beta=BETA, simpo_gamma=kw["simpo_gamma"])
     me.label_smoothing = kw["label_smoothing"]
     losses, _, _ = CPOTrainer.cpo_loss(me, avg[0::2], avg[1::2])
     return losses.mean()  # CPO's cpo_alpha = 0 (SimPO)
@@ -151,7 +132,7 @@ def _trl_orpo(model, ids, labels) -> torch.Tensor:
     avg = lp.sum(1) / valid.sum(1)
     log_odds = (avg[0::2] - avg[1::2]) - (log1mexp(avg[0::2]) - log1mexp(avg[1::2]))
     ours = BETA * F.logsigmoid(log_odds)
-    theirs, *_ = ORPOTrainer.odds_ratio_loss(_stub_self(beta=BETA), avg[0::2].detach(), avg[1::2].detach())
+    theirs, *_ = ORPOTrainer.odds_ratio_loss(trainer_self(beta=BETA), avg[0::2].detach(), avg[1::2].detach())
     torch.testing.assert_close(theirs.double(), ours.detach(), rtol=1e-5, atol=1e-6)  # float32 inside TRL
     nll = -lp[0::2][valid[0::2]].mean()
     return nll - ours.mean()
@@ -161,7 +142,7 @@ def _trl_kto(model, ids, labels, ref, kl_ids, kl_labels, ref_kl, desirable, kw) 
     per_token = _token_logps(model, ids, labels)
     with torch.no_grad():
         kl_token = _token_logps(model, kl_ids, kl_labels)
-    me = _stub_self(
+    me = trainer_self(
         loss_type=kw["loss_type"],
         beta=BETA,
         calculate_KL=kw["loss_type"] == "kto",

@@ -296,24 +296,35 @@ def _dpo_on_ranks(ckpt, ids, labels, noise):
     return out
 
 
-@pytest.mark.slow
-def test_dpo_under_tp_equals_the_pipeline_without_it(tmp_path):
-    # the preference loss enters through the output layer's per-token gradient, which TP leaves alone: pp 2 x tp 2
-    # equals pp 4 (itself checked against TRL's formula, tests/test_runtime_dpo.py) in log-probs, loss, rewards and
-    # every gradient
+def _dpo_setup(tmp_path):
+    """(seed, checkpoint, ids, labels with a 3-token prompt ignored, per-row reference noise) of a fresh seed: the DPO
+    batch the pp 2 x tp 2 against pp 4 preference tests share."""
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     ckpt = _save(tmp_path, tiny_llama(VOCAB, num_layers=4, attn_implementation="eager"))
     ids, labels = _batch(seed, rows=8)
     labels[:, :3] = -100  # the prompt
-    noise = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    got = spawn(_dpo_on_ranks, 4, ckpt, ids, labels, noise, timeout_s=300)[0]
+    return seed, ckpt, ids, labels, torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _same_as_pp4(got: dict, seed: int) -> None:
+    """pp 2 x tp 2's log-probs, loss, rewards and every gradient equal pp 4's (the same ranks, the same batch)."""
     (own4, loss4, rewards4, grads4), (own2, loss2, rewards2, grads2) = got["pp4"], got["pp2 x tp2"]
     torch.testing.assert_close(own2, own4, rtol=0, atol=TOL)
     assert loss2 == pytest.approx(loss4, abs=TOL)
     assert rewards2 == pytest.approx(rewards4, abs=TOL)
     for name, g in grads4.items():
         torch.testing.assert_close(grads2[name], g, rtol=0, atol=TOL, msg=lambda m: f"{name}: {m} (seed {seed})")
+
+
+@pytest.mark.slow
+def test_dpo_under_tp_equals_the_pipeline_without_it(tmp_path):
+    # the preference loss enters through the output layer's per-token gradient, which TP leaves alone: pp 2 x tp 2
+    # equals pp 4 (itself checked against TRL's formula, tests/test_runtime_dpo.py) in log-probs, loss, rewards and
+    # every gradient
+    seed, ckpt, ids, labels, noise = _dpo_setup(tmp_path)
+    got = spawn(_dpo_on_ranks, 4, ckpt, ids, labels, noise, timeout_s=300)[0]
+    _same_as_pp4(got, seed)
 
 
 # ---- the baseline / redis end-stage vocabulary layers split over TP (vocab-parallel embedding, column-parallel
@@ -381,20 +392,10 @@ def test_split_end_layers_under_dpo_and_label_smoothing_equal_pp4(tmp_path, case
     # the vocabulary-parallel cross-entropy's log-probs (the DPO reference pass), its TRL metrics (entropy, top-1,
     # mean logit from the split columns) and label smoothing (the sum of the logits over TP): pp 2 x tp 2 equals
     # pp 4, whose baseline runs torch's cross-entropy on the whole logits
-    seed = random.randrange(2**31)
-    torch.manual_seed(seed)
-    ckpt = _save(tmp_path, tiny_llama(VOCAB, num_layers=4, attn_implementation="eager"))
-    ids, labels = _batch(seed, rows=8)
-    labels[:, :3] = -100  # the prompt
-    noise = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    seed, ckpt, ids, labels, noise = _dpo_setup(tmp_path)
     extra = dict(method="baseline", label_smoothing=0.1 if case == "label smoothing" else 0.0)
     got = spawn(_against_pp4, 4, ckpt, ids, labels, noise if case == "dpo" else None, extra, timeout_s=300)[0]
-    (own4, loss4, rewards4, grads4), (own2, loss2, rewards2, grads2) = got["pp4"], got["pp2 x tp2"]
-    torch.testing.assert_close(own2, own4, rtol=0, atol=TOL)
-    assert loss2 == pytest.approx(loss4, abs=TOL)
-    assert rewards2 == pytest.approx(rewards4, abs=TOL)
-    for name, g in grads4.items():
-        torch.testing.assert_close(grads2[name], g, rtol=0, atol=TOL, msg=lambda m: f"{name}: {m} (seed {seed})")
+    _same_as_pp4(got, seed)
 
 
 # ---- LoRA on the TP slices --------------------------------------------------------------------------------------
