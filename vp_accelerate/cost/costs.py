@@ -149,6 +149,13 @@ class CostModel:
         return math.ceil(self.shape.vocab / (self.num_ranks * self.shape.tp))
 
     @property
+    def end_rows(self) -> int:
+        """Baseline / redis: vocabulary rows of the end stages' embedding and output layer on one TP rank: the whole V,
+        or under tensor parallelism V/tp (padded to tp shards: `VocabPartition(V, tp)`, models/build.py `_end_layers`,
+        Megatron's vocab-parallel embedding and column-parallel output layer)."""
+        return math.ceil(self.shape.vocab / self.shape.tp)
+
+    @property
     def vocab_ranks(self) -> int:
         """Ranks the vocabulary collectives run over: the replica's pp x tp."""
         return self.num_ranks * self.shape.tp
@@ -182,6 +189,39 @@ class CostModel:
         bandwidth = self.tp_bandwidth or self.hw.collective_bandwidth
         return eff.tp_collective_time(self.shape, bandwidth, self.hw.latency, op)
 
+    def end_tp_time(self, op: str, chunk: int) -> float:
+        """Seconds of the TP collectives of the baseline's end layers split over a stage's TP ranks (models/stage.py
+        `TPEmbedding`, `TPHead`; models/tensor_parallel.py), in pass `op` of `chunk`, on the node's links and not
+        overlapped: chunk 0's F reduce-scatters the fp32 embedding output to the rank's 1/tp of the sequence (an
+        all-reduce without sequence parallelism), its B all-gathers that gradient; the last chunk's F all-gathers
+        the sequence before the final norm, then the vocabulary-parallel cross-entropy all-reduces the row maxima
+        (max) and [sum of exp, target logit, sum of logits] (sum), [N] and [N, 3] fp32; its B all-reduces X's
+        fp32 gradient (each rank's columns give a part of it). 0 without TP or for VP (its chains: `chain_steps`)."""
+        s = self.shape
+        t = s.tp
+        if t == 1 or self.vocab_parallel or op == "W":
+            return 0.0
+        bw, lat = self.tp_bandwidth or self.hw.collective_bandwidth, self.hw.latency
+        x = s.tokens * s.hidden * s.stat_bytes  # the fp32 embedding output, X and their gradients
+
+        def gather(nbytes: float) -> float:  # an all-gather or a reduce-scatter: (t - 1)/t of the buffer
+            return (t - 1) / t * nbytes / bw + lat
+
+        def all_reduce(nbytes: float) -> float:
+            return 2 * gather(nbytes) - lat
+
+        seconds = 0.0
+        if chunk == 0:
+            sp = s.sequence_parallel
+            seconds += (gather(x) if sp else all_reduce(x)) if op == "F" else (gather(x) if sp else 0.0)
+        if chunk == len(self.chunk_rank) - 1:
+            if op == "F":
+                seconds += gather(s.tokens * s.hidden * s.dtype_bytes) if s.sequence_parallel else 0.0
+                seconds += all_reduce(s.tokens * 4) + all_reduce(3 * s.tokens * 4)
+            else:
+                seconds += all_reduce(x)
+        return seconds
+
     def _out_time(self, rows: int, *parts: str) -> float:
         """Output-layer products over `rows` vocabulary rows (see efficiency.output_gemm_time)."""
         if self.shape.frozen_weights:  # a frozen output layer computes no weight gradient
@@ -191,7 +231,6 @@ class CostModel:
         return sum(eff.output_gemm_time(self.shape, rows, part, self._rate(), self.gemm) for part in parts)
 
     def pass_time(self, rank: int, op: Op, chunk: int) -> float:
-        s = self.shape
         last = len(self.chunk_rank) - 1
         if op in (Op.F, Op.B, Op.W):
             t = self._layer_time(op.value)
@@ -201,8 +240,8 @@ class CostModel:
             if op is Op.B:  # checkpointed layers rerun their forward first
                 t += self.checkpointed_layers(chunk) * self._layer_time("F")
             if not self.vocab_parallel:
-                if chunk == last:  # the whole output layer and loss ride on the last chunk
-                    V = s.vocab
+                if chunk == last:  # the whole output layer and loss ride on the last chunk (V/tp rows a TP rank)
+                    V = self.end_rows
                     if op is Op.F:
                         t += self._out_time(V, "logits") + self._logit_time(V)
                     elif op is Op.B:
@@ -212,6 +251,7 @@ class CostModel:
                         t += self._out_time(V, "weight_grad")
                 if chunk == 0 and op is not Op.W:
                     t += self._gather_time()
+                t += self.end_tp_time(op.value, chunk)
             return t
         rows = self.shard_rows
         one = self.spec.input_grad_in_t
@@ -271,7 +311,11 @@ class CostModel:
         if not last:
             b += stream
         if not self.vocab_parallel and last:
-            b += s.tokens * s.vocab * s.stat_bytes  # log-probabilities of the loss (at least fp32)
+            b += s.tokens * self.end_rows * s.stat_bytes  # log-probabilities of the loss (at least fp32)
+            if s.frozen_weights and s.dtype_bytes < 4:
+                # LoRA: the frozen fp32 head is cast per call (autocast caches only the casts of weights that train),
+                # and its 16-bit copy is what the product saves for X's gradient
+                b += self.end_rows * s.hidden * s.dtype_bytes
             if s.attention == "flash":
                 b += s.hidden_bytes()  # X (the HF count has it in the final norm's)
         return b
@@ -280,8 +324,9 @@ class CostModel:
         """A LoRA run's frozen vocabulary shards priced as frozen (fp32 only, no weight gradient in T): measured so
         under an unsplit backward (8B, 1F1B/vocab-2: the dry run within 0.4%); under a split backward (V-Half) the
         dry run holds as much as full training's pricing says (22M Llama, V-Half/vocab-1: within 0.3%), for a
-        reason not yet found, so it keeps that pricing."""
-        return self.shape.frozen_weights and not self.split_backward
+        reason not yet found, so it keeps that pricing. The baseline's frozen end layers are frozen under either
+        (8B shape, pp 2 x tp 2, V-Half/baseline: no step copy of them in the dry run; the planner within 2.7%)."""
+        return self.shape.frozen_weights and not (self.split_backward and self.vocab_parallel)
 
     def layer_bytes(self) -> float:
         """One layer's kept activations per microbatch (`ModelShape.layer_activation_bytes`). A split backward
@@ -289,7 +334,9 @@ class CostModel:
         Llama under LoRA r16, V-Half/vocab-1, within 0.3% of the dry run with it, 18-24% under without)."""
         s = self.shape
         if self.split_backward and s.frozen_weights and not s.adapted_mlp:
-            return dataclasses.replace(s, adapted_mlp=True).layer_activation_bytes()
+            # and each adapter's A casts the norm's fp32 output once more (q and v)
+            casts = 2 * s.tokens * s.hidden * s.dtype_bytes if s.dtype_bytes < s.stat_bytes else 0.0
+            return dataclasses.replace(s, adapted_mlp=True).layer_activation_bytes() + casts
         return s.layer_activation_bytes()
 
     def weight_grad_queue_bytes(self, chunk: int) -> float:
@@ -315,7 +362,7 @@ class CostModel:
         soon as it is complete: runtime/step_casts.py `trainable`; split backward: the weight gradients wait
         for W instead). F: a recomputing layer's activations before it drops them. S (VP):
         the baseline's last chunk: the cross-entropy's backward makes [N, V] gradients (fp32 of the
-        log-probabilities, 16-bit of the logits). S (VP): the shard's logits once more in fp32 beside the ones S keeps (recompute mode: twice, none kept).
+        log-probabilities, 16-bit of the logits; under TP two fp32 [N, V/tp]). S (VP): the shard's logits once more in fp32 beside the ones S keeps (recompute mode: twice, none kept).
         T (VP): the logits' 16-bit gradient, the shard weight's 16-bit gradient and its fp32 copy (recompute
         mode: and the logits again). IF (VP): the partial embedding until its reduce ran. A split backward
         under mixed precision also casts one linear's weight at a time in F and B, and W makes one 16-bit
@@ -331,9 +378,20 @@ class CostModel:
         if op == "B":
             pending = 0.0
             if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
-                # the loss's backward: the fp32 gradient of the log-probabilities, then of the 16-bit logits (the
-                # saved log-probabilities go as their backward runs)
-                pending += s.tokens * s.vocab * (s.stat_bytes + s.dtype_bytes)
+                # the loss's backward: the fp32 gradients of the log-probabilities and of the logits, both alive beside
+                # the saved log-probabilities (then the 16-bit one, as the fp32 ones go); under TP the
+                # vocabulary-parallel cross-entropy's backward (models/tensor_parallel.py `_VocabParallelCE`) makes as
+                # many beside its saved softmax (a copy to subtract the one-hot from, the padded gradient), and its
+                # forward as many beside it (the fp32 logits, the exponentials). Measured in the dry run: 8B shape,
+                # pp 2, rank 1, 1F1B at tp 1 and 2 (the 16-bit figure in place of the second fp32 one read 1.05 GB
+                # low at tp 1)
+                pending += s.tokens * self.end_rows * 2 * s.stat_bytes
+            if s.frozen_weights and not self.split_backward and chunk is not None and self.chunk_layers[chunk]:
+                # LoRA: a frozen MLP's backward makes its input gradients ([N, ffn/tp] 16-bit: of down's input, of the
+                # gate and of up) while the layer's saved tensors are still held (measured: 8B shape, pp 2, 1F1B/
+                # baseline rank 0, tp 1 and 2: the step's peak, 0.39 / 0.16 GB above the held activations); on the
+                # baseline's last chunk the loss's gradients are gone by then: the larger of the two
+                pending = max(pending, s.mlp_matrices * s.tokens * s.ffn / s.tp * s.dtype_bytes)
             return pending + layer + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
         if not self.vocab_parallel:
             return 0.0
@@ -381,9 +439,9 @@ class CostModel:
         if self.vocab_parallel:
             return n + vocab_tensors * self.shard_rows * s.hidden
         if rank == self.chunk_rank[0]:
-            n += s.vocab * s.hidden
+            n += self.end_rows * s.hidden
         if rank == self.chunk_rank[-1] and not (s.tied and self.chunk_rank[0] == rank):
-            n += s.vocab * s.hidden
+            n += self.end_rows * s.hidden
         return n
 
     def grad_arrivals(self, rank: int) -> dict[tuple[str, int], float]:
@@ -403,9 +461,9 @@ class CostModel:
             return out
         first, last = 0, len(self.chunk_rank) - 1
         if rank == self.chunk_rank[first]:
-            out[weight_op, first] = out.get((weight_op, first), 0.0) + s.vocab * s.hidden * g
+            out[weight_op, first] = out.get((weight_op, first), 0.0) + self.end_rows * s.hidden * g
         if rank == self.chunk_rank[last] and not (s.tied and self.chunk_rank[first] == rank):
-            out[weight_op, last] = out.get((weight_op, last), 0.0) + s.vocab * s.hidden * g
+            out[weight_op, last] = out.get((weight_op, last), 0.0) + self.end_rows * s.hidden * g
         return out
 
     def static_bytes(self, rank: int) -> float:

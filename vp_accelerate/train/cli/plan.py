@@ -15,6 +15,7 @@ from vp_accelerate.cost import GPU_PRESETS, Hardware
 from vp_accelerate.cost.data_parallel import ZERO_LEVELS
 from vp_accelerate.cost.memory import LORA_TARGETS
 from vp_accelerate.model_config import read_config_json
+from vp_accelerate.schedule.registry import METHODS
 from vp_accelerate.sim.cluster import INTERNODE_BANDWIDTH
 from vp_accelerate.sim.plan import (
     CHECKPOINTING,
@@ -178,6 +179,12 @@ def _parser() -> argparse.ArgumentParser:
         help="activation-checkpointing mode(s) to try (default: all)",
     )
     ap.add_argument(
+        "--method",
+        choices=tuple(METHODS),
+        action="append",
+        help="vocabulary method(s) to try (default: baseline, redis, vocab-1, vocab-2)",
+    )
+    ap.add_argument(
         "--lora-rank",
         type=int,
         metavar="R",
@@ -233,6 +240,7 @@ def request_from_args(args):
         internode_bandwidth=args.internode_gbs * 1e9,
         zero=tuple(args.zero or ZERO_LEVELS),
         checkpointing=tuple(args.checkpointing or CHECKPOINTING),
+        methods=tuple(args.method or PlanRequest.methods),
         top=max(1, args.top),
         lora_rank=args.lora_rank,
         lora_targets=tuple(args.lora_targets or LORA_TARGETS),
@@ -255,7 +263,7 @@ def check_tp(sizes, config, req: PlanRequest) -> None:
         counts = {"attention heads": shape.heads, "key/value heads": shape.kv_heads or shape.heads}
         counts.update({"MLP width": shape.ffn, "--seq": req.seq})
         odd = [f"{name} ({n})" for name, n in counts.items() if n % t]
-        why = f"it does not divide the model's {', '.join(odd)}" if odd else "the model or a LoRA run has no TP plan"
+        why = f"it does not divide the model's {', '.join(odd)}" if odd else "the model has no TP plan"
         fit = [str(x) for x in allowed]
         raise ValueError(f"--tp {t}: {why}; give a tp the run can take ({', '.join(fit)})")
 
