@@ -135,3 +135,61 @@ def test_a_tp_search_lays_out_baseline_redis_and_lora():
     assert [p.label for p in found.fitting if p.pp == 1] == ["data parallel/baseline"]
     lora = search(config, replace(req, lora_rank=16, methods=("baseline", "vocab-2")))
     assert {p.method for p in lora.fitting} == {"baseline", "vocab-2"} and all(p.tp == 2 for p in lora.fitting)
+
+
+def test_plan_with_tp_and_a_method_lists_its_layouts(tmp_path, capsys):
+    import json
+
+    from vp_accelerate.train.cli.plan import plan_main
+
+    config = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8}
+    config.update(num_attention_heads=16, num_key_value_heads=8, vocab_size=32000)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = [str(path), "--gpus", "4", "--gpu", "h100", "--seq", "1024", "--global-batch", "8", "--tp", "2"]
+    assert plan_main(args + ["--method", "baseline", "--method", "redis", "--top", "50", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert {(p["method"], p["tp"]) for p in plans} == {("baseline", 2), ("redis", 2)}
+    assert plan_main(args + ["--method", "redis", "--lora-rank", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b/redis" in out and "adapter.dropout must be 0 under TP" in out
+
+
+LLAMA8B_4 = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                 tie_word_embeddings=False)  # fmt: skip
+
+
+@pytest.mark.slow  # 8 dry runs of an 8B shape's end stages, 10-20 s of CPU each
+@pytest.mark.parametrize(
+    "schedule,method,dp,ckpt,lora",
+    [
+        ("1f1b", "baseline", 1, "none", None),
+        ("1f1b", "redis", 1, "none", None),
+        ("vhalf", "baseline", 1, "none", None),
+        ("1f1b", "baseline", 2, "none", None),
+        ("1f1b", "baseline", 1, "full", None),
+        ("1f1b", "baseline", 1, "none", 16),
+        ("1f1b", "redis", 1, "none", 16),
+        ("vhalf", "baseline", 1, "none", 16),
+    ],
+)
+def test_the_planners_tp_end_stage_memory_agrees_with_the_dry_run_at_8b_width(schedule, method, dp, ckpt, lora):
+    """Llama-3-8B's widths cut to 4 layers, pp 2 x tp 2 (x dp 2, ZeRO-1), seq 2048, 4 microbatches of 2: the
+    planner within 5% of the dry run per rank (measured -2.9% .. +3.8%; before: +36% .. +66% full training, -18% ..
+    +37% LoRA)."""
+    from transformers import AutoConfig
+
+    from vp_accelerate.dryrun.world import dry_run_world, planned_bytes
+    from vp_accelerate.runtime.adapter_config import AdapterConfig
+
+    cfg = PipelineConfig(
+        schedule=schedule, method=method, microbatches=4, pp_size=2, tp_size=2, dp_size=dp, mixed_precision="bf16",
+        attn_implementation="sdpa", activation_checkpointing=ckpt, zero=1 if dp > 1 else 0,
+    )  # fmt: skip
+    adapter = AdapterConfig(type="lora", r=lora) if lora else None
+    result = dry_run_world(AutoConfig.for_model(**LLAMA8B_4), cfg, 4 * dp, 8, 2048, adapter=adapter)
+    assert result.deadlock is None
+    req = PlanRequest(gpus=4 * dp, memory_gb=80.0, seq=2048, global_batch=8, hardware=H100, lora_rank=lora)
+    for mem, planned in zip(result.ranks, planned_bytes(LLAMA8B_4, req, cfg)):
+        assert planned == pytest.approx(mem.peak_bytes, rel=0.05), (mem.rank, planned, mem.peak_bytes)

@@ -376,7 +376,7 @@ class CostModel:
         if op == "W":
             return cast
         if op == "B":
-            pending = 0.0
+            loss = 0.0
             if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
                 # the loss's backward: the fp32 gradients of the log-probabilities and of the logits, both alive beside
                 # the saved log-probabilities (then the 16-bit one, as the fp32 ones go); under TP the
@@ -385,14 +385,15 @@ class CostModel:
                 # forward as many beside it (the fp32 logits, the exponentials). Measured in the dry run: 8B shape,
                 # pp 2, rank 1, 1F1B at tp 1 and 2 (the 16-bit figure in place of the second fp32 one read 1.05 GB
                 # low at tp 1)
-                pending += s.tokens * self.end_rows * 2 * s.stat_bytes
+                loss = s.tokens * self.end_rows * 2 * s.stat_bytes
+            work = layer
             if s.frozen_weights and not self.split_backward and chunk is not None and self.chunk_layers[chunk]:
                 # LoRA: a frozen MLP's backward makes its input gradients ([N, ffn/tp] 16-bit: of down's input, of the
                 # gate and of up) while the layer's saved tensors are still held (measured: 8B shape, pp 2, 1F1B/
-                # baseline rank 0, tp 1 and 2: the step's peak, 0.39 / 0.16 GB above the held activations); on the
-                # baseline's last chunk the loss's gradients are gone by then: the larger of the two
-                pending = max(pending, s.mlp_matrices * s.tokens * s.ffn / s.tp * s.dtype_bytes)
-            return pending + layer + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
+                # baseline rank 0, tp 1 and 2: the step's peak, 0.39 / 0.16 GB above the held activations)
+                work += s.mlp_matrices * s.tokens * s.ffn / s.tp * s.dtype_bytes
+            # the loss's backward ends before the last layer's (and its recomputation) starts: the larger of the two
+            return max(loss, work) + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
         if not self.vocab_parallel:
             return 0.0
         keeps = modes.memory_mode(self.output_memory).keeps_logits
