@@ -63,8 +63,14 @@ def check(recipe: Recipe) -> Recipe:
     if p.schedule == "auto":  # the planner chooses dp_size and microbatches; checked again once it has
         if p.tp_size > 1:
             raise RecipeError(
-                "pipeline.tp_size: schedule auto plans pp x dp layouts only so far; name a schedule (1f1b, vhalf, "
-                "interleaved) to train with tensor parallelism"
+                f"pipeline.tp_size: schedule auto chooses the tensor-parallel size itself; drop tp_size, or set "
+                f"pipeline.plan_tp_sizes: [{p.tp_size}] to plan with {p.tp_size} only, or name a schedule"
+            )
+        bad = [t for t in p.plan_tp_sizes or () if not isinstance(t, int) or isinstance(t, bool) or t < 1]
+        if bad or (p.plan_tp_sizes is not None and not p.plan_tp_sizes):
+            raise RecipeError(
+                f"pipeline.plan_tp_sizes: a list of tensor-parallel sizes >= 1 (e.g. [1, 2, 4, 8]) or null, got "
+                f"{list(p.plan_tp_sizes)}"
             )
         if p.layers_per_stage is not None:
             raise RecipeError(
