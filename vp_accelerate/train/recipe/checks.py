@@ -151,6 +151,11 @@ def _check_preference(recipe: Recipe) -> None:
             f"preference.desirable_weight / undesirable_weight: must be > 0, got {pref.desirable_weight} / "
             f"{pref.undesirable_weight}"
         )
+    if pref.alpha and not any(LOSSES[t].trainer == "cpo" for t in types if t in LOSSES):
+        raise RecipeError(
+            f"preference.alpha: {pref.alpha} (AlphaPO) shapes CPOTrainer's losses (simpo, cpo_sigmoid, cpo_hinge, "
+            f"cpo_ipo), and loss_type {list(types)} has none; use loss_type: simpo (TRL's alphapo), or alpha: 0"
+        )
     if "robust" in types and not 0 <= pref.label_smoothing < 0.5:
         raise RecipeError(f"preference.label_smoothing: robust needs it in [0, 0.5), got {pref.label_smoothing}")
     if recipe.pipeline.label_smoothing:
