@@ -387,10 +387,11 @@ class CostModel:
                 # low at tp 1)
                 loss = s.tokens * self.end_rows * 2 * s.stat_bytes
             work = layer
-            if s.frozen_weights and not self.split_backward and chunk is not None and self.chunk_layers[chunk]:
+            if s.frozen_weights and chunk is not None and self.chunk_layers[chunk]:
                 # LoRA: a frozen MLP's backward makes its input gradients ([N, ffn/tp] 16-bit: of down's input, of the
                 # gate and of up) while the layer's saved tensors are still held (measured: 8B shape, pp 2, 1F1B/
-                # baseline rank 0, tp 1 and 2: the step's peak, 0.39 / 0.16 GB above the held activations)
+                # baseline rank 0, tp 1 and 2: the step's peak, 0.39 / 0.16 GB above the held activations; V-Half
+                # with full checkpointing, rank 2 at tp 2: 0.14 GB low without it)
                 work += s.mlp_matrices * s.tokens * s.ffn / s.tp * s.dtype_bytes
             # the loss's backward ends before the last layer's (and its recomputation) starts: the larger of the two
             return max(loss, work) + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
