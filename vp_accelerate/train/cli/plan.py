@@ -34,9 +34,11 @@ COLUMNS = """columns:
   schedule/method   pipeline schedule and where the vocabulary layers live (vocab-1/-2: sharded over the
                     pipeline ranks; baseline: embedding on the first stage, output layer on the last;
                     redis: baseline with fewer decoder layers on the end stages); "data parallel" is pp=1
+                    ("data parallel/method" with tp > 1)
   pp, tp, dp        pipeline ranks x tensor-parallel ranks per stage x data-parallel replicas (= --gpus);
-                    tp (inside a node, sequence parallelism on) splits each stage's layers, the vocabulary
-                    is sharded over pp x tp
+                    tp (inside a node, sequence parallelism on) splits each stage's layers; the vocabulary
+                    is sharded over pp x tp (vocab-1/-2), or the end stages' over their tp ranks (baseline,
+                    redis)
   mbs, m            sequences per microbatch, microbatches per replica per step
   memory            VP output layer's S->T state: store (logits shard) or recompute (redo X W^T in T)
   zero              1: ZeRO-1, Adam's m and v sharded over dp as the runtime does (10 + 8/dp bytes per
