@@ -10,6 +10,7 @@ Memory and FLOPs always come from a shape (`CostModel`); MeasuredCosts may carry
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -472,7 +473,28 @@ class CostModel:
         """Parameters + gradients + optimizer state of `rank` in bytes (under mixed precision: the step's
         low-precision weight copy, fp32 gradients, fp32 parameters and Adam's m and v; see optimizer_bytes)."""
         n = self.rank_params(rank)
-        return n * (self.bytes_per_param() - self.shape.dtype_bytes) + self.copied_params(rank) * self.shape.dtype_bytes
+        sharded = min(SHARDED_BYTES, self.optimizer_bytes)
+        whole = self.optimizer_bytes - sharded
+        copies = self.copied_params(rank) * self.shape.dtype_bytes
+        return n * (self.grad_bytes + whole) + self.sharded_params(rank) * sharded + copies
+
+    def sharded_params(self, rank: int) -> float:
+        """Parameters whose Adam m and v the fullest of `rank`'s data-parallel replicas keeps: all of them without
+        ZeRO-1; under it each whole parameter has one owner, largest first to the least loaded replica
+        (runtime/zero.py `assign_owners`), so a share is at least the largest matrix: the baseline's V/tp x h end
+        layers are one replica's (8B widths, pp 2 x tp 2 x dp 2, redis's last rank: 1/dp of the rank read 8.4% low)."""
+        if self.optimizer_shards == 1:
+            return self.rank_params(rank)
+        s = self.shape
+        h, kv, f, t = s.hidden, s.kv_width(), s.ffn, s.tp
+        layer = (h * h / t, h * kv / t, h * kv / t, h * h / t) + (h * f / t,) * s.mlp_matrices
+        layers = sum(n for c, n in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank)
+        vocab = self.rank_params(rank) - layers * s.rank_layer_params()
+        if self.vocab_parallel:
+            extra = (self.shard_rows * s.hidden,) * (1 if s.tied else 2)
+        else:
+            extra = (self.end_rows * s.hidden,) * round(vocab / (self.end_rows * s.hidden))
+        return fullest_share(layer, layers, extra, self.optimizer_shards)
 
     def copied_params(self, rank: int) -> float:
         """Parameters of `rank` whose low-precision copy the step holds: all of them (autocast caches each
@@ -503,6 +525,17 @@ class CostModel:
     def model_flops(self) -> float:
         """Paper-counted training FLOPs of one microbatch (MFU numerator)."""
         return self.shape.model_flops()
+
+
+@functools.lru_cache(maxsize=4096)
+def fullest_share(layer: tuple, layers: int, extra: tuple, replicas: int) -> float:
+    """The largest per-replica sum when `layers` x the `layer` sizes and the `extra` sizes are given owners as
+    runtime/zero.py `assign_owners` does (largest first to the least loaded replica)."""
+    loads = [0.0] * replicas
+    for size in sorted(layer * layers + extra, reverse=True):
+        i = min(range(replicas), key=lambda k: (loads[k], k))
+        loads[i] += size
+    return max(loads)
 
 
 def even_layer_split(num_layers: int, num_chunks: int) -> tuple[int, ...]:

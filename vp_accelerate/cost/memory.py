@@ -111,7 +111,7 @@ def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1
     whole = model.optimizer_bytes - min(SHARDED_BYTES, model.optimizer_bytes)  # the fp32 master copy (CostModel)
     parameters = n * whole + model.copied_params(rank) * model.shape.dtype_bytes
     gradients = n * model.grad_bytes
-    optimizer = n * (model.bytes_per_param() - model.shape.dtype_bytes - whole - model.grad_bytes)
+    optimizer = model.sharded_params(rank) * min(SHARDED_BYTES, model.optimizer_bytes)  # ZeRO-1: the fullest share
     allocated = parameters + gradients + optimizer + activation_peak
     reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel, _tied(model, rank), model.shape.tp)
     return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
