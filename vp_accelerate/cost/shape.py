@@ -42,7 +42,23 @@ def mlp_matrices(model_type: str) -> int:
     return 2 if not model_type or model_type in UNGATED_MLP_TYPES else 3
 
 
+# HF model types whose attention normalises q and k per head (an RMSNorm over each head's units) before rotary:
+# each norm keeps its fp32 input, its normalised output (for its weight's gradient) and rsqrt per head, on top of
+# the layer's count. tests/test_cost_shape.py checks this against the modules (a `q_norm` in the attention).
+HEAD_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text", "exaone4"})
+
 ATTENTION_KINDS = ("flash", "eager", "sdpa")
+
+# HF model types whose attention has no SDPA path (`_supports_sdpa = False`: Gemma-2's softcapped scores, gpt-oss's
+# sinks): HF refuses attn_implementation="sdpa" for them and runs eager by default, with its [b, a, s, s]
+# probabilities. tests/test_planner_families.py checks this against the model classes.
+NO_SDPA_TYPES = frozenset({"gemma2", "gemma4", "gpt_oss", "vaultgemma", "granite_swa", "granitemoe_swa"})
+
+
+def default_attention(model_type: str | None) -> str:
+    """The attention kernel a GPU run of `model_type` gets when its recipe names none, as the dry run and the
+    planner take it: "sdpa", or "eager" for a family without an SDPA path (`NO_SDPA_TYPES`)."""
+    return "eager" if model_type in NO_SDPA_TYPES else "sdpa"
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,11 @@ class ModelShape:
     """Input embedding and output weight are one tensor."""
     kv_heads: int | None = None
     """Key/value heads (grouped-query attention); None = `heads`."""
+    head_dim: int | None = None
+    """Units per attention head when the config sets it apart from hidden / heads (Qwen3-0.6B: 16 x 128 against
+    h 1024; Gemma: 256); None = hidden // heads."""
+    head_norms: bool = False
+    """q and k pass an RMSNorm before rotary (Qwen3, OLMo-2: `HEAD_NORM_TYPES`); their saved tensors are priced."""
     attention: str = "flash"
     """How a layer keeps its activations for the backward: "flash" is the paper's setting (a Megatron
     layer with flash attention, Korthikanti et al.'s count); "eager" or "sdpa" is a Hugging Face pre-norm
@@ -109,9 +130,18 @@ class ModelShape:
         return self.tokens / self.tp if self.tp > 1 and self.sequence_parallel else self.tokens
 
     # ---- FLOPs per microbatch --------------------------------------------------------------
+    def head_size(self) -> int:
+        """Units per attention head: `head_dim`, or hidden // heads."""
+        return self.head_dim or self.hidden // self.heads
+
+    def q_width(self) -> int:
+        """Width of the q projection and of o_proj's input: heads x head size (h unless `head_dim` says otherwise:
+        Qwen3-0.6B's q is 2048 wide on h 1024, Gemma-7B's 4096 on 3072)."""
+        return self.heads * self.head_size()
+
     def kv_width(self) -> int:
         """Width of the k and v projections: kv heads x head size (h with plain multi-head attention)."""
-        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        return (self.kv_heads or self.heads) * self.head_size()
 
     def layer_linear_flops(self) -> float:
         """Forward FLOPs of one layer's weight matmuls: 2N x its weights (`layer_params`): 4Nh^2 (q, o) +
@@ -120,8 +150,9 @@ class ModelShape:
         return 2 * self.tokens * self.layer_params()
 
     def layer_attention_flops(self) -> float:
-        """Forward FLOPs of the attention core (QK^T and AV): 4*b*s^2*h, counted as the paper does."""
-        return 4 * self.microbatch_size * self.seq * self.seq * self.hidden
+        """Forward FLOPs of the attention core (QK^T and AV): 4*b*s^2*h, counted as the paper does (h is the
+        heads' width, `q_width`, where `head_dim` sets it apart from the hidden size)."""
+        return 4 * self.microbatch_size * self.seq * self.seq * self.q_width()
 
     def layer_flops(self) -> tuple[float, float, float]:
         """(F, B, W) FLOPs of one layer: B = input gradients (+ attention core backward), W = weight
@@ -143,11 +174,11 @@ class ModelShape:
 
     # ---- bytes -----------------------------------------------------------------------------
     def layer_params(self) -> int:
-        """Parameters of one layer: attention q and o (h x h each) and k and v (h x kv_width each: 4h^2 in
-        all without grouped-query attention) + k*h*ffn MLP (norms and biases ignored). Llama-3-70B:
-        2 x 8192^2 + 2 x 8192 x 1024 + 3 x 8192 x 28672 = 0.856B."""
+        """Parameters of one layer: attention q and o (h x q_width each: h x h unless `head_dim` is set apart)
+        and k and v (h x kv_width each: 4h^2 in all without grouped-query attention) + k*h*ffn MLP (norms and
+        biases ignored). Llama-3-70B: 2 x 8192^2 + 2 x 8192 x 1024 + 3 x 8192 x 28672 = 0.856B."""
         h = self.hidden
-        return 2 * h * h + 2 * h * self.kv_width() + self.mlp_matrices * h * self.ffn
+        return 2 * h * self.q_width() + 2 * h * self.kv_width() + self.mlp_matrices * h * self.ffn
 
     def rank_layer_params(self) -> float:
         """Parameters of one layer on one TP rank: every matrix of `layer_params` is sliced over tp (q, k, v,
@@ -182,6 +213,9 @@ class ModelShape:
         elif norms == 2:  # a layer: autocast casts the norms' fp32 output once per linear that reads it (q, k, v;
             # gate and up), where the count has one 16-bit copy per norm
             b += (2 + (self.mlp_matrices == 3)) * n * self.hidden * self.dtype_bytes
+        if norms == 2 and self.head_norms:  # q_norm and k_norm's fp32 input and rsqrt (see _hf_layer_elements)
+            kh = self.kv_heads or self.heads
+            b += n * (self.heads + kh) / self.tp * (self.head_size() + 1) * extra
         if probs and self.attention == "eager":
             b += self.microbatch_size * self.heads / self.tp * self.seq * self.seq * self.stat_bytes
         return b
@@ -195,8 +229,8 @@ class ModelShape:
         pre-activation and activation (2 matrices). Rotary's cos / sin are per chunk (`chunk_extra_bytes`)."""
         n, h, f, b, s = self.tokens, self.hidden, self.ffn / self.tp, self.microbatch_size, self.seq
         a = self.heads / self.tp  # under tensor parallelism a rank keeps its heads' and MLP columns' share
-        qd = a * (h // self.heads)  # q (and o_proj's input) width
-        kd = (self.kv_heads or self.heads) / self.tp * (h // self.heads)
+        qd = a * self.head_size()  # q (and o_proj's input) width: heads x head_dim, which need not be h
+        kd = (self.kv_heads or self.heads) / self.tp * self.head_size()
         # each norm's input, x·rsqrt and rsqrt on the stream's tokens (1/tp under sequence parallelism), and the
         # input its linears read (after the sequence all-gather: every token)
         ns = self.stream_tokens
@@ -212,6 +246,11 @@ class ModelShape:
             attn = n * qd * 4 + b * a * s * s  # q, k and v repeated, o_proj input; probabilities
         else:
             attn = n * qd * 2 + n * kd * 2 + b * a * s  # q, out; k, v; log-sum-exp
+        if self.head_norms:
+            # q_norm / k_norm (an RMSNorm per head, before rotary): each keeps its input (fp32: `_upcast_bytes`),
+            # rsqrt per head, and, for its weight's gradient, its normalised output (not when the weights are frozen)
+            kh = (self.kv_heads or self.heads) / self.tp
+            attn += (1 if self.frozen_weights else 2) * n * (qd + kd) + n * (a + kh)
         return norms + attn + mlp
 
     def chunk_extra_bytes(self, last: bool, rotary: bool = True) -> float:
@@ -221,7 +260,7 @@ class ModelShape:
         if self.attention == "flash":
             return final_norm
         n, h = self.tokens, self.hidden
-        cos_sin = 2 * n * (h // self.heads) if rotary else 0  # not saved when every layer recomputes
+        cos_sin = 2 * n * self.head_size() if rotary else 0  # not saved when every layer recomputes
         return (cos_sin + (3 * n * h + n if last else 0)) * self.dtype_bytes + final_norm
 
     @property
@@ -240,12 +279,13 @@ class ModelShape:
         norm's output, gate and up too); in the parameters' dtype the linears that read one tensor share it."""
         t = self.tp  # a TP rank's sliced linears: q, k, v, gate, up give 1/tp of their outputs, o and down read 1/tp
         h, kv, f, n = self.hidden, self.kv_width() / t, self.ffn / t, self.tokens
+        q = self.q_width() / t  # q's output and o_proj's input (h unless head_dim sets it apart)
         mlp_in = self.mlp_matrices - 1  # gate and up (or up alone) read the norm's output; down reads [N, ffn]
         if self.dtype_bytes < 4:
-            inputs = 3 * h + h / t + mlp_in * h + f
+            inputs = 3 * h + q + mlp_in * h + f
         else:
-            inputs = h + h / t + h + f
-        outputs = h / t + 2 * kv + h + mlp_in * f + h
+            inputs = h + q + h + f
+        outputs = q + 2 * kv + h + mlp_in * f + h
         return n * (inputs + outputs) * self.dtype_bytes
 
 
@@ -282,5 +322,7 @@ def shape_from_hf_config(
         mlp_matrices=mlp_matrices(get("model_type", "") or ""),
         tied=bool(get("tie_word_embeddings", False)),
         kv_heads=get("num_key_value_heads") or heads,
+        head_dim=get("head_dim") or None,
+        head_norms=(get("model_type", "") or "") in HEAD_NORM_TYPES,
         attention=attention,
     )
