@@ -154,6 +154,8 @@ def config_json(name: str, layers: int, seq: int, folder: Path) -> Path:
     cfg["n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"] = layers
     pos = "n_positions" if cfg["model_type"] == "gpt2" else "max_position_embeddings"
     cfg[pos] = max(cfg.get(pos, 0), seq)
+    if cfg["model_type"] == "gemma2":  # its default alternates sliding layers: every layer full here
+        cfg["layer_types"] = ["full_attention"] * layers
     d = folder / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))

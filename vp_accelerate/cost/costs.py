@@ -370,9 +370,11 @@ class CostModel:
         Qwen3-8B, 1f1b/baseline, rank 0 5.2% under the dry run without it (and without the 16-bit embedding copy
         that `copied_params` priced and the run does not make); a 2-layer, V 65536, h 64 model's rank 0 within 0.2%
         with both. 0 elsewhere (VP's shards: T's `transient_bytes`)."""
-        if self.vocab_parallel or chunk != 0 or op != "B" or self.shape.frozen_weights:
+        s = self.shape
+        if chunk != 0 or op != "B" or s.frozen_weights:
             return 0.0
-        return self.shape.vocab * self.shape.hidden * self.grad_bytes
+        rows = s.positions + (0 if self.vocab_parallel else s.vocab)  # GPT-2's wpe: a dense [P, h] one too
+        return rows * s.hidden * self.grad_bytes
 
     def stash_bytes(self) -> float:
         """VP: what one microbatch keeps on every rank from S to T: the shard's softmax p_i (at least fp32),
@@ -396,6 +398,8 @@ class CostModel:
         last chunk's owner for baseline and redis, one 1/p shard of each on every rank for VP)."""
         s = self.shape
         n = sum(l for c, l in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank) * s.rank_layer_params()
+        if rank == self.chunk_rank[0]:
+            n += s.positions * s.hidden  # a learned position embedding sits with the first chunk (GPT-2's wpe)
         vocab_tensors = 1 if s.tied else 2
         if self.vocab_parallel:
             return n + vocab_tensors * self.shard_rows * s.hidden
@@ -417,6 +421,8 @@ class CostModel:
         for c, r in enumerate(self.chunk_rank):
             if r == rank:
                 out[weight_op, c] = out.get((weight_op, c), 0.0) + self.chunk_layers[c] * s.rank_layer_params() * g
+        if rank == self.chunk_rank[0] and s.positions:  # the position embedding's, with chunk 0's B
+            out["B", 0] = out.get(("B", 0), 0.0) + s.positions * s.hidden * g
         if self.vocab_parallel:
             out["T", 0] = (1 if s.tied else 2) * self.shard_rows * s.hidden * g
             return out
@@ -445,6 +451,8 @@ class CostModel:
                 * self.shape.rank_layer_params()
             )
         s = self.shape
+        if rank == self.chunk_rank[0]:
+            n -= s.positions * s.hidden  # a lookup, no autocast op: no 16-bit copy
         if not self.vocab_parallel and rank == self.chunk_rank[0] and s.dtype_bytes < self.grad_bytes:
             # the baseline's whole embedding is looked up in fp32 (F.embedding is no autocast op, and it is no
             # matmul weight the step casts): no 16-bit copy, unless the tied head on this rank casts the one tensor

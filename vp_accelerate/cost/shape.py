@@ -47,6 +47,25 @@ def mlp_matrices(model_type: str) -> int:
 # the layer's count. tests/test_cost_shape.py checks this against the modules (a `q_norm` in the attention).
 HEAD_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text", "exaone4"})
 
+# HF model types whose decoder layer is GPT-style: nn.LayerNorm (it keeps its input, mean and rstd: no normalised
+# copy), one fused q/k/v linear (one cast of the norm's output, where q, k and v each cast their own), and no rotary
+# (GPT-2: q, k and v are views of the fused output that SDPA keeps) or rotary on q and k (GPT-NeoX: v's view keeps
+# the fused output alive). Measured in the dry run (docs/large_models.md).
+LAYER_NORM_TYPES = frozenset({"gpt2", "gpt_neox"})
+FUSED_QKV_TYPES = frozenset({"gpt2", "gpt_neox", "phi3"})
+NO_ROTARY_TYPES = frozenset({"gpt2"})
+
+# HF model types whose decoder layer normalises each sublayer's output too before the residual add (Gemma-2's
+# post_attention_layernorm and post_feedforward_layernorm beside the two pre-norms): two more norms a layer.
+SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3_text"})
+
+# MLP activations transformers writes as elementwise Python ops, and the [N, ffn] tensors autograd keeps for them
+# beyond their input (NewGELUActivation, "gelu_new": tanh's output, 0.5·x and 1 + tanh); torch's own kernels
+# (F.gelu, F.silu) keep their input only.
+ACTIVATION_EXTRA = {"gelu_new": 3}
+DEFAULT_ACTIVATION = {"gpt2": "gelu_new", "gptj": "gelu_new", "codegen": "gelu_new", "phi": "gelu_new"}
+"""The activation HF's config class sets for a family when config.json leaves it out (save_pretrained omits it)."""
+
 ATTENTION_KINDS = ("flash", "eager", "sdpa")
 
 # HF model types whose attention has no SDPA path (`_supports_sdpa = False`: Gemma-2's softcapped scores, gpt-oss's
@@ -92,6 +111,23 @@ class ModelShape:
     h 1024; Gemma: 256); None = hidden // heads."""
     head_norms: bool = False
     """q and k pass an RMSNorm before rotary (Qwen3, OLMo-2: `HEAD_NORM_TYPES`); their saved tensors are priced."""
+    layer_norm: bool = False
+    """nn.LayerNorm rather than RMSNorm (`LAYER_NORM_TYPES`): no normalised copy kept, mean and rstd per token."""
+    fused_qkv: bool = False
+    """One linear makes q, k and v (`FUSED_QKV_TYPES`): the norm's output is cast once for it; with rotary, v is a
+    view of its output, which stays alive."""
+    rotary: bool = True
+    """Rotary position embeddings (False: GPT-2's learned positions: no cos / sin, q and k are views)."""
+    sandwich_norms: bool = False
+    """Each sublayer's output passes a norm too (`SANDWICH_NORM_TYPES`): 4 norms a layer, not 2."""
+    softcap: bool = False
+    """Eager attention caps its scores with tanh (Gemma-2's attn_logit_softcapping): tanh's [b, a, s, s] output kept."""
+    positions: int = 0
+    """Rows of a learned position embedding on the first chunk's rank (GPT-2's wpe: n_positions x h); 0: none."""
+    dropout: bool = False
+    """Residual dropout in training (GPT-2's resid_pdrop): each layer keeps two [N, h] masks, a byte an element."""
+    activation_extra: int = 0
+    """[N, ffn] tensors the MLP's activation keeps beyond its input (`ACTIVATION_EXTRA`: 3 for "gelu_new")."""
     attention: str = "flash"
     """How a layer keeps its activations for the backward: "flash" is the paper's setting (a Megatron
     layer with flash attention, Korthikanti et al.'s count); "eager" or "sdpa" is a Hugging Face pre-norm
@@ -192,7 +228,8 @@ class ModelShape:
         19*sbh in the MLP, which we scale by ffn/4h). "eager" / "sdpa": `_hf_layer_elements()` elements.
         """
         if self.attention != "flash":
-            return self._hf_layer_elements() * self.dtype_bytes + self._upcast_bytes(norms=2, probs=True)
+            masks = 2 * self.stream_tokens * self.hidden if self.dropout else 0  # dropout's bool masks
+            return self._hf_layer_elements() * self.dtype_bytes + self._upcast_bytes(norms=2, probs=True) + masks
         sbh = self.tokens * self.hidden
         per = (15 + 19 * self.ffn / (4 * self.hidden)) / self.tp  # Korthikanti et al.'s /t with sequence parallelism
         return sbh * per * self.dtype_bytes / 2 + self._upcast_bytes(norms=2)
@@ -210,12 +247,18 @@ class ModelShape:
         b = norms * (ns * self.hidden + ns) * extra
         if norms == 2 and self.frozen_weights and not self.adapted_mlp:  # LoRA: the adapters' casts (q, v) only
             b += 2 * n * self.hidden * self.dtype_bytes
+        elif norms == 2 and self.fused_qkv:
+            pass  # one linear reads each norm's output (qkv; up, or Phi-3's fused gate_up): one cast, in the count
         elif norms == 2:  # a layer: autocast casts the norms' fp32 output once per linear that reads it (q, k, v;
             # gate and up), where the count has one 16-bit copy per norm
             b += (2 + (self.mlp_matrices == 3)) * n * self.hidden * self.dtype_bytes
         if norms == 2 and self.head_norms:  # q_norm and k_norm's fp32 input and rsqrt (see _hf_layer_elements)
             kh = self.kv_heads or self.heads
             b += n * (self.heads + kh) / self.tp * (self.head_size() + 1) * extra
+        if norms == 2 and self.sandwich_norms:
+            # the two output norms: Gemma's RMSNorm keeps its input and its normalised output in fp32 (it scales by
+            # 1 + w in fp32, then casts), and rsqrt; nothing reads them as a matmul input
+            b += 2 * (2 * ns * self.hidden + ns) * self.stat_bytes
         if probs and self.attention == "eager":
             b += self.microbatch_size * self.heads / self.tp * self.seq * self.seq * self.stat_bytes
         return b
@@ -235,7 +278,9 @@ class ModelShape:
         # input its linears read (after the sequence all-gather: every token)
         ns = self.stream_tokens
         norms = 2 * (2 * ns * h + ns + n * h)
-        mlp = (4 if self.mlp_matrices == 3 else 2) * n * f
+        if self.layer_norm:  # LayerNorm keeps its input, mean and rstd (its weight's gradient recomputes x̂)
+            norms = 2 * (ns * h + 2 * ns + n * h)
+        mlp = (4 if self.mlp_matrices == 3 else 2 + self.activation_extra) * n * f
         if self.frozen_weights and not self.adapted_mlp:
             # LoRA (adapters on q and v): autograd saves a matmul's input only for its weight's gradient and a
             # norm's normalised input only for its weight's, so a frozen layer keeps each norm's input and
@@ -244,8 +289,11 @@ class ModelShape:
             mlp = (3 if self.mlp_matrices == 3 else 1) * n * f
         if self.attention == "eager":
             attn = n * qd * 4 + b * a * s * s  # q, k and v repeated, o_proj input; probabilities
+            attn += self.softcap * b * a * s * s  # tanh(scores / cap): tanh keeps its output
         else:
             attn = n * qd * 2 + n * kd * 2 + b * a * s  # q, out; k, v; log-sum-exp
+        if self.fused_qkv and self.rotary:  # rotary makes new q and k; v's view keeps the fused output (q, k too)
+            attn += n * (qd + kd)
         if self.head_norms:
             # q_norm / k_norm (an RMSNorm per head, before rotary): each keeps its input (fp32: `_upcast_bytes`),
             # rsqrt per head, and, for its weight's gradient, its normalised output (not when the weights are frozen)
@@ -260,7 +308,7 @@ class ModelShape:
         if self.attention == "flash":
             return final_norm
         n, h = self.tokens, self.hidden
-        cos_sin = 2 * n * self.head_size() if rotary else 0  # not saved when every layer recomputes
+        cos_sin = 2 * n * self.head_size() if rotary and self.rotary else 0  # not saved when every layer recomputes
         return (cos_sin + (3 * n * h + n if last else 0)) * self.dtype_bytes + final_norm
 
     @property
@@ -324,5 +372,16 @@ def shape_from_hf_config(
         kv_heads=get("num_key_value_heads") or heads,
         head_dim=get("head_dim") or None,
         head_norms=(get("model_type", "") or "") in HEAD_NORM_TYPES,
+        layer_norm=(get("model_type", "") or "") in LAYER_NORM_TYPES,
+        fused_qkv=(get("model_type", "") or "") in FUSED_QKV_TYPES,
+        rotary=(get("model_type", "") or "") not in NO_ROTARY_TYPES,
+        # GPT-2's config class defaults (config.json may leave them out): wpe rows, resid_pdrop 0.1
+        positions=(get("n_positions") or 1024) if get("model_type") == "gpt2" else 0,
+        dropout=bool(get("resid_pdrop", 0.1)) if get("model_type") == "gpt2" else False,
+        sandwich_norms=(get("model_type", "") or "") in SANDWICH_NORM_TYPES,
+        softcap=bool(get("attn_logit_softcapping")),
+        activation_extra=ACTIVATION_EXTRA.get(
+            get("hidden_act") or get("activation_function") or DEFAULT_ACTIVATION.get(get("model_type", "")) or "", 0
+        ),
         attention=attention,
     )
