@@ -194,6 +194,33 @@ def test_the_planners_memory_agrees_with_the_dry_run(schedule, method, ckpt):
         assert planned == pytest.approx(mem.peak_bytes, rel=0.06), (mem.rank, planned, mem.peak_bytes)
 
 
+def test_the_planner_prices_a_sliding_window_shorter_than_the_row():
+    """A Mistral shape whose 128-token window is shorter than the 2048-token row: each layer's SDPA gets an explicit
+    mask, so its backward keeps k and v at every head and the mask as a bf16 bias [b, 1, s, s]. The planner counts
+    both: what the window adds on each rank equals what it adds in the dry run (before, the planner added nothing),
+    and each rank is within 5%. A window of the whole row is run as causal (models/masks.py), and priced so."""
+    from transformers import AutoConfig
+
+    from vp_accelerate.cost import GPU_PRESETS
+    from vp_accelerate.dryrun.world import planned_bytes
+    from vp_accelerate.sim.plan import PlanRequest
+
+    seq, batch = 2048, 4
+    cfg = PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, pp_size=2, mixed_precision="bf16", zero=0)
+    req = PlanRequest(gpus=2, memory_gb=80.0, seq=seq, global_batch=batch, hardware=GPU_PRESETS["h100"][0])
+    peaks, plans = {}, {}
+    for window in (128, seq):
+        conf = dict(AGREEMENT_MODEL, model_type="mistral", num_hidden_layers=2, sliding_window=window)
+        peaks[window] = [m.peak_bytes for m in dry_run_world(AutoConfig.for_model(**conf), cfg, 2, batch, seq).ranks]
+        plans[window] = planned_bytes(conf, req, cfg)
+        for rank, (peak, planned) in enumerate(zip(peaks[window], plans[window])):
+            assert planned == pytest.approx(peak, rel=0.05), (window, rank, planned, peak)
+    for rank in range(2):
+        added = peaks[128][rank] - peaks[seq][rank]
+        assert added > 0.03 * peaks[seq][rank]
+        assert plans[128][rank] - plans[seq][rank] == pytest.approx(added, rel=0.02), rank
+
+
 def test_a_recipe_is_a_model_with_its_layout_shape_and_lora(tmp_path, capsys):
     """MODEL as a training recipe: the dry run takes the model (model.config applied), data.seq_len,
     train.global_batch, the pipeline section (world size pp x dp) and the LoRA adapter from it: the frozen base

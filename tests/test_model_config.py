@@ -158,3 +158,24 @@ def test_no_real_config_is_refused():
                 check_model_config(config.to_dict(), family)
                 checked += 1
     assert checked > 100
+
+
+def test_layer_kinds_follow_the_config_object_and_an_older_config_json():
+    """The mask kind per layer, the one rule of the runtime (models/adapter.py) and the planner: a config object's
+    `layer_types`, and for a config.json without that field the family's alternation (Gemma-2: every other layer
+    full; Gemma-3: every 6th), none when Qwen-2 turns the window off, else the window on every layer (Mistral)."""
+    from transformers import AutoConfig
+
+    from vp_accelerate.model_config import layer_kinds, masked_layer_share
+
+    for family in ("gemma2", "gemma3_text", "cohere2", "qwen2", "mistral"):
+        config = AutoConfig.for_model(family, num_hidden_layers=12)
+        old_json = {k: v for k, v in config.to_dict().items() if k != "layer_types"}
+        assert (
+            layer_kinds(old_json)
+            == layer_kinds(config)
+            == tuple(getattr(config, "layer_types", None) or (("sliding_attention",) * 12))
+        ), family
+    gemma2 = dict(model_type="gemma2", num_hidden_layers=4, sliding_window=4096)
+    assert masked_layer_share(gemma2, 4096) == 0.0 and masked_layer_share(gemma2, 8192) == 0.5
+    assert masked_layer_share(dict(model_type="llama", num_hidden_layers=2), 1 << 16) == 0.0

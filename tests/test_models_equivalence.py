@@ -135,3 +135,31 @@ def test_to_keeps_ties_and_named_parameters():
     names = [n for n, _ in vp.named_parameters()]
     assert len(names) == len(set(names)) and "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert {id(p) for p in vp.parameters()} == {id(p) for p in vp.container.parameters()}
+
+
+@pytest.mark.parametrize("window", [12, 11])
+def test_a_sliding_window_covering_the_row_takes_sdpas_causal_path(window):
+    """Mistral's window equal to the row (12 tokens): HF (5.x) builds an explicit mask once the keys reach the
+    window, which costs SDPA its flash kernel and makes HF repeat k and v; the stage gives those layers SDPA's
+    is_causal (no mask), with HF's logits and gradients, and a padded batch the same values. A window one shorter
+    still gets HF's mask."""
+    ref = reference("mistral", "sdpa", sliding_window=window).double()
+    ids = random_ids(ref, (2, 12))
+    layout = StageLayout.v_shape(ref.config.num_hidden_layers, 2)
+    rms = [build_rank(ref, layout, r, "baseline").to(torch.float64).eval() for r in range(2)]
+    chunk = rms[0].chunks[0]
+    plain = MicrobatchMasks(torch.arange(12).repeat(2, 1))
+    mask = plain.for_chunk(chunk, torch.empty(2, 12, 0, dtype=torch.float64))["sliding_attention"]
+    assert (mask is None) == (window == 12)
+    for logits in (ref(input_ids=ids).logits, run_stages(rms, ids, torch.arange(12).repeat(2, 1), plain)):
+        # the loss in float64 on both sides (HF's own loss casts the logits to float32)
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+    got = {n: p.grad for rm in rms for n, p in rm.named_parameters()}
+    for n, p in ref.named_parameters():
+        assert rel_err(got[n], p.grad) <= 1e-10, n
+    pad = torch.ones_like(ids)
+    pad[1, 7:] = 0
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=pad).logits
+        host = run_stages(rms, ids, torch.arange(12).repeat(2, 1), MicrobatchMasks(torch.arange(12).repeat(2, 1), pad))
+    assert rel_err(host[pad.bool()], want[pad.bool()]) <= 1e-10

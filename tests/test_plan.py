@@ -129,6 +129,47 @@ def test_a_recipe_with_schedule_auto_takes_the_best_plan(tmp_path, capsys):
     assert "auto needs the number of processes" in capsys.readouterr().err
 
 
+def test_schedule_auto_plans_tensor_parallelism_as_plan_does(tmp_path, capsys, monkeypatch):
+    """`auto` searches the TP sizes `vp-accelerate plan` does (inside a node: the launcher's LOCAL_WORLD_SIZE): 8
+    ranks and 4 sequences a step pick tp 2 for llama-tiny, as `plan` does, where no pp x dp layout exists (with
+    `plan_tp_sizes: [1]`, or one GPU a node); `tp_size` with auto says how to pin it."""
+    from helpers.tiny import bpe, corpus, recipe_file
+    from vp_accelerate.train.cli.commands import train_main
+
+    text = corpus(tmp_path, ["alpha", "beta", "gamma", "delta"], lines=100, per_line=20, seed=random.Random())
+    bpe([text], tmp_path)
+
+    def chosen(**pipeline):
+        path = recipe_file(
+            tmp_path / "r.yaml",
+            tmp_path / "tok",
+            [text],
+            data={"seq_len": 256},
+            pipeline={"schedule": "auto", "plan_memory_gb": 80, **pipeline},
+            train={"global_batch": 4},
+            eval={"batches": 0},
+        )
+        code = train_main([path, "--check", "--world-size", "8"])
+        captured = capsys.readouterr()
+        return (json.loads(captured.out)["pipeline"] if code == 0 else None), captured.err
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    expected = best(
+        model_config("llama-tiny").to_dict(), PlanRequest(gpus=8, memory_gb=80, seq=256, global_batch=4, zero=(1,))
+    )
+    assert expected.tp > 1
+    got, err = chosen()
+    assert (got["tp_size"], got["pp_size"], got["dp_size"]) == (expected.tp, expected.pp, expected.dp), err
+    # 4 sequences over 8 ranks leave no pp x dp layout: without TP inside a node, auto has nothing to run
+    for pin, local in (([1], None), (None, "1")):
+        if local:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        got, err = chosen(plan_tp_sizes=pin)
+        assert got is None and "no layout exists for 8 GPUs" in err, err
+    got, err = chosen(tp_size=2)
+    assert got is None and "plan_tp_sizes: [2]" in err
+
+
 def test_plain_data_parallelism_is_a_plan_with_the_whole_model_and_its_optimizer_state():
     plans = plan(CONFIG, PlanRequest(gpus=4, memory_gb=1000.0, seq=2048, global_batch=16, tensor_parallel=(1,)))
     dp_only = [p for p in plans if p.pp == 1]

@@ -54,10 +54,12 @@ def test_tp_collectives_per_layer_pass_on_the_nodes_links():
     shape = replace(LLAMA3_70B, tp=8)
     bw, lat = 450e9, 20e-6
     n = 4096 * 8192
-    # sequence parallelism, F: per region an all-gather of the norm's fp32 output and a reduce-scatter of the bf16
-    # partial sums, each moving 7/8 of the [s, h] tensor per rank; B the conjugates, the same bytes
-    one_region = 7 / 8 * (4 * n) / bw + 7 / 8 * (2 * n) / bw + 2 * lat
+    # sequence parallelism, F: per region an all-gather of the norm's output as the linears' bf16 cast and a
+    # reduce-scatter of the bf16 partial sums, each moving 7/8 of the [s, h] tensor per rank; B the conjugates, the
+    # input's gradient in fp32
+    one_region = 7 / 8 * (2 * n) / bw + 7 / 8 * (2 * n) / bw + 2 * lat
     assert tp_collective_time(shape, bw, lat, "F") == pytest.approx(2 * one_region, rel=1e-12)
+    one_region = 7 / 8 * (4 * n) / bw + 7 / 8 * (2 * n) / bw + 2 * lat
     assert tp_collective_time(shape, bw, lat, "B") == pytest.approx(2 * one_region, rel=1e-12)
     # without it: two ring all-reduces (2 x 7/8 of the buffer): F of the bf16 outputs, B of the fp32 input gradients
     plain = replace(shape, sequence_parallel=False)

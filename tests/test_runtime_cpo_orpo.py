@@ -85,7 +85,9 @@ def _accelerator():
     return SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x)
 
 
-def _trl_cpo(model, batch, loss_type="simpo", cpo_alpha=ALPHA, beta=BETA, label_smoothing=CPO["label_smoothing"]):
+def _trl_cpo(
+    model, batch, loss_type="simpo", cpo_alpha=ALPHA, beta=BETA, label_smoothing=CPO["label_smoothing"], alpha=0.0
+):
     me = SimpleNamespace(
         accelerator=_accelerator(),
         is_encoder_decoder=False,
@@ -93,7 +95,7 @@ def _trl_cpo(model, batch, loss_type="simpo", cpo_alpha=ALPHA, beta=BETA, label_
         aux_loss_enabled=False,
         cpo_alpha=cpo_alpha,
         loss_type=loss_type,
-        alpha=0.0,
+        alpha=alpha,
         beta=beta,
         label_smoothing=label_smoothing,
         simpo_gamma=CPO["simpo_gamma"],
@@ -149,6 +151,14 @@ def _cases(ids, mask, labels, starts):
     for name, (alpha, eps, kw) in CPO_LOSSES.items():
         trl_fn = functools.partial(_trl_cpo, loss_type=name, cpo_alpha=alpha, beta=CPO_BETA, label_smoothing=eps)
         cases[f"cpo_{name}"] = (dict(beta=CPO_BETA, **kw), labels, None, trl_fn)
+    # AlphaPO (CPOConfig's alpha): TRL's `alphapo` is simpo with alpha and no NLL term; on sums (sigmoid) a small α
+    # keeps π^−α of a whole completion finite
+    ours = {k: v for k, v in CPO.items() if k not in ("loss_type", "loss_weights")}
+    trl_fn = functools.partial(_trl_cpo, cpo_alpha=0.0, alpha=0.6)
+    cases["alphapo"] = (dict(beta=BETA, loss_type="simpo", alpha=0.6, **ours), labels, None, trl_fn)
+    trl_fn = functools.partial(_trl_cpo, loss_type="sigmoid", beta=CPO_BETA, label_smoothing=0.1, alpha=0.05)
+    kw = dict(CPO_LOSSES["sigmoid"][2], alpha=0.05)
+    cases["cpo_sigmoid_alpha"] = (dict(beta=CPO_BETA, **kw), labels, None, trl_fn)
     return cases
 
 

@@ -557,3 +557,56 @@ def test_lora_trainable_token_rows_under_tp_equal_pp4(tmp_path, method):
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert torch.equal(state2[name][rest], original[name][rest]), name
         assert not torch.equal(state2[name][tokens], original[name][tokens]), name
+
+
+def _gather_cast_on_ranks(ckpts: list[str], ids, labels):
+    """Per checkpoint and per GATHER_CAST (off, on): a bf16 step's loss and gradients at tp 2 with sequence
+    parallelism, and per region all-gather (GATHER_CAST, the region input's dtype, the dtype on the wire)."""
+    from types import SimpleNamespace
+
+    from vp_accelerate.models import tensor_parallel
+    from vp_accelerate.runtime import PipelineConfig, PipelineModel
+
+    seen, original = [], tensor_parallel._gathered
+
+    def recording(x, comm):
+        def all_gather(t):
+            seen.append((tensor_parallel.GATHER_CAST, x.dtype, t.dtype))
+            return comm.all_gather(t)
+
+        return original(x, SimpleNamespace(all_gather=all_gather))
+
+    tensor_parallel._gathered = recording
+    out = {}
+    for ckpt in ckpts:
+        for cast in (False, True):
+            tensor_parallel.GATHER_CAST = cast
+            cfg = PipelineConfig(schedule="1f1b", method="vocab-2", microbatches=2, tp_size=2, mixed_precision="bf16")
+            pipe = PipelineModel(ckpt, cfg)
+            loss = pipe.train_step(ids, labels).loss
+            out[(ckpt, cast)] = (loss, gathered_grads(pipe))
+            pipe.close()
+    return out, seen
+
+
+@pytest.mark.parametrize(
+    "families",
+    [["llama"], pytest.param(["qwen3", "phi3", "gemma2", "qwen2", "mistral", "cohere"], marks=pytest.mark.slow)],
+)
+def test_the_sequence_all_gather_moves_the_linears_bf16_cast_with_the_same_step(tmp_path, families):
+    """Under bf16 mixed precision the region all-gather moves the norm's fp32 output as the 16-bit cast the linears
+    read (half the bytes) and widens it back: the step's loss and every gradient are bit-identical to gathering
+    fp32."""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    ids, labels = _batch(seed, rows=4)
+    ckpts = [_save(tmp_path, tiny_config(f, vocab_size=VOCAB, num_layers=2, hidden_size=64)) for f in families]
+    got, seen = spawn(_gather_cast_on_ranks, 2, ckpts, ids, labels, timeout_s=300)[0]
+    # an fp32 region input crosses as fp32 without the cast, as bf16 with it
+    assert {(False, torch.float32, torch.float32), (True, torch.float32, torch.bfloat16)} <= set(seen)
+    assert (True, torch.float32, torch.float32) not in seen
+    for ckpt in ckpts:
+        (loss, grads), (cast_loss, cast_grads) = got[(ckpt, False)], got[(ckpt, True)]
+        assert cast_loss == loss, (ckpt, seed)
+        for name, g in grads.items():
+            assert torch.equal(cast_grads[name], g), (ckpt, name, seed)

@@ -1,4 +1,4 @@
-"""SimPO, CPO's default sigmoid loss and ORPO end to end: a 2-rank run of the trainer logs at step 1 the loss and every metric that TRL 1.16's
+"""SimPO, CPO's sigmoid (its default), hinge and ipo losses, AlphaPO and ORPO end to end: a 2-rank run of the trainer logs at step 1 the loss and every metric that TRL 1.16's
 own `CPOTrainer.train()` / `ORPOTrainer.train()` log for the same model, tokenizer and pairs (prompts ending in a
 space, a chosen that already ends in EOS), one batch of all pairs (so TRL's shuffling cannot matter).
 
@@ -31,6 +31,15 @@ CPO = {  # name: (CPOConfig's arguments, the recipe's preference section)
     "cpo_sigmoid": (  # CPOConfig's defaults: loss_type sigmoid, cpo_alpha 1.0
         dict(label_smoothing=0.1),
         {"loss_type": ["cpo_sigmoid", "sft"], "loss_weights": [1.0, 1.0], "label_smoothing": 0.1},
+    ),
+    "cpo_hinge": (dict(loss_type="hinge", cpo_alpha=0.0), {"loss_type": "cpo_hinge"}),
+    "cpo_ipo": (
+        dict(loss_type="ipo", cpo_alpha=ALPHA),
+        {"loss_type": ["cpo_ipo", "sft"], "loss_weights": [1.0, ALPHA]},
+    ),
+    "alphapo": (
+        dict(loss_type="alphapo", alpha=0.25, simpo_gamma=0.4),
+        {"loss_type": "simpo", "alpha": 0.25, "simpo_gamma": 0.4},
     ),
 }
 
@@ -77,7 +86,7 @@ def _trl_log(trainer_name, model_dir, tok, rows):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer_name", ["orpo", "simpo", "cpo_sigmoid"])
+@pytest.mark.parametrize("trainer_name", ["orpo", *CPO])
 def test_a_run_logs_what_cpo_and_orpo_trainers_log_at_step_1(tmp_path, trainer_name):
     tok_dir = word_tokenizer(tmp_path)
     tok = load_tokenizer(f"bpe:{tok_dir}")

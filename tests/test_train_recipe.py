@@ -207,13 +207,13 @@ def test_preference_section_is_the_runtime_config_and_runs_whole(corpus):
     from vp_accelerate.runtime.preference import Preference
     from vp_accelerate.runtime.preference_config import PreferenceConfig
 
-    values = {"beta": 0.3, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "label_smoothing": 0.1}
-    values.update(simpo_gamma=0.7, desirable_weight=1.5, undesirable_weight=0.5)
+    values = {"beta": 0.3, "loss_type": ["simpo", "sft"], "loss_weights": [1.0, 0.5], "label_smoothing": 0.1}
+    values.update(simpo_gamma=0.7, alpha=0.2, desirable_weight=1.5, undesirable_weight=0.5)
     r = recipe_from_dict(base(corpus, data={"format": "preference"}, preference=values))
     assert type(r.preference) is PreferenceConfig
     assert {f.name for f in dataclasses.fields(PreferenceConfig)} == set(values)  # this test names every one
     p = Preference.of(r.preference, None)
-    assert {k: getattr(p, k) for k in values} == values and p.types == ("sigmoid", "sft")
+    assert {k: getattr(p, k) for k in values} == values and p.types == ("simpo", "sft")
 
 
 def test_a_loss_added_to_the_table_is_a_name_the_recipe_accepts(corpus, monkeypatch):
@@ -244,6 +244,20 @@ def test_cpo_trainers_losses_are_recipe_names_on_its_pairs_without_a_reference(c
         r = recipe_from_dict(base(corpus, data={"format": "preference"}, preference={"loss_type": loss_type}))
         types = r.preference.types
         assert not needs_reference(types) and pair_style(types) == "cpo" and metric_style(types) == "cpo", types
+
+
+def test_alphapo_is_simpo_with_alpha_and_alpha_needs_a_cpo_loss(corpus):
+    """CPOConfig's `alpha` (AlphaPO) is preference.alpha on CPOTrainer's losses; TRL's loss_type `alphapo` says how to
+    write it; alpha beside DPO's losses alone (which TRL's DPOTrainer does not shape) is refused naming the fix."""
+
+    def load(**pref):
+        return recipe_from_dict(base(corpus, data={"format": "preference"}, preference=pref))
+
+    assert load(loss_type="simpo", alpha=0.25).preference.alpha == 0.25
+    with pytest.raises(RecipeError, match=r"alphapo is loss_type: simpo with preference.alpha"):
+        load(loss_type="alphapo")
+    with pytest.raises(RecipeError, match=r"preference.alpha: 0.25 \(AlphaPO\) shapes CPOTrainer's losses"):
+        load(loss_type="sigmoid", alpha=0.25)
 
 
 def test_every_loss_of_the_table_has_its_formula():

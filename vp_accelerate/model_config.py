@@ -178,3 +178,43 @@ def _show(value) -> str:
     text = json.dumps(value) if isinstance(value, (str, list, dict)) else repr(value)
     text = text if len(text) <= 40 else text[:37] + "..."
     return f"{text} (a {'string' if isinstance(value, str) else type(value).__name__})"
+
+
+# Families whose config.json may predate `layer_types` and alternate sliding and full layers: every
+# `pattern`-th layer (1-based) is full, with the pattern's field and its default (transformers' config classes).
+ALTERNATING = {
+    "gemma2": (None, 2),
+    "gemma3": ("sliding_window_pattern", 6),
+    "gemma3_text": ("sliding_window_pattern", 6),
+    "cohere2": ("sliding_window_pattern", 4),
+}
+
+
+def layer_kinds(config, n: int | None = None) -> tuple[str, ...]:
+    """Each decoder layer's attention-mask kind ("full_attention", "sliding_attention", or what else a config
+    names), as the family's forward chooses it: the config's `layer_types` (transformers fills it in for Gemma-2/3,
+    Cohere-2, Qwen-2 and others); for a config.json older than that field, the alternation of ALTERNATING, or none
+    when `use_sliding_window` is false (Qwen-2); else one sliding window on every layer when `sliding_window` is set
+    (Mistral, Phi-3, Starcoder2). `n`: the layers (default: the config's count)."""
+    n = n if n is not None else _first(config, ("num_hidden_layers", "n_layer"))[1] or 0
+    types = _get(config, "layer_types")[1]
+    if types is not None:
+        return tuple(types[:n])
+    if _get(config, "sliding_window")[1] is None or _get(config, "use_sliding_window")[1] is False:
+        return ("full_attention",) * n
+    field, default = ALTERNATING.get(_get(config, "model_type")[1], (None, None))
+    if default is not None:
+        pattern = (_get(config, field)[1] if field else None) or default
+        return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n))
+    return ("sliding_attention",) * n
+
+
+def masked_layer_share(config, seq: int) -> float:
+    """The share of the decoder layers whose attention needs an explicit mask for rows of `seq` tokens without
+    padding: the sliding-window layers whose window is shorter than `seq` (models/masks.py gives a window that
+    covers the row the causal path)."""
+    kinds = layer_kinds(config)
+    window = _get(config, "sliding_window")[1]
+    if not kinds or window is None or window >= seq:
+        return 0.0
+    return sum(k == "sliding_attention" for k in kinds) / len(kinds)

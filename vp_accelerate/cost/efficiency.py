@@ -88,19 +88,20 @@ def tp_collectives(shape, op: str = "F") -> list[tuple[str, float]]:
     (models/tensor_parallel.py's f where the attention and the MLP start, g after their row-split linears): under
     sequence parallelism F all-gathers each region's input and reduce-scatters its output, B reduce-scatters the
     input's gradient and all-gathers the output's; without it F all-reduces the two outputs, B the two input
-    gradients. Each moves one [b, s, h] activation: g's in the compute dtype, f's (the norm's output, and its
-    gradient) in fp32 under mixed precision, as HF's RMSNorm returns it (measured in the dry run's recorded
-    collectives). None without tensor parallelism."""
+    gradients. Each moves one [b, s, h] activation in the compute dtype, except f's gradient: fp32 under mixed
+    precision, as HF's RMSNorm returns its output in fp32 (f's all-gather moves the 16-bit cast the linears read:
+    models/tensor_parallel.py `_gathered`; measured in the dry run's recorded collectives). None without tensor
+    parallelism."""
     if shape.tp == 1:
         return []
     n = shape.tokens * shape.hidden
-    f_bytes = n * (shape.stat_bytes if shape.dtype_bytes < 4 else shape.dtype_bytes)
+    f_grad_bytes = n * (shape.stat_bytes if shape.dtype_bytes < 4 else shape.dtype_bytes)
     g_bytes = n * shape.dtype_bytes
     if shape.sequence_parallel:
-        pair = [("all_gather", f_bytes), ("reduce_scatter", g_bytes)] if op == "F" else [
-            ("reduce_scatter", f_bytes), ("all_gather", g_bytes)]  # fmt: skip
+        pair = [("all_gather", g_bytes), ("reduce_scatter", g_bytes)] if op == "F" else [
+            ("reduce_scatter", f_grad_bytes), ("all_gather", g_bytes)]  # fmt: skip
         return pair * 2
-    return [("all_reduce", g_bytes if op == "F" else f_bytes)] * 2
+    return [("all_reduce", g_bytes if op == "F" else f_grad_bytes)] * 2
 
 
 def tp_collective_time(shape, bandwidth: float, latency: float, op: str = "F") -> float:

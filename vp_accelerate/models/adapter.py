@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..model_config import layer_kinds
 from .masks import MASK_BUILDERS
 from .verified import VERIFIED
 
@@ -167,15 +168,8 @@ def _names_from_pp_plan(model: nn.Module) -> PartNames | None:
 
 
 def _layer_types(config, n: int) -> tuple[str, ...]:
-    """Per-layer mask kind, as each family's forward chooses it."""
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        types = tuple(types[:n])
-    elif getattr(config, "sliding_window", None) is not None:
-        # Mistral / Phi-3 / Starcoder2: one sliding-window mask for every layer when the window is set.
-        types = ("sliding_attention",) * n
-    else:
-        types = ("full_attention",) * n
+    """Per-layer mask kind, as each family's forward chooses it (model_config.layer_kinds, the planner's rule too)."""
+    types = layer_kinds(config, n)
     bad = sorted(set(types) - set(MASK_BUILDERS))  # the kinds with a mask builder are the supported ones
     if bad:
         raise UnsupportedModelError(

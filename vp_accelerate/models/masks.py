@@ -12,6 +12,13 @@ decides on the host, from the caller's host tensors, which of three cases a micr
 - padded (a 2D mask with zeros): the same, from the 2D mask.
 A mask already 4D is returned as-is by HF's builders, so every layer of every chunk uses the one built.
 
+`mask_builder` gives a sliding-window layer whose window covers the whole sequence the causal builder: such a
+window masks nothing causality does not, but transformers 5.x builds an explicit mask once the keys reach the
+window (`kv_length >= window`, e.g. Mistral-7B's 4096 at seq 4096), which keeps SDPA off its flash kernel and
+makes HF repeat k and v to every head. Measured with the dry run, a Mistral-7B shape at seq 4096, b 2: 168 MB a
+layer and microbatch (k and v at 32 heads instead of 8, and the mask as an additive bf16 bias, both saved for
+the backward).
+
 `MASK_BUILDERS` is the one table of the mask kinds a decoder layer may ask for (`config.layer_types`):
 a model with any other kind is refused when its parts are found (models/adapter.py).
 """
@@ -27,6 +34,15 @@ from transformers.masking_utils import (
 
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 """`config.layer_types` entry -> HF's builder of that layer's mask; the layer types a model may have."""
+
+
+def mask_builder(kind: str, config, seq: int):
+    """HF's builder of a `kind` layer's mask for rows of `seq` tokens: the causal one for a sliding window of at
+    least `seq` (the same mask: a key is in the window when query - key < window), else MASK_BUILDERS's."""
+    window = getattr(config, "sliding_window", None)
+    if kind == "sliding_attention" and window is not None and seq <= window:
+        return MASK_BUILDERS["full_attention"]
+    return MASK_BUILDERS[kind]
 
 
 class MicrobatchMasks:

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from vp_accelerate import modes
 
 from .adapter import PartNames
-from .masks import MASK_BUILDERS, MicrobatchMasks
+from .masks import MicrobatchMasks, mask_builder
 from .tensor_parallel import TPSpec, copy_to_region, gather_sequence, slice_sequence, vocab_parallel_embed
 
 
@@ -119,10 +119,12 @@ class StageChunk(nn.Module):
         kinds: tuple[str, ...] | None = None,
     ) -> dict[str, object]:
         """The masks of the layer types in this chunk (or of `kinds`), as the HF forward builds them (None =
-        plain causal)."""
+        plain causal), except that a sliding window covering the sequence gets the causal mask (`mask_builder`)."""
         # the cache goes fourth by position: transformers renamed it (`past_key_values` up to 5.2x, then `cache`)
         args = (self.config, hidden, attention_mask, None)
-        return {t: MASK_BUILDERS[t](*args, position_ids=position_ids) for t in (kinds or sorted(set(self.layer_types)))}
+        seq = hidden.shape[1]
+        kinds = kinds or sorted(set(self.layer_types))
+        return {t: mask_builder(t, self.config, seq)(*args, position_ids=position_ids) for t in kinds}
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         """Rotary (cos, sin) for the layers: one pair, or one per layer type (Gemma-3 / Olmo-3 rotary takes the

@@ -13,6 +13,9 @@ HF's attention reshapes with `(-1, head_dim)`, so it runs on the local heads unc
 tables are the full sequence's. Under sequence parallelism the stage's residual stream and norms hold 1/tp of
 the sequence per TP rank: f becomes an all-gather of the sequence (reduce-scatter backward) and g a
 reduce-scatter (all-gather backward), so no rank holds a norm's or a residual's activations tp times.
+Under mixed precision the norm's output is fp32 (HF's norms return it so) while the region's linears read its
+16-bit cast (autocast): f all-gathers that cast, half the bytes, and turns it back into fp32 on arrival, so the
+linears get the same values and the backward its fp32 gradient sum as before (bit-identical; `GATHER_CAST`).
 
 Everything is plain tensors and autograd functions around the HF modules (hooks, no module replaced, HF
 parameter names kept): the zero-bubble B/W split (which replaces `nn.Linear.forward`), activation checkpointing
@@ -159,6 +162,23 @@ def _module(root: nn.Module, path: str) -> nn.Module | None:
 
 
 # ------------------------------------------------------------------------------------------- the operators
+GATHER_CAST = True
+"""f's sequence all-gather moves an fp32 input in autocast's 16-bit dtype (`_gathered`); False gathers fp32 (the
+tests' reference for the bit-identical result)."""
+
+
+def _gathered(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    """The whole sequence of a region's input. An fp32 input under a 16-bit autocast is gathered as the 16-bit
+    cast every linear of the region would make of it, then widened back (exact): the same values reach the
+    linears, half the bytes cross the links, and the gradient stays fp32."""
+    kind = x.device.type
+    if GATHER_CAST and x.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        low = torch.get_autocast_dtype(kind)
+        if low.itemsize < 4:
+            return comm.all_gather(x.to(low)).to(x.dtype)
+    return comm.all_gather(x)
+
+
 class _EnterRegion(torch.autograd.Function):
     """f: identity forward, gradient summed over TP backward (sequence parallel: all-gather the sequence
     forward, reduce-scatter the gradient backward)."""
@@ -166,7 +186,7 @@ class _EnterRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: TPComm, sp: bool):
         ctx.comm, ctx.sp = comm, sp
-        return comm.all_gather(x) if sp else x.view_as(x)
+        return _gathered(x, comm) if sp else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):

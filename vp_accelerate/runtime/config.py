@@ -113,6 +113,11 @@ class PipelineConfig:
     """With schedule "auto": memory per rank the plan may fill, GB; None = the GPU's total memory (on CPU
     the host's memory divided by the ranks)."""
 
+    plan_tp_sizes: Optional[tuple[int, ...]] = None
+    """With schedule "auto": the tensor-parallel sizes the plan may pick. Each must divide the GPUs of a node (the
+    launcher's LOCAL_WORLD_SIZE), the heads, the key/value heads, the MLP width and the sequence. None = 1, 2, 4
+    and 8, as `vp-accelerate plan` searches; [1] = pipeline x data parallel layouts only."""
+
     dp_reduce_dtype: Optional[str] = None
     """dtype the data-parallel gradient all-reduce travels in: "bf16" halves its bytes (each bucket is cast
     to bf16, summed, and cast back into the fp32 gradients; the sum is rounded to bf16); None = the

@@ -25,6 +25,8 @@ With m = [log π(y_w) − log π_ref(y_w)] − [log π(y_l) − log π_ref(y_l)]
     cpo_hinge    max(0, 1 − βd)                   d = log π_w − log π_l (CPOTrainer's `hinge`)
     cpo_ipo      (d̄ − 1/(2β))²                   d̄ = avg log π_w − avg log π_l (CPOTrainer's `ipo`)
     orpo      −β log σ(log odds_w − log odds_l)   odds on avg log π (ORPOTrainer's odds-ratio term)
+    (AlphaPO: with α ≠ 0 the CPOTrainer losses, simpo and cpo_*, take r = (1 − π^−α)/α of the log π they use,
+    sums or averages, in place of log π, as CPOConfig's `alpha` does; their rewards/* too)
     kto       w_d (1 − σ(β(r − z))) desirable, w_u (1 − σ(β(z − r))) undesirable; z = max(KL, 0), given
     apo_zero_unpaired   1 − σ(βr) desirable, σ(βr) undesirable
 
@@ -69,6 +71,12 @@ class _Rows:
     autograd leaf); None: the same as `logps`."""
 
 
+def _shaped(logps: torch.Tensor, p: Preference) -> torch.Tensor:
+    """AlphaPO's reward shape of log-probabilities (CPOTrainer's `alpha`): (1 − π^−α)/α = −expm1(−α log π)/α, the
+    log-probabilities themselves at α = 0 (its limit)."""
+    return logps if p.alpha == 0 else -torch.expm1(-p.alpha * logps) / p.alpha
+
+
 def _margin(r: _Rows) -> torch.Tensor:
     ratio = r.logps - r.ref
     return ratio[0::2] - ratio[1::2]
@@ -98,19 +106,25 @@ def _apo_zero(r: _Rows, p: Preference) -> torch.Tensor:
 
 
 def _simpo(r: _Rows, p: Preference) -> torch.Tensor:
-    avg = _avg(r)
+    avg = _shaped(_avg(r), p)
     d = avg[0::2] - avg[1::2] - p.simpo_gamma / p.beta
     eps = p.label_smoothing
     return -F.logsigmoid(p.beta * d) * (1 - eps) - F.logsigmoid(-p.beta * d) * eps
 
 
+def _cpo_sums(r: _Rows, p: Preference) -> torch.Tensor:
+    """log π_w − log π_l (AlphaPO-shaped with α ≠ 0): CPOTrainer's sigmoid and hinge margin, no reference."""
+    shaped = _shaped(r.logps, p)
+    return shaped[0::2] - shaped[1::2]
+
+
 def _cpo_sigmoid(r: _Rows, p: Preference) -> torch.Tensor:
-    d, eps = r.logps[0::2] - r.logps[1::2], p.label_smoothing  # no reference, even beside a loss that has one
+    d, eps = _cpo_sums(r, p), p.label_smoothing  # no reference, even beside a loss that has one
     return -F.logsigmoid(p.beta * d) * (1 - eps) - F.logsigmoid(-p.beta * d) * eps
 
 
 def _cpo_ipo(r: _Rows, p: Preference) -> torch.Tensor:
-    avg = _avg(r)
+    avg = _shaped(_avg(r), p)
     return (avg[0::2] - avg[1::2] - 1 / (2 * p.beta)) ** 2
 
 
@@ -145,7 +159,7 @@ FORMULAS: dict[str, Callable[[_Rows, Preference], torch.Tensor]] = {
     "sft": lambda r, p: -_full(r)[0::2].sum(),
     "simpo": _simpo,
     "cpo_sigmoid": _cpo_sigmoid,
-    "cpo_hinge": lambda r, p: torch.relu(1 - p.beta * (r.logps[0::2] - r.logps[1::2])),
+    "cpo_hinge": lambda r, p: torch.relu(1 - p.beta * _cpo_sums(r, p)),
     "cpo_ipo": _cpo_ipo,
     "orpo": _orpo,
     "kto": _kto,
@@ -181,6 +195,8 @@ class Preference:
     """ε of `robust` (in [0, 0.5)), `simpo` and `cpo_sigmoid` (TRL's `label_smoothing`)."""
     simpo_gamma: float = 0.5
     """γ of `simpo`: the target margin (CPO's `simpo_gamma`)."""
+    alpha: float = 0.0
+    """AlphaPO's α (CPOConfig's `alpha`): the CPOTrainer losses (`simpo`, `cpo_*`) on (1 − π^−α)/α; 0 = log π."""
     desirable: torch.Tensor | None = None
     """KTO: [batch] bool, True for a desirable row (TRL's `label`); needed by `kto` / `apo_zero_unpaired`."""
     kl: float | tuple[float, ...] = 0.0
@@ -230,6 +246,11 @@ class Preference:
             raise ValueError(f"loss_type {types}: KTO's unpaired losses do not mix with pair losses")
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.alpha and not any(LOSSES[t].trainer == "cpo" for t in types):
+            raise ValueError(
+                f"alpha {self.alpha} (AlphaPO) shapes CPOTrainer's losses (simpo, cpo_sigmoid, cpo_hinge, cpo_ipo); "
+                f"loss_type {types} has none of them: use loss_type simpo (TRL's alphapo), or alpha 0"
+            )
         if "robust" in types and not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5) for robust, got {self.label_smoothing}")
         if self.ref_logps is None:
@@ -391,6 +412,8 @@ class PairLoss:
         on `logged_logps`. KTO's unpaired rows: the same sums over desirable / undesirable rows."""
         logps = self.logged_logps()
         r = self.preference.beta * (logps - self._ref(logps.device))  # simpo / cpo_* / orpo: reference-free, ref 0
+        if self.preference.alpha and metric_style(self.preference.types) == "cpo":  # AlphaPO's rewards: β r(π)
+            r = self.preference.beta * _shaped(logps, self.preference)
         valid = self._completion().to(logps.device)
         mean = self.mean_logits if self.mean_logits is not None else torch.zeros(valid.shape, dtype=r.dtype)
         logit_sums = torch.where(valid, mean.to(logps.device), 0.0).sum(dim=1)

@@ -89,6 +89,11 @@ class PreferenceConfig:
     simpo_gamma: float = 0.5
     """SimPO's target reward margin γ (CPO's `simpo_gamma`); used by `simpo` only."""
 
+    alpha: float = 0.0
+    """AlphaPO's reward shape α (CPOConfig's `alpha`): with α ≠ 0 the CPOTrainer losses (`simpo`, `cpo_sigmoid`,
+    `cpo_hinge`, `cpo_ipo`) use (1 − π^−α)/α of the log-probabilities they read in place of log π, and log their
+    rewards so; 0 = log π. TRL's `loss_type: alphapo` is `simpo` with `alpha` (and no NLL term)."""
+
     desirable_weight: float = 1.0
     """KTO (`kto`, `apo_zero_unpaired`): the weight of a desirable row's loss (KTOConfig's `desirable_weight`)."""
 

@@ -347,6 +347,22 @@ def _lora_request(adapter) -> dict:
     return {"lora_rank": adapter.r, "lora_targets": tuple(adapter.target_modules or LORA_TARGETS)}
 
 
+def _auto_tp_sizes(p, adapter) -> tuple[int, ...]:
+    """The TP sizes `auto` may pick: the recipe's plan_tp_sizes or the planner's; only 1 for a LoRA adapter with
+    dropout (each TP rank would draw its own mask: runtime/tensor_parallel.py refuses it)."""
+    if adapter.type == "lora" and adapter.dropout:
+        return (1,)
+    return tuple(p.plan_tp_sizes) if p.plan_tp_sizes else TP_SIZES
+
+
+def _local_world_size(world_size: int) -> int | None:
+    """GPUs per node for the plan: the launcher's processes on this node (LOCAL_WORLD_SIZE, set by torchrun and
+    accelerate launch) when it is a whole part of the world, else None (one node: `--check --world-size N`)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    n = int(local) if local.isdigit() else 0
+    return n if 0 < n < world_size and world_size % n == 0 else None
+
+
 def resolve_auto(recipe, world_size: int | None):
     """(recipe, plan): with `pipeline.schedule: auto` the recipe with the best plan's layout filled in,
     else (recipe, None). Every rank computes the same plan from the same inputs. Raises RecipeError."""
@@ -374,7 +390,8 @@ def resolve_auto(recipe, world_size: int | None):
         global_batch=recipe.train.global_batch,
         hardware=Hardware(peak_flops=peak),
         zero=(p.zero,),  # what the runtime will run: `vp-accelerate plan`'s request with the recipe's stage
-        tensor_parallel=(1,),  # `auto` lays out pp x dp (a TP recipe names its schedule)
+        tensor_parallel=_auto_tp_sizes(p, recipe.adapter),
+        gpus_per_node=_local_world_size(world_size),
         **_lora_request(recipe.adapter),
     )
     try:

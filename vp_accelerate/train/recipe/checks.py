@@ -63,8 +63,14 @@ def check(recipe: Recipe) -> Recipe:
     if p.schedule == "auto":  # the planner chooses dp_size and microbatches; checked again once it has
         if p.tp_size > 1:
             raise RecipeError(
-                "pipeline.tp_size: schedule auto plans pp x dp layouts only so far; name a schedule (1f1b, vhalf, "
-                "interleaved) to train with tensor parallelism"
+                f"pipeline.tp_size: schedule auto chooses the tensor-parallel size itself; drop tp_size, or set "
+                f"pipeline.plan_tp_sizes: [{p.tp_size}] to plan with {p.tp_size} only, or name a schedule"
+            )
+        bad = [t for t in p.plan_tp_sizes or () if not isinstance(t, int) or isinstance(t, bool) or t < 1]
+        if bad or (p.plan_tp_sizes is not None and not p.plan_tp_sizes):
+            raise RecipeError(
+                f"pipeline.plan_tp_sizes: a list of tensor-parallel sizes >= 1 (e.g. [1, 2, 4, 8]) or null, got "
+                f"{list(p.plan_tp_sizes)}"
             )
         if p.layers_per_stage is not None:
             raise RecipeError(
@@ -144,6 +150,11 @@ def _check_preference(recipe: Recipe) -> None:
         raise RecipeError(
             f"preference.desirable_weight / undesirable_weight: must be > 0, got {pref.desirable_weight} / "
             f"{pref.undesirable_weight}"
+        )
+    if pref.alpha and not any(LOSSES[t].trainer == "cpo" for t in types if t in LOSSES):
+        raise RecipeError(
+            f"preference.alpha: {pref.alpha} (AlphaPO) shapes CPOTrainer's losses (simpo, cpo_sigmoid, cpo_hinge, "
+            f"cpo_ipo), and loss_type {list(types)} has none; use loss_type: simpo (TRL's alphapo), or alpha: 0"
         )
     if "robust" in types and not 0 <= pref.label_smoothing < 0.5:
         raise RecipeError(f"preference.label_smoothing: robust needs it in [0, 0.5), got {pref.label_smoothing}")

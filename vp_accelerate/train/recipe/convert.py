@@ -51,6 +51,14 @@ def unknown_key(path: str, name: str, names: list[str]) -> RecipeError:
     return RecipeError(f"{path}: unknown key{more}")
 
 
+def _value_note(path: str, value) -> str:
+    """Another tool's value for the key at `path` (schema.VALUE_NOTES: TRL's `alphapo`): how to write it here."""
+    from .schema import VALUE_NOTES
+
+    note = VALUE_NOTES.get((path, value)) if isinstance(value, str) else None
+    return f" ({note})" if note else ""
+
+
 _SECTIONS: dict[str, list[str]] = {}
 
 
@@ -116,7 +124,8 @@ def convert(tp, value: Any, path: str) -> Any:
                 return convert(arg, value, path)
             except RecipeError as e:
                 errors.append(str(e))
-        raise RecipeError(errors[0] if len(errors) == 1 else f"{path}: expected {_type_name(tp)}, got {value!r}")
+        message = errors[0] if len(errors) == 1 else f"{path}: expected {_type_name(tp)}, got {value!r}"
+        raise RecipeError(message + _value_note(path, value))
     if origin is Literal:
         allowed = typing.get_args(tp)
         if isinstance(value, str) and value not in allowed:  # names are case-insensitive: "1F1B", "Vocab-2"

@@ -11,7 +11,7 @@ from vp_accelerate.runtime.adapter_config import AdapterConfig
 from vp_accelerate.runtime.config import PipelineConfig
 from vp_accelerate.runtime.preference_config import PreferenceConfig
 
-__all__ = ["AdapterConfig", "KEY_ALIASES", "KEY_NOTES", "PipelineConfig", "Recipe"]
+__all__ = ["AdapterConfig", "KEY_ALIASES", "KEY_NOTES", "PipelineConfig", "Recipe", "VALUE_NOTES"]
 
 KEY_ALIASES = {
     "max_grad_norm": "optimizer.grad_clip",
@@ -84,6 +84,12 @@ KEY_NOTES = {
     "eval.batches sets how many batches it runs",
 }
 """Why an alias in `KEY_ALIASES` is not one key for one key: appended to its error."""
+
+VALUE_NOTES = {
+    ("preference.loss_type", "alphapo"): "TRL's alphapo is loss_type: simpo with preference.alpha (CPOConfig's "
+    "alpha, e.g. 0.25; alphapo sets cpo_alpha 0, so no sft term)",
+}
+"""(key, another tool's value for it) -> how this recipe writes it: appended to the value's error."""
 
 
 @dataclass
