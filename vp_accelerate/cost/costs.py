@@ -379,14 +379,21 @@ class CostModel:
         if op == "B":
             loss = 0.0
             if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
-                # the loss's backward: the fp32 gradients of the log-probabilities and of the logits, both alive beside
-                # the saved log-probabilities (then the 16-bit one, as the fp32 ones go); under TP the
-                # vocabulary-parallel cross-entropy's backward (models/tensor_parallel.py `_VocabParallelCE`) makes as
-                # many beside its saved softmax (a copy to subtract the one-hot from, the padded gradient), and its
-                # forward as many beside it (the fp32 logits, the exponentials). Measured in the dry run: 8B shape,
-                # pp 2, rank 1, 1F1B at tp 1 and 2 (the 16-bit figure in place of the second fp32 one read 1.05 GB
-                # low at tp 1)
-                loss = s.tokens * self.end_rows * 2 * s.stat_bytes
+                # the loss's backward: the log-softmax's backward holds the fp32 gradient of the log-probabilities
+                # and the one it makes for the fp32 logits at once (then the 16-bit logits' gradient, smaller); the
+                # head's matmul backward then makes its 16-bit weight gradient [V, h] beside the logits' 16-bit
+                # gradient, until the step cast's hook adds it into the fp32 .grad (runtime/step_casts.py).
+                # Measured on a 2-layer, V 65536, h 64 model's last rank: exact at seq 64 and 256 (the count of
+                # (fp32 + 16-bit) [N, V] was 1.5 N x V x 4 bytes under at seq 256; Qwen3-0.6B 5.8% under at seq 1024).
+                # Under TP the vocabulary-parallel cross-entropy's backward (models/tensor_parallel.py
+                # `_VocabParallelCE`) makes as many fp32 [N, V/tp] beside its saved softmax (a copy to subtract the
+                # one-hot from, the padded gradient), and its forward as many beside it (8B shape, pp 2 x tp 2: the
+                # dry run within 0.6% on the last rank). A frozen (LoRA) head makes no weight gradient.
+                logits = s.tokens * self.end_rows
+                weight_grad = logits * s.dtype_bytes + (
+                    0.0 if s.frozen_weights else self.end_rows * s.hidden * s.dtype_bytes
+                )
+                loss = max(2 * logits * s.stat_bytes, 0.0 if self.split_backward else weight_grad)
             work = layer
             if s.frozen_weights and chunk is not None and self.chunk_layers[chunk]:
                 # LoRA: a frozen MLP's backward makes its input gradients ([N, ffn/tp] 16-bit: of down's input, of the
@@ -416,6 +423,21 @@ class CostModel:
             return self.input_bytes()
         return 0.0
 
+    def regrad_bytes(self, op: str, chunk: int) -> float:
+        """What pass `op` of `chunk` makes beside a gradient it already holds, in a B after the step's first one:
+        the baseline's embedding lookup has no step cast, so its backward makes a dense fp32 [V, h] gradient that
+        autograd adds into the held .grad (the step's first B keeps it as the .grad: `grad_arrivals`). The lookup's
+        backward runs last in the chunk's B, when the microbatch's activations are freed: the peak takes the
+        larger of this less those and the pass's `transient_bytes` (sim/simulate.py). Measured:
+        Qwen3-8B, 1f1b/baseline, rank 0 5.2% under the dry run without it (and without the 16-bit embedding copy
+        that `copied_params` priced and the run does not make); a 2-layer, V 65536, h 64 model's rank 0 within 0.2%
+        with both. 0 elsewhere (VP's shards: T's `transient_bytes`)."""
+        s = self.shape
+        if chunk != 0 or op != "B" or s.frozen_weights:
+            return 0.0
+        rows = s.positions + (0 if self.vocab_parallel else self.end_rows)  # GPT-2's wpe: a dense [P, h] one too
+        return rows * s.hidden * self.grad_bytes
+
     def stash_bytes(self) -> float:
         """VP: what one microbatch keeps on every rank from S to T: the shard's softmax p_i (at least fp32),
         X (fp32 under mixed precision: the parameters' dtype), and for vocab-1 the local input gradient until C2."""
@@ -438,6 +460,8 @@ class CostModel:
         last chunk's owner for baseline and redis, one 1/p shard of each on every rank for VP)."""
         s = self.shape
         n = sum(l for c, l in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank) * s.rank_layer_params()
+        if rank == self.chunk_rank[0]:
+            n += s.positions * s.hidden  # a learned position embedding sits with the first chunk (GPT-2's wpe)
         vocab_tensors = 1 if s.tied else 2
         if self.vocab_parallel:
             return n + vocab_tensors * self.shard_rows * s.hidden
@@ -459,6 +483,8 @@ class CostModel:
         for c, r in enumerate(self.chunk_rank):
             if r == rank:
                 out[weight_op, c] = out.get((weight_op, c), 0.0) + self.chunk_layers[c] * s.rank_layer_params() * g
+        if rank == self.chunk_rank[0] and s.positions:  # the position embedding's, with chunk 0's B
+            out["B", 0] = out.get(("B", 0), 0.0) + s.positions * s.hidden * g
         if self.vocab_parallel:
             out["T", 0] = (1 if s.tied else 2) * self.shard_rows * s.hidden * g
             return out
@@ -486,14 +512,15 @@ class CostModel:
         if self.optimizer_shards == 1:
             return self.rank_params(rank)
         s = self.shape
-        h, kv, f, t = s.hidden, s.kv_width(), s.ffn, s.tp
-        layer = (h * h / t, h * kv / t, h * kv / t, h * h / t) + (h * f / t,) * s.mlp_matrices
+        h, q, kv, f, t = s.hidden, s.q_width(), s.kv_width(), s.ffn, s.tp
+        layer = (h * q / t, h * kv / t, h * kv / t, h * q / t) + (h * f / t,) * s.mlp_matrices
         layers = sum(n for c, n in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank)
-        vocab = self.rank_params(rank) - layers * s.rank_layer_params()
+        extra = (s.positions * h,) if rank == self.chunk_rank[0] and s.positions else ()
         if self.vocab_parallel:
-            extra = (self.shard_rows * s.hidden,) * (1 if s.tied else 2)
+            extra += (self.shard_rows * h,) * (1 if s.tied else 2)
         else:
-            extra = (self.end_rows * s.hidden,) * round(vocab / (self.end_rows * s.hidden))
+            first, last = rank == self.chunk_rank[0], rank == self.chunk_rank[-1]
+            extra += (self.end_rows * h,) * (first + (last and not (s.tied and first)))
         return fullest_share(layer, layers, extra, self.optimizer_shards)
 
     def copied_params(self, rank: int) -> float:
@@ -507,6 +534,14 @@ class CostModel:
                 sum(c for i, c in enumerate(self.chunk_layers) if self.chunk_rank[i] == rank)
                 * self.shape.rank_layer_params()
             )
+        s = self.shape
+        if rank == self.chunk_rank[0]:
+            n -= s.positions * s.hidden  # a lookup, no autocast op: no 16-bit copy
+        if not self.vocab_parallel and rank == self.chunk_rank[0] and s.dtype_bytes < self.grad_bytes:
+            # the baseline's whole embedding is looked up in fp32 (F.embedding is no autocast op, and it is no
+            # matmul weight the step casts): no 16-bit copy, unless the tied head on this rank casts the one tensor
+            if not (s.tied and self.chunk_rank[-1] == rank):
+                n -= self.end_rows * s.hidden  # V/tp rows under TP
         return n
 
     def largest_cast_bytes(self) -> float:
