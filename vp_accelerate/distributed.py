@@ -158,9 +158,11 @@ def _worker(
 # What a fork server imports once, so that each spawned rank starts in a fraction of a second instead of
 # importing torch and transformers anew (seconds per rank). Nothing here creates threads or touches a
 # device, so forking from it is safe. accelerate is there for ranks that run `vp-accelerate train` itself
-# (the tests' training runs). The trainer stays out: it imports pyarrow, which starts a native thread (a
-# fork copies no thread), and datasets, which reads HF_DATASETS_CACHE once at import (a rank must read its
-# caller's). The fork server skips a module it cannot import.
+# (the tests' training runs); peft because the trainer's learning-rate schedule (transformers.get_scheduler)
+# and LoRA import it: a third of the trainer's import time, paid by every rank otherwise (it starts no thread,
+# touches no device and imports neither pyarrow nor datasets). The trainer stays out: it imports pyarrow,
+# which starts a native thread (a fork copies no thread), and datasets, which reads HF_DATASETS_CACHE once at
+# import (a rank must read its caller's). The fork server skips a module it cannot import.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -168,6 +170,7 @@ _PRELOAD = [
     "transformers.models.llama.modeling_llama",
     "vp_accelerate.runtime",
     "accelerate",
+    "peft",
 ]
 
 
