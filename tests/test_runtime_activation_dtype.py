@@ -70,3 +70,19 @@ def test_bf16_activations_are_priced_as_the_runtime_keeps_them():
         for r in range(2):
             measured = per_rank[r][ckpt][0]
             assert measured == pytest.approx(sim.peak_activation_bytes[r], rel=0.10), (ckpt, r)
+
+
+def test_a_learned_position_table_keeps_the_first_chunks_stream_in_bf16():
+    """GPT-2 adds its fp32 position table (wpe) to the bf16 embedding: the first chunk's residual stream stays bf16,
+    as every other chunk's (before: the sum widened it, and the whole chunk ran an fp32 stream)."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.tiny import tiny_config
+    from vp_accelerate.models import StageLayout, build_rank
+
+    ref = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+    chunk = build_rank(ref, StageLayout.one_per_rank(ref.config.num_hidden_layers, 2), 0, "baseline").chunks[0]
+    embedded = torch.randn(2, 8, ref.config.n_embd).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunk(embedded)
+    assert out.dtype == torch.bfloat16

@@ -331,9 +331,15 @@ class CostModel:
         if op == "B":
             pending = 0.0
             if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
-                # the loss's backward: the fp32 gradient of the log-probabilities, then of the 16-bit logits (the
-                # saved log-probabilities go as their backward runs)
-                pending += s.tokens * s.vocab * (s.stat_bytes + s.dtype_bytes)
+                # the loss's backward: the log-softmax's backward holds the fp32 gradient of the log-probabilities
+                # and the one it makes for the fp32 logits at once (then the 16-bit logits' gradient, smaller); the
+                # head's matmul backward then makes its 16-bit weight gradient [V, h] beside the logits' 16-bit
+                # gradient, until the step cast's hook adds it into the fp32 .grad (runtime/step_casts.py).
+                # Measured on a 2-layer, V 65536, h 64 model's last rank: exact at seq 64 and 256 (the count of
+                # (fp32 + 16-bit) [N, V] was 1.5 N x V x 4 bytes under at seq 256; Qwen3-0.6B 5.8% under at seq 1024)
+                logits = s.tokens * s.vocab
+                weight_grad = logits * s.dtype_bytes + s.vocab * s.hidden * s.dtype_bytes
+                pending += max(2 * logits * s.stat_bytes, 0.0 if self.split_backward else weight_grad)
             return pending + layer + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
         if not self.vocab_parallel:
             return 0.0
@@ -354,6 +360,21 @@ class CostModel:
         if op == "IF":
             return self.input_bytes()
         return 0.0
+
+    def regrad_bytes(self, op: str, chunk: int) -> float:
+        """What pass `op` of `chunk` makes beside a gradient it already holds, in a B after the step's first one:
+        the baseline's embedding lookup has no step cast, so its backward makes a dense fp32 [V, h] gradient that
+        autograd adds into the held .grad (the step's first B keeps it as the .grad: `grad_arrivals`). The lookup's
+        backward runs last in the chunk's B, when the microbatch's activations are freed: the peak takes the
+        larger of this less those and the pass's `transient_bytes` (sim/simulate.py). Measured:
+        Qwen3-8B, 1f1b/baseline, rank 0 5.2% under the dry run without it (and without the 16-bit embedding copy
+        that `copied_params` priced and the run does not make); a 2-layer, V 65536, h 64 model's rank 0 within 0.2%
+        with both. 0 elsewhere (VP's shards: T's `transient_bytes`)."""
+        s = self.shape
+        if chunk != 0 or op != "B" or s.frozen_weights:
+            return 0.0
+        rows = s.positions + (0 if self.vocab_parallel else s.vocab)  # GPT-2's wpe: a dense [P, h] one too
+        return rows * s.hidden * self.grad_bytes
 
     def stash_bytes(self) -> float:
         """VP: what one microbatch keeps on every rank from S to T: the shard's softmax p_i (at least fp32),
@@ -377,6 +398,8 @@ class CostModel:
         last chunk's owner for baseline and redis, one 1/p shard of each on every rank for VP)."""
         s = self.shape
         n = sum(l for c, l in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank) * s.rank_layer_params()
+        if rank == self.chunk_rank[0]:
+            n += s.positions * s.hidden  # a learned position embedding sits with the first chunk (GPT-2's wpe)
         vocab_tensors = 1 if s.tied else 2
         if self.vocab_parallel:
             return n + vocab_tensors * self.shard_rows * s.hidden
@@ -398,6 +421,8 @@ class CostModel:
         for c, r in enumerate(self.chunk_rank):
             if r == rank:
                 out[weight_op, c] = out.get((weight_op, c), 0.0) + self.chunk_layers[c] * s.rank_layer_params() * g
+        if rank == self.chunk_rank[0] and s.positions:  # the position embedding's, with chunk 0's B
+            out["B", 0] = out.get(("B", 0), 0.0) + s.positions * s.hidden * g
         if self.vocab_parallel:
             out["T", 0] = (1 if s.tied else 2) * self.shard_rows * s.hidden * g
             return out
@@ -425,6 +450,14 @@ class CostModel:
                 sum(c for i, c in enumerate(self.chunk_layers) if self.chunk_rank[i] == rank)
                 * self.shape.rank_layer_params()
             )
+        s = self.shape
+        if rank == self.chunk_rank[0]:
+            n -= s.positions * s.hidden  # a lookup, no autocast op: no 16-bit copy
+        if not self.vocab_parallel and rank == self.chunk_rank[0] and s.dtype_bytes < self.grad_bytes:
+            # the baseline's whole embedding is looked up in fp32 (F.embedding is no autocast op, and it is no
+            # matmul weight the step casts): no 16-bit copy, unless the tied head on this rank casts the one tensor
+            if not (s.tied and self.chunk_rank[-1] == rank):
+                n -= s.vocab * s.hidden
         return n
 
     def largest_cast_bytes(self) -> float:

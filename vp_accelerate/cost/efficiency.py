@@ -61,7 +61,7 @@ def layer_gemms(shape) -> dict[str, list[tuple[int, int, int, int]]]:
     t = shape.tp
     n, h, f = shape.tokens, shape.hidden, shape.ffn // t
     kv = shape.kv_heads or shape.heads
-    d = max(1, h // shape.heads)
+    d = max(1, shape.head_size())
     qkv = (shape.heads * d + 2 * kv * d) // t
     o = shape.heads * d // t  # o_proj's input columns on this rank
     up = f * (shape.mlp_matrices - 1)  # gate and up of a gated MLP

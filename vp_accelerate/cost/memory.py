@@ -128,8 +128,8 @@ what the runtime adapts when adapter.target_modules is null."""
 
 def _linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """(in, out) features of a Llama-style decoder layer's linear modules, by their HF names."""
-    h, kv, f = shape.hidden, shape.kv_width(), shape.ffn
-    out = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "up_proj": (h, f)}
+    h, q, kv, f = shape.hidden, shape.q_width(), shape.kv_width(), shape.ffn
+    out = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "up_proj": (h, f)}
     out["down_proj"] = (f, h)
     if shape.mlp_matrices == 3:
         out["gate_proj"] = (h, f)

@@ -42,7 +42,42 @@ def mlp_matrices(model_type: str) -> int:
     return 2 if not model_type or model_type in UNGATED_MLP_TYPES else 3
 
 
+# HF model types whose attention normalises q and k per head (an RMSNorm over each head's units) before rotary:
+# each norm keeps its fp32 input, its normalised output (for its weight's gradient) and rsqrt per head, on top of
+# the layer's count. tests/test_cost_shape.py checks this against the modules (a `q_norm` in the attention).
+HEAD_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text", "exaone4"})
+
+# HF model types whose decoder layer is GPT-style: nn.LayerNorm (it keeps its input, mean and rstd: no normalised
+# copy), one fused q/k/v linear (one cast of the norm's output, where q, k and v each cast their own), and no rotary
+# (GPT-2: q, k and v are views of the fused output that SDPA keeps) or rotary on q and k (GPT-NeoX: v's view keeps
+# the fused output alive). Measured in the dry run (docs/large_models.md).
+LAYER_NORM_TYPES = frozenset({"gpt2", "gpt_neox"})
+FUSED_QKV_TYPES = frozenset({"gpt2", "gpt_neox", "phi3"})
+NO_ROTARY_TYPES = frozenset({"gpt2"})
+
+# HF model types whose decoder layer normalises each sublayer's output too before the residual add (Gemma-2's
+# post_attention_layernorm and post_feedforward_layernorm beside the two pre-norms): two more norms a layer.
+SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3_text"})
+
+# MLP activations transformers writes as elementwise Python ops, and the [N, ffn] tensors autograd keeps for them
+# beyond their input (NewGELUActivation, "gelu_new": tanh's output, 0.5·x and 1 + tanh); torch's own kernels
+# (F.gelu, F.silu) keep their input only.
+ACTIVATION_EXTRA = {"gelu_new": 3}
+DEFAULT_ACTIVATION = {"gpt2": "gelu_new", "gptj": "gelu_new", "codegen": "gelu_new", "phi": "gelu_new"}
+"""The activation HF's config class sets for a family when config.json leaves it out (save_pretrained omits it)."""
+
 ATTENTION_KINDS = ("flash", "eager", "sdpa")
+
+# HF model types whose attention has no SDPA path (`_supports_sdpa = False`: Gemma-2's softcapped scores, gpt-oss's
+# sinks): HF refuses attn_implementation="sdpa" for them and runs eager by default, with its [b, a, s, s]
+# probabilities. tests/test_planner_families.py checks this against the model classes.
+NO_SDPA_TYPES = frozenset({"gemma2", "gemma4", "gpt_oss", "vaultgemma", "granite_swa", "granitemoe_swa"})
+
+
+def default_attention(model_type: str | None) -> str:
+    """The attention kernel a GPU run of `model_type` gets when its recipe names none, as the dry run and the
+    planner take it: "sdpa", or "eager" for a family without an SDPA path (`NO_SDPA_TYPES`)."""
+    return "eager" if model_type in NO_SDPA_TYPES else "sdpa"
 
 
 @dataclass(frozen=True)
@@ -71,6 +106,28 @@ class ModelShape:
     """Input embedding and output weight are one tensor."""
     kv_heads: int | None = None
     """Key/value heads (grouped-query attention); None = `heads`."""
+    head_dim: int | None = None
+    """Units per attention head when the config sets it apart from hidden / heads (Qwen3-0.6B: 16 x 128 against
+    h 1024; Gemma: 256); None = hidden // heads."""
+    head_norms: bool = False
+    """q and k pass an RMSNorm before rotary (Qwen3, OLMo-2: `HEAD_NORM_TYPES`); their saved tensors are priced."""
+    layer_norm: bool = False
+    """nn.LayerNorm rather than RMSNorm (`LAYER_NORM_TYPES`): no normalised copy kept, mean and rstd per token."""
+    fused_qkv: bool = False
+    """One linear makes q, k and v (`FUSED_QKV_TYPES`): the norm's output is cast once for it; with rotary, v is a
+    view of its output, which stays alive."""
+    rotary: bool = True
+    """Rotary position embeddings (False: GPT-2's learned positions: no cos / sin, q and k are views)."""
+    sandwich_norms: bool = False
+    """Each sublayer's output passes a norm too (`SANDWICH_NORM_TYPES`): 4 norms a layer, not 2."""
+    softcap: bool = False
+    """Eager attention caps its scores with tanh (Gemma-2's attn_logit_softcapping): tanh's [b, a, s, s] output kept."""
+    positions: int = 0
+    """Rows of a learned position embedding on the first chunk's rank (GPT-2's wpe: n_positions x h); 0: none."""
+    dropout: bool = False
+    """Residual dropout in training (GPT-2's resid_pdrop): each layer keeps two [N, h] masks, a byte an element."""
+    activation_extra: int = 0
+    """[N, ffn] tensors the MLP's activation keeps beyond its input (`ACTIVATION_EXTRA`: 3 for "gelu_new")."""
     attention: str = "flash"
     """How a layer keeps its activations for the backward: "flash" is the paper's setting (a Megatron
     layer with flash attention, Korthikanti et al.'s count); "eager" or "sdpa" is a Hugging Face pre-norm
@@ -115,9 +172,18 @@ class ModelShape:
         return self.tokens / self.tp if self.tp > 1 and self.sequence_parallel else self.tokens
 
     # ---- FLOPs per microbatch --------------------------------------------------------------
+    def head_size(self) -> int:
+        """Units per attention head: `head_dim`, or hidden // heads."""
+        return self.head_dim or self.hidden // self.heads
+
+    def q_width(self) -> int:
+        """Width of the q projection and of o_proj's input: heads x head size (h unless `head_dim` says otherwise:
+        Qwen3-0.6B's q is 2048 wide on h 1024, Gemma-7B's 4096 on 3072)."""
+        return self.heads * self.head_size()
+
     def kv_width(self) -> int:
         """Width of the k and v projections: kv heads x head size (h with plain multi-head attention)."""
-        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        return (self.kv_heads or self.heads) * self.head_size()
 
     def layer_linear_flops(self) -> float:
         """Forward FLOPs of one layer's weight matmuls: 2N x its weights (`layer_params`): 4Nh^2 (q, o) +
@@ -126,8 +192,9 @@ class ModelShape:
         return 2 * self.tokens * self.layer_params()
 
     def layer_attention_flops(self) -> float:
-        """Forward FLOPs of the attention core (QK^T and AV): 4*b*s^2*h, counted as the paper does."""
-        return 4 * self.microbatch_size * self.seq * self.seq * self.hidden
+        """Forward FLOPs of the attention core (QK^T and AV): 4*b*s^2*h, counted as the paper does (h is the
+        heads' width, `q_width`, where `head_dim` sets it apart from the hidden size)."""
+        return 4 * self.microbatch_size * self.seq * self.seq * self.q_width()
 
     def layer_flops(self) -> tuple[float, float, float]:
         """(F, B, W) FLOPs of one layer: B = input gradients (+ attention core backward), W = weight
@@ -149,11 +216,11 @@ class ModelShape:
 
     # ---- bytes -----------------------------------------------------------------------------
     def layer_params(self) -> int:
-        """Parameters of one layer: attention q and o (h x h each) and k and v (h x kv_width each: 4h^2 in
-        all without grouped-query attention) + k*h*ffn MLP (norms and biases ignored). Llama-3-70B:
-        2 x 8192^2 + 2 x 8192 x 1024 + 3 x 8192 x 28672 = 0.856B."""
+        """Parameters of one layer: attention q and o (h x q_width each: h x h unless `head_dim` is set apart)
+        and k and v (h x kv_width each: 4h^2 in all without grouped-query attention) + k*h*ffn MLP (norms and
+        biases ignored). Llama-3-70B: 2 x 8192^2 + 2 x 8192 x 1024 + 3 x 8192 x 28672 = 0.856B."""
         h = self.hidden
-        return 2 * h * h + 2 * h * self.kv_width() + self.mlp_matrices * h * self.ffn
+        return 2 * h * self.q_width() + 2 * h * self.kv_width() + self.mlp_matrices * h * self.ffn
 
     def rank_layer_params(self) -> float:
         """Parameters of one layer on one TP rank: every matrix of `layer_params` is sliced over tp (q, k, v,
@@ -167,7 +234,8 @@ class ModelShape:
         19*sbh in the MLP, which we scale by ffn/4h). "eager" / "sdpa": `_hf_layer_elements()` elements.
         """
         if self.attention != "flash":
-            return self._hf_layer_elements() * self.dtype_bytes + self._upcast_bytes(norms=2, probs=True)
+            masks = 2 * self.stream_tokens * self.hidden if self.dropout else 0  # dropout's bool masks
+            return self._hf_layer_elements() * self.dtype_bytes + self._upcast_bytes(norms=2, probs=True) + masks
         sbh = self.tokens * self.hidden
         per = (15 + 19 * self.ffn / (4 * self.hidden)) / self.tp  # Korthikanti et al.'s /t with sequence parallelism
         return sbh * per * self.dtype_bytes / 2 + self._upcast_bytes(norms=2)
@@ -185,9 +253,18 @@ class ModelShape:
         b = norms * (ns * self.hidden + ns) * extra
         if norms == 2 and self.frozen_weights and not self.adapted_mlp:  # LoRA: the adapters' casts (q, v) only
             b += 2 * n * self.hidden * self.dtype_bytes
+        elif norms == 2 and self.fused_qkv:
+            pass  # one linear reads each norm's output (qkv; up, or Phi-3's fused gate_up): one cast, in the count
         elif norms == 2:  # a layer: autocast casts the norms' fp32 output once per linear that reads it (q, k, v;
             # gate and up), where the count has one 16-bit copy per norm
             b += (2 + (self.mlp_matrices == 3)) * n * self.hidden * self.dtype_bytes
+        if norms == 2 and self.head_norms:  # q_norm and k_norm's fp32 input and rsqrt (see _hf_layer_elements)
+            kh = self.kv_heads or self.heads
+            b += n * (self.heads + kh) / self.tp * (self.head_size() + 1) * extra
+        if norms == 2 and self.sandwich_norms:
+            # the two output norms: Gemma's RMSNorm keeps its input and its normalised output in fp32 (it scales by
+            # 1 + w in fp32, then casts), and rsqrt; nothing reads them as a matmul input
+            b += 2 * (2 * ns * self.hidden + ns) * self.stat_bytes
         if probs and self.attention == "eager":
             b += self.microbatch_size * self.heads / self.tp * self.seq * self.seq * self.stat_bytes
         return b
@@ -201,13 +278,15 @@ class ModelShape:
         pre-activation and activation (2 matrices). Rotary's cos / sin are per chunk (`chunk_extra_bytes`)."""
         n, h, f, b, s = self.tokens, self.hidden, self.ffn / self.tp, self.microbatch_size, self.seq
         a = self.heads / self.tp  # under tensor parallelism a rank keeps its heads' and MLP columns' share
-        qd = a * (h // self.heads)  # q (and o_proj's input) width
-        kd = (self.kv_heads or self.heads) / self.tp * (h // self.heads)
+        qd = a * self.head_size()  # q (and o_proj's input) width: heads x head_dim, which need not be h
+        kd = (self.kv_heads or self.heads) / self.tp * self.head_size()
         # each norm's input, x·rsqrt and rsqrt on the stream's tokens (1/tp under sequence parallelism), and the
         # input its linears read (after the sequence all-gather: every token)
         ns = self.stream_tokens
         norms = 2 * (2 * ns * h + ns + n * h)
-        mlp = (4 if self.mlp_matrices == 3 else 2) * n * f
+        if self.layer_norm:  # LayerNorm keeps its input, mean and rstd (its weight's gradient recomputes x̂)
+            norms = 2 * (ns * h + 2 * ns + n * h)
+        mlp = (4 if self.mlp_matrices == 3 else 2 + self.activation_extra) * n * f
         if self.frozen_weights and not self.adapted_mlp:
             # LoRA (adapters on q and v): autograd saves a matmul's input only for its weight's gradient and a
             # norm's normalised input only for its weight's, so a frozen layer keeps each norm's input and
@@ -216,11 +295,19 @@ class ModelShape:
             mlp = (3 if self.mlp_matrices == 3 else 1) * n * f
         if self.attention == "eager":
             attn = n * qd * 4 + b * a * s * s  # q, k and v repeated, o_proj input; probabilities
+            attn += self.softcap * b * a * s * s  # tanh(scores / cap): tanh keeps its output
         else:
             attn = n * qd * 2 + n * kd * 2 + b * a * s  # q, out; k, v; log-sum-exp
             # an explicit mask: k and v saved at all a heads, and SDPA's additive bias [b, 1, s, s] (measured with the
             # dry run: 168 MB a layer for a Mistral-7B shape at b 2, s 4096 with a 2048 window)
             attn += self.masked_layers * (2 * n * (qd - kd) + b * s * s)
+        if self.fused_qkv and self.rotary:  # rotary makes new q and k; v's view keeps the fused output (q, k too)
+            attn += n * (qd + kd)
+        if self.head_norms:
+            # q_norm / k_norm (an RMSNorm per head, before rotary): each keeps its input (fp32: `_upcast_bytes`),
+            # rsqrt per head, and, for its weight's gradient, its normalised output (not when the weights are frozen)
+            kh = (self.kv_heads or self.heads) / self.tp
+            attn += (1 if self.frozen_weights else 2) * n * (qd + kd) + n * (a + kh)
         return norms + attn + mlp
 
     def chunk_extra_bytes(self, last: bool, rotary: bool = True) -> float:
@@ -230,7 +317,7 @@ class ModelShape:
         if self.attention == "flash":
             return final_norm
         n, h = self.tokens, self.hidden
-        cos_sin = 2 * n * (h // self.heads) if rotary else 0  # not saved when every layer recomputes
+        cos_sin = 2 * n * self.head_size() if rotary and self.rotary else 0  # not saved when every layer recomputes
         return (cos_sin + (3 * n * h + n if last else 0)) * self.dtype_bytes + final_norm
 
     @property
@@ -249,12 +336,13 @@ class ModelShape:
         norm's output, gate and up too); in the parameters' dtype the linears that read one tensor share it."""
         t = self.tp  # a TP rank's sliced linears: q, k, v, gate, up give 1/tp of their outputs, o and down read 1/tp
         h, kv, f, n = self.hidden, self.kv_width() / t, self.ffn / t, self.tokens
+        q = self.q_width() / t  # q's output and o_proj's input (h unless head_dim sets it apart)
         mlp_in = self.mlp_matrices - 1  # gate and up (or up alone) read the norm's output; down reads [N, ffn]
         if self.dtype_bytes < 4:
-            inputs = 3 * h + h / t + mlp_in * h + f
+            inputs = 3 * h + q + mlp_in * h + f
         else:
-            inputs = h + h / t + h + f
-        outputs = h / t + 2 * kv + h + mlp_in * f + h
+            inputs = h + q + h + f
+        outputs = q + 2 * kv + h + mlp_in * f + h
         return n * (inputs + outputs) * self.dtype_bytes
 
 
@@ -291,6 +379,19 @@ def shape_from_hf_config(
         mlp_matrices=mlp_matrices(get("model_type", "") or ""),
         tied=bool(get("tie_word_embeddings", False)),
         kv_heads=get("num_key_value_heads") or heads,
+        head_dim=get("head_dim") or None,
+        head_norms=(get("model_type", "") or "") in HEAD_NORM_TYPES,
+        layer_norm=(get("model_type", "") or "") in LAYER_NORM_TYPES,
+        fused_qkv=(get("model_type", "") or "") in FUSED_QKV_TYPES,
+        rotary=(get("model_type", "") or "") not in NO_ROTARY_TYPES,
+        # GPT-2's config class defaults (config.json may leave them out): wpe rows, resid_pdrop 0.1
+        positions=(get("n_positions") or 1024) if get("model_type") == "gpt2" else 0,
+        dropout=bool(get("resid_pdrop", 0.1)) if get("model_type") == "gpt2" else False,
+        sandwich_norms=(get("model_type", "") or "") in SANDWICH_NORM_TYPES,
+        softcap=bool(get("attn_logit_softcapping")),
+        activation_extra=ACTIVATION_EXTRA.get(
+            get("hidden_act") or get("activation_function") or DEFAULT_ACTIVATION.get(get("model_type", "")) or "", 0
+        ),
         attention=attention,
         masked_layers=masked_layer_share(config, seq),
     )

@@ -19,6 +19,10 @@ The runtime runs unchanged; the seams it needs are set here and undone on exit:
 - transformers' mask builder does not take a fake padding mask for a traced one: on a GPU a batch without
   padding gets no mask (SDPA's is_causal, and grouped-query attention without repeating k and v), and the
   dry run counts that path, not the materialised [b, 1, s, s] mask and repeated k / v of a traced graph;
+- SDPA with attention dropout (GPT-2's attn_pdrop) runs without it: a GPU's flash and memory-efficient kernels
+  drop inside the kernel from a seed and keep what they keep without dropout, where the CPU's only path with
+  dropout is the math one, which materialises the [b, a, s, s] scores, probabilities and dropout mask (GPT-2
+  medium: the dry run 2.9x the planner's figure with them);
 - while the checkpoint's state_dict is taken, a copy to "cpu" is the host copy it is on a GPU (the ZeRO
   moments streamed to the host) and is not counted as device memory.
 """
@@ -333,6 +337,13 @@ def fake_rank(rank: int, world_size: int):
         return False  # the host read answered 1 ("overflow"); a GPU's finite step says 0
 
     precision.unscale_and_check = finite_step
+    saved_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        # dropout inside a GPU kernel keeps nothing more (module docstring)
+        return saved_sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = gpu_sdpa
     saved_schedules = rank_parts.rank_schedules
     rank_parts.rank_schedules = lambda config, cfg, pp, _device: saved_schedules(config, cfg, pp, "cuda")
     saved_tracing = masking_utils.is_tracing
@@ -355,6 +366,7 @@ def fake_rank(rank: int, world_size: int):
         masking_utils.is_tracing = saved_tracing
         rank_parts.rank_schedules = saved_schedules
         precision.unscale_and_check = saved_check
+        torch.nn.functional.scaled_dot_product_attention = saved_sdpa
         if dist.is_initialized():
             dist.destroy_process_group()
         runtime_groups._HOST_GROUP = None

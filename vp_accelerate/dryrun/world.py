@@ -60,6 +60,7 @@ def planned_bytes(config: dict, req, cfg: PipelineConfig) -> list[int | None]:
         cfg.dp_size,
         **lora,
         tp=cfg.tp_size,
+        attention=cfg.attn_implementation,
     )
     return [int(x) for x in peaks]
 

@@ -157,7 +157,10 @@ class StageChunk(nn.Module):
         if position_ids is None:
             position_ids = default_position_ids(whole)
         if self.is_first:
-            hidden = self.apply_input_pieces(hidden, _own_part(position_ids, self.tp) if sliced else position_ids)
+            # in the stream's dtype: an fp32 learned-position table (GPT-2's wpe) would widen a bf16 stream to fp32
+            # for the whole chunk
+            pieces = self.apply_input_pieces(hidden, _own_part(position_ids, self.tp) if sliced else position_ids)
+            hidden = pieces.to(hidden.dtype)
         if isinstance(attention_mask, MicrobatchMasks):
             masks = attention_mask.for_chunk(self, whole)
         else:

@@ -69,6 +69,7 @@ from vp_accelerate.cost.memory import (
     run_memory,
     tied_ranks,
 )
+from vp_accelerate.cost.shape import default_attention
 from vp_accelerate.model_config import read_config_json
 from vp_accelerate.schedule import build_schedule
 from vp_accelerate.schedule.ir import COMPUTE_OPS, Op, Schedule
@@ -445,7 +446,7 @@ def search(config, req: PlanRequest) -> Search:
     # the module's own saved tensors: fp32 norm inputs, q / k / v, the MLP's four [N, ffn]), not the
     # paper's fused-kernel count (34sbh), which is a third lower
     base = replace(
-        shape_from_hf_config(config, seq=req.seq, attention="sdpa"),
+        shape_from_hf_config(config, seq=req.seq, attention=attention_kind(config)),
         frozen_weights=req.lora_rank is not None,
         adapted_mlp=_adapts_mlp(req.lora_targets),
     )
@@ -590,13 +591,17 @@ def schedule_memory(
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
     tp: int = 1,
+    attention: str | None = None,
 ) -> list[float]:
     """Per pipeline rank, the tensor bytes (no reserve) the planner's memory model gives `schedule` in the order
     it is (e.g. the cost-aware order a GPU rank runs, which the dry run replays), rather than the block's grid
     order the search screens with: what `vp-accelerate dryrun` compares its measured peaks with. With
     `lora_rank`: a LoRA run's (`lora_rank_memory`: frozen base in bf16, the adapters trained). `tp`: each of a
-    stage's TP ranks (sequence parallelism on), the same on each."""
-    shape = replace(shape_from_hf_config(config, seq=seq, attention="sdpa"), microbatch_size=microbatch_size, tp=tp)
+    stage's TP ranks (sequence parallelism on), the same on each. `attention`: the run's attn_implementation
+    (eager keeps the [b, a, s, s] probabilities; any other kernel is priced as SDPA); None = the family's default
+    (`default_attention`: SDPA, eager where HF has no SDPA path)."""
+    kind = attention_kind(config, attention)
+    shape = replace(shape_from_hf_config(config, seq=seq, attention=kind), microbatch_size=microbatch_size, tp=tp)
     shape = replace(shape, frozen_weights=lora_rank is not None, adapted_mlp=_adapts_mlp(lora_targets))
     model = for_schedule(shape, schedule, activation_checkpointing=ckpt, chunk_layers=tuple(chunk_layers))
     model = replace(model, output_memory=memory, optimizer_shards=optimizer_shards(zero, dp))
@@ -609,6 +614,15 @@ def schedule_memory(
         m = run_memory(model, r, p - held.static_bytes(r), dp, lora_rank, lora_targets)
         out.append(m.static + m.activation_peak)
     return out
+
+
+def attention_kind(config, attn_implementation: str | None = None) -> str:
+    """`ModelShape.attention` for a run of `config` with `attn_implementation` (None: the family's default)."""
+    if attn_implementation is None:
+        config = read_config_json(config) if isinstance(config, (str, Path)) else config
+        mt = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+        attn_implementation = default_attention(mt)
+    return "eager" if attn_implementation == "eager" else "sdpa"
 
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj")

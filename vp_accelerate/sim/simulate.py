@@ -201,11 +201,14 @@ def _memory(schedule: Schedule, timeline: list[TimedAction], model):
         r = t.rank
         if t.lane != "compute":
             continue
-        arrived = arrivals[r].pop((t.op, t.chunk), 0.0)
+        arrived = arrivals[r].pop((t.op, t.chunk), None)
         if arrived:
             events[r].append((t.start, 1, 0.0, 0, 0.0, arrived))
         if model is not None and not schedule.forward_only and t.op in ("F", "B", "W", "S", "T", "IF"):
             tr = model.transient_bytes(t.op, t.chunk)  # held during the pass alone (order_peak_memory's rule)
+            if arrived is None and t.op == free_op:  # a fresh gradient added into the held one at the pass's end,
+                # when the chunk's activations are gone (regrad_bytes; order_peak_memory's rule)
+                tr = max(tr, model.regrad_bytes(t.op, t.chunk) - model.activation_bytes(t.chunk))
             if t.op == "IF" and r == root:  # kept (a communication buffer, then chunk 0's input) until its B
                 events[r].append((t.start, 1, 0.0, 0, 0.0, emb))
             elif tr:  # within the pass: in the peak of memory, not in the activations held between passes
@@ -278,12 +281,15 @@ def order_peak_memory(schedule: Schedule, model, events=None) -> list[float]:
         arrivals = {} if schedule.forward_only else model.grad_arrivals(r)
         cur = peak = -sum(arrivals.values())
         for kind, chunk in rank_events:
-            cur += arrivals.pop((kinds.get(kind), chunk), 0.0)
+            arrived = arrivals.pop((kinds.get(kind), chunk), None)
+            cur += arrived or 0.0
             if kind == 0:  # F: the chunk's activations
                 cur += act[chunk]
                 peak = max(peak, cur + trans["F", chunk])
-            elif kind == 1:  # B (W when split): freed
-                peak = max(peak, cur + trans[free_op, chunk])
+            elif kind == 1:  # B (W when split): freed; after the step's first, a fresh gradient beside the held one,
+                # made at the pass's end, when the chunk's activations are gone (regrad_bytes)
+                again = 0.0 if arrived is not None or schedule.forward_only else model.regrad_bytes(free_op, chunk)
+                peak = max(peak, cur + max(trans[free_op, chunk], again - act[chunk]))
                 held = queue[chunk] if schedule.split_backward else act[chunk]
                 cur -= held + (emb if chunk == 0 and r == root else 0.0)
             elif kind == 2:  # S: the VP stash (forward-only: held during S alone)
