@@ -139,7 +139,7 @@ def test_push_to_hub_refused_offline_exits_2_with_one_line(bad_run):
 
 EXIT_SCRIPT = """
 import atexit, sys
-from vp_accelerate.train.run.user_errors import exit_launched
+from vp_accelerate.exit_codes import exit_launched
 atexit.register(print, "teardown ran")
 print("recipe error: said before the exit")  # buffered: stdout is a pipe
 exit_launched(int(sys.argv[1]))

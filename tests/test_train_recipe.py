@@ -3,8 +3,6 @@
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -164,19 +162,28 @@ def test_shipped_recipes_validate(corpus, tmp_path):
 
 
 def test_bad_recipe_fails_before_any_process_group(tmp_path, corpus):
-    """`vp-accelerate train` exits 2 with the key path, without initialising torch.distributed."""
+    """`vp-accelerate train` exits 2 with the key path, without initialising torch.distributed. One plain process
+    (no launcher variables) forked from the preloaded fork server: the same check as a fresh interpreter, whose
+    torch import took seconds."""
+    from helpers.launch import LAUNCHER_VARS, forked_ranks
+
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"data: {{files: [{corpus}]}}\ntokenizer: {{source: qwen}}\npipeline: {{microbatchs: 4}}\n")
-    code = (
-        "import sys, torch.distributed as dist\n"
+    script = tmp_path / "train_bad.py"
+    script.write_text(
+        "import os, sys, torch.distributed as dist\n"
+        f"for name in {LAUNCHER_VARS!r}:\n"
+        "    os.environ.pop(name, None)\n"
         "from vp_accelerate.train.cli.commands import train_main\n"
         f"rc = train_main([{str(bad)!r}])\n"
         "assert not dist.is_initialized()\n"
         "sys.exit(rc)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr
-    assert "pipeline.microbatchs: unknown key; did you mean microbatches?" in out.stderr
+    outs = forked_ranks(str(script), [], 1, timeout_s=120)
+    assert outs is not None, "the process did not exit"
+    code, _, err = outs[0]
+    assert code == 2, err
+    assert "pipeline.microbatchs: unknown key; did you mean microbatches?" in err
 
 
 def test_pipeline_section_is_the_runtime_config(corpus):

@@ -13,8 +13,6 @@ if "LOCAL_RANK" in os.environ and not faulthandler.is_enabled():  # a launched r
 code = main()
 if (
     code == exit_codes.USER_ERROR
-):  # a launched rank's user error ends without native teardown (user_errors.exit_launched says why)
-    from vp_accelerate.train.run.user_errors import exit_launched
-
-    exit_launched(code)
+):  # a launched rank's user error ends without native teardown (exit_codes.exit_launched says why)
+    exit_codes.exit_launched(code)
 sys.exit(code)

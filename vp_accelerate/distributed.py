@@ -158,16 +158,22 @@ def _worker(
 # What a fork server imports once, so that each spawned rank starts in a fraction of a second instead of
 # importing torch and transformers anew (seconds per rank). Nothing here creates threads or touches a
 # device, so forking from it is safe. accelerate is there for ranks that run `vp-accelerate train` itself
-# (the tests' training runs). The trainer stays out: it imports pyarrow, which starts a native thread (a
-# fork copies no thread), and datasets, which reads HF_DATASETS_CACHE once at import (a rank must read its
-# caller's). The fork server skips a module it cannot import.
+# (the tests' training runs); peft because the trainer's learning-rate schedule (transformers.get_scheduler)
+# and LoRA import it: a third of the trainer's import time, paid by every rank otherwise (it starts no thread,
+# touches no device and imports neither pyarrow nor datasets). The trainer stays out: it imports pyarrow,
+# which starts a native thread (a fork copies no thread), and datasets, which reads HF_DATASETS_CACHE once at
+# import (a rank must read its caller's). vp_accelerate.runtime loads its engine on first use (a recipe is
+# checked without torch): the engine is preloaded here by name, as nearly every rank runs it (it reads the
+# environment only when called: VP_STRICT_P2P, RANK). The fork server skips a module it cannot import.
 _PRELOAD = [
     "torch",
     "torch.distributed",
     "transformers",
     "transformers.models.llama.modeling_llama",
     "vp_accelerate.runtime",
+    "vp_accelerate.runtime.pipeline",
     "accelerate",
+    "peft",
 ]
 
 

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from vp_accelerate import exit_codes
 from vp_accelerate.runtime.groups import host_group
 
 from ..data.read import DataError
@@ -113,23 +112,3 @@ def leave() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; the error was already said
             pass
-
-
-def exit_launched(code: int) -> None:
-    """End a launched rank that stopped with a user error (exit 2) here, skipping the interpreter's native
-    teardown: by then the error is said, the lock released, the process group destroyed and nothing else was
-    started (no tracker, no checkpoint), so nothing is lost. Why: under torch elastic's launcher a lock refusal
-    aborted a rank in that teardown ("terminate called without an active exception", SIGABRT) 3 launches in 38
-    on a loaded machine, after the script had ended (no Python frame; docs/reliability.md). A rank that is not
-    launched (WORLD_SIZE unset or 1) or any other code returns and exits as usual."""
-    if code != exit_codes.USER_ERROR or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
-    import logging
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more to say there
-            pass
-    os._exit(code)
