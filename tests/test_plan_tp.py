@@ -114,12 +114,17 @@ def test_the_tp_sizes_a_model_and_a_node_allow():
     assert tp_sizes(config, req(gpus_per_node=4), LLAMA3_70B) == (1, 2, 4)  # a stage's TP ranks share a node
     assert tp_sizes(config, req(tensor_parallel=(1, 16)), LLAMA3_70B) == (1,)  # 8 kv heads, a node of 8
     assert tp_sizes(config, req(seq=4098), LLAMA3_70B) == (1, 2)  # sequence parallelism splits the sequence
-    assert tp_sizes(config, req(lora_rank=16), LLAMA3_70B) == (1,)  # LoRA on TP slices runs, not priced yet
+    assert tp_sizes(config, req(lora_rank=16), LLAMA3_70B) == (
+        1,
+        2,
+        4,
+        8,
+    )  # LoRA on TP slices (tests/test_plan_tp_end.py)
     assert tp_sizes({**config, "model_type": "gpt2"}, req(), LLAMA3_70B) == (1,)  # no TP plan
     assert tp_sizes(config, req(), replace(LLAMA3_70B, kv_heads=2)) == (1, 2)
 
 
-def test_a_search_lays_out_pp_x_tp_x_dp_with_vocabulary_parallel_methods():
+def test_a_search_lays_out_pp_x_tp_x_dp_with_every_method_tp_runs():
     config = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8}
     config.update(num_attention_heads=16, num_key_value_heads=8, vocab_size=32000)
     req = PlanRequest(
@@ -131,9 +136,10 @@ def test_a_search_lays_out_pp_x_tp_x_dp_with_vocabulary_parallel_methods():
     assert tps == {1, 2, 4, 8}
     for p in found.plans:
         assert p.pp * p.tp * p.dp == 8 and p.microbatches * p.microbatch_size * p.dp == 16
-        assert p.tp == 1 or p.method in ("vocab-1", "vocab-2")
+        assert p.tp == 1 or p.method in ("baseline", "redis", "vocab-1", "vocab-2")  # not interlaced
         assert p.pipeline_section()["tp_size"] == p.tp and len(p.peak_memory_gb) == p.pp
     assert found.fitting and all(p.simulated for p in found.fitting[:3])
+    assert {p.method for p in found.plans if p.tp > 1 and p.pp > 1} == {"baseline", "redis", "vocab-1", "vocab-2"}
 
 
 def test_plan_refuses_a_tp_the_node_cannot_hold(tmp_path, capsys):

@@ -10,6 +10,7 @@ Memory and FLOPs always come from a shape (`CostModel`); MeasuredCosts may carry
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -149,6 +150,13 @@ class CostModel:
         return math.ceil(self.shape.vocab / (self.num_ranks * self.shape.tp))
 
     @property
+    def end_rows(self) -> int:
+        """Baseline / redis: vocabulary rows of the end stages' embedding and output layer on one TP rank: the whole V,
+        or under tensor parallelism V/tp (padded to tp shards: `VocabPartition(V, tp)`, models/build.py `_end_layers`,
+        Megatron's vocab-parallel embedding and column-parallel output layer)."""
+        return math.ceil(self.shape.vocab / self.shape.tp)
+
+    @property
     def vocab_ranks(self) -> int:
         """Ranks the vocabulary collectives run over: the replica's pp x tp."""
         return self.num_ranks * self.shape.tp
@@ -182,6 +190,39 @@ class CostModel:
         bandwidth = self.tp_bandwidth or self.hw.collective_bandwidth
         return eff.tp_collective_time(self.shape, bandwidth, self.hw.latency, op)
 
+    def end_tp_time(self, op: str, chunk: int) -> float:
+        """Seconds of the TP collectives of the baseline's end layers split over a stage's TP ranks (models/stage.py
+        `TPEmbedding`, `TPHead`; models/tensor_parallel.py), in pass `op` of `chunk`, on the node's links and not
+        overlapped: chunk 0's F reduce-scatters the fp32 embedding output to the rank's 1/tp of the sequence (an
+        all-reduce without sequence parallelism), its B all-gathers that gradient; the last chunk's F all-gathers
+        the sequence before the final norm, then the vocabulary-parallel cross-entropy all-reduces the row maxima
+        (max) and [sum of exp, target logit, sum of logits] (sum), [N] and [N, 3] fp32; its B all-reduces X's
+        fp32 gradient (each rank's columns give a part of it). 0 without TP or for VP (its chains: `chain_steps`)."""
+        s = self.shape
+        t = s.tp
+        if t == 1 or self.vocab_parallel or op == "W":
+            return 0.0
+        bw, lat = self.tp_bandwidth or self.hw.collective_bandwidth, self.hw.latency
+        x = s.tokens * s.hidden * s.stat_bytes  # the fp32 embedding output, X and their gradients
+
+        def gather(nbytes: float) -> float:  # an all-gather or a reduce-scatter: (t - 1)/t of the buffer
+            return (t - 1) / t * nbytes / bw + lat
+
+        def all_reduce(nbytes: float) -> float:
+            return 2 * gather(nbytes) - lat
+
+        seconds = 0.0
+        if chunk == 0:
+            sp = s.sequence_parallel
+            seconds += (gather(x) if sp else all_reduce(x)) if op == "F" else (gather(x) if sp else 0.0)
+        if chunk == len(self.chunk_rank) - 1:
+            if op == "F":
+                seconds += gather(s.tokens * s.hidden * s.dtype_bytes) if s.sequence_parallel else 0.0
+                seconds += all_reduce(s.tokens * 4) + all_reduce(3 * s.tokens * 4)
+            else:
+                seconds += all_reduce(x)
+        return seconds
+
     def _out_time(self, rows: int, *parts: str) -> float:
         """Output-layer products over `rows` vocabulary rows (see efficiency.output_gemm_time)."""
         if self.shape.frozen_weights:  # a frozen output layer computes no weight gradient
@@ -191,7 +232,6 @@ class CostModel:
         return sum(eff.output_gemm_time(self.shape, rows, part, self._rate(), self.gemm) for part in parts)
 
     def pass_time(self, rank: int, op: Op, chunk: int) -> float:
-        s = self.shape
         last = len(self.chunk_rank) - 1
         if op in (Op.F, Op.B, Op.W):
             t = self._layer_time(op.value)
@@ -201,8 +241,8 @@ class CostModel:
             if op is Op.B:  # checkpointed layers rerun their forward first
                 t += self.checkpointed_layers(chunk) * self._layer_time("F")
             if not self.vocab_parallel:
-                if chunk == last:  # the whole output layer and loss ride on the last chunk
-                    V = s.vocab
+                if chunk == last:  # the whole output layer and loss ride on the last chunk (V/tp rows a TP rank)
+                    V = self.end_rows
                     if op is Op.F:
                         t += self._out_time(V, "logits") + self._logit_time(V)
                     elif op is Op.B:
@@ -212,6 +252,7 @@ class CostModel:
                         t += self._out_time(V, "weight_grad")
                 if chunk == 0 and op is not Op.W:
                     t += self._gather_time()
+                t += self.end_tp_time(op.value, chunk)
             return t
         rows = self.shard_rows
         one = self.spec.input_grad_in_t
@@ -271,7 +312,11 @@ class CostModel:
         if not last:
             b += stream
         if not self.vocab_parallel and last:
-            b += s.tokens * s.vocab * s.stat_bytes  # log-probabilities of the loss (at least fp32)
+            b += s.tokens * self.end_rows * s.stat_bytes  # log-probabilities of the loss (at least fp32)
+            if s.frozen_weights and s.dtype_bytes < 4:
+                # LoRA: the frozen fp32 head is cast per call (autocast caches only the casts of weights that train),
+                # and its 16-bit copy is what the product saves for X's gradient
+                b += self.end_rows * s.hidden * s.dtype_bytes
             if s.attention == "flash":
                 b += s.hidden_bytes()  # X (the HF count has it in the final norm's)
         return b
@@ -280,8 +325,9 @@ class CostModel:
         """A LoRA run's frozen vocabulary shards priced as frozen (fp32 only, no weight gradient in T): measured so
         under an unsplit backward (8B, 1F1B/vocab-2: the dry run within 0.4%); under a split backward (V-Half) the
         dry run holds as much as full training's pricing says (22M Llama, V-Half/vocab-1: within 0.3%), for a
-        reason not yet found, so it keeps that pricing."""
-        return self.shape.frozen_weights and not self.split_backward
+        reason not yet found, so it keeps that pricing. The baseline's frozen end layers are frozen under either
+        (8B shape, pp 2 x tp 2, V-Half/baseline: no step copy of them in the dry run; the planner within 2.7%)."""
+        return self.shape.frozen_weights and not (self.split_backward and self.vocab_parallel)
 
     def layer_bytes(self) -> float:
         """One layer's kept activations per microbatch (`ModelShape.layer_activation_bytes`). A split backward
@@ -289,7 +335,9 @@ class CostModel:
         Llama under LoRA r16, V-Half/vocab-1, within 0.3% of the dry run with it, 18-24% under without)."""
         s = self.shape
         if self.split_backward and s.frozen_weights and not s.adapted_mlp:
-            return dataclasses.replace(s, adapted_mlp=True).layer_activation_bytes()
+            # and each adapter's A casts the norm's fp32 output once more (q and v)
+            casts = 2 * s.tokens * s.hidden * s.dtype_bytes if s.dtype_bytes < s.stat_bytes else 0.0
+            return dataclasses.replace(s, adapted_mlp=True).layer_activation_bytes() + casts
         return s.layer_activation_bytes()
 
     def weight_grad_queue_bytes(self, chunk: int) -> float:
@@ -315,7 +363,7 @@ class CostModel:
         soon as it is complete: runtime/step_casts.py `trainable`; split backward: the weight gradients wait
         for W instead). F: a recomputing layer's activations before it drops them. S (VP):
         the baseline's last chunk: the cross-entropy's backward makes [N, V] gradients (fp32 of the
-        log-probabilities, 16-bit of the logits). S (VP): the shard's logits once more in fp32 beside the ones S keeps (recompute mode: twice, none kept).
+        log-probabilities, 16-bit of the logits; under TP two fp32 [N, V/tp]). S (VP): the shard's logits once more in fp32 beside the ones S keeps (recompute mode: twice, none kept).
         T (VP): the logits' 16-bit gradient, the shard weight's 16-bit gradient and its fp32 copy (recompute
         mode: and the logits again). IF (VP): the partial embedding until its reduce ran. A split backward
         under mixed precision also casts one linear's weight at a time in F and B, and W makes one 16-bit
@@ -329,18 +377,32 @@ class CostModel:
         if op == "W":
             return cast
         if op == "B":
-            pending = 0.0
+            loss = 0.0
             if not self.vocab_parallel and chunk == len(self.chunk_rank) - 1:
                 # the loss's backward: the log-softmax's backward holds the fp32 gradient of the log-probabilities
                 # and the one it makes for the fp32 logits at once (then the 16-bit logits' gradient, smaller); the
                 # head's matmul backward then makes its 16-bit weight gradient [V, h] beside the logits' 16-bit
                 # gradient, until the step cast's hook adds it into the fp32 .grad (runtime/step_casts.py).
                 # Measured on a 2-layer, V 65536, h 64 model's last rank: exact at seq 64 and 256 (the count of
-                # (fp32 + 16-bit) [N, V] was 1.5 N x V x 4 bytes under at seq 256; Qwen3-0.6B 5.8% under at seq 1024)
-                logits = s.tokens * s.vocab
-                weight_grad = logits * s.dtype_bytes + s.vocab * s.hidden * s.dtype_bytes
-                pending += max(2 * logits * s.stat_bytes, 0.0 if self.split_backward else weight_grad)
-            return pending + layer + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
+                # (fp32 + 16-bit) [N, V] was 1.5 N x V x 4 bytes under at seq 256; Qwen3-0.6B 5.8% under at seq 1024).
+                # Under TP the vocabulary-parallel cross-entropy's backward (models/tensor_parallel.py
+                # `_VocabParallelCE`) makes as many fp32 [N, V/tp] beside its saved softmax (a copy to subtract the
+                # one-hot from, the padded gradient), and its forward as many beside it (8B shape, pp 2 x tp 2: the
+                # dry run within 0.6% on the last rank). A frozen (LoRA) head makes no weight gradient.
+                logits = s.tokens * self.end_rows
+                weight_grad = logits * s.dtype_bytes + (
+                    0.0 if s.frozen_weights else self.end_rows * s.hidden * s.dtype_bytes
+                )
+                loss = max(2 * logits * s.stat_bytes, 0.0 if self.split_backward else weight_grad)
+            work = layer
+            if s.frozen_weights and chunk is not None and self.chunk_layers[chunk]:
+                # LoRA: a frozen MLP's backward makes its input gradients ([N, ffn/tp] 16-bit: of down's input, of the
+                # gate and of up) while the layer's saved tensors are still held (measured: 8B shape, pp 2, 1F1B/
+                # baseline rank 0, tp 1 and 2: the step's peak, 0.39 / 0.16 GB above the held activations; V-Half
+                # with full checkpointing, rank 2 at tp 2: 0.14 GB low without it)
+                work += s.mlp_matrices * s.tokens * s.ffn / s.tp * s.dtype_bytes
+            # the loss's backward ends before the last layer's (and its recomputation) starts: the larger of the two
+            return max(loss, work) + (cast if s.dtype_bytes < self.grad_bytes else 0.0)
         if not self.vocab_parallel:
             return 0.0
         keeps = modes.memory_mode(self.output_memory).keeps_logits
@@ -373,7 +435,7 @@ class CostModel:
         s = self.shape
         if chunk != 0 or op != "B" or s.frozen_weights:
             return 0.0
-        rows = s.positions + (0 if self.vocab_parallel else s.vocab)  # GPT-2's wpe: a dense [P, h] one too
+        rows = s.positions + (0 if self.vocab_parallel else self.end_rows)  # GPT-2's wpe: a dense [P, h] one too
         return rows * s.hidden * self.grad_bytes
 
     def stash_bytes(self) -> float:
@@ -404,9 +466,9 @@ class CostModel:
         if self.vocab_parallel:
             return n + vocab_tensors * self.shard_rows * s.hidden
         if rank == self.chunk_rank[0]:
-            n += s.vocab * s.hidden
+            n += self.end_rows * s.hidden
         if rank == self.chunk_rank[-1] and not (s.tied and self.chunk_rank[0] == rank):
-            n += s.vocab * s.hidden
+            n += self.end_rows * s.hidden
         return n
 
     def grad_arrivals(self, rank: int) -> dict[tuple[str, int], float]:
@@ -428,16 +490,38 @@ class CostModel:
             return out
         first, last = 0, len(self.chunk_rank) - 1
         if rank == self.chunk_rank[first]:
-            out[weight_op, first] = out.get((weight_op, first), 0.0) + s.vocab * s.hidden * g
+            out[weight_op, first] = out.get((weight_op, first), 0.0) + self.end_rows * s.hidden * g
         if rank == self.chunk_rank[last] and not (s.tied and self.chunk_rank[first] == rank):
-            out[weight_op, last] = out.get((weight_op, last), 0.0) + s.vocab * s.hidden * g
+            out[weight_op, last] = out.get((weight_op, last), 0.0) + self.end_rows * s.hidden * g
         return out
 
     def static_bytes(self, rank: int) -> float:
         """Parameters + gradients + optimizer state of `rank` in bytes (under mixed precision: the step's
         low-precision weight copy, fp32 gradients, fp32 parameters and Adam's m and v; see optimizer_bytes)."""
         n = self.rank_params(rank)
-        return n * (self.bytes_per_param() - self.shape.dtype_bytes) + self.copied_params(rank) * self.shape.dtype_bytes
+        sharded = min(SHARDED_BYTES, self.optimizer_bytes)
+        whole = self.optimizer_bytes - sharded
+        copies = self.copied_params(rank) * self.shape.dtype_bytes
+        return n * (self.grad_bytes + whole) + self.sharded_params(rank) * sharded + copies
+
+    def sharded_params(self, rank: int) -> float:
+        """Parameters whose Adam m and v the fullest of `rank`'s data-parallel replicas keeps: all of them without
+        ZeRO-1; under it each whole parameter has one owner, largest first to the least loaded replica
+        (runtime/zero.py `assign_owners`), so a share is at least the largest matrix: the baseline's V/tp x h end
+        layers are one replica's (8B widths, pp 2 x tp 2 x dp 2, redis's last rank: 1/dp of the rank read 8.4% low)."""
+        if self.optimizer_shards == 1:
+            return self.rank_params(rank)
+        s = self.shape
+        h, q, kv, f, t = s.hidden, s.q_width(), s.kv_width(), s.ffn, s.tp
+        layer = (h * q / t, h * kv / t, h * kv / t, h * q / t) + (h * f / t,) * s.mlp_matrices
+        layers = sum(n for c, n in enumerate(self.chunk_layers) if self.chunk_rank[c] == rank)
+        extra = (s.positions * h,) if rank == self.chunk_rank[0] and s.positions else ()
+        if self.vocab_parallel:
+            extra += (self.shard_rows * h,) * (1 if s.tied else 2)
+        else:
+            first, last = rank == self.chunk_rank[0], rank == self.chunk_rank[-1]
+            extra += (self.end_rows * h,) * (first + (last and not (s.tied and first)))
+        return fullest_share(layer, layers, extra, self.optimizer_shards)
 
     def copied_params(self, rank: int) -> float:
         """Parameters of `rank` whose low-precision copy the step holds: all of them (autocast caches each
@@ -457,7 +541,7 @@ class CostModel:
             # the baseline's whole embedding is looked up in fp32 (F.embedding is no autocast op, and it is no
             # matmul weight the step casts): no 16-bit copy, unless the tied head on this rank casts the one tensor
             if not (s.tied and self.chunk_rank[-1] == rank):
-                n -= s.vocab * s.hidden
+                n -= self.end_rows * s.hidden  # V/tp rows under TP
         return n
 
     def largest_cast_bytes(self) -> float:
@@ -476,6 +560,17 @@ class CostModel:
     def model_flops(self) -> float:
         """Paper-counted training FLOPs of one microbatch (MFU numerator)."""
         return self.shape.model_flops()
+
+
+@functools.lru_cache(maxsize=4096)
+def fullest_share(layer: tuple, layers: int, extra: tuple, replicas: int) -> float:
+    """The largest per-replica sum when `layers` x the `layer` sizes and the `extra` sizes are given owners as
+    runtime/zero.py `assign_owners` does (largest first to the least loaded replica)."""
+    loads = [0.0] * replicas
+    for size in sorted(layer * layers + extra, reverse=True):
+        i = min(range(replicas), key=lambda k: (loads[k], k))
+        loads[i] += size
+    return max(loads)
 
 
 def even_layer_split(num_layers: int, num_chunks: int) -> tuple[int, ...]:

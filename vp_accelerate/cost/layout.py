@@ -113,7 +113,8 @@ def for_schedule(
         if schedule.method.balanced_layers:
             if schedule.num_chunks != schedule.num_ranks:
                 raise ValueError("redis balances one chunk per rank (schedule kind 1f1b)")
-            chunk_layers = redis_layer_split(shape, schedule.num_ranks, hw=hw)
+            # the runtime balances its split from the config, TP or not (`layout_counts`): so does the planner
+            chunk_layers = redis_layer_split(dataclasses.replace(shape, tp=1), schedule.num_ranks, hw=hw)
         else:
             chunk_layers = even_layer_split(shape.layers, schedule.num_chunks)
     return CostModel(

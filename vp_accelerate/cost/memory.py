@@ -111,7 +111,7 @@ def rank_memory(model: CostModel, rank: int, activation_peak: float, dp: int = 1
     whole = model.optimizer_bytes - min(SHARDED_BYTES, model.optimizer_bytes)  # the fp32 master copy (CostModel)
     parameters = n * whole + model.copied_params(rank) * model.shape.dtype_bytes
     gradients = n * model.grad_bytes
-    optimizer = n * (model.bytes_per_param() - model.shape.dtype_bytes - whole - model.grad_bytes)
+    optimizer = model.sharded_params(rank) * min(SHARDED_BYTES, model.optimizer_bytes)  # ZeRO-1: the fullest share
     allocated = parameters + gradients + optimizer + activation_peak
     reserve = reserve_bytes(allocated, model.num_ranks, dp, model.vocab_parallel, _tied(model, rank), model.shape.tp)
     return RankMemory(parameters, gradients, optimizer, activation_peak, 0.0, reserve)
@@ -136,9 +136,17 @@ def _linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     return out
 
 
-def lora_layer_params(shape: ModelShape, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
-    """Adapter parameters of one decoder layer: r x (in + out) per adapted linear (A: r x in, B: out x r).
-    `targets` are HF module names ("all-linear": every one); ValueError for a name the shape has no size for."""
+ROW_SPLIT = frozenset({"o_proj", "down_proj"})
+"""The linears a TP plan splits by their input features (rowwise: Llama's `base_model_tp_plan`); the others of
+`_linear_shapes` are split by their output features (colwise)."""
+
+
+def lora_layer_params(shape: ModelShape, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> float:
+    """Adapter parameters of one decoder layer on one TP rank: r x (in + out) per adapted linear (A: r x in, B: out x
+    r); under tensor parallelism (`shape.tp`) as models/lora.py `split_adapters` shards them: a column-split base
+    keeps A whole and 1/tp of B's rows (r x (in + out/tp)), a row-split one 1/tp of A's columns and B whole (r x
+    (in/tp + out)). `targets` are HF module names ("all-linear": every one); ValueError for a name the shape has no
+    size for."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     linears = _linear_shapes(shape)
@@ -149,7 +157,8 @@ def lora_layer_params(shape: ModelShape, rank: int, targets: tuple[str, ...] = L
             f"LoRA targets {unknown}: the planner knows the sizes of {sorted(linears)} (or all-linear); "
             f"name those, or plan without --lora-rank"
         )
-    return sum(rank * sum(linears[t]) for t in names)
+    t = shape.tp
+    return sum(rank * (i / t + o if n in ROW_SPLIT else i + o / t) for n, (i, o) in ((n, linears[n]) for n in names))
 
 
 def lora_rank_memory(
@@ -161,14 +170,14 @@ def lora_rank_memory(
     (16-bit copy + fp32 master, fp32 gradient, Adam's m and v, sharded under ZeRO-1)."""
     s = model.shape
     layers = sum(n for c, n in enumerate(model.chunk_layers) if model.chunk_rank[c] == rank)
-    frozen = layers * s.layer_params()
+    frozen = layers * s.rank_layer_params()  # one TP rank's slices
     vocab = model.rank_params(rank) - frozen
     adapters = layers * lora_layer_params(s, lora_rank, targets)
     sharded = min(SHARDED_BYTES, model.optimizer_bytes)
     master = model.optimizer_bytes - sharded  # the fp32 master copy
     # the frozen vocabulary shards stay fp32 (runtime/rank_parts.py holds only the decoder chunks in the compute
     # dtype); no step copy of them is kept: autocast casts one per call (CostModel.transient_bytes, S and T)
-    held = s.dtype_bytes + 4 if model.split_backward else 4  # see CostModel._frozen_vocab
+    held = s.dtype_bytes + 4 if model.split_backward and model.vocab_parallel else 4  # see CostModel._frozen_vocab
     parameters = frozen * s.dtype_bytes + vocab * held + adapters * (s.dtype_bytes + master)
     gradients = adapters * model.grad_bytes
     optimizer = adapters * sharded / model.optimizer_shards

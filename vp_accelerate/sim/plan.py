@@ -80,10 +80,11 @@ from .simulate import memory_events, order_peak_memory, simulate
 
 TP_SIZES = (1, 2, 4, 8)
 """Tensor-parallel sizes the planner tries by default (a node of 8 GPUs at most)."""
-TP_METHODS = ("vocab-1", "vocab-2")
-"""Methods the planner lays out with tp > 1: the vocabulary sharded over the replica's pp x tp ranks, as the cost
-model prices it. (The runtime also runs baseline and redis under TP; the planner does not price their end stages'
-TP-split vocabulary layers yet, and interlaced is refused under TP.)"""
+TP_METHODS = ("baseline", "redis", "vocab-1", "vocab-2")
+"""Methods the planner lays out with tp > 1, as the runtime runs them: vocab-1 / vocab-2 shard the vocabulary over
+the replica's pp x tp ranks; baseline and redis split their end stages' embedding and output layer over the stage's
+TP ranks (V/tp rows each, a vocabulary-parallel cross-entropy: `CostModel.end_rows`, `end_tp_time`). Interlaced is
+refused under TP (runtime/tensor_parallel.py `NOT_YET`)."""
 NO_TP_FAMILIES = frozenset({"gpt2", "bloom", "opt", "falcon", "gpt_bigcode", "stablelm", "mpt", "phi3", "olmo2"})
 """Families whose config declares no TP plan, or one with styles the runtime does not split
 (docs/tensor_parallelism.md); a config that carries `base_model_tp_plan` is read instead."""
@@ -230,8 +231,11 @@ class Plan:
 
     @property
     def label(self) -> str:
-        """ "schedule/method", or "data parallel" for pp = 1 (no pipeline)."""
-        return "data parallel" if self.pp == 1 else f"{self.schedule}/{self.method}"
+        """ "schedule/method", or "data parallel" for pp = 1 (no pipeline; with TP "data parallel/method": where the
+        vocabulary lives still differs)."""
+        if self.pp == 1:
+            return f"data parallel/{self.method}" if self.tp > 1 else "data parallel"
+        return f"{self.schedule}/{self.method}"
 
     def describe(self) -> str:
         tp = f" tp={self.tp}" if self.tp > 1 else ""
@@ -369,15 +373,15 @@ def _step(kind, method, pp, m, shape, hw, memory, ckpt, tp_bw=None):
 def tp_sizes(config, req: PlanRequest, shape: ModelShape) -> tuple[int, ...]:
     """The tensor-parallel sizes of `req.tensor_parallel` this model and cluster can run: 1, and each tp > 1 that
     divides the GPUs per node (or the GPUs), the heads, key/value heads, MLP width and sequence (sequence
-    parallelism), for full training (LoRA on TP slices runs but is not priced yet) of a family with a TP plan
-    (models/tensor_parallel.py `check_config`)."""
+    parallelism), for a family with a TP plan (models/tensor_parallel.py `check_config`); full training or LoRA
+    (the adapters split as their base layers: cost/memory.py `lora_layer_params`)."""
     out = [1] if 1 in req.tensor_parallel else []
     node = req.gpus_per_node or req.gpus
     family = _get(config, "model_type") or ""
     plan = _get(config, "base_model_tp_plan")
     has_plan = bool(plan) if plan is not None else family not in NO_TP_FAMILIES
     for t in sorted(set(req.tensor_parallel) - {1}):
-        if t < 1 or not has_plan or req.lora_rank is not None or node % t or req.gpus % t:
+        if t < 1 or not has_plan or node % t or req.gpus % t:
             continue
         if any(n % t for n in (shape.heads, shape.kv_heads or shape.heads, shape.ffn, req.seq)):
             continue
@@ -410,8 +414,11 @@ def _base_layouts(req: PlanRequest, layers: int, tps: tuple[int, ...] = (1,)):
                         continue
                     if tp > 1 and method not in TP_METHODS:
                         continue
-                    # one rank per stage: every schedule is the same (with TP the vocabulary is still sharded)
+                    # one rank per stage: every schedule is the same (with TP the vocabulary is still sharded, or
+                    # split over the TP ranks: baseline; redis balances nothing on one stage)
                     if pp == 1 and (kind, method) != DATA_PARALLEL and not (tp > 1 and kind == "1f1b"):
+                        continue
+                    if pp == 1 and METHODS[method].balanced_layers:
                         continue
                     if METHODS[method].balanced_layers and chunks != pp:
                         continue
@@ -923,12 +930,15 @@ def _tp_line(req: PlanRequest) -> list[str]:
         return []
     return [
         f"tensor parallelism: tp in {sizes} where it divides the node, the heads, kv heads, MLP width and seq "
-        f"(vocab-1/-2 only, sequence parallelism on): a stage's decoder weights, gradients and optimizer state "
-        f"/ tp, V/(pp x tp) vocabulary rows a rank, activations as the runtime keeps them (norms and residual on "
-        f"1/tp of the tokens, the sliced linears' inputs whole); per layer F and B four collectives (all-gather and "
-        f"reduce-scatter per region, f's in fp32 under mixed precision) on the node's "
+        f"(sequence parallelism on): a stage's decoder weights, gradients and optimizer state / tp; vocab-1/-2: "
+        f"V/(pp x tp) vocabulary rows a rank; baseline/redis: the end stages' embedding and output layer V/tp rows "
+        f"a TP rank, the vocabulary-parallel cross-entropy's [N, V/tp] fp32 and its max and sum all-reduces, X's "
+        f"gradient all-reduced, the embedding's reduce-scatter; activations as the runtime keeps them (norms and "
+        f"residual on 1/tp of the tokens, the sliced linears' inputs whole); per layer F and B four collectives "
+        f"(all-gather and reduce-scatter per region, f's in fp32 under mixed precision) on the node's "
         f"{req.hardware.collective_bandwidth / 1e9:g} GB/s, not overlapped with compute (NVLink SHARP not "
         f"modelled); GEMMs at their sliced shapes; one more NCCL communicator a rank"
+        + ("; LoRA adapters split as their base layers (adapter.dropout must be 0 under TP)" if req.lora_rank else "")
     ]
 
 

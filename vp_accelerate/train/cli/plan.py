@@ -15,6 +15,7 @@ from vp_accelerate.cost import GPU_PRESETS, Hardware
 from vp_accelerate.cost.data_parallel import ZERO_LEVELS
 from vp_accelerate.cost.memory import LORA_TARGETS
 from vp_accelerate.model_config import read_config_json
+from vp_accelerate.schedule.registry import METHODS
 from vp_accelerate.sim.cluster import INTERNODE_BANDWIDTH
 from vp_accelerate.sim.plan import (
     CHECKPOINTING,
@@ -33,9 +34,11 @@ COLUMNS = """columns:
   schedule/method   pipeline schedule and where the vocabulary layers live (vocab-1/-2: sharded over the
                     pipeline ranks; baseline: embedding on the first stage, output layer on the last;
                     redis: baseline with fewer decoder layers on the end stages); "data parallel" is pp=1
+                    ("data parallel/method" with tp > 1)
   pp, tp, dp        pipeline ranks x tensor-parallel ranks per stage x data-parallel replicas (= --gpus);
-                    tp (inside a node, sequence parallelism on) splits each stage's layers, the vocabulary
-                    is sharded over pp x tp
+                    tp (inside a node, sequence parallelism on) splits each stage's layers; the vocabulary
+                    is sharded over pp x tp (vocab-1/-2), or the end stages' over their tp ranks (baseline,
+                    redis)
   mbs, m            sequences per microbatch, microbatches per replica per step
   memory            VP output layer's S->T state: store (logits shard) or recompute (redo X W^T in T)
   zero              1: ZeRO-1, Adam's m and v sharded over dp as the runtime does (10 + 8/dp bytes per
@@ -178,6 +181,12 @@ def _parser() -> argparse.ArgumentParser:
         help="activation-checkpointing mode(s) to try (default: all)",
     )
     ap.add_argument(
+        "--method",
+        choices=tuple(METHODS),
+        action="append",
+        help="vocabulary method(s) to try (default: baseline, redis, vocab-1, vocab-2)",
+    )
+    ap.add_argument(
         "--lora-rank",
         type=int,
         metavar="R",
@@ -233,6 +242,7 @@ def request_from_args(args):
         internode_bandwidth=args.internode_gbs * 1e9,
         zero=tuple(args.zero or ZERO_LEVELS),
         checkpointing=tuple(args.checkpointing or CHECKPOINTING),
+        methods=tuple(args.method or PlanRequest.methods),
         top=max(1, args.top),
         lora_rank=args.lora_rank,
         lora_targets=tuple(args.lora_targets or LORA_TARGETS),
@@ -255,7 +265,7 @@ def check_tp(sizes, config, req: PlanRequest) -> None:
         counts = {"attention heads": shape.heads, "key/value heads": shape.kv_heads or shape.heads}
         counts.update({"MLP width": shape.ffn, "--seq": req.seq})
         odd = [f"{name} ({n})" for name, n in counts.items() if n % t]
-        why = f"it does not divide the model's {', '.join(odd)}" if odd else "the model or a LoRA run has no TP plan"
+        why = f"it does not divide the model's {', '.join(odd)}" if odd else "the model has no TP plan"
         fit = [str(x) for x in allowed]
         raise ValueError(f"--tp {t}: {why}; give a tp the run can take ({', '.join(fit)})")
 
