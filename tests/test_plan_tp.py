@@ -10,6 +10,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from transformers import AutoConfig
 
 from vp_accelerate.cost import GPU_PRESETS, ModelShape
 from vp_accelerate.cost.costs import CostModel
@@ -121,6 +122,11 @@ def test_the_tp_sizes_a_model_and_a_node_allow():
         8,
     )  # LoRA on TP slices (tests/test_plan_tp_end.py)
     assert tp_sizes({**config, "model_type": "gpt2"}, req(), LLAMA3_70B) == (1,)  # no TP plan
+    # Phi-3's fused qkv / gate_up split one part at a time (the runtime runs them); OLMo-2's plan, read off its config
+    # object too, gathers q/k/v outputs for a norm over all heads, which the runtime refuses
+    assert tp_sizes({**config, "model_type": "phi3"}, req(), LLAMA3_70B) == (1, 2, 4, 8)
+    olmo2 = AutoConfig.for_model("olmo2", **{k: v for k, v in config.items() if k != "model_type"})
+    assert olmo2.base_model_tp_plan and tp_sizes(olmo2, req(), LLAMA3_70B) == (1,)
     assert tp_sizes(config, req(), replace(LLAMA3_70B, kv_heads=2)) == (1, 2)
 
 

@@ -85,9 +85,10 @@ TP_METHODS = ("baseline", "redis", "vocab-1", "vocab-2")
 the replica's pp x tp ranks; baseline and redis split their end stages' embedding and output layer over the stage's
 TP ranks (V/tp rows each, a vocabulary-parallel cross-entropy: `CostModel.end_rows`, `end_tp_time`). Interlaced is
 refused under TP (runtime/tensor_parallel.py `NOT_YET`)."""
-NO_TP_FAMILIES = frozenset({"gpt2", "bloom", "opt", "falcon", "gpt_bigcode", "stablelm", "mpt", "phi3", "olmo2"})
-"""Families whose config declares no TP plan, or one with styles the runtime does not split
-(docs/tensor_parallelism.md); a config that carries `base_model_tp_plan` is read instead."""
+NO_TP_FAMILIES = frozenset({"gpt2", "bloom", "opt", "falcon", "gpt_bigcode", "stablelm", "mpt", "olmo2"})
+"""Families whose config declares no TP plan, or one with styles the runtime does not split (OLMo-2's q/k/v, normalised
+over all heads: docs/tensor_parallelism.md), whatever plan a config object carries. (Phi-3's fused projections are
+split one part at a time.)"""
 
 DATA_PARALLEL = ("1f1b", "baseline")
 """The (schedule, method) a pp = 1 plan runs: one rank, the whole model, nothing to pipeline."""
@@ -379,7 +380,7 @@ def tp_sizes(config, req: PlanRequest, shape: ModelShape) -> tuple[int, ...]:
     node = req.gpus_per_node or req.gpus
     family = _get(config, "model_type") or ""
     plan = _get(config, "base_model_tp_plan")
-    has_plan = bool(plan) if plan is not None else family not in NO_TP_FAMILIES
+    has_plan = (bool(plan) if plan is not None else True) and family not in NO_TP_FAMILIES
     for t in sorted(set(req.tensor_parallel) - {1}):
         if t < 1 or not has_plan or node % t or req.gpus % t:
             continue
