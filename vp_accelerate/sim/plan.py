@@ -936,7 +936,7 @@ def _tp_line(req: PlanRequest) -> list[str]:
         f"a TP rank, the vocabulary-parallel cross-entropy's [N, V/tp] fp32 and its max and sum all-reduces, X's "
         f"gradient all-reduced, the embedding's reduce-scatter; activations as the runtime keeps them (norms and "
         f"residual on 1/tp of the tokens, the sliced linears' inputs whole); per layer F and B four collectives "
-        f"(all-gather and reduce-scatter per region, f's in fp32 under mixed precision) on the node's "
+        f"(all-gather and reduce-scatter per region, f's gradient in fp32 under mixed precision) on the node's "
         f"{req.hardware.collective_bandwidth / 1e9:g} GB/s, not overlapped with compute (NVLink SHARP not "
         f"modelled); GEMMs at their sliced shapes; one more NCCL communicator a rank"
         + ("; LoRA adapters split as their base layers (adapter.dropout must be 0 under TP)" if req.lora_rank else "")
