@@ -22,7 +22,7 @@ from vp_accelerate.schedule.registry import Method
 from vp_accelerate.schedule.registry import method as method_entry
 
 from . import efficiency as eff
-from .data_parallel import SHARDED_BYTES
+from .data_parallel import SHARDED_BYTES, assign_owners
 from .efficiency import GemmModel
 from .shape import ModelShape
 
@@ -564,12 +564,12 @@ class CostModel:
 
 @functools.lru_cache(maxsize=4096)
 def fullest_share(layer: tuple, layers: int, extra: tuple, replicas: int) -> float:
-    """The largest per-replica sum when `layers` x the `layer` sizes and the `extra` sizes are given owners as
-    runtime/zero.py `assign_owners` does (largest first to the least loaded replica)."""
+    """The largest per-replica sum when `layers` x the `layer` sizes and the `extra` sizes are given owners by
+    `assign_owners`, as runtime/zero.py gives them (largest first to the least loaded replica)."""
+    sizes = layer * layers + extra
     loads = [0.0] * replicas
-    for size in sorted(layer * layers + extra, reverse=True):
-        i = min(range(replicas), key=lambda k: (loads[k], k))
-        loads[i] += size
+    for size, owner in zip(sizes, assign_owners(list(sizes), replicas)):
+        loads[owner] += size
     return max(loads)
 
 

@@ -25,6 +25,9 @@ The optimizer step itself is memory-bound: a fused AdamW (torch.optim.AdamW(fuse
 kernel over all tensors) reads the fp32 parameter, gradient, m and v and writes the parameter, m, v and
 the 16-bit copy: OPTIMIZER_STEP_BYTES per parameter of HBM traffic, for the rank's (ZeRO-1: 1/d of its)
 parameters; the trainer builds exactly that one on CUDA (`train/run/optim.py`).
+
+ZeRO-1's owners are whole parameters, largest first to the least loaded replica (`assign_owners`, which
+runtime/zero.py uses and the planner prices: a replica's share is at least its largest matrix).
 """
 
 from __future__ import annotations
@@ -111,3 +114,16 @@ def overlapped_sync_time(
             t = max(t, 0.0) + share * params * MASTER_BYTES / bandwidth + latency
         end = max(end, t)
     return end
+
+
+def assign_owners(sizes: list[int], world: int) -> list[int]:
+    """The owner (0..world-1) of each parameter of `sizes` (element counts): largest first to the least
+    loaded owner (ties: the lower index), so each share is within one parameter of sum/world. The same
+    on every replica, since it depends on the sizes alone."""
+    load = [0] * world
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        o = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = o
+        load[o] += sizes[i]
+    return owners

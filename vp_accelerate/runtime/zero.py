@@ -28,24 +28,12 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from vp_accelerate.cost.data_parallel import assign_owners  # the planner prices the same shares
 from vp_accelerate.runtime import p2p
 from vp_accelerate.runtime.grad_sync import in_buckets, in_place, pack, unflatten_into
 
 FORMAT = "zero-1"
 """`state_dict()["format"]` of a sharded optimizer's state."""
-
-
-def assign_owners(sizes: list[int], world: int) -> list[int]:
-    """The owner (0..world-1) of each parameter of `sizes` (element counts): largest first to the least
-    loaded owner (ties: the lower index), so each share is within one parameter of sum/world. The same
-    on every replica, since it depends on the sizes alone."""
-    load = [0] * world
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        o = min(range(world), key=lambda r: (load[r], r))
-        owners[i] = o
-        load[o] += sizes[i]
-    return owners
 
 
 @torch.no_grad()
