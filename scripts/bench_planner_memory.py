@@ -193,7 +193,7 @@ def replanned(path: Path, flags: list[str], seq: int) -> list[int]:
         microbatches=m,
         activation_checkpointing=opt.get("--checkpointing", "none"),
         mixed_precision="bf16",
-        attn_implementation=default_attention(json.loads(path.read_text()).get("model_type")),
+        attn_implementation=default_attention(json.loads(path.read_text())),
     )
     config = json.loads(path.read_text())
     AutoConfig.for_model(**config)  # checked as the dry run reads it

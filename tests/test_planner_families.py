@@ -204,5 +204,5 @@ def test_published_family_shapes_within_5_percent(shape, layout):
         conf["layer_types"] = ["full_attention"] * 4
     from vp_accelerate.cost.shape import default_attention
 
-    devs = deviations_with(conf, *layout, seq=1024, microbatches=4, attention=default_attention(conf["model_type"]))
+    devs = deviations_with(conf, *layout, seq=1024, microbatches=4, attention=default_attention(conf))
     assert all(abs(d) < 0.05 for d in devs), devs

@@ -74,9 +74,11 @@ ATTENTION_KINDS = ("flash", "eager", "sdpa")
 NO_SDPA_TYPES = frozenset({"gemma2", "gemma4", "gpt_oss", "vaultgemma", "granite_swa", "granitemoe_swa"})
 
 
-def default_attention(model_type: str | None) -> str:
-    """The attention kernel a GPU run of `model_type` gets when its recipe names none, as the dry run and the
-    planner take it: "sdpa", or "eager" for a family without an SDPA path (`NO_SDPA_TYPES`)."""
+def default_attention(config) -> str:
+    """The attention kernel a GPU run of `config` (an HF config object or a config.json dict) gets when its recipe
+    names none, as the dry run and the planner take it: "sdpa", or "eager" for a family without an SDPA path
+    (`NO_SDPA_TYPES`)."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     return "eager" if model_type in NO_SDPA_TYPES else "sdpa"
 
 
@@ -367,6 +369,7 @@ def shape_from_hf_config(
             "config lacks hidden_size / num_hidden_layers / num_attention_heads (or GPT-2's n_embd/n_layer/n_head)"
         )
     ffn = get("intermediate_size") or get("n_inner") or 4 * h
+    mt = get("model_type", "") or ""
     return ModelShape(
         hidden=h,
         layers=layers,
@@ -376,21 +379,21 @@ def shape_from_hf_config(
         seq=seq,
         microbatch_size=microbatch_size,
         dtype_bytes=dtype_bytes,
-        mlp_matrices=mlp_matrices(get("model_type", "") or ""),
+        mlp_matrices=mlp_matrices(mt),
         tied=bool(get("tie_word_embeddings", False)),
         kv_heads=get("num_key_value_heads") or heads,
         head_dim=get("head_dim") or None,
-        head_norms=(get("model_type", "") or "") in HEAD_NORM_TYPES,
-        layer_norm=(get("model_type", "") or "") in LAYER_NORM_TYPES,
-        fused_qkv=(get("model_type", "") or "") in FUSED_QKV_TYPES,
-        rotary=(get("model_type", "") or "") not in NO_ROTARY_TYPES,
+        head_norms=mt in HEAD_NORM_TYPES,
+        layer_norm=mt in LAYER_NORM_TYPES,
+        fused_qkv=mt in FUSED_QKV_TYPES,
+        rotary=mt not in NO_ROTARY_TYPES,
         # GPT-2's config class defaults (config.json may leave them out): wpe rows, resid_pdrop 0.1
-        positions=(get("n_positions") or 1024) if get("model_type") == "gpt2" else 0,
-        dropout=bool(get("resid_pdrop", 0.1)) if get("model_type") == "gpt2" else False,
-        sandwich_norms=(get("model_type", "") or "") in SANDWICH_NORM_TYPES,
+        positions=(get("n_positions") or 1024) if mt == "gpt2" else 0,
+        dropout=bool(get("resid_pdrop", 0.1)) if mt == "gpt2" else False,
+        sandwich_norms=mt in SANDWICH_NORM_TYPES,
         softcap=bool(get("attn_logit_softcapping")),
         activation_extra=ACTIVATION_EXTRA.get(
-            get("hidden_act") or get("activation_function") or DEFAULT_ACTIVATION.get(get("model_type", "")) or "", 0
+            get("hidden_act") or get("activation_function") or DEFAULT_ACTIVATION.get(mt) or "", 0
         ),
         attention=attention,
         masked_layers=masked_layer_share(config, seq),

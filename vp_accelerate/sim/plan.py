@@ -627,9 +627,7 @@ def schedule_memory(
 def attention_kind(config, attn_implementation: str | None = None) -> str:
     """`ModelShape.attention` for a run of `config` with `attn_implementation` (None: the family's default)."""
     if attn_implementation is None:
-        config = read_config_json(config) if isinstance(config, (str, Path)) else config
-        mt = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-        attn_implementation = default_attention(mt)
+        attn_implementation = default_attention(read_config_json(config) if isinstance(config, (str, Path)) else config)
     return "eager" if attn_implementation == "eager" else "sdpa"
 
 

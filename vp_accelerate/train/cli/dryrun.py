@@ -124,10 +124,6 @@ def adapter(args, recipe):
     return dataclasses.replace(out, r=args.lora_rank, target_modules=list(args.lora_targets or []) or None)
 
 
-def _model_type(config) -> str | None:
-    return config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-
-
 def layout(args, config: dict, req, recipe=None):
     """The PipelineConfig to run: the explicit flags, the recipe's pipeline section, or the plan's best
     layout. ValueError on a bad one."""
@@ -141,7 +137,7 @@ def layout(args, config: dict, req, recipe=None):
             own,
             pp_size=own.pp_size or args.world_size // (own.dp_size * own.tp_size),
             mixed_precision=own.mixed_precision or "bf16",  # accelerate's flag otherwise; a GPU run's usual
-            attn_implementation=own.attn_implementation or default_attention(_model_type(config)),
+            attn_implementation=own.attn_implementation or default_attention(config),
         )
         return _checked(cfg, args)
     if given:
@@ -173,7 +169,7 @@ def layout(args, config: dict, req, recipe=None):
         p = best(config, req)
         section = dict(p.pipeline_section(), zero=p.zero)
     # SDPA as a GPU run has it; eager for a family HF gives no SDPA path (Gemma-2: softcapped scores)
-    attention = default_attention(_model_type(config))
+    attention = default_attention(config)
     return _checked(PipelineConfig(**section, mixed_precision="bf16", attn_implementation=attention), args)
 
 
