@@ -168,6 +168,9 @@ def test_schedule_auto_plans_tensor_parallelism_as_plan_does(tmp_path, capsys, m
         assert got is None and "no layout exists for 8 GPUs" in err, err
     got, err = chosen(tp_size=2)
     assert got is None and "plan_tp_sizes: [2]" in err
+    for bad in ([], [0, 2]):
+        got, err = chosen(plan_tp_sizes=bad)
+        assert got is None and "pipeline.plan_tp_sizes: a list of tensor-parallel sizes >= 1" in err, err
 
 
 def test_plain_data_parallelism_is_a_plan_with_the_whole_model_and_its_optimizer_state():

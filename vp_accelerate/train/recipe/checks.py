@@ -66,8 +66,7 @@ def check(recipe: Recipe) -> Recipe:
                 f"pipeline.tp_size: schedule auto chooses the tensor-parallel size itself; drop tp_size, or set "
                 f"pipeline.plan_tp_sizes: [{p.tp_size}] to plan with {p.tp_size} only, or name a schedule"
             )
-        bad = [t for t in p.plan_tp_sizes or () if not isinstance(t, int) or isinstance(t, bool) or t < 1]
-        if bad or (p.plan_tp_sizes is not None and not p.plan_tp_sizes):
+        if p.plan_tp_sizes is not None and (not p.plan_tp_sizes or min(p.plan_tp_sizes) < 1):  # ints: the reader
             raise RecipeError(
                 f"pipeline.plan_tp_sizes: a list of tensor-parallel sizes >= 1 (e.g. [1, 2, 4, 8]) or null, got "
                 f"{list(p.plan_tp_sizes)}"
