@@ -265,6 +265,10 @@ def test_alphapo_is_simpo_with_alpha_and_alpha_needs_a_cpo_loss(corpus):
         load(loss_type="alphapo")
     with pytest.raises(RecipeError, match=r"preference.alpha: 0.25 \(AlphaPO\) shapes CPOTrainer's losses"):
         load(loss_type="sigmoid", alpha=0.25)
+    from vp_accelerate.runtime.preference import Preference  # the Python API says the same, before a step
+
+    with pytest.raises(ValueError, match=r"alpha 0.25 \(AlphaPO\) shapes CPOTrainer's losses"):
+        Preference(ref_logps=None, loss_type="sft", alpha=0.25).check(batch=4, microbatches=2)
 
 
 def test_every_loss_of_the_table_has_its_formula():

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from vp_accelerate.runtime.preference_config import LOSSES, PreferenceConfig, loss_types
+from vp_accelerate.runtime.preference_config import LOSSES, PreferenceConfig, alpha_problem, loss_types
 
 __all__ = ["LOSSES", "FORMULAS", "Preference"]
 
@@ -246,11 +246,8 @@ class Preference:
             raise ValueError(f"loss_type {types}: KTO's unpaired losses do not mix with pair losses")
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
-        if self.alpha and not any(LOSSES[t].trainer == "cpo" for t in types):
-            raise ValueError(
-                f"alpha {self.alpha} (AlphaPO) shapes CPOTrainer's losses (simpo, cpo_sigmoid, cpo_hinge, cpo_ipo); "
-                f"loss_type {types} has none of them: use loss_type simpo (TRL's alphapo), or alpha 0"
-            )
+        if alpha_problem(self.alpha, types):
+            raise ValueError(f"alpha {alpha_problem(self.alpha, types)}")
         if "robust" in types and not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5) for robust, got {self.label_smoothing}")
         if self.ref_logps is None:

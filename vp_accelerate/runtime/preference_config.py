@@ -56,6 +56,17 @@ def loss_types(loss_type) -> tuple[str, ...]:
     return (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
 
 
+def alpha_problem(alpha: float, loss_type) -> str | None:
+    """Why AlphaPO's `alpha` cannot shape `loss_type` (it shapes CPOTrainer's losses only), or None."""
+    types = loss_types(loss_type)
+    if alpha and not any(LOSSES[t].trainer == "cpo" for t in types if t in LOSSES):
+        return (
+            f"{alpha} (AlphaPO) shapes CPOTrainer's losses (simpo, cpo_sigmoid, cpo_hinge, cpo_ipo), and loss_type "
+            f"{list(types)} has none; use loss_type: simpo (TRL's alphapo), or alpha: 0"
+        )
+    return None
+
+
 def needs_reference(loss_type) -> bool:
     """Some loss of `loss_type` needs the reference model's log-probabilities."""
     return any(LOSSES[t].reference for t in loss_types(loss_type) if t in LOSSES)

@@ -14,7 +14,7 @@ import math
 import os
 import signal
 
-from vp_accelerate.runtime.preference_config import LOSSES
+from vp_accelerate.runtime.preference_config import LOSSES, alpha_problem
 
 from .convert import RecipeError
 from .schema import Recipe
@@ -150,11 +150,8 @@ def _check_preference(recipe: Recipe) -> None:
             f"preference.desirable_weight / undesirable_weight: must be > 0, got {pref.desirable_weight} / "
             f"{pref.undesirable_weight}"
         )
-    if pref.alpha and not any(LOSSES[t].trainer == "cpo" for t in types if t in LOSSES):
-        raise RecipeError(
-            f"preference.alpha: {pref.alpha} (AlphaPO) shapes CPOTrainer's losses (simpo, cpo_sigmoid, cpo_hinge, "
-            f"cpo_ipo), and loss_type {list(types)} has none; use loss_type: simpo (TRL's alphapo), or alpha: 0"
-        )
+    if alpha_problem(pref.alpha, types):
+        raise RecipeError(f"preference.alpha: {alpha_problem(pref.alpha, types)}")
     if "robust" in types and not 0 <= pref.label_smoothing < 0.5:
         raise RecipeError(f"preference.label_smoothing: robust needs it in [0, 0.5), got {pref.label_smoothing}")
     if recipe.pipeline.label_smoothing:
